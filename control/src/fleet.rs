@@ -1,0 +1,276 @@
+//! Fleet file parsing: Kubernetes Pod objects in YAML, turned into the records the router uses.
+//!
+//! The file holds exactly what `kubectl get pods -o yaml` prints (a `v1` `List` or `PodList`),
+//! or a multi-document stream of `Pod`s. Parsing goes through the `k8s-openapi` Pod type so the
+//! Kubernetes watcher and the fleet file share one Pod → [`PodRecord`] path ([`PodRecord::from_pod`]).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use k8s_openapi::api::core::v1::Pod;
+use serde::Deserialize;
+
+/// Label (or annotation) naming the model a pod serves.
+pub const LABEL_MODEL: &str = "model.aibrix.ai/name";
+/// Serving port label; default [`DEFAULT_PORT`].
+pub const LABEL_PORT: &str = "model.aibrix.ai/port";
+/// Metrics port label. AIBrix defaults it to 8000 whatever the serving port; we default it to
+/// the serving port, which is where vLLM, SGLang and TRT-LLM actually serve `/metrics`.
+pub const LABEL_METRIC_PORT: &str = "model.aibrix.ai/metric-port";
+/// Engine label: `vllm` (default), `sglang`, `trtllm`.
+pub const LABEL_ENGINE: &str = "model.aibrix.ai/engine";
+pub const LABEL_ROLE: &str = "role-name";
+pub const LABEL_ROLESET: &str = "roleset-name";
+pub const LABEL_ROLE_REPLICA_INDEX: &str = "role-replica-index";
+pub const LABEL_KV_CONNECTOR: &str = "model.aibrix.ai/kv-connector-type";
+pub const LABEL_POD_GROUP_INDEX: &str = "stormservice.orchestration.aibrix.ai/pod-group-index";
+pub const LABEL_RAY_NODE_TYPE: &str = "ray.io/node-type";
+pub const ANNOTATION_CONFIG: &str = "model.aibrix.ai/config";
+pub const ANNOTATION_SGLANG_BOOTSTRAP_PORT: &str = "model.aibrix.ai/sglang-bootstrap-port";
+
+pub const DEFAULT_PORT: u16 = 8000;
+pub const DEFAULT_ENGINE: &str = "vllm";
+pub const DEFAULT_SGLANG_BOOTSTRAP_PORT: u16 = 8998;
+
+/// Why a fleet file could not be used. The previous fleet stays in force when this happens.
+#[derive(Debug, thiserror::Error)]
+pub enum FleetError {
+    #[error("cannot read fleet file {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("fleet YAML document {index} is invalid: {source}")]
+    Yaml {
+        index: usize,
+        source: serde_yaml::Error,
+    },
+    #[error("fleet YAML document {index} has kind {kind:?}; expected Pod, PodList or List")]
+    Kind { index: usize, kind: String },
+}
+
+/// One model-serving pod, as the router sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodRecord {
+    pub model: String,
+    pub namespace: String,
+    pub name: String,
+    /// `status.podIP`; empty when the pod has none yet.
+    pub ip: String,
+    pub port: u16,
+    pub metric_port: u16,
+    pub engine: String,
+    pub role: String,
+    pub roleset: String,
+    pub role_replica_index: String,
+    pub kv_connector_type: String,
+    /// Raw `model.aibrix.ai/config` annotation, parsed by the filter.
+    pub config: String,
+    pub sglang_bootstrap_port: u16,
+    /// Ready condition true (or absent), an IP, and no deletion timestamp.
+    pub ready: bool,
+    /// False for non-leader members of a multi-node pod group.
+    pub serves_http: bool,
+}
+
+impl PodRecord {
+    /// The `namespace/name` key under which the router tracks a pod.
+    pub fn key(&self) -> String {
+        format!("{}/{}", self.namespace, self.name)
+    }
+
+    /// `ip:port` of the serving endpoint.
+    pub fn address(&self) -> String {
+        format!("{}:{}", self.ip, self.port)
+    }
+
+    /// Maps a Kubernetes Pod to a record, or `None` when the pod serves no model
+    /// (no `model.aibrix.ai/name` label or annotation) or is a Ray worker.
+    pub fn from_pod(pod: &Pod) -> Option<PodRecord> {
+        let empty = BTreeMap::new();
+        let meta = &pod.metadata;
+        let labels = meta.labels.as_ref().unwrap_or(&empty);
+        let annotations = meta.annotations.as_ref().unwrap_or(&empty);
+        let model = labels
+            .get(LABEL_MODEL)
+            .or_else(|| annotations.get(LABEL_MODEL))
+            .map(|m| m.trim().to_string())
+            .filter(|m| !m.is_empty())?;
+        if labels.get(LABEL_RAY_NODE_TYPE).map(String::as_str) == Some("worker") {
+            return None;
+        }
+        let status = pod.status.as_ref();
+        let ip = status
+            .and_then(|s| s.pod_ip.clone())
+            .unwrap_or_default()
+            .trim()
+            .to_string();
+        let ready_condition = status
+            .and_then(|s| s.conditions.as_ref())
+            .and_then(|conds| conds.iter().find(|c| c.type_ == "Ready"))
+            .map(|c| c.status == "True")
+            .unwrap_or(true);
+        let terminating = meta.deletion_timestamp.is_some();
+        let label = |key: &str| labels.get(key).map(|v| v.trim().to_string()).unwrap_or_default();
+        let port = parse_port(labels.get(LABEL_PORT)).unwrap_or(DEFAULT_PORT);
+        Some(PodRecord {
+            model,
+            namespace: meta.namespace.clone().unwrap_or_else(|| "default".into()),
+            name: meta.name.clone().unwrap_or_default(),
+            port,
+            metric_port: parse_port(labels.get(LABEL_METRIC_PORT)).unwrap_or(port),
+            engine: labels
+                .get(LABEL_ENGINE)
+                .or_else(|| annotations.get(LABEL_ENGINE))
+                .map(|e| e.trim().to_ascii_lowercase())
+                .filter(|e| !e.is_empty())
+                .unwrap_or_else(|| DEFAULT_ENGINE.into()),
+            role: label(LABEL_ROLE),
+            roleset: label(LABEL_ROLESET),
+            role_replica_index: label(LABEL_ROLE_REPLICA_INDEX),
+            kv_connector_type: label(LABEL_KV_CONNECTOR).to_ascii_lowercase(),
+            config: annotations.get(ANNOTATION_CONFIG).cloned().unwrap_or_default(),
+            sglang_bootstrap_port: parse_port(annotations.get(ANNOTATION_SGLANG_BOOTSTRAP_PORT))
+                .unwrap_or(DEFAULT_SGLANG_BOOTSTRAP_PORT),
+            serves_http: labels
+                .get(LABEL_POD_GROUP_INDEX)
+                .is_none_or(|idx| idx == "0"),
+            ready: ready_condition && !ip.is_empty() && !terminating,
+            ip,
+        })
+    }
+}
+
+fn parse_port(value: Option<&String>) -> Option<u16> {
+    value
+        .and_then(|v| v.trim().parse::<u16>().ok())
+        .filter(|p| *p != 0)
+}
+
+#[derive(Deserialize)]
+struct KindProbe {
+    #[serde(default)]
+    kind: Option<String>,
+    #[serde(default)]
+    items: Vec<serde_yaml::Value>,
+}
+
+/// Parses fleet YAML into Kubernetes Pods, in file order.
+pub fn parse_pods(text: &str) -> Result<Vec<Pod>, FleetError> {
+    let mut pods = Vec::new();
+    for (index, doc) in serde_yaml::Deserializer::from_str(text).enumerate() {
+        let value = serde_yaml::Value::deserialize(doc).map_err(|source| FleetError::Yaml { index, source })?;
+        if value.is_null() {
+            continue; // an empty document, e.g. a trailing `---`
+        }
+        let probe: KindProbe = serde_yaml::from_value(value.clone())
+            .map_err(|source| FleetError::Yaml { index, source })?;
+        match probe.kind.as_deref() {
+            Some("Pod") | None => {
+                pods.push(serde_yaml::from_value(value).map_err(|source| FleetError::Yaml { index, source })?)
+            }
+            Some("List") | Some("PodList") => {
+                for item in probe.items {
+                    pods.push(serde_yaml::from_value(item).map_err(|source| FleetError::Yaml { index, source })?);
+                }
+            }
+            Some(other) => {
+                return Err(FleetError::Kind {
+                    index,
+                    kind: other.to_string(),
+                })
+            }
+        }
+    }
+    Ok(pods)
+}
+
+/// Parses fleet YAML straight into model-serving pod records.
+pub fn parse_records(text: &str) -> Result<Vec<PodRecord>, FleetError> {
+    Ok(parse_pods(text)?.iter().filter_map(PodRecord::from_pod).collect())
+}
+
+/// Reads and parses a fleet file.
+pub fn load(path: &Path) -> Result<Vec<PodRecord>, FleetError> {
+    let text = std::fs::read_to_string(path).map_err(|source| FleetError::Read {
+        path: path.display().to_string(),
+        source,
+    })?;
+    parse_records(&text)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LIST: &str = r#"
+apiVersion: v1
+kind: List
+items:
+- apiVersion: v1
+  kind: Pod
+  metadata:
+    name: p0
+    namespace: ns
+    labels:
+      model.aibrix.ai/name: m
+      model.aibrix.ai/port: "8100"
+      role-name: prefill
+      roleset-name: g0
+  status:
+    podIP: 127.0.0.2
+    conditions:
+    - type: Ready
+      status: "True"
+- apiVersion: v1
+  kind: Pod
+  metadata:
+    name: d0
+    labels:
+      model.aibrix.ai/name: m
+      role-name: decode
+      roleset-name: g0
+      model.aibrix.ai/engine: SGLang
+  status:
+    podIP: 127.0.0.3
+    conditions:
+    - type: Ready
+      status: "False"
+- apiVersion: v1
+  kind: Pod
+  metadata:
+    name: unrelated
+  status:
+    podIP: 127.0.0.4
+"#;
+
+    #[test]
+    fn list_is_parsed_with_defaults() {
+        let pods = parse_records(LIST).unwrap();
+        assert_eq!(pods.len(), 2, "the pod without a model label is dropped");
+        let p = &pods[0];
+        assert_eq!((p.key().as_str(), p.port, p.metric_port), ("ns/p0", 8100, 8100));
+        assert_eq!((p.engine.as_str(), p.role.as_str(), p.roleset.as_str()), ("vllm", "prefill", "g0"));
+        assert!(p.ready && p.serves_http);
+        let d = &pods[1];
+        assert_eq!((d.namespace.as_str(), d.port, d.engine.as_str()), ("default", 8000, "sglang"));
+        assert!(!d.ready, "Ready=False is not ready");
+    }
+
+    #[test]
+    fn multi_document_stream_and_missing_conditions() {
+        let text = "kind: Pod\nmetadata:\n  name: a\n  labels: {model.aibrix.ai/name: m}\nstatus: {podIP: 127.0.0.9}\n---\nkind: Pod\nmetadata:\n  name: b\n  labels: {model.aibrix.ai/name: m}\n---\n";
+        let pods = parse_records(text).unwrap();
+        assert_eq!(pods.len(), 2);
+        assert!(pods[0].ready, "absent conditions count as ready");
+        assert!(!pods[1].ready, "a pod without an IP is not ready");
+    }
+
+    #[test]
+    fn pod_group_followers_do_not_serve_http_and_bad_kind_is_rejected() {
+        let text = "kind: Pod\nmetadata:\n  name: a\n  labels: {model.aibrix.ai/name: m, stormservice.orchestration.aibrix.ai/pod-group-index: \"1\"}\n";
+        assert!(!parse_records(text).unwrap()[0].serves_http);
+        assert!(matches!(parse_records("kind: Service\n"), Err(FleetError::Kind { .. })));
+        assert!(matches!(parse_records("kind: [\n"), Err(FleetError::Yaml { .. })));
+    }
+}
