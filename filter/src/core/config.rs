@@ -1,0 +1,202 @@
+//! Gateway-wide settings: the plugin configuration JSON from Envoy and the `AIBRIX_*`
+//! environment variables, validated once at configure time into an immutable value.
+
+use serde::Deserialize;
+
+/// Why a plugin configuration was refused. Envoy then keeps the previous configuration.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum ConfigError {
+    #[error("plugin configuration is not valid JSON or has an unknown key: {0}")]
+    Json(String),
+    #[error("plugin configuration field {field} is invalid: {reason}")]
+    Field { field: &'static str, reason: String },
+}
+
+/// The plugin configuration (Envoy `configuration` of the wasm filter). Every key is optional.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PluginConfig {
+    /// Envoy cluster that reaches pd-control.
+    pub control_cluster: String,
+    /// `:authority` sent to pd-control.
+    pub control_authority: String,
+    /// Path of the protobuf snapshot on pd-control.
+    pub snapshot_path: String,
+    /// How often the snapshot is polled, and the period of the filter's timer.
+    pub refresh_ms: u64,
+    /// Timeout of one snapshot fetch.
+    pub fetch_timeout_ms: u64,
+    /// ORIGINAL_DST cluster whose `http_header_name` picks the pod.
+    pub pods_cluster: String,
+    /// The header that cluster reads (`original_dst_lb_config.http_header_name`).
+    pub dst_header: String,
+}
+
+impl Default for PluginConfig {
+    fn default() -> Self {
+        PluginConfig {
+            control_cluster: "pd_control".into(),
+            control_authority: "pd-control".into(),
+            snapshot_path: "/v1/snapshot".into(),
+            refresh_ms: 100,
+            fetch_timeout_ms: 2000,
+            pods_cluster: "pd_pods".into(),
+            dst_header: "target-pod".into(),
+        }
+    }
+}
+
+impl PluginConfig {
+    pub fn parse(raw: &[u8]) -> Result<PluginConfig, ConfigError> {
+        let trimmed = std::str::from_utf8(raw).map(str::trim).unwrap_or("");
+        let config: PluginConfig = if trimmed.is_empty() {
+            PluginConfig::default()
+        } else {
+            serde_json::from_slice(raw).map_err(|e| ConfigError::Json(e.to_string()))?
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let non_empty = [
+            ("control_cluster", &self.control_cluster),
+            ("pods_cluster", &self.pods_cluster),
+            ("snapshot_path", &self.snapshot_path),
+        ];
+        for (field, value) in non_empty {
+            if value.trim().is_empty() {
+                return Err(ConfigError::Field { field, reason: "must not be empty".into() });
+            }
+        }
+        let header_ok = !self.dst_header.is_empty()
+            && self
+                .dst_header
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+        if !header_ok {
+            return Err(ConfigError::Field {
+                field: "dst_header",
+                reason: format!("{:?} is not a lower-case header name", self.dst_header),
+            });
+        }
+        if !(10..=60_000).contains(&self.refresh_ms) {
+            return Err(ConfigError::Field { field: "refresh_ms", reason: "must be 10..=60000".into() });
+        }
+        if self.fetch_timeout_ms == 0 {
+            return Err(ConfigError::Field { field: "fetch_timeout_ms", reason: "must be positive".into() });
+        }
+        Ok(())
+    }
+}
+
+/// vLLM KV connector contract used on the prefill leg.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvConnector {
+    /// `kv_transfer_params` handed from the prefill response to the decode request.
+    Shfs,
+    /// The whole prefill response travels as `disagg_prefill_resp` (AWS Neuron fork).
+    Nixl,
+    /// AIBrix's stub: no augmentation and no merge.
+    Mooncake,
+}
+
+impl KvConnector {
+    pub fn parse(value: &str) -> Option<KvConnector> {
+        match value.trim().to_ascii_lowercase().as_str() {
+            "shfs" => Some(KvConnector::Shfs),
+            "nixl" => Some(KvConnector::Nixl),
+            "mooncake" => Some(KvConnector::Mooncake),
+            _ => None,
+        }
+    }
+}
+
+/// Settings from the gateway environment (`AIBRIX_*`, same names and defaults as AIBrix).
+#[derive(Debug, Clone, PartialEq)]
+pub struct EnvSettings {
+    /// `ROUTING_ALGORITHM`: strategy when no locked/header/profile value applies.
+    pub routing_algorithm: Option<String>,
+    /// `AIBRIX_PREFILL_REQUEST_TIMEOUT`, seconds.
+    pub prefill_request_timeout_s: u64,
+    /// `AIBRIX_KV_CONNECTOR_TYPE`.
+    pub kv_connector: KvConnector,
+}
+
+impl Default for EnvSettings {
+    fn default() -> Self {
+        EnvSettings {
+            routing_algorithm: None,
+            prefill_request_timeout_s: 30,
+            kv_connector: KvConnector::Shfs,
+        }
+    }
+}
+
+impl EnvSettings {
+    /// Reads settings through `get`; returns the settings and one warning per bad value
+    /// (named, with the default kept), for the host to log.
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> (EnvSettings, Vec<String>) {
+        let mut warnings = Vec::new();
+        let mut settings = EnvSettings {
+            routing_algorithm: get("ROUTING_ALGORITHM")
+                .map(|v| v.trim().to_string())
+                .filter(|v| !v.is_empty()),
+            ..EnvSettings::default()
+        };
+        if let Some(raw) = get("AIBRIX_PREFILL_REQUEST_TIMEOUT") {
+            match raw.trim().parse::<u64>() {
+                Ok(v) if v > 0 => settings.prefill_request_timeout_s = v,
+                _ => warnings.push(format!(
+                    "AIBRIX_PREFILL_REQUEST_TIMEOUT={raw:?} is not a positive integer; using {}",
+                    settings.prefill_request_timeout_s
+                )),
+            }
+        }
+        if let Some(raw) = get("AIBRIX_KV_CONNECTOR_TYPE") {
+            match KvConnector::parse(&raw) {
+                Some(c) => settings.kv_connector = c,
+                None => warnings.push(format!(
+                    "AIBRIX_KV_CONNECTOR_TYPE={raw:?} is not shfs, nixl or mooncake; using shfs"
+                )),
+            }
+        }
+        (settings, warnings)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_config_gives_defaults() {
+        assert_eq!(PluginConfig::parse(b"").unwrap(), PluginConfig::default());
+        assert_eq!(PluginConfig::parse(b"{}").unwrap(), PluginConfig::default());
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_are_refused() {
+        assert!(matches!(PluginConfig::parse(br#"{"refresh":5}"#), Err(ConfigError::Json(m)) if m.contains("refresh")));
+        assert!(matches!(PluginConfig::parse(br#"{"dst_header":"Bad Header"}"#), Err(ConfigError::Field { field: "dst_header", .. })));
+        assert!(matches!(PluginConfig::parse(br#"{"refresh_ms":1}"#), Err(ConfigError::Field { field: "refresh_ms", .. })));
+        let ok = PluginConfig::parse(br#"{"dst_header":"x-gateway-destination-endpoint","refresh_ms":50}"#).unwrap();
+        assert_eq!((ok.dst_header.as_str(), ok.refresh_ms), ("x-gateway-destination-endpoint", 50));
+    }
+
+    #[test]
+    fn env_values_fall_back_with_a_named_warning() {
+        let env = |k: &str| match k {
+            "AIBRIX_PREFILL_REQUEST_TIMEOUT" => Some("0".to_string()),
+            "AIBRIX_KV_CONNECTOR_TYPE" => Some("NIXL".to_string()),
+            "ROUTING_ALGORITHM" => Some(" pd ".to_string()),
+            _ => None,
+        };
+        let (s, warnings) = EnvSettings::from_lookup(env);
+        assert_eq!(s.prefill_request_timeout_s, 30);
+        assert_eq!(s.kv_connector, KvConnector::Nixl);
+        assert_eq!(s.routing_algorithm.as_deref(), Some("pd"));
+        assert_eq!(warnings.len(), 1);
+        assert!(warnings[0].contains("AIBRIX_PREFILL_REQUEST_TIMEOUT"));
+    }
+}

@@ -1,0 +1,185 @@
+//! The error catalogue: every request the filter refuses gets a status, the `x-error-*` header
+//! AIBrix operators already alert on, an OpenAI-style JSON body, and a metric reason.
+
+use serde_json::json;
+
+/// A refusal that becomes a local reply.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum RouteError {
+    #[error("error processing request body")]
+    BadBody,
+    #[error("no messages in the request body")]
+    NoMessages,
+    #[error("unknown request path")]
+    UnknownPath,
+    #[error("model {0} does not exist")]
+    UnknownModel(String),
+    #[error("error on getting pods for model {0}")]
+    NoRoutablePods(String),
+    #[error("incorrect routing strategy {0}")]
+    BadStrategy(String),
+    /// Selection found nothing routable: incomplete rolesets, no combined pod, and so on.
+    /// AIBrix keeps the detail in its logs and sends a fixed message; so do we, in `detail`.
+    #[error("error on selecting target pod")]
+    Selection { detail: String },
+    #[error("pd-router has not received a fleet snapshot yet")]
+    NoSnapshot,
+    /// The prefill leg failed; `status` is the prefill's own 4xx/5xx, or 502/503/504.
+    #[error("prefill request failed ({class}): {detail}")]
+    Prefill {
+        status: u32,
+        class: &'static str,
+        detail: String,
+    },
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl RouteError {
+    pub fn status(&self) -> u32 {
+        match self {
+            RouteError::BadBody | RouteError::NoMessages => 400,
+            RouteError::UnknownPath => 501,
+            RouteError::UnknownModel(_) | RouteError::BadStrategy(_) => 400,
+            RouteError::NoRoutablePods(_) | RouteError::Selection { .. } | RouteError::NoSnapshot => 503,
+            RouteError::Prefill { status, .. } => *status,
+            RouteError::Internal(_) => 500,
+        }
+    }
+
+    /// The `x-error-*` header of the contract, name and value.
+    pub fn header(&self) -> (&'static str, String) {
+        match self {
+            RouteError::BadBody | RouteError::NoMessages | RouteError::UnknownPath => {
+                ("x-error-request-body-processing", "true".into())
+            }
+            RouteError::UnknownModel(model) => ("x-error-no-model-backends", sanitize_header(model)),
+            RouteError::NoRoutablePods(_) => ("x-error-no-model-backends", "true".into()),
+            RouteError::BadStrategy(_) | RouteError::Selection { .. } | RouteError::NoSnapshot => {
+                ("x-error-routing", "true".into())
+            }
+            RouteError::Prefill { .. } => ("x-error-pd-prefill", "true".into()),
+            RouteError::Internal(_) => ("x-error-internal", "true".into()),
+        }
+    }
+
+    /// Short, stable name used as the metric label.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            RouteError::BadBody => "bad_body",
+            RouteError::NoMessages => "no_messages",
+            RouteError::UnknownPath => "unknown_path",
+            RouteError::UnknownModel(_) => "unknown_model",
+            RouteError::NoRoutablePods(_) => "no_routable_pods",
+            RouteError::BadStrategy(_) => "bad_strategy",
+            RouteError::Selection { .. } => "selection",
+            RouteError::NoSnapshot => "no_snapshot",
+            RouteError::Prefill { .. } => "prefill",
+            RouteError::Internal(_) => "internal",
+        }
+    }
+
+    /// All reasons, so the host can define one counter each up front.
+    pub const REASONS: [&'static str; 10] = [
+        "bad_body",
+        "no_messages",
+        "unknown_path",
+        "unknown_model",
+        "no_routable_pods",
+        "bad_strategy",
+        "selection",
+        "no_snapshot",
+        "prefill",
+        "internal",
+    ];
+
+    /// OpenAI error body: `{"error":{"message","type","code","param"}}`.
+    pub fn body(&self) -> Vec<u8> {
+        let status = self.status();
+        let kind = match status {
+            400 | 404 => "invalid_request_error",
+            401 => "authentication_error",
+            429 => "rate_limit_error",
+            503 => "overloaded_error",
+            _ => "api_error",
+        };
+        let code = match self {
+            RouteError::UnknownModel(_) => Some("model_not_found"),
+            _ if status == 503 => Some("service_unavailable"),
+            _ => None,
+        };
+        let param = match self {
+            RouteError::UnknownModel(_) => Some("model"),
+            RouteError::NoMessages => Some("messages"),
+            _ => None,
+        };
+        let message = match self {
+            RouteError::Selection { detail } => format!("{self}: {detail}"),
+            _ => self.to_string(),
+        };
+        json!({"error": {"message": message, "type": kind, "code": code, "param": param}})
+            .to_string()
+            .into_bytes()
+    }
+}
+
+impl From<crate::core::ledger::StoreError> for RouteError {
+    fn from(e: crate::core::ledger::StoreError) -> Self {
+        RouteError::Internal(e.to_string())
+    }
+}
+
+/// Header values must not carry control characters (CR/LF would split headers).
+pub fn sanitize_header(value: &str) -> String {
+    let cleaned: String = value
+        .chars()
+        .filter(|c| !c.is_control())
+        .take(256)
+        .collect();
+    cleaned
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn body(e: &RouteError) -> serde_json::Value {
+        serde_json::from_slice(&e.body()).unwrap()
+    }
+
+    #[test]
+    fn catalogue_matches_contract() {
+        let cases: Vec<(RouteError, u32, &str, &str)> = vec![
+            (RouteError::BadBody, 400, "x-error-request-body-processing", "true"),
+            (RouteError::UnknownPath, 501, "x-error-request-body-processing", "true"),
+            (RouteError::UnknownModel("m1".into()), 400, "x-error-no-model-backends", "m1"),
+            (RouteError::NoRoutablePods("m1".into()), 503, "x-error-no-model-backends", "true"),
+            (RouteError::BadStrategy("x".into()), 400, "x-error-routing", "true"),
+            (RouteError::Selection { detail: "d".into() }, 503, "x-error-routing", "true"),
+        ];
+        for (err, status, header, value) in cases {
+            assert_eq!(err.status(), status, "{err:?}");
+            assert_eq!(err.header(), (header, value.to_string()), "{err:?}");
+            assert!(RouteError::REASONS.contains(&err.reason()));
+        }
+    }
+
+    #[test]
+    fn unknown_model_body_is_openai_shaped() {
+        let b = body(&RouteError::UnknownModel("llama".into()));
+        assert_eq!(b["error"]["message"], "model llama does not exist");
+        assert_eq!(b["error"]["type"], "invalid_request_error");
+        assert_eq!(b["error"]["code"], "model_not_found");
+        assert_eq!(b["error"]["param"], "model");
+        let b = body(&RouteError::Selection { detail: "no complete roleset".into() });
+        assert_eq!(b["error"]["code"], "service_unavailable");
+        assert_eq!(b["error"]["type"], "overloaded_error");
+        assert_eq!(b["error"]["message"], "error on selecting target pod: no complete roleset");
+    }
+
+    #[test]
+    fn header_values_are_sanitized() {
+        let e = RouteError::UnknownModel("a\r\nx-evil: 1".into());
+        assert_eq!(e.header().1, "ax-evil: 1");
+    }
+}

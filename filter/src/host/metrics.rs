@@ -1,0 +1,77 @@
+//! Filter metrics. Envoy exposes them as `wasmcustom.<name>`; `stats_tags` in envoy.yaml turn
+//! the `.reason.<x>` / `.kind.<x>` suffixes into Prometheus labels.
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::MetricType;
+
+use crate::core::errors::RouteError;
+
+#[derive(Default, Clone)]
+pub struct Metrics {
+    pub requests: Option<u32>,
+    pub routed_pair: Option<u32>,
+    pub routed_single: Option<u32>,
+    pub prefill_success: Option<u32>,
+    pub prefill_fail: Option<u32>,
+    pub fleet_version: Option<u32>,
+    pub fleet_loaded_vms: Option<u32>,
+    pub snapshot_fetch_errors: Option<u32>,
+    rejected: Vec<(&'static str, u32)>,
+}
+
+fn define(kind: MetricType, name: &str) -> Option<u32> {
+    match hostcalls::define_metric(kind, name) {
+        Ok(id) => Some(id),
+        Err(e) => {
+            log::warn!("cannot define metric {name}: {e:?}");
+            None
+        }
+    }
+}
+
+impl Metrics {
+    /// Defines every metric once per VM (ids are per VM, values process-wide).
+    pub fn define() -> Metrics {
+        let c = MetricType::Counter;
+        let g = MetricType::Gauge;
+        Metrics {
+            requests: define(c, "pd_router_requests_total"),
+            routed_pair: define(c, "pd_router_routed_total.kind.pair"),
+            routed_single: define(c, "pd_router_routed_total.kind.single"),
+            prefill_success: define(c, "gateway_prefill_request_success_total"),
+            prefill_fail: define(c, "gateway_prefill_request_fail_total"),
+            fleet_version: define(g, "pd_router_fleet_version"),
+            fleet_loaded_vms: define(g, "pd_router_fleet_loaded_vms"),
+            snapshot_fetch_errors: define(c, "pd_router_snapshot_fetch_errors_total"),
+            rejected: RouteError::REASONS
+                .iter()
+                .filter_map(|r| define(c, &format!("pd_router_rejected_total.reason.{r}")).map(|id| (*r, id)))
+                .collect(),
+        }
+    }
+
+    pub fn inc(id: Option<u32>) {
+        if let Some(id) = id {
+            let _ = hostcalls::increment_metric(id, 1);
+        }
+    }
+
+    pub fn gauge_add(id: Option<u32>, delta: i64) {
+        if let Some(id) = id {
+            let _ = hostcalls::increment_metric(id, delta);
+        }
+    }
+
+    pub fn set(id: Option<u32>, value: u64) {
+        if let Some(id) = id {
+            let _ = hostcalls::record_metric(id, value);
+        }
+    }
+
+    pub fn rejected(&self, error: &RouteError) {
+        let reason = error.reason();
+        if let Some((_, id)) = self.rejected.iter().find(|(r, _)| *r == reason) {
+            let _ = hostcalls::increment_metric(*id, 1);
+        }
+    }
+}

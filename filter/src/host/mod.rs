@@ -1,0 +1,45 @@
+//! Proxy-wasm glue: contexts, shared data, queues, HTTP calls and metrics. Each callback is
+//! short and hands the decision to `crate::core`.
+
+pub mod http;
+pub mod metrics;
+pub mod root;
+pub mod snapshot;
+pub mod store;
+
+use std::cell::RefCell;
+use std::rc::Rc;
+
+use crate::core::config::{EnvSettings, PluginConfig};
+use crate::core::fleet::FleetView;
+
+/// State shared by a VM's root context and its HTTP contexts (one VM per Envoy worker).
+pub struct VmState {
+    pub plugin: PluginConfig,
+    pub env: EnvSettings,
+    /// The fleet view of the newest snapshot this VM has decoded.
+    pub fleet: Option<Rc<FleetView>>,
+    pub rng: fastrand::Rng,
+    pub metrics: metrics::Metrics,
+}
+
+pub type SharedVm = Rc<RefCell<VmState>>;
+
+/// Milliseconds since the Unix epoch from the host clock.
+pub fn now_ms() -> u64 {
+    proxy_wasm::hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// A random seed from WASI `random_get`; falls back to the clock, which is only less
+/// unpredictable, never wrong for tie-breaks.
+pub fn random_seed() -> u64 {
+    let mut buf = [0u8; 8];
+    match getrandom::fill(&mut buf) {
+        Ok(()) => u64::from_le_bytes(buf),
+        Err(_) => now_ms().wrapping_mul(0x9e37_79b9_7f4a_7c15),
+    }
+}

@@ -1,0 +1,205 @@
+//! The per-VM root context: configuration, the timer that keeps the fleet view fresh, and the
+//! factory of HTTP contexts.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::time::Duration;
+
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::ContextType;
+
+use crate::core::config::{EnvSettings, PluginConfig};
+use crate::core::ledger;
+use crate::host::http::PdHttp;
+use crate::host::metrics::Metrics;
+use crate::host::snapshot::{self, NoticeQueue};
+use crate::host::store::SharedData;
+use crate::host::{now_ms, random_seed, SharedVm, VmState};
+
+pub struct Root {
+    vm: SharedVm,
+    /// Identifies this root context in the lease and the queue registry.
+    token: u64,
+    vm_id: String,
+    queue: Option<NoticeQueue>,
+    fetch_in_flight: Option<u32>,
+    loaded_once: bool,
+}
+
+impl Root {
+    pub fn new(_context_id: u32) -> Root {
+        let seed = random_seed();
+        Root {
+            vm: Rc::new(RefCell::new(VmState {
+                plugin: PluginConfig::default(),
+                env: EnvSettings::default(),
+                fleet: None,
+                rng: fastrand::Rng::with_seed(seed),
+                metrics: Metrics::default(),
+            })),
+            token: seed | 1,
+            vm_id: String::new(),
+            queue: None,
+            fetch_in_flight: None,
+            loaded_once: false,
+        }
+    }
+
+    /// Adopts the published snapshot when it is newer than this VM's view.
+    fn reload(&mut self) {
+        let have = self.vm.borrow().fleet.as_ref().map(|f| f.version).unwrap_or(0);
+        match snapshot::load_newer(have) {
+            Ok(Some(view)) => {
+                let version = view.version;
+                let metrics = {
+                    let mut vm = self.vm.borrow_mut();
+                    vm.fleet = Some(Rc::new(view));
+                    vm.metrics.clone()
+                };
+                Metrics::set(metrics.fleet_version, version);
+                if !self.loaded_once {
+                    self.loaded_once = true;
+                    Metrics::gauge_add(metrics.fleet_loaded_vms, 1);
+                    log::info!("fleet snapshot {version} loaded");
+                }
+            }
+            Ok(None) => {}
+            Err(e) => log::warn!("{e}"),
+        }
+    }
+
+    fn maybe_fetch(&mut self, now: u64) {
+        if self.fetch_in_flight.is_some() {
+            return;
+        }
+        let plugin = self.vm.borrow().plugin.clone();
+        let lease_ms = (plugin.refresh_ms * 5).max(1_000);
+        if !snapshot::hold_lease(self.token, now, lease_ms) {
+            return;
+        }
+        let have = snapshot::published_version();
+        match snapshot::fetch_request(
+            &plugin.control_cluster,
+            &plugin.control_authority,
+            &plugin.snapshot_path,
+            have,
+            Duration::from_millis(plugin.fetch_timeout_ms),
+        ) {
+            Ok(token) => self.fetch_in_flight = Some(token),
+            Err(e) => {
+                Metrics::inc(self.vm.borrow().metrics.snapshot_fetch_errors);
+                log::warn!("snapshot fetch from cluster {} failed: {e:?}", plugin.control_cluster);
+            }
+        }
+    }
+}
+
+impl Context for Root {
+    fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
+        if self.fetch_in_flight != Some(token) {
+            return;
+        }
+        self.fetch_in_flight = None;
+        let status = self.get_http_call_response_header(":status").unwrap_or_default();
+        let metrics = self.vm.borrow().metrics.clone();
+        match status.as_str() {
+            "304" => return,
+            "200" => {}
+            other => {
+                Metrics::inc(metrics.snapshot_fetch_errors);
+                log::warn!("snapshot fetch answered status {other:?}");
+                return;
+            }
+        }
+        let version = self
+            .get_http_call_response_header("x-pd-snapshot-version")
+            .and_then(|v| v.trim().parse::<u64>().ok());
+        let body = self.get_http_call_response_body(0, body_size).unwrap_or_default();
+        let Some(version) = version.filter(|v| *v > 0) else {
+            Metrics::inc(metrics.snapshot_fetch_errors);
+            log::warn!("snapshot response without a valid x-pd-snapshot-version header");
+            return;
+        };
+        // Refuse what we could not decode ourselves: a bad snapshot must not reach the workers.
+        if let Err(e) = crate::core::fleet::FleetView::decode(&body) {
+            Metrics::inc(metrics.snapshot_fetch_errors);
+            log::warn!("snapshot {version} does not decode: {e}");
+            return;
+        }
+        match snapshot::publish(version, &body) {
+            Ok(true) => {
+                snapshot::notify_all(&self.vm_id, version, now_ms());
+                self.reload();
+            }
+            Ok(false) => {}
+            Err(e) => log::warn!("cannot publish snapshot {version}: {e}"),
+        }
+    }
+}
+
+impl RootContext for Root {
+    fn on_vm_start(&mut self, _size: usize) -> bool {
+        let (env, warnings) = EnvSettings::from_lookup(|k| std::env::var(k).ok());
+        for w in warnings {
+            log::warn!("{w}");
+        }
+        self.vm.borrow_mut().env = env;
+        if let Err(e) = ledger::ensure_table(&SharedData) {
+            log::error!("cannot create the load table: {e}");
+            return false;
+        }
+        true
+    }
+
+    fn on_configure(&mut self, _size: usize) -> bool {
+        let raw = self.get_plugin_configuration().unwrap_or_default();
+        let plugin = match PluginConfig::parse(&raw) {
+            Ok(p) => p,
+            Err(e) => {
+                log::error!("{e}");
+                return false;
+            }
+        };
+        self.vm_id = self
+            .get_property(vec!["plugin_vm_id"])
+            .and_then(|b| String::from_utf8(b).ok())
+            .unwrap_or_default();
+        let period = Duration::from_millis(plugin.refresh_ms);
+        {
+            let mut vm = self.vm.borrow_mut();
+            vm.plugin = plugin;
+            vm.metrics = Metrics::define();
+        }
+        self.set_tick_period(period);
+        true
+    }
+
+    fn on_tick(&mut self) {
+        let now = now_ms();
+        // Registered lazily: only VMs that tick (workers and the main thread) get a queue.
+        if self.queue.is_none() {
+            self.queue = NoticeQueue::register(self.token);
+        }
+        if let Some(q) = self.queue.as_mut() {
+            q.heartbeat(now);
+        }
+        self.maybe_fetch(now);
+        self.reload();
+    }
+
+    fn on_queue_ready(&mut self, queue_id: u32) {
+        if self.queue.as_ref().map(|q| q.id) != Some(queue_id) {
+            return;
+        }
+        while let Ok(Some(_)) = proxy_wasm::hostcalls::dequeue_shared_queue(queue_id) {}
+        self.reload();
+    }
+
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(PdHttp::new(context_id, self.vm.clone())))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}

@@ -1,0 +1,178 @@
+//! Getting the fleet snapshot from pd-control to every worker.
+//!
+//! One VM at a time fetches: the holder of a lease kept in shared data (Istio's `WasmPlugin`
+//! installs only HTTP filters, so there is no bootstrap singleton to rely on). It stores the
+//! snapshot bytes in shared data and pushes a notice into every VM's own shared queue
+//! (a queue has exactly one consumer, so broadcast needs one queue per VM). Each VM also
+//! compares a small version key on its timer, so a lost notice delays a VM by one tick at most.
+
+use std::time::Duration;
+
+use proxy_wasm::hostcalls;
+
+use crate::core::fleet::FleetView;
+use crate::core::ledger::{Store, StoreError};
+use crate::host::store::SharedData;
+
+/// 8-byte little-endian version followed by the protobuf snapshot.
+pub const SNAPSHOT_KEY: &str = "pd/snapshot";
+/// The version alone, cheap to poll.
+pub const VERSION_KEY: &str = "pd/snapshot/version";
+/// `"<holder token hex> <expiry ms>"`.
+pub const LEASE_KEY: &str = "pd/lease";
+/// One line per VM queue: `"<queue name> <expiry ms>"`.
+pub const QUEUES_KEY: &str = "pd/queues";
+
+/// How long a VM's queue entry lives without a heartbeat; dead VMs (reloads) drop out.
+const QUEUE_TTL_MS: u64 = 5_000;
+const HEARTBEAT_MS: u64 = 1_000;
+
+/// Reads the published snapshot version (0 when none).
+pub fn published_version() -> u64 {
+    match SharedData.get(VERSION_KEY) {
+        Ok((Some(bytes), _)) => bytes
+            .get(..8)
+            .and_then(|b| b.try_into().ok())
+            .map(u64::from_le_bytes)
+            .unwrap_or(0),
+        _ => 0,
+    }
+}
+
+/// Decodes the published snapshot when it is newer than `have`.
+pub fn load_newer(have: u64) -> Result<Option<FleetView>, String> {
+    if published_version() <= have {
+        return Ok(None);
+    }
+    let (bytes, _) = SharedData.get(SNAPSHOT_KEY).map_err(|e| e.to_string())?;
+    let Some(bytes) = bytes else { return Ok(None) };
+    if bytes.len() < 8 {
+        return Err("published snapshot is truncated".into());
+    }
+    let view = FleetView::decode(&bytes[8..]).map_err(|e| format!("cannot decode snapshot: {e}"))?;
+    Ok((view.version > have).then_some(view))
+}
+
+/// Stores a snapshot unless a newer one is already there (two fetchers may overlap while a
+/// lease changes hands; the newer version must win).
+pub fn publish(version: u64, proto: &[u8]) -> Result<bool, StoreError> {
+    for _ in 0..16 {
+        let (current, cas) = SharedData.get(SNAPSHOT_KEY)?;
+        let current_version = current
+            .as_deref()
+            .and_then(|b| b.get(..8))
+            .and_then(|b| b.try_into().ok())
+            .map(u64::from_le_bytes)
+            .unwrap_or(0);
+        if current_version >= version {
+            return Ok(false);
+        }
+        let mut value = Vec::with_capacity(8 + proto.len());
+        value.extend_from_slice(&version.to_le_bytes());
+        value.extend_from_slice(proto);
+        if SharedData.set(SNAPSHOT_KEY, &value, cas)? {
+            SharedData.set(VERSION_KEY, &version.to_le_bytes(), None)?;
+            return Ok(true);
+        }
+    }
+    Err(StoreError::Contention(16))
+}
+
+/// Tries to take or renew the fetch lease; true when this VM holds it.
+pub fn hold_lease(token: u64, now: u64, lease_ms: u64) -> bool {
+    let Ok((value, cas)) = SharedData.get(LEASE_KEY) else { return false };
+    let (holder, expiry) = value
+        .as_deref()
+        .and_then(|v| std::str::from_utf8(v).ok())
+        .and_then(|s| s.split_once(' '))
+        .and_then(|(h, e)| Some((u64::from_str_radix(h, 16).ok()?, e.parse::<u64>().ok()?)))
+        .unwrap_or((0, 0));
+    if holder != token && expiry > now {
+        return false;
+    }
+    let next = format!("{token:x} {}", now + lease_ms);
+    match SharedData.set(LEASE_KEY, next.as_bytes(), cas) {
+        Ok(true) if value.is_some() => true,
+        // The key was absent, so the CAS was not checked: read back to see who won.
+        Ok(true) => matches!(SharedData.get(LEASE_KEY), Ok((Some(v), _)) if v == next.as_bytes()),
+        _ => false,
+    }
+}
+
+/// This VM's notice queue and its registry entry.
+pub struct NoticeQueue {
+    pub id: u32,
+    name: String,
+    last_heartbeat: u64,
+}
+
+impl NoticeQueue {
+    pub fn register(token: u64) -> Option<NoticeQueue> {
+        let name = format!("pd/notify/{token:016x}");
+        match hostcalls::register_shared_queue(&name) {
+            Ok(id) => Some(NoticeQueue { id, name, last_heartbeat: 0 }),
+            Err(e) => {
+                log::warn!("cannot register shared queue {name}: {e:?}");
+                None
+            }
+        }
+    }
+
+    /// Keeps this queue's registry entry alive and prunes entries of VMs that are gone.
+    pub fn heartbeat(&mut self, now: u64) {
+        if now < self.last_heartbeat + HEARTBEAT_MS {
+            return;
+        }
+        for _ in 0..16 {
+            let Ok((value, cas)) = SharedData.get(QUEUES_KEY) else { return };
+            let text = value.as_deref().and_then(|v| std::str::from_utf8(v).ok()).unwrap_or("");
+            let mut next = String::with_capacity(text.len() + 64);
+            for line in text.lines() {
+                let Some((name, expiry)) = line.split_once(' ') else { continue };
+                let alive = expiry.parse::<u64>().map(|e| e > now).unwrap_or(false);
+                if name != self.name && alive {
+                    next.push_str(line);
+                    next.push('\n');
+                }
+            }
+            next.push_str(&format!("{} {}\n", self.name, now + QUEUE_TTL_MS));
+            if let Ok(true) = SharedData.set(QUEUES_KEY, next.as_bytes(), cas) {
+                self.last_heartbeat = now;
+                return;
+            }
+        }
+    }
+}
+
+/// Sends `version` to every live VM queue.
+pub fn notify_all(vm_id: &str, version: u64, now: u64) {
+    let Ok((Some(value), _)) = SharedData.get(QUEUES_KEY) else { return };
+    let Ok(text) = std::str::from_utf8(&value) else { return };
+    for line in text.lines() {
+        let Some((name, expiry)) = line.split_once(' ') else { continue };
+        if expiry.parse::<u64>().map(|e| e <= now).unwrap_or(true) {
+            continue;
+        }
+        if let Ok(Some(id)) = hostcalls::resolve_shared_queue(vm_id, name) {
+            let _ = hostcalls::enqueue_shared_queue(id, Some(&version.to_le_bytes()));
+        }
+    }
+}
+
+/// Request headers of a snapshot poll; the version we hold lets pd-control answer 304.
+pub fn fetch_request(
+    cluster: &str,
+    authority: &str,
+    path: &str,
+    have: u64,
+    timeout: Duration,
+) -> Result<u32, proxy_wasm::types::Status> {
+    let path = format!("{path}?version={have}");
+    hostcalls::dispatch_http_call(
+        cluster,
+        vec![(":method", "GET"), (":path", &path), (":authority", authority)],
+        None,
+        vec![],
+        timeout,
+    )
+}

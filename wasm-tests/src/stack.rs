@@ -1,0 +1,359 @@
+//! A whole local stack for one test: pd-sim pods, pd-control on a fleet file, and the real
+//! Envoy with the built filter, each on its own loopback addresses, stopped on drop.
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use crate::http;
+
+/// One pod of a test fleet.
+#[derive(Debug, Clone)]
+pub struct PodSpec {
+    pub model: String,
+    pub name: String,
+    pub role: String,
+    pub roleset: String,
+    pub ip: String,
+    pub port: u16,
+    pub ready: bool,
+    /// Raw `model.aibrix.ai/config` annotation, empty for none.
+    pub config: String,
+}
+
+/// A fleet of pods of one model on one random loopback /24, so every pod has its own IP.
+#[derive(Debug, Clone)]
+pub struct Fleet {
+    pub model: String,
+    pub pods: Vec<PodSpec>,
+    subnet: String,
+    port: u16,
+}
+
+impl Fleet {
+    pub fn new(model: &str) -> Fleet {
+        let subnet = format!("127.{}.{}", fastrand::u8(100..250), fastrand::u8(1..250));
+        Fleet { model: model.into(), pods: Vec::new(), subnet, port: free_port() }
+    }
+
+    /// Adds a pod; `role` "prefill"/"decode"/other, `roleset` may be empty.
+    pub fn pod(mut self, name: &str, role: &str, roleset: &str) -> Fleet {
+        let ip = format!("{}.{}", self.subnet, self.pods.len() + 10);
+        self.pods.push(PodSpec {
+            model: self.model.clone(),
+            name: name.into(),
+            role: role.into(),
+            roleset: roleset.into(),
+            ip,
+            port: self.port,
+            ready: true,
+            config: String::new(),
+        });
+        self
+    }
+
+    /// Adds a standard pod (`combined: true`) that runs whole requests.
+    pub fn combined(self, name: &str) -> Fleet {
+        let mut f = self.pod(name, "all", "");
+        if let Some(p) = f.pods.last_mut() {
+            p.config = r#"{"profiles":{"default":{"routingStrategy":"pd","routingConfig":{"combined":true}}}}"#.into();
+        }
+        f
+    }
+
+    /// Moves the last added pod to another model.
+    pub fn of_model(mut self, model: &str) -> Fleet {
+        if let Some(p) = self.pods.last_mut() {
+            p.model = model.into();
+        }
+        self
+    }
+
+    /// Marks the last added pod not ready.
+    pub fn not_ready(mut self) -> Fleet {
+        if let Some(p) = self.pods.last_mut() {
+            p.ready = false;
+        }
+        self
+    }
+
+    pub fn spec(&self, name: &str) -> &PodSpec {
+        self.pods
+            .iter()
+            .find(|p| p.name == name)
+            .unwrap_or_else(|| panic!("no pod {name} in the fleet"))
+    }
+
+    pub fn without(&self, name: &str) -> Fleet {
+        let mut f = self.clone();
+        f.pods.retain(|p| p.name != name);
+        f
+    }
+
+    /// Kubernetes `v1` `List` of Pods, as `kubectl get pods -o yaml` prints.
+    pub fn to_yaml(&self) -> String {
+        let mut out = String::from("apiVersion: v1\nkind: List\nitems:\n");
+        for p in &self.pods {
+            out.push_str(&format!(
+                "- apiVersion: v1\n  kind: Pod\n  metadata:\n    name: {}\n    namespace: default\n    labels:\n      model.aibrix.ai/name: {}\n      model.aibrix.ai/port: \"{}\"\n      model.aibrix.ai/engine: vllm\n",
+                p.name, p.model, p.port
+            ));
+            if !p.role.is_empty() {
+                out.push_str(&format!("      role-name: {}\n", p.role));
+            }
+            if !p.roleset.is_empty() {
+                out.push_str(&format!("      roleset-name: {}\n", p.roleset));
+            }
+            if !p.config.is_empty() {
+                out.push_str(&format!("    annotations:\n      model.aibrix.ai/config: '{}'\n", p.config));
+            }
+            out.push_str(&format!(
+                "  status:\n    podIP: {}\n    conditions:\n    - type: Ready\n      status: \"{}\"\n",
+                p.ip,
+                if p.ready { "True" } else { "False" }
+            ));
+        }
+        out
+    }
+}
+
+/// A free TCP port on loopback (the OS picks; a race with another process is possible but
+/// shows up as a clear bind error, not a wrong result).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("no free port")
+}
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn bin(name: &str) -> PathBuf {
+    let dir = std::env::var("PD_BIN_DIR").map(PathBuf::from).unwrap_or_else(|_| repo_root().join("target/debug"));
+    let path = dir.join(name);
+    assert!(path.exists(), "{} is missing: run `make build` (or cargo build) first", path.display());
+    path
+}
+
+fn envoy_bin() -> PathBuf {
+    let path = std::env::var("ENVOY_BIN").map(PathBuf::from).unwrap_or_else(|_| repo_root().join(".venv/envoy"));
+    assert!(path.exists(), "{} is missing: run `make setup` first", path.display());
+    path
+}
+
+fn wasm_path() -> PathBuf {
+    let path = std::env::var("PD_WASM")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| repo_root().join("target/wasm32-wasip1/release/pd_router_filter.wasm"));
+    assert!(path.exists(), "{} is missing: run `make build` first", path.display());
+    path
+}
+
+/// Renders `envoy/envoy.yaml.tmpl`.
+pub fn render_envoy(listen_port: u16, admin_port: u16, control_port: u16, refresh_ms: u64) -> String {
+    let template = std::fs::read_to_string(repo_root().join("envoy/envoy.yaml.tmpl")).expect("envoy template");
+    template
+        .replace("@LISTEN_ADDR@", "127.0.0.1")
+        .replace("@LISTEN_PORT@", &listen_port.to_string())
+        .replace("@ADMIN_PORT@", &admin_port.to_string())
+        .replace("@WASM_PATH@", &wasm_path().display().to_string())
+        .replace("@CONTROL_ADDR@", "127.0.0.1")
+        .replace("@CONTROL_PORT@", &control_port.to_string())
+        .replace("@REFRESH_MS@", &refresh_ms.to_string())
+}
+
+/// Running processes; killed (and reaped) on drop.
+pub struct Stack {
+    pub dir: PathBuf,
+    pub fleet_path: PathBuf,
+    pub fleet: Fleet,
+    /// Envoy's data listener, `127.0.0.1:port`.
+    pub gateway: String,
+    pub admin: String,
+    pub control: String,
+    pub sim_admin: String,
+    pub concurrency: usize,
+    children: Vec<(String, Child)>,
+}
+
+/// Spawns a process and waits for a line on its stdout containing `ready`.
+fn spawn_until(name: &str, mut cmd: Command, ready: &str, log: &Path) -> Child {
+    let stderr = std::fs::File::create(log).expect("log file");
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::from(stderr))
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {name}: {e}"));
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = mpsc::channel();
+    let needle = ready.to_string();
+    std::thread::spawn(move || {
+        let mut signalled = false;
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if !signalled && line.contains(&needle) {
+                signalled = true;
+                let _ = tx.send(());
+            }
+        }
+    });
+    if rx.recv_timeout(Duration::from_secs(30)).is_err() {
+        let _ = child.kill();
+        let log_text = std::fs::read_to_string(log).unwrap_or_default();
+        panic!("{name} did not become ready; its log:\n{log_text}");
+    }
+    child
+}
+
+impl Stack {
+    pub fn start(fleet: Fleet) -> Stack {
+        Stack::start_with(fleet, 2, &[])
+    }
+
+    /// Starts pd-sim, pd-control and Envoy (`--concurrency`), with extra env for Envoy.
+    pub fn start_with(fleet: Fleet, concurrency: usize, envoy_env: &[(&str, &str)]) -> Stack {
+        let dir = std::env::temp_dir().join(format!("pd-e2e-{}-{}", std::process::id(), fastrand::u64(..)));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let fleet_path = dir.join("fleet.yaml");
+        std::fs::write(&fleet_path, fleet.to_yaml()).expect("fleet file");
+        let (sim_admin_port, control_port, listen_port, admin_port) = (free_port(), free_port(), free_port(), free_port());
+        let mut stack = Stack {
+            dir: dir.clone(),
+            fleet_path: fleet_path.clone(),
+            fleet,
+            gateway: format!("127.0.0.1:{listen_port}"),
+            admin: format!("127.0.0.1:{admin_port}"),
+            control: format!("127.0.0.1:{control_port}"),
+            sim_admin: format!("127.0.0.1:{sim_admin_port}"),
+            concurrency,
+            children: Vec::new(),
+        };
+
+        let mut sim = Command::new(bin("pd-sim"));
+        sim.arg("--fleet").arg(&fleet_path).arg("--admin").arg(&stack.sim_admin);
+        let child = spawn_until("pd-sim", sim, "pd-sim: serving", &dir.join("pd-sim.log"));
+        stack.children.push(("pd-sim".into(), child));
+
+        let mut control = Command::new(bin("pd-control"));
+        control
+            .arg("--fleet")
+            .arg(&fleet_path)
+            .arg("--listen")
+            .arg(&stack.control)
+            .arg("--refresh-interval")
+            .arg("50ms");
+        let child = spawn_until("pd-control", control, "pd-control: listening", &dir.join("pd-control.log"));
+        stack.children.push(("pd-control".into(), child));
+
+        let config = dir.join("envoy.yaml");
+        std::fs::write(&config, render_envoy(listen_port, admin_port, control_port, 50)).expect("envoy config");
+        let mut envoy = Command::new(envoy_bin());
+        envoy
+            .arg("-c")
+            .arg(&config)
+            .arg("--concurrency")
+            .arg(concurrency.to_string())
+            .arg("--disable-hot-restart")
+            .arg("--base-id")
+            .arg(fastrand::u32(1..1_000_000).to_string())
+            .arg("-l")
+            .arg("info")
+            .arg("--log-path")
+            .arg(dir.join("envoy.log"))
+            .env_clear()
+            .envs(envoy_env.iter().copied());
+        let child = envoy
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(std::fs::File::create(dir.join("envoy.stderr")).expect("log")))
+            .spawn()
+            .expect("cannot start envoy");
+        stack.children.push(("envoy".into(), child));
+        stack.wait_until_loaded();
+        stack
+    }
+
+    /// Waits until every ticking VM (each worker plus the main thread) has a fleet view.
+    fn wait_until_loaded(&mut self) {
+        let expected = (self.concurrency + 1) as u64;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if self.stat("pd_router_fleet_loaded_vms") >= expected {
+                return;
+            }
+            if Instant::now() > deadline {
+                panic!("Envoy never loaded the fleet snapshot; logs in {}:\n{}", self.dir.display(), self.envoy_log());
+            }
+            for (name, child) in &mut self.children {
+                if let Ok(Some(status)) = child.try_wait() {
+                    panic!("{name} exited with {status}; logs in {}", self.dir.display());
+                }
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn envoy_log(&self) -> String {
+        let mut log = std::fs::read_to_string(self.dir.join("envoy.log")).unwrap_or_default();
+        log.push_str(&std::fs::read_to_string(self.dir.join("envoy.stderr")).unwrap_or_default());
+        log
+    }
+
+    /// A filter metric (`wasmcustom.<name>`) from Envoy's admin, 0 when absent.
+    pub fn stat(&self, name: &str) -> u64 {
+        let Ok(r) = http::get(&self.admin, &format!("/stats?filter=^wasmcustom\\.{name}$")) else {
+            return 0;
+        };
+        r.text()
+            .lines()
+            .filter_map(|l| l.split_once(": "))
+            .find(|(n, _)| *n == format!("wasmcustom.{name}"))
+            .and_then(|(_, v)| v.trim().parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// Every request pd-sim pods received, in arrival order per pod.
+    pub fn sim_requests(&self) -> Vec<serde_json::Value> {
+        let r = http::get(&self.sim_admin, "/sim/requests").expect("pd-sim admin");
+        match r.json() {
+            serde_json::Value::Array(a) => a,
+            other => panic!("unexpected /sim/requests answer {other}"),
+        }
+    }
+
+    pub fn clear_sim_requests(&self) {
+        http::request(&self.sim_admin, "DELETE", "/sim/requests", &[], &[]).expect("pd-sim admin");
+    }
+
+    /// Rewrites the fleet file atomically (write + rename), as an operator's tooling would.
+    pub fn write_fleet(&mut self, fleet: Fleet) {
+        let tmp = self.dir.join("fleet.yaml.tmp");
+        std::fs::write(&tmp, fleet.to_yaml()).expect("fleet file");
+        std::fs::rename(&tmp, &self.fleet_path).expect("rename fleet file");
+        self.fleet = fleet;
+    }
+
+    /// The snapshot pd-control currently serves, as JSON.
+    pub fn control_snapshot(&self) -> serde_json::Value {
+        http::get(&self.control, "/v1/snapshot.json").expect("pd-control").json()
+    }
+
+    pub fn chat(&self, headers: &[(&str, &str)], body: &serde_json::Value) -> http::Response {
+        http::post_json(&self.gateway, "/v1/chat/completions", headers, body)
+    }
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        for (_, child) in self.children.iter_mut().rev() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}

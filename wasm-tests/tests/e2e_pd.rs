@@ -1,0 +1,218 @@
+//! End-to-end: the real `.wasm` in the real Envoy (`--concurrency 2`), pd-control on a fleet
+//! file, and pd-sim pods speaking vLLM's PD protocol.
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use pd_wasm_tests::http::Response;
+use pd_wasm_tests::stack::{Fleet, Stack};
+use serde_json::{json, Value};
+
+const MODEL: &str = "llama-pd";
+
+fn two_rolesets() -> Fleet {
+    Fleet::new(MODEL)
+        .pod("vllm-p-0", "prefill", "group-0")
+        .pod("vllm-d-0", "decode", "group-0")
+        .pod("vllm-p-1", "prefill", "group-1")
+        .pod("vllm-d-1", "decode", "group-1")
+        .combined("vllm-c-0")
+}
+
+fn chat_body(stream: bool, max_tokens: u32) -> Value {
+    json!({
+        "model": MODEL,
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Tell me about prefill and decode."}],
+        "stream": stream,
+        "max_tokens": max_tokens,
+    })
+}
+
+fn header<'a>(r: &'a Response, name: &str) -> &'a str {
+    r.header(name)
+        .unwrap_or_else(|| panic!("response lacks {name}: {:?} {}", r.headers, r.text()))
+}
+
+/// The pd-sim log entries of one request id, by leg.
+fn legs(stack: &Stack, request_id: &str) -> (Vec<Value>, Vec<Value>) {
+    let entries: Vec<Value> = stack
+        .sim_requests()
+        .into_iter()
+        .filter(|e| e["x_request_id"] == request_id)
+        .collect();
+    let prefill = entries.iter().filter(|e| e["leg"] == "prefill").cloned().collect();
+    let decode = entries.iter().filter(|e| e["leg"] == "decode").cloned().collect();
+    (prefill, decode)
+}
+
+/// Checks one PD exchange: prefill leg on a prefill pod and decode leg on the decode pod of
+/// the same roleset, carrying the prefill's kv_transfer_params with remote_host rewritten.
+fn assert_pd_exchange(stack: &Stack, r: &Response) -> (String, String) {
+    assert_eq!(r.status, 200, "{}", r.text());
+    let request_id = header(r, "request-id").to_string();
+    let decode_name = header(r, "target-pod").to_string();
+    let prefill_name = header(r, "prefill-target-pod").to_string();
+    let decode = stack.fleet.spec(&decode_name);
+    let prefill = stack.fleet.spec(&prefill_name);
+    assert_eq!(decode.role, "decode");
+    assert_eq!(prefill.role, "prefill");
+    assert_eq!(decode.roleset, prefill.roleset, "pair must come from one roleset");
+    assert_eq!(header(r, "target-pod-ip"), format!("{}:{}", decode.ip, decode.port));
+    assert_eq!(header(r, "prefill-target-pod-ip"), prefill.ip);
+
+    let (prefill_legs, decode_legs) = legs(stack, &request_id);
+    assert_eq!(prefill_legs.len(), 1, "one prefill leg: {prefill_legs:?}");
+    assert_eq!(decode_legs.len(), 1, "one decode leg: {decode_legs:?}");
+    let (p, d) = (&prefill_legs[0], &decode_legs[0]);
+    assert_eq!(p["pod"], prefill_name.as_str());
+    assert_eq!(d["pod"], decode_name.as_str());
+    assert_eq!(p["body"]["max_tokens"], 1);
+    assert_eq!(p["body"]["stream"], false);
+    assert_eq!(p["kv_transfer_params_in"]["do_remote_decode"], true);
+
+    let mut expected = p["kv_transfer_params_out"].clone();
+    assert_eq!(expected["remote_host"], "localhost", "pd-sim reports its side-channel host");
+    expected["remote_host"] = json!(prefill.ip);
+    assert_eq!(d["kv_transfer_params_in"], expected, "decode got the prefill's params, remote_host rewritten");
+    (prefill_name, decode_name)
+}
+
+#[test]
+fn non_streaming_pd_request_goes_prefill_then_decode_of_one_roleset() {
+    let stack = Stack::start(two_rolesets());
+    let r = stack.chat(&[("routing-strategy", "pd")], &chat_body(false, 7));
+    assert_pd_exchange(&stack, &r);
+    let answer = r.json();
+    let request_id = header(&r, "request-id");
+    assert_eq!(answer["id"], format!("chatcmpl-{request_id}"), "the decode pod's answer, by its id");
+    assert_eq!(answer["usage"]["completion_tokens"], 7, "decode generated the whole answer");
+    assert_eq!(answer["object"], "chat.completion");
+}
+
+#[test]
+fn streaming_pd_request_is_relayed_intact() {
+    let stack = Stack::start(two_rolesets());
+    let r = stack.chat(&[("routing-strategy", "pd")], &chat_body(true, 5));
+    assert_pd_exchange(&stack, &r);
+    assert!(header(&r, "content-type").starts_with("text/event-stream"));
+    assert!(r.complete, "the chunked stream ended properly");
+    let text = r.text();
+    let events: Vec<&str> = text.split("\n\n").filter(|e| !e.trim().is_empty()).collect();
+    assert_eq!(events.last().copied(), Some("data: [DONE]"));
+    let tokens = events
+        .iter()
+        .filter_map(|e| e.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str::<Value>(d).expect("each event is JSON"))
+        .filter(|v| v["choices"][0]["delta"]["content"].as_str().is_some_and(|c| !c.is_empty()))
+        .count();
+    assert_eq!(tokens, 5, "every decode token reached the client: {text}");
+}
+
+#[test]
+fn a_roleset_whose_decode_pod_is_removed_stops_being_chosen_within_one_second() {
+    let mut stack = Stack::start(two_rolesets());
+    let body = chat_body(false, 2);
+    let mut before = BTreeSet::new();
+    for _ in 0..24 {
+        let r = stack.chat(&[("routing-strategy", "pd")], &body);
+        assert_eq!(r.status, 200, "{}", r.text());
+        before.insert(header(&r, "target-pod").to_string());
+    }
+    assert_eq!(before.len(), 2, "both rolesets serve before the edit: {before:?}");
+
+    let edited = stack.fleet.without("vllm-d-1");
+    stack.write_fleet(edited);
+    let edited_at = Instant::now();
+    // Traffic keeps flowing during the switch-over; nothing may fail.
+    while edited_at.elapsed() < Duration::from_secs(1) {
+        let r = stack.chat(&[("routing-strategy", "pd")], &body);
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    // From now on every worker must route around group-1. Fresh connections spread the
+    // requests over both workers (40 requests all on one worker: probability 2^-39).
+    for _ in 0..40 {
+        let r = stack.chat(&[("routing-strategy", "pd")], &body);
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(header(&r, "target-pod"), "vllm-d-0");
+        assert_eq!(header(&r, "prefill-target-pod"), "vllm-p-0", "the incomplete roleset gives no prefill pod either");
+    }
+}
+
+#[test]
+fn client_supplied_destination_headers_have_no_effect() {
+    let stack = Stack::start(two_rolesets());
+    let decoy = stack.fleet.spec("vllm-p-1");
+    let decoy_addr = format!("{}:{}", decoy.ip, decoy.port);
+    for header_name in ["x-envoy-original-dst-host", "target-pod"] {
+        // PD requests: the decode leg must still land on a decode pod.
+        let r = stack.chat(&[("routing-strategy", "pd"), (header_name, decoy_addr.as_str())], &chat_body(false, 2));
+        assert_pd_exchange(&stack, &r);
+        // Single-pod requests: the combined pod, not the decoy.
+        let r = stack.chat(&[(header_name, decoy_addr.as_str())], &chat_body(false, 2));
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(header(&r, "target-pod"), "vllm-c-0");
+    }
+    let on_decoy: Vec<Value> = stack
+        .sim_requests()
+        .into_iter()
+        .filter(|e| e["pod"] == "vllm-p-1" && e["leg"] != "prefill")
+        .collect();
+    assert!(on_decoy.is_empty(), "the decoy only ever served prefill legs: {on_decoy:?}");
+}
+
+fn assert_error(r: &Response, status: u16, header_name: &str, header_value: &str, message: &str) {
+    assert_eq!(r.status, status, "{}", r.text());
+    assert_eq!(r.header(header_name), Some(header_value), "{:?}", r.headers);
+    assert!(r.header("request-id").is_some_and(|v| !v.is_empty()));
+    assert_eq!(r.header("content-type"), Some("application/json"));
+    let body = r.json();
+    assert!(
+        body["error"]["message"].as_str().is_some_and(|m| m.starts_with(message)),
+        "message {:?} should start with {message:?}",
+        body["error"]["message"]
+    );
+    assert!(body["error"].get("type").is_some() && body["error"].get("code").is_some() && body["error"].get("param").is_some());
+}
+
+#[test]
+fn errors_have_status_header_and_openai_body() {
+    let fleet = two_rolesets()
+        .pod("half-p-0", "prefill", "half-0")
+        .of_model("half-model")
+        .pod("down-0", "all", "")
+        .of_model("down-model")
+        .not_ready();
+    let stack = Stack::start(fleet);
+    let gw = stack.gateway.clone();
+    let pd = [("routing-strategy", "pd"), ("content-type", "application/json")];
+
+    let r = pd_wasm_tests::http::request(&gw, "POST", "/v1/chat/completions", &pd, b"{\"model\": ").unwrap();
+    assert_error(&r, 400, "x-error-request-body-processing", "true", "error processing request body");
+
+    let r = stack.chat(&pd, &json!({"model": MODEL, "messages": []}));
+    assert_error(&r, 400, "x-error-request-body-processing", "true", "no messages in the request body");
+
+    let r = stack.chat(&pd, &json!({"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}));
+    assert_error(&r, 400, "x-error-no-model-backends", "no-such-model", "model no-such-model does not exist");
+    assert_eq!(r.json()["error"]["code"], "model_not_found");
+
+    let r = stack.chat(&pd, &json!({"model": "down-model", "messages": [{"role": "user", "content": "x"}]}));
+    assert_error(&r, 503, "x-error-no-model-backends", "true", "error on getting pods for model down-model");
+
+    let r = stack.chat(&pd, &json!({"model": "half-model", "messages": [{"role": "user", "content": "x"}]}));
+    assert_error(&r, 503, "x-error-routing", "true", "error on selecting target pod");
+
+    let r = stack.chat(&[("routing-strategy", "no-such-strategy")], &chat_body(false, 1));
+    assert_error(&r, 400, "x-error-routing", "true", "incorrect routing strategy no-such-strategy");
+
+    let r = pd_wasm_tests::http::post_json(&gw, "/v1/unknown", &pd, &chat_body(false, 1));
+    assert_error(&r, 501, "x-error-request-body-processing", "true", "unknown request path");
+
+    // Refusals are counted by reason.
+    assert!(stack.stat("pd_router_rejected_total.reason.bad_body") >= 1);
+    assert!(stack.stat("pd_router_rejected_total.reason.unknown_model") >= 1);
+    assert!(stack.stat("pd_router_rejected_total.reason.selection") >= 1);
+    // Nothing reached a pod for any of them.
+    assert!(stack.sim_requests().is_empty(), "{:?}", stack.sim_requests());
+}
