@@ -20,12 +20,18 @@ pub struct Response {
 impl Response {
     pub fn header(&self, name: &str) -> Option<&str> {
         let name = name.to_ascii_lowercase();
-        self.headers.iter().find(|(n, _)| *n == name).map(|(_, v)| v.as_str())
+        self.headers
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, v)| v.as_str())
     }
 
     pub fn json(&self) -> serde_json::Value {
         serde_json::from_slice(&self.body).unwrap_or_else(|e| {
-            panic!("body is not JSON ({e}): {}", String::from_utf8_lossy(&self.body))
+            panic!(
+                "body is not JSON ({e}): {}",
+                String::from_utf8_lossy(&self.body)
+            )
         })
     }
 
@@ -60,7 +66,10 @@ pub fn request(
     parse(&raw).ok_or_else(|| {
         std::io::Error::new(
             std::io::ErrorKind::InvalidData,
-            format!("unparsable HTTP response: {:?}", String::from_utf8_lossy(&raw)),
+            format!(
+                "unparsable HTTP response: {:?}",
+                String::from_utf8_lossy(&raw)
+            ),
         )
     })
 }
@@ -69,7 +78,12 @@ pub fn get(addr: &str, path: &str) -> std::io::Result<Response> {
     request(addr, "GET", path, &[], &[])
 }
 
-pub fn post_json(addr: &str, path: &str, headers: &[(&str, &str)], body: &serde_json::Value) -> Response {
+pub fn post_json(
+    addr: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &serde_json::Value,
+) -> Response {
     let mut all = vec![("content-type", "application/json")];
     all.extend_from_slice(headers);
     request(addr, "POST", path, &all, body.to_string().as_bytes())
@@ -94,7 +108,12 @@ fn parse(raw: &[u8]) -> Option<Response> {
     } else {
         (rest.to_vec(), true)
     };
-    Some(Response { status, headers, body, complete })
+    Some(Response {
+        status,
+        headers,
+        body,
+        complete,
+    })
 }
 
 fn dechunk(mut data: &[u8]) -> (Vec<u8>, bool) {
@@ -104,7 +123,8 @@ fn dechunk(mut data: &[u8]) -> (Vec<u8>, bool) {
             return (body, false);
         };
         let size_text = String::from_utf8_lossy(&data[..line_end]);
-        let Ok(size) = usize::from_str_radix(size_text.split(';').next().unwrap_or("").trim(), 16) else {
+        let Ok(size) = usize::from_str_radix(size_text.split(';').next().unwrap_or("").trim(), 16)
+        else {
             return (body, false);
         };
         data = &data[line_end + 2..];
@@ -128,7 +148,10 @@ mod tests {
     fn parses_chunked_and_detects_truncation() {
         let full = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-A: b\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n";
         let r = parse(full).unwrap();
-        assert_eq!((r.status, r.body.as_slice(), r.complete), (200, &b"abcde"[..], true));
+        assert_eq!(
+            (r.status, r.body.as_slice(), r.complete),
+            (200, &b"abcde"[..], true)
+        );
         assert_eq!(r.header("x-a"), Some("b"));
         let cut = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n";
         assert!(!parse(cut).unwrap().complete);

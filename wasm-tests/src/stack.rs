@@ -36,7 +36,12 @@ pub struct Fleet {
 impl Fleet {
     pub fn new(model: &str) -> Fleet {
         let subnet = format!("127.{}.{}", fastrand::u8(100..250), fastrand::u8(1..250));
-        Fleet { model: model.into(), pods: Vec::new(), subnet, port: free_port() }
+        Fleet {
+            model: model.into(),
+            pods: Vec::new(),
+            subnet,
+            port: free_port(),
+        }
     }
 
     /// Adds a pod; `role` "prefill"/"decode"/other, `roleset` may be empty.
@@ -108,7 +113,10 @@ impl Fleet {
                 out.push_str(&format!("      roleset-name: {}\n", p.roleset));
             }
             if !p.config.is_empty() {
-                out.push_str(&format!("    annotations:\n      model.aibrix.ai/config: '{}'\n", p.config));
+                out.push_str(&format!(
+                    "    annotations:\n      model.aibrix.ai/config: '{}'\n",
+                    p.config
+                ));
             }
             out.push_str(&format!(
                 "  status:\n    podIP: {}\n    conditions:\n    - type: Ready\n      status: \"{}\"\n",
@@ -134,15 +142,27 @@ fn repo_root() -> PathBuf {
 }
 
 fn bin(name: &str) -> PathBuf {
-    let dir = std::env::var("PD_BIN_DIR").map(PathBuf::from).unwrap_or_else(|_| repo_root().join("target/debug"));
+    let dir = std::env::var("PD_BIN_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| repo_root().join("target/debug"));
     let path = dir.join(name);
-    assert!(path.exists(), "{} is missing: run `make build` (or cargo build) first", path.display());
+    assert!(
+        path.exists(),
+        "{} is missing: run `make build` (or cargo build) first",
+        path.display()
+    );
     path
 }
 
 fn envoy_bin() -> PathBuf {
-    let path = std::env::var("ENVOY_BIN").map(PathBuf::from).unwrap_or_else(|_| repo_root().join(".venv/envoy"));
-    assert!(path.exists(), "{} is missing: run `make setup` first", path.display());
+    let path = std::env::var("ENVOY_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| repo_root().join(".venv/envoy"));
+    assert!(
+        path.exists(),
+        "{} is missing: run `make setup` first",
+        path.display()
+    );
     path
 }
 
@@ -150,13 +170,23 @@ fn wasm_path() -> PathBuf {
     let path = std::env::var("PD_WASM")
         .map(PathBuf::from)
         .unwrap_or_else(|_| repo_root().join("target/wasm32-wasip1/release/pd_router_filter.wasm"));
-    assert!(path.exists(), "{} is missing: run `make build` first", path.display());
+    assert!(
+        path.exists(),
+        "{} is missing: run `make build` first",
+        path.display()
+    );
     path
 }
 
 /// Renders `envoy/envoy.yaml.tmpl`.
-pub fn render_envoy(listen_port: u16, admin_port: u16, control_port: u16, refresh_ms: u64) -> String {
-    let template = std::fs::read_to_string(repo_root().join("envoy/envoy.yaml.tmpl")).expect("envoy template");
+pub fn render_envoy(
+    listen_port: u16,
+    admin_port: u16,
+    control_port: u16,
+    refresh_ms: u64,
+) -> String {
+    let template =
+        std::fs::read_to_string(repo_root().join("envoy/envoy.yaml.tmpl")).expect("envoy template");
     template
         .replace("@LISTEN_ADDR@", "127.0.0.1")
         .replace("@LISTEN_PORT@", &listen_port.to_string())
@@ -216,11 +246,16 @@ impl Stack {
 
     /// Starts pd-sim, pd-control and Envoy (`--concurrency`), with extra env for Envoy.
     pub fn start_with(fleet: Fleet, concurrency: usize, envoy_env: &[(&str, &str)]) -> Stack {
-        let dir = std::env::temp_dir().join(format!("pd-e2e-{}-{}", std::process::id(), fastrand::u64(..)));
+        let dir = std::env::temp_dir().join(format!(
+            "pd-e2e-{}-{}",
+            std::process::id(),
+            fastrand::u64(..)
+        ));
         std::fs::create_dir_all(&dir).expect("temp dir");
         let fleet_path = dir.join("fleet.yaml");
         std::fs::write(&fleet_path, fleet.to_yaml()).expect("fleet file");
-        let (sim_admin_port, control_port, listen_port, admin_port) = (free_port(), free_port(), free_port(), free_port());
+        let (sim_admin_port, control_port, listen_port, admin_port) =
+            (free_port(), free_port(), free_port(), free_port());
         let mut stack = Stack {
             dir: dir.clone(),
             fleet_path: fleet_path.clone(),
@@ -234,7 +269,10 @@ impl Stack {
         };
 
         let mut sim = Command::new(bin("pd-sim"));
-        sim.arg("--fleet").arg(&fleet_path).arg("--admin").arg(&stack.sim_admin);
+        sim.arg("--fleet")
+            .arg(&fleet_path)
+            .arg("--admin")
+            .arg(&stack.sim_admin);
         let child = spawn_until("pd-sim", sim, "pd-sim: serving", &dir.join("pd-sim.log"));
         stack.children.push(("pd-sim".into(), child));
 
@@ -246,11 +284,20 @@ impl Stack {
             .arg(&stack.control)
             .arg("--refresh-interval")
             .arg("50ms");
-        let child = spawn_until("pd-control", control, "pd-control: listening", &dir.join("pd-control.log"));
+        let child = spawn_until(
+            "pd-control",
+            control,
+            "pd-control: listening",
+            &dir.join("pd-control.log"),
+        );
         stack.children.push(("pd-control".into(), child));
 
         let config = dir.join("envoy.yaml");
-        std::fs::write(&config, render_envoy(listen_port, admin_port, control_port, 50)).expect("envoy config");
+        std::fs::write(
+            &config,
+            render_envoy(listen_port, admin_port, control_port, 50),
+        )
+        .expect("envoy config");
         let mut envoy = Command::new(envoy_bin());
         envoy
             .arg("-c")
@@ -268,7 +315,9 @@ impl Stack {
             .envs(envoy_env.iter().copied());
         let child = envoy
             .stdout(Stdio::null())
-            .stderr(Stdio::from(std::fs::File::create(dir.join("envoy.stderr")).expect("log")))
+            .stderr(Stdio::from(
+                std::fs::File::create(dir.join("envoy.stderr")).expect("log"),
+            ))
             .spawn()
             .expect("cannot start envoy");
         stack.children.push(("envoy".into(), child));
@@ -285,11 +334,18 @@ impl Stack {
                 return;
             }
             if Instant::now() > deadline {
-                panic!("Envoy never loaded the fleet snapshot; logs in {}:\n{}", self.dir.display(), self.envoy_log());
+                panic!(
+                    "Envoy never loaded the fleet snapshot; logs in {}:\n{}",
+                    self.dir.display(),
+                    self.envoy_log()
+                );
             }
             for (name, child) in &mut self.children {
                 if let Ok(Some(status)) = child.try_wait() {
-                    panic!("{name} exited with {status}; logs in {}", self.dir.display());
+                    panic!(
+                        "{name} exited with {status}; logs in {}",
+                        self.dir.display()
+                    );
                 }
             }
             std::thread::sleep(Duration::from_millis(20));
@@ -338,7 +394,9 @@ impl Stack {
 
     /// The snapshot pd-control currently serves, as JSON.
     pub fn control_snapshot(&self) -> serde_json::Value {
-        http::get(&self.control, "/v1/snapshot.json").expect("pd-control").json()
+        http::get(&self.control, "/v1/snapshot.json")
+            .expect("pd-control")
+            .json()
     }
 
     pub fn chat(&self, headers: &[(&str, &str)], body: &serde_json::Value) -> http::Response {

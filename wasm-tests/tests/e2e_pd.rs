@@ -40,8 +40,16 @@ fn legs(stack: &Stack, request_id: &str) -> (Vec<Value>, Vec<Value>) {
         .into_iter()
         .filter(|e| e["x_request_id"] == request_id)
         .collect();
-    let prefill = entries.iter().filter(|e| e["leg"] == "prefill").cloned().collect();
-    let decode = entries.iter().filter(|e| e["leg"] == "decode").cloned().collect();
+    let prefill = entries
+        .iter()
+        .filter(|e| e["leg"] == "prefill")
+        .cloned()
+        .collect();
+    let decode = entries
+        .iter()
+        .filter(|e| e["leg"] == "decode")
+        .cloned()
+        .collect();
     (prefill, decode)
 }
 
@@ -56,8 +64,14 @@ fn assert_pd_exchange(stack: &Stack, r: &Response) -> (String, String) {
     let prefill = stack.fleet.spec(&prefill_name);
     assert_eq!(decode.role, "decode");
     assert_eq!(prefill.role, "prefill");
-    assert_eq!(decode.roleset, prefill.roleset, "pair must come from one roleset");
-    assert_eq!(header(r, "target-pod-ip"), format!("{}:{}", decode.ip, decode.port));
+    assert_eq!(
+        decode.roleset, prefill.roleset,
+        "pair must come from one roleset"
+    );
+    assert_eq!(
+        header(r, "target-pod-ip"),
+        format!("{}:{}", decode.ip, decode.port)
+    );
     assert_eq!(header(r, "prefill-target-pod-ip"), prefill.ip);
 
     let (prefill_legs, decode_legs) = legs(stack, &request_id);
@@ -71,9 +85,15 @@ fn assert_pd_exchange(stack: &Stack, r: &Response) -> (String, String) {
     assert_eq!(p["kv_transfer_params_in"]["do_remote_decode"], true);
 
     let mut expected = p["kv_transfer_params_out"].clone();
-    assert_eq!(expected["remote_host"], "localhost", "pd-sim reports its side-channel host");
+    assert_eq!(
+        expected["remote_host"], "localhost",
+        "pd-sim reports its side-channel host"
+    );
     expected["remote_host"] = json!(prefill.ip);
-    assert_eq!(d["kv_transfer_params_in"], expected, "decode got the prefill's params, remote_host rewritten");
+    assert_eq!(
+        d["kv_transfer_params_in"], expected,
+        "decode got the prefill's params, remote_host rewritten"
+    );
     (prefill_name, decode_name)
 }
 
@@ -84,8 +104,15 @@ fn non_streaming_pd_request_goes_prefill_then_decode_of_one_roleset() {
     assert_pd_exchange(&stack, &r);
     let answer = r.json();
     let request_id = header(&r, "request-id");
-    assert_eq!(answer["id"], format!("chatcmpl-{request_id}"), "the decode pod's answer, by its id");
-    assert_eq!(answer["usage"]["completion_tokens"], 7, "decode generated the whole answer");
+    assert_eq!(
+        answer["id"],
+        format!("chatcmpl-{request_id}"),
+        "the decode pod's answer, by its id"
+    );
+    assert_eq!(
+        answer["usage"]["completion_tokens"], 7,
+        "decode generated the whole answer"
+    );
     assert_eq!(answer["object"], "chat.completion");
 }
 
@@ -97,14 +124,21 @@ fn streaming_pd_request_is_relayed_intact() {
     assert!(header(&r, "content-type").starts_with("text/event-stream"));
     assert!(r.complete, "the chunked stream ended properly");
     let text = r.text();
-    let events: Vec<&str> = text.split("\n\n").filter(|e| !e.trim().is_empty()).collect();
+    let events: Vec<&str> = text
+        .split("\n\n")
+        .filter(|e| !e.trim().is_empty())
+        .collect();
     assert_eq!(events.last().copied(), Some("data: [DONE]"));
     let tokens = events
         .iter()
         .filter_map(|e| e.strip_prefix("data: "))
         .filter(|d| *d != "[DONE]")
         .map(|d| serde_json::from_str::<Value>(d).expect("each event is JSON"))
-        .filter(|v| v["choices"][0]["delta"]["content"].as_str().is_some_and(|c| !c.is_empty()))
+        .filter(|v| {
+            v["choices"][0]["delta"]["content"]
+                .as_str()
+                .is_some_and(|c| !c.is_empty())
+        })
         .count();
     assert_eq!(tokens, 5, "every decode token reached the client: {text}");
 }
@@ -119,7 +153,11 @@ fn a_roleset_whose_decode_pod_is_removed_stops_being_chosen_within_one_second() 
         assert_eq!(r.status, 200, "{}", r.text());
         before.insert(header(&r, "target-pod").to_string());
     }
-    assert_eq!(before.len(), 2, "both rolesets serve before the edit: {before:?}");
+    assert_eq!(
+        before.len(),
+        2,
+        "both rolesets serve before the edit: {before:?}"
+    );
 
     let edited = stack.fleet.without("vllm-d-1");
     stack.write_fleet(edited);
@@ -135,7 +173,11 @@ fn a_roleset_whose_decode_pod_is_removed_stops_being_chosen_within_one_second() 
         let r = stack.chat(&[("routing-strategy", "pd")], &body);
         assert_eq!(r.status, 200, "{}", r.text());
         assert_eq!(header(&r, "target-pod"), "vllm-d-0");
-        assert_eq!(header(&r, "prefill-target-pod"), "vllm-p-0", "the incomplete roleset gives no prefill pod either");
+        assert_eq!(
+            header(&r, "prefill-target-pod"),
+            "vllm-p-0",
+            "the incomplete roleset gives no prefill pod either"
+        );
     }
 }
 
@@ -146,7 +188,13 @@ fn client_supplied_destination_headers_have_no_effect() {
     let decoy_addr = format!("{}:{}", decoy.ip, decoy.port);
     for header_name in ["x-envoy-original-dst-host", "target-pod"] {
         // PD requests: the decode leg must still land on a decode pod.
-        let r = stack.chat(&[("routing-strategy", "pd"), (header_name, decoy_addr.as_str())], &chat_body(false, 2));
+        let r = stack.chat(
+            &[
+                ("routing-strategy", "pd"),
+                (header_name, decoy_addr.as_str()),
+            ],
+            &chat_body(false, 2),
+        );
         assert_pd_exchange(&stack, &r);
         // Single-pod requests: the combined pod, not the decoy.
         let r = stack.chat(&[(header_name, decoy_addr.as_str())], &chat_body(false, 2));
@@ -158,7 +206,10 @@ fn client_supplied_destination_headers_have_no_effect() {
         .into_iter()
         .filter(|e| e["pod"] == "vllm-p-1" && e["leg"] != "prefill")
         .collect();
-    assert!(on_decoy.is_empty(), "the decoy only ever served prefill legs: {on_decoy:?}");
+    assert!(
+        on_decoy.is_empty(),
+        "the decoy only ever served prefill legs: {on_decoy:?}"
+    );
 }
 
 fn assert_error(r: &Response, status: u16, header_name: &str, header_value: &str, message: &str) {
@@ -168,11 +219,17 @@ fn assert_error(r: &Response, status: u16, header_name: &str, header_value: &str
     assert_eq!(r.header("content-type"), Some("application/json"));
     let body = r.json();
     assert!(
-        body["error"]["message"].as_str().is_some_and(|m| m.starts_with(message)),
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with(message)),
         "message {:?} should start with {message:?}",
         body["error"]["message"]
     );
-    assert!(body["error"].get("type").is_some() && body["error"].get("code").is_some() && body["error"].get("param").is_some());
+    assert!(
+        body["error"].get("type").is_some()
+            && body["error"].get("code").is_some()
+            && body["error"].get("param").is_some()
+    );
 }
 
 #[test]
@@ -185,34 +242,96 @@ fn errors_have_status_header_and_openai_body() {
         .not_ready();
     let stack = Stack::start(fleet);
     let gw = stack.gateway.clone();
-    let pd = [("routing-strategy", "pd"), ("content-type", "application/json")];
+    let pd = [
+        ("routing-strategy", "pd"),
+        ("content-type", "application/json"),
+    ];
 
-    let r = pd_wasm_tests::http::request(&gw, "POST", "/v1/chat/completions", &pd, b"{\"model\": ").unwrap();
-    assert_error(&r, 400, "x-error-request-body-processing", "true", "error processing request body");
+    let r = pd_wasm_tests::http::request(&gw, "POST", "/v1/chat/completions", &pd, b"{\"model\": ")
+        .unwrap();
+    assert_error(
+        &r,
+        400,
+        "x-error-request-body-processing",
+        "true",
+        "error processing request body",
+    );
 
     let r = stack.chat(&pd, &json!({"model": MODEL, "messages": []}));
-    assert_error(&r, 400, "x-error-request-body-processing", "true", "no messages in the request body");
+    assert_error(
+        &r,
+        400,
+        "x-error-request-body-processing",
+        "true",
+        "no messages in the request body",
+    );
 
-    let r = stack.chat(&pd, &json!({"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}));
-    assert_error(&r, 400, "x-error-no-model-backends", "no-such-model", "model no-such-model does not exist");
+    let r = stack.chat(
+        &pd,
+        &json!({"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}),
+    );
+    assert_error(
+        &r,
+        400,
+        "x-error-no-model-backends",
+        "no-such-model",
+        "model no-such-model does not exist",
+    );
     assert_eq!(r.json()["error"]["code"], "model_not_found");
 
-    let r = stack.chat(&pd, &json!({"model": "down-model", "messages": [{"role": "user", "content": "x"}]}));
-    assert_error(&r, 503, "x-error-no-model-backends", "true", "error on getting pods for model down-model");
+    let r = stack.chat(
+        &pd,
+        &json!({"model": "down-model", "messages": [{"role": "user", "content": "x"}]}),
+    );
+    assert_error(
+        &r,
+        503,
+        "x-error-no-model-backends",
+        "true",
+        "error on getting pods for model down-model",
+    );
 
-    let r = stack.chat(&pd, &json!({"model": "half-model", "messages": [{"role": "user", "content": "x"}]}));
-    assert_error(&r, 503, "x-error-routing", "true", "error on selecting target pod");
+    let r = stack.chat(
+        &pd,
+        &json!({"model": "half-model", "messages": [{"role": "user", "content": "x"}]}),
+    );
+    assert_error(
+        &r,
+        503,
+        "x-error-routing",
+        "true",
+        "error on selecting target pod",
+    );
 
-    let r = stack.chat(&[("routing-strategy", "no-such-strategy")], &chat_body(false, 1));
-    assert_error(&r, 400, "x-error-routing", "true", "incorrect routing strategy no-such-strategy");
+    let r = stack.chat(
+        &[("routing-strategy", "no-such-strategy")],
+        &chat_body(false, 1),
+    );
+    assert_error(
+        &r,
+        400,
+        "x-error-routing",
+        "true",
+        "incorrect routing strategy no-such-strategy",
+    );
 
     let r = pd_wasm_tests::http::post_json(&gw, "/v1/unknown", &pd, &chat_body(false, 1));
-    assert_error(&r, 501, "x-error-request-body-processing", "true", "unknown request path");
+    assert_error(
+        &r,
+        501,
+        "x-error-request-body-processing",
+        "true",
+        "unknown request path",
+    );
 
     // Refusals are counted by reason.
     assert!(stack.stat("pd_router_rejected_total.reason.bad_body") >= 1);
     assert!(stack.stat("pd_router_rejected_total.reason.unknown_model") >= 1);
     assert!(stack.stat("pd_router_rejected_total.reason.selection") >= 1);
     // Nothing reached a pod for any of them.
-    assert!(stack.sim_requests().is_empty(), "{:?}", stack.sim_requests());
+    assert!(
+        stack.sim_requests().is_empty(),
+        "{:?}",
+        stack.sim_requests()
+    );
 }

@@ -66,7 +66,10 @@ impl PluginConfig {
         ];
         for (field, value) in non_empty {
             if value.trim().is_empty() {
-                return Err(ConfigError::Field { field, reason: "must not be empty".into() });
+                return Err(ConfigError::Field {
+                    field,
+                    reason: "must not be empty".into(),
+                });
             }
         }
         let header_ok = !self.dst_header.is_empty()
@@ -81,10 +84,16 @@ impl PluginConfig {
             });
         }
         if !(10..=60_000).contains(&self.refresh_ms) {
-            return Err(ConfigError::Field { field: "refresh_ms", reason: "must be 10..=60000".into() });
+            return Err(ConfigError::Field {
+                field: "refresh_ms",
+                reason: "must be 10..=60000".into(),
+            });
         }
         if self.fetch_timeout_ms == 0 {
-            return Err(ConfigError::Field { field: "fetch_timeout_ms", reason: "must be positive".into() });
+            return Err(ConfigError::Field {
+                field: "fetch_timeout_ms",
+                reason: "must be positive".into(),
+            });
         }
         Ok(())
     }
@@ -177,11 +186,31 @@ mod tests {
 
     #[test]
     fn unknown_keys_and_bad_values_are_refused() {
-        assert!(matches!(PluginConfig::parse(br#"{"refresh":5}"#), Err(ConfigError::Json(m)) if m.contains("refresh")));
-        assert!(matches!(PluginConfig::parse(br#"{"dst_header":"Bad Header"}"#), Err(ConfigError::Field { field: "dst_header", .. })));
-        assert!(matches!(PluginConfig::parse(br#"{"refresh_ms":1}"#), Err(ConfigError::Field { field: "refresh_ms", .. })));
-        let ok = PluginConfig::parse(br#"{"dst_header":"x-gateway-destination-endpoint","refresh_ms":50}"#).unwrap();
-        assert_eq!((ok.dst_header.as_str(), ok.refresh_ms), ("x-gateway-destination-endpoint", 50));
+        assert!(
+            matches!(PluginConfig::parse(br#"{"refresh":5}"#), Err(ConfigError::Json(m)) if m.contains("refresh"))
+        );
+        assert!(matches!(
+            PluginConfig::parse(br#"{"dst_header":"Bad Header"}"#),
+            Err(ConfigError::Field {
+                field: "dst_header",
+                ..
+            })
+        ));
+        assert!(matches!(
+            PluginConfig::parse(br#"{"refresh_ms":1}"#),
+            Err(ConfigError::Field {
+                field: "refresh_ms",
+                ..
+            })
+        ));
+        let ok = PluginConfig::parse(
+            br#"{"dst_header":"x-gateway-destination-endpoint","refresh_ms":50}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            (ok.dst_header.as_str(), ok.refresh_ms),
+            ("x-gateway-destination-endpoint", 50)
+        );
     }
 
     #[test]

@@ -41,7 +41,9 @@ impl RouteError {
             RouteError::BadBody | RouteError::NoMessages => 400,
             RouteError::UnknownPath => 501,
             RouteError::UnknownModel(_) | RouteError::BadStrategy(_) => 400,
-            RouteError::NoRoutablePods(_) | RouteError::Selection { .. } | RouteError::NoSnapshot => 503,
+            RouteError::NoRoutablePods(_)
+            | RouteError::Selection { .. }
+            | RouteError::NoSnapshot => 503,
             RouteError::Prefill { status, .. } => *status,
             RouteError::Internal(_) => 500,
         }
@@ -53,7 +55,9 @@ impl RouteError {
             RouteError::BadBody | RouteError::NoMessages | RouteError::UnknownPath => {
                 ("x-error-request-body-processing", "true".into())
             }
-            RouteError::UnknownModel(model) => ("x-error-no-model-backends", sanitize_header(model)),
+            RouteError::UnknownModel(model) => {
+                ("x-error-no-model-backends", sanitize_header(model))
+            }
             RouteError::NoRoutablePods(_) => ("x-error-no-model-backends", "true".into()),
             RouteError::BadStrategy(_) | RouteError::Selection { .. } | RouteError::NoSnapshot => {
                 ("x-error-routing", "true".into())
@@ -150,12 +154,42 @@ mod tests {
     #[test]
     fn catalogue_matches_contract() {
         let cases: Vec<(RouteError, u32, &str, &str)> = vec![
-            (RouteError::BadBody, 400, "x-error-request-body-processing", "true"),
-            (RouteError::UnknownPath, 501, "x-error-request-body-processing", "true"),
-            (RouteError::UnknownModel("m1".into()), 400, "x-error-no-model-backends", "m1"),
-            (RouteError::NoRoutablePods("m1".into()), 503, "x-error-no-model-backends", "true"),
-            (RouteError::BadStrategy("x".into()), 400, "x-error-routing", "true"),
-            (RouteError::Selection { detail: "d".into() }, 503, "x-error-routing", "true"),
+            (
+                RouteError::BadBody,
+                400,
+                "x-error-request-body-processing",
+                "true",
+            ),
+            (
+                RouteError::UnknownPath,
+                501,
+                "x-error-request-body-processing",
+                "true",
+            ),
+            (
+                RouteError::UnknownModel("m1".into()),
+                400,
+                "x-error-no-model-backends",
+                "m1",
+            ),
+            (
+                RouteError::NoRoutablePods("m1".into()),
+                503,
+                "x-error-no-model-backends",
+                "true",
+            ),
+            (
+                RouteError::BadStrategy("x".into()),
+                400,
+                "x-error-routing",
+                "true",
+            ),
+            (
+                RouteError::Selection { detail: "d".into() },
+                503,
+                "x-error-routing",
+                "true",
+            ),
         ];
         for (err, status, header, value) in cases {
             assert_eq!(err.status(), status, "{err:?}");
@@ -171,10 +205,15 @@ mod tests {
         assert_eq!(b["error"]["type"], "invalid_request_error");
         assert_eq!(b["error"]["code"], "model_not_found");
         assert_eq!(b["error"]["param"], "model");
-        let b = body(&RouteError::Selection { detail: "no complete roleset".into() });
+        let b = body(&RouteError::Selection {
+            detail: "no complete roleset".into(),
+        });
         assert_eq!(b["error"]["code"], "service_unavailable");
         assert_eq!(b["error"]["type"], "overloaded_error");
-        assert_eq!(b["error"]["message"], "error on selecting target pod: no complete roleset");
+        assert_eq!(
+            b["error"]["message"],
+            "error on selecting target pod: no complete roleset"
+        );
     }
 
     #[test]

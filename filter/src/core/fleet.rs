@@ -69,7 +69,10 @@ impl FleetView {
             .iter()
             .map(|m| (m.name.clone(), ModelView::build(&m.pods)))
             .collect();
-        FleetView { version: snapshot.version, models }
+        FleetView {
+            version: snapshot.version,
+            models,
+        }
     }
 
     pub fn decode(bytes: &[u8]) -> Result<FleetView, prost::DecodeError> {
@@ -80,7 +83,10 @@ impl FleetView {
 
 impl ModelView {
     fn build(pods: &[proto::Pod]) -> ModelView {
-        let mut view = ModelView { total_pods: pods.len(), ..ModelView::default() };
+        let mut view = ModelView {
+            total_pods: pods.len(),
+            ..ModelView::default()
+        };
         let mut roleset_index: HashMap<&str, usize> = HashMap::new();
         let mut groups: Vec<Roleset> = Vec::new();
         for pod in pods {
@@ -106,12 +112,16 @@ impl ModelView {
                 name: pod.name.clone(),
                 ip: pod.ip.clone(),
                 address: format!("{}:{}", pod.ip, pod.port),
-                engine: if pod.engine.is_empty() { "vllm".into() } else { pod.engine.clone() },
+                engine: if pod.engine.is_empty() {
+                    "vllm".into()
+                } else {
+                    pod.engine.clone()
+                },
                 role,
                 roleset: pod.roleset.clone(),
                 combined,
                 kv_connector: KvConnector::parse(&pod.kv_connector_type),
-                metrics: pod.metrics.clone().filter(|m| m.present),
+                metrics: pod.metrics.filter(|m| m.present),
             });
             if role == Role::Other {
                 if combined {
@@ -122,10 +132,16 @@ impl ModelView {
             if pod.roleset.is_empty() {
                 continue; // a PD pod outside any roleset can never be paired
             }
-            let g = *roleset_index.entry(pod.roleset.as_str()).or_insert_with(|| {
-                groups.push(Roleset { name: pod.roleset.clone(), prefill: vec![], decode: vec![] });
-                groups.len() - 1
-            });
+            let g = *roleset_index
+                .entry(pod.roleset.as_str())
+                .or_insert_with(|| {
+                    groups.push(Roleset {
+                        name: pod.roleset.clone(),
+                        prefill: vec![],
+                        decode: vec![],
+                    });
+                    groups.len() - 1
+                });
             match role {
                 Role::Prefill => groups[g].prefill.push(idx),
                 _ => groups[g].decode.push(idx),
@@ -162,7 +178,10 @@ pub(crate) mod tests {
         proto::Snapshot {
             version: 7,
             generated_unix_ms: 0,
-            models: vec![proto::Model { name: "m".into(), pods }],
+            models: vec![proto::Model {
+                name: "m".into(),
+                pods,
+            }],
         }
     }
 
@@ -189,6 +208,9 @@ pub(crate) mod tests {
         assert_eq!(m.combined.len(), 1);
         assert_eq!(m.pods[m.combined[0]].name, "c0");
         assert_eq!(m.pods[m.combined[0]].address, "127.0.0.2:8000");
-        assert!(m.config.is_some(), "model config comes from the first valid annotation");
+        assert!(
+            m.config.is_some(),
+            "model config comes from the first valid annotation"
+        );
     }
 }

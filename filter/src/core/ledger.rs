@@ -73,7 +73,9 @@ impl LoadTable {
     pub fn release(&mut self, pod_key: &str, counter: Counter) {
         if let Some(c) = self.pods.get_mut(pod_key) {
             match counter {
-                Counter::PrefillInflight => c.prefill_inflight = c.prefill_inflight.saturating_sub(1),
+                Counter::PrefillInflight => {
+                    c.prefill_inflight = c.prefill_inflight.saturating_sub(1)
+                }
                 Counter::Running => c.running = c.running.saturating_sub(1),
             }
             if c.is_zero() {
@@ -111,7 +113,13 @@ impl LoadTable {
             let key = std::str::from_utf8(&rest[..len]).map_err(|_| StoreError::Corrupt)?;
             let (prefill_inflight, rest) = split_u32(&rest[len..])?;
             let (running, rest) = split_u32(rest)?;
-            table.pods.insert(key.to_string(), Counts { prefill_inflight, running });
+            table.pods.insert(
+                key.to_string(),
+                Counts {
+                    prefill_inflight,
+                    running,
+                },
+            );
             bytes = rest;
         }
         Ok(table)
@@ -208,7 +216,13 @@ mod tests {
         t.release("ns/b", Counter::Running);
         let back = LoadTable::decode(&t.encode()).unwrap();
         assert_eq!(back, t);
-        assert_eq!(back.counts("ns/a"), Counts { prefill_inflight: 1, running: 1 });
+        assert_eq!(
+            back.counts("ns/a"),
+            Counts {
+                prefill_inflight: 1,
+                running: 1
+            }
+        );
         assert_eq!(back.counts("ns/b"), Counts::default());
         assert_eq!(LoadTable::decode(&[3, 0, b'a']), Err(StoreError::Corrupt));
     }
@@ -236,19 +250,29 @@ mod tests {
 
     #[test]
     fn a_conflicting_write_reruns_the_selection_on_fresh_data() {
-        let store = RacingStore { inner: MemoryStore::default(), raced: Cell::new(false) };
+        let store = RacingStore {
+            inner: MemoryStore::default(),
+            raced: Cell::new(false),
+        };
         ensure_table(&store.inner).unwrap();
         let mut runs = 0;
         // "Select" the least-running of a and b, then charge it.
         let chosen = update(&store, |t| {
             runs += 1;
-            let pick = if t.counts("ns/a").running <= t.counts("ns/b").running { "ns/a" } else { "ns/b" };
+            let pick = if t.counts("ns/a").running <= t.counts("ns/b").running {
+                "ns/a"
+            } else {
+                "ns/b"
+            };
             t.add(pick, Counter::Running);
             Ok::<_, StoreError>(pick)
         })
         .unwrap();
         assert_eq!(runs, 2, "the first attempt lost the race");
-        assert_eq!(chosen, "ns/b", "the retry saw the other worker's charge on a");
+        assert_eq!(
+            chosen, "ns/b",
+            "the retry saw the other worker's charge on a"
+        );
         let (bytes, _) = store.get(LOAD_KEY).unwrap();
         let t = LoadTable::decode(&bytes.unwrap()).unwrap();
         assert_eq!((t.counts("ns/a").running, t.counts("ns/b").running), (1, 1));
@@ -256,6 +280,9 @@ mod tests {
         release(&store, "ns/b", Counter::Running).unwrap();
         release(&store, "ns/b", Counter::Running).unwrap();
         let (bytes, _) = store.get(LOAD_KEY).unwrap();
-        assert!(LoadTable::decode(&bytes.unwrap()).unwrap().is_empty(), "never below zero");
+        assert!(
+            LoadTable::decode(&bytes.unwrap()).unwrap().is_empty(),
+            "never below zero"
+        );
     }
 }

@@ -24,7 +24,9 @@ pub struct Profile {
 }
 
 /// An invalid `routingConfig` keeps every default instead of discarding the whole annotation.
-fn lenient_routing_config<'de, D: serde::Deserializer<'de>>(d: D) -> Result<RoutingConfig, D::Error> {
+fn lenient_routing_config<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<RoutingConfig, D::Error> {
     let value = serde_json::Value::deserialize(d)?;
     Ok(serde_json::from_value(value).unwrap_or_default())
 }
@@ -51,7 +53,10 @@ impl ModelConfig {
     /// The profile a request uses: the `config-profile` header when it names a profile,
     /// else `defaultProfile` (or `"default"`), else none.
     pub fn profile(&self, requested: Option<&str>) -> Option<&Profile> {
-        if let Some(p) = requested.map(str::trim).and_then(|name| self.profiles.get(name)) {
+        if let Some(p) = requested
+            .map(str::trim)
+            .and_then(|name| self.profiles.get(name))
+        {
             return Some(p);
         }
         let fallback = self
@@ -71,7 +76,11 @@ pub fn resolve_strategy(
     header: Option<&str>,
     env_default: Option<&str>,
 ) -> Option<String> {
-    let non_empty = |s: Option<&str>| s.map(str::trim).filter(|s| !s.is_empty()).map(str::to_string);
+    let non_empty = |s: Option<&str>| {
+        s.map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(str::to_string)
+    };
     non_empty(config.and_then(|c| c.locked_routing_strategy.as_deref()))
         .or_else(|| non_empty(header))
         .or_else(|| non_empty(profile.and_then(|p| p.routing_strategy.as_deref())))
@@ -92,8 +101,17 @@ mod tests {
         let main = c.profile(None).unwrap();
         assert!(main.routing_config.combined);
         assert_eq!(main.routing_config.prompt_len_bucket_max_length, 2048);
-        assert_eq!(c.profile(Some(" other ")).unwrap().routing_strategy.as_deref(), Some("random"));
-        assert_eq!(c.profile(Some("other")).unwrap().routing_config, RoutingConfig::default());
+        assert_eq!(
+            c.profile(Some(" other "))
+                .unwrap()
+                .routing_strategy
+                .as_deref(),
+            Some("random")
+        );
+        assert_eq!(
+            c.profile(Some("other")).unwrap().routing_config,
+            RoutingConfig::default()
+        );
         assert_eq!(c.profile(Some("missing")), Some(main));
         assert!(ModelConfig::parse(r#"{"profiles":{}}"#).is_none());
         assert!(ModelConfig::parse("not json").is_none());
@@ -101,14 +119,30 @@ mod tests {
 
     #[test]
     fn strategy_precedence() {
-        let locked = ModelConfig::parse(r#"{"lockedRoutingStrategy":"pd","profiles":{"default":{"routingStrategy":"random"}}}"#).unwrap();
+        let locked = ModelConfig::parse(
+            r#"{"lockedRoutingStrategy":"pd","profiles":{"default":{"routingStrategy":"random"}}}"#,
+        )
+        .unwrap();
         let p = locked.profile(None);
-        assert_eq!(resolve_strategy(Some(&locked), p, Some("random"), None).as_deref(), Some("pd"));
-        let open = ModelConfig::parse(r#"{"profiles":{"default":{"routingStrategy":"pd"}}}"#).unwrap();
+        assert_eq!(
+            resolve_strategy(Some(&locked), p, Some("random"), None).as_deref(),
+            Some("pd")
+        );
+        let open =
+            ModelConfig::parse(r#"{"profiles":{"default":{"routingStrategy":"pd"}}}"#).unwrap();
         let p = open.profile(None);
-        assert_eq!(resolve_strategy(Some(&open), p, Some(" random "), None).as_deref(), Some("random"));
-        assert_eq!(resolve_strategy(Some(&open), p, Some(""), Some("x")).as_deref(), Some("pd"));
-        assert_eq!(resolve_strategy(None, None, None, Some("least-request")).as_deref(), Some("least-request"));
+        assert_eq!(
+            resolve_strategy(Some(&open), p, Some(" random "), None).as_deref(),
+            Some("random")
+        );
+        assert_eq!(
+            resolve_strategy(Some(&open), p, Some(""), Some("x")).as_deref(),
+            Some("pd")
+        );
+        assert_eq!(
+            resolve_strategy(None, None, None, Some("least-request")).as_deref(),
+            Some("least-request")
+        );
         assert_eq!(resolve_strategy(None, None, None, None), None);
     }
 }

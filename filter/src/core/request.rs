@@ -153,9 +153,14 @@ mod tests {
 
     #[test]
     fn completions_need_a_string_prompt() {
-        let ok = RoutingRequest::parse(Endpoint::Completions, br#"{"model":"m","prompt":"hello"}"#).unwrap();
+        let ok = RoutingRequest::parse(Endpoint::Completions, br#"{"model":"m","prompt":"hello"}"#)
+            .unwrap();
         assert_eq!((ok.prompt_bytes, ok.stream), (5, false));
-        for bad in [r#"{"model":"m","prompt":["a"]}"#, r#"{"model":"m","prompt":[1,2]}"#, r#"{"model":"m"}"#] {
+        for bad in [
+            r#"{"model":"m","prompt":["a"]}"#,
+            r#"{"model":"m","prompt":[1,2]}"#,
+            r#"{"model":"m"}"#,
+        ] {
             assert_eq!(
                 RoutingRequest::parse(Endpoint::Completions, bad.as_bytes()).unwrap_err(),
                 RouteError::BadBody,
@@ -168,25 +173,49 @@ mod tests {
     fn malformed_bodies() {
         assert_eq!(chat("{not json").unwrap_err(), RouteError::BadBody);
         assert_eq!(chat("[1]").unwrap_err(), RouteError::BadBody);
-        assert_eq!(chat(r#"{"model":"m","messages":[]}"#).unwrap_err(), RouteError::NoMessages);
-        assert_eq!(chat(r#"{"model":"m"}"#).unwrap_err(), RouteError::NoMessages);
-        assert_eq!(chat(r#"{"model":"m","stream":"yes","messages":[{"content":"a"}]}"#).unwrap_err(), RouteError::BadBody);
-        assert_eq!(chat(r#"{"model":7,"messages":[{"content":"a"}]}"#).unwrap_err(), RouteError::BadBody);
+        assert_eq!(
+            chat(r#"{"model":"m","messages":[]}"#).unwrap_err(),
+            RouteError::NoMessages
+        );
+        assert_eq!(
+            chat(r#"{"model":"m"}"#).unwrap_err(),
+            RouteError::NoMessages
+        );
+        assert_eq!(
+            chat(r#"{"model":"m","stream":"yes","messages":[{"content":"a"}]}"#).unwrap_err(),
+            RouteError::BadBody
+        );
+        assert_eq!(
+            chat(r#"{"model":7,"messages":[{"content":"a"}]}"#).unwrap_err(),
+            RouteError::BadBody
+        );
         assert_eq!(chat(r#"{"messages":[{"content":"a"}]}"#).unwrap().model, "");
     }
 
     #[test]
     fn paths_match_exactly() {
-        assert_eq!(Endpoint::from_path("/v1/completions"), Ok(Endpoint::Completions));
-        assert_eq!(Endpoint::from_path("/v1/completions?x=1"), Err(RouteError::UnknownPath));
-        assert_eq!(Endpoint::from_path("/v1/embeddings"), Err(RouteError::UnknownPath));
+        assert_eq!(
+            Endpoint::from_path("/v1/completions"),
+            Ok(Endpoint::Completions)
+        );
+        assert_eq!(
+            Endpoint::from_path("/v1/completions?x=1"),
+            Err(RouteError::UnknownPath)
+        );
+        assert_eq!(
+            Endpoint::from_path("/v1/embeddings"),
+            Err(RouteError::UnknownPath)
+        );
     }
 
     #[test]
     fn request_id_prefers_traceparent() {
         let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
         assert_eq!(request_id(Some(tp), 1), "4bf92f3577b34da6a3ce929d0e0e4736");
-        assert_eq!(request_id(Some("00-0000-bad"), 0xabc), "00000000-0000-0000-0000-000000000abc");
+        assert_eq!(
+            request_id(Some("00-0000-bad"), 0xabc),
+            "00000000-0000-0000-0000-000000000abc"
+        );
         assert_eq!(request_id(None, u128::MAX).len(), 36);
     }
 }

@@ -84,7 +84,10 @@ impl PdHttp {
     fn reject(&mut self, error: RouteError) -> Action {
         self.release_all();
         self.vm.borrow().metrics.rejected(&error);
-        if !matches!(error, RouteError::UnknownPath | RouteError::BadBody | RouteError::NoMessages) {
+        if !matches!(
+            error,
+            RouteError::UnknownPath | RouteError::BadBody | RouteError::NoMessages
+        ) {
             log::info!("request {} refused: {error}", self.request_id);
         }
         let (name, value) = error.header();
@@ -121,7 +124,12 @@ impl PdHttp {
 
     fn route(&mut self, raw: &[u8]) -> Result<Action, RouteError> {
         let endpoint = self.endpoint.ok_or(RouteError::UnknownPath)?;
-        let fleet: Rc<FleetView> = self.vm.borrow().fleet.clone().ok_or(RouteError::NoSnapshot)?;
+        let fleet: Rc<FleetView> = self
+            .vm
+            .borrow()
+            .fleet
+            .clone()
+            .ok_or(RouteError::NoSnapshot)?;
         let req = RoutingRequest::parse(endpoint, raw)?;
         let model = fleet
             .models
@@ -133,7 +141,12 @@ impl PdHttp {
         let env_default = self.vm.borrow().env.routing_algorithm.clone();
         let config = model.config.as_ref();
         let profile = config.and_then(|c| c.profile(self.profile_header.as_deref()));
-        let strategy = resolve_strategy(config, profile, self.strategy_header.as_deref(), env_default.as_deref());
+        let strategy = resolve_strategy(
+            config,
+            profile,
+            self.strategy_header.as_deref(),
+            env_default.as_deref(),
+        );
         let pd_mode = match strategy.as_deref() {
             Some("pd") => true,
             None | Some("random") | Some("least-request") => false,
@@ -156,7 +169,9 @@ impl PdHttp {
             }
             Target::Pair { prefill, decode } => {
                 let (prefill, decode) = (&model.pods[prefill], &model.pods[decode]);
-                let connector = prefill.kv_connector.unwrap_or(self.vm.borrow().env.kv_connector);
+                let connector = prefill
+                    .kv_connector
+                    .unwrap_or(self.vm.borrow().env.kv_connector);
                 let body = vllm::prefill_body(&req.body, connector);
                 let token = self.dispatch_prefill(endpoint, &prefill.address, &body)?;
                 self.pending = Some(PendingDecode {
@@ -179,7 +194,11 @@ impl PdHttp {
     }
 
     /// Selection and charges in one CAS round over the shared load table.
-    fn select_and_charge(&mut self, model: &ModelView, pd_mode: bool) -> Result<Target, RouteError> {
+    fn select_and_charge(
+        &mut self,
+        model: &ModelView,
+        pd_mode: bool,
+    ) -> Result<Target, RouteError> {
         let vm = self.vm.clone();
         let mut vm = vm.borrow_mut();
         let rng = &mut vm.rng;
@@ -200,10 +219,19 @@ impl PdHttp {
         Ok(target)
     }
 
-    fn dispatch_prefill(&self, endpoint: Endpoint, address: &str, body: &[u8]) -> Result<u32, RouteError> {
+    fn dispatch_prefill(
+        &self,
+        endpoint: Endpoint,
+        address: &str,
+        body: &[u8],
+    ) -> Result<u32, RouteError> {
         let (dst_header, cluster, timeout_s) = {
             let vm = self.vm.borrow();
-            (vm.plugin.dst_header.clone(), vm.plugin.pods_cluster.clone(), vm.env.prefill_request_timeout_s)
+            (
+                vm.plugin.dst_header.clone(),
+                vm.plugin.pods_cluster.clone(),
+                vm.env.prefill_request_timeout_s,
+            )
         };
         let mut headers: Vec<(&str, &str)> = vec![
             (":method", "POST"),
@@ -219,12 +247,18 @@ impl PdHttp {
         for (name, value) in &self.forwarded {
             headers.push((name, value));
         }
-        hostcalls::dispatch_http_call(&cluster, headers, Some(body), vec![], Duration::from_secs(timeout_s))
-            .map_err(|e| RouteError::Prefill {
-                status: 503,
-                class: "dispatch",
-                detail: format!("cannot send the prefill request to {address}: {e:?}"),
-            })
+        hostcalls::dispatch_http_call(
+            &cluster,
+            headers,
+            Some(body),
+            vec![],
+            Duration::from_secs(timeout_s),
+        )
+        .map_err(|e| RouteError::Prefill {
+            status: 503,
+            class: "dispatch",
+            detail: format!("cannot send the prefill request to {address}: {e:?}"),
+        })
     }
 
     /// Points the ORIGINAL_DST cluster at the pod and stamps the upstream request.
@@ -239,32 +273,65 @@ impl PdHttp {
 
     fn finish_prefill(&mut self, status: &str, response: &[u8]) -> Result<(), RouteError> {
         let Some(pending) = self.pending.take() else {
-            return Err(RouteError::Internal("prefill answer without a pending decode".into()));
+            return Err(RouteError::Internal(
+                "prefill answer without a pending decode".into(),
+            ));
         };
         if status != "200" {
-            let code = status.parse::<u32>().ok().filter(|c| (400..=599).contains(c)).unwrap_or(502);
-            let detail: String = String::from_utf8_lossy(response).chars().take(256).collect();
-            return Err(RouteError::Prefill { status: code, class: "http_error", detail });
+            let code = status
+                .parse::<u32>()
+                .ok()
+                .filter(|c| (400..=599).contains(c))
+                .unwrap_or(502);
+            let detail: String = String::from_utf8_lossy(response)
+                .chars()
+                .take(256)
+                .collect();
+            return Err(RouteError::Prefill {
+                status: code,
+                class: "http_error",
+                detail,
+            });
         }
-        if let Some(body) = vllm::decode_body(&pending.body, response, &pending.prefill_ip, pending.connector)? {
-            hostcalls::set_buffer(BufferType::HttpRequestBody, 0, usize::MAX >> 1, &body)
-                .map_err(|e| RouteError::Internal(format!("cannot replace the request body: {e:?}")))?;
+        if let Some(body) = vllm::decode_body(
+            &pending.body,
+            response,
+            &pending.prefill_ip,
+            pending.connector,
+        )? {
+            hostcalls::set_buffer(BufferType::HttpRequestBody, 0, usize::MAX >> 1, &body).map_err(
+                |e| RouteError::Internal(format!("cannot replace the request body: {e:?}")),
+            )?;
             self.set_http_request_header("content-length", Some(&body.len().to_string()));
         }
-        let strategy = self.routed.as_ref().map(|r| r.strategy.clone()).unwrap_or_default();
+        let strategy = self
+            .routed
+            .as_ref()
+            .map(|r| r.strategy.clone())
+            .unwrap_or_default();
         self.set_destination(&pending.decode_address, &strategy);
         Ok(())
     }
 }
 
 impl Context for PdHttp {
-    fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
+    fn on_http_call_response(
+        &mut self,
+        token: u32,
+        _headers: usize,
+        body_size: usize,
+        _trailers: usize,
+    ) {
         if self.pending.as_ref().map(|p| p.token) != Some(token) {
             return;
         }
         self.release(Counter::PrefillInflight);
-        let status = self.get_http_call_response_header(":status").unwrap_or_default();
-        let body = self.get_http_call_response_body(0, body_size).unwrap_or_default();
+        let status = self
+            .get_http_call_response_header(":status")
+            .unwrap_or_default();
+        let body = self
+            .get_http_call_response_body(0, body_size)
+            .unwrap_or_default();
         let metrics = self.vm.borrow().metrics.clone();
         match self.finish_prefill(&status, &body) {
             Ok(()) => {

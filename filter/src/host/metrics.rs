@@ -45,7 +45,9 @@ impl Metrics {
             snapshot_fetch_errors: define(c, "pd_router_snapshot_fetch_errors_total"),
             rejected: RouteError::REASONS
                 .iter()
-                .filter_map(|r| define(c, &format!("pd_router_rejected_total.reason.{r}")).map(|id| (*r, id)))
+                .filter_map(|r| {
+                    define(c, &format!("pd_router_rejected_total.reason.{r}")).map(|id| (*r, id))
+                })
                 .collect(),
         }
     }

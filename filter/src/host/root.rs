@@ -47,7 +47,13 @@ impl Root {
 
     /// Adopts the published snapshot when it is newer than this VM's view.
     fn reload(&mut self) {
-        let have = self.vm.borrow().fleet.as_ref().map(|f| f.version).unwrap_or(0);
+        let have = self
+            .vm
+            .borrow()
+            .fleet
+            .as_ref()
+            .map(|f| f.version)
+            .unwrap_or(0);
         match snapshot::load_newer(have) {
             Ok(Some(view)) => {
                 let version = view.version;
@@ -88,19 +94,30 @@ impl Root {
             Ok(token) => self.fetch_in_flight = Some(token),
             Err(e) => {
                 Metrics::inc(self.vm.borrow().metrics.snapshot_fetch_errors);
-                log::warn!("snapshot fetch from cluster {} failed: {e:?}", plugin.control_cluster);
+                log::warn!(
+                    "snapshot fetch from cluster {} failed: {e:?}",
+                    plugin.control_cluster
+                );
             }
         }
     }
 }
 
 impl Context for Root {
-    fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
+    fn on_http_call_response(
+        &mut self,
+        token: u32,
+        _headers: usize,
+        body_size: usize,
+        _trailers: usize,
+    ) {
         if self.fetch_in_flight != Some(token) {
             return;
         }
         self.fetch_in_flight = None;
-        let status = self.get_http_call_response_header(":status").unwrap_or_default();
+        let status = self
+            .get_http_call_response_header(":status")
+            .unwrap_or_default();
         let metrics = self.vm.borrow().metrics.clone();
         match status.as_str() {
             "304" => return,
@@ -114,7 +131,9 @@ impl Context for Root {
         let version = self
             .get_http_call_response_header("x-pd-snapshot-version")
             .and_then(|v| v.trim().parse::<u64>().ok());
-        let body = self.get_http_call_response_body(0, body_size).unwrap_or_default();
+        let body = self
+            .get_http_call_response_body(0, body_size)
+            .unwrap_or_default();
         let Some(version) = version.filter(|v| *v > 0) else {
             Metrics::inc(metrics.snapshot_fetch_errors);
             log::warn!("snapshot response without a valid x-pd-snapshot-version header");

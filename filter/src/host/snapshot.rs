@@ -49,7 +49,8 @@ pub fn load_newer(have: u64) -> Result<Option<FleetView>, String> {
     if bytes.len() < 8 {
         return Err("published snapshot is truncated".into());
     }
-    let view = FleetView::decode(&bytes[8..]).map_err(|e| format!("cannot decode snapshot: {e}"))?;
+    let view =
+        FleetView::decode(&bytes[8..]).map_err(|e| format!("cannot decode snapshot: {e}"))?;
     Ok((view.version > have).then_some(view))
 }
 
@@ -80,7 +81,9 @@ pub fn publish(version: u64, proto: &[u8]) -> Result<bool, StoreError> {
 
 /// Tries to take or renew the fetch lease; true when this VM holds it.
 pub fn hold_lease(token: u64, now: u64, lease_ms: u64) -> bool {
-    let Ok((value, cas)) = SharedData.get(LEASE_KEY) else { return false };
+    let Ok((value, cas)) = SharedData.get(LEASE_KEY) else {
+        return false;
+    };
     let (holder, expiry) = value
         .as_deref()
         .and_then(|v| std::str::from_utf8(v).ok())
@@ -110,7 +113,11 @@ impl NoticeQueue {
     pub fn register(token: u64) -> Option<NoticeQueue> {
         let name = format!("pd/notify/{token:016x}");
         match hostcalls::register_shared_queue(&name) {
-            Ok(id) => Some(NoticeQueue { id, name, last_heartbeat: 0 }),
+            Ok(id) => Some(NoticeQueue {
+                id,
+                name,
+                last_heartbeat: 0,
+            }),
             Err(e) => {
                 log::warn!("cannot register shared queue {name}: {e:?}");
                 None
@@ -124,11 +131,18 @@ impl NoticeQueue {
             return;
         }
         for _ in 0..16 {
-            let Ok((value, cas)) = SharedData.get(QUEUES_KEY) else { return };
-            let text = value.as_deref().and_then(|v| std::str::from_utf8(v).ok()).unwrap_or("");
+            let Ok((value, cas)) = SharedData.get(QUEUES_KEY) else {
+                return;
+            };
+            let text = value
+                .as_deref()
+                .and_then(|v| std::str::from_utf8(v).ok())
+                .unwrap_or("");
             let mut next = String::with_capacity(text.len() + 64);
             for line in text.lines() {
-                let Some((name, expiry)) = line.split_once(' ') else { continue };
+                let Some((name, expiry)) = line.split_once(' ') else {
+                    continue;
+                };
                 let alive = expiry.parse::<u64>().map(|e| e > now).unwrap_or(false);
                 if name != self.name && alive {
                     next.push_str(line);
@@ -146,10 +160,16 @@ impl NoticeQueue {
 
 /// Sends `version` to every live VM queue.
 pub fn notify_all(vm_id: &str, version: u64, now: u64) {
-    let Ok((Some(value), _)) = SharedData.get(QUEUES_KEY) else { return };
-    let Ok(text) = std::str::from_utf8(&value) else { return };
+    let Ok((Some(value), _)) = SharedData.get(QUEUES_KEY) else {
+        return;
+    };
+    let Ok(text) = std::str::from_utf8(&value) else {
+        return;
+    };
     for line in text.lines() {
-        let Some((name, expiry)) = line.split_once(' ') else { continue };
+        let Some((name, expiry)) = line.split_once(' ') else {
+            continue;
+        };
         if expiry.parse::<u64>().map(|e| e <= now).unwrap_or(true) {
             continue;
         }
@@ -170,7 +190,11 @@ pub fn fetch_request(
     let path = format!("{path}?version={have}");
     hostcalls::dispatch_http_call(
         cluster,
-        vec![(":method", "GET"), (":path", &path), (":authority", authority)],
+        vec![
+            (":method", "GET"),
+            (":path", &path),
+            (":authority", authority),
+        ],
         None,
         vec![],
         timeout,

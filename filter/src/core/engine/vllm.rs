@@ -67,14 +67,22 @@ pub fn decode_body(
                 params.insert("remote_host".into(), Value::String(prefill_ip.to_string()));
                 body.insert("kv_transfer_params".into(), Value::Object(params));
             }
-            Some(_) => return Err(bad_response("kv_transfer_params in the prefill response is not an object")),
+            Some(_) => {
+                return Err(bad_response(
+                    "kv_transfer_params in the prefill response is not an object",
+                ))
+            }
         },
     }
     Ok(Some(Value::Object(body).to_string().into_bytes()))
 }
 
 fn bad_response(detail: &str) -> RouteError {
-    RouteError::Prefill { status: 502, class: "invalid_response", detail: detail.into() }
+    RouteError::Prefill {
+        status: 502,
+        class: "invalid_response",
+        detail: detail.into(),
+    }
 }
 
 #[cfg(test)]
@@ -95,7 +103,8 @@ mod tests {
 
     #[test]
     fn prefill_leg_is_capped_and_marked() {
-        let body: Value = serde_json::from_slice(&prefill_body(&client(), KvConnector::Shfs)).unwrap();
+        let body: Value =
+            serde_json::from_slice(&prefill_body(&client(), KvConnector::Shfs)).unwrap();
         assert_eq!(body["max_tokens"], 1);
         assert_eq!(body["max_completion_tokens"], 1);
         assert_eq!(body["stream"], false);
@@ -104,30 +113,55 @@ mod tests {
         assert_eq!(body["kv_transfer_params"]["do_remote_prefill"], false);
         let raw = String::from_utf8(prefill_body(&client(), KvConnector::Nixl)).unwrap();
         assert!(!raw.contains("kv_transfer_params"));
-        assert!(raw.contains("9007199254740993"), "large integers keep their exact digits");
+        assert!(
+            raw.contains("9007199254740993"),
+            "large integers keep their exact digits"
+        );
     }
 
     #[test]
     fn decode_leg_carries_params_with_prefill_ip() {
         let resp = br#"{"id":"x","kv_transfer_params":{"do_remote_prefill":true,"remote_host":"localhost","remote_port":5600,"remote_block_ids":[1,2]}}"#;
-        let out = decode_body(&client(), resp, "10.0.0.7", KvConnector::Shfs).unwrap().unwrap();
+        let out = decode_body(&client(), resp, "10.0.0.7", KvConnector::Shfs)
+            .unwrap()
+            .unwrap();
         let body: Value = serde_json::from_slice(&out).unwrap();
         assert_eq!(body["kv_transfer_params"]["remote_host"], "10.0.0.7");
         assert_eq!(body["kv_transfer_params"]["remote_port"], 5600);
-        assert_eq!(body["stream"], true, "the decode leg keeps the client's parameters");
+        assert_eq!(
+            body["stream"], true,
+            "the decode leg keeps the client's parameters"
+        );
         assert_eq!(body["max_tokens"], 64);
         let raw = String::from_utf8(out).unwrap();
-        assert!(raw.starts_with(r#"{"model":"m","messages""#), "key order is kept: {raw}");
+        assert!(
+            raw.starts_with(r#"{"model":"m","messages""#),
+            "key order is kept: {raw}"
+        );
     }
 
     #[test]
     fn decode_leg_edge_cases() {
-        assert_eq!(decode_body(&client(), br#"{"id":"x"}"#, "ip", KvConnector::Shfs).unwrap(), None);
+        assert_eq!(
+            decode_body(&client(), br#"{"id":"x"}"#, "ip", KvConnector::Shfs).unwrap(),
+            None
+        );
         assert!(decode_body(&client(), b"oops", "ip", KvConnector::Shfs).is_err());
-        assert!(decode_body(&client(), br#"{"kv_transfer_params":3}"#, "ip", KvConnector::Shfs).is_err());
-        let nixl = decode_body(&client(), br#"{"id":"x"}"#, "ip", KvConnector::Nixl).unwrap().unwrap();
+        assert!(decode_body(
+            &client(),
+            br#"{"kv_transfer_params":3}"#,
+            "ip",
+            KvConnector::Shfs
+        )
+        .is_err());
+        let nixl = decode_body(&client(), br#"{"id":"x"}"#, "ip", KvConnector::Nixl)
+            .unwrap()
+            .unwrap();
         let body: Value = serde_json::from_slice(&nixl).unwrap();
         assert_eq!(body["disagg_prefill_resp"]["id"], "x");
-        assert_eq!(decode_body(&client(), b"{}", "ip", KvConnector::Mooncake).unwrap(), None);
+        assert_eq!(
+            decode_body(&client(), b"{}", "ip", KvConnector::Mooncake).unwrap(),
+            None
+        );
     }
 }

@@ -19,9 +19,10 @@ impl Target {
     /// The counters a selection charges; released one by one as the request progresses.
     pub fn charges(self) -> [(Option<usize>, Counter); 2] {
         match self {
-            Target::Pair { prefill, decode } => {
-                [(Some(prefill), Counter::PrefillInflight), (Some(decode), Counter::Running)]
-            }
+            Target::Pair { prefill, decode } => [
+                (Some(prefill), Counter::PrefillInflight),
+                (Some(decode), Counter::Running),
+            ],
             Target::Single { pod } => [(Some(pod), Counter::Running), (None, Counter::Running)],
         }
     }
@@ -44,7 +45,10 @@ struct MinPicker {
 
 impl MinPicker {
     fn new() -> Self {
-        MinPicker { best: None, ties: 0 }
+        MinPicker {
+            best: None,
+            ties: 0,
+        }
     }
 
     fn offer(&mut self, score: u64, item: usize, rng: &mut fastrand::Rng) {
@@ -65,13 +69,21 @@ impl MinPicker {
 }
 
 /// PD selection: a complete roleset if there is one, else a combined pod.
-pub fn select_pd(model: &ModelView, loads: &LoadTable, rng: &mut fastrand::Rng) -> Result<Target, RouteError> {
+pub fn select_pd(
+    model: &ModelView,
+    loads: &LoadTable,
+    rng: &mut fastrand::Rng,
+) -> Result<Target, RouteError> {
     let mut best = MinPicker::new();
     let mut pairs: Vec<(usize, usize)> = Vec::with_capacity(model.rolesets.len());
     for roleset in &model.rolesets {
         let mut p = MinPicker::new();
         for &i in &roleset.prefill {
-            p.offer(loads.counts(&model.pods[i].key).prefill_inflight as u64, i, rng);
+            p.offer(
+                loads.counts(&model.pods[i].key).prefill_inflight as u64,
+                i,
+                rng,
+            );
         }
         let mut d = MinPicker::new();
         for &i in &roleset.decode {
@@ -99,7 +111,11 @@ pub fn select_pd(model: &ModelView, loads: &LoadTable, rng: &mut fastrand::Rng) 
 
 /// Single-pod routing for requests without the `pd` strategy: pods that run whole requests
 /// (any role but prefill/decode), least outstanding first.
-pub fn select_single(model: &ModelView, loads: &LoadTable, rng: &mut fastrand::Rng) -> Result<Target, RouteError> {
+pub fn select_single(
+    model: &ModelView,
+    loads: &LoadTable,
+    rng: &mut fastrand::Rng,
+) -> Result<Target, RouteError> {
     let candidates = model
         .pods
         .iter()
@@ -153,13 +169,19 @@ mod tests {
         let mut used = Vec::new();
         for _ in 0..4 {
             let t = select_pd(&m, &table, &mut rng).unwrap();
-            let Target::Pair { prefill, decode } = t else { panic!("expected a pair") };
+            let Target::Pair { prefill, decode } = t else {
+                panic!("expected a pair")
+            };
             assert_eq!(m.pods[prefill].roleset, m.pods[decode].roleset);
             t.charge(&m, &mut table);
             used.push(m.pods[decode].roleset.clone());
         }
         used.sort();
-        assert_eq!(used, ["g0", "g0", "g1", "g1"], "charges steer the next selection");
+        assert_eq!(
+            used,
+            ["g0", "g0", "g1", "g1"],
+            "charges steer the next selection"
+        );
     }
 
     #[test]
@@ -180,13 +202,28 @@ mod tests {
     fn incomplete_rolesets_fall_back_to_combined_or_fail() {
         let mut c = pod("c0", "all", "", true);
         c.config = r#"{"profiles":{"default":{"routingConfig":{"combined":true}}}}"#.into();
-        let with_combined = model(vec![pod("p0", "prefill", "g0", true), pod("d0", "decode", "g0", false), c]);
+        let with_combined = model(vec![
+            pod("p0", "prefill", "g0", true),
+            pod("d0", "decode", "g0", false),
+            c,
+        ]);
         let mut rng = fastrand::Rng::with_seed(3);
         let t = select_pd(&with_combined, &LoadTable::default(), &mut rng).unwrap();
-        assert_eq!(t, Target::Single { pod: with_combined.combined[0] });
+        assert_eq!(
+            t,
+            Target::Single {
+                pod: with_combined.combined[0]
+            }
+        );
 
         let without = model(vec![pod("p0", "prefill", "g0", true)]);
-        assert!(matches!(select_pd(&without, &LoadTable::default(), &mut rng), Err(RouteError::Selection { .. })));
-        assert!(matches!(select_single(&without, &LoadTable::default(), &mut rng), Err(RouteError::Selection { .. })));
+        assert!(matches!(
+            select_pd(&without, &LoadTable::default(), &mut rng),
+            Err(RouteError::Selection { .. })
+        ));
+        assert!(matches!(
+            select_single(&without, &LoadTable::default(), &mut rng),
+            Err(RouteError::Selection { .. })
+        ));
     }
 }
