@@ -111,7 +111,12 @@ impl PodRecord {
             .map(|c| c.status == "True")
             .unwrap_or(true);
         let terminating = meta.deletion_timestamp.is_some();
-        let label = |key: &str| labels.get(key).map(|v| v.trim().to_string()).unwrap_or_default();
+        let label = |key: &str| {
+            labels
+                .get(key)
+                .map(|v| v.trim().to_string())
+                .unwrap_or_default()
+        };
         let port = parse_port(labels.get(LABEL_PORT)).unwrap_or(DEFAULT_PORT);
         Some(PodRecord {
             model,
@@ -129,7 +134,10 @@ impl PodRecord {
             roleset: label(LABEL_ROLESET),
             role_replica_index: label(LABEL_ROLE_REPLICA_INDEX),
             kv_connector_type: label(LABEL_KV_CONNECTOR).to_ascii_lowercase(),
-            config: annotations.get(ANNOTATION_CONFIG).cloned().unwrap_or_default(),
+            config: annotations
+                .get(ANNOTATION_CONFIG)
+                .cloned()
+                .unwrap_or_default(),
             sglang_bootstrap_port: parse_port(annotations.get(ANNOTATION_SGLANG_BOOTSTRAP_PORT))
                 .unwrap_or(DEFAULT_SGLANG_BOOTSTRAP_PORT),
             serves_http: labels
@@ -159,19 +167,24 @@ struct KindProbe {
 pub fn parse_pods(text: &str) -> Result<Vec<Pod>, FleetError> {
     let mut pods = Vec::new();
     for (index, doc) in serde_yaml::Deserializer::from_str(text).enumerate() {
-        let value = serde_yaml::Value::deserialize(doc).map_err(|source| FleetError::Yaml { index, source })?;
+        let value = serde_yaml::Value::deserialize(doc)
+            .map_err(|source| FleetError::Yaml { index, source })?;
         if value.is_null() {
             continue; // an empty document, e.g. a trailing `---`
         }
         let probe: KindProbe = serde_yaml::from_value(value.clone())
             .map_err(|source| FleetError::Yaml { index, source })?;
         match probe.kind.as_deref() {
-            Some("Pod") | None => {
-                pods.push(serde_yaml::from_value(value).map_err(|source| FleetError::Yaml { index, source })?)
-            }
+            Some("Pod") | None => pods.push(
+                serde_yaml::from_value(value)
+                    .map_err(|source| FleetError::Yaml { index, source })?,
+            ),
             Some("List") | Some("PodList") => {
                 for item in probe.items {
-                    pods.push(serde_yaml::from_value(item).map_err(|source| FleetError::Yaml { index, source })?);
+                    pods.push(
+                        serde_yaml::from_value(item)
+                            .map_err(|source| FleetError::Yaml { index, source })?,
+                    );
                 }
             }
             Some(other) => {
@@ -187,7 +200,10 @@ pub fn parse_pods(text: &str) -> Result<Vec<Pod>, FleetError> {
 
 /// Parses fleet YAML straight into model-serving pod records.
 pub fn parse_records(text: &str) -> Result<Vec<PodRecord>, FleetError> {
-    Ok(parse_pods(text)?.iter().filter_map(PodRecord::from_pod).collect())
+    Ok(parse_pods(text)?
+        .iter()
+        .filter_map(PodRecord::from_pod)
+        .collect())
 }
 
 /// Reads and parses a fleet file.
@@ -249,11 +265,20 @@ items:
         let pods = parse_records(LIST).unwrap();
         assert_eq!(pods.len(), 2, "the pod without a model label is dropped");
         let p = &pods[0];
-        assert_eq!((p.key().as_str(), p.port, p.metric_port), ("ns/p0", 8100, 8100));
-        assert_eq!((p.engine.as_str(), p.role.as_str(), p.roleset.as_str()), ("vllm", "prefill", "g0"));
+        assert_eq!(
+            (p.key().as_str(), p.port, p.metric_port),
+            ("ns/p0", 8100, 8100)
+        );
+        assert_eq!(
+            (p.engine.as_str(), p.role.as_str(), p.roleset.as_str()),
+            ("vllm", "prefill", "g0")
+        );
         assert!(p.ready && p.serves_http);
         let d = &pods[1];
-        assert_eq!((d.namespace.as_str(), d.port, d.engine.as_str()), ("default", 8000, "sglang"));
+        assert_eq!(
+            (d.namespace.as_str(), d.port, d.engine.as_str()),
+            ("default", 8000, "sglang")
+        );
         assert!(!d.ready, "Ready=False is not ready");
     }
 
@@ -270,7 +295,13 @@ items:
     fn pod_group_followers_do_not_serve_http_and_bad_kind_is_rejected() {
         let text = "kind: Pod\nmetadata:\n  name: a\n  labels: {model.aibrix.ai/name: m, stormservice.orchestration.aibrix.ai/pod-group-index: \"1\"}\n";
         assert!(!parse_records(text).unwrap()[0].serves_http);
-        assert!(matches!(parse_records("kind: Service\n"), Err(FleetError::Kind { .. })));
-        assert!(matches!(parse_records("kind: [\n"), Err(FleetError::Yaml { .. })));
+        assert!(matches!(
+            parse_records("kind: Service\n"),
+            Err(FleetError::Kind { .. })
+        ));
+        assert!(matches!(
+            parse_records("kind: [\n"),
+            Err(FleetError::Yaml { .. })
+        ));
     }
 }

@@ -2,10 +2,32 @@
 //!
 //! It keeps the fleet (from a fleet file, later from Kubernetes), scrapes every pod's engine
 //! metrics, and serves a versioned protobuf snapshot that the filter inside Envoy fetches.
+//!
+//! Data flows one way: a [`sources::FleetSource`] publishes pod records, the control loop in
+//! [`service`] scrapes them ([`scrape`]) and folds both into a [`snapshot`], which [`server`]
+//! hands out.
 
+pub mod config;
 pub mod fleet;
+pub mod scrape;
+pub mod server;
+pub mod service;
+pub mod snapshot;
+pub mod sources;
+pub mod stats;
+
+pub use config::Config;
+pub use service::{run, start, start_with_source, Error, Service};
 
 /// Types generated from `filter/proto/snapshot.proto`.
 pub mod proto {
     include!(concat!(env!("OUT_DIR"), "/pdrouter.snapshot.v1.rs"));
+}
+
+/// Wall-clock milliseconds since the Unix epoch; 0 if the clock is before it.
+pub(crate) fn unix_ms_now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
 }

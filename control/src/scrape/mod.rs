@@ -1,0 +1,432 @@
+//! Scraping every pod's engine metrics.
+//!
+//! Each pod is scraped on its own: a tick launches a scrape for every pod that has none in
+//! flight, and results come back whenever they finish. A hung pod therefore holds one slot until
+//! its timeout and delays nobody else's metrics; waiting for a whole round before publishing would
+//! let one dead pod (1 s timeout) mark every other pod stale at a 50 ms interval.
+//!
+//! [`ScrapeBook`] is the bookkeeping (no I/O, unit-tested); [`Scraper`] does the HTTP.
+
+pub mod engine;
+pub mod fetch;
+pub mod rates;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, Semaphore};
+
+use crate::fleet::PodRecord;
+use crate::proto::PodMetrics;
+use engine::{Engine, Reading};
+pub use fetch::ScrapeError;
+
+/// A scrape to perform.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Job {
+    pub key: String,
+    /// Identifies the pod state the job was planned for; a result for an older one is dropped.
+    pub epoch: u64,
+    pub round: u64,
+    pub url: String,
+    pub engine: Engine,
+    pub model: String,
+}
+
+/// A finished scrape.
+#[derive(Debug)]
+pub struct Outcome {
+    pub job: Job,
+    pub result: Result<Reading, ScrapeError>,
+    pub finished: Instant,
+    pub finished_unix_ms: i64,
+}
+
+/// What a pod is scraped as; a change (new IP after a restart, new engine label) starts its
+/// history afresh, since counters from another process cannot be differenced against.
+#[derive(Debug, Clone, PartialEq)]
+struct Target {
+    url: String,
+    engine: Engine,
+    model: String,
+}
+
+impl Target {
+    fn of(pod: &PodRecord) -> Target {
+        let engine = Engine::from_label(&pod.engine);
+        Target {
+            url: fetch::metrics_url(&pod.ip, pod.metric_port, engine),
+            engine,
+            model: pod.model.clone(),
+        }
+    }
+}
+
+struct PodState {
+    target: Target,
+    epoch: u64,
+    in_flight: bool,
+    /// Last successful reading and when it was taken: the base for the next rates.
+    last: Option<(Reading, Instant)>,
+    metrics: PodMetrics,
+    last_success: Option<Instant>,
+    last_failed: bool,
+}
+
+impl PodState {
+    fn new(target: Target, next_epoch: &mut u64) -> PodState {
+        let epoch = *next_epoch;
+        *next_epoch += 1;
+        PodState {
+            target,
+            epoch,
+            in_flight: false,
+            last: None,
+            metrics: PodMetrics::default(),
+            last_success: None,
+            last_failed: false,
+        }
+    }
+}
+
+struct Round {
+    id: u64,
+    started: Instant,
+    pending: usize,
+}
+
+/// Per-pod scrape history and round accounting.
+pub struct ScrapeBook {
+    pods: HashMap<String, PodState>,
+    rounds: Vec<Round>,
+    next_round: u64,
+    next_epoch: u64,
+    stale_bound: Duration,
+}
+
+/// Only pods that can serve are scraped, as AIBrix does: a starting or terminating pod's
+/// endpoint would just add timeouts, and the filter ignores such pods anyway.
+fn scrapable(pod: &PodRecord) -> bool {
+    pod.ready && pod.serves_http && !pod.ip.is_empty()
+}
+
+impl ScrapeBook {
+    pub fn new(stale_bound: Duration) -> ScrapeBook {
+        ScrapeBook {
+            pods: HashMap::new(),
+            rounds: Vec::new(),
+            next_round: 1,
+            next_epoch: 1,
+            stale_bound,
+        }
+    }
+
+    /// Plans a round: one job per scrapable pod without a scrape in flight. Pods that left the
+    /// fleet (or stopped being scrapable) lose their history.
+    pub fn plan(&mut self, fleet: &[PodRecord], now: Instant) -> Vec<Job> {
+        let round = self.next_round;
+        let mut seen = HashSet::new();
+        let mut jobs = Vec::new();
+        for pod in fleet.iter().filter(|p| scrapable(p)) {
+            let key = pod.key();
+            if !seen.insert(key.clone()) {
+                continue; // a duplicated pod in the fleet file is scraped once
+            }
+            let target = Target::of(pod);
+            let next_epoch = &mut self.next_epoch;
+            let state = self
+                .pods
+                .entry(key.clone())
+                .or_insert_with(|| PodState::new(target.clone(), next_epoch));
+            if state.target != target {
+                *state = PodState::new(target.clone(), next_epoch);
+            }
+            if state.in_flight {
+                continue;
+            }
+            state.in_flight = true;
+            jobs.push(Job {
+                key,
+                epoch: state.epoch,
+                round,
+                url: target.url,
+                engine: target.engine,
+                model: target.model,
+            });
+        }
+        self.pods.retain(|key, _| seen.contains(key));
+        if !jobs.is_empty() {
+            self.next_round += 1;
+            self.rounds.push(Round {
+                id: round,
+                started: now,
+                pending: jobs.len(),
+            });
+        }
+        jobs
+    }
+
+    /// No round is waiting for results.
+    pub fn idle(&self) -> bool {
+        self.rounds.is_empty()
+    }
+
+    /// Records a finished scrape; returns the round's duration when this was its last scrape.
+    pub fn apply(&mut self, outcome: Outcome) -> Option<Duration> {
+        let Outcome {
+            job,
+            result,
+            finished,
+            finished_unix_ms,
+        } = outcome;
+        let mut round_done = None;
+        if let Some(i) = self.rounds.iter().position(|r| r.id == job.round) {
+            let round = &mut self.rounds[i];
+            round.pending = round.pending.saturating_sub(1);
+            if round.pending == 0 {
+                round_done = Some(finished.saturating_duration_since(round.started));
+                self.rounds.remove(i);
+            }
+        }
+        let Some(state) = self.pods.get_mut(&job.key).filter(|s| s.epoch == job.epoch) else {
+            return round_done; // the pod left or was re-targeted while this scrape ran
+        };
+        state.in_flight = false;
+        match result {
+            Ok(reading) => {
+                let previous = state
+                    .last
+                    .as_ref()
+                    .map(|(r, at)| (r, finished.saturating_duration_since(*at)));
+                let carried = Some(&state.metrics).filter(|m| m.present);
+                let mut metrics = rates::derive(job.engine, &reading, previous, carried);
+                metrics.last_scrape_unix_ms = finished_unix_ms;
+                if state.last_failed {
+                    tracing::info!(pod = %job.key, url = %job.url, "metrics scrape recovered");
+                }
+                state.metrics = metrics;
+                state.last = Some((reading, finished));
+                state.last_success = Some(finished);
+                state.last_failed = false;
+            }
+            Err(error) => {
+                // Warn on the transition only: a down pod would otherwise log 20 lines a second.
+                if state.last_failed {
+                    tracing::debug!(pod = %job.key, url = %job.url, %error, "metrics scrape failed");
+                } else {
+                    tracing::warn!(pod = %job.key, url = %job.url, %error, "metrics scrape failed");
+                }
+                state.last_failed = true;
+            }
+        }
+        round_done
+    }
+
+    /// The metrics to publish for a pod now; staleness depends on the time of asking.
+    pub fn metrics(&self, pod: &PodRecord, now: Instant) -> PodMetrics {
+        let state = self
+            .pods
+            .get(&pod.key())
+            .filter(|s| s.metrics.present && scrapable(pod) && s.target == Target::of(pod));
+        match state {
+            Some(s) => PodMetrics {
+                stale: rates::is_stale(s.last_success, s.last_failed, now, self.stale_bound),
+                ..s.metrics
+            },
+            None => PodMetrics {
+                stale: true,
+                ..PodMetrics::default()
+            },
+        }
+    }
+}
+
+/// Runs [`Job`]s over HTTP and sends their [`Outcome`]s back to the control loop.
+pub struct Scraper {
+    client: reqwest::Client,
+    slots: Arc<Semaphore>,
+    timeout: Duration,
+    outcomes: mpsc::UnboundedSender<Outcome>,
+}
+
+impl Scraper {
+    pub fn new(
+        timeout: Duration,
+        concurrency: usize,
+    ) -> Result<(Scraper, mpsc::UnboundedReceiver<Outcome>), reqwest::Error> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let scraper = Scraper {
+            client: fetch::client(timeout)?,
+            slots: Arc::new(Semaphore::new(concurrency.max(1))),
+            timeout,
+            outcomes: tx,
+        };
+        Ok((scraper, rx))
+    }
+
+    pub fn spawn(&self, job: Job) {
+        let client = self.client.clone();
+        let slots = self.slots.clone();
+        let timeout = self.timeout;
+        let outcomes = self.outcomes.clone();
+        tokio::spawn(async move {
+            let result =
+                fetch::scrape(&client, &slots, &job.url, job.engine, &job.model, timeout).await;
+            let _ = outcomes.send(Outcome {
+                job,
+                result,
+                finished: Instant::now(),
+                finished_unix_ms: crate::unix_ms_now(),
+            });
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(name: &str, ip: &str, ready: bool) -> PodRecord {
+        PodRecord {
+            model: "m".into(),
+            namespace: "ns".into(),
+            name: name.into(),
+            ip: ip.into(),
+            port: 8000,
+            metric_port: 8000,
+            engine: "vllm".into(),
+            role: String::new(),
+            roleset: String::new(),
+            role_replica_index: String::new(),
+            kv_connector_type: String::new(),
+            config: String::new(),
+            sglang_bootstrap_port: 8998,
+            ready,
+            serves_http: true,
+        }
+    }
+
+    fn ok(job: &Job, at: Instant, running: f64, prompt: f64) -> Outcome {
+        Outcome {
+            job: job.clone(),
+            result: Ok(Reading {
+                running: Some(running),
+                prompt_tokens: Some(prompt),
+                ..Reading::default()
+            }),
+            finished: at,
+            finished_unix_ms: 1_000,
+        }
+    }
+
+    fn failed(job: &Job, at: Instant) -> Outcome {
+        Outcome {
+            job: job.clone(),
+            result: Err(ScrapeError::Timeout(Duration::from_secs(1))),
+            finished: at,
+            finished_unix_ms: 2_000,
+        }
+    }
+
+    #[test]
+    fn rounds_rates_staleness_and_in_flight_skipping() {
+        let bound = Duration::from_millis(150);
+        let mut book = ScrapeBook::new(bound);
+        let fleet = vec![
+            pod("a", "10.0.0.1", true),
+            pod("b", "10.0.0.2", true),
+            pod("c", "", false),
+        ];
+        let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
+
+        let jobs = book.plan(&fleet, t0);
+        assert_eq!(jobs.len(), 2, "the pod without an IP is not scraped");
+        assert_eq!(jobs[0].url, "http://10.0.0.1:8000/metrics");
+        assert!(!book.metrics(&fleet[0], t0).present);
+        assert!(book.metrics(&fleet[2], t0).stale);
+
+        assert_eq!(
+            book.apply(ok(&jobs[0], ms(10), 3.0, 100.0)),
+            None,
+            "b still pending"
+        );
+        let again = book.plan(&fleet, ms(50));
+        assert_eq!(again.len(), 1, "a is due again; b is still in flight");
+        assert_eq!(again[0].key, "ns/a");
+        let round_time = book.apply(ok(&jobs[1], ms(60), 5.0, 0.0));
+        assert_eq!(round_time, Some(Duration::from_millis(60)));
+
+        let a = book.metrics(&fleet[0], ms(60));
+        assert!(a.present && !a.stale);
+        assert_eq!((a.running, a.last_scrape_unix_ms), (3.0, 1_000));
+
+        assert_eq!(
+            book.apply(ok(&again[0], ms(510), 4.0, 300.0)),
+            Some(Duration::from_millis(460))
+        );
+        let a = book.metrics(&fleet[0], ms(510));
+        assert_eq!(a.running, 4.0);
+        assert_eq!(a.prompt_throughput, 400.0, "200 tokens over 500 ms");
+
+        assert!(!book.metrics(&fleet[0], ms(660)).stale);
+        assert!(
+            book.metrics(&fleet[0], ms(661)).stale,
+            "older than 3 intervals"
+        );
+
+        let jobs3 = book.plan(&fleet, ms(515));
+        assert_eq!(jobs3.len(), 2);
+        book.apply(failed(&jobs3[1], ms(520)));
+        let b = book.metrics(&fleet[1], ms(520));
+        assert!(
+            b.present && b.stale,
+            "a failed scrape keeps the last values, flagged stale"
+        );
+        assert_eq!(b.running, 5.0);
+        book.apply(failed(&jobs3[0], ms(530)));
+        assert!(book.metrics(&fleet[0], ms(530)).stale, "failed");
+        assert!(book.idle());
+    }
+
+    #[test]
+    fn plan_skips_in_flight_pods_and_forgets_departed_ones() {
+        let mut book = ScrapeBook::new(Duration::from_millis(150));
+        let t0 = Instant::now();
+        let fleet = vec![pod("a", "10.0.0.1", true), pod("b", "10.0.0.2", true)];
+        let jobs = book.plan(&fleet, t0);
+        assert_eq!(jobs.len(), 2);
+        assert!(book.plan(&fleet, t0).is_empty(), "both still in flight");
+        assert!(!book.idle());
+
+        // b restarts with a new IP while its old scrape runs: the old result must not count.
+        let moved = vec![pod("a", "10.0.0.1", true), pod("b", "10.0.0.9", true)];
+        let jobs2 = book.plan(&moved, t0);
+        assert_eq!(jobs2.len(), 1);
+        assert_eq!(jobs2[0].url, "http://10.0.0.9:8000/metrics");
+        book.apply(ok(&jobs[1], t0, 9.0, 0.0));
+        assert!(
+            !book.metrics(&moved[1], t0).present,
+            "result for the old IP dropped"
+        );
+        book.apply(ok(&jobs2[0], t0, 2.0, 0.0));
+        assert_eq!(book.metrics(&moved[1], t0).running, 2.0);
+
+        // a leaves the fleet while in flight.
+        let only_b = vec![pod("b", "10.0.0.9", true)];
+        let jobs3 = book.plan(&only_b, t0);
+        assert_eq!(jobs3.len(), 1);
+        book.apply(ok(&jobs[0], t0, 1.0, 0.0));
+        assert!(!book.metrics(&fleet[0], t0).present);
+        book.apply(ok(&jobs3[0], t0, 1.0, 0.0));
+        assert!(book.idle(), "every round accounted for");
+
+        let not_ready = vec![pod("b", "10.0.0.9", false)];
+        assert!(book.plan(&not_ready, t0).is_empty());
+        assert!(
+            !book.metrics(&not_ready[0], t0).present,
+            "not-ready pods publish no metrics"
+        );
+    }
+}

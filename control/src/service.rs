@@ -1,0 +1,278 @@
+//! Wires the fleet source, the scraper, the snapshot builder and the server together.
+//!
+//! One control-loop task owns all mutable state (scrape history, snapshot versions), so nothing
+//! on the request path takes a lock: the server only clones the `Arc` of the current snapshot.
+
+use std::io::{self, Write as _};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+use tokio::time::MissedTickBehavior;
+
+use crate::config::{Config, ConfigError};
+use crate::scrape::{Outcome, ScrapeBook, Scraper};
+use crate::server::{self, AppState};
+use crate::snapshot::{self, Published, SnapshotBuilder};
+use crate::sources::{FileSource, Fleet, FleetPublisher, FleetSource, Shutdown, SourceError};
+use crate::stats::Stats;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("invalid configuration: {0}")]
+    Config(#[from] ConfigError),
+    #[error("cannot load the initial fleet from {origin}: {source}")]
+    InitialFleet { origin: String, source: SourceError },
+    #[error("cannot listen on {addr}: {source}")]
+    Bind { addr: SocketAddr, source: io::Error },
+    #[error("cannot build the scrape HTTP client: {0}")]
+    Client(#[source] reqwest::Error),
+    #[error("HTTP server failed: {0}")]
+    Serve(#[source] io::Error),
+    #[error("cannot install signal handlers: {0}")]
+    Signal(#[source] io::Error),
+    #[error("background task failed: {0}")]
+    Task(#[from] tokio::task::JoinError),
+}
+
+/// A running service. Dropping it without [`Service::shutdown`] leaves the tasks running until
+/// the runtime stops.
+pub struct Service {
+    local_addr: SocketAddr,
+    stats: Arc<Stats>,
+    snapshots: watch::Receiver<Arc<Published>>,
+    shutdown: watch::Sender<bool>,
+    server: Option<JoinHandle<io::Result<()>>>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Service {
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    pub fn stats(&self) -> &Arc<Stats> {
+        &self.stats
+    }
+
+    /// The snapshot currently served.
+    pub fn current(&self) -> Arc<Published> {
+        self.snapshots.borrow().clone()
+    }
+
+    /// Resolves only if the HTTP server stops by itself, which is always an error.
+    pub async fn stopped(&mut self) -> Result<(), Error> {
+        match self.server.as_mut() {
+            Some(server) => {
+                let result = server.await;
+                self.server = None;
+                result?.map_err(Error::Serve)?;
+                Err(Error::Serve(io::Error::other("server exited")))
+            }
+            None => std::future::pending().await,
+        }
+    }
+
+    /// Stops accepting requests, lets in-flight ones finish, and stops the background tasks.
+    pub async fn shutdown(mut self) -> Result<(), Error> {
+        let _ = self.shutdown.send(true);
+        for task in self.tasks.drain(..) {
+            task.await?;
+        }
+        if let Some(server) = self.server.take() {
+            server.await?.map_err(Error::Serve)?;
+        }
+        Ok(())
+    }
+}
+
+/// Starts the service with the fleet file named in `config`.
+pub async fn start(config: Config) -> Result<Service, Error> {
+    let source = FileSource::new(config.fleet.clone(), config.refresh_interval);
+    start_with_source(config, source).await
+}
+
+/// Starts the service fed by any fleet source. Returns once the initial fleet is loaded and the
+/// listener is bound, so the caller can announce the address.
+pub async fn start_with_source<S: FleetSource>(
+    config: Config,
+    mut source: S,
+) -> Result<Service, Error> {
+    config.validate()?;
+    let stats = Arc::new(Stats::default());
+    let origin = source.describe();
+    let pods = source.load().await.map_err(|source| Error::InitialFleet {
+        origin: origin.clone(),
+        source,
+    })?;
+    tracing::info!(%origin, pods = pods.len(), "initial fleet loaded");
+    stats.fleet_loaded();
+
+    let listener = TcpListener::bind(config.listen)
+        .await
+        .map_err(|source| Error::Bind {
+            addr: config.listen,
+            source,
+        })?;
+    let local_addr = listener.local_addr().map_err(|source| Error::Bind {
+        addr: config.listen,
+        source,
+    })?;
+
+    let fleet: Fleet = Arc::new(pods);
+    let (fleet_tx, fleet_rx) = watch::channel(fleet.clone());
+    let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    let shutdown = Shutdown::new(shutdown_rx);
+
+    let concurrency = usize::try_from(config.scrape_concurrency).unwrap_or(usize::MAX);
+    let (scraper, outcomes) =
+        Scraper::new(config.scrape_timeout, concurrency).map_err(Error::Client)?;
+    let book = ScrapeBook::new(config.stale_bound());
+    let mut builder = SnapshotBuilder::default();
+    let now = Instant::now();
+    let (first, _) = builder.update(
+        snapshot::models(&fleet, |p| book.metrics(p, now)),
+        crate::unix_ms_now(),
+    );
+    let (snapshots_tx, snapshots_rx) = watch::channel(first);
+
+    let publisher = FleetPublisher::new(fleet_tx, stats.clone());
+    let control = ControlLoop {
+        fleet: fleet_rx,
+        book,
+        scraper,
+        outcomes,
+        builder,
+        snapshots: snapshots_tx,
+        stats: stats.clone(),
+        interval: config.refresh_interval,
+    };
+    let tasks = vec![
+        tokio::spawn(source.watch(publisher, shutdown.clone())),
+        tokio::spawn(control.run(shutdown.clone())),
+    ];
+
+    let app = server::router(AppState {
+        snapshots: snapshots_rx.clone(),
+        stats: stats.clone(),
+    });
+    let mut server_shutdown = shutdown;
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move { server_shutdown.requested().await })
+            .await
+    });
+    tracing::info!(%local_addr, "serving snapshots");
+
+    Ok(Service {
+        local_addr,
+        stats,
+        snapshots: snapshots_rx,
+        shutdown: shutdown_tx,
+        server: Some(server),
+        tasks,
+    })
+}
+
+/// The binary's entry: start, announce, serve until SIGINT/SIGTERM.
+pub async fn run(config: Config) -> Result<(), Error> {
+    let mut service = start(config).await?;
+    // Scripts and tests wait for this line, so it goes to stdout and is flushed at once.
+    let mut stdout = io::stdout().lock();
+    let _ = writeln!(stdout, "pd-control: listening on {}", service.local_addr());
+    let _ = stdout.flush();
+    drop(stdout);
+
+    tokio::select! {
+        signal = shutdown_signal() => {
+            signal?;
+            tracing::info!("shutting down");
+        }
+        stopped = service.stopped() => return stopped,
+    }
+    service.shutdown().await
+}
+
+async fn shutdown_signal() -> Result<(), Error> {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate()).map_err(Error::Signal)?;
+        tokio::select! {
+            r = tokio::signal::ctrl_c() => r.map_err(Error::Signal),
+            _ = term.recv() => Ok(()),
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        tokio::signal::ctrl_c().await.map_err(Error::Signal)
+    }
+}
+
+struct ControlLoop {
+    fleet: watch::Receiver<Fleet>,
+    book: ScrapeBook,
+    scraper: Scraper,
+    outcomes: mpsc::UnboundedReceiver<Outcome>,
+    builder: SnapshotBuilder,
+    snapshots: watch::Sender<Arc<Published>>,
+    stats: Arc<Stats>,
+    interval: Duration,
+}
+
+impl ControlLoop {
+    async fn run(mut self, mut shutdown: Shutdown) {
+        let mut ticker = tokio::time::interval(self.interval);
+        // After a stall, one catch-up round is enough; a burst of rounds would only re-scrape.
+        ticker.set_missed_tick_behavior(MissedTickBehavior::Skip);
+        loop {
+            tokio::select! {
+                _ = shutdown.requested() => return,
+                _ = ticker.tick() => self.tick(),
+                Some(outcome) = self.outcomes.recv() => self.apply(outcome),
+                // A fleet edit shows up at once rather than on the next tick.
+                Ok(()) = self.fleet.changed() => self.publish(),
+            }
+        }
+    }
+
+    fn tick(&mut self) {
+        let fleet = self.fleet.borrow_and_update().clone();
+        let jobs = self.book.plan(&fleet, Instant::now());
+        if jobs.is_empty() && self.book.idle() {
+            // Nothing to scrape at all: that round is trivially complete.
+            self.stats.round_finished(Duration::ZERO);
+        }
+        for job in jobs {
+            self.scraper.spawn(job);
+        }
+        // Also catches staleness, which changes with time alone.
+        self.publish();
+    }
+
+    fn apply(&mut self, outcome: Outcome) {
+        if outcome.result.is_err() {
+            self.stats.scrape_error();
+        }
+        if let Some(duration) = self.book.apply(outcome) {
+            // Publish before recording, so a caller that sees /readyz succeed also sees the
+            // metrics of that first round.
+            self.publish();
+            self.stats.round_finished(duration);
+        }
+    }
+
+    fn publish(&mut self) {
+        let fleet = self.fleet.borrow_and_update().clone();
+        let now = Instant::now();
+        let models = snapshot::models(&fleet, |pod| self.book.metrics(pod, now));
+        let (published, changed) = self.builder.update(models, crate::unix_ms_now());
+        if changed {
+            tracing::debug!(version = published.version, "snapshot updated");
+            self.snapshots.send_replace(published);
+        }
+    }
+}

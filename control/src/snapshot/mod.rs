@@ -1,0 +1,266 @@
+//! The versioned snapshot the filter fetches.
+//!
+//! Filters poll with the version they hold and decode only when it changes, so a version must
+//! name exactly one byte string: it moves only when the content does, and the bytes of a version
+//! are built once and shared by every response.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use prost::Message;
+
+use crate::fleet::PodRecord;
+use crate::proto;
+
+/// A built snapshot: the message (for the JSON view and counts) and its encoding.
+#[derive(Debug)]
+pub struct Published {
+    pub version: u64,
+    pub snapshot: proto::Snapshot,
+    pub bytes: Bytes,
+}
+
+impl Published {
+    /// `(ready, not_ready)` pod counts across models.
+    pub fn pod_counts(&self) -> (usize, usize) {
+        let pods = self.snapshot.models.iter().flat_map(|m| &m.pods);
+        pods.fold((0, 0), |(ready, not), p| {
+            if p.ready {
+                (ready + 1, not)
+            } else {
+                (ready, not + 1)
+            }
+        })
+    }
+}
+
+pub fn pod_to_proto(pod: &PodRecord, metrics: proto::PodMetrics) -> proto::Pod {
+    proto::Pod {
+        namespace: pod.namespace.clone(),
+        name: pod.name.clone(),
+        ip: pod.ip.clone(),
+        port: pod.port.into(),
+        engine: pod.engine.clone(),
+        role: pod.role.clone(),
+        roleset: pod.roleset.clone(),
+        ready: pod.ready,
+        config: pod.config.clone(),
+        sglang_bootstrap_port: pod.sglang_bootstrap_port.into(),
+        kv_connector_type: pod.kv_connector_type.clone(),
+        role_replica_index: pod.role_replica_index.clone(),
+        serves_http: pod.serves_http,
+        metrics: Some(metrics),
+    }
+}
+
+/// Groups the fleet by model, models sorted by name so the encoding does not depend on hash or
+/// file order, pods in fleet order because the filter takes the first valid config in that order.
+pub fn models(
+    fleet: &[PodRecord],
+    mut metrics: impl FnMut(&PodRecord) -> proto::PodMetrics,
+) -> Vec<proto::Model> {
+    let mut by_model: BTreeMap<&str, Vec<proto::Pod>> = BTreeMap::new();
+    for pod in fleet {
+        by_model
+            .entry(pod.model.as_str())
+            .or_default()
+            .push(pod_to_proto(pod, metrics(pod)));
+    }
+    by_model
+        .into_iter()
+        .map(|(name, pods)| proto::Model {
+            name: name.to_string(),
+            pods,
+        })
+        .collect()
+}
+
+/// Assigns versions and keeps the bytes of the current one.
+#[derive(Default)]
+pub struct SnapshotBuilder {
+    version: u64,
+    /// Encoding of `models` without scrape timestamps: the part a version stands for.
+    content: Bytes,
+    current: Option<Arc<Published>>,
+}
+
+impl SnapshotBuilder {
+    /// Offers new content; returns the snapshot to serve and whether it is a new version.
+    pub fn update(
+        &mut self,
+        models: Vec<proto::Model>,
+        now_unix_ms: i64,
+    ) -> (Arc<Published>, bool) {
+        let mut snapshot = proto::Snapshot {
+            version: 0,
+            generated_unix_ms: 0,
+            models,
+        };
+        // The version stands for what routing reads. Scrape timestamps move every round even
+        // on an idle fleet; counting them would make every poll a full download and decode in
+        // every Envoy worker, so they are left out of the comparison (staleness itself is the
+        // `stale` flag, which is compared).
+        let mut comparable = snapshot.clone();
+        for pod in comparable.models.iter_mut().flat_map(|m| m.pods.iter_mut()) {
+            if let Some(m) = pod.metrics.as_mut() {
+                m.last_scrape_unix_ms = 0;
+            }
+        }
+        let fingerprint = Bytes::from(comparable.encode_to_vec());
+        if let Some(current) = self
+            .current
+            .as_ref()
+            .filter(|_| self.content == fingerprint)
+        {
+            return (current.clone(), false);
+        }
+        // With version and time at their defaults, prost encodes only the models field.
+        let content = Bytes::from(snapshot.encode_to_vec());
+        self.version += 1;
+        snapshot.version = self.version;
+        snapshot.generated_unix_ms = now_unix_ms;
+        // Protobuf fields may be concatenated, and prost writes them in tag order (version,
+        // time, models), so header + content is byte-identical to encoding the whole message,
+        // without encoding the models a second time.
+        let header = proto::Snapshot {
+            version: snapshot.version,
+            generated_unix_ms: snapshot.generated_unix_ms,
+            models: Vec::new(),
+        };
+        let mut bytes = BytesMut::with_capacity(header.encoded_len() + content.len());
+        header.encode_raw(&mut bytes);
+        bytes.put_slice(&content);
+        let published = Arc::new(Published {
+            version: self.version,
+            snapshot,
+            bytes: bytes.freeze(),
+        });
+        self.content = fingerprint;
+        self.current = Some(published.clone());
+        (published, true)
+    }
+
+    pub fn current(&self) -> Option<&Arc<Published>> {
+        self.current.as_ref()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(name: &str, model: &str) -> PodRecord {
+        PodRecord {
+            model: model.into(),
+            namespace: "ns".into(),
+            name: name.into(),
+            ip: "10.0.0.1".into(),
+            port: 8100,
+            metric_port: 8100,
+            engine: "sglang".into(),
+            role: "prefill".into(),
+            roleset: "rs0".into(),
+            role_replica_index: "0".into(),
+            kv_connector_type: "nixl".into(),
+            config: r#"{"defaultProfile":"pd"}"#.into(),
+            sglang_bootstrap_port: 9000,
+            ready: true,
+            serves_http: false,
+        }
+    }
+
+    fn metrics(running: f64) -> proto::PodMetrics {
+        proto::PodMetrics {
+            present: true,
+            running,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn every_pod_field_is_carried_and_models_are_sorted() {
+        let fleet = [pod("z1", "zeta"), pod("a1", "alpha"), pod("z0", "zeta")];
+        let models = models(&fleet, |_| metrics(1.0));
+        let names: Vec<_> = models.iter().map(|m| m.name.as_str()).collect();
+        assert_eq!(names, ["alpha", "zeta"]);
+        let zeta: Vec<_> = models[1].pods.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(zeta, ["z1", "z0"], "fleet order within a model");
+        let p = &models[0].pods[0];
+        let expected = proto::Pod {
+            namespace: "ns".into(),
+            name: "a1".into(),
+            ip: "10.0.0.1".into(),
+            port: 8100,
+            engine: "sglang".into(),
+            role: "prefill".into(),
+            roleset: "rs0".into(),
+            ready: true,
+            config: r#"{"defaultProfile":"pd"}"#.into(),
+            sglang_bootstrap_port: 9000,
+            kv_connector_type: "nixl".into(),
+            role_replica_index: "0".into(),
+            serves_http: false,
+            metrics: Some(metrics(1.0)),
+        };
+        assert_eq!(p, &expected);
+    }
+
+    #[test]
+    fn version_moves_only_with_content() {
+        let fleet = vec![pod("a", "m"), pod("b", "m")];
+        let mut builder = SnapshotBuilder::default();
+        let (v1, new) = builder.update(models(&fleet, |_| metrics(1.0)), 1_000);
+        assert!(new);
+        assert_eq!(v1.version, 1, "the first version is 1; 0 is never served");
+
+        let (same, new) = builder.update(models(&fleet, |_| metrics(1.0)), 2_000);
+        assert!(!new);
+        assert_eq!(same.version, 1);
+        assert!(
+            Arc::ptr_eq(&v1, &same),
+            "same content serves the same bytes"
+        );
+        assert_eq!(
+            same.snapshot.generated_unix_ms, 1_000,
+            "time alone is no change"
+        );
+
+        let rescraped = |_: &PodRecord| proto::PodMetrics {
+            last_scrape_unix_ms: 1_950,
+            ..metrics(1.0)
+        };
+        let (same, new) = builder.update(models(&fleet, rescraped), 2_500);
+        assert!(
+            !new && same.version == 1,
+            "a new scrape time alone is no change"
+        );
+
+        let (v2, new) = builder.update(
+            models(&fleet, |p| metrics(if p.name == "b" { 2.0 } else { 1.0 })),
+            3_000,
+        );
+        assert!(new);
+        assert_eq!(v2.version, 2, "a metric change bumps by one");
+
+        let (v3, _) = builder.update(models(&fleet[..1], |_| metrics(1.0)), 4_000);
+        assert_eq!(v3.version, 3, "a fleet change bumps");
+        assert_eq!(v3.pod_counts(), (1, 0));
+    }
+
+    #[test]
+    fn concatenated_encoding_equals_prost_encoding() {
+        let mut builder = SnapshotBuilder::default();
+        let (p, _) = builder.update(
+            models(&[pod("a", "m")], |_| metrics(3.5)),
+            1_700_000_000_123,
+        );
+        assert_eq!(p.bytes.as_ref(), p.snapshot.encode_to_vec().as_slice());
+        let decoded = proto::Snapshot::decode(p.bytes.as_ref()).unwrap();
+        assert_eq!(decoded, p.snapshot);
+        assert_eq!(
+            (decoded.version, decoded.generated_unix_ms),
+            (1, 1_700_000_000_123)
+        );
+    }
+}

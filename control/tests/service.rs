@@ -1,0 +1,510 @@
+//! End-to-end: the service in-process against fake vLLM pods on loopback, plus the binary's
+//! start-up contract. Every wait is a poll against a deadline, never a fixed sleep.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::extract::State;
+use axum::routing::get;
+use axum::Router;
+use pd_control::proto;
+use prost::Message;
+
+const DEADLINE: Duration = Duration::from_secs(15);
+const POLL: Duration = Duration::from_millis(20);
+
+/// Polls `check` until it yields `Some`, failing the test with `what` after [`DEADLINE`].
+async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let start = Instant::now();
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(start.elapsed() < DEADLINE, "timed out waiting for {what}");
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+fn vllm_text(model: &str, running: f64) -> String {
+    format!(
+        r#"# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{engine="0",model_name="{model}"}} {running}
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{{engine="0",model_name="{model}"}} 1.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{{engine="0",model_name="{model}"}} 0.25
+# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{{engine="0",model_name="{model}"}} 1000.0
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{{engine="0",le="+Inf",model_name="{model}"}} 10.0
+vllm:time_to_first_token_seconds_count{{engine="0",model_name="{model}"}} 10.0
+vllm:time_to_first_token_seconds_sum{{engine="0",model_name="{model}"}} 2.0
+"#
+    )
+}
+
+/// A fake engine pod whose `/metrics` text the test can change.
+struct FakeEngine {
+    addr: SocketAddr,
+    text: Arc<Mutex<String>>,
+}
+
+impl FakeEngine {
+    async fn start(text: String) -> FakeEngine {
+        let text = Arc::new(Mutex::new(text));
+        let app = Router::new()
+            .route(
+                "/metrics",
+                get(|State(t): State<Arc<Mutex<String>>>| async move { t.lock().unwrap().clone() }),
+            )
+            .with_state(text.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        FakeEngine { addr, text }
+    }
+
+    fn set(&self, text: String) {
+        *self.text.lock().unwrap() = text;
+    }
+}
+
+struct PodSpec<'a> {
+    name: &'a str,
+    model: &'a str,
+    role: &'a str,
+    /// `None`: the pod has no IP yet.
+    port: Option<u16>,
+}
+
+fn fleet_yaml(pods: &[PodSpec]) -> String {
+    let mut out = String::from("apiVersion: v1\nkind: List\nitems:\n");
+    for p in pods {
+        let port = p.port.unwrap_or(8000);
+        out.push_str(&format!(
+            r#"- apiVersion: v1
+  kind: Pod
+  metadata:
+    name: {name}
+    namespace: test
+    labels:
+      model.aibrix.ai/name: {model}
+      model.aibrix.ai/port: "{port}"
+      role-name: {role}
+      roleset-name: rs0
+      role-replica-index: "0"
+    annotations:
+      model.aibrix.ai/config: '{{"defaultProfile":"pd"}}'
+"#,
+            name = p.name,
+            model = p.model,
+            role = p.role,
+        ));
+        match p.port {
+            Some(_) => out.push_str(
+                "  status:\n    podIP: 127.0.0.1\n    conditions:\n    - type: Ready\n      status: \"True\"\n",
+            ),
+            None => out.push_str("  status:\n    phase: Pending\n"),
+        }
+    }
+    out
+}
+
+/// Replaces the file in one step, so the service never reads a half-written fleet.
+fn write_atomically(path: &Path, text: &str) {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder().no_proxy().build().unwrap()
+}
+
+struct Fetched {
+    status: u16,
+    version_header: Option<u64>,
+    content_type: Option<String>,
+    body: Vec<u8>,
+}
+
+async fn fetch(client: &reqwest::Client, url: &str) -> Fetched {
+    let response = client.get(url).send().await.unwrap();
+    let header = |name: &str| {
+        response
+            .headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    };
+    let version_header = header("x-pd-snapshot-version").and_then(|v| v.parse().ok());
+    let content_type = header("content-type");
+    let status = response.status().as_u16();
+    let body = response.bytes().await.unwrap().to_vec();
+    Fetched {
+        status,
+        version_header,
+        content_type,
+        body,
+    }
+}
+
+async fn snapshot(client: &reqwest::Client, base: &str) -> proto::Snapshot {
+    let f = fetch(client, &format!("{base}/v1/snapshot")).await;
+    assert_eq!(f.status, 200);
+    assert_eq!(f.content_type.as_deref(), Some("application/x-protobuf"));
+    let snap = proto::Snapshot::decode(f.body.as_slice()).expect("snapshot decodes");
+    assert_eq!(
+        f.version_header,
+        Some(snap.version),
+        "header names the body's version"
+    );
+    snap
+}
+
+fn find<'a>(snap: &'a proto::Snapshot, name: &str) -> Option<&'a proto::Pod> {
+    snap.models
+        .iter()
+        .flat_map(|m| &m.pods)
+        .find(|p| p.name == name)
+}
+
+fn metrics_of(snap: &proto::Snapshot, name: &str) -> Option<proto::PodMetrics> {
+    find(snap, name)
+        .and_then(|p| p.metrics)
+        .filter(|m| m.present)
+}
+
+async fn counter(client: &reqwest::Client, base: &str, name: &str) -> f64 {
+    let text = String::from_utf8(fetch(client, &format!("{base}/metrics")).await.body).unwrap();
+    text.lines()
+        .find_map(|l| {
+            l.strip_prefix(name)
+                .and_then(|rest| rest.trim().parse().ok())
+        })
+        .unwrap_or_else(|| panic!("{name} missing from /metrics:\n{text}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serves_scraped_fleet_and_follows_fleet_edits() {
+    let prefill = FakeEngine::start(vllm_text("m", 3.0)).await;
+    let decode = FakeEngine::start(vllm_text("m", 7.0)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let fleet_path = dir.path().join("fleet.yaml");
+    let p0 = PodSpec {
+        name: "p0",
+        model: "m",
+        role: "prefill",
+        port: Some(prefill.addr.port()),
+    };
+    let d0 = PodSpec {
+        name: "d0",
+        model: "m",
+        role: "decode",
+        port: Some(decode.addr.port()),
+    };
+    let x0 = PodSpec {
+        name: "x0",
+        model: "a-model",
+        role: "decode",
+        port: None,
+    };
+    write_atomically(&fleet_path, &fleet_yaml(&[p0, d0, x0]));
+
+    let config = pd_control::Config::new(&fleet_path, "127.0.0.1:0".parse().unwrap());
+    let service = pd_control::start(config).await.expect("service starts");
+    let base = format!("http://{}", service.local_addr());
+    let client = client();
+
+    assert_eq!(fetch(&client, &format!("{base}/healthz")).await.body, b"ok");
+    eventually("readiness", || async {
+        (fetch(&client, &format!("{base}/readyz")).await.status == 200).then_some(())
+    })
+    .await;
+
+    // Pods and metrics.
+    let snap = eventually("both pods scraped", || async {
+        let s = snapshot(&client, &base).await;
+        (metrics_of(&s, "p0").is_some() && metrics_of(&s, "d0").is_some()).then_some(s)
+    })
+    .await;
+    let models: Vec<_> = snap.models.iter().map(|m| m.name.as_str()).collect();
+    assert_eq!(models, ["a-model", "m"], "models sorted by name");
+    let pods: Vec<_> = snap.models[1]
+        .pods
+        .iter()
+        .map(|p| p.name.as_str())
+        .collect();
+    assert_eq!(pods, ["p0", "d0"], "fleet order");
+    let p = find(&snap, "p0").unwrap();
+    assert_eq!((p.namespace.as_str(), p.ip.as_str()), ("test", "127.0.0.1"));
+    assert_eq!(p.port, u32::from(prefill.addr.port()));
+    assert_eq!(
+        (
+            p.role.as_str(),
+            p.roleset.as_str(),
+            p.role_replica_index.as_str()
+        ),
+        ("prefill", "rs0", "0")
+    );
+    assert_eq!(
+        (p.engine.as_str(), p.config.as_str()),
+        ("vllm", r#"{"defaultProfile":"pd"}"#)
+    );
+    assert!(p.ready && p.serves_http);
+    assert_eq!(p.sglang_bootstrap_port, 8998);
+    let m = metrics_of(&snap, "p0").unwrap();
+    assert_eq!((m.running, m.waiting, m.kv_cache_usage), (3.0, 1.0, 0.25));
+    assert!((m.ttft_avg_seconds - 0.2).abs() < 1e-9);
+    assert!(m.last_scrape_unix_ms > 0);
+    assert_eq!(metrics_of(&snap, "d0").unwrap().running, 7.0);
+    let x = find(&snap, "x0").unwrap();
+    assert!(!x.ready && x.ip.is_empty());
+    assert!(
+        x.metrics.as_ref().is_some_and(|m| !m.present),
+        "unscraped pods carry empty metrics"
+    );
+
+    // The version the caller holds → 304 with the header and no body. Scrapes keep moving the
+    // version (last_scrape_unix_ms), so retry until two requests land on the same one.
+    eventually("a 304 for the current version", || async {
+        let s = snapshot(&client, &base).await;
+        let f = fetch(
+            &client,
+            &format!("{base}/v1/snapshot?version={}", s.version),
+        )
+        .await;
+        match f.status {
+            304 => {
+                assert_eq!(f.version_header, Some(s.version));
+                assert!(f.body.is_empty());
+                Some(())
+            }
+            200 => {
+                assert!(f.version_header.unwrap() > s.version);
+                None
+            }
+            other => panic!("unexpected status {other}"),
+        }
+    })
+    .await;
+    assert_eq!(
+        fetch(&client, &format!("{base}/v1/snapshot?version=0"))
+            .await
+            .status,
+        200
+    );
+    assert_eq!(
+        fetch(&client, &format!("{base}/v1/snapshot?version=abc"))
+            .await
+            .status,
+        400
+    );
+
+    // An engine's load changes → new version carrying it.
+    let before = snapshot(&client, &base).await.version;
+    decode.set(vllm_text("m", 9.0));
+    eventually("the decode pod's new load", || async {
+        let s = snapshot(&client, &base).await;
+        (metrics_of(&s, "d0")?.running == 9.0).then_some(())
+    })
+    .await;
+
+    // Remove d0 from the fleet file → a newer version without it.
+    let p0 = PodSpec {
+        name: "p0",
+        model: "m",
+        role: "prefill",
+        port: Some(prefill.addr.port()),
+    };
+    let x0 = PodSpec {
+        name: "x0",
+        model: "a-model",
+        role: "decode",
+        port: None,
+    };
+    write_atomically(&fleet_path, &fleet_yaml(&[p0, x0]));
+    let after_edit = eventually("d0 to leave the snapshot", || async {
+        let s = snapshot(&client, &base).await;
+        find(&s, "d0").is_none().then_some(s)
+    })
+    .await;
+    assert!(after_edit.version > before);
+    assert!(find(&after_edit, "p0").is_some());
+
+    // A broken edit is rejected and counted; the fleet stays as it was.
+    let errors_before = counter(&client, &base, "pd_control_fleet_reload_errors_total").await;
+    write_atomically(&fleet_path, "apiVersion: v1\nkind: List\nitems: [\n");
+    eventually("the broken edit to be rejected", || async {
+        (counter(&client, &base, "pd_control_fleet_reload_errors_total").await > errors_before)
+            .then_some(())
+    })
+    .await;
+    let s = snapshot(&client, &base).await;
+    assert!(find(&s, "p0").is_some() && find(&s, "x0").is_some() && find(&s, "d0").is_none());
+    assert_eq!(fetch(&client, &format!("{base}/readyz")).await.status, 200);
+
+    // JSON view and own metrics.
+    let json = fetch(&client, &format!("{base}/v1/snapshot.json")).await;
+    assert_eq!(json.status, 200);
+    assert!(json.version_header.is_some());
+    let v: serde_json::Value = serde_json::from_slice(&json.body).unwrap();
+    let m_pods = &v["models"][1]["pods"];
+    assert_eq!(m_pods[0]["name"], "p0");
+    assert_eq!(m_pods[0]["metrics"]["present"], true);
+    assert_eq!(m_pods[0]["metrics"]["running"], 3.0);
+    assert_eq!(m_pods[0]["role"], "prefill");
+    let text = String::from_utf8(fetch(&client, &format!("{base}/metrics")).await.body).unwrap();
+    for family in [
+        "pd_control_snapshot_version ",
+        "pd_control_pods{state=\"ready\"} 1",
+        "pd_control_pods{state=\"not_ready\"} 1",
+        "pd_control_scrape_errors_total ",
+        "pd_control_scrape_duration_seconds ",
+        "pd_control_fleet_reload_errors_total ",
+    ] {
+        assert!(text.contains(family), "{family:?} missing from:\n{text}");
+    }
+
+    service.shutdown().await.expect("clean shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quiet_fleet_keeps_its_version_and_dead_pods_go_stale() {
+    // One pod without an IP (never scraped) and one whose metrics port refuses connections.
+    let closed_port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let fleet_path = dir.path().join("fleet.yaml");
+    let pending = PodSpec {
+        name: "pending",
+        model: "m",
+        role: "decode",
+        port: None,
+    };
+    write_atomically(&fleet_path, &fleet_yaml(&[pending]));
+    let config = pd_control::Config::new(&fleet_path, "127.0.0.1:0".parse().unwrap());
+    let service = pd_control::start(config).await.unwrap();
+    let base = format!("http://{}", service.local_addr());
+    let client = client();
+
+    eventually("readiness with nothing to scrape", || async {
+        (fetch(&client, &format!("{base}/readyz")).await.status == 200).then_some(())
+    })
+    .await;
+    let v = snapshot(&client, &base).await.version;
+    assert_eq!(v, 1, "nothing changed since start");
+    let f = fetch(&client, &format!("{base}/v1/snapshot?version={v}")).await;
+    assert_eq!(
+        (f.status, f.version_header, f.body.len()),
+        (304, Some(v), 0)
+    );
+
+    let pending = PodSpec {
+        name: "pending",
+        model: "m",
+        role: "decode",
+        port: None,
+    };
+    let dead = PodSpec {
+        name: "dead",
+        model: "m",
+        role: "decode",
+        port: Some(closed_port),
+    };
+    write_atomically(&fleet_path, &fleet_yaml(&[pending, dead]));
+    eventually("scrape errors for the dead pod", || async {
+        (counter(&client, &base, "pd_control_scrape_errors_total").await > 0.0).then_some(())
+    })
+    .await;
+    let s = snapshot(&client, &base).await;
+    assert!(s.version > 1);
+    let m = find(&s, "dead").and_then(|p| p.metrics).unwrap();
+    assert!(!m.present && m.stale);
+
+    service.shutdown().await.unwrap();
+}
+
+#[test]
+fn binary_announces_its_address_and_rejects_a_bad_fleet() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+
+    let exe = env!("CARGO_BIN_EXE_pd-control");
+    let dir = tempfile::tempdir().unwrap();
+
+    let missing = dir.path().join("missing.yaml");
+    let out = Command::new(exe)
+        .args([
+            "--fleet",
+            missing.to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("cannot load the initial fleet"),
+        "stderr: {stderr}"
+    );
+
+    let fleet = dir.path().join("fleet.yaml");
+    let pending = PodSpec {
+        name: "pending",
+        model: "m",
+        role: "decode",
+        port: None,
+    };
+    write_atomically(&fleet, &fleet_yaml(&[pending]));
+    let mut child = Command::new(exe)
+        .args([
+            "--fleet",
+            fleet.to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+            "--refresh-interval",
+            "20ms",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    let read = BufReader::new(child.stdout.take().unwrap()).read_line(&mut line);
+    let addr = line
+        .trim()
+        .strip_prefix("pd-control: listening on ")
+        .map(str::to_string);
+    let reply = addr.as_deref().and_then(|a| {
+        let mut stream = std::net::TcpStream::connect(a).ok()?;
+        std::io::Write::write_all(&mut stream, b"GET /healthz HTTP/1.0\r\nHost: x\r\n\r\n").ok()?;
+        let mut reply = String::new();
+        std::io::Read::read_to_string(&mut stream, &mut reply).ok()?;
+        Some(reply)
+    });
+    child.kill().unwrap();
+    child.wait().unwrap();
+    read.unwrap();
+    assert!(addr.is_some(), "unexpected first line {line:?}");
+    let reply = reply.expect("healthz reachable at the announced address");
+    assert!(
+        reply.starts_with("HTTP/1.") && reply.contains(" 200 ") && reply.ends_with("ok"),
+        "{reply}"
+    );
+}
