@@ -1,1 +1,4 @@
-fn main() {}
+//! Open-loop load generator; see `pd_sim::cli::LoadArgs`.
+fn main() -> std::process::ExitCode {
+    pd_sim::cli::load_main()
+}

@@ -1,0 +1,257 @@
+//! pd-load's engine: an open-loop (or closed-loop) generator of OpenAI completion traffic
+//! that records, per request, what a client can observe of the router's decisions (status,
+//! `target-pod`, `prefill-target-pod`, `x-error-*` headers) and of its latency (TTFT, E2E).
+//!
+//! Open loop matters: arrivals do not wait for earlier responses, so a slow router shows up
+//! as growing latency rather than as a politely reduced request rate.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Serialize;
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+
+use crate::client::Sender;
+use crate::stats::{summarize, Summary};
+use crate::workload::plan;
+
+/// How arrivals are spaced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Arrival {
+    /// Exponential gaps: the arrival process of many independent users.
+    Poisson,
+    /// Equal gaps.
+    Fixed,
+}
+
+/// A run's settings (from the command line).
+#[derive(Debug, Clone, Serialize)]
+pub struct LoadConfig {
+    /// Base URL, e.g. `http://127.0.0.1:10000`; the OpenAI path is appended.
+    pub url: String,
+    pub model: String,
+    /// Arrivals per second; 0 means closed loop (`clients` sequential senders).
+    pub rps: f64,
+    pub duration: Duration,
+    /// Stop after this many requests.
+    pub requests: Option<u64>,
+    pub clients: usize,
+    pub arrival: Arrival,
+    pub stream_ratio: f64,
+    pub chat_ratio: f64,
+    /// Inclusive range of prompt sizes, in tokens of ~4 characters.
+    pub prompt_tokens: (u64, u64),
+    /// Leading tokens every prompt shares (for prefix-cache experiments).
+    pub shared_prefix_tokens: u64,
+    pub max_tokens: u64,
+    pub headers: Vec<(String, String)>,
+    /// Value of the `routing-strategy` header; empty sends none.
+    pub routing_strategy: String,
+    pub concurrency_limit: usize,
+    pub timeout: Duration,
+    /// Ask streams for a final usage chunk (`stream_options.include_usage`).
+    pub include_usage: bool,
+    pub seed: u64,
+    /// Base URL of a prefill pod: pd-load runs the vLLM prefill leg itself, then sends the
+    /// decode leg to `url`. The "no router" baseline of a PD exchange.
+    pub direct_prefill: Option<String>,
+}
+
+impl Default for LoadConfig {
+    fn default() -> Self {
+        LoadConfig {
+            url: "http://127.0.0.1:10000".into(),
+            model: String::new(),
+            rps: 10.0,
+            duration: Duration::from_secs(20),
+            requests: None,
+            clients: 1,
+            arrival: Arrival::Poisson,
+            stream_ratio: 0.5,
+            chat_ratio: 0.5,
+            prompt_tokens: (64, 2048),
+            shared_prefix_tokens: 0,
+            max_tokens: 16,
+            headers: Vec::new(),
+            routing_strategy: "pd".into(),
+            concurrency_limit: 256,
+            timeout: Duration::from_secs(60),
+            include_usage: true,
+            seed: 1,
+            direct_prefill: None,
+        }
+    }
+}
+
+/// What one request observed.
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct RequestResult {
+    pub seq: u64,
+    /// Send time relative to the start of the run.
+    pub start_ms: f64,
+    pub path: String,
+    pub stream: bool,
+    pub prompt_tokens: u64,
+    /// `None` when no response arrived (connection error, timeout before headers).
+    pub status: Option<u16>,
+    /// Why the request failed, when it did: transport error, timeout, error body message,
+    /// truncated or errored stream.
+    pub error: Option<String>,
+    pub target_pod: Option<String>,
+    pub prefill_target_pod: Option<String>,
+    pub request_id: Option<String>,
+    /// Every `x-error-*` response header.
+    pub error_headers: BTreeMap<String, String>,
+    /// Streams: time to the first SSE event carrying a token. Non-streams: the E2E time.
+    pub ttft_ms: Option<f64>,
+    pub e2e_ms: f64,
+    /// Generated tokens (usage when reported, else counted chunks).
+    pub tokens: u64,
+    /// `--direct-prefill`: the duration of the prefill leg pd-load made itself.
+    pub prefill_ms: Option<f64>,
+}
+
+impl RequestResult {
+    pub fn is_ok(&self) -> bool {
+        self.status == Some(200) && self.error.is_none()
+    }
+
+    /// Mean time per output token after the first.
+    /// Streams only: a non-stream's TTFT is its E2E, so it says nothing about decode speed.
+    pub fn tpot_ms(&self) -> Option<f64> {
+        let ttft = self.ttft_ms.filter(|_| self.stream)?;
+        (self.tokens > 1).then(|| (self.e2e_ms - ttft) / (self.tokens - 1) as f64)
+    }
+}
+
+/// Everything a run produced.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunReport {
+    pub config: LoadConfig,
+    pub summary: Summary,
+    pub results: Vec<RequestResult>,
+}
+
+/// Runs a load test and returns every result plus the summary.
+pub async fn run(cfg: LoadConfig) -> Result<RunReport, String> {
+    let sender = Arc::new(Sender::new(cfg.clone())?);
+    let mut rng = fastrand::Rng::with_seed(cfg.seed);
+    let run_start = sender.run_start;
+    let (mut results, send_window, delayed) = if cfg.rps > 0.0 {
+        open_loop(&cfg, &sender, &mut rng).await
+    } else {
+        closed_loop(&cfg, &sender, rng).await
+    };
+    let elapsed = run_start.elapsed().as_secs_f64();
+    results.sort_by_key(|r| r.seq);
+    let target = reqwest::Url::parse(&cfg.url)
+        .ok()
+        .and_then(|u| Some(format!("{}:{}", u.host_str()?, u.port_or_known_default()?)))
+        .unwrap_or_else(|| cfg.url.clone());
+    let summary = summarize(
+        &results,
+        send_window.as_secs_f64().max(1e-9),
+        elapsed,
+        delayed,
+        &target,
+    );
+    Ok(RunReport {
+        config: cfg,
+        summary,
+        results,
+    })
+}
+
+async fn open_loop(
+    cfg: &LoadConfig,
+    sender: &Arc<Sender>,
+    rng: &mut fastrand::Rng,
+) -> (Vec<RequestResult>, Duration, u64) {
+    let slots = Arc::new(Semaphore::new(cfg.concurrency_limit.max(1)));
+    let mut tasks = JoinSet::new();
+    let start = tokio::time::Instant::from_std(sender.run_start);
+    let mut next = start;
+    let mut delayed = 0;
+    let mut seq = 0u64;
+    while cfg.requests.is_none_or(|n| seq < n) && next - start < cfg.duration {
+        tokio::time::sleep_until(next).await;
+        let permit = match slots.clone().try_acquire_owned() {
+            Ok(p) => p,
+            Err(_) => {
+                delayed += 1;
+                match slots.clone().acquire_owned().await {
+                    Ok(p) => p,
+                    Err(_) => break,
+                }
+            }
+        };
+        let planned = plan(cfg, rng, seq);
+        let sender = sender.clone();
+        tasks.spawn(async move {
+            let result = sender.send(planned).await;
+            drop(permit);
+            result
+        });
+        seq += 1;
+        let gap = match cfg.arrival {
+            Arrival::Fixed => 1.0 / cfg.rps,
+            Arrival::Poisson => -(1.0 - rng.f64()).ln() / cfg.rps,
+        };
+        next += Duration::from_secs_f64(gap.clamp(0.0, 3600.0));
+    }
+    // The sending window ends at the next scheduled arrival, so that N requests at R rps
+    // report R rps offered rather than R·N/(N−1).
+    let window = (next - start).min(cfg.duration);
+    let mut results = Vec::with_capacity(seq as usize);
+    while let Some(joined) = tasks.join_next().await {
+        if let Ok(r) = joined {
+            results.push(r);
+        }
+    }
+    (results, window, delayed)
+}
+
+async fn closed_loop(
+    cfg: &LoadConfig,
+    sender: &Arc<Sender>,
+    rng: fastrand::Rng,
+) -> (Vec<RequestResult>, Duration, u64) {
+    // Plans are drawn from one generator in sequence order, so a closed-loop run sends the
+    // same requests as an open-loop run with the same seed.
+    let rng = Arc::new(std::sync::Mutex::new(rng));
+    let next_seq = Arc::new(AtomicU64::new(0));
+    let mut tasks = JoinSet::new();
+    for _ in 0..cfg.clients.max(1) {
+        let (cfg, sender, rng, next_seq) =
+            (cfg.clone(), sender.clone(), rng.clone(), next_seq.clone());
+        tasks.spawn(async move {
+            let mut out = Vec::new();
+            loop {
+                let seq = next_seq.fetch_add(1, Ordering::Relaxed);
+                let over_count = cfg.requests.is_some_and(|n| seq >= n);
+                let over_time =
+                    cfg.requests.is_none() && sender.run_start.elapsed() >= cfg.duration;
+                if over_count || over_time {
+                    break;
+                }
+                let planned = {
+                    let mut rng = rng.lock().unwrap_or_else(|e| e.into_inner());
+                    plan(&cfg, &mut rng, seq)
+                };
+                out.push(sender.send(planned).await);
+            }
+            out
+        });
+    }
+    let mut results = Vec::new();
+    while let Some(joined) = tasks.join_next().await {
+        if let Ok(mut r) = joined {
+            results.append(&mut r);
+        }
+    }
+    (results, sender.run_start.elapsed(), 0)
+}

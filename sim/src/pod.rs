@@ -1,0 +1,657 @@
+//! One simulated engine pod: its load (waiting/running requests, KV usage), counters and
+//! histograms, prefix cache, KV blocks pinned for decode pods to pull, and the [`Job`] that
+//! plays one request through the timing model while keeping all of that consistent.
+//!
+//! State changes go through RAII ([`Ticket`]) so that a client that hangs up, or a pod that
+//! is removed mid-request, still leaves the gauges exactly right: the router under test
+//! reads them and a leaked "running" request would skew its decisions.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use pd_control::fleet::PodRecord;
+use serde::Serialize;
+use serde_json::Value;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::engine::{self, TimingModel, BLOCK_SIZE_TOKENS};
+use crate::log::RequestLog;
+use crate::metrics::MetricsSnapshot;
+use crate::prefix::PrefixCache;
+use crate::vllm::{Leg, PodRole};
+
+/// Simulator-wide settings shared by every pod.
+#[derive(Debug, Clone)]
+pub struct SimConfig {
+    pub timing: TimingModel,
+    pub default_max_tokens: u64,
+    /// KV cache size of each pod, in tokens; the denominator of `kv_cache_usage_perc`.
+    pub kv_capacity_tokens: u64,
+    /// vLLM's `--max-num-seqs`: requests beyond it wait (and show as waiting).
+    pub max_num_seqs: usize,
+    /// Prefills one pod runs at once; 0 means unlimited. 1 models a GPU that is saturated by
+    /// one prefill, which is what makes prefill queues (and prefill-aware routing) visible.
+    pub prefill_concurrency: usize,
+    pub prefix_caching: bool,
+    /// How long a prefill pod keeps a finished prefill's blocks for a decode pod to pull.
+    pub kv_pin_timeout: Duration,
+    /// Entries kept in each pod's request log.
+    pub log_limit: usize,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig {
+            timing: TimingModel::default(),
+            default_max_tokens: 16,
+            kv_capacity_tokens: 100_000,
+            max_num_seqs: 256,
+            prefill_concurrency: 1,
+            prefix_caching: true,
+            kv_pin_timeout: Duration::from_secs(30),
+            log_limit: 10_000,
+        }
+    }
+}
+
+/// Counters, histograms and cache, behind one lock with short critical sections.
+#[derive(Debug)]
+struct Inner {
+    running: u64,
+    waiting: u64,
+    /// Tokens held by running requests (prompt plus generated so far).
+    active_kv_tokens: u64,
+    /// Prefill results waiting to be pulled: remote_request_id → (tokens, deadline).
+    pinned: HashMap<String, (u64, Instant)>,
+    pinned_tokens: u64,
+    next_block_id: u64,
+    prefix: PrefixCache,
+    metrics: MetricsSnapshot,
+}
+
+/// A served pod.
+#[derive(Debug)]
+pub struct PodState {
+    pub record: PodRecord,
+    pub role: PodRole,
+    pub engine_id: String,
+    pub config: Arc<SimConfig>,
+    pub log: RequestLog,
+    seqs: Arc<Semaphore>,
+    prefill_lane: Option<Arc<Semaphore>>,
+    inner: Mutex<Inner>,
+}
+
+/// What `GET /sim/pods` lists for each pod.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct PodInfo {
+    pub name: String,
+    pub namespace: String,
+    pub model: String,
+    pub role: String,
+    pub roleset: String,
+    pub engine: String,
+    pub ready: bool,
+    pub addr: String,
+    pub metrics_addr: String,
+    pub engine_id: String,
+}
+
+impl PodState {
+    pub fn new(record: PodRecord, config: Arc<SimConfig>) -> Self {
+        let capacity_blocks = if config.prefix_caching {
+            engine::blocks_for(config.kv_capacity_tokens) as usize
+        } else {
+            0
+        };
+        let mut metrics = MetricsSnapshot::new();
+        metrics.num_gpu_blocks = engine::blocks_for(config.kv_capacity_tokens);
+        metrics.prefix_caching = config.prefix_caching;
+        PodState {
+            role: PodRole::from_label(&record.role),
+            engine_id: engine::engine_id(&record.namespace, &record.name),
+            log: RequestLog::new(config.log_limit),
+            seqs: Arc::new(Semaphore::new(config.max_num_seqs.max(1))),
+            prefill_lane: (config.prefill_concurrency > 0)
+                .then(|| Arc::new(Semaphore::new(config.prefill_concurrency))),
+            inner: Mutex::new(Inner {
+                running: 0,
+                waiting: 0,
+                active_kv_tokens: 0,
+                pinned: HashMap::new(),
+                pinned_tokens: 0,
+                next_block_id: 1,
+                prefix: PrefixCache::new(capacity_blocks),
+                metrics,
+            }),
+            record,
+            config,
+        }
+    }
+
+    pub fn info(&self) -> PodInfo {
+        let r = &self.record;
+        PodInfo {
+            name: r.name.clone(),
+            namespace: r.namespace.clone(),
+            model: r.model.clone(),
+            role: r.role.clone(),
+            roleset: r.roleset.clone(),
+            engine: r.engine.clone(),
+            ready: r.ready,
+            addr: r.address(),
+            metrics_addr: format!("{}:{}", r.ip, r.metric_port),
+            engine_id: self.engine_id.clone(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // Every update below is a handful of integer adds; a panic cannot leave them torn in a
+        // way worth refusing all later requests for.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The `/metrics` view, with gauges computed now.
+    pub fn metrics(&self) -> MetricsSnapshot {
+        let mut inner = self.lock();
+        expire_pins(&mut inner, Instant::now());
+        let mut m = inner.metrics.clone();
+        m.running = inner.running;
+        m.waiting = inner.waiting;
+        let held = (inner.active_kv_tokens + inner.pinned_tokens) as f64;
+        m.kv_usage = (held / self.config.kv_capacity_tokens.max(1) as f64).min(1.0);
+        m
+    }
+
+    pub fn running(&self) -> u64 {
+        self.lock().running
+    }
+
+    /// Prompt tokens that must actually be computed: those past the cached prefix (at least
+    /// one, as vLLM always recomputes the last token). Counts the prefix-cache query.
+    pub fn prefill_lookup(&self, hashes: &[u64], prompt_tokens: u64) -> u64 {
+        let mut inner = self.lock();
+        let hit_tokens =
+            (inner.prefix.lookup_and_insert(hashes) as u64 * BLOCK_SIZE_TOKENS).min(prompt_tokens);
+        if self.config.prefix_caching {
+            inner.metrics.prefix_queries += prompt_tokens;
+            inner.metrics.prefix_hits += hit_tokens;
+        }
+        prompt_tokens.saturating_sub(hit_tokens).max(1)
+    }
+
+    /// A decode pod that pulled a prompt's KV now holds its blocks in its own prefix cache.
+    pub fn cache_insert(&self, hashes: &[u64]) {
+        self.lock().prefix.insert(hashes);
+    }
+
+    /// Fresh KV block ids for a prefill result.
+    pub fn allocate_blocks(&self, count: u64) -> Vec<u64> {
+        let mut inner = self.lock();
+        let first = inner.next_block_id;
+        inner.next_block_id += count;
+        (first..first + count).collect()
+    }
+
+    /// Keeps `tokens` of KV for `request_id` until a decode pod pulls them or the pin expires.
+    fn pin(&self, request_id: &str, tokens: u64) {
+        let mut inner = self.lock();
+        let now = Instant::now();
+        expire_pins(&mut inner, now);
+        let deadline = now + self.config.kv_pin_timeout;
+        if let Some((old, _)) = inner
+            .pinned
+            .insert(request_id.to_string(), (tokens, deadline))
+        {
+            inner.pinned_tokens -= old;
+        }
+        inner.pinned_tokens += tokens;
+    }
+
+    /// Frees a pin after a decode pod pulled it. False when there was none (never pinned,
+    /// already pulled, or expired).
+    pub fn release_pin(&self, request_id: &str) -> bool {
+        let mut inner = self.lock();
+        expire_pins(&mut inner, Instant::now());
+        match inner.pinned.remove(request_id) {
+            Some((tokens, _)) => {
+                inner.pinned_tokens -= tokens;
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+fn expire_pins(inner: &mut Inner, now: Instant) {
+    let before = inner.pinned.len();
+    let mut freed = 0;
+    inner.pinned.retain(|_, (tokens, deadline)| {
+        let keep = *deadline > now;
+        if !keep {
+            freed += *tokens;
+        }
+        keep
+    });
+    if inner.pinned.len() != before {
+        inner.pinned_tokens -= freed;
+    }
+}
+
+/// Outcome of a decode pod's attempt to pull KV named by `kv_transfer_params`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvPull {
+    Ok,
+    /// `remote_engine_id` is not a pod this simulator serves.
+    UnknownEngine,
+    /// `remote_host` is not the prefill pod's IP (e.g. vLLM's default `localhost` that the
+    /// router should have overwritten).
+    HostMismatch,
+    /// The prefill pod holds no blocks for `remote_request_id` (never sent, already pulled,
+    /// or expired).
+    UnknownRequest,
+}
+
+impl KvPull {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KvPull::Ok => "ok",
+            KvPull::UnknownEngine => "unknown_engine",
+            KvPull::HostMismatch => "host_mismatch",
+            KvPull::UnknownRequest => "unknown_request",
+        }
+    }
+}
+
+/// Every pod's engine id, so a decode pod can find the prefill pod it is told to pull from.
+#[derive(Debug, Default)]
+pub struct Registry {
+    engines: Mutex<HashMap<String, Arc<PodState>>>,
+}
+
+impl Registry {
+    pub fn insert(&self, pod: Arc<PodState>) {
+        self.lock().insert(pod.engine_id.clone(), pod);
+    }
+
+    pub fn remove(&self, engine_id: &str) {
+        self.lock().remove(engine_id);
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<String, Arc<PodState>>> {
+        self.engines.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Checks `kv` against the prefill pod it names and, when it is right, frees the pinned
+    /// blocks there (the NIXL notification a real decode pod sends after its READ).
+    pub fn pull(&self, kv: &Value) -> KvPull {
+        let field = |k: &str| kv.get(k).and_then(Value::as_str).unwrap_or_default();
+        let Some(prefill) = self.lock().get(field("remote_engine_id")).cloned() else {
+            return KvPull::UnknownEngine;
+        };
+        if field("remote_host") != prefill.record.ip {
+            return KvPull::HostMismatch;
+        }
+        if prefill.release_pin(field("remote_request_id")) {
+            KvPull::Ok
+        } else {
+            KvPull::UnknownRequest
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Waiting,
+    Running,
+    Done,
+}
+
+/// A request's share of the pod's gauges, undone exactly once whatever way it ends.
+#[derive(Debug)]
+struct Ticket {
+    pod: Arc<PodState>,
+    phase: Phase,
+    held_tokens: u64,
+}
+
+impl Ticket {
+    fn new(pod: Arc<PodState>) -> Self {
+        pod.lock().waiting += 1;
+        Ticket {
+            pod,
+            phase: Phase::Waiting,
+            held_tokens: 0,
+        }
+    }
+
+    /// Waiting → running, holding the prompt's KV and counting its prompt tokens.
+    fn start(&mut self, prompt_tokens: u64) {
+        if self.phase != Phase::Waiting {
+            return;
+        }
+        let mut inner = self.pod.lock();
+        inner.waiting -= 1;
+        inner.running += 1;
+        inner.active_kv_tokens += prompt_tokens;
+        inner.metrics.prompt_tokens += prompt_tokens;
+        self.held_tokens = prompt_tokens;
+        self.phase = Phase::Running;
+    }
+
+    fn token(&mut self) {
+        let mut inner = self.pod.lock();
+        inner.metrics.generation_tokens += 1;
+        if self.phase == Phase::Running {
+            inner.active_kv_tokens += 1;
+            self.held_tokens += 1;
+        }
+    }
+
+    /// Running → done; returns the KV tokens the request held.
+    fn finish(&mut self, e2e: Duration) -> u64 {
+        let mut inner = self.pod.lock();
+        release(&mut inner, self.phase, self.held_tokens);
+        inner.metrics.success_length += 1;
+        inner.metrics.e2e.observe(e2e.as_secs_f64());
+        self.phase = Phase::Done;
+        self.held_tokens
+    }
+}
+
+fn release(inner: &mut Inner, phase: Phase, held: u64) {
+    match phase {
+        Phase::Waiting => inner.waiting -= 1,
+        Phase::Running => {
+            inner.running -= 1;
+            inner.active_kv_tokens -= held;
+        }
+        Phase::Done => {}
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if self.phase == Phase::Done {
+            return;
+        }
+        let mut inner = self.pod.lock();
+        release(&mut inner, self.phase, self.held_tokens);
+        inner.metrics.success_abort += 1;
+    }
+}
+
+/// What a job is asked to do; derived from the validated request.
+#[derive(Debug, Clone)]
+pub struct JobSpec {
+    /// The work actually done: a decode leg whose pull failed is run as `Full` (recompute).
+    pub work: Leg,
+    pub prompt_tokens: u64,
+    /// Prompt tokens past the prefix-cache hit; what prefill time is charged for.
+    pub new_tokens: u64,
+    pub output_tokens: u64,
+    /// Prefill legs: the `remote_request_id` under which the result's blocks stay pinned.
+    pub pin_as: Option<String>,
+}
+
+/// One request being played through the timing model, one token at a time.
+#[derive(Debug)]
+pub struct Job {
+    pod: Arc<PodState>,
+    spec: JobSpec,
+    received: Instant,
+    produced: u64,
+    last_token_at: Option<Instant>,
+    ticket: Ticket,
+    _admission: Option<OwnedSemaphorePermit>,
+}
+
+impl Job {
+    /// Starts waiting on `pod`; `received` is when the request arrived, for TTFT and E2E.
+    pub fn new(pod: Arc<PodState>, spec: JobSpec, received: Instant) -> Self {
+        Job {
+            ticket: Ticket::new(pod.clone()),
+            pod,
+            spec,
+            received,
+            produced: 0,
+            last_token_at: None,
+            _admission: None,
+        }
+    }
+
+    pub fn spec(&self) -> &JobSpec {
+        &self.spec
+    }
+
+    /// Waits until the next token exists and returns its index, or `None` when the request
+    /// has produced all its tokens (at which point it is counted as finished).
+    pub async fn next_token(&mut self) -> Option<u64> {
+        if self.produced >= self.spec.output_tokens {
+            return None;
+        }
+        let timing = &self.pod.config.timing;
+        if self.produced == 0 {
+            self._admission = self.pod.seqs.clone().acquire_owned().await.ok();
+            let scheduled = match self.spec.work {
+                Leg::Prefill | Leg::Full => {
+                    let _lane = match &self.pod.prefill_lane {
+                        Some(lane) => lane.clone().acquire_owned().await.ok(),
+                        None => None,
+                    };
+                    self.ticket.start(self.spec.prompt_tokens);
+                    let scheduled = Instant::now();
+                    tokio::time::sleep(timing.prefill_time(self.spec.new_tokens)).await;
+                    scheduled
+                }
+                Leg::Decode => {
+                    // vLLM counts a request as waiting while its KV is being pulled.
+                    tokio::time::sleep(timing.kv_pull_time(self.spec.prompt_tokens)).await;
+                    self.ticket.start(self.spec.prompt_tokens);
+                    let scheduled = Instant::now();
+                    tokio::time::sleep(timing.decode_step(self.pod.running())).await;
+                    scheduled
+                }
+            };
+            let now = Instant::now();
+            let mut inner = self.pod.lock();
+            inner
+                .metrics
+                .prefill_time
+                .observe((now - scheduled).as_secs_f64());
+            inner
+                .metrics
+                .ttft
+                .observe((now - self.received).as_secs_f64());
+        } else {
+            tokio::time::sleep(timing.decode_step(self.pod.running())).await;
+            if let Some(last) = self.last_token_at {
+                self.pod
+                    .lock()
+                    .metrics
+                    .inter_token
+                    .observe(last.elapsed().as_secs_f64());
+            }
+        }
+        let index = self.produced;
+        self.produced += 1;
+        self.last_token_at = Some(Instant::now());
+        self.ticket.token();
+        if self.produced == self.spec.output_tokens {
+            let held = self.ticket.finish(self.received.elapsed());
+            if let Some(request_id) = &self.spec.pin_as {
+                self.pod.pin(request_id, held);
+            }
+            self._admission = None;
+        }
+        Some(index)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(name: &str, role: &str, ip: &str) -> PodRecord {
+        PodRecord {
+            model: "m".into(),
+            namespace: "default".into(),
+            name: name.into(),
+            ip: ip.into(),
+            port: 8000,
+            metric_port: 8000,
+            engine: "vllm".into(),
+            role: role.into(),
+            roleset: "rs".into(),
+            role_replica_index: String::new(),
+            kv_connector_type: String::new(),
+            config: String::new(),
+            sglang_bootstrap_port: 8998,
+            ready: true,
+            serves_http: true,
+        }
+    }
+
+    fn fast_config() -> Arc<SimConfig> {
+        Arc::new(SimConfig {
+            timing: TimingModel {
+                prefill_base_ms: 0.0,
+                prefill_us_per_token: 0.0,
+                decode_ms_per_token: 0.0,
+                batch_slowdown: 0.0,
+                kv_pull_base_ms: 0.0,
+                kv_pull_us_per_token: 0.0,
+            },
+            kv_capacity_tokens: 1000,
+            ..SimConfig::default()
+        })
+    }
+
+    fn spec(work: Leg, pin_as: Option<&str>) -> JobSpec {
+        JobSpec {
+            work,
+            prompt_tokens: 100,
+            new_tokens: 100,
+            output_tokens: 3,
+            pin_as: pin_as.map(String::from),
+        }
+    }
+
+    #[tokio::test]
+    async fn job_moves_gauges_and_counts() {
+        let pod = Arc::new(PodState::new(record("p", "", "127.0.0.2"), fast_config()));
+        let mut job = Job::new(pod.clone(), spec(Leg::Full, None), Instant::now());
+        assert_eq!((pod.metrics().waiting, pod.metrics().running), (1, 0));
+        assert_eq!(job.next_token().await, Some(0));
+        let m = pod.metrics();
+        assert_eq!((m.waiting, m.running, m.prompt_tokens), (0, 1, 100));
+        assert!(
+            (m.kv_usage - 0.101).abs() < 1e-9,
+            "prompt + one token of 1000"
+        );
+        assert_eq!(job.next_token().await, Some(1));
+        assert_eq!(job.next_token().await, Some(2));
+        assert_eq!(job.next_token().await, None);
+        let m = pod.metrics();
+        assert_eq!(
+            (
+                m.running,
+                m.generation_tokens,
+                m.success_length,
+                m.ttft.count()
+            ),
+            (0, 3, 1, 1)
+        );
+        assert_eq!(m.kv_usage, 0.0);
+    }
+
+    #[tokio::test]
+    async fn dropped_job_is_an_abort_and_releases_everything() {
+        let pod = Arc::new(PodState::new(record("p", "", "127.0.0.2"), fast_config()));
+        let mut job = Job::new(pod.clone(), spec(Leg::Full, None), Instant::now());
+        job.next_token().await;
+        drop(job);
+        let m = pod.metrics();
+        assert_eq!(
+            (m.running, m.waiting, m.success_abort, m.kv_usage),
+            (0, 0, 1, 0.0)
+        );
+        drop(Job::new(pod.clone(), spec(Leg::Full, None), Instant::now()));
+        assert_eq!(pod.metrics().waiting, 0);
+    }
+
+    #[tokio::test]
+    async fn prefill_pins_until_pulled_through_the_registry() {
+        let prefill = Arc::new(PodState::new(
+            record("p", "prefill", "127.0.0.2"),
+            fast_config(),
+        ));
+        let registry = Registry::default();
+        registry.insert(prefill.clone());
+        let mut job = Job::new(
+            prefill.clone(),
+            JobSpec {
+                output_tokens: 1,
+                ..spec(Leg::Prefill, Some("r1"))
+            },
+            Instant::now(),
+        );
+        while job.next_token().await.is_some() {}
+        assert!(
+            (prefill.metrics().kv_usage - 0.101).abs() < 1e-9,
+            "blocks stay pinned"
+        );
+        let kv = |host: &str, engine: &str, rid: &str| serde_json::json!({"remote_engine_id": engine, "remote_host": host, "remote_request_id": rid});
+        assert_eq!(
+            registry.pull(&kv("127.0.0.2", "nope", "r1")),
+            KvPull::UnknownEngine
+        );
+        assert_eq!(
+            registry.pull(&kv("localhost", &prefill.engine_id, "r1")),
+            KvPull::HostMismatch
+        );
+        assert_eq!(
+            registry.pull(&kv("127.0.0.2", &prefill.engine_id, "r2")),
+            KvPull::UnknownRequest
+        );
+        assert_eq!(
+            registry.pull(&kv("127.0.0.2", &prefill.engine_id, "r1")),
+            KvPull::Ok
+        );
+        assert_eq!(prefill.metrics().kv_usage, 0.0);
+        assert_eq!(
+            registry.pull(&kv("127.0.0.2", &prefill.engine_id, "r1")),
+            KvPull::UnknownRequest
+        );
+    }
+
+    #[test]
+    fn pins_expire() {
+        let config = Arc::new(SimConfig {
+            kv_pin_timeout: Duration::ZERO,
+            ..(*fast_config()).clone()
+        });
+        let pod = PodState::new(record("p", "prefill", "127.0.0.2"), config);
+        pod.pin("r", 10);
+        assert_eq!(pod.metrics().kv_usage, 0.0);
+        assert!(!pod.release_pin("r"));
+    }
+
+    #[test]
+    fn prefix_hits_reduce_new_tokens() {
+        let pod = PodState::new(record("p", "", "127.0.0.2"), fast_config());
+        let text = "x".repeat(64 * 3);
+        let hashes = crate::prefix::block_hashes(&text);
+        assert_eq!(pod.prefill_lookup(&hashes, 48), 48);
+        assert_eq!(
+            pod.prefill_lookup(&hashes, 48),
+            1,
+            "full hit still computes one token"
+        );
+        let m = pod.metrics();
+        assert_eq!((m.prefix_queries, m.prefix_hits), (96, 48));
+        assert_eq!(pod.allocate_blocks(2), vec![1, 2]);
+        assert_eq!(pod.allocate_blocks(1), vec![3]);
+    }
+}

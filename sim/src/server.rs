@@ -1,0 +1,389 @@
+//! HTTP side of the simulator: each pod's axum router (OpenAI endpoints, `/metrics`,
+//! `/health`, `/sim/requests`), and listeners that can be closed with every open connection,
+//! so that removing a pod from the fleet looks to the router like the pod dying.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use hyper_util::rt::TokioIo;
+use hyper_util::service::TowerToHyperService;
+use serde_json::Value;
+use tokio::net::TcpListener;
+use tokio::task::{JoinHandle, JoinSet};
+
+use crate::engine;
+use crate::log::{header_map, next_seq, unix_ms, LogEntry};
+use crate::metrics;
+use crate::pod::{Job, JobSpec, KvPull, PodState, Registry};
+use crate::prefix::block_hashes;
+use crate::vllm::{self, ApiError, Endpoint, Leg, ResponseMeta, SimRequest};
+
+/// What a pod's handlers share.
+#[derive(Debug, Clone)]
+pub struct PodCtx {
+    pub pod: Arc<PodState>,
+    pub registry: Arc<Registry>,
+}
+
+/// The router of one simulated pod.
+pub fn pod_router(ctx: PodCtx) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/metrics", get(metrics_page))
+        .route("/health", get(|| async { StatusCode::OK }))
+        .route("/ping", get(|| async { StatusCode::OK }))
+        .route(
+            "/version",
+            get(|| async {
+                json_response(
+                    StatusCode::OK,
+                    &serde_json::json!({"version": "0.10.1-sim"}),
+                )
+            }),
+        )
+        .route("/sim/requests", get(pod_requests).delete(pod_clear))
+        .fallback(not_found)
+        .with_state(ctx)
+}
+
+async fn not_found() -> Response {
+    json_response(
+        StatusCode::NOT_FOUND,
+        &serde_json::json!({"detail": "Not Found"}),
+    )
+}
+
+async fn completions(State(ctx): State<PodCtx>, headers: HeaderMap, body: Bytes) -> Response {
+    handle(ctx, Endpoint::Completions, headers, body).await
+}
+
+async fn chat_completions(State(ctx): State<PodCtx>, headers: HeaderMap, body: Bytes) -> Response {
+    handle(ctx, Endpoint::Chat, headers, body).await
+}
+
+async fn models(State(ctx): State<PodCtx>) -> Response {
+    json_response(
+        StatusCode::OK,
+        &vllm::models_body(&ctx.pod.record.model, unix_secs()),
+    )
+}
+
+async fn metrics_page(State(ctx): State<PodCtx>) -> Response {
+    let text = metrics::render(&ctx.pod.record.model, &ctx.pod.metrics());
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+        )],
+        text,
+    )
+        .into_response()
+}
+
+async fn pod_requests(State(ctx): State<PodCtx>) -> Response {
+    json_response(StatusCode::OK, &ctx.pod.log.snapshot())
+}
+
+async fn pod_clear(State(ctx): State<PodCtx>) -> Response {
+    ctx.pod.log.clear();
+    StatusCode::NO_CONTENT.into_response()
+}
+
+/// Serialises `value` as a JSON response.
+pub fn json_response<T: serde::Serialize + ?Sized>(status: StatusCode, value: &T) -> Response {
+    match serde_json::to_vec(value) {
+        Ok(bytes) => (
+            status,
+            [(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            )],
+            bytes,
+        )
+            .into_response(),
+        Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+    }
+}
+
+fn error_response(err: &ApiError) -> Response {
+    let status = StatusCode::from_u16(err.status).unwrap_or(StatusCode::BAD_REQUEST);
+    json_response(status, &err.body())
+}
+
+fn unix_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// One completion request: validate, log, then play it through the timing model.
+async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes) -> Response {
+    let received = Instant::now();
+    let pod = &ctx.pod;
+    let record = &pod.record;
+    let x_request_id = headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let mut entry = LogEntry {
+        seq: next_seq(),
+        pod: record.name.clone(),
+        namespace: record.namespace.clone(),
+        role: record.role.clone(),
+        roleset: record.roleset.clone(),
+        addr: record.address(),
+        path: endpoint.path().to_string(),
+        leg: None,
+        x_request_id: x_request_id.clone(),
+        stream: false,
+        status: 200,
+        error: None,
+        kv_transfer_params_in: None,
+        kv_transfer_params_out: None,
+        kv_pull: None,
+        headers: header_map(&headers),
+        body: None,
+        received_unix_ms: unix_ms(),
+    };
+    let reject = |mut entry: LogEntry, err: ApiError| {
+        entry.status = err.status;
+        entry.error = Some(err.message.clone());
+        pod.log.push(entry);
+        error_response(&err)
+    };
+    let json = match vllm::parse_json(&body) {
+        Ok(v) => v,
+        Err(err) => return reject(entry, err),
+    };
+    entry.stream = json.get("stream").and_then(Value::as_bool) == Some(true);
+    entry.kv_transfer_params_in = json
+        .get("kv_transfer_params")
+        .filter(|v| !v.is_null())
+        .cloned();
+    entry.body = Some(json);
+    let parsed = SimRequest::from_json(
+        endpoint,
+        entry.body.as_ref().unwrap_or(&Value::Null),
+        &record.model,
+        pod.role,
+        pod.config.default_max_tokens,
+    );
+    let req = match parsed {
+        Ok(r) => r,
+        Err(err) => return reject(entry, err),
+    };
+    entry.leg = Some(req.leg.as_str().to_string());
+
+    let id = endpoint.response_id(x_request_id.as_deref());
+    let hashes = block_hashes(&req.prompt_text);
+    let work = match (req.leg, &req.kv_transfer_params) {
+        (Leg::Decode, Some(kv)) => {
+            let pull = ctx.registry.pull(kv);
+            entry.kv_pull = Some(pull.as_str().to_string());
+            if pull == KvPull::Ok {
+                Leg::Decode
+            } else {
+                Leg::Full // the pull failed: recompute the prefill here
+            }
+        }
+        (leg, _) => leg,
+    };
+    let new_tokens = match work {
+        Leg::Decode => {
+            pod.cache_insert(&hashes);
+            0
+        }
+        _ => pod.prefill_lookup(&hashes, req.prompt_tokens),
+    };
+    let kv_out = (req.leg == Leg::Prefill).then(|| {
+        let blocks = pod.allocate_blocks(engine::blocks_for(req.prompt_tokens));
+        vllm::prefill_kv_params(&pod.engine_id, &id, &blocks)
+    });
+    entry.kv_transfer_params_out = kv_out.clone();
+    pod.log.push(entry);
+
+    let spec = JobSpec {
+        work,
+        prompt_tokens: req.prompt_tokens,
+        new_tokens,
+        output_tokens: req.output_tokens(),
+        pin_as: (req.leg == Leg::Prefill).then(|| id.clone()),
+    };
+    let job = Job::new(pod.clone(), spec, received);
+    let meta = ResponseMeta {
+        endpoint,
+        id,
+        created: unix_secs(),
+        model: req.model.clone(),
+    };
+    if req.stream {
+        stream_response(job, meta, req.prompt_tokens, req.include_usage)
+    } else {
+        full_response(job, meta, req.prompt_tokens, kv_out).await
+    }
+}
+
+async fn full_response(
+    mut job: Job,
+    meta: ResponseMeta,
+    prompt_tokens: u64,
+    kv_out: Option<Value>,
+) -> Response {
+    let mut produced = 0;
+    while job.next_token().await.is_some() {
+        produced += 1;
+    }
+    let body = meta.full_body(
+        &engine::output_text(produced),
+        prompt_tokens,
+        produced,
+        kv_out.as_ref(),
+    );
+    json_response(StatusCode::OK, &body)
+}
+
+enum StreamPhase {
+    Tokens,
+    Usage,
+    Done,
+    Finished,
+}
+
+struct StreamState {
+    job: Job,
+    meta: ResponseMeta,
+    prompt_tokens: u64,
+    include_usage: bool,
+    produced: u64,
+    phase: StreamPhase,
+}
+
+/// Headers go out at once (as vLLM's StreamingResponse does); each token follows as its own
+/// SSE event when the timing model produces it. The job lives inside the body stream, so a
+/// client that hangs up aborts it.
+fn stream_response(
+    job: Job,
+    meta: ResponseMeta,
+    prompt_tokens: u64,
+    include_usage: bool,
+) -> Response {
+    let state = StreamState {
+        job,
+        meta,
+        prompt_tokens,
+        include_usage,
+        produced: 0,
+        phase: StreamPhase::Tokens,
+    };
+    let stream = futures_util::stream::unfold(state, |mut st| async move {
+        let text = match st.phase {
+            StreamPhase::Tokens => match st.job.next_token().await {
+                Some(index) => {
+                    st.produced += 1;
+                    let last = st.produced == st.job.spec().output_tokens;
+                    let mut text = String::new();
+                    if index == 0 && st.meta.endpoint == Endpoint::Chat {
+                        text.push_str(&vllm::sse_event(&st.meta.role_chunk()));
+                    }
+                    text.push_str(&vllm::sse_event(
+                        &st.meta.token_chunk(&engine::token_text(index), last),
+                    ));
+                    text
+                }
+                None => {
+                    st.phase = if st.include_usage {
+                        StreamPhase::Usage
+                    } else {
+                        StreamPhase::Done
+                    };
+                    String::new()
+                }
+            },
+            StreamPhase::Usage => {
+                st.phase = StreamPhase::Done;
+                vllm::sse_event(&st.meta.usage_chunk(st.prompt_tokens, st.produced))
+            }
+            StreamPhase::Done => {
+                st.phase = StreamPhase::Finished;
+                vllm::SSE_DONE.to_string()
+            }
+            StreamPhase::Finished => return None,
+        };
+        Some((Ok::<_, Infallible>(Bytes::from(text)), st))
+    });
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream; charset=utf-8"),
+        )],
+        Body::from_stream(stream),
+    )
+        .into_response()
+}
+
+/// A listener serving a router until stopped. Stopping (or dropping) closes the listening
+/// socket and aborts every open connection, in-flight requests included.
+#[derive(Debug)]
+pub struct ServeHandle {
+    pub addr: SocketAddr,
+    task: JoinHandle<()>,
+}
+
+impl ServeHandle {
+    /// Stops serving and waits until the socket is closed.
+    pub async fn stop(mut self) {
+        self.task.abort();
+        let _ = (&mut self.task).await;
+    }
+}
+
+impl Drop for ServeHandle {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Serves `router` on an already bound listener.
+pub fn serve(listener: TcpListener, router: Router) -> std::io::Result<ServeHandle> {
+    let addr = listener.local_addr()?;
+    let task = tokio::spawn(accept_loop(listener, router));
+    Ok(ServeHandle { addr, task })
+}
+
+async fn accept_loop(listener: TcpListener, router: Router) {
+    // Connection tasks live in the JoinSet, so aborting this task (dropping the set) aborts
+    // them all: that is what makes a removed pod go away completely.
+    let mut connections = JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    let _ = stream.set_nodelay(true);
+                    let service = TowerToHyperService::new(router.clone());
+                    connections.spawn(async move {
+                        let _ = hyper::server::conn::http1::Builder::new()
+                            .serve_connection(TokioIo::new(stream), service)
+                            .await;
+                    });
+                }
+                Err(err) => {
+                    // Out of file descriptors and the like: back off instead of spinning.
+                    tracing::warn!("accept failed: {err}");
+                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                }
+            },
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+        }
+    }
+}

@@ -1,0 +1,703 @@
+//! vLLM's OpenAI-compatible wire shapes: request parsing and validation, the prefill/decode
+//! (`kv_transfer_params`) protocol, response and SSE chunk bodies, and error bodies.
+//!
+//! The shapes follow vLLM ~0.10/0.11 with the NixlConnector, because that is what the
+//! router's vLLM path must interoperate with; see `engine-protocols.md` §1 and §6.
+
+use serde::Serialize;
+use serde_json::{json, Map, Value};
+
+use crate::engine;
+
+/// Which OpenAI endpoint a request came in on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Endpoint {
+    Completions,
+    Chat,
+}
+
+impl Endpoint {
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::Chat => "/v1/chat/completions",
+        }
+    }
+
+    /// The response id vLLM derives from `X-Request-Id` (`cmpl-<id>-0`, `chatcmpl-<id>`),
+    /// or from a fresh random id when the header is absent.
+    pub fn response_id(self, x_request_id: Option<&str>) -> String {
+        let id = match x_request_id.filter(|s| !s.is_empty()) {
+            Some(id) => id.to_string(),
+            None => random_hex(32),
+        };
+        match self {
+            Endpoint::Completions => format!("cmpl-{id}-0"),
+            Endpoint::Chat => format!("chatcmpl-{id}"),
+        }
+    }
+}
+
+/// Which part of a disaggregated exchange a request is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Leg {
+    /// `kv_transfer_params.do_remote_decode == true`: compute the KV cache and one token.
+    Prefill,
+    /// `kv_transfer_params.do_remote_prefill == true` with usable params: pull KV, decode.
+    Decode,
+    /// An ordinary request: prefill and decode on this pod.
+    Full,
+}
+
+impl Leg {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Leg::Prefill => "prefill",
+            Leg::Decode => "decode",
+            Leg::Full => "full",
+        }
+    }
+}
+
+/// What a pod is in the disaggregated deployment, from its `role-name` label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PodRole {
+    Prefill,
+    Decode,
+    /// Anything else (`combined`, `all`, empty): a standard pod that serves whole requests.
+    Combined,
+}
+
+impl PodRole {
+    pub fn from_label(label: &str) -> Self {
+        match label.trim().to_ascii_lowercase().as_str() {
+            "prefill" => PodRole::Prefill,
+            "decode" => PodRole::Decode,
+            _ => PodRole::Combined,
+        }
+    }
+}
+
+/// An error answered in vLLM's (≥0.10.2) body shape.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    pub status: u16,
+    pub kind: &'static str,
+    pub message: String,
+}
+
+/// The message a decode pod answers when it is sent a request it cannot decode.
+pub const DECODE_NEEDS_PARAMS: &str = "decode pod requires kv_transfer_params from a prefill pod";
+/// The message for a prefill leg that asks to stream.
+pub const PREFILL_MUST_NOT_STREAM: &str = "prefill leg must not stream";
+
+impl ApiError {
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        ApiError {
+            status: 400,
+            kind: "BadRequestError",
+            message: message.into(),
+        }
+    }
+
+    pub fn model_not_found(model: &str) -> Self {
+        ApiError {
+            status: 404,
+            kind: "NotFoundError",
+            message: format!("The model `{model}` does not exist."),
+        }
+    }
+
+    pub fn not_found_path() -> Self {
+        ApiError {
+            status: 404,
+            kind: "NotFoundError",
+            message: "Not Found".into(),
+        }
+    }
+
+    /// `{"error":{"message","type","param":null,"code":<status>}}`.
+    pub fn body(&self) -> Value {
+        json!({"error": {"message": self.message, "type": self.kind, "param": null, "code": self.status}})
+    }
+}
+
+/// The parts of a completion request the simulator acts on.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SimRequest {
+    pub endpoint: Endpoint,
+    pub model: String,
+    /// The prompt text used for token counting and prefix-cache hashing.
+    pub prompt_text: String,
+    pub prompt_tokens: u64,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub max_tokens: u64,
+    pub kv_transfer_params: Option<Value>,
+    pub leg: Leg,
+}
+
+/// Parses a request body as JSON, answering vLLM's 400 on failure.
+pub fn parse_json(body: &[u8]) -> Result<Value, ApiError> {
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("JSON decode error: {e}")))
+}
+
+impl SimRequest {
+    /// Validates a parsed body in vLLM's order (field validation, then the model, then the
+    /// disaggregation rules of this pod's role) and classifies its leg.
+    pub fn from_json(
+        endpoint: Endpoint,
+        body: &Value,
+        served_model: &str,
+        role: PodRole,
+        default_max_tokens: u64,
+    ) -> Result<SimRequest, ApiError> {
+        let obj = body
+            .as_object()
+            .ok_or_else(|| ApiError::bad_request("request body must be a JSON object"))?;
+        let (prompt_text, prompt_tokens) = match endpoint {
+            Endpoint::Completions => completion_prompt(obj.get("prompt"))?,
+            Endpoint::Chat => chat_prompt(obj.get("messages"))?,
+        };
+        let stream = match obj.get("stream") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(_) => {
+                return Err(ApiError::bad_request(
+                    "stream: Input should be a valid boolean",
+                ))
+            }
+        };
+        let include_usage = match obj.get("stream_options") {
+            None | Some(Value::Null) => false,
+            Some(_) if !stream => {
+                return Err(ApiError::bad_request(
+                    "Stream options can only be defined when stream=True.",
+                ))
+            }
+            Some(Value::Object(opts)) => opts
+                .get("include_usage")
+                .and_then(Value::as_bool)
+                .unwrap_or(true),
+            Some(_) => {
+                return Err(ApiError::bad_request(
+                    "stream_options: Input should be an object",
+                ))
+            }
+        };
+        let max_tokens = max_tokens(endpoint, obj, default_max_tokens)?;
+        let kv_transfer_params = match obj.get("kv_transfer_params") {
+            None | Some(Value::Null) => None,
+            Some(v @ Value::Object(_)) => Some(v.clone()),
+            Some(_) => {
+                return Err(ApiError::bad_request(
+                    "kv_transfer_params: Input should be a valid dictionary",
+                ))
+            }
+        };
+        let model = obj
+            .get("model")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string();
+        if model != served_model {
+            return Err(ApiError::model_not_found(&model));
+        }
+        let leg = classify_leg(kv_transfer_params.as_ref(), role, stream)?;
+        Ok(SimRequest {
+            endpoint,
+            model,
+            prompt_text,
+            prompt_tokens,
+            stream,
+            include_usage,
+            max_tokens,
+            kv_transfer_params,
+            leg,
+        })
+    }
+
+    /// Tokens this request will generate: one for a prefill leg, `max_tokens` otherwise.
+    pub fn output_tokens(&self) -> u64 {
+        match self.leg {
+            Leg::Prefill => 1,
+            _ => self.max_tokens,
+        }
+    }
+}
+
+/// Applies the vLLM PD rules for a pod of `role` to a request's `kv_transfer_params`.
+pub fn classify_leg(kv: Option<&Value>, role: PodRole, stream: bool) -> Result<Leg, ApiError> {
+    let flag = |key: &str| kv.and_then(|k| k.get(key)).and_then(Value::as_bool) == Some(true);
+    if flag("do_remote_decode") {
+        if role == PodRole::Decode {
+            return Err(ApiError::bad_request(DECODE_NEEDS_PARAMS));
+        }
+        if stream {
+            return Err(ApiError::bad_request(PREFILL_MUST_NOT_STREAM));
+        }
+        return Ok(Leg::Prefill);
+    }
+    if flag("do_remote_prefill") && kv.is_some_and(decode_params_complete) {
+        return Ok(Leg::Decode);
+    }
+    if role == PodRole::Decode {
+        return Err(ApiError::bad_request(DECODE_NEEDS_PARAMS));
+    }
+    // vLLM logs "Got invalid KVTransferParams" and prefills locally.
+    Ok(Leg::Full)
+}
+
+/// The fields a NIXL decode needs to find the prefill pod's blocks, all non-null.
+fn decode_params_complete(kv: &Value) -> bool {
+    [
+        "remote_engine_id",
+        "remote_block_ids",
+        "remote_host",
+        "remote_port",
+    ]
+    .iter()
+    .all(|k| kv.get(*k).is_some_and(|v| !v.is_null()))
+}
+
+fn completion_prompt(prompt: Option<&Value>) -> Result<(String, u64), ApiError> {
+    match prompt {
+        Some(Value::String(s)) => Ok((s.clone(), engine::prompt_tokens(s))),
+        Some(Value::Array(items)) if !items.is_empty() => {
+            if items.iter().all(Value::is_string) {
+                let text: String = items
+                    .iter()
+                    .filter_map(Value::as_str)
+                    .collect::<Vec<_>>()
+                    .join("\n");
+                let tokens = engine::prompt_tokens(&text);
+                Ok((text, tokens))
+            } else if items.iter().all(|v| v.as_u64().is_some()) {
+                // Token ids: count them as they are; hash their decimal text for the cache.
+                let text = items
+                    .iter()
+                    .map(|v| v.to_string())
+                    .collect::<Vec<_>>()
+                    .join(" ");
+                Ok((text, items.len() as u64))
+            } else {
+                Err(ApiError::bad_request(
+                    "prompt must be a string, a list of strings or a list of token ids",
+                ))
+            }
+        }
+        None | Some(Value::Null) => Err(ApiError::bad_request("prompt: Field required")),
+        Some(_) => Err(ApiError::bad_request(
+            "prompt must be a string, a list of strings or a list of token ids",
+        )),
+    }
+}
+
+fn chat_prompt(messages: Option<&Value>) -> Result<(String, u64), ApiError> {
+    let list = match messages {
+        Some(Value::Array(list)) if !list.is_empty() => list,
+        Some(Value::Array(_)) => {
+            return Err(ApiError::bad_request(
+                "messages: List should have at least 1 item",
+            ))
+        }
+        None | Some(Value::Null) => return Err(ApiError::bad_request("messages: Field required")),
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "messages: Input should be a valid list",
+            ))
+        }
+    };
+    let mut parts = Vec::with_capacity(list.len());
+    for message in list {
+        match message.get("content") {
+            Some(Value::String(s)) => parts.push(s.clone()),
+            Some(Value::Array(chunks)) => {
+                for chunk in chunks {
+                    if let Some(text) = chunk.get("text").and_then(Value::as_str) {
+                        parts.push(text.to_string());
+                    }
+                }
+            }
+            None | Some(Value::Null) => {}
+            Some(_) => {
+                return Err(ApiError::bad_request(
+                    "messages: content must be a string or a list of parts",
+                ))
+            }
+        }
+    }
+    let text = parts.join("\n");
+    let tokens = engine::prompt_tokens(&text);
+    Ok((text, tokens))
+}
+
+/// `max_completion_tokens` wins over `max_tokens` on chat (as in vLLM); absent or null means
+/// the simulator's default. vLLM rejects values below 1.
+fn max_tokens(endpoint: Endpoint, obj: &Map<String, Value>, default: u64) -> Result<u64, ApiError> {
+    let keys: &[&str] = match endpoint {
+        Endpoint::Chat => &["max_completion_tokens", "max_tokens"],
+        Endpoint::Completions => &["max_tokens", "max_completion_tokens"],
+    };
+    for key in keys {
+        match obj.get(*key) {
+            None | Some(Value::Null) => continue,
+            Some(v) => {
+                return match v.as_u64() {
+                    Some(n) if n >= 1 => Ok(n),
+                    _ => Err(ApiError::bad_request(format!(
+                        "{key} must be at least 1, got {v}"
+                    ))),
+                }
+            }
+        }
+    }
+    Ok(default.max(1))
+}
+
+/// The `kv_transfer_params` a vLLM NixlConnector prefill returns (v0.11 shape, list of ints
+/// for block ids). `remote_host` is `localhost` on purpose: that is vLLM's default side-channel
+/// host, and the router must overwrite it with the prefill pod's IP.
+pub fn prefill_kv_params(engine_id: &str, request_id: &str, block_ids: &[u64]) -> Value {
+    json!({
+        "do_remote_prefill": true,
+        "do_remote_decode": false,
+        "remote_block_ids": block_ids,
+        "remote_engine_id": engine_id,
+        "remote_request_id": request_id,
+        "remote_host": "localhost",
+        "remote_port": 5600,
+        "tp_size": 1,
+    })
+}
+
+/// `usage` object of a response or final chunk.
+pub fn usage(prompt_tokens: u64, completion_tokens: u64) -> Value {
+    json!({
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": null,
+    })
+}
+
+/// Identity of one response: every body and chunk of it repeats these.
+#[derive(Debug, Clone)]
+pub struct ResponseMeta {
+    pub endpoint: Endpoint,
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+}
+
+impl ResponseMeta {
+    /// The non-streaming response body.
+    pub fn full_body(
+        &self,
+        text: &str,
+        prompt_tokens: u64,
+        completion_tokens: u64,
+        kv_out: Option<&Value>,
+    ) -> Value {
+        let choice = match self.endpoint {
+            Endpoint::Completions => json!({
+                "index": 0, "text": text, "logprobs": null,
+                "finish_reason": "length", "stop_reason": null, "prompt_logprobs": null,
+            }),
+            Endpoint::Chat => json!({
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "tool_calls": []},
+                "logprobs": null, "finish_reason": "length", "stop_reason": null,
+            }),
+        };
+        let mut body = json!({
+            "id": self.id,
+            "object": self.object(false),
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage(prompt_tokens, completion_tokens),
+        });
+        if let Some(map) = body.as_object_mut() {
+            if self.endpoint == Endpoint::Chat {
+                map.insert("prompt_logprobs".into(), Value::Null);
+            }
+            map.insert(
+                "kv_transfer_params".into(),
+                kv_out.cloned().unwrap_or(Value::Null),
+            );
+        }
+        body
+    }
+
+    /// The chat stream's opening chunk, which carries only the assistant role.
+    pub fn role_chunk(&self) -> Value {
+        self.chunk(json!([{
+            "index": 0, "delta": {"role": "assistant", "content": ""},
+            "logprobs": null, "finish_reason": null,
+        }]))
+    }
+
+    /// One token's chunk; the last one carries `finish_reason: "length"`.
+    pub fn token_chunk(&self, text: &str, last: bool) -> Value {
+        let finish = if last { json!("length") } else { Value::Null };
+        let choice = match self.endpoint {
+            Endpoint::Completions => json!({
+                "index": 0, "text": text, "logprobs": null,
+                "finish_reason": finish, "stop_reason": null,
+            }),
+            Endpoint::Chat => json!({
+                "index": 0, "delta": {"content": text},
+                "logprobs": null, "finish_reason": finish, "stop_reason": null,
+            }),
+        };
+        self.chunk(json!([choice]))
+    }
+
+    /// The `stream_options.include_usage` chunk: no choices, just usage.
+    pub fn usage_chunk(&self, prompt_tokens: u64, completion_tokens: u64) -> Value {
+        let mut chunk = self.chunk(json!([]));
+        if let Some(map) = chunk.as_object_mut() {
+            map.insert("usage".into(), usage(prompt_tokens, completion_tokens));
+        }
+        chunk
+    }
+
+    fn chunk(&self, choices: Value) -> Value {
+        json!({
+            "id": self.id,
+            "object": self.object(true),
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        })
+    }
+
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.endpoint, chunk) {
+            (Endpoint::Completions, _) => "text_completion",
+            (Endpoint::Chat, false) => "chat.completion",
+            (Endpoint::Chat, true) => "chat.completion.chunk",
+        }
+    }
+}
+
+/// One SSE event: `data: <json>\n\n`.
+pub fn sse_event(data: &Value) -> String {
+    format!("data: {data}\n\n")
+}
+
+/// The SSE terminator.
+pub const SSE_DONE: &str = "data: [DONE]\n\n";
+
+/// `GET /v1/models` for a pod serving `model`.
+pub fn models_body(model: &str, created: u64) -> Value {
+    json!({"object": "list", "data": [{
+        "id": model, "object": "model", "created": created, "owned_by": "vllm",
+        "root": model, "parent": null, "max_model_len": 131072,
+        "permission": [{
+            "id": format!("modelperm-{}", random_hex(16)), "object": "model_permission",
+            "created": created, "allow_create_engine": false, "allow_sampling": true,
+            "allow_logprobs": true, "allow_search_indices": false, "allow_view": true,
+            "allow_fine_tuning": false, "organization": "*", "group": null, "is_blocking": false,
+        }],
+    }]})
+}
+
+/// `n` random lower-case hex digits.
+pub fn random_hex(n: usize) -> String {
+    (0..n)
+        .map(|_| char::from_digit(fastrand::u32(0..16), 16).unwrap_or('0'))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(endpoint: Endpoint, body: Value, role: PodRole) -> Result<SimRequest, ApiError> {
+        SimRequest::from_json(endpoint, &body, "m", role, 16)
+    }
+
+    fn prefill_marker() -> Value {
+        json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
+               "remote_block_ids": null, "remote_host": null, "remote_port": null})
+    }
+
+    #[test]
+    fn ordinary_request_is_full_on_prefill_and_combined_pods() {
+        for role in [PodRole::Prefill, PodRole::Combined] {
+            let r = req(
+                Endpoint::Completions,
+                json!({"model": "m", "prompt": "abcdefgh"}),
+                role,
+            )
+            .unwrap();
+            assert_eq!(
+                (r.leg, r.prompt_tokens, r.max_tokens, r.stream),
+                (Leg::Full, 2, 16, false)
+            );
+        }
+    }
+
+    #[test]
+    fn prefill_marker_makes_a_prefill_leg_that_must_not_stream() {
+        let body = json!({"model": "m", "prompt": "x", "kv_transfer_params": prefill_marker(), "max_tokens": 1});
+        let r = req(Endpoint::Completions, body.clone(), PodRole::Prefill).unwrap();
+        assert_eq!((r.leg, r.output_tokens()), (Leg::Prefill, 1));
+        let mut streaming = body;
+        streaming["stream"] = json!(true);
+        let err = req(Endpoint::Completions, streaming, PodRole::Prefill).unwrap_err();
+        assert_eq!(
+            (err.status, err.message.as_str()),
+            (400, PREFILL_MUST_NOT_STREAM)
+        );
+    }
+
+    #[test]
+    fn decode_pod_requires_complete_params() {
+        let ok = prefill_kv_params("eid", "cmpl-1-0", &[1, 2]);
+        let r = req(
+            Endpoint::Chat,
+            json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                           "kv_transfer_params": ok.clone()}),
+            PodRole::Decode,
+        )
+        .unwrap();
+        assert_eq!(r.leg, Leg::Decode);
+        let missing = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+        let mut incomplete = ok.clone();
+        incomplete["remote_block_ids"] = Value::Null;
+        let with_incomplete = json!({"model": "m", "messages": [{"content": "hi"}], "kv_transfer_params": incomplete});
+        let with_marker = json!({"model": "m", "messages": [{"content": "hi"}], "kv_transfer_params": prefill_marker()});
+        for body in [missing, with_incomplete.clone(), with_marker] {
+            let err = req(Endpoint::Chat, body, PodRole::Decode).unwrap_err();
+            assert_eq!(
+                (err.status, err.message.as_str()),
+                (400, DECODE_NEEDS_PARAMS)
+            );
+            assert_eq!(err.body()["error"]["type"], "BadRequestError");
+        }
+        // A combined pod given unusable params prefills locally, as vLLM does.
+        assert_eq!(
+            req(Endpoint::Chat, with_incomplete, PodRole::Combined)
+                .unwrap()
+                .leg,
+            Leg::Full
+        );
+    }
+
+    #[test]
+    fn wrong_model_is_vllm_404() {
+        let err = req(
+            Endpoint::Completions,
+            json!({"model": "x", "prompt": "p"}),
+            PodRole::Combined,
+        )
+        .unwrap_err();
+        assert_eq!(
+            err.body(),
+            json!({"error": {"message": "The model `x` does not exist.", "type": "NotFoundError", "param": null, "code": 404}})
+        );
+    }
+
+    #[test]
+    fn malformed_and_invalid_bodies_are_400() {
+        let err = parse_json(b"{not json").unwrap_err();
+        assert_eq!((err.status, err.kind), (400, "BadRequestError"));
+        let cases = [
+            json!({"model": "m"}),
+            json!({"model": "m", "prompt": 5}),
+            json!({"model": "m", "prompt": "p", "max_tokens": 0}),
+            json!({"model": "m", "prompt": "p", "stream": "yes"}),
+            json!({"model": "m", "prompt": "p", "stream_options": {"include_usage": true}}),
+            json!({"model": "m", "prompt": "p", "kv_transfer_params": [1]}),
+        ];
+        for body in cases {
+            let err = req(Endpoint::Completions, body.clone(), PodRole::Combined).unwrap_err();
+            assert_eq!(err.status, 400, "{body}");
+        }
+        let err = req(
+            Endpoint::Chat,
+            json!({"model": "m", "messages": []}),
+            PodRole::Combined,
+        )
+        .unwrap_err();
+        assert_eq!(err.status, 400);
+    }
+
+    #[test]
+    fn chat_fields_and_stream_options() {
+        let body = json!({"model": "m", "stream": true, "stream_options": {},
+            "max_tokens": 3, "max_completion_tokens": 5,
+            "messages": [{"role": "system", "content": "abcd"}, {"role": "user", "content": [{"type": "text", "text": "efg"}]}]});
+        let r = req(Endpoint::Chat, body, PodRole::Combined).unwrap();
+        assert_eq!(r.prompt_text, "abcd\nefg");
+        assert_eq!(
+            (r.prompt_tokens, r.max_tokens, r.include_usage),
+            (2, 5, true),
+            "8 characters"
+        );
+        let r = req(
+            Endpoint::Completions,
+            json!({"model": "m", "prompt": [1, 2, 3]}),
+            PodRole::Combined,
+        )
+        .unwrap();
+        assert_eq!(r.prompt_tokens, 3);
+    }
+
+    #[test]
+    fn kv_params_shape() {
+        let kv = prefill_kv_params("e-1", "cmpl-r-0", &[4, 5]);
+        assert_eq!(
+            kv,
+            json!({"do_remote_prefill": true, "do_remote_decode": false, "remote_block_ids": [4, 5],
+                   "remote_engine_id": "e-1", "remote_request_id": "cmpl-r-0", "remote_host": "localhost",
+                   "remote_port": 5600, "tp_size": 1})
+        );
+    }
+
+    #[test]
+    fn ids_follow_x_request_id() {
+        assert_eq!(Endpoint::Completions.response_id(Some("abc")), "cmpl-abc-0");
+        assert_eq!(Endpoint::Chat.response_id(Some("abc")), "chatcmpl-abc");
+        let random = Endpoint::Chat.response_id(None);
+        assert_eq!(random.len(), "chatcmpl-".len() + 32);
+    }
+
+    #[test]
+    fn bodies_and_chunks() {
+        let meta = ResponseMeta {
+            endpoint: Endpoint::Chat,
+            id: "chatcmpl-x".into(),
+            created: 1,
+            model: "m".into(),
+        };
+        let body = meta.full_body(" tok0", 10, 1, None);
+        assert_eq!(body["object"], "chat.completion");
+        assert_eq!(body["choices"][0]["message"]["content"], " tok0");
+        assert_eq!(body["usage"]["total_tokens"], 11);
+        assert!(body["kv_transfer_params"].is_null());
+        assert_eq!(
+            meta.token_chunk(" tok1", true)["choices"][0]["finish_reason"],
+            "length"
+        );
+        assert_eq!(meta.usage_chunk(10, 2)["choices"], json!([]));
+        assert_eq!(sse_event(&json!({"a": 1})), "data: {\"a\":1}\n\n");
+        let meta = ResponseMeta {
+            endpoint: Endpoint::Completions,
+            ..meta
+        };
+        assert_eq!(
+            meta.token_chunk(" tok0", false)["object"],
+            "text_completion"
+        );
+        assert_eq!(
+            meta.token_chunk(" tok0", false)["choices"][0]["text"],
+            " tok0"
+        );
+    }
+}

@@ -1,0 +1,474 @@
+//! End-to-end over real sockets: a 1 prefill + 1 decode fleet file served in-process, a vLLM
+//! prefill leg followed by the decode leg with the returned `kv_transfer_params`, the pods'
+//! request logs, `/metrics`, the admin endpoints, and a fleet edit that removes a pod.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use pd_sim::pod::SimConfig;
+use pd_sim::sim::{serve_admin, FleetWatcher, Sim};
+use serde_json::{json, Value};
+
+const MODEL: &str = "llama-3-8b";
+
+fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    listener.local_addr().expect("local addr").port()
+}
+
+fn pod_yaml(name: &str, role: &str, port: u16) -> String {
+    format!(
+        r#"- apiVersion: v1
+  kind: Pod
+  metadata:
+    name: {name}
+    namespace: default
+    labels:
+      model.aibrix.ai/name: {MODEL}
+      model.aibrix.ai/port: "{port}"
+      role-name: {role}
+      roleset-name: rs0
+  status:
+    podIP: 127.0.0.1
+    conditions:
+    - type: Ready
+      status: "True"
+"#
+    )
+}
+
+fn fleet_yaml(pods: &[String]) -> String {
+    format!("apiVersion: v1\nkind: List\nitems:\n{}", pods.concat())
+}
+
+/// A fleet file in the temp dir, removed on drop.
+struct TempFile(PathBuf);
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .expect("client")
+}
+
+async fn post(url: &str, body: &Value, request_id: Option<&str>) -> reqwest::Response {
+    let mut req = client()
+        .post(url)
+        .header("content-type", "application/json")
+        .body(body.to_string());
+    if let Some(id) = request_id {
+        req = req.header("X-Request-Id", id);
+    }
+    req.send().await.expect("request sent")
+}
+
+async fn get_json(url: &str) -> Value {
+    let text = client()
+        .get(url)
+        .send()
+        .await
+        .expect("GET")
+        .text()
+        .await
+        .expect("body");
+    serde_json::from_str(&text).expect("JSON")
+}
+
+async fn get_text(url: &str) -> String {
+    client()
+        .get(url)
+        .send()
+        .await
+        .expect("GET")
+        .text()
+        .await
+        .expect("body")
+}
+
+/// Polls `check` every 10 ms until it holds or 5 s pass.
+async fn wait_for<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !check().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn metric_line<'a>(text: &'a str, prefix: &str) -> Option<&'a str> {
+    text.lines().find(|l| l.starts_with(prefix))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_then_decode_over_http() {
+    let (p_port, d_port) = (free_port(), free_port());
+    let path =
+        std::env::temp_dir().join(format!("pd-sim-test-{}-{p_port}.yaml", std::process::id()));
+    let _cleanup = TempFile(path.clone());
+    let prefill_pod = pod_yaml("vllm-p-0", "prefill", p_port);
+    let decode_pod = pod_yaml("vllm-d-0", "decode", d_port);
+    std::fs::write(&path, fleet_yaml(&[prefill_pod.clone(), decode_pod])).expect("write fleet");
+
+    let watcher =
+        FleetWatcher::load(path.clone(), Duration::from_millis(20)).expect("fleet parses");
+    let sim = Sim::new(SimConfig::default());
+    let report = sim.apply(watcher.records()).await;
+    assert_eq!((report.serving, report.failed.len()), (2, 0), "{report:?}");
+    let (changes_tx, mut changes_rx) = tokio::sync::mpsc::unbounded_channel();
+    let watch = tokio::spawn(watcher.run(sim.clone(), move |r| {
+        let _ = changes_tx.send(r.serving);
+    }));
+    let admin = serve_admin(&sim, "127.0.0.1:0".parse().expect("addr"))
+        .await
+        .expect("admin");
+    let prefill = format!("http://127.0.0.1:{p_port}");
+    let decode = format!("http://127.0.0.1:{d_port}");
+
+    // Prefill leg, as a router builds it.
+    let client_body = json!({"model": MODEL, "prompt": "x".repeat(400), "max_tokens": 4, "stream": true,
+                             "stream_options": {"include_usage": true}});
+    let prefill_body = json!({"model": MODEL, "prompt": "x".repeat(400), "max_tokens": 1, "stream": false,
+        "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
+                               "remote_block_ids": null, "remote_host": null, "remote_port": null}});
+    let resp = post(
+        &format!("{prefill}/v1/completions"),
+        &prefill_body,
+        Some("r1"),
+    )
+    .await;
+    assert_eq!(resp.status(), 200);
+    let p: Value = serde_json::from_str(&resp.text().await.expect("body")).expect("JSON");
+    assert_eq!(p["id"], "cmpl-r1-0");
+    assert_eq!(p["choices"][0]["text"], " tok0");
+    assert_eq!(p["choices"][0]["finish_reason"], "length");
+    assert_eq!(
+        (
+            p["usage"]["prompt_tokens"].as_u64(),
+            p["usage"]["completion_tokens"].as_u64()
+        ),
+        (Some(100), Some(1))
+    );
+    let kv = p["kv_transfer_params"].clone();
+    assert_eq!(kv["do_remote_prefill"], true);
+    assert_eq!(kv["do_remote_decode"], false);
+    assert_eq!(
+        kv["remote_host"], "localhost",
+        "the router must overwrite it"
+    );
+    assert_eq!(kv["remote_port"], 5600);
+    assert_eq!(kv["remote_request_id"], "cmpl-r1-0");
+    assert_eq!(
+        kv["remote_block_ids"].as_array().map(Vec::len),
+        Some(7),
+        "100 tokens / 16 per block"
+    );
+    let engine_id = kv["remote_engine_id"]
+        .as_str()
+        .expect("engine id")
+        .to_string();
+
+    // The prefill pod holds the blocks until the decode pod pulls them.
+    let usage_line =
+        |text: &str| metric_line(text, "vllm:kv_cache_usage_perc{").map(str::to_string);
+    let before = get_text(&format!("{prefill}/metrics")).await;
+    assert_ne!(
+        usage_line(&before).as_deref(),
+        Some("vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"llama-3-8b\"} 0.0")
+    );
+
+    // Decode leg: the client body plus the params, remote_host set to the prefill pod's IP.
+    let mut decode_body = client_body.clone();
+    let mut kv_in = kv.clone();
+    kv_in["remote_host"] = json!("127.0.0.1");
+    decode_body["kv_transfer_params"] = kv_in.clone();
+    let resp = post(
+        &format!("{decode}/v1/completions"),
+        &decode_body,
+        Some("r1"),
+    )
+    .await;
+    assert_eq!(resp.status(), 200);
+    let content_type = resp
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        content_type.starts_with("text/event-stream"),
+        "{content_type}"
+    );
+    let sse = resp.text().await.expect("stream");
+    assert!(sse.ends_with("data: [DONE]\n\n"), "{sse}");
+    let events: Vec<Value> = sse
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).expect("chunk JSON"))
+        .collect();
+    let text: String = events
+        .iter()
+        .filter_map(|e| e["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(text, " tok0 tok1 tok2 tok3");
+    assert_eq!(events[3]["choices"][0]["finish_reason"], "length");
+    let usage = events.last().expect("usage chunk");
+    assert_eq!(
+        (
+            usage["choices"].clone(),
+            usage["usage"]["completion_tokens"].as_u64()
+        ),
+        (json!([]), Some(4))
+    );
+    assert_eq!(usage["id"], "cmpl-r1-0");
+    let after = get_text(&format!("{prefill}/metrics")).await;
+    assert_eq!(
+        usage_line(&after).as_deref(),
+        Some("vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"llama-3-8b\"} 0.0"),
+        "the pull released the pinned blocks"
+    );
+
+    // A decode pod refuses a request that did not go through a prefill pod.
+    let resp = post(
+        &format!("{decode}/v1/chat/completions"),
+        &json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}),
+        None,
+    )
+    .await;
+    assert_eq!(resp.status(), 400);
+    let err: Value = serde_json::from_str(&resp.text().await.expect("body")).expect("JSON");
+    assert_eq!(
+        err["error"]["message"],
+        "decode pod requires kv_transfer_params from a prefill pod"
+    );
+    assert_eq!(
+        (err["error"]["type"].clone(), err["error"]["code"].clone()),
+        (json!("BadRequestError"), json!(400))
+    );
+
+    // Other rejections.
+    let mut streaming_prefill = prefill_body.clone();
+    streaming_prefill["stream"] = json!(true);
+    assert_eq!(
+        post(
+            &format!("{prefill}/v1/completions"),
+            &streaming_prefill,
+            None
+        )
+        .await
+        .status(),
+        400
+    );
+    let wrong_model = json!({"model": "other", "prompt": "p"});
+    assert_eq!(
+        post(&format!("{prefill}/v1/completions"), &wrong_model, None)
+            .await
+            .status(),
+        404
+    );
+    let resp = client()
+        .post(format!("{prefill}/v1/completions"))
+        .body("{oops")
+        .send()
+        .await
+        .expect("sent");
+    assert_eq!(resp.status(), 400);
+
+    // The pods' logs.
+    let d_log = get_json(&format!("{decode}/sim/requests")).await;
+    let d_log = d_log.as_array().expect("array");
+    assert_eq!(d_log.len(), 2);
+    assert_eq!(d_log[0]["leg"], "decode");
+    assert_eq!(d_log[0]["pod"], "vllm-d-0");
+    assert_eq!(d_log[0]["role"], "decode");
+    assert_eq!(d_log[0]["roleset"], "rs0");
+    assert_eq!(d_log[0]["addr"], format!("127.0.0.1:{d_port}"));
+    assert_eq!(d_log[0]["x_request_id"], "r1");
+    assert_eq!(d_log[0]["stream"], true);
+    assert_eq!(d_log[0]["status"], 200);
+    assert_eq!(d_log[0]["kv_pull"], "ok");
+    assert_eq!(d_log[0]["kv_transfer_params_in"], kv_in);
+    assert_eq!(d_log[0]["headers"]["x-request-id"], "r1");
+    assert_eq!(d_log[0]["body"]["max_tokens"], 4);
+    assert_eq!(
+        (d_log[1]["status"].clone(), d_log[1]["leg"].clone()),
+        (json!(400), Value::Null)
+    );
+    assert_eq!(d_log[1]["path"], "/v1/chat/completions");
+    let p_log = get_json(&format!("{prefill}/sim/requests")).await;
+    let p_log = p_log.as_array().expect("array");
+    assert_eq!(p_log.len(), 4);
+    assert_eq!(p_log[0]["leg"], "prefill");
+    assert_eq!(p_log[0]["kv_transfer_params_out"], kv);
+    assert_eq!(
+        p_log[0]["kv_transfer_params_out"]["remote_engine_id"],
+        engine_id.as_str()
+    );
+    assert!(p_log[0]["seq"].as_u64() < d_log[0]["seq"].as_u64());
+    assert_eq!(
+        p_log[3]["body"],
+        Value::Null,
+        "malformed JSON is logged without a body"
+    );
+
+    // Metrics.
+    let d_metrics = get_text(&format!("{decode}/metrics")).await;
+    let labels = "{engine=\"0\",model_name=\"llama-3-8b\"}";
+    for line in [
+        format!("vllm:generation_tokens_total{labels} 4.0"),
+        format!("vllm:prompt_tokens_total{labels} 100.0"),
+        format!("vllm:num_requests_running{labels} 0.0"),
+        "vllm:request_success_total{engine=\"0\",finished_reason=\"length\",model_name=\"llama-3-8b\"} 1.0".to_string(),
+        "vllm:time_to_first_token_seconds_bucket{engine=\"0\",le=\"+Inf\",model_name=\"llama-3-8b\"} 1.0".to_string(),
+        format!("vllm:time_to_first_token_seconds_count{labels} 1.0"),
+    ] {
+        assert!(d_metrics.lines().any(|l| l == line), "missing {line}\n{d_metrics}");
+    }
+    assert!(d_metrics.contains("# TYPE vllm:time_to_first_token_seconds histogram"));
+
+    // Gauges move with load: a long stream shows as running, and hanging up releases it.
+    let long = json!({"model": MODEL, "prompt": "y", "max_tokens": 100000, "stream": true});
+    let resp = post(&format!("{prefill}/v1/completions"), &long, None).await;
+    assert_eq!(resp.status(), 200);
+    let running = format!("vllm:num_requests_running{labels} ");
+    let gauge = |want: &'static str| {
+        let url = format!("{prefill}/metrics");
+        let line = format!("{running}{want}");
+        move || {
+            let (url, line) = (url.clone(), line.clone());
+            async move { get_text(&url).await.lines().any(|l| l == line) }
+        }
+    };
+    wait_for("running 1", gauge("1.0")).await;
+    drop(resp);
+    wait_for("running back to 0 after the client hung up", gauge("0.0")).await;
+    let aborted = get_text(&format!("{prefill}/metrics")).await;
+    assert!(
+        aborted.contains("finished_reason=\"abort\",model_name=\"llama-3-8b\"} 1.0"),
+        "{aborted}"
+    );
+
+    // Admin view over both pods.
+    let admin_url = format!("http://{}", admin.addr);
+    let all = get_json(&format!("{admin_url}/sim/requests")).await;
+    assert_eq!(all.as_array().map(Vec::len), Some(7));
+    let pods = get_json(&format!("{admin_url}/sim/pods")).await;
+    let names: Vec<&str> = pods
+        .as_array()
+        .expect("array")
+        .iter()
+        .filter_map(|p| p["name"].as_str())
+        .collect();
+    assert_eq!(names.len(), 2);
+    assert!(names.contains(&"vllm-p-0") && names.contains(&"vllm-d-0"));
+    let cleared = client()
+        .delete(format!("{admin_url}/sim/requests"))
+        .send()
+        .await
+        .expect("DELETE");
+    assert_eq!(cleared.status(), 204);
+    assert_eq!(
+        get_json(&format!("{admin_url}/sim/requests")).await,
+        json!([])
+    );
+
+    // Removing the decode pod from the fleet closes its listener.
+    std::fs::write(&path, fleet_yaml(&[prefill_pod])).expect("rewrite fleet");
+    let serving = tokio::time::timeout(Duration::from_secs(5), changes_rx.recv())
+        .await
+        .expect("fleet change seen");
+    assert_eq!(serving, Some(1));
+    let refused = client().get(format!("{decode}/health")).send().await;
+    assert!(refused.is_err(), "decode pod still answering: {refused:?}");
+    assert_eq!(
+        client()
+            .get(format!("{prefill}/health"))
+            .send()
+            .await
+            .expect("prefill up")
+            .status(),
+        200
+    );
+
+    watch.abort();
+    admin.stop().await;
+    sim.shutdown().await;
+    assert!(client()
+        .get(format!("{prefill}/health"))
+        .send()
+        .await
+        .is_err());
+}
+
+/// pd-load against simulated pods: straight to a combined pod, and the `--direct-prefill`
+/// baseline (pd-load does the prefill leg, then the decode leg), streamed and not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_generator_against_pods() {
+    let (p_port, d_port, c_port) = (free_port(), free_port(), free_port());
+    let records = pd_control::fleet::parse_records(&fleet_yaml(&[
+        pod_yaml("vllm-p-0", "prefill", p_port),
+        pod_yaml("vllm-d-0", "decode", d_port),
+        pod_yaml("vllm-c-0", "combined", c_port),
+    ]))
+    .expect("fleet parses");
+    let sim = Sim::new(SimConfig::default());
+    assert_eq!(sim.apply(&records).await.serving, 3);
+
+    let base = pd_sim::load::LoadConfig {
+        model: MODEL.into(),
+        rps: 0.0,
+        requests: Some(8),
+        clients: 2,
+        prompt_tokens: (32, 64),
+        max_tokens: 3,
+        routing_strategy: String::new(),
+        ..pd_sim::load::LoadConfig::default()
+    };
+    let combined = pd_sim::load::LoadConfig {
+        url: format!("http://127.0.0.1:{c_port}"),
+        ..base.clone()
+    };
+    let report = pd_sim::load::run(combined).await.expect("run");
+    let s = &report.summary;
+    assert_eq!((s.requests, s.ok, s.errors), (8, 8, 0), "{:?}", s.errors_by);
+    assert!(report
+        .results
+        .iter()
+        .all(|r| r.tokens == 3 && r.ttft_ms.is_some()));
+    assert!(report.results.iter().any(|r| r.stream) && report.results.iter().any(|r| !r.stream));
+    assert_eq!(s.pods.len(), 1);
+    assert_eq!(
+        (s.pods[0].role.as_str(), s.pods[0].requests),
+        ("unrouted", 8)
+    );
+
+    let direct = pd_sim::load::LoadConfig {
+        url: format!("http://127.0.0.1:{d_port}"),
+        direct_prefill: Some(format!("http://127.0.0.1:{p_port}")),
+        rps: 200.0,
+        requests: Some(6),
+        ..base
+    };
+    let report = pd_sim::load::run(direct).await.expect("run");
+    assert_eq!(report.summary.ok, 6, "{:?}", report.summary.errors_by);
+    assert!(report.results.iter().all(|r| r.prefill_ms.is_some()));
+    let decode_log: Vec<_> = sim
+        .requests()
+        .into_iter()
+        .filter(|e| e.pod == "vllm-d-0")
+        .collect();
+    assert_eq!(decode_log.len(), 6);
+    assert!(decode_log
+        .iter()
+        .all(|e| e.kv_pull.as_deref() == Some("ok") && e.leg.as_deref() == Some("decode")));
+    sim.shutdown().await;
+}
