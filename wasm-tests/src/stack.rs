@@ -64,7 +64,7 @@ impl Fleet {
     pub fn combined(self, name: &str) -> Fleet {
         let mut f = self.pod(name, "all", "");
         if let Some(p) = f.pods.last_mut() {
-            p.config = r#"{"profiles":{"default":{"routingStrategy":"pd","routingConfig":{"combined":true}}}}"#.into();
+            p.config = r#"{"profiles":{"default":{"routingConfig":{"combined":true}}}}"#.into();
         }
         f
     }
