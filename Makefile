@@ -45,10 +45,10 @@ unit: setup
 e2e: build
 	cargo test -p pd-wasm-tests --tests -- --test-threads=2
 
-test: build
+test: build lint
 	cargo test --workspace -- --test-threads=2
 
-lint:
+lint: setup
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 	cargo clippy -p pd-router-filter --target wasm32-wasip1 -- -D warnings

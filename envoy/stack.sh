@@ -4,6 +4,8 @@
 #   envoy/stack.sh down
 # `up` returns once Envoy is ready and every worker has loaded the first fleet snapshot.
 # State (pids, logs, rendered config) lives in .run/; `down` stops exactly what `up` started.
+# Environment: ADMIN_PORT CONTROL_PORT SIM_ADMIN_PORT CONCURRENCY REFRESH_MS, SIM_ARGS (extra
+# pd-sim flags, e.g. its timing model), and any AIBRIX_* variable for the filter.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=.run
@@ -37,7 +39,8 @@ up() {
   for f in "$bin/pd-control" "$bin/pd-sim" "$wasm" "$envoy"; do [ -e "$f" ] || die "$f missing (make build)"; done
   mkdir -p "$RUN"
   if [ "$sim" = 1 ]; then
-    start pd-sim "$bin/pd-sim" --fleet "$fleet" --admin "127.0.0.1:$SIM_ADMIN_PORT"
+    # shellcheck disable=SC2086 # SIM_ARGS is a list of pd-sim flags
+    start pd-sim "$bin/pd-sim" --fleet "$fleet" --admin "127.0.0.1:$SIM_ADMIN_PORT" ${SIM_ARGS:-}
     wait_for_line "$RUN/pd-sim.out" "pd-sim: serving" 30 pd-sim
   fi
   start pd-control "$bin/pd-control" --fleet "$fleet" --listen "127.0.0.1:$CONTROL_PORT" --refresh-interval "${REFRESH_MS}ms"

@@ -246,6 +246,17 @@ impl Stack {
 
     /// Starts pd-sim, pd-control and Envoy (`--concurrency`), with extra env for Envoy.
     pub fn start_with(fleet: Fleet, concurrency: usize, envoy_env: &[(&str, &str)]) -> Stack {
+        Stack::start_full(fleet.clone(), fleet, concurrency, envoy_env)
+    }
+
+    /// Like [`Stack::start_with`], but pd-sim serves `simulated` while pd-control (and so
+    /// the router) sees `fleet`: pods missing from `simulated` refuse connections.
+    pub fn start_full(
+        fleet: Fleet,
+        simulated: Fleet,
+        concurrency: usize,
+        envoy_env: &[(&str, &str)],
+    ) -> Stack {
         let dir = std::env::temp_dir().join(format!(
             "pd-e2e-{}-{}",
             std::process::id(),
@@ -268,9 +279,11 @@ impl Stack {
             children: Vec::new(),
         };
 
+        let sim_fleet_path = dir.join("simulated.yaml");
+        std::fs::write(&sim_fleet_path, simulated.to_yaml()).expect("fleet file");
         let mut sim = Command::new(bin("pd-sim"));
         sim.arg("--fleet")
-            .arg(&fleet_path)
+            .arg(&sim_fleet_path)
             .arg("--admin")
             .arg(&stack.sim_admin);
         let child = spawn_until("pd-sim", sim, "pd-sim: serving", &dir.join("pd-sim.log"));

@@ -335,3 +335,48 @@ fn errors_have_status_header_and_openai_body() {
         stack.sim_requests()
     );
 }
+
+#[test]
+fn a_failed_prefill_leg_answers_x_error_pd_prefill_and_releases_its_charges() {
+    let fleet = Fleet::new(MODEL)
+        .pod("dead-p-0", "prefill", "group-0")
+        .pod("vllm-d-0", "decode", "group-0")
+        .pod("vllm-p-1", "prefill", "group-1")
+        .pod("vllm-d-1", "decode", "group-1");
+    // pd-sim does not serve dead-p-0: its address refuses connections.
+    let simulated = fleet.without("dead-p-0");
+    let stack = Stack::start_full(fleet, simulated, 2, &[]);
+    let mut failures = 0;
+    for _ in 0..40 {
+        let r = stack.chat(&[("routing-strategy", "pd")], &chat_body(false, 1));
+        if r.status == 200 {
+            assert_eq!(header(&r, "prefill-target-pod"), "vllm-p-1");
+            continue;
+        }
+        failures += 1;
+        assert_error(
+            &r,
+            503,
+            "x-error-pd-prefill",
+            "true",
+            "prefill request failed",
+        );
+    }
+    // Both rolesets are idle between these sequential requests, so a released charge leaves
+    // group-0 tied with group-1 (chosen about half the time). A leaked charge would make
+    // group-0 look busy for ever after its first failure.
+    assert!(
+        failures >= 8,
+        "group-0 stopped being chosen after {failures} failures: a charge leaked"
+    );
+    let decode_on_dead_roleset = stack
+        .sim_requests()
+        .into_iter()
+        .filter(|e| e["pod"] == "vllm-d-0")
+        .count();
+    assert_eq!(
+        decode_on_dead_roleset, 0,
+        "no decode leg follows a failed prefill"
+    );
+    assert_eq!(stack.stat("gateway_prefill_request_fail_total"), failures);
+}

@@ -9,6 +9,7 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::ContextType;
 
 use crate::core::config::{EnvSettings, PluginConfig};
+use crate::core::fleet::FleetView;
 use crate::core::ledger;
 use crate::host::http::PdHttp;
 use crate::host::metrics::Metrics;
@@ -24,6 +25,8 @@ pub struct Root {
     queue: Option<NoticeQueue>,
     fetch_in_flight: Option<u32>,
     loaded_once: bool,
+    /// Consecutive failed polls; logged at 1, 2, 4, 8, ... so an outage does not flood the log.
+    fetch_failures: u64,
 }
 
 impl Root {
@@ -42,6 +45,7 @@ impl Root {
             queue: None,
             fetch_in_flight: None,
             loaded_once: false,
+            fetch_failures: 0,
         }
     }
 
@@ -55,22 +59,45 @@ impl Root {
             .map(|f| f.version)
             .unwrap_or(0);
         match snapshot::load_newer(have) {
-            Ok(Some(view)) => {
-                let version = view.version;
-                let metrics = {
-                    let mut vm = self.vm.borrow_mut();
-                    vm.fleet = Some(Rc::new(view));
-                    vm.metrics.clone()
-                };
-                Metrics::set(metrics.fleet_version, version);
-                if !self.loaded_once {
-                    self.loaded_once = true;
-                    Metrics::gauge_add(metrics.fleet_loaded_vms, 1);
-                    log::info!("fleet snapshot {version} loaded");
-                }
-            }
+            Ok(Some(view)) => self.adopt(view),
             Ok(None) => {}
             Err(e) => log::warn!("{e}"),
+        }
+    }
+
+    fn adopt(&mut self, view: FleetView) {
+        let version = view.version;
+        let metrics = {
+            let mut vm = self.vm.borrow_mut();
+            vm.fleet = Some(Rc::new(view));
+            vm.metrics.clone()
+        };
+        Metrics::set(metrics.fleet_version, version);
+        if !self.loaded_once {
+            self.loaded_once = true;
+            Metrics::gauge_add(metrics.fleet_loaded_vms, 1);
+            log::info!("fleet snapshot {version} loaded");
+        }
+    }
+
+    fn fetch_failed(&mut self, why: String) {
+        self.fetch_failures += 1;
+        Metrics::inc(self.vm.borrow().metrics.snapshot_fetch_errors);
+        if self.fetch_failures.is_power_of_two() {
+            log::warn!(
+                "{why} ({} consecutive failures; routing on the last snapshot)",
+                self.fetch_failures
+            );
+        }
+    }
+
+    fn fetch_succeeded(&mut self) {
+        if self.fetch_failures > 0 {
+            log::info!(
+                "snapshot polls recovered after {} failures",
+                self.fetch_failures
+            );
+            self.fetch_failures = 0;
         }
     }
 
@@ -92,13 +119,10 @@ impl Root {
             Duration::from_millis(plugin.fetch_timeout_ms),
         ) {
             Ok(token) => self.fetch_in_flight = Some(token),
-            Err(e) => {
-                Metrics::inc(self.vm.borrow().metrics.snapshot_fetch_errors);
-                log::warn!(
-                    "snapshot fetch from cluster {} failed: {e:?}",
-                    plugin.control_cluster
-                );
-            }
+            Err(e) => self.fetch_failed(format!(
+                "cannot poll cluster {}: {e:?}",
+                plugin.control_cluster
+            )),
         }
     }
 }
@@ -118,15 +142,10 @@ impl Context for Root {
         let status = self
             .get_http_call_response_header(":status")
             .unwrap_or_default();
-        let metrics = self.vm.borrow().metrics.clone();
         match status.as_str() {
-            "304" => return,
+            "304" => return self.fetch_succeeded(),
             "200" => {}
-            other => {
-                Metrics::inc(metrics.snapshot_fetch_errors);
-                log::warn!("snapshot fetch answered status {other:?}");
-                return;
-            }
+            other => return self.fetch_failed(format!("snapshot poll answered status {other:?}")),
         }
         let version = self
             .get_http_call_response_header("x-pd-snapshot-version")
@@ -135,20 +154,20 @@ impl Context for Root {
             .get_http_call_response_body(0, body_size)
             .unwrap_or_default();
         let Some(version) = version.filter(|v| *v > 0) else {
-            Metrics::inc(metrics.snapshot_fetch_errors);
-            log::warn!("snapshot response without a valid x-pd-snapshot-version header");
-            return;
+            return self.fetch_failed(
+                "snapshot response without a valid x-pd-snapshot-version header".into(),
+            );
         };
         // Refuse what we could not decode ourselves: a bad snapshot must not reach the workers.
-        if let Err(e) = crate::core::fleet::FleetView::decode(&body) {
-            Metrics::inc(metrics.snapshot_fetch_errors);
-            log::warn!("snapshot {version} does not decode: {e}");
-            return;
-        }
+        let view = match FleetView::decode(&body) {
+            Ok(view) => view,
+            Err(e) => return self.fetch_failed(format!("snapshot {version} does not decode: {e}")),
+        };
+        self.fetch_succeeded();
         match snapshot::publish(version, &body) {
             Ok(true) => {
                 snapshot::notify_all(&self.vm_id, version, now_ms());
-                self.reload();
+                self.adopt(view);
             }
             Ok(false) => {}
             Err(e) => log::warn!("cannot publish snapshot {version}: {e}"),
