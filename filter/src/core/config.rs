@@ -3,6 +3,8 @@
 
 use serde::Deserialize;
 
+use super::env::EnvReader;
+
 /// Why a plugin configuration was refused. Envoy then keeps the previous configuration.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum ConfigError {
@@ -127,17 +129,61 @@ pub struct EnvSettings {
     /// `ROUTING_ALGORITHM`: strategy when no locked/header/profile value applies.
     pub routing_algorithm: Option<String>,
     /// `AIBRIX_PREFILL_REQUEST_TIMEOUT`, seconds.
-    pub prefill_request_timeout_s: u64,
+    pub prefill_request_timeout_s: f64,
     /// `AIBRIX_KV_CONNECTOR_TYPE`.
     pub kv_connector: KvConnector,
+    pub pd: PdEnv,
+}
+
+/// The PD selection thresholds and defaults; per-profile knobs override them per request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PdEnv {
+    /// `AIBRIX_PROMPT_LENGTH_BUCKETING`.
+    pub prompt_length_bucketing: bool,
+    /// `AIBRIX_PREFILL_SCORE_POLICY` (validated when the policy is resolved).
+    pub prefill_score_policy: String,
+    /// `AIBRIX_DECODE_SCORE_POLICY`.
+    pub decode_score_policy: String,
+    /// `AIBRIX_PREFILL_LOAD_IMBALANCE_MIN_SPREAD` (Step 1, strict >).
+    pub prefill_load_imbalance_min_spread: f64,
+    /// `AIBRIX_DECODE_LOAD_IMBALANCE_MIN_SPREAD` (Step 2 count check, >=).
+    pub decode_load_imbalance_min_spread: f64,
+    /// `AIBRIX_DECODE_THROUGHPUT_IMBALANCE_MIN_SPREAD` (Step 2 throughput check, >).
+    pub decode_throughput_imbalance_min_spread: f64,
+    /// `AIBRIX_DECODE_SCORE_RATIO_THRESHOLD` (Step 2 drain-rate check, >).
+    pub decode_score_ratio_threshold: f64,
+    /// `AIBRIX_DECODE_LB_WEIGHT_RUNNING`.
+    pub decode_lb_weight_running: f64,
+    /// `AIBRIX_DECODE_LB_WEIGHT_THROUGHPUT`.
+    pub decode_lb_weight_throughput: f64,
+    /// `AIBRIX_PREFIX_CACHE_STANDARD_DEVIATION_FACTOR` (Step 3 σ filter).
+    pub std_dev_factor: f64,
+}
+
+impl Default for PdEnv {
+    fn default() -> Self {
+        PdEnv {
+            prompt_length_bucketing: false,
+            prefill_score_policy: "prefix_cache".into(),
+            decode_score_policy: "load_balancing".into(),
+            prefill_load_imbalance_min_spread: 16.0,
+            decode_load_imbalance_min_spread: 16.0,
+            decode_throughput_imbalance_min_spread: 2048.0,
+            decode_score_ratio_threshold: 1.5,
+            decode_lb_weight_running: 1.0,
+            decode_lb_weight_throughput: 1.0,
+            std_dev_factor: 1.0,
+        }
+    }
 }
 
 impl Default for EnvSettings {
     fn default() -> Self {
         EnvSettings {
             routing_algorithm: None,
-            prefill_request_timeout_s: 30,
+            prefill_request_timeout_s: 30.0,
             kv_connector: KvConnector::Shfs,
+            pd: PdEnv::default(),
         }
     }
 }
@@ -146,31 +192,59 @@ impl EnvSettings {
     /// Reads settings through `get`; returns the settings and one warning per bad value
     /// (named, with the default kept), for the host to log.
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> (EnvSettings, Vec<String>) {
-        let mut warnings = Vec::new();
-        let mut settings = EnvSettings {
-            routing_algorithm: get("ROUTING_ALGORITHM")
-                .map(|v| v.trim().to_string())
-                .filter(|v| !v.is_empty()),
-            ..EnvSettings::default()
+        let d = EnvSettings::default();
+        let mut r = EnvReader::new(get);
+        let settings = EnvSettings {
+            routing_algorithm: r.string("ROUTING_ALGORITHM"),
+            prefill_request_timeout_s: r.positive(
+                "AIBRIX_PREFILL_REQUEST_TIMEOUT",
+                d.prefill_request_timeout_s,
+            ),
+            kv_connector: r.choice(
+                "AIBRIX_KV_CONNECTOR_TYPE",
+                (KvConnector::Shfs, "shfs"),
+                KvConnector::parse,
+            ),
+            pd: PdEnv {
+                prompt_length_bucketing: r.bool("AIBRIX_PROMPT_LENGTH_BUCKETING", false),
+                prefill_score_policy: r
+                    .string("AIBRIX_PREFILL_SCORE_POLICY")
+                    .unwrap_or(d.pd.prefill_score_policy),
+                decode_score_policy: r
+                    .string("AIBRIX_DECODE_SCORE_POLICY")
+                    .map(|p| p.to_ascii_lowercase())
+                    .unwrap_or(d.pd.decode_score_policy),
+                prefill_load_imbalance_min_spread: r.positive(
+                    "AIBRIX_PREFILL_LOAD_IMBALANCE_MIN_SPREAD",
+                    d.pd.prefill_load_imbalance_min_spread,
+                ),
+                decode_load_imbalance_min_spread: r.positive(
+                    "AIBRIX_DECODE_LOAD_IMBALANCE_MIN_SPREAD",
+                    d.pd.decode_load_imbalance_min_spread,
+                ),
+                decode_throughput_imbalance_min_spread: r.positive(
+                    "AIBRIX_DECODE_THROUGHPUT_IMBALANCE_MIN_SPREAD",
+                    d.pd.decode_throughput_imbalance_min_spread,
+                ),
+                decode_score_ratio_threshold: r.positive(
+                    "AIBRIX_DECODE_SCORE_RATIO_THRESHOLD",
+                    d.pd.decode_score_ratio_threshold,
+                ),
+                decode_lb_weight_running: r.positive(
+                    "AIBRIX_DECODE_LB_WEIGHT_RUNNING",
+                    d.pd.decode_lb_weight_running,
+                ),
+                decode_lb_weight_throughput: r.positive(
+                    "AIBRIX_DECODE_LB_WEIGHT_THROUGHPUT",
+                    d.pd.decode_lb_weight_throughput,
+                ),
+                std_dev_factor: r.positive(
+                    "AIBRIX_PREFIX_CACHE_STANDARD_DEVIATION_FACTOR",
+                    d.pd.std_dev_factor,
+                ),
+            },
         };
-        if let Some(raw) = get("AIBRIX_PREFILL_REQUEST_TIMEOUT") {
-            match raw.trim().parse::<u64>() {
-                Ok(v) if v > 0 => settings.prefill_request_timeout_s = v,
-                _ => warnings.push(format!(
-                    "AIBRIX_PREFILL_REQUEST_TIMEOUT={raw:?} is not a positive integer; using {}",
-                    settings.prefill_request_timeout_s
-                )),
-            }
-        }
-        if let Some(raw) = get("AIBRIX_KV_CONNECTOR_TYPE") {
-            match KvConnector::parse(&raw) {
-                Some(c) => settings.kv_connector = c,
-                None => warnings.push(format!(
-                    "AIBRIX_KV_CONNECTOR_TYPE={raw:?} is not shfs, nixl or mooncake; using shfs"
-                )),
-            }
-        }
-        (settings, warnings)
+        (settings, r.warnings)
     }
 }
 
@@ -222,7 +296,7 @@ mod tests {
             _ => None,
         };
         let (s, warnings) = EnvSettings::from_lookup(env);
-        assert_eq!(s.prefill_request_timeout_s, 30);
+        assert_eq!(s.prefill_request_timeout_s, 30.0);
         assert_eq!(s.kv_connector, KvConnector::Nixl);
         assert_eq!(s.routing_algorithm.as_deref(), Some("pd"));
         assert_eq!(warnings.len(), 1);

@@ -2,6 +2,7 @@
 
 pub mod config;
 pub mod engine;
+pub mod env;
 pub mod errors;
 pub mod fleet;
 pub mod ledger;

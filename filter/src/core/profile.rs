@@ -1,34 +1,294 @@
 //! `model.aibrix.ai/config` annotations: profiles, the default profile, the locked strategy,
-//! and the routing-strategy precedence (locked > header > profile > `ROUTING_ALGORITHM`).
+//! `config-profile: auto` hints, per-profile PD knobs, and the routing-strategy precedence
+//! (locked > header > profile > `ROUTING_ALGORITHM`).
 
 use hashbrown::HashMap;
 use serde::Deserialize;
+use serde_json::{Map, Value};
 
-/// The PD fields of a profile's `routingConfig`. Unknown fields are ignored, as in AIBrix.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
-#[serde(default, rename_all = "camelCase")]
+/// A profile's `routingConfig`: the PD fields, `auto` hints and per-profile knobs.
+///
+/// Parsed field by field so one bad value drops only that field (the environment default then
+/// applies), as AIBrix does, instead of discarding the whole annotation. The knobs are accepted
+/// both flat and under a `pd` sub-object: the documentation says "flat under pd" and AIBrix's
+/// code reads a `pd` object.
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct RoutingConfig {
     pub combined: bool,
     pub prompt_len_bucket_min_length: i64,
     pub prompt_len_bucket_max_length: i64,
     pub prefill_score_policy: Option<String>,
     pub decode_score_policy: Option<String>,
+    pub prompt_length_bucketing: Option<bool>,
+    pub bucket_serve: Option<bool>,
+    pub bucket_serve_mode: Option<String>,
+    pub hints: Hints,
+    pub knobs: Knobs,
+    /// Fields present with a value of the wrong type or range, for a log line.
+    pub invalid: Vec<String>,
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
-#[serde(default, rename_all = "camelCase")]
+/// `config-profile: auto` hints: `*Gte` inclusive, `*Lt` exclusive.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Hints {
+    pub prompt_tokens_gte: Option<i64>,
+    pub prompt_tokens_lt: Option<i64>,
+    pub max_tokens_gte: Option<i64>,
+    pub max_tokens_lt: Option<i64>,
+}
+
+impl Hints {
+    fn count(&self) -> usize {
+        [
+            self.prompt_tokens_gte,
+            self.prompt_tokens_lt,
+            self.max_tokens_gte,
+            self.max_tokens_lt,
+        ]
+        .iter()
+        .filter(|h| h.is_some())
+        .count()
+    }
+
+    /// Every hint present matches; a hint on an unknown feature (no `max_tokens`) does not.
+    fn matches(&self, prompt_tokens: i64, max_tokens: Option<i64>) -> bool {
+        let ge = |hint: Option<i64>, v: Option<i64>| hint.is_none_or(|h| v.is_some_and(|v| v >= h));
+        let lt = |hint: Option<i64>, v: Option<i64>| hint.is_none_or(|h| v.is_some_and(|v| v < h));
+        ge(self.prompt_tokens_gte, Some(prompt_tokens))
+            && lt(self.prompt_tokens_lt, Some(prompt_tokens))
+            && ge(self.max_tokens_gte, max_tokens)
+            && lt(self.max_tokens_lt, max_tokens)
+    }
+
+    /// Prompt-length boundaries, so the caller counts tokens exactly only near one.
+    pub fn prompt_boundaries(&self) -> impl Iterator<Item = i64> {
+        [self.prompt_tokens_gte, self.prompt_tokens_lt]
+            .into_iter()
+            .flatten()
+    }
+}
+
+/// Per-profile overrides of gateway environment variables. `None` keeps the env value.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Knobs {
+    pub prefill_request_timeout: Option<f64>,
+    pub prefill_load_imbalance_min_spread: Option<f64>,
+    pub decode_load_imbalance_min_spread: Option<f64>,
+    pub decode_throughput_imbalance_min_spread: Option<f64>,
+    pub decode_score_ratio_threshold: Option<f64>,
+    pub decode_lb_weight_running: Option<f64>,
+    pub decode_lb_weight_throughput: Option<f64>,
+    pub hybrid_cache_load_factor: Option<f64>,
+    pub min_match_pct: Option<f64>,
+    pub token_load_kv_weight: Option<f64>,
+    pub token_load_request_cost: Option<f64>,
+    pub token_load_ttl_seconds: Option<f64>,
+    pub token_load_session_ttl_seconds: Option<f64>,
+    pub decode_abort_timeout: Option<f64>,
+    pub decode_abort_retry_delay: Option<f64>,
+    pub decode_first_response_timeout: Option<f64>,
+    pub decode_response_timeout: Option<f64>,
+    pub decode_stream_idle_timeout: Option<f64>,
+}
+
+/// Valid range of a knob.
+#[derive(Clone, Copy)]
+enum Range {
+    Positive,
+    NonNegative,
+    Within(f64, f64),
+}
+
+impl Range {
+    fn accepts(self, v: f64) -> bool {
+        v.is_finite()
+            && match self {
+                Range::Positive => v > 0.0,
+                Range::NonNegative => v >= 0.0,
+                Range::Within(lo, hi) => (lo..=hi).contains(&v),
+            }
+    }
+}
+
+type KnobSlot = fn(&mut Knobs) -> &mut Option<f64>;
+
+const KNOBS: [(&str, Range, KnobSlot); 18] = [
+    ("prefillRequestTimeout", Range::Positive, |k| {
+        &mut k.prefill_request_timeout
+    }),
+    ("prefillLoadImbalanceMinSpread", Range::Positive, |k| {
+        &mut k.prefill_load_imbalance_min_spread
+    }),
+    ("decodeLoadImbalanceMinSpread", Range::Positive, |k| {
+        &mut k.decode_load_imbalance_min_spread
+    }),
+    ("decodeThroughputImbalanceMinSpread", Range::Positive, |k| {
+        &mut k.decode_throughput_imbalance_min_spread
+    }),
+    ("decodeScoreRatioThreshold", Range::Positive, |k| {
+        &mut k.decode_score_ratio_threshold
+    }),
+    ("decodeLBWeightRunning", Range::Positive, |k| {
+        &mut k.decode_lb_weight_running
+    }),
+    ("decodeLBWeightThroughput", Range::Positive, |k| {
+        &mut k.decode_lb_weight_throughput
+    }),
+    ("hybridCacheLoadFactor", Range::Within(0.0, 1.0), |k| {
+        &mut k.hybrid_cache_load_factor
+    }),
+    ("minMatchPct", Range::Within(0.0, 100.0), |k| {
+        &mut k.min_match_pct
+    }),
+    ("tokenLoadKVWeight", Range::Positive, |k| {
+        &mut k.token_load_kv_weight
+    }),
+    ("tokenLoadRequestCost", Range::Positive, |k| {
+        &mut k.token_load_request_cost
+    }),
+    ("tokenLoadTTLSeconds", Range::NonNegative, |k| {
+        &mut k.token_load_ttl_seconds
+    }),
+    ("tokenLoadSessionTTLSeconds", Range::NonNegative, |k| {
+        &mut k.token_load_session_ttl_seconds
+    }),
+    ("decodeAbortTimeout", Range::NonNegative, |k| {
+        &mut k.decode_abort_timeout
+    }),
+    ("decodeAbortRetryDelay", Range::NonNegative, |k| {
+        &mut k.decode_abort_retry_delay
+    }),
+    ("decodeFirstResponseTimeout", Range::NonNegative, |k| {
+        &mut k.decode_first_response_timeout
+    }),
+    ("decodeResponseTimeout", Range::NonNegative, |k| {
+        &mut k.decode_response_timeout
+    }),
+    ("decodeStreamIdleTimeout", Range::NonNegative, |k| {
+        &mut k.decode_stream_idle_timeout
+    }),
+];
+
+impl RoutingConfig {
+    fn from_value(value: &Value) -> RoutingConfig {
+        let mut rc = RoutingConfig::default();
+        let Value::Object(map) = value else {
+            if !value.is_null() {
+                rc.invalid.push("routingConfig".into());
+            }
+            return rc;
+        };
+        let bool_field = |name: &str, invalid: &mut Vec<String>| match map.get(name) {
+            None | Some(Value::Null) => None,
+            Some(Value::Bool(b)) => Some(*b),
+            Some(_) => {
+                invalid.push(name.into());
+                None
+            }
+        };
+        let mut invalid = Vec::new();
+        rc.combined = bool_field("combined", &mut invalid).unwrap_or(false);
+        rc.prompt_length_bucketing = bool_field("promptLengthBucketing", &mut invalid);
+        rc.bucket_serve = bool_field("bucketServe", &mut invalid);
+        rc.prompt_len_bucket_min_length =
+            int_field(map, "promptLenBucketMinLength", &mut invalid).unwrap_or(0);
+        rc.prompt_len_bucket_max_length =
+            int_field(map, "promptLenBucketMaxLength", &mut invalid).unwrap_or(0);
+        rc.prefill_score_policy = str_field(map, "prefillScorePolicy", &mut invalid);
+        rc.decode_score_policy = str_field(map, "decodeScorePolicy", &mut invalid);
+        rc.bucket_serve_mode = str_field(map, "bucketServeMode", &mut invalid);
+        rc.hints = Hints {
+            prompt_tokens_gte: int_field(map, "promptTokensGte", &mut invalid),
+            prompt_tokens_lt: int_field(map, "promptTokensLt", &mut invalid),
+            max_tokens_gte: int_field(map, "maxTokensGte", &mut invalid),
+            max_tokens_lt: int_field(map, "maxTokensLt", &mut invalid),
+        };
+        let nested = match map.get("pd") {
+            Some(Value::Object(pd)) => Some(pd),
+            _ => None,
+        };
+        for (name, range, slot) in KNOBS {
+            // The `pd` object wins over a flat field of the same name.
+            let raw = nested.and_then(|pd| pd.get(name)).or_else(|| map.get(name));
+            match raw {
+                None | Some(Value::Null) => {}
+                Some(v) => match v.as_f64().filter(|v| range.accepts(*v)) {
+                    Some(v) => *slot(&mut rc.knobs) = Some(v),
+                    None => invalid.push(name.into()),
+                },
+            }
+        }
+        rc.invalid = invalid;
+        rc
+    }
+
+    /// The prompt-length range `[min, max]` of a pod, or `None` when it can serve no length
+    /// (min > max). `max == 0` means unlimited; a negative min counts as 0.
+    pub fn prompt_range(&self) -> Option<(i64, i64)> {
+        let min = self.prompt_len_bucket_min_length.max(0);
+        let max = match self.prompt_len_bucket_max_length {
+            0 => i64::from(i32::MAX),
+            m => m,
+        };
+        (min <= max).then_some((min, max))
+    }
+
+    /// True when the range holds `len` (both ends inclusive).
+    pub fn accepts_prompt_len(&self, len: i64) -> bool {
+        self.prompt_range()
+            .is_some_and(|(min, max)| (min..=max).contains(&len))
+    }
+}
+
+fn int_field(map: &Map<String, Value>, name: &str, invalid: &mut Vec<String>) -> Option<i64> {
+    match map.get(name) {
+        None | Some(Value::Null) => None,
+        Some(v) => match v
+            .as_i64()
+            .or_else(|| v.as_f64().filter(|f| f.fract() == 0.0).map(|f| f as i64))
+        {
+            Some(i) => Some(i),
+            None => {
+                invalid.push(name.into());
+                None
+            }
+        },
+    }
+}
+
+fn str_field(map: &Map<String, Value>, name: &str, invalid: &mut Vec<String>) -> Option<String> {
+    match map.get(name) {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(_) => {
+            invalid.push(name.into());
+            None
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Profile {
     pub routing_strategy: Option<String>,
-    #[serde(deserialize_with = "lenient_routing_config")]
     pub routing_config: RoutingConfig,
 }
 
-/// An invalid `routingConfig` keeps every default instead of discarding the whole annotation.
-fn lenient_routing_config<'de, D: serde::Deserializer<'de>>(
-    d: D,
-) -> Result<RoutingConfig, D::Error> {
-    let value = serde_json::Value::deserialize(d)?;
-    Ok(serde_json::from_value(value).unwrap_or_default())
+impl<'de> Deserialize<'de> for Profile {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Profile, D::Error> {
+        let value = Value::deserialize(d)?;
+        let routing_strategy = value
+            .get("routingStrategy")
+            .and_then(Value::as_str)
+            .map(str::to_string);
+        let routing_config = value
+            .get("routingConfig")
+            .map(RoutingConfig::from_value)
+            .unwrap_or_default();
+        Ok(Profile {
+            routing_strategy,
+            routing_config,
+        })
+    }
 }
 
 /// A parsed `model.aibrix.ai/config` annotation.
@@ -40,6 +300,9 @@ pub struct ModelConfig {
     pub profiles: HashMap<String, Profile>,
 }
 
+/// The header value that asks for hint-based profile selection.
+pub const AUTO_PROFILE: &str = "auto";
+
 impl ModelConfig {
     /// Parses an annotation. One that does not parse, or has no profiles, counts as absent.
     pub fn parse(annotation: &str) -> Option<ModelConfig> {
@@ -50,23 +313,80 @@ impl ModelConfig {
         (!config.profiles.is_empty()).then_some(config)
     }
 
-    /// The profile a request uses: the `config-profile` header when it names a profile,
-    /// else `defaultProfile` (or `"default"`), else none.
-    pub fn profile(&self, requested: Option<&str>) -> Option<&Profile> {
-        if let Some(p) = requested
-            .map(str::trim)
-            .and_then(|name| self.profiles.get(name))
-        {
-            return Some(p);
-        }
-        let fallback = self
-            .default_profile
+    /// `defaultProfile`, or `"default"` when it is unset or empty.
+    pub fn fallback_name(&self) -> &str {
+        self.default_profile
             .as_deref()
             .map(str::trim)
             .filter(|n| !n.is_empty())
-            .unwrap_or("default");
-        self.profiles.get(fallback)
+            .unwrap_or("default")
     }
+
+    /// The profile named `name` if it exists, else the fallback profile (or none).
+    pub fn profile(&self, name: Option<&str>) -> Option<&Profile> {
+        if let Some(p) = name.map(str::trim).and_then(|n| self.profiles.get(n)) {
+            return Some(p);
+        }
+        self.profiles.get(self.fallback_name())
+    }
+
+    /// True when some profile carries an `auto` hint on prompt length, so the request's
+    /// token count matters.
+    pub fn prompt_hint_boundaries(&self) -> impl Iterator<Item = i64> + '_ {
+        self.profiles
+            .values()
+            .flat_map(|p| p.routing_config.hints.prompt_boundaries())
+    }
+
+    /// `config-profile: auto`: among profiles with at least one hint whose hints all match,
+    /// the most specific (more hints, then higher promptTokensGte, lower promptTokensLt,
+    /// higher maxTokensGte, lower maxTokensLt), names visited in sorted order so ties go to
+    /// the first name. `None` when nothing matches (the caller uses the fallback name).
+    pub fn auto_profile(&self, prompt_tokens: i64, max_tokens: Option<i64>) -> Option<&str> {
+        let mut names: Vec<&String> = self.profiles.keys().collect();
+        names.sort();
+        let mut best: Option<(&str, &Hints)> = None;
+        for name in names {
+            let hints = &self.profiles[name].routing_config.hints;
+            if hints.count() == 0 || !hints.matches(prompt_tokens, max_tokens) {
+                continue;
+            }
+            if best.is_none_or(|(_, b)| more_specific(hints, b)) {
+                best = Some((name.as_str(), hints));
+            }
+        }
+        best.map(|(name, _)| name)
+    }
+}
+
+fn more_specific(a: &Hints, b: &Hints) -> bool {
+    use std::cmp::Ordering::*;
+    let low = i64::MIN;
+    let high = i64::MAX;
+    let order = a
+        .count()
+        .cmp(&b.count())
+        .then(
+            a.prompt_tokens_gte
+                .unwrap_or(low)
+                .cmp(&b.prompt_tokens_gte.unwrap_or(low)),
+        )
+        .then(
+            b.prompt_tokens_lt
+                .unwrap_or(high)
+                .cmp(&a.prompt_tokens_lt.unwrap_or(high)),
+        )
+        .then(
+            a.max_tokens_gte
+                .unwrap_or(low)
+                .cmp(&b.max_tokens_gte.unwrap_or(low)),
+        )
+        .then(
+            b.max_tokens_lt
+                .unwrap_or(high)
+                .cmp(&a.max_tokens_lt.unwrap_or(high)),
+        );
+    order == Greater
 }
 
 /// Resolves the routing strategy: locked > header > profile > env. `None` means no strategy.
@@ -85,6 +405,85 @@ pub fn resolve_strategy(
         .or_else(|| non_empty(header))
         .or_else(|| non_empty(profile.and_then(|p| p.routing_strategy.as_deref())))
         .or_else(|| non_empty(env_default))
+}
+
+/// A routing strategy the gateway implements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Strategy {
+    Pd,
+    Random,
+    LeastRequest,
+    Throughput,
+    PrefixCache,
+    LeastKvCache,
+    LeastLatency,
+}
+
+impl Strategy {
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Pd => "pd",
+            Strategy::Random => "random",
+            Strategy::LeastRequest => "least-request",
+            Strategy::Throughput => "throughput",
+            Strategy::PrefixCache => "prefix-cache",
+            Strategy::LeastKvCache => "least-kv-cache",
+            Strategy::LeastLatency => "least-latency",
+        }
+    }
+
+    fn from_name(name: &str) -> Option<Strategy> {
+        [
+            Strategy::Pd,
+            Strategy::Random,
+            Strategy::LeastRequest,
+            Strategy::Throughput,
+            Strategy::PrefixCache,
+            Strategy::LeastKvCache,
+            Strategy::LeastLatency,
+        ]
+        .into_iter()
+        .find(|s| s.name() == name)
+    }
+
+    /// Parses a strategy value, which may be a weighted list such as `a:2,b`. `pd` is
+    /// exclusive: if it appears anywhere, it is the strategy. Otherwise one listed strategy
+    /// is drawn by weight (default 1). Any unknown name refuses the whole value.
+    pub fn parse(value: &str, draw: impl FnOnce(u64) -> u64) -> Result<Strategy, String> {
+        let mut items: Vec<(Strategy, u64)> = Vec::new();
+        for item in value.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+            let (name, weight) = match item.split_once(':') {
+                Some((n, w)) => (
+                    n.trim(),
+                    w.trim().parse::<u64>().map_err(|_| value.to_string())?,
+                ),
+                None => (item, 1),
+            };
+            let strategy = Strategy::from_name(name).ok_or_else(|| value.to_string())?;
+            items.push((strategy, weight));
+        }
+        if items.iter().any(|(s, _)| *s == Strategy::Pd) {
+            return Ok(Strategy::Pd);
+        }
+        let total: u64 = items.iter().map(|(_, w)| *w).sum();
+        if total == 0 {
+            return items
+                .first()
+                .map(|(s, _)| *s)
+                .ok_or_else(|| value.to_string());
+        }
+        let mut ticket = draw(total);
+        for (strategy, weight) in &items {
+            if ticket < *weight {
+                return Ok(*strategy);
+            }
+            ticket -= weight;
+        }
+        items
+            .last()
+            .map(|(s, _)| *s)
+            .ok_or_else(|| value.to_string())
+    }
 }
 
 #[cfg(test)]
@@ -109,12 +508,95 @@ mod tests {
             Some("random")
         );
         assert_eq!(
-            c.profile(Some("other")).unwrap().routing_config,
-            RoutingConfig::default()
+            c.profile(Some("other")).unwrap().routing_config.invalid,
+            vec!["routingConfig"]
         );
         assert_eq!(c.profile(Some("missing")), Some(main));
         assert!(ModelConfig::parse(r#"{"profiles":{}}"#).is_none());
         assert!(ModelConfig::parse("not json").is_none());
+    }
+
+    #[test]
+    fn knobs_flat_or_nested_and_bad_values_dropped() {
+        let c = ModelConfig::parse(
+            r#"{"profiles":{"default":{"routingConfig":{
+                "decodeScoreRatioThreshold": 2.5, "minMatchPct": 140, "tokenLoadTTLSeconds": 0,
+                "prefillRequestTimeout": -1, "pd": {"decodeScoreRatioThreshold": 3, "hybridCacheLoadFactor": 0},
+                "combined": "yes", "promptLenBucketMinLength": 10}}}}"#,
+        )
+        .unwrap();
+        let rc = &c.profile(None).unwrap().routing_config;
+        assert_eq!(
+            rc.knobs.decode_score_ratio_threshold,
+            Some(3.0),
+            "the pd object wins"
+        );
+        assert_eq!(
+            rc.knobs.hybrid_cache_load_factor,
+            Some(0.0),
+            "0 turns the discount off"
+        );
+        assert_eq!(rc.knobs.token_load_ttl_seconds, Some(0.0));
+        assert_eq!(rc.knobs.min_match_pct, None);
+        assert_eq!(rc.knobs.prefill_request_timeout, None);
+        assert!(!rc.combined);
+        assert_eq!(rc.prompt_len_bucket_min_length, 10);
+        let mut invalid = rc.invalid.clone();
+        invalid.sort();
+        assert_eq!(
+            invalid,
+            ["combined", "minMatchPct", "prefillRequestTimeout"]
+        );
+    }
+
+    #[test]
+    fn prompt_ranges() {
+        let rc = |min: i64, max: i64| RoutingConfig {
+            prompt_len_bucket_min_length: min,
+            prompt_len_bucket_max_length: max,
+            ..RoutingConfig::default()
+        };
+        assert!(rc(0, 2048).accepts_prompt_len(2048), "max is inclusive");
+        assert!(rc(16, 32).accepts_prompt_len(16), "min is inclusive");
+        assert!(!rc(16, 32).accepts_prompt_len(33));
+        assert!(rc(2048, 0).accepts_prompt_len(1_000_000), "0 = unlimited");
+        assert!(rc(-5, 10).accepts_prompt_len(0), "negative min counts as 0");
+        assert!(
+            !rc(20, 10).accepts_prompt_len(15),
+            "min > max serves nothing"
+        );
+    }
+
+    #[test]
+    fn auto_profile_picks_the_most_specific_match() {
+        let c = ModelConfig::parse(
+            r#"{"profiles":{
+                "default":{},
+                "short":{"routingConfig":{"promptTokensLt":100}},
+                "short-small":{"routingConfig":{"promptTokensLt":100,"maxTokensLt":64}},
+                "long":{"routingConfig":{"promptTokensGte":100}},
+                "longer":{"routingConfig":{"promptTokensGte":1000}},
+                "b-tie":{"routingConfig":{"promptTokensGte":1000}}}}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            c.auto_profile(10, Some(16)),
+            Some("short-small"),
+            "more hints win"
+        );
+        assert_eq!(
+            c.auto_profile(10, None),
+            Some("short"),
+            "unknown max_tokens fails its hint"
+        );
+        assert_eq!(c.auto_profile(500, None), Some("long"));
+        assert_eq!(
+            c.auto_profile(5000, None),
+            Some("b-tie"),
+            "higher gte wins; ties go to the first name"
+        );
+        let none = ModelConfig::parse(r#"{"profiles":{"default":{}}}"#).unwrap();
+        assert_eq!(none.auto_profile(10, None), None);
     }
 
     #[test]
@@ -144,5 +626,29 @@ mod tests {
             Some("least-request")
         );
         assert_eq!(resolve_strategy(None, None, None, None), None);
+    }
+
+    #[test]
+    fn strategy_lists() {
+        assert_eq!(Strategy::parse("pd", |_| 0), Ok(Strategy::Pd));
+        assert_eq!(
+            Strategy::parse("random:3, pd", |_| 0),
+            Ok(Strategy::Pd),
+            "pd is exclusive"
+        );
+        assert_eq!(
+            Strategy::parse("random:1,least-request:3", |_| 0),
+            Ok(Strategy::Random)
+        );
+        assert_eq!(
+            Strategy::parse("random:1,least-request:3", |_| 3),
+            Ok(Strategy::LeastRequest)
+        );
+        assert!(
+            Strategy::parse("pd,bogus", |_| 0).is_err(),
+            "one unknown name refuses the value"
+        );
+        assert!(Strategy::parse("random:x", |_| 0).is_err());
+        assert!(Strategy::parse("", |_| 0).is_err());
     }
 }

@@ -252,7 +252,7 @@ impl PdHttp {
             headers,
             Some(body),
             vec![],
-            Duration::from_secs(timeout_s),
+            Duration::from_secs_f64(timeout_s),
         )
         .map_err(|e| RouteError::Prefill {
             status: 503,
