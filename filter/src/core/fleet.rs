@@ -4,7 +4,7 @@
 use hashbrown::HashMap;
 
 use super::config::KvConnector;
-use super::profile::ModelConfig;
+use super::profile::{ModelConfig, RoutingConfig};
 use crate::proto;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,11 +27,33 @@ pub struct PodView {
     pub engine: String,
     pub role: Role,
     pub roleset: String,
-    /// `routingConfig.combined` of the pod's own default profile.
-    pub combined: bool,
+    /// The pod's own `model.aibrix.ai/config`: bucket ranges and `combined` are read per pod,
+    /// from the profile the request resolved to (or the pod's default profile).
+    pub config: Option<ModelConfig>,
     /// Per-pod connector label, when it names a known connector.
     pub kv_connector: Option<KvConnector>,
     pub metrics: Option<proto::PodMetrics>,
+}
+
+impl PodView {
+    /// The pod's `routingConfig` for the request's profile name (or the pod's default).
+    pub fn routing_config(&self, profile: Option<&str>) -> Option<&RoutingConfig> {
+        self.config
+            .as_ref()?
+            .profile(profile)
+            .map(|p| &p.routing_config)
+    }
+
+    /// A standard pod that runs whole requests under this profile.
+    pub fn is_combined(&self, profile: Option<&str>) -> bool {
+        self.role == Role::Other && self.routing_config(profile).is_some_and(|rc| rc.combined)
+    }
+
+    /// Whether the pod's prompt-length range holds `len`; a pod without a range holds all.
+    pub fn accepts_prompt_len(&self, profile: Option<&str>, len: i64) -> bool {
+        self.routing_config(profile)
+            .is_none_or(|rc| rc.accepts_prompt_len(len))
+    }
 }
 
 /// A roleset with at least one routable prefill and one routable decode pod.
@@ -48,8 +70,9 @@ pub struct ModelView {
     pub pods: Vec<PodView>,
     /// Complete rolesets only: an incomplete one contributes nothing.
     pub rolesets: Vec<Roleset>,
-    /// Standard pods that run both phases (`combined: true`).
-    pub combined: Vec<usize>,
+    /// Pods that run whole requests (any role but prefill/decode). Which of them are
+    /// `combined: true` standard pods depends on the request's profile.
+    pub others: Vec<usize>,
     /// Model-level config: the first pod (in fleet order) whose annotation is valid.
     pub config: Option<ModelConfig>,
     /// Pods of the model in the snapshot, routable or not.
@@ -102,10 +125,6 @@ impl ModelView {
                 "decode" => Role::Decode,
                 _ => Role::Other,
             };
-            let combined = parsed
-                .as_ref()
-                .and_then(|c| c.profile(None))
-                .is_some_and(|p| p.routing_config.combined);
             let idx = view.pods.len();
             view.pods.push(PodView {
                 key: format!("{}/{}", pod.namespace, pod.name),
@@ -119,14 +138,12 @@ impl ModelView {
                 },
                 role,
                 roleset: pod.roleset.clone(),
-                combined,
+                config: parsed,
                 kv_connector: KvConnector::parse(&pod.kv_connector_type),
                 metrics: pod.metrics.filter(|m| m.present),
             });
             if role == Role::Other {
-                if combined {
-                    view.combined.push(idx);
-                }
+                view.others.push(idx);
                 continue;
             }
             if pod.roleset.is_empty() {
@@ -205,9 +222,14 @@ pub(crate) mod tests {
         assert_eq!(m.rolesets.len(), 1);
         assert_eq!(m.rolesets[0].name, "g0");
         assert_eq!(m.pods[m.rolesets[0].prefill[0]].key, "ns/p0");
-        assert_eq!(m.combined.len(), 1);
-        assert_eq!(m.pods[m.combined[0]].name, "c0");
-        assert_eq!(m.pods[m.combined[0]].address, "127.0.0.2:8000");
+        assert_eq!(m.others.len(), 2, "c0 and plain run whole requests");
+        let c0 = &m.pods[m.others[0]];
+        assert_eq!(
+            (c0.name.as_str(), c0.address.as_str()),
+            ("c0", "127.0.0.2:8000")
+        );
+        assert!(c0.routing_config(None).is_some_and(|rc| rc.combined));
+        assert!(m.pods[m.others[1]].routing_config(None).is_none());
         assert!(
             m.config.is_some(),
             "model config comes from the first valid annotation"

@@ -9,3 +9,4 @@ pub mod ledger;
 pub mod pd;
 pub mod profile;
 pub mod request;
+pub mod route;

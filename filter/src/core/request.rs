@@ -42,6 +42,11 @@ pub struct RoutingRequest {
     pub stream: bool,
     /// Bytes of prompt text (joined message contents), the input of prompt-length estimates.
     pub prompt_bytes: usize,
+    /// The prompt text: the completion prompt, or the message contents joined by one space
+    /// (strings unescaped, other content as JSON), which is what AIBrix tokenizes and hashes.
+    pub prompt_text: String,
+    /// `max_tokens`, else `max_completion_tokens`, when an integer.
+    pub max_tokens: Option<i64>,
     /// Raw body length; token-load charges estimate tokens from it.
     pub body_len: usize,
     /// The parsed body, edited by the engine adapters.
@@ -64,47 +69,52 @@ impl RoutingRequest {
             Some(Value::Bool(b)) => *b,
             Some(_) => return Err(RouteError::BadBody),
         };
-        let prompt_bytes = match endpoint {
+        let prompt_text = match endpoint {
             Endpoint::Completions => match body.get("prompt") {
-                Some(Value::String(p)) => p.len(),
+                Some(Value::String(p)) => p.clone(),
                 _ => return Err(RouteError::BadBody),
             },
-            Endpoint::ChatCompletions => chat_prompt_bytes(&body)?,
+            Endpoint::ChatCompletions => chat_prompt_text(&body)?,
         };
+        let max_tokens = ["max_tokens", "max_completion_tokens"]
+            .iter()
+            .find_map(|k| body.get(*k).and_then(Value::as_i64));
         Ok(RoutingRequest {
             endpoint,
             model,
             stream,
-            prompt_bytes,
+            prompt_bytes: prompt_text.len(),
+            prompt_text,
+            max_tokens,
             body_len: raw.len(),
             body,
         })
     }
 }
 
-/// Length of the message contents joined by one space: strings count unescaped, anything
-/// else (content parts, null) by its JSON text, which is what AIBrix feeds its tokenizer.
-fn chat_prompt_bytes(body: &Map<String, Value>) -> Result<usize, RouteError> {
+/// The message contents joined by one space: strings unescaped, anything else (content
+/// parts, null) as its JSON text, which is what AIBrix feeds its tokenizer.
+fn chat_prompt_text(body: &Map<String, Value>) -> Result<String, RouteError> {
     let messages = match body.get("messages") {
         Some(Value::Array(messages)) if !messages.is_empty() => messages,
         Some(Value::Array(_)) | None | Some(Value::Null) => return Err(RouteError::NoMessages),
         Some(_) => return Err(RouteError::BadBody),
     };
-    let mut total = 0usize;
+    let mut text = String::new();
     for (i, message) in messages.iter().enumerate() {
         let Value::Object(message) = message else {
             return Err(RouteError::BadBody);
         };
         if i > 0 {
-            total += 1;
+            text.push(' ');
         }
-        total += match message.get("content") {
-            Some(Value::String(s)) => s.len(),
-            Some(other) => other.to_string().len(),
-            None => 4, // "null"
-        };
+        match message.get("content") {
+            Some(Value::String(s)) => text.push_str(s),
+            Some(other) => text.push_str(&other.to_string()),
+            None => text.push_str("null"),
+        }
     }
-    Ok(total)
+    Ok(text)
 }
 
 /// The request id: the trace id of a W3C `traceparent` when one is present (so gateway logs
@@ -147,8 +157,13 @@ mod tests {
         let r = chat(r#"{"model":"m","stream":true,"messages":[{"role":"system","content":"ab"},{"role":"user","content":[{"type":"text","text":"x"}]}]}"#).unwrap();
         assert_eq!(r.model, "m");
         assert!(r.stream);
-        let parts = r#"[{"type":"text","text":"x"}]"#.len();
-        assert_eq!(r.prompt_bytes, 2 + 1 + parts);
+        let parts = r#"[{"type":"text","text":"x"}]"#;
+        assert_eq!(r.prompt_text, format!("ab {parts}"));
+        assert_eq!(r.prompt_bytes, 2 + 1 + parts.len());
+        assert_eq!(r.max_tokens, None);
+        let r = chat(r#"{"model":"m","max_completion_tokens":9,"messages":[{"content":"a"}]}"#)
+            .unwrap();
+        assert_eq!(r.max_tokens, Some(9));
     }
 
     #[test]

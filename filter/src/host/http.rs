@@ -11,12 +11,14 @@ use serde_json::{Map, Value};
 
 use crate::core::config::KvConnector;
 use crate::core::engine::vllm;
-use crate::core::errors::{sanitize_header, RouteError};
+use crate::core::errors::RouteError;
 use crate::core::fleet::{FleetView, ModelView};
 use crate::core::ledger::{self, Counter};
+use crate::core::pd::Step0Input;
 use crate::core::pd::{self, Target};
-use crate::core::profile::resolve_strategy;
+use crate::core::profile::Strategy;
 use crate::core::request::{self, Endpoint, RoutingRequest};
+use crate::core::route::{self, Decision};
 use crate::host::metrics::Metrics;
 use crate::host::store::SharedData;
 use crate::host::SharedVm;
@@ -59,6 +61,8 @@ pub struct PdHttp {
     forwarded: Vec<(&'static str, String)>,
     strategy_header: Option<String>,
     profile_header: Option<String>,
+    /// The profile `config-profile: auto` picked, echoed as `x-aibrix-config-profile`.
+    auto_profile: Option<String>,
     /// Charges still held: (pod key, counter). Each is released once.
     charges: Vec<(String, Counter)>,
     pending: Option<PendingDecode>,
@@ -75,6 +79,7 @@ impl PdHttp {
             forwarded: Vec::new(),
             strategy_header: None,
             profile_header: None,
+            auto_profile: None,
             charges: Vec::new(),
             pending: None,
             routed: None,
@@ -138,22 +143,25 @@ impl PdHttp {
         if model.pods.is_empty() {
             return Err(RouteError::NoRoutablePods(req.model.clone()));
         }
-        let env_default = self.vm.borrow().env.routing_algorithm.clone();
-        let config = model.config.as_ref();
-        let profile = config.and_then(|c| c.profile(self.profile_header.as_deref()));
-        let strategy = resolve_strategy(
-            config,
-            profile,
-            self.strategy_header.as_deref(),
-            env_default.as_deref(),
-        );
-        let pd_mode = match strategy.as_deref() {
-            Some("pd") => true,
-            None | Some("random") | Some("least-request") => false,
-            Some(other) => return Err(RouteError::BadStrategy(sanitize_header(other))),
+        let decision = {
+            let mut vm = self.vm.borrow_mut();
+            let vm = &mut *vm;
+            let rng = &mut vm.rng;
+            // Until the cl100k counter lands, lengths are estimated at 4 bytes per token.
+            let estimate = (req.prompt_bytes / 4) as i64;
+            route::decide(
+                model,
+                &req,
+                self.strategy_header.as_deref(),
+                self.profile_header.as_deref(),
+                &vm.env,
+                &|_| estimate,
+                &mut |n| rng.u64(0..n.max(1)),
+            )?
         };
-        let target = self.select_and_charge(model, pd_mode)?;
-        let strategy = strategy.unwrap_or_default();
+        self.auto_profile = decision.auto_profile.clone();
+        let target = self.select_and_charge(model, &decision)?;
+        let strategy = decision.strategy.name().to_string();
         match target {
             Target::Single { pod } => {
                 let pod = &model.pods[pod];
@@ -197,16 +205,20 @@ impl PdHttp {
     fn select_and_charge(
         &mut self,
         model: &ModelView,
-        pd_mode: bool,
+        decision: &Decision,
     ) -> Result<Target, RouteError> {
         let vm = self.vm.clone();
         let mut vm = vm.borrow_mut();
         let rng = &mut vm.rng;
+        let step0 = Step0Input {
+            profile: decision.profile.as_deref(),
+            bucketing: decision.bucketing,
+            prompt_len: decision.prompt_len,
+        };
         let target = ledger::update(&SharedData, |table| {
-            let target = if pd_mode {
-                pd::select_pd(model, table, rng)?
-            } else {
-                pd::select_single(model, table, rng)?
+            let target = match decision.strategy {
+                Strategy::Pd => pd::select_pd(model, step0, table, rng)?,
+                other => pd::select_single(model, other, table, rng)?,
             };
             target.charge(model, table);
             Ok::<Target, RouteError>(target)
@@ -391,6 +403,9 @@ impl HttpContext for PdHttp {
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         self.set_http_response_header("request-id", Some(&self.request_id));
+        if let Some(profile) = &self.auto_profile {
+            self.set_http_response_header("x-aibrix-config-profile", Some(profile));
+        }
         if let Some(r) = &self.routed {
             if !r.strategy.is_empty() {
                 self.set_http_response_header("routing-strategy", Some(&r.strategy));

@@ -2,8 +2,16 @@
 //! prefill and decode pods carry the fewest outstanding requests, ties broken at random;
 //! the full AIBrix cascade (buckets, fast paths, scoring policies) builds on the same shape.
 
+pub mod candidates;
+pub mod pick;
+pub mod single;
+
+pub use candidates::{Step0, Step0Input};
+pub use pick::MinPicker;
+pub use single::select_single;
+
 use crate::core::errors::RouteError;
-use crate::core::fleet::{ModelView, Role};
+use crate::core::fleet::ModelView;
 use crate::core::ledger::{Counter, LoadTable};
 
 /// Where a request goes.
@@ -16,6 +24,14 @@ pub enum Target {
 }
 
 impl Target {
+    /// The pod that answers the client: the decode pod of a pair, or the single pod.
+    pub fn pod(self) -> usize {
+        match self {
+            Target::Pair { decode, .. } => decode,
+            Target::Single { pod } => pod,
+        }
+    }
+
     /// The counters a selection charges; released one by one as the request progresses.
     pub fn charges(self) -> [(Option<usize>, Counter); 2] {
         match self {
@@ -37,109 +53,47 @@ impl Target {
     }
 }
 
-/// Keeps the minimum of a stream, choosing uniformly among equal minima.
-struct MinPicker {
-    best: Option<(u64, usize)>,
-    ties: u32,
-}
-
-impl MinPicker {
-    fn new() -> Self {
-        MinPicker {
-            best: None,
-            ties: 0,
-        }
-    }
-
-    fn offer(&mut self, score: u64, item: usize, rng: &mut fastrand::Rng) {
-        match self.best {
-            Some((best, _)) if score > best => {}
-            Some((best, _)) if score == best => {
-                self.ties += 1;
-                if rng.u32(0..self.ties) == 0 {
-                    self.best = Some((score, item));
-                }
-            }
-            _ => {
-                self.best = Some((score, item));
-                self.ties = 1;
-            }
-        }
-    }
-}
-
-/// PD selection: a complete roleset if there is one, else a combined pod.
+/// PD selection: Step 0 (candidates, buckets, standard pods), then the pair with the fewest
+/// outstanding requests among the candidates, pairs always from one roleset.
 pub fn select_pd(
     model: &ModelView,
+    input: Step0Input<'_>,
     loads: &LoadTable,
     rng: &mut fastrand::Rng,
 ) -> Result<Target, RouteError> {
+    let (prefill, decode) = match candidates::collect(model, input, &mut |n| rng.usize(0..n))? {
+        Step0::Combined(pod) => return Ok(Target::Single { pod }),
+        Step0::Pairs { prefill, decode } => (prefill, decode),
+    };
     let mut best = MinPicker::new();
     let mut pairs: Vec<(usize, usize)> = Vec::with_capacity(model.rolesets.len());
     for roleset in &model.rolesets {
         let mut p = MinPicker::new();
-        for &i in &roleset.prefill {
+        for &i in roleset.prefill.iter().filter(|i| prefill.contains(i)) {
             p.offer(
-                loads.counts(&model.pods[i].key).prefill_inflight as u64,
+                loads.counts(&model.pods[i].key).prefill_inflight as f64,
                 i,
                 rng,
             );
         }
         let mut d = MinPicker::new();
-        for &i in &roleset.decode {
-            d.offer(loads.counts(&model.pods[i].key).running as u64, i, rng);
+        for &i in roleset.decode.iter().filter(|i| decode.contains(i)) {
+            d.offer(loads.counts(&model.pods[i].key).running as f64, i, rng);
         }
         if let (Some((ps, pi)), Some((ds, di))) = (p.best, d.best) {
             best.offer(ps + ds, pairs.len(), rng);
             pairs.push((pi, di));
         }
     }
-    if let Some((_, i)) = best.best {
-        let (prefill, decode) = pairs[i];
-        return Ok(Target::Pair { prefill, decode });
+    match best.best {
+        Some((_, i)) => {
+            let (prefill, decode) = pairs[i];
+            Ok(Target::Pair { prefill, decode })
+        }
+        None => Err(RouteError::Selection {
+            detail: "target prefill pod is nil".into(),
+        }),
     }
-    if let Some(pod) = least_running(model, model.combined.iter().copied(), loads, rng) {
-        return Ok(Target::Single { pod });
-    }
-    Err(RouteError::Selection {
-        detail: format!(
-            "no complete prefill/decode roleset and no combined pod among {} routable pods",
-            model.pods.len()
-        ),
-    })
-}
-
-/// Single-pod routing for requests without the `pd` strategy: pods that run whole requests
-/// (any role but prefill/decode), least outstanding first.
-pub fn select_single(
-    model: &ModelView,
-    loads: &LoadTable,
-    rng: &mut fastrand::Rng,
-) -> Result<Target, RouteError> {
-    let candidates = model
-        .pods
-        .iter()
-        .enumerate()
-        .filter(|(_, p)| p.role == Role::Other)
-        .map(|(i, _)| i);
-    least_running(model, candidates, loads, rng)
-        .map(|pod| Target::Single { pod })
-        .ok_or_else(|| RouteError::Selection {
-            detail: "no pod of the model serves whole requests; send routing-strategy: pd".into(),
-        })
-}
-
-fn least_running(
-    model: &ModelView,
-    candidates: impl Iterator<Item = usize>,
-    loads: &LoadTable,
-    rng: &mut fastrand::Rng,
-) -> Option<usize> {
-    let mut best = MinPicker::new();
-    for i in candidates {
-        best.offer(loads.counts(&model.pods[i].key).running as u64, i, rng);
-    }
-    best.best.map(|(_, i)| i)
 }
 
 #[cfg(test)]
@@ -147,6 +101,13 @@ mod tests {
     use super::*;
     use crate::core::fleet::tests::{pod, snapshot};
     use crate::core::fleet::FleetView;
+    use crate::core::profile::Strategy;
+
+    const INPUT: Step0Input<'static> = Step0Input {
+        profile: None,
+        bucketing: false,
+        prompt_len: 0,
+    };
 
     fn model(pods: Vec<crate::proto::Pod>) -> ModelView {
         FleetView::from_snapshot(&snapshot(pods)).models["m"].clone()
@@ -168,7 +129,7 @@ mod tests {
         let mut table = LoadTable::default();
         let mut used = Vec::new();
         for _ in 0..4 {
-            let t = select_pd(&m, &table, &mut rng).unwrap();
+            let t = select_pd(&m, INPUT, &table, &mut rng).unwrap();
             let Target::Pair { prefill, decode } = t else {
                 panic!("expected a pair")
             };
@@ -191,7 +152,7 @@ mod tests {
         let table = LoadTable::default();
         let mut seen = std::collections::BTreeSet::new();
         for _ in 0..64 {
-            if let Target::Pair { decode, .. } = select_pd(&m, &table, &mut rng).unwrap() {
+            if let Target::Pair { decode, .. } = select_pd(&m, INPUT, &table, &mut rng).unwrap() {
                 seen.insert(m.pods[decode].roleset.clone());
             }
         }
@@ -208,21 +169,21 @@ mod tests {
             c,
         ]);
         let mut rng = fastrand::Rng::with_seed(3);
-        let t = select_pd(&with_combined, &LoadTable::default(), &mut rng).unwrap();
-        assert_eq!(
-            t,
-            Target::Single {
-                pod: with_combined.combined[0]
-            }
-        );
+        let t = select_pd(&with_combined, INPUT, &LoadTable::default(), &mut rng).unwrap();
+        assert_eq!(with_combined.pods[t.pod()].name, "c0");
 
         let without = model(vec![pod("p0", "prefill", "g0", true)]);
         assert!(matches!(
-            select_pd(&without, &LoadTable::default(), &mut rng),
+            select_pd(&without, INPUT, &LoadTable::default(), &mut rng),
             Err(RouteError::Selection { .. })
         ));
         assert!(matches!(
-            select_single(&without, &LoadTable::default(), &mut rng),
+            select_single(
+                &without,
+                Strategy::LeastRequest,
+                &LoadTable::default(),
+                &mut rng
+            ),
             Err(RouteError::Selection { .. })
         ));
     }

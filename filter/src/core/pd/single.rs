@@ -1,0 +1,110 @@
+//! Single-pod strategies (`random`, `least-request`, ...) that the `routing-strategy` header
+//! can name instead of `pd`. They consider the pods that run whole requests (any role but
+//! prefill/decode): a prefill or decode pod expects the PD protocol, not a plain request.
+
+use crate::core::errors::RouteError;
+use crate::core::fleet::{ModelView, PodView, Role};
+use crate::core::ledger::LoadTable;
+use crate::core::pd::{MinPicker, Target};
+use crate::core::profile::Strategy;
+
+/// The score a strategy minimises for one pod; NaN excludes the pod.
+fn score(strategy: Strategy, pod: &PodView, loads: &LoadTable) -> f64 {
+    let running = loads.counts(&pod.key).running as f64;
+    let metric = |f: fn(&crate::proto::PodMetrics) -> f64| pod.metrics.as_ref().map(f);
+    match strategy {
+        Strategy::Random => 0.0,
+        // Without a prefix index of whole requests, prefix-cache degrades to the least
+        // loaded pod, which is what AIBrix's prefix-cache does on a cache miss.
+        Strategy::LeastRequest | Strategy::PrefixCache | Strategy::Pd => running,
+        Strategy::Throughput => {
+            metric(|m| m.generation_throughput + m.prompt_throughput).unwrap_or(0.0)
+        }
+        Strategy::LeastKvCache => metric(|m| m.kv_cache_usage).unwrap_or(0.0),
+        Strategy::LeastLatency => metric(|m| m.ttft_avg_seconds).unwrap_or(0.0),
+    }
+}
+
+/// Picks one pod for a non-PD strategy; ties (and `random`) are broken uniformly.
+pub fn select_single(
+    model: &ModelView,
+    strategy: Strategy,
+    loads: &LoadTable,
+    rng: &mut fastrand::Rng,
+) -> Result<Target, RouteError> {
+    let mut best = MinPicker::new();
+    for (i, pod) in model
+        .pods
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| p.role == Role::Other)
+    {
+        best.offer(score(strategy, pod, loads), i, rng);
+    }
+    best.item().map(|pod| Target::Single { pod }).ok_or_else(|| RouteError::Selection {
+        detail: format!(
+            "strategy {} needs a pod that serves whole requests; prefill/decode pods need routing-strategy: pd",
+            strategy.name()
+        ),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::fleet::tests::{pod, snapshot};
+    use crate::core::fleet::FleetView;
+    use crate::core::ledger::Counter;
+    use crate::proto;
+
+    fn model() -> ModelView {
+        let mut a = pod("a", "", "", true);
+        a.metrics = Some(proto::PodMetrics {
+            present: true,
+            kv_cache_usage: 0.9,
+            ttft_avg_seconds: 0.1,
+            generation_throughput: 50.0,
+            ..Default::default()
+        });
+        let mut b = pod("bb", "all", "", true);
+        b.metrics = Some(proto::PodMetrics {
+            present: true,
+            kv_cache_usage: 0.2,
+            ttft_avg_seconds: 0.5,
+            generation_throughput: 500.0,
+            ..Default::default()
+        });
+        FleetView::from_snapshot(&snapshot(vec![
+            a,
+            b,
+            pod("d", "decode", "g", true),
+            pod("p", "prefill", "g", true),
+        ]))
+        .models["m"]
+            .clone()
+    }
+
+    fn pick(strategy: Strategy, loads: &LoadTable) -> String {
+        let m = model();
+        let mut rng = fastrand::Rng::with_seed(2);
+        let t = select_single(&m, strategy, loads, &mut rng).unwrap();
+        m.pods[t.pod()].name.clone()
+    }
+
+    #[test]
+    fn each_strategy_minimises_its_signal() {
+        let mut loads = LoadTable::default();
+        loads.add("ns/a", Counter::Running);
+        assert_eq!(pick(Strategy::LeastRequest, &loads), "bb");
+        assert_eq!(pick(Strategy::LeastKvCache, &loads), "bb");
+        assert_eq!(pick(Strategy::LeastLatency, &loads), "a");
+        assert_eq!(pick(Strategy::Throughput, &loads), "a");
+        for _ in 0..20 {
+            assert_ne!(
+                pick(Strategy::Random, &loads),
+                "d",
+                "PD pods never take a plain request"
+            );
+        }
+    }
+}

@@ -1,0 +1,197 @@
+//! Per-request routing decisions that precede selection: the profile (including
+//! `config-profile: auto`), the strategy, whether bucketing applies, and the prompt length.
+
+use crate::core::config::EnvSettings;
+use crate::core::errors::{sanitize_header, RouteError};
+use crate::core::fleet::ModelView;
+use crate::core::profile::{resolve_strategy, RoutingConfig, Strategy, AUTO_PROFILE};
+use crate::core::request::RoutingRequest;
+
+/// Everything selection needs to know about the request beyond the fleet and the loads.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    pub strategy: Strategy,
+    /// The profile name pods are resolved with (the auto pick replaces the header value).
+    pub profile: Option<String>,
+    /// Set only for `config-profile: auto`, echoed as `x-aibrix-config-profile`.
+    pub auto_profile: Option<String>,
+    pub bucketing: bool,
+    /// Prompt tokens (cl100k); 0 when nothing needs it.
+    pub prompt_len: i64,
+    /// The request-level profile's `routingConfig` (policies and knobs).
+    pub routing_config: Option<RoutingConfig>,
+}
+
+/// Resolves the profile and strategy of a request for `model`. `tokens` counts the prompt's
+/// tokens given the range boundaries that matter (exact near one of them, cheap elsewhere);
+/// it is called at most once, and only when bucketing or an auto profile needs the length.
+pub fn decide(
+    model: &ModelView,
+    req: &RoutingRequest,
+    strategy_header: Option<&str>,
+    profile_header: Option<&str>,
+    env: &EnvSettings,
+    tokens: &dyn Fn(&[i64]) -> i64,
+    draw: &mut dyn FnMut(u64) -> u64,
+) -> Result<Decision, RouteError> {
+    let config = model.config.as_ref();
+    let requested = profile_header.map(str::trim).filter(|p| !p.is_empty());
+    let mut prompt_len: Option<i64> = None;
+    let mut boundaries: Vec<i64> = Vec::new();
+
+    let (profile, auto_profile) = match (config, requested) {
+        (Some(c), Some(p)) if p.eq_ignore_ascii_case(AUTO_PROFILE) => {
+            boundaries.extend(c.prompt_hint_boundaries());
+            let len = tokens(&boundaries);
+            prompt_len = Some(len);
+            let max_tokens = req.max_tokens;
+            let name = c
+                .auto_profile(len, max_tokens)
+                .unwrap_or_else(|| c.fallback_name())
+                .to_string();
+            (Some(name.clone()), Some(name))
+        }
+        (_, p) => (p.map(str::to_string), None),
+    };
+    let resolved = config.and_then(|c| c.profile(profile.as_deref()));
+    let routing_config = resolved.map(|p| p.routing_config.clone());
+    let strategy_value = resolve_strategy(
+        config,
+        resolved,
+        strategy_header,
+        env.routing_algorithm.as_deref(),
+    );
+    let strategy = match strategy_value {
+        None => Strategy::Random,
+        Some(v) => Strategy::parse(&v, draw)
+            .map_err(|bad| RouteError::BadStrategy(sanitize_header(&bad)))?,
+    };
+    let bucketing = routing_config
+        .as_ref()
+        .and_then(|rc| rc.prompt_length_bucketing)
+        .unwrap_or(env.pd.prompt_length_bucketing);
+    let prompt_len = match (strategy, bucketing, prompt_len) {
+        (_, _, Some(len)) => len,
+        (Strategy::Pd, true, None) => {
+            boundaries.clear();
+            for pod in &model.pods {
+                if let Some((min, max)) = pod
+                    .routing_config(profile.as_deref())
+                    .and_then(RoutingConfig::prompt_range)
+                {
+                    boundaries.push(min);
+                    boundaries.push(max);
+                }
+            }
+            tokens(&boundaries)
+        }
+        _ => 0,
+    };
+    Ok(Decision {
+        strategy,
+        profile,
+        auto_profile,
+        bucketing,
+        prompt_len,
+        routing_config,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::fleet::tests::{pod, snapshot};
+    use crate::core::fleet::FleetView;
+    use crate::core::request::Endpoint;
+
+    fn model(config: &str) -> ModelView {
+        let mut p = pod("p0", "prefill", "g0", true);
+        p.config = config.into();
+        FleetView::from_snapshot(&snapshot(vec![p, pod("d0", "decode", "g0", true)])).models["m"]
+            .clone()
+    }
+
+    fn req(max_tokens: Option<i64>) -> RoutingRequest {
+        let body = match max_tokens {
+            Some(n) => format!(r#"{{"model":"m","prompt":"hello","max_tokens":{n}}}"#),
+            None => r#"{"model":"m","prompt":"hello"}"#.to_string(),
+        };
+        RoutingRequest::parse(Endpoint::Completions, body.as_bytes()).unwrap()
+    }
+
+    fn decide_with(
+        m: &ModelView,
+        strategy: Option<&str>,
+        profile: Option<&str>,
+        env: &EnvSettings,
+        len: i64,
+    ) -> Result<Decision, RouteError> {
+        decide(
+            m,
+            &req(Some(8)),
+            strategy,
+            profile,
+            env,
+            &|_| len,
+            &mut |_| 0,
+        )
+    }
+
+    #[test]
+    fn auto_profile_replaces_the_name_and_drives_the_strategy() {
+        let m = model(
+            r#"{"profiles":{"default":{"routingStrategy":"random"},
+                "long":{"routingStrategy":"pd","routingConfig":{"promptTokensGte":1000}}}}"#,
+        );
+        let env = EnvSettings::default();
+        let d = decide_with(&m, None, Some("AUTO"), &env, 5000).unwrap();
+        assert_eq!(
+            (d.strategy, d.profile.as_deref(), d.auto_profile.as_deref()),
+            (Strategy::Pd, Some("long"), Some("long"))
+        );
+        assert_eq!(d.prompt_len, 5000);
+        let d = decide_with(&m, None, Some("auto"), &env, 10).unwrap();
+        assert_eq!(
+            (d.strategy, d.auto_profile.as_deref()),
+            (Strategy::Random, Some("default")),
+            "no match: the fallback name"
+        );
+        let d = decide_with(&m, None, Some("long"), &env, 10).unwrap();
+        assert_eq!(
+            (d.strategy, d.auto_profile),
+            (Strategy::Pd, None),
+            "the header is only echoed for auto"
+        );
+    }
+
+    #[test]
+    fn bucketing_from_env_or_profile_and_token_count_only_when_needed() {
+        let m = model(
+            r#"{"profiles":{"default":{"routingStrategy":"pd","routingConfig":{"promptLengthBucketing":true}}}}"#,
+        );
+        let env = EnvSettings::default();
+        let d = decide_with(&m, None, None, &env, 77).unwrap();
+        assert!(d.bucketing, "the profile turns bucketing on");
+        assert_eq!(d.prompt_len, 77);
+        let plain = model(r#"{"profiles":{"default":{"routingStrategy":"pd"}}}"#);
+        let d = decide_with(&plain, None, None, &env, 77).unwrap();
+        assert_eq!(
+            (d.bucketing, d.prompt_len),
+            (false, 0),
+            "no count without a use for it"
+        );
+    }
+
+    #[test]
+    fn unknown_strategy_is_refused() {
+        let m = model("");
+        let err = decide_with(&m, Some("fastest"), None, &EnvSettings::default(), 0).unwrap_err();
+        assert_eq!(err, RouteError::BadStrategy("fastest".into()));
+        let d = decide_with(&m, None, None, &EnvSettings::default(), 0).unwrap();
+        assert_eq!(
+            d.strategy,
+            Strategy::Random,
+            "no strategy anywhere: one pod at random"
+        );
+    }
+}
