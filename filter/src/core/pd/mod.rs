@@ -2,6 +2,8 @@
 //! prefill and decode pods carry the fewest outstanding requests, ties broken at random;
 //! the full AIBrix cascade (buckets, fast paths, scoring policies) builds on the same shape.
 
+pub mod bucket_serve;
+
 use crate::core::errors::RouteError;
 use crate::core::fleet::{ModelView, Role};
 use crate::core::ledger::{Counter, LoadTable};
