@@ -2,6 +2,7 @@
 //! prefill and decode pods carry the fewest outstanding requests, ties broken at random;
 //! the full AIBrix cascade (buckets, fast paths, scoring policies) builds on the same shape.
 
+pub mod bucket_serve;
 pub mod candidates;
 pub mod pick;
 pub mod single;
