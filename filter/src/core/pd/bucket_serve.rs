@@ -11,6 +11,7 @@
 //! picture is written or read, so idle models cost nothing. With the feature off the caller
 //! never calls in, and nothing is recorded.
 
+use crate::core::env::parse_go_bool;
 use std::collections::BTreeSet;
 use std::str::FromStr;
 
@@ -80,16 +81,6 @@ impl BucketServeMode {
     }
 }
 
-/// Go `strconv.ParseBool`, the parser of every AIBrix boolean environment variable.
-/// Surrounding whitespace is ignored, like the other `AIBRIX_*` loaders here.
-pub fn parse_go_bool(value: &str) -> Option<bool> {
-    match value.trim() {
-        "1" | "t" | "T" | "TRUE" | "true" | "True" => Some(true),
-        "0" | "f" | "F" | "FALSE" | "false" | "False" => Some(false),
-        _ => None,
-    }
-}
-
 /// `AIBRIX_BUCKET_SERVE` and `AIBRIX_BUCKET_SERVE_MODE`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BucketServeSettings {
@@ -106,7 +97,7 @@ impl BucketServeSettings {
         let mut warnings = Vec::new();
         let set = |key: &str| get(key).filter(|v| !v.trim().is_empty());
         if let Some(raw) = set("AIBRIX_BUCKET_SERVE") {
-            match parse_go_bool(&raw) {
+            match parse_go_bool(raw.trim()) {
                 Some(on) => settings.enabled = on,
                 None => warnings.push(format!(
                     "AIBRIX_BUCKET_SERVE={raw:?} is not a boolean; bucket serving stays off"
@@ -1072,13 +1063,13 @@ mod tests {
             assert_eq!(w.len(), warnings, "{serve:?} {mode:?}: {w:?}");
         }
         for v in ["1", "t", "T", "TRUE", "true", "True"] {
-            assert_eq!(parse_go_bool(v), Some(true), "{v}");
+            assert_eq!(parse_go_bool(v.trim()), Some(true), "{v}");
         }
         for v in ["0", "f", "F", "FALSE", "false", "False"] {
-            assert_eq!(parse_go_bool(v), Some(false), "{v}");
+            assert_eq!(parse_go_bool(v.trim()), Some(false), "{v}");
         }
         for v in ["yes", "on", "tRUE", "2", ""] {
-            assert_eq!(parse_go_bool(v), None, "{v}");
+            assert_eq!(parse_go_bool(v.trim()), None, "{v}");
         }
     }
 }
