@@ -8,3 +8,5 @@ pub mod ledger;
 pub mod pd;
 pub mod profile;
 pub mod request;
+pub mod score;
+pub mod tokens;
