@@ -10,3 +10,5 @@ pub mod pd;
 pub mod profile;
 pub mod request;
 pub mod route;
+pub mod score;
+pub mod tokens;
