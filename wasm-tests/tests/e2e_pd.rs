@@ -9,6 +9,10 @@ use pd_wasm_tests::stack::{Fleet, Stack};
 use serde_json::{json, Value};
 
 const MODEL: &str = "llama-pd";
+const LEAST_REQUEST: &[(&str, &str)] = &[
+    ("AIBRIX_PREFILL_SCORE_POLICY", "least_request"),
+    ("AIBRIX_DECODE_SCORE_POLICY", "least_request"),
+];
 
 fn two_rolesets() -> Fleet {
     Fleet::new(MODEL)
@@ -145,7 +149,8 @@ fn streaming_pd_request_is_relayed_intact() {
 
 #[test]
 fn a_roleset_whose_decode_pod_is_removed_stops_being_chosen_within_one_second() {
-    let mut stack = Stack::start(two_rolesets());
+    // least_request on both sides: idle rolesets tie, so sequential requests reach both.
+    let mut stack = Stack::start_with(two_rolesets(), 2, LEAST_REQUEST);
     let body = chat_body(false, 2);
     let mut before = BTreeSet::new();
     for _ in 0..24 {
@@ -345,7 +350,7 @@ fn a_failed_prefill_leg_answers_x_error_pd_prefill_and_releases_its_charges() {
         .pod("vllm-d-1", "decode", "group-1");
     // pd-sim does not serve dead-p-0: its address refuses connections.
     let simulated = fleet.without("dead-p-0");
-    let stack = Stack::start_full(fleet, simulated, 2, &[]);
+    let stack = Stack::start_full(fleet, simulated, 2, LEAST_REQUEST);
     let mut failures = 0;
     for _ in 0..40 {
         let r = stack.chat(&[("routing-strategy", "pd")], &chat_body(false, 1));

@@ -27,6 +27,8 @@ pub struct PodView {
     pub engine: String,
     pub role: Role,
     pub roleset: String,
+    /// Index into `ModelView::rolesets` when the pod belongs to a complete roleset.
+    pub roleset_idx: Option<usize>,
     /// The pod's own `model.aibrix.ai/config`: bucket ranges and `combined` are read per pod,
     /// from the profile the request resolved to (or the pod's default profile).
     pub config: Option<ModelConfig>,
@@ -138,6 +140,7 @@ impl ModelView {
                 },
                 role,
                 roleset: pod.roleset.clone(),
+                roleset_idx: None,
                 config: parsed,
                 kv_connector: KvConnector::parse(&pod.kv_connector_type),
                 metrics: pod.metrics.filter(|m| m.present),
@@ -168,6 +171,11 @@ impl ModelView {
             .into_iter()
             .filter(|g| !g.prefill.is_empty() && !g.decode.is_empty())
             .collect();
+        for (r, roleset) in view.rolesets.iter().enumerate() {
+            for &i in roleset.prefill.iter().chain(&roleset.decode) {
+                view.pods[i].roleset_idx = Some(r);
+            }
+        }
         view
     }
 }

@@ -1,7 +1,8 @@
-//! Per-pod load counters shared by every Envoy worker, updated with compare-and-swap.
+//! Per-pod load counters and token ledgers shared by every Envoy worker, updated with
+//! compare-and-swap.
 //!
-//! One shared-data key holds the whole table, so "select, then charge" is one CAS round: a
-//! selection that raced with another worker's charge fails its write, re-reads and selects
+//! One shared-data key holds the whole [`Ledger`], so "select, then charge" is one CAS round:
+//! a selection that raced with another worker's charge fails its write, re-reads and selects
 //! again, and concurrent selections always see each other's charges.
 
 use hashbrown::HashMap;
@@ -136,6 +137,41 @@ fn split_u32(b: &[u8]) -> Result<(u32, &[u8]), StoreError> {
     Ok((u32::from_le_bytes(*head), rest))
 }
 
+/// Everything charged to pods: request counters and the token ledgers.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Ledger {
+    pub loads: LoadTable,
+    pub tokens: crate::core::tokens::TokenTable,
+}
+
+impl Ledger {
+    /// `u32` length of the counters, the counters, then the token table.
+    pub fn encode(&self) -> Vec<u8> {
+        let loads = self.loads.encode();
+        let tokens = self.tokens.encode();
+        let mut out = Vec::with_capacity(4 + loads.len() + tokens.len());
+        out.extend_from_slice(&(loads.len() as u32).to_le_bytes());
+        out.extend_from_slice(&loads);
+        out.extend_from_slice(&tokens);
+        out
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<Ledger, StoreError> {
+        if bytes.is_empty() {
+            return Ok(Ledger::default());
+        }
+        let (len, rest) = split_u32(bytes)?;
+        let len = len as usize;
+        if rest.len() < len {
+            return Err(StoreError::Corrupt);
+        }
+        Ok(Ledger {
+            loads: LoadTable::decode(&rest[..len])?,
+            tokens: crate::core::tokens::TokenTable::decode(&rest[len..])?,
+        })
+    }
+}
+
 /// Creates the table key if absent. Must run before concurrent use: Envoy ignores the CAS
 /// token on a missing key, so two first writers would otherwise overwrite each other.
 pub fn ensure_table(store: &dyn Store) -> Result<(), StoreError> {
@@ -145,30 +181,39 @@ pub fn ensure_table(store: &dyn Store) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// Runs `f` on the current table and writes the table back atomically; `f` is re-run on a
-/// conflict, so it must be a pure function of the table (selection plus charges).
+/// Runs `f` on the current ledger and writes it back atomically; `f` is re-run on a
+/// conflict, so it must be a pure function of the ledger (selection plus charges) and must
+/// not commit side effects of its own before this returns.
 pub fn update<R, E: From<StoreError>>(
     store: &dyn Store,
-    mut f: impl FnMut(&mut LoadTable) -> Result<R, E>,
+    mut f: impl FnMut(&mut Ledger) -> Result<R, E>,
 ) -> Result<R, E> {
     for _ in 0..MAX_CAS_ATTEMPTS {
         let (bytes, cas) = store.get(LOAD_KEY)?;
-        let mut table = match bytes {
-            Some(b) => LoadTable::decode(&b)?,
-            None => LoadTable::default(),
+        let mut ledger = match bytes {
+            Some(b) => Ledger::decode(&b)?,
+            None => Ledger::default(),
         };
-        let result = f(&mut table)?;
-        if store.set(LOAD_KEY, &table.encode(), cas)? {
+        let result = f(&mut ledger)?;
+        if store.set(LOAD_KEY, &ledger.encode(), cas)? {
             return Ok(result);
         }
     }
     Err(StoreError::Contention(MAX_CAS_ATTEMPTS).into())
 }
 
-/// Releases one charge (idempotence is the caller's: it releases each charge it holds once).
+/// Reads the ledger without changing it.
+pub fn read(store: &dyn Store) -> Result<Ledger, StoreError> {
+    match store.get(LOAD_KEY)?.0 {
+        Some(b) => Ledger::decode(&b),
+        None => Ok(Ledger::default()),
+    }
+}
+
+/// Releases one counter (idempotence is the caller's: it releases each charge it holds once).
 pub fn release(store: &dyn Store, pod_key: &str, counter: Counter) -> Result<(), StoreError> {
-    update(store, |t| {
-        t.release(pod_key, counter);
+    update(store, |l| {
+        l.loads.release(pod_key, counter);
         Ok::<(), StoreError>(())
     })
 }
@@ -239,8 +284,8 @@ mod tests {
         }
         fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<bool, StoreError> {
             if !self.raced.replace(true) {
-                let mut other = LoadTable::default();
-                other.add("ns/a", Counter::Running);
+                let mut other = Ledger::default();
+                other.loads.add("ns/a", Counter::Running);
                 let (_, c) = self.inner.get(key)?;
                 self.inner.set(key, &other.encode(), c)?;
             }
@@ -257,7 +302,8 @@ mod tests {
         ensure_table(&store.inner).unwrap();
         let mut runs = 0;
         // "Select" the least-running of a and b, then charge it.
-        let chosen = update(&store, |t| {
+        let chosen = update(&store, |l| {
+            let t = &mut l.loads;
             runs += 1;
             let pick = if t.counts("ns/a").running <= t.counts("ns/b").running {
                 "ns/a"
@@ -273,16 +319,11 @@ mod tests {
             chosen, "ns/b",
             "the retry saw the other worker's charge on a"
         );
-        let (bytes, _) = store.get(LOAD_KEY).unwrap();
-        let t = LoadTable::decode(&bytes.unwrap()).unwrap();
+        let t = read(&store).unwrap().loads;
         assert_eq!((t.counts("ns/a").running, t.counts("ns/b").running), (1, 1));
         release(&store, "ns/a", Counter::Running).unwrap();
         release(&store, "ns/b", Counter::Running).unwrap();
         release(&store, "ns/b", Counter::Running).unwrap();
-        let (bytes, _) = store.get(LOAD_KEY).unwrap();
-        assert!(
-            LoadTable::decode(&bytes.unwrap()).unwrap().is_empty(),
-            "never below zero"
-        );
+        assert!(read(&store).unwrap().loads.is_empty(), "never below zero");
     }
 }

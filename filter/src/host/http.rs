@@ -9,19 +9,32 @@ use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType};
 use serde_json::{Map, Value};
 
+use crate::core::charges::HeldCharges;
 use crate::core::config::KvConnector;
 use crate::core::engine::vllm;
 use crate::core::errors::RouteError;
 use crate::core::fleet::{FleetView, ModelView};
-use crate::core::ledger::{self, Counter};
-use crate::core::pd::Step0Input;
-use crate::core::pd::{self, Target};
+use crate::core::ledger::{self, Ledger, StoreError};
+use crate::core::pd::{self, candidates, PairInput, PdSettings, Step0Input, Target};
 use crate::core::profile::Strategy;
 use crate::core::request::{self, Endpoint, RoutingRequest};
 use crate::core::route::{self, Decision};
+use crate::core::tokens::{self, PodTokens};
 use crate::host::metrics::Metrics;
 use crate::host::store::SharedData;
-use crate::host::SharedVm;
+use crate::host::{now_ms, SharedVm};
+
+/// The token rows of the pods a request holds charges on, for the ledger gauges.
+fn pod_tokens(ledger: &Ledger, held: &HeldCharges) -> Vec<(String, PodTokens)> {
+    let mut keys: Vec<&str> = held.counters.iter().map(|(k, _)| k.as_str()).collect();
+    keys.extend(held.prefill_tokens.as_ref().map(|c| c.pod.as_str()));
+    keys.extend(held.decode_tokens.as_ref().map(|c| c.pod.as_str()));
+    keys.sort_unstable();
+    keys.dedup();
+    keys.into_iter()
+        .map(|k| (k.to_string(), ledger.tokens.pod(k)))
+        .collect()
+}
 
 /// Request headers forwarded on the prefill leg, as AIBrix does.
 const FORWARDED: [&str; 6] = [
@@ -63,8 +76,11 @@ pub struct PdHttp {
     profile_header: Option<String>,
     /// The profile `config-profile: auto` picked, echoed as `x-aibrix-config-profile`.
     auto_profile: Option<String>,
-    /// Charges still held: (pod key, counter). Each is released once.
-    charges: Vec<(String, Counter)>,
+    session_key: Option<String>,
+    /// What the request holds on the shared ledger; released in stages, each part once.
+    held: HeldCharges,
+    /// Prefill leg timeout of the request's profile.
+    prefill_timeout_s: f64,
     pending: Option<PendingDecode>,
     routed: Option<Routed>,
 }
@@ -80,7 +96,9 @@ impl PdHttp {
             strategy_header: None,
             profile_header: None,
             auto_profile: None,
-            charges: Vec::new(),
+            session_key: None,
+            held: HeldCharges::default(),
+            prefill_timeout_s: 30.0,
             pending: None,
             routed: None,
         }
@@ -108,23 +126,32 @@ impl PdHttp {
         Action::Pause
     }
 
-    fn release(&mut self, counter: Counter) {
-        let mut i = 0;
-        while i < self.charges.len() {
-            if self.charges[i].1 == counter {
-                let (key, counter) = self.charges.swap_remove(i);
-                if let Err(e) = ledger::release(&SharedData, &key, counter) {
-                    log::error!("cannot release {counter:?} on {key}: {e}");
-                }
-            } else {
-                i += 1;
+    /// Runs one release stage in a CAS round and keeps its result once the write landed.
+    fn release_stage(&mut self, stage: fn(&HeldCharges, &mut Ledger, u64) -> HeldCharges) {
+        if self.held.is_empty() {
+            return;
+        }
+        let now = now_ms();
+        let held = self.held.clone();
+        let result = ledger::update(&SharedData, |l| {
+            let next = stage(&held, l, now);
+            Ok::<_, StoreError>((next, pod_tokens(l, &held)))
+        });
+        match result {
+            Ok((next, tokens)) => {
+                self.held = next;
+                self.vm.borrow_mut().metrics.token_gauges(&tokens);
             }
+            // Kept held: on_log tries again, so nothing is lost for good.
+            Err(e) => log::error!(
+                "request {}: cannot release its charges: {e}",
+                self.request_id
+            ),
         }
     }
 
     fn release_all(&mut self) {
-        self.release(Counter::PrefillInflight);
-        self.release(Counter::Running);
+        self.release_stage(HeldCharges::release_rest);
     }
 
     fn route(&mut self, raw: &[u8]) -> Result<Action, RouteError> {
@@ -143,6 +170,7 @@ impl PdHttp {
         if model.pods.is_empty() {
             return Err(RouteError::NoRoutablePods(req.model.clone()));
         }
+        let now = now_ms();
         let decision = {
             let mut vm = self.vm.borrow_mut();
             let vm = &mut *vm;
@@ -154,13 +182,20 @@ impl PdHttp {
                 &req,
                 self.strategy_header.as_deref(),
                 self.profile_header.as_deref(),
-                &vm.env,
+                &vm.defaults.env,
                 &|_| estimate,
                 &mut |n| rng.u64(0..n.max(1)),
             )?
         };
         self.auto_profile = decision.auto_profile.clone();
-        let target = self.select_and_charge(model, &decision)?;
+        let target = if decision.strategy == Strategy::Pd {
+            let settings =
+                PdSettings::resolve(&self.vm.borrow().defaults, decision.routing_config.as_ref())?;
+            self.prefill_timeout_s = settings.prefill_timeout_s;
+            self.select_pair(model, &req, &decision, &settings, now)?
+        } else {
+            self.select_one(model, decision.strategy, now)?
+        };
         let strategy = decision.strategy.name().to_string();
         match target {
             Target::Single { pod } => {
@@ -179,7 +214,7 @@ impl PdHttp {
                 let (prefill, decode) = (&model.pods[prefill], &model.pods[decode]);
                 let connector = prefill
                     .kv_connector
-                    .unwrap_or(self.vm.borrow().env.kv_connector);
+                    .unwrap_or(self.vm.borrow().defaults.env.kv_connector);
                 let body = vllm::prefill_body(&req.body, connector);
                 let token = self.dispatch_prefill(endpoint, &prefill.address, &body)?;
                 self.pending = Some(PendingDecode {
@@ -201,33 +236,79 @@ impl PdHttp {
         }
     }
 
-    /// Selection and charges in one CAS round over the shared load table.
-    fn select_and_charge(
+    /// PD selection and its charges in one CAS round over the shared ledger.
+    fn select_pair(
         &mut self,
         model: &ModelView,
+        req: &RoutingRequest,
         decision: &Decision,
+        settings: &PdSettings,
+        now: u64,
+    ) -> Result<Target, RouteError> {
+        let vm = self.vm.clone();
+        let mut vm = vm.borrow_mut();
+        let vm = &mut *vm;
+        let prompt_tokens = tokens::prompt_tokens_estimate(req.body_len);
+        let session_delta = match (
+            &self.session_key,
+            settings.prefill_policy.uses_token_ledger(),
+        ) {
+            (Some(key), true) => vm.sessions.new_tokens(&req.model, key, prompt_tokens, now),
+            _ => None,
+        };
+        let profile = decision.profile.as_deref();
+        let banded = if decision.bucketing && settings.bucket_serve {
+            vm.planner.record(&req.model, decision.prompt_len, now);
+            let groups = candidates::bucket_groups(model, profile);
+            vm.planner
+                .plan_for(&req.model, &groups, settings.bucket_serve_mode, now)
+                .and_then(|plan| plan.lookup(decision.prompt_len))
+                .map(str::to_string)
+        } else {
+            None
+        };
+        let step0 = Step0Input {
+            profile,
+            bucketing: decision.bucketing,
+            prompt_len: decision.prompt_len,
+        };
+        let pair = PairInput {
+            settings,
+            match_pct: &[],
+            token_bytes: req.prompt_bytes,
+            banded_roleset: banded.as_deref(),
+            prompt_tokens,
+            session_delta,
+            now_ms: now,
+        };
+        let rng = &mut vm.rng;
+        let (selected, held, tokens) = ledger::update(&SharedData, |l| {
+            let selected = pd::select_pd(model, step0, l, pair, rng)?;
+            let held = selected.charge(model, l, now);
+            let tokens = pod_tokens(l, &held);
+            Ok::<_, RouteError>((selected, held, tokens))
+        })?;
+        vm.metrics.token_gauges(&tokens);
+        self.held = held;
+        Ok(selected.target)
+    }
+
+    /// Single-pod strategies: select and charge the running count in one CAS round.
+    fn select_one(
+        &mut self,
+        model: &ModelView,
+        strategy: Strategy,
+        now: u64,
     ) -> Result<Target, RouteError> {
         let vm = self.vm.clone();
         let mut vm = vm.borrow_mut();
         let rng = &mut vm.rng;
-        let step0 = Step0Input {
-            profile: decision.profile.as_deref(),
-            bucketing: decision.bucketing,
-            prompt_len: decision.prompt_len,
-        };
-        let target = ledger::update(&SharedData, |table| {
-            let target = match decision.strategy {
-                Strategy::Pd => pd::select_pd(model, step0, table, rng)?,
-                other => pd::select_single(model, other, table, rng)?,
-            };
-            target.charge(model, table);
-            Ok::<Target, RouteError>(target)
+        let (target, held) = ledger::update(&SharedData, |l| {
+            let target = pd::select_single(model, strategy, &l.loads, rng)?;
+            let held = pd::Selected::single(target.pod()).charge(model, l, now);
+            Ok::<_, RouteError>((target, held))
         })?;
-        for (pod, counter) in target.charges() {
-            if let Some(pod) = pod {
-                self.charges.push((model.pods[pod].key.clone(), counter));
-            }
-        }
+        self.held = held;
         Ok(target)
     }
 
@@ -242,7 +323,7 @@ impl PdHttp {
             (
                 vm.plugin.dst_header.clone(),
                 vm.plugin.pods_cluster.clone(),
-                vm.env.prefill_request_timeout_s,
+                self.prefill_timeout_s,
             )
         };
         let mut headers: Vec<(&str, &str)> = vec![
@@ -337,22 +418,25 @@ impl Context for PdHttp {
         if self.pending.as_ref().map(|p| p.token) != Some(token) {
             return;
         }
-        self.release(Counter::PrefillInflight);
+        self.release_stage(HeldCharges::release_prefill_leg);
         let status = self
             .get_http_call_response_header(":status")
             .unwrap_or_default();
         let body = self
             .get_http_call_response_body(0, body_size)
             .unwrap_or_default();
-        let metrics = self.vm.borrow().metrics.clone();
+        let (success, fail) = {
+            let vm = self.vm.borrow();
+            (vm.metrics.prefill_success, vm.metrics.prefill_fail)
+        };
         match self.finish_prefill(&status, &body) {
             Ok(()) => {
-                Metrics::inc(metrics.prefill_success);
+                Metrics::inc(success);
                 self.resume_http_request();
             }
             Err(e) => {
                 if matches!(e, RouteError::Prefill { .. }) {
-                    Metrics::inc(metrics.prefill_fail);
+                    Metrics::inc(fail);
                 }
                 self.routed = None;
                 self.reject(e);
@@ -378,6 +462,9 @@ impl HttpContext for PdHttp {
         }
         self.strategy_header = self.get_http_request_header("routing-strategy");
         self.profile_header = self.get_http_request_header("config-profile");
+        self.session_key = self
+            .get_http_request_header("x-aibrix-session-key")
+            .filter(|k| !k.is_empty() && k.len() <= tokens::MAX_SESSION_KEY_BYTES);
 
         let path = self.get_http_request_header(":path").unwrap_or_default();
         match Endpoint::from_path(&path) {

@@ -6,8 +6,13 @@ use proxy_wasm::types::MetricType;
 
 use crate::core::errors::RouteError;
 
-#[derive(Default, Clone)]
+/// Ids of the three token-ledger gauges of one pod.
+type TokenGaugeIds = [Option<u32>; 3];
+
+#[derive(Default)]
 pub struct Metrics {
+    /// Per-pod token-ledger gauges, defined on first use (ids are per VM).
+    token_gauges: hashbrown::HashMap<String, TokenGaugeIds>,
     pub requests: Option<u32>,
     pub routed_pair: Option<u32>,
     pub routed_single: Option<u32>,
@@ -35,6 +40,7 @@ impl Metrics {
         let c = MetricType::Counter;
         let g = MetricType::Gauge;
         Metrics {
+            token_gauges: hashbrown::HashMap::new(),
             requests: define(c, "pd_router_requests_total"),
             routed_pair: define(c, "pd_router_routed_total.kind.pair"),
             routed_single: define(c, "pd_router_routed_total.kind.single"),
@@ -67,6 +73,35 @@ impl Metrics {
     pub fn set(id: Option<u32>, value: u64) {
         if let Some(id) = id {
             let _ = hostcalls::record_metric(id, value);
+        }
+    }
+
+    /// Sets the token-ledger gauges (`pd_token_load_active_tokens`, `_kv_tokens`,
+    /// `_decode_tokens`, labelled `namespace` and `pod_name`) to the ledger's values. Absolute
+    /// values from the shared ledger, so whichever worker writes last is right.
+    pub fn token_gauges(&mut self, pods: &[(String, crate::core::tokens::PodTokens)]) {
+        for (key, tokens) in pods {
+            let ids = self
+                .token_gauges
+                .entry_ref(key.as_str())
+                .or_insert_with(|| {
+                    let (ns, name) = key.split_once('/').unwrap_or(("", key.as_str()));
+                    let gauge = |metric: &str| {
+                        define(
+                            MetricType::Gauge,
+                            &format!("{metric}.namespace.{ns}.pod_name.{name}"),
+                        )
+                    };
+                    [
+                        gauge("pd_token_load_active_tokens"),
+                        gauge("pd_token_load_kv_tokens"),
+                        gauge("pd_token_load_decode_tokens"),
+                    ]
+                });
+            let values = [tokens.active, tokens.kv, tokens.decode];
+            for (id, value) in ids.iter().zip(values) {
+                Metrics::set(*id, value.max(0.0).round() as u64);
+            }
         }
     }
 

@@ -10,13 +10,23 @@ pub mod store;
 use std::cell::RefCell;
 use std::rc::Rc;
 
-use crate::core::config::{EnvSettings, PluginConfig};
+use crate::core::config::PluginConfig;
 use crate::core::fleet::FleetView;
+use crate::core::pd::bucket_serve::Planner;
+use crate::core::pd::PdDefaults;
+use crate::core::tokens::SessionTable;
 
 /// State shared by a VM's root context and its HTTP contexts (one VM per Envoy worker).
 pub struct VmState {
     pub plugin: PluginConfig,
-    pub env: EnvSettings,
+    /// Gateway environment: `AIBRIX_*` defaults and thresholds.
+    pub defaults: PdDefaults,
+    /// Last prompt size per session key (token-load rule 1). Per worker: a session's turns
+    /// on another worker are charged by the next rule, never double-counted.
+    pub sessions: SessionTable,
+    /// Adaptive bucket serving's traffic picture and plans (per worker; the plan is advisory
+    /// and each worker sees a fair sample of the traffic).
+    pub planner: Planner,
     /// The fleet view of the newest snapshot this VM has decoded.
     pub fleet: Option<Rc<FleetView>>,
     pub rng: fastrand::Rng,

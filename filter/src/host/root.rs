@@ -8,9 +8,12 @@ use std::time::Duration;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::ContextType;
 
-use crate::core::config::{EnvSettings, PluginConfig};
+use crate::core::config::PluginConfig;
 use crate::core::fleet::FleetView;
 use crate::core::ledger;
+use crate::core::pd::bucket_serve::Planner;
+use crate::core::pd::PdDefaults;
+use crate::core::tokens::{SessionTable, TokenLoadSettings};
 use crate::host::http::PdHttp;
 use crate::host::metrics::Metrics;
 use crate::host::snapshot::{self, NoticeQueue};
@@ -35,7 +38,9 @@ impl Root {
         Root {
             vm: Rc::new(RefCell::new(VmState {
                 plugin: PluginConfig::default(),
-                env: EnvSettings::default(),
+                defaults: PdDefaults::default(),
+                sessions: SessionTable::from_settings(&TokenLoadSettings::default()),
+                planner: Planner::new(),
                 fleet: None,
                 rng: fastrand::Rng::with_seed(seed),
                 metrics: Metrics::default(),
@@ -67,15 +72,15 @@ impl Root {
 
     fn adopt(&mut self, view: FleetView) {
         let version = view.version;
-        let metrics = {
+        let (version_gauge, loaded_gauge) = {
             let mut vm = self.vm.borrow_mut();
             vm.fleet = Some(Rc::new(view));
-            vm.metrics.clone()
+            (vm.metrics.fleet_version, vm.metrics.fleet_loaded_vms)
         };
-        Metrics::set(metrics.fleet_version, version);
+        Metrics::set(version_gauge, version);
         if !self.loaded_once {
             self.loaded_once = true;
-            Metrics::gauge_add(metrics.fleet_loaded_vms, 1);
+            Metrics::gauge_add(loaded_gauge, 1);
             log::info!("fleet snapshot {version} loaded");
         }
     }
@@ -177,11 +182,14 @@ impl Context for Root {
 
 impl RootContext for Root {
     fn on_vm_start(&mut self, _size: usize) -> bool {
-        let (env, warnings) = EnvSettings::from_lookup(|k| std::env::var(k).ok());
+        let (defaults, warnings) = PdDefaults::from_lookup(|k| std::env::var(k).ok());
         for w in warnings {
             log::warn!("{w}");
         }
-        self.vm.borrow_mut().env = env;
+        let mut vm = self.vm.borrow_mut();
+        vm.sessions = SessionTable::from_settings(&defaults.tokens);
+        vm.defaults = defaults;
+        drop(vm);
         if let Err(e) = ledger::ensure_table(&SharedData) {
             log::error!("cannot create the load table: {e}");
             return false;

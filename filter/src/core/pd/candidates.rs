@@ -119,6 +119,36 @@ pub fn collect(
     Ok(Step0::Pairs { prefill, decode })
 }
 
+/// The rolesets as adaptive bucket serving sees them: the declared range of the roleset's
+/// first prefill pod (for the request's profile) and its prefill replica count.
+pub fn bucket_groups(
+    model: &ModelView,
+    profile: Option<&str>,
+) -> Vec<crate::core::pd::bucket_serve::Group> {
+    model
+        .rolesets
+        .iter()
+        .filter_map(|r| {
+            let first = model.pods.get(*r.prefill.first()?)?;
+            let (min, max) = first
+                .routing_config(profile)
+                .map(|rc| {
+                    (
+                        rc.prompt_len_bucket_min_length,
+                        rc.prompt_len_bucket_max_length,
+                    )
+                })
+                .unwrap_or((0, 0));
+            crate::core::pd::bucket_serve::Group::from_declared(
+                &r.name,
+                min,
+                max,
+                r.prefill.len() as u32,
+            )
+        })
+        .collect()
+}
+
 fn count_role(model: &ModelView, role: crate::core::fleet::Role) -> usize {
     model.pods.iter().filter(|p| p.role == role).count()
 }

@@ -1,19 +1,23 @@
-//! PD target selection. This first policy picks the complete roleset whose least-loaded
-//! prefill and decode pods carry the fewest outstanding requests, ties broken at random;
-//! the full AIBrix cascade (buckets, fast paths, scoring policies) builds on the same shape.
+//! PD target selection: Step 0 (`candidates`), Steps 1–5 (`select`), single-pod strategies
+//! (`single`), the adaptive bucket plan (`bucket_serve`), and the charges a selection makes.
 
 pub mod bucket_serve;
 pub mod candidates;
 pub mod pick;
+pub mod select;
+pub mod settings;
 pub mod single;
 
 pub use candidates::{Step0, Step0Input};
 pub use pick::MinPicker;
+pub use select::{FastPaths, PairInput};
+pub use settings::{PdDefaults, PdSettings};
 pub use single::select_single;
 
+use crate::core::charges::HeldCharges;
 use crate::core::errors::RouteError;
 use crate::core::fleet::ModelView;
-use crate::core::ledger::{Counter, LoadTable};
+use crate::core::ledger::{Counter, Ledger};
 
 /// Where a request goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,160 +36,85 @@ impl Target {
             Target::Single { pod } => pod,
         }
     }
+}
 
-    /// The counters a selection charges; released one by one as the request progresses.
-    pub fn charges(self) -> [(Option<usize>, Counter); 2] {
-        match self {
-            Target::Pair { prefill, decode } => [
-                (Some(prefill), Counter::PrefillInflight),
-                (Some(decode), Counter::Running),
-            ],
-            Target::Single { pod } => [(Some(pod), Counter::Running), (None, Counter::Running)],
+/// A selection and the charges it makes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Selected {
+    pub target: Target,
+    pub prefill_cost: Option<f64>,
+    pub decode_tokens: Option<u64>,
+    pub fast_paths: FastPaths,
+}
+
+impl Selected {
+    pub fn single(pod: usize) -> Selected {
+        Selected {
+            target: Target::Single { pod },
+            prefill_cost: None,
+            decode_tokens: None,
+            fast_paths: FastPaths::default(),
         }
     }
 
-    /// Applies the charges to the table (inside the same CAS round as the selection).
-    pub fn charge(self, model: &ModelView, table: &mut LoadTable) {
-        for (pod, counter) in self.charges() {
-            if let Some(pod) = pod {
-                table.add(&model.pods[pod].key, counter);
+    /// Charges the ledger (inside the CAS round of the selection) and returns what the
+    /// request now holds.
+    pub fn charge(&self, model: &ModelView, ledger: &mut Ledger, now_ms: u64) -> HeldCharges {
+        let mut held = HeldCharges::default();
+        let mut add = |pod: usize, counter: Counter, ledger: &mut Ledger| {
+            let key = &model.pods[pod].key;
+            ledger.loads.add(key, counter);
+            held.counters.push((key.clone(), counter));
+        };
+        match self.target {
+            Target::Pair { prefill, decode } => {
+                add(prefill, Counter::PrefillInflight, ledger);
+                add(decode, Counter::Running, ledger);
+                if let Some(cost) = self.prefill_cost {
+                    held.prefill_tokens = Some(ledger.tokens.charge_prefill(
+                        &model.pods[prefill].key,
+                        cost,
+                        now_ms,
+                    ));
+                }
+                if let Some(tokens) = self.decode_tokens {
+                    held.decode_tokens = Some(ledger.tokens.charge_decode(
+                        &model.pods[decode].key,
+                        tokens,
+                        now_ms,
+                    ));
+                }
             }
+            Target::Single { pod } => add(pod, Counter::Running, ledger),
         }
+        held
     }
 }
 
-/// PD selection: Step 0 (candidates, buckets, standard pods), then the pair with the fewest
-/// outstanding requests among the candidates, pairs always from one roleset.
+/// PD selection: Step 0, then Steps 1–5 over the candidates it keeps.
 pub fn select_pd(
     model: &ModelView,
-    input: Step0Input<'_>,
-    loads: &LoadTable,
+    step0: Step0Input<'_>,
+    ledger: &Ledger,
+    pair: PairInput<'_>,
     rng: &mut fastrand::Rng,
-) -> Result<Target, RouteError> {
-    let (prefill, decode) = match candidates::collect(model, input, &mut |n| rng.usize(0..n))? {
-        Step0::Combined(pod) => return Ok(Target::Single { pod }),
-        Step0::Pairs { prefill, decode } => (prefill, decode),
-    };
-    let mut best = MinPicker::new();
-    let mut pairs: Vec<(usize, usize)> = Vec::with_capacity(model.rolesets.len());
-    for roleset in &model.rolesets {
-        let mut p = MinPicker::new();
-        for &i in roleset.prefill.iter().filter(|i| prefill.contains(i)) {
-            p.offer(
-                loads.counts(&model.pods[i].key).prefill_inflight as f64,
-                i,
-                rng,
-            );
+) -> Result<Selected, RouteError> {
+    match candidates::collect(model, step0, &mut |n| rng.usize(0..n))? {
+        Step0::Combined(pod) => Ok(Selected::single(pod)),
+        Step0::Pairs { prefill, decode } => {
+            let c = select::select_pair(model, prefill, decode, ledger, pair, rng)?;
+            Ok(Selected {
+                target: Target::Pair {
+                    prefill: c.prefill,
+                    decode: c.decode,
+                },
+                prefill_cost: c.prefill_cost,
+                decode_tokens: c.decode_tokens,
+                fast_paths: c.fast_paths,
+            })
         }
-        let mut d = MinPicker::new();
-        for &i in roleset.decode.iter().filter(|i| decode.contains(i)) {
-            d.offer(loads.counts(&model.pods[i].key).running as f64, i, rng);
-        }
-        if let (Some((ps, pi)), Some((ds, di))) = (p.best, d.best) {
-            best.offer(ps + ds, pairs.len(), rng);
-            pairs.push((pi, di));
-        }
-    }
-    match best.best {
-        Some((_, i)) => {
-            let (prefill, decode) = pairs[i];
-            Ok(Target::Pair { prefill, decode })
-        }
-        None => Err(RouteError::Selection {
-            detail: "target prefill pod is nil".into(),
-        }),
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::core::fleet::tests::{pod, snapshot};
-    use crate::core::fleet::FleetView;
-    use crate::core::profile::Strategy;
-
-    const INPUT: Step0Input<'static> = Step0Input {
-        profile: None,
-        bucketing: false,
-        prompt_len: 0,
-    };
-
-    fn model(pods: Vec<crate::proto::Pod>) -> ModelView {
-        FleetView::from_snapshot(&snapshot(pods)).models["m"].clone()
-    }
-
-    fn two_rolesets() -> ModelView {
-        model(vec![
-            pod("p0", "prefill", "g0", true),
-            pod("d0", "decode", "g0", true),
-            pod("p1", "prefill", "g1", true),
-            pod("d1", "decode", "g1", true),
-        ])
-    }
-
-    #[test]
-    fn pairs_come_from_one_roleset_and_spread_by_load() {
-        let m = two_rolesets();
-        let mut rng = fastrand::Rng::with_seed(1);
-        let mut table = LoadTable::default();
-        let mut used = Vec::new();
-        for _ in 0..4 {
-            let t = select_pd(&m, INPUT, &table, &mut rng).unwrap();
-            let Target::Pair { prefill, decode } = t else {
-                panic!("expected a pair")
-            };
-            assert_eq!(m.pods[prefill].roleset, m.pods[decode].roleset);
-            t.charge(&m, &mut table);
-            used.push(m.pods[decode].roleset.clone());
-        }
-        used.sort();
-        assert_eq!(
-            used,
-            ["g0", "g0", "g1", "g1"],
-            "charges steer the next selection"
-        );
-    }
-
-    #[test]
-    fn ties_are_broken_at_random() {
-        let m = two_rolesets();
-        let mut rng = fastrand::Rng::with_seed(7);
-        let table = LoadTable::default();
-        let mut seen = std::collections::BTreeSet::new();
-        for _ in 0..64 {
-            if let Target::Pair { decode, .. } = select_pd(&m, INPUT, &table, &mut rng).unwrap() {
-                seen.insert(m.pods[decode].roleset.clone());
-            }
-        }
-        assert_eq!(seen.len(), 2);
-    }
-
-    #[test]
-    fn incomplete_rolesets_fall_back_to_combined_or_fail() {
-        let mut c = pod("c0", "all", "", true);
-        c.config = r#"{"profiles":{"default":{"routingConfig":{"combined":true}}}}"#.into();
-        let with_combined = model(vec![
-            pod("p0", "prefill", "g0", true),
-            pod("d0", "decode", "g0", false),
-            c,
-        ]);
-        let mut rng = fastrand::Rng::with_seed(3);
-        let t = select_pd(&with_combined, INPUT, &LoadTable::default(), &mut rng).unwrap();
-        assert_eq!(with_combined.pods[t.pod()].name, "c0");
-
-        let without = model(vec![pod("p0", "prefill", "g0", true)]);
-        assert!(matches!(
-            select_pd(&without, INPUT, &LoadTable::default(), &mut rng),
-            Err(RouteError::Selection { .. })
-        ));
-        assert!(matches!(
-            select_single(
-                &without,
-                Strategy::LeastRequest,
-                &LoadTable::default(),
-                &mut rng
-            ),
-            Err(RouteError::Selection { .. })
-        ));
-    }
-}
+mod tests;

@@ -1,0 +1,113 @@
+//! What one request holds on the ledger, and its release in stages: the prefill leg's part
+//! when that leg answers, everything else when the request ends (or all of it on failure).
+//!
+//! Every operation works on a copy and returns the new state, so the host can run it inside a
+//! CAS retry loop and keep the result only once the write landed: a lost race then never
+//! leaves a charge marked released without its subtraction.
+
+use crate::core::ledger::{Counter, Ledger};
+use crate::core::tokens::{Charge, DecodeCharge};
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct HeldCharges {
+    /// Request counters still held: (pod key, counter).
+    pub counters: Vec<(String, Counter)>,
+    pub prefill_tokens: Option<Charge>,
+    pub decode_tokens: Option<DecodeCharge>,
+}
+
+impl HeldCharges {
+    pub fn is_empty(&self) -> bool {
+        self.counters.is_empty()
+            && self.prefill_tokens.as_ref().is_none_or(Charge::is_settled)
+            && self.decode_tokens.as_ref().is_none_or(|d| d.released)
+    }
+
+    /// The prefill leg answered: its in-flight count and the active-token part go.
+    pub fn release_prefill_leg(&self, ledger: &mut Ledger, now_ms: u64) -> HeldCharges {
+        let mut next = self.clone();
+        next.release_counter(ledger, Counter::PrefillInflight);
+        if let Some(c) = next.prefill_tokens.as_mut() {
+            ledger.tokens.release_tokens(c, now_ms);
+        }
+        next
+    }
+
+    /// The request ended (or failed): whatever is still held goes.
+    pub fn release_rest(&self, ledger: &mut Ledger, now_ms: u64) -> HeldCharges {
+        let mut next = self.clone();
+        next.release_counter(ledger, Counter::PrefillInflight);
+        next.release_counter(ledger, Counter::Running);
+        if let Some(c) = next.prefill_tokens.as_mut() {
+            ledger.tokens.release_all(c, now_ms);
+        }
+        if let Some(c) = next.decode_tokens.as_mut() {
+            ledger.tokens.release_decode(c, now_ms);
+        }
+        next
+    }
+
+    fn release_counter(&mut self, ledger: &mut Ledger, counter: Counter) {
+        self.counters.retain(|(key, c)| {
+            if *c == counter {
+                ledger.loads.release(key, counter);
+                false
+            } else {
+                true
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn charged(ledger: &mut Ledger) -> HeldCharges {
+        ledger.loads.add("ns/p", Counter::PrefillInflight);
+        ledger.loads.add("ns/d", Counter::Running);
+        HeldCharges {
+            counters: vec![
+                ("ns/p".into(), Counter::PrefillInflight),
+                ("ns/d".into(), Counter::Running),
+            ],
+            prefill_tokens: Some(ledger.tokens.charge_prefill("ns/p", 3600.0, 0)),
+            decode_tokens: Some(ledger.tokens.charge_decode("ns/d", 100, 0)),
+        }
+    }
+
+    #[test]
+    fn staged_release_returns_everything_to_zero() {
+        let mut ledger = Ledger::default();
+        let held = charged(&mut ledger);
+        assert_eq!(ledger.tokens.pod("ns/p").active, 3600.0);
+        let held = held.release_prefill_leg(&mut ledger, 5);
+        assert_eq!(ledger.loads.counts("ns/p").prefill_inflight, 0);
+        assert_eq!(
+            (
+                ledger.tokens.pod("ns/p").active,
+                ledger.tokens.pod("ns/p").kv
+            ),
+            (0.0, 3600.0)
+        );
+        assert!(!held.is_empty());
+        let held = held.release_rest(&mut ledger, 9);
+        assert!(held.is_empty());
+        assert!(ledger.loads.is_empty());
+        assert!(ledger.tokens.pod("ns/p").is_zero() && ledger.tokens.pod("ns/d").is_zero());
+        // Releasing again changes nothing.
+        let again = held.release_rest(&mut ledger, 10);
+        assert_eq!(again, held);
+        assert!(ledger.loads.is_empty());
+    }
+
+    #[test]
+    fn a_lost_cas_round_keeps_the_charge_held() {
+        let mut ledger = Ledger::default();
+        let held = charged(&mut ledger);
+        let mut scratch = ledger.clone();
+        let _discarded = held.release_rest(&mut scratch, 1); // the write lost; retry from `held`
+        let next = held.release_rest(&mut ledger, 2);
+        assert!(next.is_empty() && ledger.loads.is_empty());
+    }
+}
