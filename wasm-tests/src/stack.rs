@@ -246,16 +246,18 @@ impl Stack {
 
     /// Starts pd-sim, pd-control and Envoy (`--concurrency`), with extra env for Envoy.
     pub fn start_with(fleet: Fleet, concurrency: usize, envoy_env: &[(&str, &str)]) -> Stack {
-        Stack::start_full(fleet.clone(), fleet, concurrency, envoy_env)
+        Stack::start_full(fleet.clone(), fleet, concurrency, envoy_env, &[])
     }
 
     /// Like [`Stack::start_with`], but pd-sim serves `simulated` while pd-control (and so
-    /// the router) sees `fleet`: pods missing from `simulated` refuse connections.
+    /// the router) sees `fleet` (pods missing from `simulated` refuse connections), and
+    /// pd-sim gets `sim_args` (its timing model).
     pub fn start_full(
         fleet: Fleet,
         simulated: Fleet,
         concurrency: usize,
         envoy_env: &[(&str, &str)],
+        sim_args: &[&str],
     ) -> Stack {
         let dir = std::env::temp_dir().join(format!(
             "pd-e2e-{}-{}",
@@ -285,7 +287,8 @@ impl Stack {
         sim.arg("--fleet")
             .arg(&sim_fleet_path)
             .arg("--admin")
-            .arg(&stack.sim_admin);
+            .arg(&stack.sim_admin)
+            .args(sim_args);
         let child = spawn_until("pd-sim", sim, "pd-sim: serving", &dir.join("pd-sim.log"));
         stack.children.push(("pd-sim".into(), child));
 

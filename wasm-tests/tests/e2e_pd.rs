@@ -350,7 +350,7 @@ fn a_failed_prefill_leg_answers_x_error_pd_prefill_and_releases_its_charges() {
         .pod("vllm-d-1", "decode", "group-1");
     // pd-sim does not serve dead-p-0: its address refuses connections.
     let simulated = fleet.without("dead-p-0");
-    let stack = Stack::start_full(fleet, simulated, 2, LEAST_REQUEST);
+    let stack = Stack::start_full(fleet, simulated, 2, LEAST_REQUEST, &[]);
     let mut failures = 0;
     for _ in 0..40 {
         let r = stack.chat(&[("routing-strategy", "pd")], &chat_body(false, 1));
