@@ -22,7 +22,7 @@ use crate::core::route::{self, Decision};
 use crate::core::tokens::{self, PodTokens};
 use crate::host::metrics::Metrics;
 use crate::host::store::SharedData;
-use crate::host::{now_ms, SharedVm};
+use crate::host::{now_ms, now_ns, SharedVm};
 
 /// The token rows of the pods a request holds charges on, for the ledger gauges.
 fn pod_tokens(ledger: &Ledger, held: &HeldCharges) -> Vec<(String, PodTokens)> {
@@ -282,12 +282,17 @@ impl PdHttp {
             now_ms: now,
         };
         let rng = &mut vm.rng;
+        let started = now_ns();
         let (selected, held, tokens) = ledger::update(&SharedData, |l| {
             let selected = pd::select_pd(model, step0, l, pair, rng)?;
             let held = selected.charge(model, l, now);
             let tokens = pod_tokens(l, &held);
             Ok::<_, RouteError>((selected, held, tokens))
         })?;
+        let elapsed_us = (now_ns().saturating_sub(started) / 1_000) as u64;
+        if let Some(id) = vm.metrics.selection_us {
+            let _ = hostcalls::record_metric(id, elapsed_us);
+        }
         vm.metrics.token_gauges(&tokens);
         self.held = held;
         Ok(selected.target)

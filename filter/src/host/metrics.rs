@@ -21,6 +21,8 @@ pub struct Metrics {
     pub fleet_version: Option<u32>,
     pub fleet_loaded_vms: Option<u32>,
     pub snapshot_fetch_errors: Option<u32>,
+    /// Selection plus charge (one CAS round), microseconds, as measured inside the VM.
+    pub selection_us: Option<u32>,
     rejected: Vec<(&'static str, u32)>,
 }
 
@@ -49,6 +51,7 @@ impl Metrics {
             fleet_version: define(g, "pd_router_fleet_version"),
             fleet_loaded_vms: define(g, "pd_router_fleet_loaded_vms"),
             snapshot_fetch_errors: define(c, "pd_router_snapshot_fetch_errors_total"),
+            selection_us: define(MetricType::Histogram, "pd_router_selection_us"),
             rejected: RouteError::REASONS
                 .iter()
                 .filter_map(|r| {

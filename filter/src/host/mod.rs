@@ -44,6 +44,15 @@ pub fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
+/// Nanoseconds since the Unix epoch from the host clock, for durations inside the VM.
+pub fn now_ns() -> u128 {
+    proxy_wasm::hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map(|d| d.as_nanos())
+        .unwrap_or(0)
+}
+
 /// A random seed from WASI `random_get`; falls back to the clock, which is only less
 /// unpredictable, never wrong for tie-breaks.
 pub fn random_seed() -> u64 {
