@@ -6,5 +6,7 @@ pub mod errors;
 pub mod fleet;
 pub mod ledger;
 pub mod pd;
+pub mod prefix;
 pub mod profile;
 pub mod request;
+pub mod tokenize;
