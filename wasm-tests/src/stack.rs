@@ -77,6 +77,14 @@ impl Fleet {
         self
     }
 
+    /// Sets the last added pod's `model.aibrix.ai/config` annotation.
+    pub fn config(mut self, json: &str) -> Fleet {
+        if let Some(p) = self.pods.last_mut() {
+            p.config = json.into();
+        }
+        self
+    }
+
     /// Marks the last added pod not ready.
     pub fn not_ready(mut self) -> Fleet {
         if let Some(p) = self.pods.last_mut() {

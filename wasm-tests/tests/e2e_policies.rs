@@ -136,3 +136,127 @@ fn token_load_spreads_long_and_short_prompts_and_the_ledger_returns_to_zero() {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+fn completion(stack: &Stack, prompt: &str) -> http::Response {
+    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2});
+    let r = http::post_json(
+        &stack.gateway,
+        "/v1/completions",
+        &[("routing-strategy", "pd")],
+        &body,
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    r
+}
+
+#[test]
+fn a_prefix_learned_on_one_worker_steers_requests_on_every_worker() {
+    let fleet = Fleet::new(MODEL)
+        .pod("p0", "prefill", "g0")
+        .pod("d0", "decode", "g0")
+        .pod("p1", "prefill", "g1")
+        .pod("d1", "decode", "g1");
+    // prefix_cache (the default prefill policy) against an idle, tied decode side.
+    let stack = Stack::start_with(fleet, 2, &[("AIBRIX_DECODE_SCORE_POLICY", "least_request")]);
+
+    // Unrelated prompts spread over both prefill pods: nothing else pins them.
+    let mut spread = std::collections::BTreeSet::new();
+    for i in 0..16 {
+        let r = completion(&stack, &format!("unrelated prompt number {i} ").repeat(20));
+        spread.insert(
+            r.header("prefill-target-pod")
+                .unwrap_or_default()
+                .to_string(),
+        );
+    }
+    assert_eq!(spread.len(), 2, "{spread:?}");
+
+    let shared = "You are a careful assistant. Answer in one line. ".repeat(40);
+    let first = completion(&stack, &shared);
+    let owner = first
+        .header("prefill-target-pod")
+        .unwrap_or_default()
+        .to_string();
+    // Fresh connections land on both workers; each must already know where the prefix went.
+    for _ in 0..30 {
+        let r = completion(&stack, &shared);
+        assert_eq!(
+            r.header("prefill-target-pod"),
+            Some(owner.as_str()),
+            "prefix affinity lost on a worker"
+        );
+    }
+}
+
+#[test]
+fn prompt_length_buckets_choose_the_roleset_or_the_standard_pod() {
+    // The AIBrix bucketing scenario: short 0–15 and medium 16–32 tokens, a standard pod beyond.
+    let range = |min: u32, max: u32| {
+        format!(
+            r#"{{"profiles":{{"default":{{"routingStrategy":"pd","routingConfig":{{"promptLenBucketMinLength":{min},"promptLenBucketMaxLength":{max}}}}}}}}}"#
+        )
+    };
+    let fleet = Fleet::new(MODEL)
+        .pod("short-p", "prefill", "short")
+        .config(&range(0, 15))
+        .pod("short-d", "decode", "short")
+        .config(&range(0, 15))
+        .pod("medium-p", "prefill", "medium")
+        .config(&range(16, 32))
+        .pod("medium-d", "decode", "medium")
+        .config(&range(16, 32))
+        .pod("standard", "all", "")
+        .config(r#"{"profiles":{"default":{"routingStrategy":"pd","routingConfig":{"combined":true}}}}"#);
+    let mut stack = Stack::start_with(fleet, 2, &[("AIBRIX_PROMPT_LENGTH_BUCKETING", "true")]);
+    // " hello" is one cl100k token, so these prompts are exactly 10, 20 and 40 tokens.
+    let tokens = |n: usize| " hello".repeat(n);
+    for _ in 0..4 {
+        let r = completion(&stack, &tokens(10));
+        assert_eq!(
+            (r.header("prefill-target-pod"), r.header("target-pod")),
+            (Some("short-p"), Some("short-d"))
+        );
+        let r = completion(&stack, &tokens(20));
+        assert_eq!(
+            (r.header("prefill-target-pod"), r.header("target-pod")),
+            (Some("medium-p"), Some("medium-d"))
+        );
+        let r = completion(&stack, &tokens(40));
+        assert_eq!(
+            (r.header("prefill-target-pod"), r.header("target-pod")),
+            (None, Some("standard"))
+        );
+        // Range edges are inclusive.
+        let r = completion(&stack, &tokens(15));
+        assert_eq!(r.header("target-pod"), Some("short-d"));
+        let r = completion(&stack, &tokens(16));
+        assert_eq!(r.header("target-pod"), Some("medium-d"));
+    }
+    // The medium bucket loses its decode pod: its prompts go to the standard pod, never to
+    // the short pair.
+    let edited = stack.fleet.without("medium-d");
+    stack.write_fleet(edited);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let r = completion(&stack, &tokens(20));
+        if r.header("target-pod") == Some("standard") {
+            break;
+        }
+        assert_eq!(
+            r.header("target-pod"),
+            Some("medium-d"),
+            "only the old pair or the standard pod"
+        );
+        assert!(
+            Instant::now() < deadline,
+            "the fleet edit never took effect"
+        );
+    }
+    for _ in 0..10 {
+        let r = completion(&stack, &tokens(20));
+        assert_eq!(
+            (r.header("prefill-target-pod"), r.header("target-pod")),
+            (None, Some("standard"))
+        );
+    }
+}

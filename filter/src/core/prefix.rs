@@ -64,6 +64,73 @@ pub fn hash_seed_from_env(value: Option<&str>, statesync: bool, random: u64) -> 
     }
 }
 
+/// The prefix-index settings of the gateway environment (`AIBRIX_PREFIX_CACHE_*`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PrefixSettings {
+    pub tokenizer: crate::core::tokenize::TokenizerKind,
+    pub block_size: usize,
+    pub capacity: usize,
+    pub eviction_interval_ms: u64,
+    pub eviction_age_ms: u64,
+    /// `AIBRIX_PREFIX_CACHE_HASH_SEED` when set and valid.
+    pub seed: Option<u64>,
+    /// `AIBRIX_STATESYNC_ENABLED`: an unset seed is then 0, not random.
+    pub statesync: bool,
+}
+
+impl Default for PrefixSettings {
+    fn default() -> Self {
+        PrefixSettings {
+            tokenizer: crate::core::tokenize::TokenizerKind::Character,
+            block_size: DEFAULT_BLOCK_SIZE,
+            capacity: DEFAULT_BLOCK_NUMBER,
+            eviction_interval_ms: DEFAULT_EVICTION_INTERVAL_MS,
+            eviction_age_ms: DEFAULT_EVICTION_AGE_MS,
+            seed: None,
+            statesync: false,
+        }
+    }
+}
+
+impl PrefixSettings {
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> (PrefixSettings, Vec<String>) {
+        let d = PrefixSettings::default();
+        let mut r = crate::core::env::EnvReader::new(get);
+        let tokenizer = crate::core::tokenize::TokenizerKind::from_env(
+            r.string("AIBRIX_PREFIX_CACHE_TOKENIZER_TYPE").as_deref(),
+        );
+        let block_size = r.count("AIBRIX_PREFIX_CACHE_BLOCK_SIZE", d.block_size as u64) as usize;
+        let capacity = r.count("AIBRIX_PREFIX_CACHE_BLOCK_NUMBER", d.capacity as u64) as usize;
+        let interval_s = r.count(
+            "AIBRIX_PREFIX_CACHE_EVICTION_INTERVAL_SECONDS",
+            d.eviction_interval_ms / 1000,
+        );
+        let age_min = r.count(
+            "AIBRIX_PREFIX_CACHE_EVICTION_DURATION_MINS",
+            d.eviction_age_ms / 60_000,
+        );
+        let statesync = r.bool("AIBRIX_STATESYNC_ENABLED", false);
+        let raw_seed = r.string("AIBRIX_PREFIX_CACHE_HASH_SEED");
+        let seed = raw_seed
+            .as_deref()
+            .map(|v| hash_seed_from_env(Some(v), true, 0));
+        if raw_seed.is_some() && seed == Some(0) && raw_seed.as_deref() != Some("0") {
+            r.warnings.push(format!("AIBRIX_PREFIX_CACHE_HASH_SEED={raw_seed:?} is not a u64; using a shared random seed"));
+        }
+        let seed = seed.filter(|s| *s != 0 || raw_seed.as_deref() == Some("0"));
+        let settings = PrefixSettings {
+            tokenizer,
+            block_size,
+            capacity,
+            eviction_interval_ms: interval_s * 1000,
+            eviction_age_ms: age_min * 60_000,
+            seed,
+            statesync,
+        };
+        (settings, r.warnings)
+    }
+}
+
 /// `AIBRIX_MIN_MATCH_PCT`: a match below the threshold counts as no match. A threshold of 0
 /// turns the rule off (no percentage is below 0).
 pub fn apply_min_match(pct: u32, min_match_pct: u32) -> u32 {

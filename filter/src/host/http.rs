@@ -16,11 +16,14 @@ use crate::core::errors::RouteError;
 use crate::core::fleet::{FleetView, ModelView};
 use crate::core::ledger::{self, Ledger, StoreError};
 use crate::core::pd::{self, candidates, PairInput, PdSettings, Step0Input, Target};
+use crate::core::prefix::{self, PrefixEvent};
 use crate::core::profile::Strategy;
 use crate::core::request::{self, Endpoint, RoutingRequest};
 use crate::core::route::{self, Decision};
+use crate::core::tokenize;
 use crate::core::tokens::{self, PodTokens};
 use crate::host::metrics::Metrics;
+use crate::host::snapshot;
 use crate::host::store::SharedData;
 use crate::host::{now_ms, now_ns, SharedVm};
 
@@ -175,15 +178,14 @@ impl PdHttp {
             let mut vm = self.vm.borrow_mut();
             let vm = &mut *vm;
             let rng = &mut vm.rng;
-            // Until the cl100k counter lands, lengths are estimated at 4 bytes per token.
-            let estimate = (req.prompt_bytes / 4) as i64;
+            let text = &req.prompt_text;
             route::decide(
                 model,
                 &req,
                 self.strategy_header.as_deref(),
                 self.profile_header.as_deref(),
                 &vm.defaults.env,
-                &|_| estimate,
+                &|boundaries| tokenize::prompt_tokens_if_needed(text, boundaries) as i64,
                 &mut |n| rng.u64(0..n.max(1)),
             )?
         };
@@ -272,10 +274,33 @@ impl PdHttp {
             bucketing: decision.bucketing,
             prompt_len: decision.prompt_len,
         };
+        // Prefix lookup (local to this worker; other workers' insertions arrive as events).
+        let (hashes, match_pct, token_bytes) = if settings.prefill_policy.uses_prefix_index() {
+            let p = vm.prefix_settings;
+            let stream = tokenize::token_stream(p.tokenizer, &req.prompt_text);
+            let hashes = prefix::block_hashes(&stream, p.block_size, vm.prefix_seed);
+            let prefill_pods: Vec<usize> = model
+                .rolesets
+                .iter()
+                .flat_map(|r| r.prefill.iter().copied())
+                .collect();
+            let keys: Vec<&str> = prefill_pods
+                .iter()
+                .map(|&i| model.pods[i].key.as_str())
+                .collect();
+            let found = vm.prefix.match_prefix(&hashes, &req.model, &keys);
+            let mut pct = vec![0.0; model.pods.len()];
+            for (&i, &m) in prefill_pods.iter().zip(&found) {
+                pct[i] = f64::from(m);
+            }
+            (hashes, pct, stream.len())
+        } else {
+            (Vec::new(), Vec::new(), req.prompt_bytes)
+        };
         let pair = PairInput {
             settings,
-            match_pct: &[],
-            token_bytes: req.prompt_bytes,
+            match_pct: &match_pct,
+            token_bytes,
             banded_roleset: banded.as_deref(),
             prompt_tokens,
             session_delta,
@@ -295,6 +320,18 @@ impl PdHttp {
         }
         vm.metrics.token_gauges(&tokens);
         self.held = held;
+        if let (Target::Pair { prefill, .. }, false) = (selected.target, hashes.is_empty()) {
+            // Warm the index with the chosen prefill pod, here and on every other worker.
+            let event = PrefixEvent {
+                model: req.model.clone(),
+                pod: model.pods[prefill].key.clone(),
+                hashes,
+                at_ms: now,
+            };
+            vm.prefix
+                .add_prefix(&event.hashes, &event.model, &event.pod, now);
+            snapshot::broadcast(&vm.peers, snapshot::MSG_PREFIX, &event.encode());
+        }
         Ok(selected.target)
     }
 

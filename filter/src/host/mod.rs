@@ -14,6 +14,7 @@ use crate::core::config::PluginConfig;
 use crate::core::fleet::FleetView;
 use crate::core::pd::bucket_serve::Planner;
 use crate::core::pd::PdDefaults;
+use crate::core::prefix::{PrefixIndex, PrefixSettings};
 use crate::core::tokens::SessionTable;
 
 /// State shared by a VM's root context and its HTTP contexts (one VM per Envoy worker).
@@ -27,6 +28,12 @@ pub struct VmState {
     /// Adaptive bucket serving's traffic picture and plans (per worker; the plan is advisory
     /// and each worker sees a fair sample of the traffic).
     pub planner: Planner,
+    /// Where each prompt prefix was last sent (per worker; insertions are broadcast).
+    pub prefix: PrefixIndex,
+    pub prefix_settings: PrefixSettings,
+    pub prefix_seed: u64,
+    /// Notice queues of the other live VMs, refreshed about once a second.
+    pub peers: Vec<u32>,
     /// The fleet view of the newest snapshot this VM has decoded.
     pub fleet: Option<Rc<FleetView>>,
     pub rng: fastrand::Rng,

@@ -13,6 +13,7 @@ use crate::core::fleet::FleetView;
 use crate::core::ledger;
 use crate::core::pd::bucket_serve::Planner;
 use crate::core::pd::PdDefaults;
+use crate::core::prefix::{PrefixEvent, PrefixIndex, PrefixSettings};
 use crate::core::tokens::{SessionTable, TokenLoadSettings};
 use crate::host::http::PdHttp;
 use crate::host::metrics::Metrics;
@@ -30,6 +31,7 @@ pub struct Root {
     loaded_once: bool,
     /// Consecutive failed polls; logged at 1, 2, 4, 8, ... so an outage does not flood the log.
     fetch_failures: u64,
+    next_housekeeping: u64,
 }
 
 impl Root {
@@ -41,6 +43,10 @@ impl Root {
                 defaults: PdDefaults::default(),
                 sessions: SessionTable::from_settings(&TokenLoadSettings::default()),
                 planner: Planner::new(),
+                prefix: PrefixIndex::new(1),
+                prefix_settings: PrefixSettings::default(),
+                prefix_seed: 0,
+                peers: Vec::new(),
                 fleet: None,
                 rng: fastrand::Rng::with_seed(seed),
                 metrics: Metrics::default(),
@@ -51,6 +57,7 @@ impl Root {
             fetch_in_flight: None,
             loaded_once: false,
             fetch_failures: 0,
+            next_housekeeping: 0,
         }
     }
 
@@ -83,6 +90,19 @@ impl Root {
             Metrics::gauge_add(loaded_gauge, 1);
             log::info!("fleet snapshot {version} loaded");
         }
+    }
+
+    /// Periodic upkeep of per-VM state: prefix-index age eviction and the session table.
+    fn housekeeping(&mut self, now: u64) {
+        if now < self.next_housekeeping {
+            return;
+        }
+        let mut vm = self.vm.borrow_mut();
+        let interval = vm.prefix_settings.eviction_interval_ms.max(100);
+        self.next_housekeeping = now + interval;
+        let age = vm.prefix_settings.eviction_age_ms;
+        vm.prefix.evict_older_than(now, age);
+        vm.sessions.prune(now);
     }
 
     fn fetch_failed(&mut self, why: String) {
@@ -186,9 +206,25 @@ impl RootContext for Root {
         for w in warnings {
             log::warn!("{w}");
         }
+        let (prefix_settings, warnings) = PrefixSettings::from_lookup(|k| std::env::var(k).ok());
+        for w in warnings {
+            log::warn!("{w}");
+        }
+        let seed = snapshot::shared_prefix_seed(
+            prefix_settings.seed,
+            prefix_settings.statesync,
+            random_seed(),
+        );
+        if defaults.env.pd.prompt_length_bucketing {
+            // The first exact count would otherwise cost a request a few hundred ms in V8.
+            crate::core::tokenize::warm_up();
+        }
         let mut vm = self.vm.borrow_mut();
         vm.sessions = SessionTable::from_settings(&defaults.tokens);
         vm.defaults = defaults;
+        vm.prefix = PrefixIndex::new(prefix_settings.capacity);
+        vm.prefix_settings = prefix_settings;
+        vm.prefix_seed = seed;
         drop(vm);
         if let Err(e) = ledger::ensure_table(&SharedData) {
             log::error!("cannot create the load table: {e}");
@@ -227,18 +263,38 @@ impl RootContext for Root {
             self.queue = NoticeQueue::register(self.token);
         }
         if let Some(q) = self.queue.as_mut() {
-            q.heartbeat(now);
+            if q.heartbeat(now) {
+                let peers = snapshot::live_queues(&self.vm_id, now, Some(&q.name));
+                self.vm.borrow_mut().peers = peers;
+            }
         }
         self.maybe_fetch(now);
         self.reload();
+        self.housekeeping(now);
     }
 
     fn on_queue_ready(&mut self, queue_id: u32) {
         if self.queue.as_ref().map(|q| q.id) != Some(queue_id) {
             return;
         }
-        while let Ok(Some(_)) = proxy_wasm::hostcalls::dequeue_shared_queue(queue_id) {}
-        self.reload();
+        let mut snapshot_notice = false;
+        while let Ok(Some(msg)) = proxy_wasm::hostcalls::dequeue_shared_queue(queue_id) {
+            match msg.split_first() {
+                Some((&snapshot::MSG_SNAPSHOT, _)) => snapshot_notice = true,
+                Some((&snapshot::MSG_PREFIX, event)) => match PrefixEvent::decode(event) {
+                    Ok(e) => self
+                        .vm
+                        .borrow_mut()
+                        .prefix
+                        .add_prefix(&e.hashes, &e.model, &e.pod, e.at_ms),
+                    Err(err) => log::warn!("dropping a malformed prefix event: {err}"),
+                },
+                _ => log::warn!("dropping an unknown queue message"),
+            }
+        }
+        if snapshot_notice {
+            self.reload();
+        }
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {

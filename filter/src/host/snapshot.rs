@@ -105,7 +105,7 @@ pub fn hold_lease(token: u64, now: u64, lease_ms: u64) -> bool {
 /// This VM's notice queue and its registry entry.
 pub struct NoticeQueue {
     pub id: u32,
-    name: String,
+    pub name: String,
     last_heartbeat: u64,
 }
 
@@ -126,13 +126,14 @@ impl NoticeQueue {
     }
 
     /// Keeps this queue's registry entry alive and prunes entries of VMs that are gone.
-    pub fn heartbeat(&mut self, now: u64) {
+    /// True when it wrote the registry (about once a second): the moment to re-read peers.
+    pub fn heartbeat(&mut self, now: u64) -> bool {
         if now < self.last_heartbeat + HEARTBEAT_MS {
-            return;
+            return false;
         }
         for _ in 0..16 {
             let Ok((value, cas)) = SharedData.get(QUEUES_KEY) else {
-                return;
+                return false;
             };
             let text = value
                 .as_deref()
@@ -152,31 +153,77 @@ impl NoticeQueue {
             next.push_str(&format!("{} {}\n", self.name, now + QUEUE_TTL_MS));
             if let Ok(true) = SharedData.set(QUEUES_KEY, next.as_bytes(), cas) {
                 self.last_heartbeat = now;
-                return;
+                return true;
             }
         }
+        false
     }
 }
 
-/// Sends `version` to every live VM queue.
-pub fn notify_all(vm_id: &str, version: u64, now: u64) {
+/// Queue message tags: a snapshot notice (then the 8-byte version) or a prefix event.
+pub const MSG_SNAPSHOT: u8 = 1;
+pub const MSG_PREFIX: u8 = 2;
+
+/// Queue ids of every live VM's notice queue except `exclude` (this VM's own queue name).
+pub fn live_queues(vm_id: &str, now: u64, exclude: Option<&str>) -> Vec<u32> {
     let Ok((Some(value), _)) = SharedData.get(QUEUES_KEY) else {
-        return;
+        return Vec::new();
     };
     let Ok(text) = std::str::from_utf8(&value) else {
-        return;
+        return Vec::new();
     };
-    for line in text.lines() {
-        let Some((name, expiry)) = line.split_once(' ') else {
-            continue;
-        };
-        if expiry.parse::<u64>().map(|e| e <= now).unwrap_or(true) {
-            continue;
-        }
-        if let Ok(Some(id)) = hostcalls::resolve_shared_queue(vm_id, name) {
-            let _ = hostcalls::enqueue_shared_queue(id, Some(&version.to_le_bytes()));
-        }
+    text.lines()
+        .filter_map(|line| line.split_once(' '))
+        .filter(|(name, expiry)| {
+            Some(*name) != exclude && expiry.parse::<u64>().is_ok_and(|e| e > now)
+        })
+        .filter_map(|(name, _)| hostcalls::resolve_shared_queue(vm_id, name).ok().flatten())
+        .collect()
+}
+
+/// Sends `version` to every live VM queue (this VM's too: it is how the others learn).
+pub fn notify_all(vm_id: &str, version: u64, now: u64) {
+    let mut msg = vec![MSG_SNAPSHOT];
+    msg.extend_from_slice(&version.to_le_bytes());
+    for id in live_queues(vm_id, now, None) {
+        let _ = hostcalls::enqueue_shared_queue(id, Some(&msg));
     }
+}
+
+/// Sends a tagged message to the given queues; a vanished queue is skipped.
+pub fn broadcast(queues: &[u32], tag: u8, payload: &[u8]) {
+    let mut msg = Vec::with_capacity(1 + payload.len());
+    msg.push(tag);
+    msg.extend_from_slice(payload);
+    for &id in queues {
+        let _ = hostcalls::enqueue_shared_queue(id, Some(&msg));
+    }
+}
+
+/// The prefix hash seed every VM must share (hashes learned on one worker are looked up on
+/// the others): the configured one, or a random one stored once in shared data.
+pub fn shared_prefix_seed(configured: Option<u64>, statesync: bool, random: u64) -> u64 {
+    const KEY: &str = "pd/prefix/seed";
+    if let Some(seed) = configured {
+        return seed;
+    }
+    if statesync {
+        return 0;
+    }
+    let read = || match SharedData.get(KEY) {
+        Ok((Some(v), _)) => v
+            .get(..8)
+            .and_then(|b| b.try_into().ok())
+            .map(u64::from_le_bytes),
+        _ => None,
+    };
+    if let Some(seed) = read() {
+        return seed;
+    }
+    // The key is absent, so the CAS is not checked: whoever wrote last wins, and everyone
+    // reads the winner back.
+    let _ = SharedData.set(KEY, &random.to_le_bytes(), None);
+    read().unwrap_or(random)
 }
 
 /// Request headers of a snapshot poll; the version we hold lets pd-control answer 304.
