@@ -159,10 +159,12 @@ fn a_prefix_learned_on_one_worker_steers_requests_on_every_worker() {
     // prefix_cache (the default prefill policy) against an idle, tied decode side.
     let stack = Stack::start_with(fleet, 2, &[("AIBRIX_DECODE_SCORE_POLICY", "least_request")]);
 
-    // Unrelated prompts spread over both prefill pods: nothing else pins them.
+    // Prompts that differ from their first block spread over both prefill pods: nothing else
+    // pins them. (Prompts sharing even a few leading blocks would not: under prefix_cache
+    // a 1 % match outweighs the whole load term, as the contract warns.)
     let mut spread = std::collections::BTreeSet::new();
     for i in 0..16 {
-        let r = completion(&stack, &format!("unrelated prompt number {i} ").repeat(20));
+        let r = completion(&stack, &format!("{i:04} unrelated prompt ").repeat(20));
         spread.insert(
             r.header("prefill-target-pod")
                 .unwrap_or_default()
