@@ -54,11 +54,9 @@ fn fleet(pods: usize) -> (ModelView, Ledger) {
             } else {
                 Counter::Running
             };
-            ledger.loads.add(&p.key, counter);
+            ledger.add(&p.key, counter, 0);
         }
-        ledger
-            .tokens
-            .charge_prefill(&p.key, rng.f64() * 10_000.0, 0);
+        ledger.charge_prefill(&p.key, rng.f64() * 10_000.0, 0);
     }
     (model, ledger)
 }

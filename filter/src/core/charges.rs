@@ -26,9 +26,9 @@ impl HeldCharges {
     /// The prefill leg answered: its in-flight count and the active-token part go.
     pub fn release_prefill_leg(&self, ledger: &mut Ledger, now_ms: u64) -> HeldCharges {
         let mut next = self.clone();
-        next.release_counter(ledger, Counter::PrefillInflight);
+        next.release_counter(ledger, Counter::PrefillInflight, now_ms);
         if let Some(c) = next.prefill_tokens.as_mut() {
-            ledger.tokens.release_tokens(c, now_ms);
+            ledger.release_tokens(c, now_ms);
         }
         next
     }
@@ -36,21 +36,21 @@ impl HeldCharges {
     /// The request ended (or failed): whatever is still held goes.
     pub fn release_rest(&self, ledger: &mut Ledger, now_ms: u64) -> HeldCharges {
         let mut next = self.clone();
-        next.release_counter(ledger, Counter::PrefillInflight);
-        next.release_counter(ledger, Counter::Running);
+        next.release_counter(ledger, Counter::PrefillInflight, now_ms);
+        next.release_counter(ledger, Counter::Running, now_ms);
         if let Some(c) = next.prefill_tokens.as_mut() {
-            ledger.tokens.release_all(c, now_ms);
+            ledger.release_all(c, now_ms);
         }
         if let Some(c) = next.decode_tokens.as_mut() {
-            ledger.tokens.release_decode(c, now_ms);
+            ledger.release_decode(c, now_ms);
         }
         next
     }
 
-    fn release_counter(&mut self, ledger: &mut Ledger, counter: Counter) {
+    fn release_counter(&mut self, ledger: &mut Ledger, counter: Counter, now_ms: u64) {
         self.counters.retain(|(key, c)| {
             if *c == counter {
-                ledger.loads.release(key, counter);
+                ledger.release(key, counter, now_ms);
                 false
             } else {
                 true
@@ -64,15 +64,15 @@ mod tests {
     use super::*;
 
     fn charged(ledger: &mut Ledger) -> HeldCharges {
-        ledger.loads.add("ns/p", Counter::PrefillInflight);
-        ledger.loads.add("ns/d", Counter::Running);
+        ledger.add("ns/p", Counter::PrefillInflight, 0);
+        ledger.add("ns/d", Counter::Running, 0);
         HeldCharges {
             counters: vec![
                 ("ns/p".into(), Counter::PrefillInflight),
                 ("ns/d".into(), Counter::Running),
             ],
-            prefill_tokens: Some(ledger.tokens.charge_prefill("ns/p", 3600.0, 0)),
-            decode_tokens: Some(ledger.tokens.charge_decode("ns/d", 100, 0)),
+            prefill_tokens: Some(ledger.charge_prefill("ns/p", 3600.0, 0)),
+            decode_tokens: Some(ledger.charge_decode("ns/d", 100, 0)),
         }
     }
 
@@ -80,25 +80,22 @@ mod tests {
     fn staged_release_returns_everything_to_zero() {
         let mut ledger = Ledger::default();
         let held = charged(&mut ledger);
-        assert_eq!(ledger.tokens.pod("ns/p").active, 3600.0);
+        assert_eq!(ledger.pod("ns/p").active, 3600.0);
         let held = held.release_prefill_leg(&mut ledger, 5);
-        assert_eq!(ledger.loads.counts("ns/p").prefill_inflight, 0);
+        assert_eq!(ledger.counts_of("ns/p").prefill_inflight, 0);
         assert_eq!(
-            (
-                ledger.tokens.pod("ns/p").active,
-                ledger.tokens.pod("ns/p").kv
-            ),
+            (ledger.pod("ns/p").active, ledger.pod("ns/p").kv),
             (0.0, 3600.0)
         );
         assert!(!held.is_empty());
         let held = held.release_rest(&mut ledger, 9);
         assert!(held.is_empty());
-        assert!(ledger.loads.is_empty());
-        assert!(ledger.tokens.pod("ns/p").is_zero() && ledger.tokens.pod("ns/d").is_zero());
+        assert!(ledger.all_zero());
+        assert!(ledger.pod("ns/p").is_zero() && ledger.pod("ns/d").is_zero());
         // Releasing again changes nothing.
         let again = held.release_rest(&mut ledger, 10);
         assert_eq!(again, held);
-        assert!(ledger.loads.is_empty());
+        assert!(ledger.all_zero());
     }
 
     #[test]
@@ -108,6 +105,6 @@ mod tests {
         let mut scratch = ledger.clone();
         let _discarded = held.release_rest(&mut scratch, 1); // the write lost; retry from `held`
         let next = held.release_rest(&mut ledger, 2);
-        assert!(next.is_empty() && ledger.loads.is_empty());
+        assert!(next.is_empty() && ledger.all_zero());
     }
 }

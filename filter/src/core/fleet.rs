@@ -20,6 +20,8 @@ pub enum Role {
 pub struct PodView {
     /// `namespace/name`: the key of every load counter.
     pub key: String,
+    /// The ledger row of the pod, hashed from `key` once per snapshot.
+    pub id: crate::core::ledger::PodId,
     pub name: String,
     pub ip: String,
     /// `ip:port`, the value of the destination header.
@@ -79,6 +81,8 @@ pub struct ModelView {
     pub config: Option<ModelConfig>,
     /// Pods of the model in the snapshot, routable or not.
     pub total_pods: usize,
+    /// `(ledger id, pod index)` sorted by id, for one-pass ledger reads.
+    pub id_order: Vec<(crate::core::ledger::PodId, usize)>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -128,8 +132,10 @@ impl ModelView {
                 _ => Role::Other,
             };
             let idx = view.pods.len();
+            let key = format!("{}/{}", pod.namespace, pod.name);
             view.pods.push(PodView {
-                key: format!("{}/{}", pod.namespace, pod.name),
+                id: crate::core::ledger::PodId::of(&key),
+                key,
                 name: pod.name.clone(),
                 ip: pod.ip.clone(),
                 address: format!("{}:{}", pod.ip, pod.port),
@@ -171,6 +177,13 @@ impl ModelView {
             .into_iter()
             .filter(|g| !g.prefill.is_empty() && !g.decode.is_empty())
             .collect();
+        view.id_order = view
+            .pods
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p.id, i))
+            .collect();
+        view.id_order.sort_unstable();
         for (r, roleset) in view.rolesets.iter().enumerate() {
             for &i in roleset.prefill.iter().chain(&roleset.decode) {
                 view.pods[i].roleset_idx = Some(r);

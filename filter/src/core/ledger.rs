@@ -1,13 +1,19 @@
-//! Per-pod load counters and token ledgers shared by every Envoy worker, updated with
+//! Per-pod request counters and token ledgers shared by every Envoy worker, updated with
 //! compare-and-swap.
 //!
 //! One shared-data key holds the whole [`Ledger`], so "select, then charge" is one CAS round:
 //! a selection that raced with another worker's charge fails its write, re-reads and selects
 //! again, and concurrent selections always see each other's charges.
+//!
+//! The ledger is a sorted array of fixed-size rows keyed by a 64-bit hash of the pod's
+//! `namespace/name`. Reading it needs no parsing or allocation (the bytes from shared data
+//! are the table), and a lookup is a binary search, so a selection over 1024 pods pays
+//! neither a per-row decode nor a string hash per candidate: pod ids are computed once per
+//! snapshot.
 
-use hashbrown::HashMap;
+use crate::core::tokens::{amount, Charge, DecodeCharge, PodTokens, IDLE_PRUNE_MS};
 
-/// The shared-data key of the load table.
+/// The shared-data key of the ledger.
 pub const LOAD_KEY: &str = "pd/load";
 /// A CAS loop that keeps losing means something is badly wrong; give up instead of spinning.
 const MAX_CAS_ATTEMPTS: usize = 256;
@@ -30,19 +36,29 @@ pub trait Store {
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<bool, StoreError>;
 }
 
-/// Counters of one pod.
+/// A pod's ledger identity: FNV-1a 64 of `namespace/name`, so pods of the same name in two
+/// namespaces are different pods. A collision between two live pods is a 2^-64 event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct PodId(pub u64);
+
+impl PodId {
+    pub fn of(key: &str) -> PodId {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in key.bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        PodId(h)
+    }
+}
+
+/// Request counters of one pod.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Counts {
     /// Prefill legs sent to the pod and not yet answered.
     pub prefill_inflight: u32,
     /// Requests whose decode (or whole request, for combined pods) the pod owes.
     pub running: u32,
-}
-
-impl Counts {
-    fn is_zero(&self) -> bool {
-        self.prefill_inflight == 0 && self.running == 0
-    }
 }
 
 /// Which counter a charge went to, so it can be released exactly once.
@@ -52,131 +68,341 @@ pub enum Counter {
     Running,
 }
 
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct LoadTable {
-    pods: HashMap<String, Counts>,
+/// Everything the ledger holds about one pod.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Row {
+    pub counts: Counts,
+    pub tokens: PodTokens,
 }
 
-impl LoadTable {
-    pub fn counts(&self, pod_key: &str) -> Counts {
-        self.pods.get(pod_key).copied().unwrap_or_default()
+impl Row {
+    fn is_zero(&self) -> bool {
+        self.counts == Counts::default() && self.tokens.is_zero()
+    }
+}
+
+/// Row layout, little-endian: id u64 | prefill_inflight u32 | running u32 | active f64 |
+/// kv f64 | decode f64 | decode_requests u32 | reserved u32 | decode_routed_at_sum_ms f64 |
+/// touched_ms u64.
+const ROW: usize = 64;
+/// Header: magic "PDL" and a format version byte.
+const MAGIC: [u8; 4] = *b"PDL\x01";
+
+/// The shared ledger: a sorted array of fixed-size rows behind a 4-byte header.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Ledger {
+    bytes: Vec<u8>,
+}
+
+impl Default for Ledger {
+    fn default() -> Self {
+        Ledger {
+            bytes: MAGIC.to_vec(),
+        }
+    }
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    let mut x = [0u8; 4];
+    x.copy_from_slice(&b[at..at + 4]);
+    u32::from_le_bytes(x)
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    let mut x = [0u8; 8];
+    x.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(x)
+}
+
+fn f64_at(b: &[u8], at: usize) -> f64 {
+    f64::from_bits(u64_at(b, at))
+}
+
+impl Ledger {
+    /// Takes ownership of shared-data bytes; only the shape is checked (O(1)), rows are read
+    /// where they are used. Empty bytes are an empty ledger.
+    pub fn from_bytes(bytes: Vec<u8>) -> Result<Ledger, StoreError> {
+        if bytes.is_empty() {
+            return Ok(Ledger::default());
+        }
+        if bytes.len() < MAGIC.len()
+            || bytes[..MAGIC.len()] != MAGIC
+            || !(bytes.len() - MAGIC.len()).is_multiple_of(ROW)
+        {
+            return Err(StoreError::Corrupt);
+        }
+        Ok(Ledger { bytes })
     }
 
-    pub fn add(&mut self, pod_key: &str, counter: Counter) {
-        let c = self.pods.entry_ref(pod_key).or_default();
-        match counter {
-            Counter::PrefillInflight => c.prefill_inflight = c.prefill_inflight.saturating_add(1),
-            Counter::Running => c.running = c.running.saturating_add(1),
+    pub fn decode(bytes: &[u8]) -> Result<Ledger, StoreError> {
+        Ledger::from_bytes(bytes.to_vec())
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        self.bytes.clone()
+    }
+
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+
+    /// Number of pod rows.
+    pub fn len(&self) -> usize {
+        (self.bytes.len() - MAGIC.len()) / ROW
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// True when no pod holds any charge (rows at zero may remain until pruned).
+    pub fn all_zero(&self) -> bool {
+        (0..self.len()).all(|i| self.read(i).is_zero())
+    }
+
+    fn row_offset(i: usize) -> usize {
+        MAGIC.len() + i * ROW
+    }
+
+    fn id_at(&self, i: usize) -> u64 {
+        u64_at(&self.bytes, Ledger::row_offset(i))
+    }
+
+    /// Binary search by id: `Ok(index)` when present, `Err(insertion point)` otherwise.
+    fn find(&self, id: PodId) -> Result<usize, usize> {
+        let (mut lo, mut hi) = (0usize, self.len());
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            match self.id_at(mid).cmp(&id.0) {
+                std::cmp::Ordering::Less => lo = mid + 1,
+                std::cmp::Ordering::Greater => hi = mid,
+                std::cmp::Ordering::Equal => return Ok(mid),
+            }
+        }
+        Err(lo)
+    }
+
+    fn read(&self, i: usize) -> Row {
+        let b = &self.bytes[Ledger::row_offset(i)..Ledger::row_offset(i) + ROW];
+        Row {
+            counts: Counts {
+                prefill_inflight: u32_at(b, 8),
+                running: u32_at(b, 12),
+            },
+            tokens: PodTokens {
+                active: f64_at(b, 16),
+                kv: f64_at(b, 24),
+                decode: f64_at(b, 32),
+                decode_requests: u32_at(b, 40),
+                decode_routed_at_sum_ms: f64_at(b, 48),
+                touched_ms: u64_at(b, 56),
+            },
         }
     }
 
+    fn write(&mut self, i: usize, id: PodId, row: &Row) {
+        let at = Ledger::row_offset(i);
+        let b = &mut self.bytes[at..at + ROW];
+        b[0..8].copy_from_slice(&id.0.to_le_bytes());
+        b[8..12].copy_from_slice(&row.counts.prefill_inflight.to_le_bytes());
+        b[12..16].copy_from_slice(&row.counts.running.to_le_bytes());
+        b[16..24].copy_from_slice(&row.tokens.active.to_le_bytes());
+        b[24..32].copy_from_slice(&row.tokens.kv.to_le_bytes());
+        b[32..40].copy_from_slice(&row.tokens.decode.to_le_bytes());
+        b[40..44].copy_from_slice(&row.tokens.decode_requests.to_le_bytes());
+        b[44..48].fill(0);
+        b[48..56].copy_from_slice(&row.tokens.decode_routed_at_sum_ms.to_le_bytes());
+        b[56..64].copy_from_slice(&row.tokens.touched_ms.to_le_bytes());
+    }
+
+    /// The pod's row, zero when absent.
+    pub fn row(&self, id: PodId) -> Row {
+        self.find(id).map(|i| self.read(i)).unwrap_or_default()
+    }
+
+    /// Applies `f` to the pod's row, creating it (at zero) when absent.
+    fn modify(&mut self, id: PodId, f: impl FnOnce(&mut Row)) {
+        let i = match self.find(id) {
+            Ok(i) => i,
+            Err(i) => {
+                let at = Ledger::row_offset(i);
+                self.bytes.splice(at..at, [0u8; ROW]);
+                i
+            }
+        };
+        let mut row = self.read(i);
+        f(&mut row);
+        self.write(i, id, &row);
+    }
+
+    /// Applies `f` only when the pod has a row: a release never re-creates a pruned pod.
+    fn modify_existing(&mut self, id: PodId, f: impl FnOnce(&mut Row)) {
+        if let Ok(i) = self.find(id) {
+            let mut row = self.read(i);
+            f(&mut row);
+            self.write(i, id, &row);
+        }
+    }
+
+    pub fn counts(&self, id: PodId) -> Counts {
+        self.row(id).counts
+    }
+
+    pub fn tokens(&self, id: PodId) -> PodTokens {
+        self.row(id).tokens
+    }
+
+    /// The rows of many pods in one merge pass: `order` lists `(id, slot)` sorted by id (a
+    /// model precomputes it once per snapshot); the result holds each slot's row (zero when
+    /// absent). One walk over both sorted sequences, no per-pod search.
+    pub fn rows_for(&self, order: &[(PodId, usize)], slots: usize) -> Vec<Row> {
+        let mut out = vec![Row::default(); slots];
+        let (n, mut i) = (self.len(), 0usize);
+        for &(id, slot) in order {
+            while i < n && self.id_at(i) < id.0 {
+                i += 1;
+            }
+            if i < n && self.id_at(i) == id.0 {
+                if let Some(r) = out.get_mut(slot) {
+                    *r = self.read(i);
+                }
+            }
+        }
+        out
+    }
+
+    /// The token row of a pod by key (tests, gauges).
+    pub fn pod(&self, key: &str) -> PodTokens {
+        self.tokens(PodId::of(key))
+    }
+
+    pub fn counts_of(&self, key: &str) -> Counts {
+        self.counts(PodId::of(key))
+    }
+
+    pub fn add(&mut self, key: &str, counter: Counter, now_ms: u64) {
+        self.modify(PodId::of(key), |r| {
+            let c = &mut r.counts;
+            match counter {
+                Counter::PrefillInflight => {
+                    c.prefill_inflight = c.prefill_inflight.saturating_add(1)
+                }
+                Counter::Running => c.running = c.running.saturating_add(1),
+            }
+            r.tokens.touched_ms = now_ms;
+        });
+    }
+
     /// Releases one unit; counters never go below zero.
-    pub fn release(&mut self, pod_key: &str, counter: Counter) {
-        if let Some(c) = self.pods.get_mut(pod_key) {
+    pub fn release(&mut self, key: &str, counter: Counter, now_ms: u64) {
+        self.modify_existing(PodId::of(key), |r| {
+            let c = &mut r.counts;
             match counter {
                 Counter::PrefillInflight => {
                     c.prefill_inflight = c.prefill_inflight.saturating_sub(1)
                 }
                 Counter::Running => c.running = c.running.saturating_sub(1),
             }
-            if c.is_zero() {
-                self.pods.remove(pod_key);
+            r.tokens.touched_ms = now_ms;
+        });
+    }
+
+    /// Charges a prefill selection and returns the request's handle.
+    pub fn charge_prefill(&mut self, key: &str, cost: f64, now_ms: u64) -> Charge {
+        self.modify(PodId::of(key), |r| r.tokens.charge_prefill(cost, now_ms));
+        Charge {
+            pod: key.to_string(),
+            cost: amount(cost),
+            charged_at_ms: now_ms,
+            tokens_released: false,
+            kv_released: false,
+        }
+    }
+
+    /// Releases the active part once; `false` when it already was.
+    pub fn release_tokens(&mut self, charge: &mut Charge, now_ms: u64) -> bool {
+        if charge.tokens_released {
+            return false;
+        }
+        charge.tokens_released = true;
+        let cost = charge.cost;
+        self.modify_existing(PodId::of(&charge.pod), |r| {
+            r.tokens.release_tokens(cost, now_ms)
+        });
+        true
+    }
+
+    /// Releases the KV part once (it may come before the token release).
+    pub fn release_kv(&mut self, charge: &mut Charge, now_ms: u64) -> bool {
+        if charge.kv_released {
+            return false;
+        }
+        charge.kv_released = true;
+        let cost = charge.cost;
+        self.modify_existing(PodId::of(&charge.pod), |r| {
+            r.tokens.release_kv(cost, now_ms)
+        });
+        true
+    }
+
+    /// Releases whatever the charge still holds (prefill failure, completion, TTL).
+    pub fn release_all(&mut self, charge: &mut Charge, now_ms: u64) {
+        self.release_tokens(charge, now_ms);
+        self.release_kv(charge, now_ms);
+    }
+
+    /// Charges a decode selection with the whole prompt (no request cost: the decode pod
+    /// receives all of the prompt's KV, whatever the prefill pod had cached).
+    pub fn charge_decode(&mut self, key: &str, prompt_tokens: u64, now_ms: u64) -> DecodeCharge {
+        let tokens = prompt_tokens as f64;
+        self.modify(PodId::of(key), |r| {
+            r.tokens.charge_decode(tokens, now_ms, now_ms)
+        });
+        DecodeCharge {
+            pod: key.to_string(),
+            prompt_tokens: tokens,
+            routed_at_ms: now_ms,
+            released: false,
+        }
+    }
+
+    /// Releases a decode charge once; `false` when it already was.
+    pub fn release_decode(&mut self, charge: &mut DecodeCharge, now_ms: u64) -> bool {
+        if charge.released {
+            return false;
+        }
+        charge.released = true;
+        let (tokens, at) = (charge.prompt_tokens, charge.routed_at_ms);
+        self.modify_existing(PodId::of(&charge.pod), |r| {
+            r.tokens.release_decode(tokens, at, now_ms)
+        });
+        true
+    }
+
+    /// Janitor: drops rows at zero load untouched for [`IDLE_PRUNE_MS`] (pods come and go
+    /// under autoscaling; the next charge re-creates a pruned pod from zero). Returns how
+    /// many were dropped.
+    pub fn prune_idle(&mut self, now_ms: u64) -> usize {
+        let before = self.len();
+        let mut kept = MAGIC.to_vec();
+        for i in 0..before {
+            let row = self.read(i);
+            if !(row.is_zero() && now_ms.saturating_sub(row.tokens.touched_ms) >= IDLE_PRUNE_MS) {
+                kept.extend_from_slice(
+                    &self.bytes[Ledger::row_offset(i)..Ledger::row_offset(i) + ROW],
+                );
             }
         }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.pods.is_empty()
-    }
-
-    /// Format: per pod `u16 key length, key bytes, u32 prefill_inflight, u32 running`,
-    /// little-endian. Zero rows are never stored, so the table stays as small as the load.
-    pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(self.pods.len() * 40);
-        for (key, c) in &self.pods {
-            let len = key.len().min(u16::MAX as usize);
-            out.extend_from_slice(&(len as u16).to_le_bytes());
-            out.extend_from_slice(&key.as_bytes()[..len]);
-            out.extend_from_slice(&c.prefill_inflight.to_le_bytes());
-            out.extend_from_slice(&c.running.to_le_bytes());
-        }
-        out
-    }
-
-    pub fn decode(mut bytes: &[u8]) -> Result<LoadTable, StoreError> {
-        let mut table = LoadTable::default();
-        while !bytes.is_empty() {
-            let (len, rest) = split_u16(bytes)?;
-            let len = len as usize;
-            if rest.len() < len + 8 {
-                return Err(StoreError::Corrupt);
-            }
-            let key = std::str::from_utf8(&rest[..len]).map_err(|_| StoreError::Corrupt)?;
-            let (prefill_inflight, rest) = split_u32(&rest[len..])?;
-            let (running, rest) = split_u32(rest)?;
-            table.pods.insert(
-                key.to_string(),
-                Counts {
-                    prefill_inflight,
-                    running,
-                },
-            );
-            bytes = rest;
-        }
-        Ok(table)
+        self.bytes = kept;
+        before - self.len()
     }
 }
 
-fn split_u16(b: &[u8]) -> Result<(u16, &[u8]), StoreError> {
-    let (head, rest) = b.split_first_chunk::<2>().ok_or(StoreError::Corrupt)?;
-    Ok((u16::from_le_bytes(*head), rest))
-}
-
-fn split_u32(b: &[u8]) -> Result<(u32, &[u8]), StoreError> {
-    let (head, rest) = b.split_first_chunk::<4>().ok_or(StoreError::Corrupt)?;
-    Ok((u32::from_le_bytes(*head), rest))
-}
-
-/// Everything charged to pods: request counters and the token ledgers.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Ledger {
-    pub loads: LoadTable,
-    pub tokens: crate::core::tokens::TokenTable,
-}
-
-impl Ledger {
-    /// `u32` length of the counters, the counters, then the token table.
-    pub fn encode(&self) -> Vec<u8> {
-        let loads = self.loads.encode();
-        let tokens = self.tokens.encode();
-        let mut out = Vec::with_capacity(4 + loads.len() + tokens.len());
-        out.extend_from_slice(&(loads.len() as u32).to_le_bytes());
-        out.extend_from_slice(&loads);
-        out.extend_from_slice(&tokens);
-        out
-    }
-
-    pub fn decode(bytes: &[u8]) -> Result<Ledger, StoreError> {
-        if bytes.is_empty() {
-            return Ok(Ledger::default());
-        }
-        let (len, rest) = split_u32(bytes)?;
-        let len = len as usize;
-        if rest.len() < len {
-            return Err(StoreError::Corrupt);
-        }
-        Ok(Ledger {
-            loads: LoadTable::decode(&rest[..len])?,
-            tokens: crate::core::tokens::TokenTable::decode(&rest[len..])?,
-        })
-    }
-}
-
-/// Creates the table key if absent. Must run before concurrent use: Envoy ignores the CAS
+/// Creates the ledger key if absent. Must run before concurrent use: Envoy ignores the CAS
 /// token on a missing key, so two first writers would otherwise overwrite each other.
 pub fn ensure_table(store: &dyn Store) -> Result<(), StoreError> {
     if store.get(LOAD_KEY)?.0.is_none() {
-        store.set(LOAD_KEY, &[], None)?;
+        store.set(LOAD_KEY, Ledger::default().as_bytes(), None)?;
     }
     Ok(())
 }
@@ -190,12 +416,9 @@ pub fn update<R, E: From<StoreError>>(
 ) -> Result<R, E> {
     for _ in 0..MAX_CAS_ATTEMPTS {
         let (bytes, cas) = store.get(LOAD_KEY)?;
-        let mut ledger = match bytes {
-            Some(b) => Ledger::decode(&b)?,
-            None => Ledger::default(),
-        };
+        let mut ledger = Ledger::from_bytes(bytes.unwrap_or_default())?;
         let result = f(&mut ledger)?;
-        if store.set(LOAD_KEY, &ledger.encode(), cas)? {
+        if store.set(LOAD_KEY, ledger.as_bytes(), cas)? {
             return Ok(result);
         }
     }
@@ -204,24 +427,13 @@ pub fn update<R, E: From<StoreError>>(
 
 /// Reads the ledger without changing it.
 pub fn read(store: &dyn Store) -> Result<Ledger, StoreError> {
-    match store.get(LOAD_KEY)?.0 {
-        Some(b) => Ledger::decode(&b),
-        None => Ok(Ledger::default()),
-    }
-}
-
-/// Releases one counter (idempotence is the caller's: it releases each charge it holds once).
-pub fn release(store: &dyn Store, pod_key: &str, counter: Counter) -> Result<(), StoreError> {
-    update(store, |l| {
-        l.loads.release(pod_key, counter);
-        Ok::<(), StoreError>(())
-    })
+    Ledger::from_bytes(store.get(LOAD_KEY)?.0.unwrap_or_default())
 }
 
 /// In-memory store for native tests and benchmarks.
 #[derive(Default)]
 pub struct MemoryStore {
-    data: std::cell::RefCell<HashMap<String, (Vec<u8>, u32)>>,
+    data: std::cell::RefCell<hashbrown::HashMap<String, (Vec<u8>, u32)>>,
 }
 
 impl Store for MemoryStore {
@@ -247,83 +459,4 @@ impl Store for MemoryStore {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use std::cell::Cell;
-
-    #[test]
-    fn encode_decode_round_trip_drops_zero_rows() {
-        let mut t = LoadTable::default();
-        t.add("ns/a", Counter::Running);
-        t.add("ns/a", Counter::PrefillInflight);
-        t.add("ns/b", Counter::Running);
-        t.release("ns/b", Counter::Running);
-        t.release("ns/b", Counter::Running);
-        let back = LoadTable::decode(&t.encode()).unwrap();
-        assert_eq!(back, t);
-        assert_eq!(
-            back.counts("ns/a"),
-            Counts {
-                prefill_inflight: 1,
-                running: 1
-            }
-        );
-        assert_eq!(back.counts("ns/b"), Counts::default());
-        assert_eq!(LoadTable::decode(&[3, 0, b'a']), Err(StoreError::Corrupt));
-    }
-
-    /// A store whose first write loses to another worker's charge, as under real contention.
-    struct RacingStore {
-        inner: MemoryStore,
-        raced: Cell<bool>,
-    }
-
-    impl Store for RacingStore {
-        fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), StoreError> {
-            self.inner.get(key)
-        }
-        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<bool, StoreError> {
-            if !self.raced.replace(true) {
-                let mut other = Ledger::default();
-                other.loads.add("ns/a", Counter::Running);
-                let (_, c) = self.inner.get(key)?;
-                self.inner.set(key, &other.encode(), c)?;
-            }
-            self.inner.set(key, value, cas)
-        }
-    }
-
-    #[test]
-    fn a_conflicting_write_reruns_the_selection_on_fresh_data() {
-        let store = RacingStore {
-            inner: MemoryStore::default(),
-            raced: Cell::new(false),
-        };
-        ensure_table(&store.inner).unwrap();
-        let mut runs = 0;
-        // "Select" the least-running of a and b, then charge it.
-        let chosen = update(&store, |l| {
-            let t = &mut l.loads;
-            runs += 1;
-            let pick = if t.counts("ns/a").running <= t.counts("ns/b").running {
-                "ns/a"
-            } else {
-                "ns/b"
-            };
-            t.add(pick, Counter::Running);
-            Ok::<_, StoreError>(pick)
-        })
-        .unwrap();
-        assert_eq!(runs, 2, "the first attempt lost the race");
-        assert_eq!(
-            chosen, "ns/b",
-            "the retry saw the other worker's charge on a"
-        );
-        let t = read(&store).unwrap().loads;
-        assert_eq!((t.counts("ns/a").running, t.counts("ns/b").running), (1, 1));
-        release(&store, "ns/a", Counter::Running).unwrap();
-        release(&store, "ns/b", Counter::Running).unwrap();
-        release(&store, "ns/b", Counter::Running).unwrap();
-        assert!(read(&store).unwrap().loads.is_empty(), "never below zero");
-    }
-}
+mod tests;

@@ -35,7 +35,7 @@ fn pod_tokens(ledger: &Ledger, held: &HeldCharges) -> Vec<(String, PodTokens)> {
     keys.sort_unstable();
     keys.dedup();
     keys.into_iter()
-        .map(|k| (k.to_string(), ledger.tokens.pod(k)))
+        .map(|k| (k.to_string(), ledger.pod(k)))
         .collect()
 }
 
@@ -346,7 +346,7 @@ impl PdHttp {
         let mut vm = vm.borrow_mut();
         let rng = &mut vm.rng;
         let (target, held) = ledger::update(&SharedData, |l| {
-            let target = pd::select_single(model, strategy, &l.loads, rng)?;
+            let target = pd::select_single(model, strategy, l, rng)?;
             let held = pd::Selected::single(target.pod()).charge(model, l, now);
             Ok::<_, RouteError>((target, held))
         })?;

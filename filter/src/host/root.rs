@@ -32,6 +32,7 @@ pub struct Root {
     /// Consecutive failed polls; logged at 1, 2, 4, 8, ... so an outage does not flood the log.
     fetch_failures: u64,
     next_housekeeping: u64,
+    next_ledger_prune: u64,
 }
 
 impl Root {
@@ -58,6 +59,7 @@ impl Root {
             loaded_once: false,
             fetch_failures: 0,
             next_housekeeping: 0,
+            next_ledger_prune: 0,
         }
     }
 
@@ -103,6 +105,19 @@ impl Root {
         let age = vm.prefix_settings.eviction_age_ms;
         vm.prefix.evict_older_than(now, age);
         vm.sessions.prune(now);
+        drop(vm);
+        if now >= self.next_ledger_prune {
+            // Pods that left (autoscaling, rollouts) must not accumulate in the shared ledger.
+            self.next_ledger_prune = now + crate::core::tokens::IDLE_PRUNE_MS;
+            let pruned = crate::core::ledger::update(&SharedData, |l| {
+                Ok::<_, crate::core::ledger::StoreError>(l.prune_idle(now))
+            });
+            match pruned {
+                Ok(n) if n > 0 => log::info!("ledger janitor dropped {n} idle pods"),
+                Ok(_) => {}
+                Err(e) => log::warn!("ledger janitor: {e}"),
+            }
+        }
     }
 
     fn fetch_failed(&mut self, why: String) {

@@ -63,7 +63,7 @@ impl Selected {
         let mut held = HeldCharges::default();
         let mut add = |pod: usize, counter: Counter, ledger: &mut Ledger| {
             let key = &model.pods[pod].key;
-            ledger.loads.add(key, counter);
+            ledger.add(key, counter, now_ms);
             held.counters.push((key.clone(), counter));
         };
         match self.target {
@@ -71,18 +71,12 @@ impl Selected {
                 add(prefill, Counter::PrefillInflight, ledger);
                 add(decode, Counter::Running, ledger);
                 if let Some(cost) = self.prefill_cost {
-                    held.prefill_tokens = Some(ledger.tokens.charge_prefill(
-                        &model.pods[prefill].key,
-                        cost,
-                        now_ms,
-                    ));
+                    held.prefill_tokens =
+                        Some(ledger.charge_prefill(&model.pods[prefill].key, cost, now_ms));
                 }
                 if let Some(tokens) = self.decode_tokens {
-                    held.decode_tokens = Some(ledger.tokens.charge_decode(
-                        &model.pods[decode].key,
-                        tokens,
-                        now_ms,
-                    ));
+                    held.decode_tokens =
+                        Some(ledger.charge_decode(&model.pods[decode].key, tokens, now_ms));
                 }
             }
             Target::Single { pod } => add(pod, Counter::Running, ledger),
@@ -102,7 +96,8 @@ pub fn select_pd(
     match candidates::collect(model, step0, &mut |n| rng.usize(0..n))? {
         Step0::Combined(pod) => Ok(Selected::single(pod)),
         Step0::Pairs { prefill, decode } => {
-            let c = select::select_pair(model, prefill, decode, ledger, pair, rng)?;
+            let rows = ledger.rows_for(&model.id_order, model.pods.len());
+            let c = select::select_pair(model, prefill, decode, &rows, pair, rng)?;
             Ok(Selected {
                 target: Target::Pair {
                     prefill: c.prefill,

@@ -6,7 +6,7 @@
 
 use crate::core::errors::RouteError;
 use crate::core::fleet::{ModelView, PodView, Role};
-use crate::core::ledger::Ledger;
+use crate::core::ledger::Row;
 use crate::core::pd::settings::PdSettings;
 use crate::core::pd::MinPicker;
 use crate::core::score::decode::{DecodeBatch, DecodeInput};
@@ -58,8 +58,8 @@ fn roleset_of(model: &ModelView, pod: usize) -> Option<usize> {
 }
 
 /// The decode-side signals of one pod.
-fn decode_input(pod: &PodView, ledger: &Ledger) -> DecodeInput {
-    let counts = ledger.loads.counts(&pod.key);
+fn decode_input(pod: &PodView, row: &Row) -> DecodeInput {
+    let counts = row.counts;
     let metrics = pod.metrics.as_ref().filter(|m| !m.stale);
     DecodeInput {
         count: counts.running,
@@ -76,7 +76,7 @@ pub fn select_pair(
     model: &ModelView,
     mut prefill: Vec<usize>,
     mut decode: Vec<usize>,
-    ledger: &Ledger,
+    rows: &[Row],
     input: PairInput<'_>,
     rng: &mut fastrand::Rng,
 ) -> Result<PairChoice, RouteError> {
@@ -86,7 +86,7 @@ pub fn select_pair(
     // Step 1: prefill imbalance, on in-flight prefill counts.
     let counts: Vec<u32> = prefill
         .iter()
-        .map(|&i| ledger.loads.counts(&model.pods[i].key).prefill_inflight)
+        .map(|&i| rows[i].counts.prefill_inflight)
         .collect();
     let spread = s.prefill_spread.min(u32::MAX as f64) as u32;
     if let Some(k) = prefill::prefill_fast_path(&counts, spread, rng) {
@@ -102,7 +102,7 @@ pub fn select_pair(
         let batch = DecodeBatch::new(
             decode
                 .iter()
-                .map(|&i| decode_input(&model.pods[i], ledger))
+                .map(|&i| decode_input(&model.pods[i], &rows[i]))
                 .collect(),
         );
         if let Some(pick) = crate::core::score::decode::decode_fast_path(&batch, &s.decode) {
@@ -134,7 +134,7 @@ pub fn select_pair(
     // Step 3: prefill scoring; the lowest per roleset wins, pods far above the mean skipped.
     let counts: Vec<u32> = prefill
         .iter()
-        .map(|&i| ledger.loads.counts(&model.pods[i].key).prefill_inflight)
+        .map(|&i| rows[i].counts.prefill_inflight)
         .collect();
     let max_req = prefill::max_req(&counts);
     let (mean, std) = prefill::mean_std(&counts);
@@ -148,7 +148,7 @@ pub fn select_pair(
         }
         let pod = &model.pods[i];
         let pct = input.match_pct.get(i).copied().unwrap_or(0.0);
-        let tokens = ledger.tokens.pod(&pod.key);
+        let tokens = rows[i].tokens;
         let score = match s.prefill_policy {
             PrefillPolicy::PrefixCache => prefill::prefix_cache(
                 prefill::effective_match_pct(pct, tk.min_match_pct),
@@ -187,7 +187,7 @@ pub fn select_pair(
     let batch = DecodeBatch::new(
         decode
             .iter()
-            .map(|&i| decode_input(&model.pods[i], ledger))
+            .map(|&i| decode_input(&model.pods[i], &rows[i]))
             .collect(),
     );
     let rates = if s.decode_policy == DecodePolicy::TokenLoad {
@@ -210,12 +210,9 @@ pub fn select_pair(
     for (k, &i) in decode.iter().enumerate() {
         let pod = &model.pods[i];
         let ledger_score = match rates.get(k) {
-            Some(&rate) => {
-                ledger
-                    .tokens
-                    .pod(&pod.key)
-                    .decode_load(rate, input.now_ms, tk.output_growth)
-            }
+            Some(&rate) => rows[i]
+                .tokens
+                .decode_load(rate, input.now_ms, tk.output_growth),
             None => 0.0,
         };
         let Some(score) = batch.score(k, s.decode_policy, s.lb, ledger_score) else {

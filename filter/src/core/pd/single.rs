@@ -4,13 +4,13 @@
 
 use crate::core::errors::RouteError;
 use crate::core::fleet::{ModelView, PodView, Role};
-use crate::core::ledger::LoadTable;
+use crate::core::ledger::Ledger;
 use crate::core::pd::{MinPicker, Target};
 use crate::core::profile::Strategy;
 
 /// The score a strategy minimises for one pod; NaN excludes the pod.
-fn score(strategy: Strategy, pod: &PodView, loads: &LoadTable) -> f64 {
-    let running = loads.counts(&pod.key).running as f64;
+fn score(strategy: Strategy, pod: &PodView, ledger: &Ledger) -> f64 {
+    let running = ledger.counts(pod.id).running as f64;
     let metric = |f: fn(&crate::proto::PodMetrics) -> f64| pod.metrics.as_ref().map(f);
     match strategy {
         Strategy::Random => 0.0,
@@ -29,7 +29,7 @@ fn score(strategy: Strategy, pod: &PodView, loads: &LoadTable) -> f64 {
 pub fn select_single(
     model: &ModelView,
     strategy: Strategy,
-    loads: &LoadTable,
+    ledger: &Ledger,
     rng: &mut fastrand::Rng,
 ) -> Result<Target, RouteError> {
     let mut best = MinPicker::new();
@@ -39,7 +39,7 @@ pub fn select_single(
         .enumerate()
         .filter(|(_, p)| p.role == Role::Other)
     {
-        best.offer(score(strategy, pod, loads), i, rng);
+        best.offer(score(strategy, pod, ledger), i, rng);
     }
     best.item().map(|pod| Target::Single { pod }).ok_or_else(|| RouteError::Selection {
         detail: format!(
@@ -84,7 +84,7 @@ mod tests {
             .clone()
     }
 
-    fn pick(strategy: Strategy, loads: &LoadTable) -> String {
+    fn pick(strategy: Strategy, loads: &Ledger) -> String {
         let m = model();
         let mut rng = fastrand::Rng::with_seed(2);
         let t = select_single(&m, strategy, loads, &mut rng).unwrap();
@@ -93,8 +93,8 @@ mod tests {
 
     #[test]
     fn each_strategy_minimises_its_signal() {
-        let mut loads = LoadTable::default();
-        loads.add("ns/a", Counter::Running);
+        let mut loads = Ledger::default();
+        loads.add("ns/a", Counter::Running, 0);
         assert_eq!(pick(Strategy::LeastRequest, &loads), "bb");
         assert_eq!(pick(Strategy::LeastKvCache, &loads), "bb");
         assert_eq!(pick(Strategy::LeastLatency, &loads), "a");

@@ -138,15 +138,11 @@ fn prefill_fast_path_takes_the_least_loaded_prefill_pod_and_its_roleset() {
     let m = rolesets(2);
     let mut ledger = Ledger::default();
     for _ in 0..20 {
-        ledger
-            .loads
-            .add("ns/p0", crate::core::ledger::Counter::PrefillInflight);
+        ledger.add("ns/p0", crate::core::ledger::Counter::PrefillInflight, 0);
     }
     // Make g0's decode pod far more attractive, so only the fast path explains choosing g1.
     for _ in 0..5 {
-        ledger
-            .loads
-            .add("ns/d1", crate::core::ledger::Counter::Running);
+        ledger.add("ns/d1", crate::core::ledger::Counter::Running, 0);
     }
     let s = settings(PrefillPolicy::PrefixCache, DecodePolicy::LeastRequest);
     let sel = pick(&m, &ledger, input(&s, &[], 10), 1);
@@ -159,13 +155,9 @@ fn decode_fast_path_on_request_count_spread_aligns_the_prefill_side() {
     let m = rolesets(2);
     let mut ledger = Ledger::default();
     for _ in 0..17 {
-        ledger
-            .loads
-            .add("ns/d0", crate::core::ledger::Counter::Running);
+        ledger.add("ns/d0", crate::core::ledger::Counter::Running, 0);
     }
-    ledger
-        .loads
-        .add("ns/d1", crate::core::ledger::Counter::Running);
+    ledger.add("ns/d1", crate::core::ledger::Counter::Running, 0);
     let s = settings(PrefillPolicy::LeastRequest, DecodePolicy::LoadBalancing);
     let sel = pick(&m, &ledger, input(&s, &[], 10), 3);
     assert_eq!(
@@ -227,9 +219,7 @@ fn sigma_filter_skips_an_overloaded_prefill_pod() {
     let m = rolesets(3);
     let mut ledger = Ledger::default();
     for _ in 0..10 {
-        ledger
-            .loads
-            .add("ns/p2", crate::core::ledger::Counter::PrefillInflight);
+        ledger.add("ns/p2", crate::core::ledger::Counter::PrefillInflight, 0);
     }
     let mut pct = vec![0.0; m.pods.len()];
     pct[m.pods.iter().position(|p| p.name == "p2").unwrap()] = 100.0;
