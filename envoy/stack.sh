@@ -49,7 +49,7 @@ up() {
       -e "s#@WASM_PATH@#$PWD/$wasm#; s#@CONTROL_ADDR@#127.0.0.1#; s#@CONTROL_PORT@#$CONTROL_PORT#" \
       -e "s#@REFRESH_MS@#$REFRESH_MS#" envoy/envoy.yaml.tmpl > "$RUN/envoy.yaml"
   start envoy "$envoy" -c "$RUN/envoy.yaml" --concurrency "$CONCURRENCY" --disable-hot-restart \
-      --log-path "$RUN/envoy.log" -l info
+      --log-path "$RUN/envoy.log" --file-flush-interval-msec 200 -l info
   local deadline=$((SECONDS + 30)) want=$((CONCURRENCY + 1))
   until [ "$(curl -s "127.0.0.1:$ADMIN_PORT/stats?filter=^wasmcustom.pd_router_fleet_loaded_vms$" | awk '{print $2}')" -ge "$want" ] 2>/dev/null; do
     kill -0 "$(cat "$RUN/envoy.pid")" 2>/dev/null || die "envoy exited; see $RUN/envoy.log"

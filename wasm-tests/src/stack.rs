@@ -335,6 +335,8 @@ impl Stack {
             .arg("info")
             .arg("--log-path")
             .arg(dir.join("envoy.log"))
+            .arg("--file-flush-interval-msec")
+            .arg("100")
             .env_clear()
             .envs(envoy_env.iter().copied());
         let child = envoy

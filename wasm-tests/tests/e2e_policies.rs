@@ -262,3 +262,76 @@ fn prompt_length_buckets_choose_the_roleset_or_the_standard_pod() {
         );
     }
 }
+
+#[test]
+fn a_charge_held_past_its_ttl_is_force_released_once() {
+    let fleet = Fleet::new(MODEL)
+        .pod("p0", "prefill", "g0")
+        .pod("d0", "decode", "g0");
+    let env = [
+        ("AIBRIX_PREFILL_SCORE_POLICY", "token_load"),
+        ("AIBRIX_TOKEN_LOAD_TTL_SECONDS", "1"),
+    ];
+    // The prefill leg takes 3.5 s, far past the 1 s TTL.
+    let stack = Stack::start_full(
+        fleet.clone(),
+        fleet,
+        2,
+        &env,
+        &["--prefill-base-ms", "3500"],
+    );
+    let gateway = stack.gateway.clone();
+    let request = std::thread::spawn(move || completion_at(&gateway, &"slow prompt ".repeat(50)));
+
+    let active = |stack: &Stack| {
+        ledger_gauges(stack)
+            .get(&("pd_token_load_active_tokens".to_string(), "p0".to_string()))
+            .copied()
+            .unwrap_or(0.0)
+    };
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while active(&stack) == 0.0 {
+        assert!(Instant::now() < deadline, "the charge never showed up");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The janitor force-releases it while the request is still waiting for its prefill.
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while active(&stack) != 0.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the charge was never force-released"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        !request.is_finished(),
+        "released before the request ended, not by it"
+    );
+    let r = request.join().expect("client");
+    assert_eq!(
+        r.status,
+        200,
+        "the request itself still completes: {}",
+        r.text()
+    );
+    // Its own releases found nothing left to release: no double subtraction, all exactly 0.
+    assert!(
+        ledger_gauges(&stack).values().all(|v| *v == 0.0),
+        "{:?}",
+        ledger_gauges(&stack)
+    );
+    assert!(
+        stack.envoy_log().contains("force-releasing"),
+        "the force release is logged"
+    );
+}
+
+fn completion_at(gateway: &str, prompt: &str) -> http::Response {
+    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2});
+    http::post_json(
+        gateway,
+        "/v1/completions",
+        &[("routing-strategy", "pd")],
+        &body,
+    )
+}

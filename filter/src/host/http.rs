@@ -14,30 +14,19 @@ use crate::core::config::KvConnector;
 use crate::core::engine::vllm;
 use crate::core::errors::RouteError;
 use crate::core::fleet::{FleetView, ModelView};
-use crate::core::ledger::{self, Ledger, StoreError};
+use crate::core::ledger::{self, Ledger};
 use crate::core::pd::{self, candidates, PairInput, PdSettings, Step0Input, Target};
 use crate::core::prefix::{self, PrefixEvent};
 use crate::core::profile::Strategy;
 use crate::core::request::{self, Endpoint, RoutingRequest};
 use crate::core::route::{self, Decision};
 use crate::core::tokenize;
-use crate::core::tokens::{self, PodTokens};
+use crate::core::tokens;
+use crate::host::holds::{self, pod_tokens, Hold};
 use crate::host::metrics::Metrics;
 use crate::host::snapshot;
 use crate::host::store::SharedData;
-use crate::host::{now_ms, now_ns, SharedVm};
-
-/// The token rows of the pods a request holds charges on, for the ledger gauges.
-fn pod_tokens(ledger: &Ledger, held: &HeldCharges) -> Vec<(String, PodTokens)> {
-    let mut keys: Vec<&str> = held.counters.iter().map(|(k, _)| k.as_str()).collect();
-    keys.extend(held.prefill_tokens.as_ref().map(|c| c.pod.as_str()));
-    keys.extend(held.decode_tokens.as_ref().map(|c| c.pod.as_str()));
-    keys.sort_unstable();
-    keys.dedup();
-    keys.into_iter()
-        .map(|k| (k.to_string(), ledger.pod(k)))
-        .collect()
-}
+use crate::host::{now_ms, now_ns, SharedVm, VmState};
 
 /// Request headers forwarded on the prefill leg, as AIBrix does.
 const FORWARDED: [&str; 6] = [
@@ -80,8 +69,6 @@ pub struct PdHttp {
     /// The profile `config-profile: auto` picked, echoed as `x-aibrix-config-profile`.
     auto_profile: Option<String>,
     session_key: Option<String>,
-    /// What the request holds on the shared ledger; released in stages, each part once.
-    held: HeldCharges,
     /// Prefill leg timeout of the request's profile.
     prefill_timeout_s: f64,
     pending: Option<PendingDecode>,
@@ -100,7 +87,6 @@ impl PdHttp {
             profile_header: None,
             auto_profile: None,
             session_key: None,
-            held: HeldCharges::default(),
             prefill_timeout_s: 30.0,
             pending: None,
             routed: None,
@@ -129,28 +115,20 @@ impl PdHttp {
         Action::Pause
     }
 
-    /// Runs one release stage in a CAS round and keeps its result once the write landed.
+    /// Runs one release stage of this request's charges (see `holds::release`).
     fn release_stage(&mut self, stage: fn(&HeldCharges, &mut Ledger, u64) -> HeldCharges) {
-        if self.held.is_empty() {
-            return;
-        }
-        let now = now_ms();
-        let held = self.held.clone();
-        let result = ledger::update(&SharedData, |l| {
-            let next = stage(&held, l, now);
-            Ok::<_, StoreError>((next, pod_tokens(l, &held)))
-        });
-        match result {
-            Ok((next, tokens)) => {
-                self.held = next;
-                self.vm.borrow_mut().metrics.token_gauges(&tokens);
-            }
-            // Kept held: on_log tries again, so nothing is lost for good.
-            Err(e) => log::error!(
-                "request {}: cannot release its charges: {e}",
-                self.request_id
-            ),
-        }
+        holds::release(&self.vm, self.id, now_ms(), stage);
+    }
+
+    /// Records what the request now holds, with its force-release deadline.
+    fn hold(&self, vm: &mut VmState, charges: HeldCharges, now: u64, ttl_s: u64) {
+        let hold = Hold {
+            charges,
+            since_ms: now,
+            ttl_ms: ttl_s.saturating_mul(1000),
+            request_id: self.request_id.clone(),
+        };
+        vm.holds.insert(self.id, hold);
     }
 
     fn release_all(&mut self) {
@@ -319,7 +297,7 @@ impl PdHttp {
             let _ = hostcalls::record_metric(id, elapsed_us);
         }
         vm.metrics.token_gauges(&tokens);
-        self.held = held;
+        self.hold(vm, held, now, settings.tokens.ttl_s);
         if let (Target::Pair { prefill, .. }, false) = (selected.target, hashes.is_empty()) {
             // Warm the index with the chosen prefill pod, here and on every other worker.
             let event = PrefixEvent {
@@ -350,7 +328,8 @@ impl PdHttp {
             let held = pd::Selected::single(target.pod()).charge(model, l, now);
             Ok::<_, RouteError>((target, held))
         })?;
-        self.held = held;
+        let ttl_s = vm.defaults.tokens.ttl_s;
+        self.hold(&mut vm, held, now, ttl_s);
         Ok(target)
     }
 

@@ -1,6 +1,7 @@
 //! Proxy-wasm glue: contexts, shared data, queues, HTTP calls and metrics. Each callback is
 //! short and hands the decision to `crate::core`.
 
+pub mod holds;
 pub mod http;
 pub mod metrics;
 pub mod root;
@@ -34,6 +35,8 @@ pub struct VmState {
     pub prefix_seed: u64,
     /// Notice queues of the other live VMs, refreshed about once a second.
     pub peers: Vec<u32>,
+    /// Charges of this VM's in-flight requests, by HTTP context id.
+    pub holds: hashbrown::HashMap<u32, holds::Hold>,
     /// The fleet view of the newest snapshot this VM has decoded.
     pub fleet: Option<Rc<FleetView>>,
     pub rng: fastrand::Rng,

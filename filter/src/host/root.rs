@@ -48,6 +48,7 @@ impl Root {
                 prefix_settings: PrefixSettings::default(),
                 prefix_seed: 0,
                 peers: Vec::new(),
+                holds: hashbrown::HashMap::new(),
                 fleet: None,
                 rng: fastrand::Rng::with_seed(seed),
                 metrics: Metrics::default(),
@@ -106,6 +107,7 @@ impl Root {
         vm.prefix.evict_older_than(now, age);
         vm.sessions.prune(now);
         drop(vm);
+        crate::host::holds::expire(&self.vm, now);
         if now >= self.next_ledger_prune {
             // Pods that left (autoscaling, rollouts) must not accumulate in the shared ledger.
             self.next_ledger_prune = now + crate::core::tokens::IDLE_PRUNE_MS;

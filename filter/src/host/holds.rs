@@ -1,0 +1,84 @@
+//! The charges every in-flight request of this VM holds on the shared ledger, kept per VM
+//! (not in the HTTP context) so the janitor can force-release a charge whose release never
+//! arrives: after its TTL (`AIBRIX_TOKEN_LOAD_TTL_SECONDS`) it is released with a warning,
+//! and a leaked entry cannot pin load on a pod for ever.
+
+use crate::core::charges::HeldCharges;
+use crate::core::ledger::{self, Ledger, StoreError};
+use crate::core::tokens::PodTokens;
+use crate::host::store::SharedData;
+use crate::host::SharedVm;
+
+/// One request's charges.
+#[derive(Debug, Clone)]
+pub struct Hold {
+    pub charges: HeldCharges,
+    pub since_ms: u64,
+    /// 0 = never force-released.
+    pub ttl_ms: u64,
+    pub request_id: String,
+}
+
+/// The token rows of the pods a request holds charges on, for the ledger gauges.
+pub fn pod_tokens(ledger: &Ledger, held: &HeldCharges) -> Vec<(String, PodTokens)> {
+    let mut keys: Vec<&str> = held.counters.iter().map(|(k, _)| k.as_str()).collect();
+    keys.extend(held.prefill_tokens.as_ref().map(|c| c.pod.as_str()));
+    keys.extend(held.decode_tokens.as_ref().map(|c| c.pod.as_str()));
+    keys.sort_unstable();
+    keys.dedup();
+    keys.into_iter()
+        .map(|k| (k.to_string(), ledger.pod(k)))
+        .collect()
+}
+
+/// Runs one release stage for request `id` in a CAS round, and keeps the result only once
+/// the write landed (a failed round leaves the charges held for a later attempt).
+pub fn release(
+    vm: &SharedVm,
+    id: u32,
+    now: u64,
+    stage: fn(&HeldCharges, &mut Ledger, u64) -> HeldCharges,
+) {
+    let Some(held) = vm.borrow().holds.get(&id).map(|h| h.charges.clone()) else {
+        return;
+    };
+    if held.is_empty() {
+        vm.borrow_mut().holds.remove(&id);
+        return;
+    }
+    let result = ledger::update(&SharedData, |l| {
+        let next = stage(&held, l, now);
+        Ok::<_, StoreError>((next, pod_tokens(l, &held)))
+    });
+    let mut vm = vm.borrow_mut();
+    match result {
+        Ok((next, tokens)) => {
+            vm.metrics.token_gauges(&tokens);
+            if next.is_empty() {
+                vm.holds.remove(&id);
+            } else if let Some(h) = vm.holds.get_mut(&id) {
+                h.charges = next;
+            }
+        }
+        Err(e) => log::error!("cannot release the charges of context {id}: {e}"),
+    }
+}
+
+/// Force-releases every hold older than its TTL; returns how many.
+pub fn expire(vm: &SharedVm, now: u64) -> usize {
+    let expired: Vec<(u32, String, u64)> = vm
+        .borrow()
+        .holds
+        .iter()
+        .filter(|(_, h)| h.ttl_ms > 0 && now.saturating_sub(h.since_ms) > h.ttl_ms)
+        .map(|(id, h)| (*id, h.request_id.clone(), h.since_ms))
+        .collect();
+    for (id, request_id, since) in &expired {
+        log::warn!(
+            "request {request_id}: charges held for {} s without a release; force-releasing (AIBRIX_TOKEN_LOAD_TTL_SECONDS)",
+            now.saturating_sub(*since) / 1000
+        );
+        release(vm, *id, now, HeldCharges::release_rest);
+    }
+    expired.len()
+}
