@@ -280,10 +280,11 @@ impl RootContext for Root {
             self.queue = NoticeQueue::register(self.token);
         }
         if let Some(q) = self.queue.as_mut() {
-            if q.heartbeat(now) {
-                let peers = snapshot::live_queues(&self.vm_id, now, Some(&q.name));
-                self.vm.borrow_mut().peers = peers;
-            }
+            q.heartbeat(now);
+            // Every tick: a VM that registers later must start receiving prefix events at
+            // once, not after the next heartbeat. Reading the small registry is cheap.
+            let peers = snapshot::live_queues(&self.vm_id, now, Some(&q.name));
+            self.vm.borrow_mut().peers = peers;
         }
         self.maybe_fetch(now);
         self.reload();

@@ -126,7 +126,7 @@ impl NoticeQueue {
     }
 
     /// Keeps this queue's registry entry alive and prunes entries of VMs that are gone.
-    /// True when it wrote the registry (about once a second): the moment to re-read peers.
+    /// True when it wrote the registry (about once a second).
     pub fn heartbeat(&mut self, now: u64) -> bool {
         if now < self.last_heartbeat + HEARTBEAT_MS {
             return false;
