@@ -312,26 +312,8 @@ impl LoadArgs {
     }
 }
 
-/// `20s`, `500ms`, `2m`, `1h`, or a bare number of seconds.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let (num, scale) = if let Some(n) = s.strip_suffix("ms") {
-        (n, 0.001)
-    } else if let Some(n) = s.strip_suffix('s') {
-        (n, 1.0)
-    } else if let Some(n) = s.strip_suffix('m') {
-        (n, 60.0)
-    } else if let Some(n) = s.strip_suffix('h') {
-        (n, 3600.0)
-    } else {
-        (s, 1.0)
-    };
-    let value: f64 = num
-        .trim()
-        .parse()
-        .map_err(|_| format!("bad duration {s:?}"))?;
-    Duration::try_from_secs_f64(value * scale).map_err(|_| format!("bad duration {s:?}"))
-}
+/// Durations take a unit (`20s`, `500ms`, `2m`): the same parser as pd-control's flags.
+pub use pd_control::config::parse_duration;
 
 /// `N` or `LO..HI` (also `LO-HI`).
 pub fn parse_range(s: &str) -> Result<(u64, u64), String> {
@@ -417,7 +399,7 @@ mod tests {
         assert_eq!(parse_duration("20s"), Ok(Duration::from_secs(20)));
         assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
         assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
-        assert_eq!(parse_duration("1.5"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
         assert!(parse_duration("abc").is_err());
         assert!(parse_duration("-1s").is_err());
     }
