@@ -286,8 +286,11 @@ impl PdHttp {
         };
         let rng = &mut vm.rng;
         let started = now_ns();
+        let mut core_ns = 0u128;
         let (selected, held, tokens) = ledger::update(&SharedData, |l| {
+            let t0 = now_ns();
             let selected = pd::select_pd(model, step0, l, pair, rng)?;
+            core_ns = now_ns().saturating_sub(t0);
             let held = selected.charge(model, l, now);
             let tokens = pod_tokens(l, &held);
             Ok::<_, RouteError>((selected, held, tokens))
@@ -295,6 +298,9 @@ impl PdHttp {
         let elapsed_us = (now_ns().saturating_sub(started) / 1_000) as u64;
         if let Some(id) = vm.metrics.selection_us {
             let _ = hostcalls::record_metric(id, elapsed_us);
+        }
+        if let Some(id) = vm.metrics.selection_core_us {
+            let _ = hostcalls::record_metric(id, (core_ns / 1_000) as u64);
         }
         vm.metrics.token_gauges(&tokens);
         self.hold(vm, held, now, settings.tokens.ttl_s);

@@ -23,6 +23,8 @@ pub struct Metrics {
     pub snapshot_fetch_errors: Option<u32>,
     /// Selection plus charge (one CAS round), microseconds, as measured inside the VM.
     pub selection_us: Option<u32>,
+    /// The selection alone (Steps 0–5), without the shared-data round trip, microseconds.
+    pub selection_core_us: Option<u32>,
     rejected: Vec<(&'static str, u32)>,
 }
 
@@ -52,6 +54,7 @@ impl Metrics {
             fleet_loaded_vms: define(g, "pd_router_fleet_loaded_vms"),
             snapshot_fetch_errors: define(c, "pd_router_snapshot_fetch_errors_total"),
             selection_us: define(MetricType::Histogram, "pd_router_selection_us"),
+            selection_core_us: define(MetricType::Histogram, "pd_router_selection_core_us"),
             rejected: RouteError::REASONS
                 .iter()
                 .filter_map(|r| {
