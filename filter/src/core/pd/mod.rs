@@ -113,3 +113,6 @@ pub fn select_pd(
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod proptests;
