@@ -103,17 +103,17 @@ pub fn collect(
         if !combined.is_empty() {
             return Ok(Step0::Combined(combined[random(combined.len())]));
         }
-        let side = if prefill.is_empty() {
-            "prefill"
-        } else {
-            "decode"
+        // Name the side that is missing; when both sides have ready pods, no roleset holds
+        // one of each.
+        let ready_prefill = count_role(model, crate::core::fleet::Role::Prefill);
+        let ready_decode = count_role(model, crate::core::fleet::Role::Decode);
+        let what = match (ready_prefill, ready_decode) {
+            (0, _) => "prefill pods are not ready",
+            (_, 0) => "decode pods are not ready",
+            _ => "no roleset has both a ready prefill and a ready decode pod",
         };
         return Err(RouteError::Selection {
-            detail: format!(
-                "{side} pods are not ready: prefill={}, decode={}",
-                count_role(model, crate::core::fleet::Role::Prefill),
-                count_role(model, crate::core::fleet::Role::Decode)
-            ),
+            detail: format!("{what}: prefill={ready_prefill}, decode={ready_decode}"),
         });
     }
     Ok(Step0::Pairs { prefill, decode })
@@ -338,7 +338,16 @@ mod tests {
         ]);
         let err = run(&m, false, 5).unwrap_err();
         assert!(
-            matches!(&err, RouteError::Selection { detail } if detail == "prefill pods are not ready: prefill=1, decode=1")
+            matches!(&err, RouteError::Selection { detail } if detail == "no roleset has both a ready prefill and a ready decode pod: prefill=1, decode=1")
+        );
+        let m = model(vec![
+            pod("p0", "prefill", "g0", true),
+            pod("d0", "decode", "g0", false),
+        ]);
+        let err = run(&m, false, 5).unwrap_err();
+        assert!(
+            matches!(&err, RouteError::Selection { detail } if detail == "decode pods are not ready: prefill=1, decode=0"),
+            "the missing side is named: {err:?}"
         );
     }
 
