@@ -97,14 +97,21 @@ pub fn select_pair(
         fast.prefill = true;
     }
 
-    // Step 2: decode imbalance (not under token_load, which replaces what it measures).
-    if s.decode_policy.runs_fast_path() {
-        let batch = DecodeBatch::new(
+    // The decode signals of the candidates; rebuilt below only if a later step narrows them.
+    // Steps only ever drop candidates, so an unchanged length means an unchanged list.
+    let build_batch = |decode: &[usize]| {
+        DecodeBatch::new(
             decode
                 .iter()
                 .map(|&i| decode_input(&model.pods[i], &rows[i]))
                 .collect(),
-        );
+        )
+    };
+    let mut batch = build_batch(&decode);
+    let mut batch_of = decode.len();
+
+    // Step 2: decode imbalance (not under token_load, which replaces what it measures).
+    if s.decode_policy.runs_fast_path() {
         if let Some(pick) = crate::core::score::decode::decode_fast_path(&batch, &s.decode) {
             let chosen = decode[pick.index];
             let roleset = roleset_of(model, chosen);
@@ -184,12 +191,12 @@ pub fn select_pair(
     }
 
     // Step 4: decode scoring, with cold-start scores for pods the gateway has no signal for.
-    let batch = DecodeBatch::new(
-        decode
-            .iter()
-            .map(|&i| decode_input(&model.pods[i], &rows[i]))
-            .collect(),
-    );
+    // Maxima are relative to the candidates still in play, as in AIBrix.
+    if batch_of != decode.len() {
+        batch = build_batch(&decode);
+        batch_of = decode.len();
+    }
+    debug_assert_eq!(batch_of, batch.len());
     let rates = if s.decode_policy == DecodePolicy::TokenLoad {
         let pods: Vec<(Option<f64>, f64)> = decode
             .iter()
