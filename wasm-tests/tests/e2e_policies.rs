@@ -335,3 +335,40 @@ fn completion_at(gateway: &str, prompt: &str) -> http::Response {
         &body,
     )
 }
+
+#[test]
+fn locked_strategy_and_auto_profiles_apply_in_envoy() {
+    // The model config comes from the first pod with a valid annotation.
+    let config = r#"{"lockedRoutingStrategy":"pd","defaultProfile":"chat",
+        "profiles":{"chat":{"routingStrategy":"pd"},
+                    "long":{"routingStrategy":"pd","routingConfig":{"promptTokensGte":30}},
+                    "short":{"routingStrategy":"pd","routingConfig":{"promptTokensLt":30}}}}"#;
+    let fleet = Fleet::new(MODEL)
+        .pod("p0", "prefill", "g0")
+        .config(config)
+        .pod("d0", "decode", "g0")
+        .combined("c0");
+    let stack = Stack::start(fleet);
+    let send = |headers: &[(&str, &str)], words: usize| {
+        let body = json!({"model": MODEL, "prompt": " hello".repeat(words), "max_tokens": 2});
+        let r = http::post_json(&stack.gateway, "/v1/completions", headers, &body);
+        assert_eq!(r.status, 200, "{}", r.text());
+        r
+    };
+    // The locked strategy beats a client asking for a single-pod strategy.
+    let r = send(&[("routing-strategy", "random")], 5);
+    assert_eq!(
+        r.header("prefill-target-pod"),
+        Some("p0"),
+        "locked pd wins over the header"
+    );
+    assert_eq!(r.header("routing-strategy"), Some("pd"));
+    // config-profile: auto picks by prompt length and says which.
+    let r = send(&[("config-profile", "auto")], 40);
+    assert_eq!(r.header("x-aibrix-config-profile"), Some("long"));
+    let r = send(&[("config-profile", "AUTO")], 10);
+    assert_eq!(r.header("x-aibrix-config-profile"), Some("short"));
+    // A named profile is used but not echoed.
+    let r = send(&[("config-profile", "long")], 10);
+    assert_eq!(r.header("x-aibrix-config-profile"), None);
+}
