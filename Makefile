@@ -79,3 +79,36 @@ clean:
 	envoy/stack.sh down >/dev/null 2>&1 || true
 	cargo clean
 	rm -rf $(VENV) .run
+
+# ---- Packaging for Kubernetes / Istio --------------------------------------------------------
+# The filter as a Wasm OCI image ("compat" variant: one tar+gzip layer holding plugin.wasm), built
+# and pushed by envoy/oci/oci.py (python3 stdlib only; no Docker daemon).
+OCI_WASM := $(or $(CARGO_TARGET_DIR),target)/wasm32-wasip1/release/pd_router_filter.wasm
+OCI_DIR  ?= target/oci/pd-router
+OCI_TAG  ?= latest
+OCI_PLATFORM ?= wasip1/wasm
+REGISTRY ?=
+
+.PHONY: oci oci-push oci-test manifests-test registry-setup
+
+oci: wasm
+	python3 envoy/oci/oci.py build --wasm $(OCI_WASM) --out $(OCI_DIR) --tag $(OCI_TAG) --platform $(OCI_PLATFORM)
+
+# make oci-push REGISTRY=host:port/repo:tag   (plain HTTP registry)
+oci-push: oci
+	@test -n "$(REGISTRY)" || { echo "usage: make oci-push REGISTRY=host:port/repo[:tag]"; exit 2; }
+	python3 envoy/oci/oci.py push --layout $(OCI_DIR) --ref $(REGISTRY)
+
+# The Debian registry (distribution 2.8) the OCI test pushes to; the test skips if it is absent.
+registry-setup:
+	@command -v docker-registry >/dev/null || [ -x /usr/bin/docker-registry ] || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-registry) || \
+	  echo "oci-test: could not install docker-registry; the registry test will be skipped"
+
+# Push to a throwaway registry on 127.0.0.1:<free port>, pull back, compare bytes and digests.
+oci-test: wasm registry-setup
+	PD_WASM=$(OCI_WASM) python3 envoy/oci/test_oci.py
+
+# Every document under envoy/kubernetes/ and envoy/istio/ against k8s-openapi types + contract checks.
+manifests-test:
+	cargo test -p pd-deploy-manifests -- --test-threads=2

@@ -1,0 +1,663 @@
+//! Every manifest under envoy/kubernetes/ and envoy/istio/, parsed and checked.
+//!
+//! Kubernetes documents are deserialized into k8s-openapi types and serialized back: the round
+//! trip must give the same JSON, which catches misspelled or misplaced fields (serde would drop
+//! them silently, as k8s-openapi cannot deny unknown fields). Istio resources have no typed crate
+//! here; they are checked field by field against the static drop-in (envoy/envoy.yaml.tmpl), the
+//! filter's own plugin-config parser and pd-control's own CLI parser.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+use clap::Parser;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{Container, Namespace, Pod, Service, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use pd_control::fleet::PodRecord;
+use pd_router_filter::core::config::PluginConfig;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::Value as Json;
+use serde_yaml::Value as Yaml;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn read(rel: &str) -> String {
+    let path = repo().join(rel);
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// Every non-empty document of a multi-document YAML file.
+fn documents(rel: &str) -> Vec<Yaml> {
+    let text = read(rel);
+    let docs: Vec<Yaml> = serde_yaml::Deserializer::from_str(&text)
+        .map(|d| Yaml::deserialize(d).unwrap_or_else(|e| panic!("{rel}: {e}")))
+        .filter(|d| !d.is_null())
+        .collect();
+    assert!(!docs.is_empty(), "{rel} holds no document");
+    docs
+}
+
+fn yaml_files(dir: &str) -> Vec<String> {
+    let mut files: Vec<String> = std::fs::read_dir(repo().join(dir))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.ends_with(".yaml") || n.ends_with(".yml"))
+        .map(|n| format!("{dir}/{n}"))
+        .collect();
+    files.sort();
+    assert!(!files.is_empty(), "no manifests in {dir}");
+    files
+}
+
+/// Typed parse plus round trip: any field serde dropped shows up as a difference.
+fn typed<T: DeserializeOwned + Serialize>(doc: &Yaml, origin: &str) -> T {
+    let json = serde_json::to_value(doc).unwrap();
+    let value: T = serde_json::from_value(json.clone())
+        .unwrap_or_else(|e| panic!("{origin}: not a valid object: {e}"));
+    let back = serde_json::to_value(&value).unwrap();
+    if back != json {
+        panic!(
+            "{origin}: fields lost or changed by the typed round trip (unknown or misplaced keys?)\n\
+             written: {}\nparsed:  {}",
+            serde_json::to_string_pretty(&json).unwrap(),
+            serde_json::to_string_pretty(&back).unwrap()
+        );
+    }
+    value
+}
+
+#[derive(Default)]
+struct Kube {
+    namespaces: Vec<Namespace>,
+    service_accounts: Vec<ServiceAccount>,
+    deployments: Vec<Deployment>,
+    services: Vec<Service>,
+    cluster_roles: Vec<ClusterRole>,
+    cluster_role_bindings: Vec<ClusterRoleBinding>,
+    roles: Vec<Role>,
+    role_bindings: Vec<RoleBinding>,
+    /// (file, pod)
+    pods: Vec<(String, Pod)>,
+}
+
+fn kube() -> Kube {
+    let mut k = Kube::default();
+    for file in yaml_files("envoy/kubernetes") {
+        for (i, doc) in documents(&file).iter().enumerate() {
+            let api = doc["apiVersion"].as_str().unwrap_or_default();
+            let kind = doc["kind"].as_str().unwrap_or_default();
+            let origin = format!("{file} document {i} ({api} {kind})");
+            match (api, kind) {
+                ("v1", "Namespace") => k.namespaces.push(typed(doc, &origin)),
+                ("v1", "ServiceAccount") => k.service_accounts.push(typed(doc, &origin)),
+                ("apps/v1", "Deployment") => k.deployments.push(typed(doc, &origin)),
+                ("v1", "Service") => k.services.push(typed(doc, &origin)),
+                ("rbac.authorization.k8s.io/v1", "ClusterRole") => {
+                    k.cluster_roles.push(typed(doc, &origin))
+                }
+                ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding") => {
+                    k.cluster_role_bindings.push(typed(doc, &origin))
+                }
+                ("rbac.authorization.k8s.io/v1", "Role") => k.roles.push(typed(doc, &origin)),
+                ("rbac.authorization.k8s.io/v1", "RoleBinding") => {
+                    k.role_bindings.push(typed(doc, &origin))
+                }
+                ("v1", "Pod") => k.pods.push((file.clone(), typed(doc, &origin))),
+                _ => panic!("{origin}: unexpected kind; add it to this test"),
+            }
+        }
+    }
+    k
+}
+
+fn name_of(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> &str {
+    meta.name.as_deref().expect("metadata.name")
+}
+
+fn ns_of(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> &str {
+    meta.namespace.as_deref().unwrap_or("default")
+}
+
+fn assert_pod_reader(rules: &Option<Vec<PolicyRule>>, origin: &str) {
+    let rules = rules
+        .as_ref()
+        .unwrap_or_else(|| panic!("{origin}: no rules"));
+    assert_eq!(rules.len(), 1, "{origin}: exactly one rule");
+    let rule = &rules[0];
+    assert_eq!(
+        rule.api_groups.as_deref(),
+        Some(&[String::new()][..]),
+        "{origin}: core group only"
+    );
+    assert_eq!(
+        rule.resources.as_deref(),
+        Some(&["pods".to_string()][..]),
+        "{origin}: pods only"
+    );
+    let mut verbs = rule.verbs.clone();
+    verbs.sort();
+    assert_eq!(verbs, ["get", "list", "watch"], "{origin}: verbs");
+    assert!(rule.resource_names.is_none(), "{origin}: resourceNames");
+    assert!(
+        rule.non_resource_urls.is_none(),
+        "{origin}: nonResourceURLs"
+    );
+}
+
+#[test]
+fn every_kubernetes_document_is_a_known_typed_object() {
+    let k = kube();
+    assert!(!k.namespaces.is_empty());
+    assert_eq!(k.service_accounts.len(), 1);
+    assert_eq!(k.deployments.len(), 1);
+    assert_eq!(k.services.len(), 1);
+    assert_eq!(k.cluster_roles.len(), 1);
+    assert_eq!(k.cluster_role_bindings.len(), 1);
+    assert_eq!(k.roles.len(), 1);
+    assert_eq!(k.role_bindings.len(), 1);
+    assert_eq!(k.pods.len(), 3);
+    // Every namespaced object lives in a namespace the manifests create.
+    let namespaces: BTreeSet<&str> = k.namespaces.iter().map(|n| name_of(&n.metadata)).collect();
+    let used = k
+        .service_accounts
+        .iter()
+        .map(|o| &o.metadata)
+        .chain(k.deployments.iter().map(|o| &o.metadata))
+        .chain(k.services.iter().map(|o| &o.metadata))
+        .chain(k.roles.iter().map(|o| &o.metadata))
+        .chain(k.role_bindings.iter().map(|o| &o.metadata))
+        .chain(k.pods.iter().map(|(_, o)| &o.metadata));
+    for meta in used {
+        assert!(
+            namespaces.contains(ns_of(meta)),
+            "{} is in namespace {} which no manifest creates",
+            name_of(meta),
+            ns_of(meta)
+        );
+    }
+}
+
+#[test]
+fn rbac_grants_get_list_watch_on_pods_and_nothing_else() {
+    let k = kube();
+    for role in &k.cluster_roles {
+        assert_pod_reader(
+            &role.rules,
+            &format!("ClusterRole {}", name_of(&role.metadata)),
+        );
+    }
+    for role in &k.roles {
+        assert_pod_reader(&role.rules, &format!("Role {}", name_of(&role.metadata)));
+    }
+    let sa = &k.service_accounts[0];
+    let subject_ok = |subjects: &Option<Vec<k8s_openapi::api::rbac::v1::Subject>>| {
+        let subjects = subjects.as_ref().expect("subjects");
+        assert_eq!(subjects.len(), 1);
+        assert_eq!(subjects[0].kind, "ServiceAccount");
+        assert_eq!(subjects[0].name, name_of(&sa.metadata));
+        assert_eq!(subjects[0].namespace.as_deref(), Some(ns_of(&sa.metadata)));
+    };
+    for b in &k.cluster_role_bindings {
+        assert_eq!(b.role_ref.kind, "ClusterRole");
+        assert_eq!(
+            b.role_ref.api_group.as_deref(),
+            Some("rbac.authorization.k8s.io")
+        );
+        assert!(k
+            .cluster_roles
+            .iter()
+            .any(|r| name_of(&r.metadata) == b.role_ref.name));
+        subject_ok(&b.subjects);
+    }
+    for b in &k.role_bindings {
+        assert_eq!(b.role_ref.kind, "Role");
+        assert!(k
+            .roles
+            .iter()
+            .any(|r| name_of(&r.metadata) == b.role_ref.name
+                && ns_of(&r.metadata) == ns_of(&b.metadata)));
+        subject_ok(&b.subjects);
+    }
+}
+
+fn container<'a>(containers: &'a [Container], name: &str) -> &'a Container {
+    containers
+        .iter()
+        .find(|c| c.name == name)
+        .unwrap_or_else(|| panic!("no container {name}"))
+}
+
+fn env<'a>(c: &'a Container, name: &str) -> &'a str {
+    c.env
+        .as_ref()
+        .and_then(|env| env.iter().find(|e| e.name == name))
+        .and_then(|e| e.value.as_deref())
+        .unwrap_or_else(|| panic!("container {} has no env {name}", c.name))
+}
+
+#[test]
+fn control_deployment_matches_its_cli_service_and_account() {
+    let k = kube();
+    let dep = &k.deployments[0];
+    let spec = &dep.spec;
+    assert_eq!(spec.replicas, Some(1), "one snapshot version counter");
+    let template_labels = spec
+        .template
+        .metadata
+        .as_ref()
+        .unwrap()
+        .labels
+        .clone()
+        .unwrap();
+    for (key, value) in spec.selector.match_labels.as_ref().unwrap() {
+        assert_eq!(
+            template_labels.get(key),
+            Some(value),
+            "selector label {key}"
+        );
+    }
+    let pod = spec.template.spec.as_ref().unwrap();
+    assert_eq!(
+        pod.service_account_name.as_deref(),
+        Some(name_of(&k.service_accounts[0].metadata))
+    );
+    assert_eq!(ns_of(&dep.metadata), ns_of(&k.service_accounts[0].metadata));
+    for c in &pod.containers {
+        let image = c.image.as_deref().unwrap_or_default();
+        assert!(
+            image.contains(':') || image.contains('@'),
+            "{}: image {image:?} untagged",
+            c.name
+        );
+        assert!(c.resources.is_some(), "{}: resources", c.name);
+    }
+
+    // pd-control's arguments are accepted by pd-control's own parser.
+    let control = container(&pod.containers, "pd-control");
+    let args = control.args.clone().unwrap_or_default();
+    let config = pd_control::Config::try_parse_from(
+        std::iter::once("pd-control".to_string()).chain(args.iter().cloned()),
+    )
+    .unwrap_or_else(|e| panic!("pd-control rejects {args:?}: {e}"));
+    config.validate().unwrap();
+    let port = control
+        .ports
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|p| p.container_port == i32::from(config.listen.port()))
+        .expect("--listen port is a declared containerPort");
+    let port_name = port.name.clone().expect("named port");
+    for probe in [&control.readiness_probe, &control.liveness_probe] {
+        let get = probe.as_ref().unwrap().http_get.as_ref().unwrap();
+        assert_eq!(get.port, IntOrString::String(port_name.clone()));
+        assert!(matches!(get.path.as_deref(), Some("/readyz" | "/healthz")));
+    }
+
+    // The fleet file lives on a volume the sync container writes and pd-control reads.
+    let fleet_dir = config.fleet.parent().unwrap().to_str().unwrap().to_string();
+    let mount = |c: &Container| {
+        c.volume_mounts
+            .as_ref()
+            .and_then(|m| m.iter().find(|m| m.mount_path == fleet_dir))
+            .cloned()
+            .unwrap_or_else(|| panic!("{} does not mount {fleet_dir}", c.name))
+    };
+    let sync = container(&pod.containers, "fleet-sync");
+    let (read_mount, write_mount) = (mount(control), mount(sync));
+    assert_eq!(read_mount.name, write_mount.name);
+    assert_eq!(read_mount.read_only, Some(true));
+    assert_ne!(write_mount.read_only, Some(true));
+    let script = sync.args.as_ref().unwrap().join("\n");
+    assert!(
+        script.contains(config.fleet.to_str().unwrap()),
+        "fleet-sync writes --fleet"
+    );
+    assert!(script.contains("kubectl get pods"));
+    assert!(script.contains("-o yaml"));
+    assert_eq!(env(sync, "FLEET_SELECTOR"), "model.aibrix.ai/name");
+
+    // The Service reaches that port on these pods.
+    let svc = &k.services[0];
+    assert_eq!(ns_of(&svc.metadata), ns_of(&dep.metadata));
+    let svc_spec = svc.spec.as_ref().unwrap();
+    assert_eq!(svc_spec.type_.as_deref(), Some("ClusterIP"));
+    for (key, value) in svc_spec.selector.as_ref().unwrap() {
+        assert_eq!(
+            template_labels.get(key),
+            Some(value),
+            "service selector {key}"
+        );
+    }
+    let sport = &svc_spec.ports.as_ref().unwrap()[0];
+    assert_eq!(sport.target_port, Some(IntOrString::String(port_name)));
+    assert!(
+        sport.name.as_deref().unwrap().starts_with("http"),
+        "Istio protocol by port name"
+    );
+}
+
+/// The fleet of envoy/fleets/demo.yaml, by pod name.
+fn demo_records() -> BTreeMap<String, PodRecord> {
+    pd_control::fleet::parse_records(&read("envoy/fleets/demo.yaml"))
+        .unwrap()
+        .into_iter()
+        .map(|r| (r.name.clone(), r))
+        .collect()
+}
+
+#[test]
+fn example_engines_carry_the_contract_labels_and_annotations() {
+    let k = kube();
+    let demo = demo_records();
+    let mut roles = BTreeSet::new();
+    for (file, pod) in &k.pods {
+        let name = name_of(&pod.metadata);
+        let record =
+            PodRecord::from_pod(pod).unwrap_or_else(|| panic!("{file} {name}: not a model pod"));
+        assert!(
+            ["vllm", "sglang", "trtllm"].contains(&record.engine.as_str()),
+            "{name}: engine"
+        );
+        assert!(
+            ["prefill", "decode", "standard"].contains(&record.role.as_str()),
+            "{name}: role"
+        );
+        assert!(!record.roleset.is_empty(), "{name}: roleset-name");
+        let labels = pod.metadata.labels.as_ref().unwrap();
+        assert_eq!(
+            labels
+                .get("model.aibrix.ai/port")
+                .map(|p| p.parse::<u16>().unwrap()),
+            Some(record.port)
+        );
+        let spec = pod.spec.as_ref().unwrap();
+        let engine = &spec.containers[0];
+        assert!(engine.image.as_deref().is_some_and(|i| !i.is_empty()));
+        assert!(
+            engine
+                .ports
+                .as_ref()
+                .unwrap()
+                .iter()
+                .any(|p| p.container_port == i32::from(record.port)),
+            "{name}: model.aibrix.ai/port is a containerPort"
+        );
+        let config: Json =
+            serde_json::from_str(&record.config).expect("model.aibrix.ai/config is JSON");
+        assert!(config["profiles"]["default"]["routingStrategy"].is_string());
+        // Same semantics as the demo fleet's pod of the same name.
+        let d = demo
+            .get(name)
+            .unwrap_or_else(|| panic!("{name} has no counterpart in demo.yaml"));
+        assert_eq!(
+            (&record.model, &record.engine, &record.role, &record.roleset),
+            (&d.model, &d.engine, &d.role, &d.roleset),
+            "{name}"
+        );
+        assert_eq!(
+            config,
+            serde_json::from_str::<Json>(&d.config).unwrap(),
+            "{name}: annotation"
+        );
+        roles.insert(record.role.clone());
+    }
+    assert_eq!(
+        roles,
+        BTreeSet::from(["decode".into(), "prefill".into(), "standard".into()])
+    );
+}
+
+// ---- Istio --------------------------------------------------------------------------------
+
+fn one_of(rel: &str, kind: &str) -> Vec<Yaml> {
+    documents(rel)
+        .into_iter()
+        .filter(|d| d["kind"].as_str() == Some(kind))
+        .collect()
+}
+
+fn wasm_plugin() -> Yaml {
+    let mut plugins = one_of("envoy/istio/wasmplugin.yaml", "WasmPlugin");
+    assert_eq!(plugins.len(), 1);
+    plugins.remove(0)
+}
+
+/// The plugin configuration JSON and host_env_keys of the static drop-in.
+fn drop_in() -> (Json, Vec<String>) {
+    let text = read("envoy/envoy.yaml.tmpl");
+    let config_line = text
+        .lines()
+        .map(str::trim)
+        .find(|l| l.starts_with("value: '{\"control_cluster\""))
+        .expect("plugin configuration line");
+    let json = config_line
+        .trim_start_matches("value: '")
+        .trim_end_matches('\'')
+        .replace("@REFRESH_MS@", "100");
+    let mut keys = Vec::new();
+    let mut inside = false;
+    for line in text.lines().map(str::trim) {
+        if line == "host_env_keys:" {
+            inside = true;
+        } else if inside {
+            match line.strip_prefix("- ") {
+                Some(key) => keys.push(key.to_string()),
+                None => break,
+            }
+        }
+    }
+    assert!(keys.len() > 10, "host_env_keys of the drop-in");
+    (serde_json::from_str(&json).unwrap(), keys)
+}
+
+fn plugin_config(plugin: &Yaml) -> (Json, PluginConfig) {
+    let json = serde_json::to_value(&plugin["spec"]["pluginConfig"]).unwrap();
+    let parsed = PluginConfig::parse(json.to_string().as_bytes())
+        .unwrap_or_else(|e| panic!("the filter rejects pluginConfig: {e}"));
+    (json, parsed)
+}
+
+#[test]
+fn wasm_plugin_mirrors_the_drop_in_and_never_fails_open() {
+    let plugin = wasm_plugin();
+    assert_eq!(
+        plugin["apiVersion"].as_str(),
+        Some("extensions.istio.io/v1alpha1")
+    );
+    let spec = &plugin["spec"];
+    assert!(spec["url"].as_str().unwrap().starts_with("oci://"));
+    assert_eq!(spec["failStrategy"].as_str(), Some("FAIL_CLOSE"));
+    assert_eq!(spec["type"].as_str(), Some("HTTP"));
+    assert!(
+        ["AUTHN", "AUTHZ", "STATS", "UNSPECIFIED_PHASE"].contains(&spec["phase"].as_str().unwrap())
+    );
+    assert!(spec["selector"]["matchLabels"]
+        .as_mapping()
+        .is_some_and(|m| !m.is_empty()));
+
+    let (json, config) = plugin_config(&plugin);
+    let (drop_in_json, host_env_keys) = drop_in();
+    for (key, value) in drop_in_json.as_object().unwrap() {
+        assert_eq!(
+            json.get(key),
+            Some(value),
+            "pluginConfig.{key} differs from the drop-in"
+        );
+    }
+    assert_eq!(config.pods_cluster, "pd_pods");
+    assert_eq!(config.dst_header, "target-pod");
+
+    let env = spec["vmConfig"]["env"].as_sequence().expect("vmConfig.env");
+    let mut names = BTreeSet::new();
+    for entry in env {
+        let map = entry.as_mapping().unwrap();
+        for key in map.keys() {
+            assert!(
+                ["name", "value", "valueFrom"].contains(&key.as_str().unwrap()),
+                "env key {key:?}"
+            );
+        }
+        let name = entry["name"].as_str().unwrap();
+        assert!(names.insert(name.to_string()), "{name} twice");
+        match (entry.get("value"), entry.get("valueFrom")) {
+            (Some(v), None) => assert!(v.is_string(), "{name}: inline values are strings"),
+            (None, Some(from)) => assert_eq!(from.as_str(), Some("HOST"), "{name}"),
+            other => panic!("{name}: exactly one of value / valueFrom, got {other:?}"),
+        }
+    }
+    let expected: BTreeSet<String> = host_env_keys.into_iter().collect();
+    assert_eq!(
+        names, expected,
+        "vmConfig.env must list exactly the drop-in's host_env_keys"
+    );
+}
+
+fn patches(rel: &str) -> Vec<(Yaml, Yaml)> {
+    let mut out = Vec::new();
+    let selector = wasm_plugin()["spec"]["selector"]["matchLabels"].clone();
+    for filter in one_of(rel, "EnvoyFilter") {
+        assert_eq!(
+            filter["apiVersion"].as_str(),
+            Some("networking.istio.io/v1alpha3")
+        );
+        assert_eq!(
+            filter["spec"]["workloadSelector"]["labels"], selector,
+            "same proxies as the plugin"
+        );
+        for p in filter["spec"]["configPatches"].as_sequence().unwrap() {
+            out.push((p.clone(), filter.clone()));
+        }
+    }
+    assert!(!out.is_empty(), "{rel}: no EnvoyFilter patches");
+    out
+}
+
+#[test]
+fn envoy_filters_add_the_clusters_the_plugin_names() {
+    let (_, config) = plugin_config(&wasm_plugin());
+    let clusters: BTreeMap<String, Yaml> = patches("envoy/istio/envoyfilter-clusters.yaml")
+        .into_iter()
+        .filter(|(p, _)| p["applyTo"].as_str() == Some("CLUSTER"))
+        .map(|(p, _)| {
+            assert_eq!(p["patch"]["operation"].as_str(), Some("ADD"));
+            let value = p["patch"]["value"].clone();
+            (value["name"].as_str().unwrap().to_string(), value)
+        })
+        .collect();
+
+    let pods = &clusters[&config.pods_cluster];
+    assert_eq!(pods["type"].as_str(), Some("ORIGINAL_DST"));
+    assert_eq!(pods["lb_policy"].as_str(), Some("CLUSTER_PROVIDED"));
+    assert_eq!(
+        pods["original_dst_lb_config"]["use_http_header"].as_bool(),
+        Some(true)
+    );
+    assert_eq!(
+        pods["original_dst_lb_config"]["http_header_name"].as_str(),
+        Some(config.dst_header.as_str())
+    );
+
+    let control = &clusters[&config.control_cluster];
+    let k = kube();
+    let svc = &k.services[0];
+    let address = &control["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+        ["address"]["socket_address"];
+    let fqdn = format!(
+        "{}.{}.svc.cluster.local",
+        name_of(&svc.metadata),
+        ns_of(&svc.metadata)
+    );
+    assert_eq!(address["address"].as_str(), Some(fqdn.as_str()));
+    assert_eq!(config.control_authority, fqdn);
+    let port = svc.spec.as_ref().unwrap().ports.as_ref().unwrap()[0].port;
+    assert_eq!(address["port_value"].as_i64(), Some(i64::from(port)));
+}
+
+#[test]
+fn gateway_route_points_the_named_route_at_pd_pods() {
+    let (_, config) = plugin_config(&wasm_plugin());
+    let rel = "envoy/istio/gateway-route.yaml";
+    let gateways = one_of(rel, "Gateway");
+    let services = one_of(rel, "VirtualService");
+    assert_eq!((gateways.len(), services.len()), (1, 1));
+    let vs = &services[0]["spec"];
+    assert_eq!(vs["gateways"][0], gateways[0]["metadata"]["name"]);
+    let route_name = vs["http"][0]["name"].as_str().expect("named http route");
+    let routes: Vec<_> = patches(rel)
+        .into_iter()
+        .filter(|(p, _)| p["applyTo"].as_str() == Some("HTTP_ROUTE"))
+        .collect();
+    assert_eq!(routes.len(), 1);
+    let (patch, _) = &routes[0];
+    assert_eq!(
+        patch["match"]["routeConfiguration"]["vhost"]["route"]["name"].as_str(),
+        Some(route_name)
+    );
+    assert_eq!(patch["patch"]["operation"].as_str(), Some("MERGE"));
+    assert_eq!(
+        patch["patch"]["value"]["route"]["cluster"].as_str(),
+        Some(config.pods_cluster.as_str())
+    );
+}
+
+#[test]
+fn every_istio_document_names_itself() {
+    for file in yaml_files("envoy/istio") {
+        for doc in documents(&file) {
+            assert!(
+                doc["apiVersion"]
+                    .as_str()
+                    .is_some_and(|a| a.contains("istio.io")),
+                "{file}"
+            );
+            assert!(doc["kind"].as_str().is_some(), "{file}");
+            assert!(doc["metadata"]["name"].as_str().is_some(), "{file}");
+            assert!(doc["spec"].is_mapping(), "{file}");
+        }
+    }
+}
+
+#[test]
+fn fallback_envoy_filter_carries_the_drop_in_wasm_config() {
+    let (plugin_json, _) = plugin_config(&wasm_plugin());
+    let (_, host_env_keys) = drop_in();
+    let inserted: Vec<_> = patches("envoy/istio/envoyfilter-wasm-fallback.yaml")
+        .into_iter()
+        .filter(|(p, _)| p["applyTo"].as_str() == Some("HTTP_FILTER"))
+        .collect();
+    assert_eq!(inserted.len(), 1);
+    let (patch, _) = &inserted[0];
+    assert_eq!(patch["patch"]["operation"].as_str(), Some("INSERT_BEFORE"));
+    assert_eq!(
+        patch["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"].as_str(),
+        Some("envoy.filters.http.router")
+    );
+    let config = &patch["patch"]["value"]["typed_config"]["config"];
+    assert_eq!(
+        config["allow_on_headers_stop_iteration"].as_bool(),
+        Some(true)
+    );
+    assert_eq!(config["failure_policy"].as_str(), Some("FAIL_RELOAD"));
+    let keys: Vec<String> = config["vm_config"]["environment_variables"]["host_env_keys"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|k| k.as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(keys, host_env_keys);
+    let raw = config["configuration"]["value"].as_str().unwrap();
+    PluginConfig::parse(raw.as_bytes()).expect("the filter accepts the fallback configuration");
+    let json: Json = serde_json::from_str(raw).unwrap();
+    for (key, value) in json.as_object().unwrap() {
+        assert_eq!(
+            plugin_json.get(key),
+            Some(value),
+            "{key} differs from wasmplugin.yaml"
+        );
+    }
+}
