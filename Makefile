@@ -51,7 +51,7 @@ e2e: build
 wasm-unit: setup
 	cargo test -p pd-router-filter --lib --target wasm32-wasip1 -- --test-threads=1
 
-test: build lint wasm-unit
+test: build lint wasm-unit oci-test
 	cargo test --workspace -- --test-threads=2
 
 lint: setup
