@@ -55,7 +55,8 @@ pub struct Config {
     #[arg(long, value_name = "ADDR")]
     pub listen: SocketAddr,
 
-    /// How often the fleet file is re-read and every pod is scraped.
+    /// How often every pod is scraped (and the fleet file re-read; the Kubernetes source is
+    /// event-driven).
     #[arg(long, value_name = "DURATION", default_value = "50ms", value_parser = parse_positive_duration)]
     pub refresh_interval: Duration,
 

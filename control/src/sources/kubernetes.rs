@@ -6,12 +6,21 @@
 //! is invisible to this source. Listing every pod in the cluster to find those would cost far
 //! more than it is worth, so such pods must carry the label to be routed.
 //!
-//! Each scope (all namespaces, or one per `--namespace`) runs one [`watcher`], which lists,
-//! then watches from the list's `resourceVersion` with bookmarks. When a watch connection ends
+//! Each scope (all namespaces, or one per `--namespace`) runs one [`watcher::watcher`], which
+//! lists, then watches from the list's `resourceVersion` with bookmarks. When a watch connection ends
 //! it resumes from the last seen version; when the API server answers `410 Gone` (the version
-//! was compacted away) it re-lists. Both are handled inside kube-runtime; [`state`] buffers a
+//! was compacted away) it re-lists. Both are handled inside kube-runtime; [`FleetState`] buffers a
 //! re-list and swaps it in whole, and errors are retried with a capped exponential backoff while
-//! the last good fleet stays published.
+//! the last good fleet stays published. A body cut mid-stream is resumed like a clean end by
+//! kube-client; a `410` is logged, not counted as a failure; any other list or watch error is
+//! counted (`pd_control_fleet_reload_errors_total`) and retried.
+//!
+//! Publishing: after every burst of events (drained without waiting, so a re-list or a rollout
+//! becomes one update) the whole fleet, sorted by namespace then name, is offered to the
+//! [`FleetPublisher`], which forwards it only if it differs from the current one.
+//!
+//! RBAC: the service account needs `list` and `watch` on `pods`, cluster-wide, or in each
+//! `--namespace` (a Role per namespace is then enough).
 
 mod state;
 
@@ -137,7 +146,8 @@ impl KubernetesSource {
             Ok(event) => self.state.apply(index, event),
             // Routine: the resume point was compacted; the watcher re-lists next.
             Err(watcher::Error::WatchError(status)) if status.code == 410 => {
-                tracing::info!(scope = %self.scope(index), "pod watch expired (410 Gone); re-listing");
+                let scope = self.scope(index);
+                tracing::info!(%scope, "pod watch expired (410 Gone); re-listing");
                 false
             }
             Err(source) => {

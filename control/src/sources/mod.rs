@@ -1,7 +1,7 @@
 //! Where the fleet comes from.
 //!
 //! A source produces the full list of [`PodRecord`]s and pushes every change through a
-//! [`FleetPublisher`]: the fleet file ([`file`]) or the Kubernetes API ([`kubernetes`]). Both
+//! [`FleetPublisher`]: the fleet file ([`mod@file`]) or the Kubernetes API ([`kubernetes`]). Both
 //! turn Pods into records through [`PodRecord::from_pod`], so nothing downstream (scraper,
 //! snapshot, server) knows which source is running.
 

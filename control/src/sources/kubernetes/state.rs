@@ -24,7 +24,7 @@ struct Scope {
     relisting: Option<BTreeMap<Key, PodRecord>>,
 }
 
-/// Pod records per watch scope, fed by [`kube::runtime::watcher`] events.
+/// Pod records per watch scope, fed by [`kube::runtime::watcher()`] events.
 #[derive(Debug)]
 pub struct FleetState {
     scopes: Vec<Scope>,
