@@ -4,7 +4,16 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::Parser;
+use clap::{Parser, ValueEnum};
+
+/// Where the fleet comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum SourceKind {
+    /// Re-read a fleet file (`--fleet`).
+    File,
+    /// Watch Pods labelled `model.aibrix.ai/name` through the Kubernetes API.
+    Kubernetes,
+}
 
 /// Everything `pd-control` needs to run; built by clap in the binary and by hand in tests.
 #[derive(Debug, Clone, Parser)]
@@ -14,15 +23,40 @@ use clap::Parser;
     about = "Watches the pd-router fleet, scrapes engine metrics and serves versioned snapshots"
 )]
 pub struct Config {
+    /// Fleet source. Defaults to `file`; `--fleet` implies it.
+    ///
+    /// `kubernetes` watches Pods carrying the label `model.aibrix.ai/name` (a watch can only
+    /// filter on labels, so pods naming their model only in an annotation are not seen), using
+    /// the in-cluster service account or kubeconfig (KUBECONFIG, ~/.kube/config), or
+    /// `--kube-api-url`.
+    #[arg(long, value_enum, value_name = "SOURCE")]
+    pub source: Option<SourceKind>,
+
     /// Fleet file: `kubectl get pods -o yaml` output (a List/PodList or a stream of Pods).
-    #[arg(long, value_name = "FILE")]
-    pub fleet: PathBuf,
+    /// Required by the file source.
+    #[arg(
+        long,
+        value_name = "FILE",
+        required_unless_present = "source",
+        required_if_eq("source", "file")
+    )]
+    pub fleet: Option<PathBuf>,
+
+    /// Kubernetes: watch only this namespace (repeatable). Default: all namespaces.
+    #[arg(long = "namespace", value_name = "NS")]
+    pub namespaces: Vec<String>,
+
+    /// Kubernetes: API server URL instead of in-cluster/kubeconfig discovery, without
+    /// authentication (plain `http://` allowed), e.g. `kubectl proxy` or a test server.
+    #[arg(long, value_name = "URL")]
+    pub kube_api_url: Option<String>,
 
     /// Address to serve the snapshot API on (port 0 picks a free port).
     #[arg(long, value_name = "ADDR")]
     pub listen: SocketAddr,
 
-    /// How often the fleet file is re-read and every pod is scraped.
+    /// How often every pod is scraped (and the fleet file re-read; the Kubernetes source is
+    /// event-driven).
     #[arg(long, value_name = "DURATION", default_value = "50ms", value_parser = parse_positive_duration)]
     pub refresh_interval: Duration,
 
@@ -44,13 +78,20 @@ pub struct Config {
 pub enum ConfigError {
     #[error("{0} must be greater than zero")]
     Zero(&'static str),
+    #[error("the file source needs --fleet FILE")]
+    MissingFleet,
+    #[error("{0} does not apply to the {1} source")]
+    NotForSource(&'static str, &'static str),
 }
 
 impl Config {
     /// A config with the CLI defaults, for embedding and tests.
     pub fn new(fleet: impl Into<PathBuf>, listen: SocketAddr) -> Config {
         Config {
-            fleet: fleet.into(),
+            source: None,
+            fleet: Some(fleet.into()),
+            namespaces: Vec::new(),
+            kube_api_url: None,
             listen,
             refresh_interval: Duration::from_millis(50),
             scrape_timeout: Duration::from_secs(1),
@@ -59,8 +100,42 @@ impl Config {
         }
     }
 
-    /// Zero values would make tokio's interval panic or the semaphore starve every scrape.
+    /// A Kubernetes-sourced config with the CLI defaults; `api_url` `None` infers the cluster.
+    pub fn kubernetes(api_url: Option<String>, listen: SocketAddr) -> Config {
+        Config {
+            source: Some(SourceKind::Kubernetes),
+            fleet: None,
+            kube_api_url: api_url,
+            ..Config::new(PathBuf::new(), listen)
+        }
+    }
+
+    /// The source in force: `--source`, else the file source (`--fleet` implies it).
+    pub fn source_kind(&self) -> SourceKind {
+        self.source.unwrap_or(SourceKind::File)
+    }
+
+    /// Zero values would make tokio's interval panic or the semaphore starve every scrape;
+    /// options of the other source are rejected rather than silently ignored.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        match self.source_kind() {
+            SourceKind::File => {
+                if self.fleet.is_none() {
+                    return Err(ConfigError::MissingFleet);
+                }
+                if !self.namespaces.is_empty() {
+                    return Err(ConfigError::NotForSource("--namespace", "file"));
+                }
+                if self.kube_api_url.is_some() {
+                    return Err(ConfigError::NotForSource("--kube-api-url", "file"));
+                }
+            }
+            SourceKind::Kubernetes => {
+                if self.fleet.is_some() {
+                    return Err(ConfigError::NotForSource("--fleet", "kubernetes"));
+                }
+            }
+        }
         if self.refresh_interval.is_zero() {
             return Err(ConfigError::Zero("--refresh-interval"));
         }
@@ -158,5 +233,38 @@ mod tests {
         let mut c = Config::new("f", "127.0.0.1:0".parse().unwrap());
         c.refresh_interval = Duration::ZERO;
         assert!(c.validate().is_err());
+    }
+
+    #[test]
+    fn source_selection() {
+        let parse = |args: &[&str]| {
+            let mut all = vec!["pd-control", "--listen", "127.0.0.1:0"];
+            all.extend_from_slice(args);
+            Config::try_parse_from(all).map_err(|e| e.to_string())
+        };
+        let c = parse(&["--fleet", "f"]).unwrap();
+        assert_eq!(c.source_kind(), SourceKind::File);
+        let c = parse(&[
+            "--source",
+            "kubernetes",
+            "--namespace",
+            "a",
+            "--namespace",
+            "b",
+            "--kube-api-url",
+            "http://127.0.0.1:1",
+        ])
+        .unwrap();
+        assert_eq!(c.source_kind(), SourceKind::Kubernetes);
+        assert_eq!(c.namespaces, ["a", "b"]);
+        c.validate().unwrap();
+        assert!(parse(&["--source", "file"]).is_err(), "file needs --fleet");
+        let both = parse(&["--source", "kubernetes", "--fleet", "f"]).unwrap();
+        assert!(both.validate().is_err(), "--fleet implies the file source");
+        let stray = parse(&["--fleet", "f", "--namespace", "a"]).unwrap();
+        assert!(stray.validate().is_err());
+        Config::kubernetes(None, "127.0.0.1:0".parse().unwrap())
+            .validate()
+            .unwrap();
     }
 }

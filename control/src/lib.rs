@@ -1,6 +1,6 @@
 //! pd-control: the native side of pd-router.
 //!
-//! It keeps the fleet (from a fleet file, later from Kubernetes), scrapes every pod's engine
+//! It keeps the fleet (from a fleet file or a Kubernetes pod watch), scrapes every pod's engine
 //! metrics, and serves a versioned protobuf snapshot that the filter inside Envoy fetches.
 //!
 //! Data flows one way: a [`sources::FleetSource`] publishes pod records, the control loop in

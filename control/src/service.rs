@@ -13,11 +13,14 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio::time::MissedTickBehavior;
 
-use crate::config::{Config, ConfigError};
+use crate::config::{Config, ConfigError, SourceKind};
 use crate::scrape::{Outcome, ScrapeBook, Scraper};
 use crate::server::{self, AppState};
 use crate::snapshot::{self, Published, SnapshotBuilder};
-use crate::sources::{FileSource, Fleet, FleetPublisher, FleetSource, Shutdown, SourceError};
+use crate::sources::{
+    FileSource, Fleet, FleetPublisher, FleetSource, KubeSettings, KubernetesSource, Shutdown,
+    SourceError,
+};
 use crate::stats::Stats;
 
 #[derive(Debug, thiserror::Error)]
@@ -89,10 +92,21 @@ impl Service {
     }
 }
 
-/// Starts the service with the fleet file named in `config`.
+/// Starts the service with the source `config` selects (`--source`, `--fleet`).
 pub async fn start(config: Config) -> Result<Service, Error> {
-    let source = FileSource::new(config.fleet.clone(), config.refresh_interval);
-    start_with_source(config, source).await
+    config.validate()?;
+    match (config.source_kind(), config.fleet.clone()) {
+        (SourceKind::File, Some(fleet)) => {
+            let source = FileSource::new(fleet, config.refresh_interval);
+            start_with_source(config, source).await
+        }
+        (SourceKind::File, None) => Err(ConfigError::MissingFleet.into()),
+        (SourceKind::Kubernetes, _) => {
+            let settings =
+                KubeSettings::new(config.kube_api_url.clone(), config.namespaces.clone());
+            start_with_source(config, KubernetesSource::new(settings)).await
+        }
+    }
 }
 
 /// Starts the service fed by any fleet source. Returns once the initial fleet is loaded and the

@@ -1,11 +1,12 @@
 //! Where the fleet comes from.
 //!
 //! A source produces the full list of [`PodRecord`]s and pushes every change through a
-//! [`FleetPublisher`]. The file source is the only one today; a Kubernetes watcher (kube-rs)
-//! implements the same [`FleetSource`] trait and reuses [`PodRecord::from_pod`], so nothing
-//! downstream (scraper, snapshot, server) knows which source is running.
+//! [`FleetPublisher`]: the fleet file ([`mod@file`]) or the Kubernetes API ([`kubernetes`]). Both
+//! turn Pods into records through [`PodRecord::from_pod`], so nothing downstream (scraper,
+//! snapshot, server) knows which source is running.
 
 pub mod file;
+pub mod kubernetes;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -16,6 +17,7 @@ use crate::fleet::{FleetError, PodRecord};
 use crate::stats::Stats;
 
 pub use file::FileSource;
+pub use kubernetes::{KubeError, KubeSettings, KubernetesSource};
 
 /// The current fleet, shared without copying between the source and the control loop.
 pub type Fleet = Arc<Vec<PodRecord>>;
@@ -27,6 +29,8 @@ pub enum SourceError {
     Fleet(#[from] FleetError),
     #[error("fleet file {path} is not UTF-8")]
     NotUtf8 { path: String },
+    #[error(transparent)]
+    Kubernetes(#[from] KubeError),
 }
 
 /// A producer of fleet updates.

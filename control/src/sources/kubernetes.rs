@@ -1,0 +1,309 @@
+//! The Kubernetes source: watches model-serving Pods through the API server (kube-rs).
+//!
+//! The watch filters on the label selector `model.aibrix.ai/name` (label exists). AIBrix also
+//! accepts the model name as an annotation, and [`PodRecord::from_pod`] honours that, but an
+//! API-server watch can only filter on labels: a pod that names its model only in an annotation
+//! is invisible to this source. Listing every pod in the cluster to find those would cost far
+//! more than it is worth, so such pods must carry the label to be routed.
+//!
+//! Each scope (all namespaces, or one per `--namespace`) runs one [`watcher::watcher`], which
+//! lists, then watches from the list's `resourceVersion` with bookmarks. When a watch connection ends
+//! it resumes from the last seen version; when the API server answers `410 Gone` (the version
+//! was compacted away) it re-lists. Both are handled inside kube-runtime; [`FleetState`] buffers a
+//! re-list and swaps it in whole, and errors are retried with a capped exponential backoff while
+//! the last good fleet stays published. A body cut mid-stream is resumed like a clean end by
+//! kube-client; a `410` is logged, not counted as a failure; any other list or watch error is
+//! counted (`pd_control_fleet_reload_errors_total`) and retried.
+//!
+//! Publishing: after every burst of events (drained without waiting, so a re-list or a rollout
+//! becomes one update) the whole fleet, sorted by namespace then name, is offered to the
+//! [`FleetPublisher`], which forwards it only if it differs from the current one.
+//!
+//! RBAC: the service account needs `list` and `watch` on `pods`, cluster-wide, or in each
+//! `--namespace` (a Role per namespace is then enough).
+
+mod state;
+
+use std::time::Duration;
+
+use futures_util::stream::{self, BoxStream};
+use futures_util::{FutureExt as _, StreamExt as _};
+use k8s_openapi::api::core::v1::Pod;
+use kube::runtime::utils::Backoff;
+use kube::runtime::watcher::{self, Event};
+use kube::runtime::WatchStreamExt as _;
+use kube::Api;
+
+use super::{FleetPublisher, FleetSource, Shutdown, SourceError};
+use crate::fleet::{PodRecord, LABEL_MODEL};
+
+pub use state::FleetState;
+
+/// Why the Kubernetes source could not start or keep up.
+#[derive(Debug, thiserror::Error)]
+pub enum KubeError {
+    #[error("--kube-api-url {url:?} is not a valid URL: {reason}")]
+    ApiUrl { url: String, reason: String },
+    #[error("no Kubernetes configuration found (neither in-cluster nor kubeconfig): {0}")]
+    Infer(#[source] kube::config::InferConfigError),
+    #[error("cannot build the Kubernetes client: {0}")]
+    Client(#[source] kube::Error),
+    #[error("watching pods {scope}: {source}")]
+    Watch {
+        scope: String,
+        source: watcher::Error,
+    },
+    #[error("the pod watch ended unexpectedly")]
+    Ended,
+}
+
+/// Where and how to watch.
+#[derive(Debug, Clone)]
+pub struct KubeSettings {
+    /// API server URL (plain `http://` allowed); `None` infers in-cluster or kubeconfig.
+    pub api_url: Option<String>,
+    /// Namespaces to watch; empty means all.
+    pub namespaces: Vec<String>,
+    /// First retry delay after a failed list or watch; doubles up to `backoff_max`.
+    pub backoff_min: Duration,
+    pub backoff_max: Duration,
+}
+
+impl KubeSettings {
+    pub fn new(api_url: Option<String>, namespaces: Vec<String>) -> KubeSettings {
+        KubeSettings {
+            api_url,
+            namespaces,
+            backoff_min: Duration::from_millis(500),
+            backoff_max: Duration::from_secs(30),
+        }
+    }
+}
+
+type Item = (usize, Result<Event<Pod>, watcher::Error>);
+
+pub struct KubernetesSource {
+    settings: KubeSettings,
+    /// Human-readable scope of each watch, indexed like the watch streams.
+    scopes: Vec<String>,
+    state: FleetState,
+    /// Created by `load`, consumed by `watch`: the same watches continue, so nothing that
+    /// happened between the two is missed.
+    events: Option<BoxStream<'static, Item>>,
+}
+
+impl KubernetesSource {
+    pub fn new(mut settings: KubeSettings) -> KubernetesSource {
+        settings.namespaces.sort();
+        settings.namespaces.dedup();
+        let scopes: Vec<String> = if settings.namespaces.is_empty() {
+            vec!["in all namespaces".into()]
+        } else {
+            settings
+                .namespaces
+                .iter()
+                .map(|ns| format!("in namespace {ns}"))
+                .collect()
+        };
+        KubernetesSource {
+            state: FleetState::new(scopes.len()),
+            settings,
+            scopes,
+            events: None,
+        }
+    }
+
+    fn watches(&self, client: kube::Client) -> BoxStream<'static, Item> {
+        let config = watcher::Config::default().labels(LABEL_MODEL);
+        let apis: Vec<Api<Pod>> = if self.settings.namespaces.is_empty() {
+            vec![Api::all(client)]
+        } else {
+            self.settings
+                .namespaces
+                .iter()
+                .map(|ns| Api::namespaced(client.clone(), ns))
+                .collect()
+        };
+        let streams = apis.into_iter().enumerate().map(|(index, api)| {
+            watcher::watcher(api, config.clone())
+                .backoff(RetryBackoff::new(
+                    self.settings.backoff_min,
+                    self.settings.backoff_max,
+                ))
+                .map(move |item| (index, item))
+                .boxed()
+        });
+        stream::select_all(streams).boxed()
+    }
+
+    fn scope(&self, index: usize) -> String {
+        self.scopes.get(index).cloned().unwrap_or_default()
+    }
+
+    /// Applies one watch item; returns whether the fleet may have changed.
+    fn handle(&mut self, (index, item): Item, publisher: &FleetPublisher) -> bool {
+        match item {
+            Ok(event) => self.state.apply(index, event),
+            // Routine: the resume point was compacted; the watcher re-lists next.
+            Err(watcher::Error::WatchError(status)) if status.code == 410 => {
+                let scope = self.scope(index);
+                tracing::info!(%scope, "pod watch expired (410 Gone); re-listing");
+                false
+            }
+            Err(source) => {
+                let error = KubeError::Watch {
+                    scope: self.scope(index),
+                    source,
+                };
+                publisher.reload_failed(&self.describe(), &error);
+                false
+            }
+        }
+    }
+}
+
+impl FleetSource for KubernetesSource {
+    fn describe(&self) -> String {
+        let server = self
+            .settings
+            .api_url
+            .as_deref()
+            .unwrap_or("inferred config");
+        let scope = if self.settings.namespaces.is_empty() {
+            "all namespaces".to_string()
+        } else {
+            format!("namespaces {}", self.settings.namespaces.join(", "))
+        };
+        format!("Kubernetes pods labelled {LABEL_MODEL} in {scope} ({server})")
+    }
+
+    async fn load(&mut self) -> Result<Vec<PodRecord>, SourceError> {
+        // A free function: the source holds a non-`Sync` stream, so no `&self` may cross an await.
+        let client = client(self.settings.api_url.clone()).await?;
+        let mut events = self.watches(client);
+        // Unlike later failures, a failed first list is fatal: there is no good fleet to keep.
+        while !self.state.synced() {
+            match events.next().await {
+                Some((index, Ok(event))) => {
+                    self.state.apply(index, event);
+                }
+                Some((index, Err(source))) => {
+                    return Err(KubeError::Watch {
+                        scope: self.scope(index),
+                        source,
+                    }
+                    .into())
+                }
+                None => return Err(KubeError::Ended.into()),
+            }
+        }
+        self.events = Some(events);
+        Ok(self.state.fleet())
+    }
+
+    async fn watch(mut self, publisher: FleetPublisher, mut shutdown: Shutdown) {
+        let Some(mut events) = self.events.take() else {
+            tracing::error!("kubernetes source watched before a successful load");
+            return;
+        };
+        let source = self.describe();
+        loop {
+            let next = tokio::select! {
+                _ = shutdown.requested() => return,
+                next = events.next() => next,
+            };
+            let Some(item) = next else {
+                publisher.reload_failed(&source, &KubeError::Ended);
+                return;
+            };
+            let mut changed = self.handle(item, &publisher);
+            // Fold a burst (a re-list, a rollout) into one publish.
+            while let Some(Some(item)) = events.next().now_or_never() {
+                changed |= self.handle(item, &publisher);
+            }
+            if changed && self.state.synced() {
+                let pods = self.state.fleet();
+                let count = pods.len();
+                if publisher.publish(pods) {
+                    tracing::info!(%source, pods = count, "fleet updated");
+                }
+            }
+        }
+    }
+}
+
+/// The client for `--kube-api-url` (no auth, plain http allowed), else in-cluster/kubeconfig.
+async fn client(api_url: Option<String>) -> Result<kube::Client, KubeError> {
+    let config = match api_url {
+        Some(url) => {
+            let uri = url
+                .parse()
+                .map_err(|e: http::uri::InvalidUri| KubeError::ApiUrl {
+                    reason: e.to_string(),
+                    url,
+                })?;
+            kube::Config::new(uri)
+        }
+        None => kube::Config::infer().await.map_err(KubeError::Infer)?,
+    };
+    kube::Client::try_from(config).map_err(KubeError::Client)
+}
+
+/// Exponential retry delay, reset by every successful watch item.
+struct RetryBackoff {
+    min: Duration,
+    max: Duration,
+    next: Duration,
+}
+
+impl RetryBackoff {
+    fn new(min: Duration, max: Duration) -> RetryBackoff {
+        RetryBackoff {
+            min,
+            max,
+            next: min,
+        }
+    }
+}
+
+impl Iterator for RetryBackoff {
+    type Item = Duration;
+
+    fn next(&mut self) -> Option<Duration> {
+        let delay = self.next;
+        self.next = self.next.saturating_mul(2).min(self.max);
+        Some(delay)
+    }
+}
+
+impl Backoff for RetryBackoff {
+    fn reset(&mut self) {
+        self.next = self.min;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_caps_and_resets() {
+        let mut b = RetryBackoff::new(Duration::from_millis(100), Duration::from_millis(300));
+        let got: Vec<_> = b.by_ref().take(4).map(|d| d.as_millis()).collect();
+        assert_eq!(got, [100, 200, 300, 300]);
+        b.reset();
+        assert_eq!(b.next(), Some(Duration::from_millis(100)));
+    }
+
+    #[test]
+    fn describe_and_dedup_namespaces() {
+        let s = KubernetesSource::new(KubeSettings::new(
+            Some("http://127.0.0.1:1".into()),
+            vec!["b".into(), "a".into(), "b".into()],
+        ));
+        assert_eq!(s.scopes, ["in namespace a", "in namespace b"]);
+        assert!(s
+            .describe()
+            .contains("namespaces a, b (http://127.0.0.1:1)"));
+    }
+}

@@ -1,0 +1,859 @@
+//! The Kubernetes source against a fake API server on loopback.
+//!
+//! The fake implements just what a pod watch needs: list and watch of `/api/v1/pods` and
+//! `/api/v1/namespaces/{ns}/pods` with `labelSelector`, a global `resourceVersion`, a history
+//! of changes replayed to watches that resume from a version, bookmarks, `410 Gone` for
+//! versions older than its compaction floor, and dropping every open watch on demand.
+//! Every wait is a poll against a deadline, never a fixed sleep.
+
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use pd_control::fleet::PodRecord;
+use pd_control::sources::{
+    Fleet, FleetPublisher, FleetSource, KubeSettings, KubernetesSource, Shutdown,
+};
+use pd_control::stats::Stats;
+use serde_json::{json, Value};
+use tokio::sync::{mpsc, watch};
+
+const DEADLINE: Duration = Duration::from_secs(20);
+const POLL: Duration = Duration::from_millis(20);
+const MODEL: &str = "model.aibrix.ai/name";
+
+/// Polls `check` until it yields `Some`, failing the test with `what` after [`DEADLINE`].
+async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let start = Instant::now();
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(start.elapsed() < DEADLINE, "timed out waiting for {what}");
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fake API server
+
+type Key = (String, String);
+
+/// One committed change: `new` is `None` for a deletion.
+struct Change {
+    rv: u64,
+    old: Option<Value>,
+    new: Option<Value>,
+}
+
+#[derive(Default)]
+struct Inner {
+    rv: u64,
+    pods: BTreeMap<Key, Value>,
+    history: Vec<Change>,
+    /// Watches resuming from a version below this are answered `410 Gone`.
+    floor: u64,
+    fail_lists: bool,
+    lists: usize,
+    watches: usize,
+    gone: usize,
+}
+
+#[derive(Clone)]
+struct FakeApi {
+    addr: SocketAddr,
+    inner: Arc<Mutex<Inner>>,
+    /// Bumped on every committed change, to wake open watches.
+    changes: Arc<watch::Sender<u64>>,
+    /// Bumped to end every open watch; the flag says whether to break the connection (a
+    /// transport error) rather than end the response cleanly.
+    drops: Arc<watch::Sender<(u64, bool)>>,
+}
+
+fn key_of(pod: &Value) -> Key {
+    let meta = &pod["metadata"];
+    (
+        meta["namespace"].as_str().unwrap_or("default").to_string(),
+        meta["name"]
+            .as_str()
+            .expect("test pods have names")
+            .to_string(),
+    )
+}
+
+/// `k`, `!k`, `k=v`, `k==v`, `k!=v`, comma-separated: the subset of selectors tests use.
+fn selector_matches(selector: Option<&str>, pod: &Value) -> bool {
+    let labels = &pod["metadata"]["labels"];
+    let get = |k: &str| labels.get(k.trim()).and_then(Value::as_str);
+    selector
+        .unwrap_or("")
+        .split(',')
+        .filter(|t| !t.trim().is_empty())
+        .all(|term| {
+            if let Some((k, v)) = term.split_once("!=") {
+                get(k) != Some(v.trim())
+            } else if let Some((k, v)) = term.split_once('=') {
+                get(k) == Some(v.trim_start_matches('=').trim())
+            } else if let Some(k) = term.trim().strip_prefix('!') {
+                get(k).is_none()
+            } else {
+                get(term).is_some()
+            }
+        })
+}
+
+struct Filter {
+    namespace: Option<String>,
+    selector: Option<String>,
+}
+
+impl Filter {
+    fn matches(&self, pod: &Value) -> bool {
+        self.namespace
+            .as_deref()
+            .is_none_or(|ns| key_of(pod).0 == ns)
+            && selector_matches(self.selector.as_deref(), pod)
+    }
+
+    /// What a watch with this filter sees of a change, as the real API server does it: an
+    /// object that starts matching is ADDED, one that stops matching is DELETED.
+    fn event(&self, change: &Change) -> Option<Value> {
+        let old = change.old.as_ref().is_some_and(|p| self.matches(p));
+        let new = change.new.as_ref().is_some_and(|p| self.matches(p));
+        let (kind, object) = match (old, new) {
+            (false, true) => ("ADDED", change.new.as_ref()?),
+            (true, true) => ("MODIFIED", change.new.as_ref()?),
+            (true, false) => ("DELETED", change.new.as_ref().or(change.old.as_ref())?),
+            (false, false) => return None,
+        };
+        Some(json!({"type": kind, "object": object}))
+    }
+}
+
+fn line(value: &Value) -> Result<Bytes, std::io::Error> {
+    Ok(Bytes::from(format!("{value}\n")))
+}
+
+impl FakeApi {
+    async fn start() -> FakeApi {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let api = FakeApi {
+            addr: listener.local_addr().unwrap(),
+            inner: Arc::default(),
+            changes: Arc::new(watch::channel(0).0),
+            drops: Arc::new(watch::channel((0, false)).0),
+        };
+        let app = Router::new()
+            .route("/api/v1/pods", get(all_pods))
+            .route("/api/v1/namespaces/{ns}/pods", get(namespaced_pods))
+            .with_state(api.clone());
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        api
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Commits a change; `record: false` leaves it out of the watch history, as if compacted.
+    fn commit(&self, key: Key, new: Option<Value>, record: bool) {
+        let mut inner = self.inner.lock().unwrap();
+        inner.rv += 1;
+        let rv = inner.rv;
+        let new = new.map(|mut pod| {
+            pod["metadata"]["resourceVersion"] = json!(rv.to_string());
+            pod
+        });
+        let old = match &new {
+            Some(pod) => inner.pods.insert(key, pod.clone()),
+            None => inner.pods.remove(&key),
+        };
+        if record {
+            inner.history.push(Change { rv, old, new });
+        }
+        drop(inner);
+        self.changes.send_replace(rv);
+    }
+
+    /// Creates or replaces a pod (ADDED/MODIFIED to watchers).
+    fn put(&self, pod: Value) {
+        self.commit(key_of(&pod), Some(pod), true);
+    }
+
+    fn delete(&self, namespace: &str, name: &str) {
+        self.commit((namespace.into(), name.into()), None, true);
+    }
+
+    /// The stored pod, to edit and `put` back.
+    fn get(&self, namespace: &str, name: &str) -> Value {
+        let inner = self.inner.lock().unwrap();
+        inner.pods[&(namespace.to_string(), name.to_string())].clone()
+    }
+
+    /// Ends every open watch cleanly, as an API server does on its watch timeout.
+    fn drop_watches(&self) {
+        self.drops
+            .send_modify(|(epoch, abort)| (*epoch, *abort) = (*epoch + 1, false));
+    }
+
+    /// Breaks every open watch connection mid-stream, as a restarting API server or a lost
+    /// network path does.
+    fn break_watches(&self) {
+        self.drops
+            .send_modify(|(epoch, abort)| (*epoch, *abort) = (*epoch + 1, true));
+    }
+
+    /// Applies changes that no watch will ever replay, moves the compaction floor past every
+    /// version handed out so far and drops the watches: a client can only catch up by
+    /// re-listing after the `410 Gone` its resumed watch gets.
+    fn compact_with(&self, puts: Vec<Value>, deletes: &[(&str, &str)]) {
+        for pod in puts {
+            self.commit(key_of(&pod), Some(pod), false);
+        }
+        for (ns, name) in deletes {
+            self.commit((ns.to_string(), name.to_string()), None, false);
+        }
+        {
+            let mut inner = self.inner.lock().unwrap();
+            inner.floor = inner.rv;
+        }
+        self.drop_watches();
+    }
+
+    fn fail_lists(&self, fail: bool) {
+        self.inner.lock().unwrap().fail_lists = fail;
+    }
+
+    /// (lists, watches, 410s) served so far.
+    fn counts(&self) -> (usize, usize, usize) {
+        let inner = self.inner.lock().unwrap();
+        (inner.lists, inner.watches, inner.gone)
+    }
+
+    fn list(&self, filter: &Filter) -> Response {
+        let mut inner = self.inner.lock().unwrap();
+        if inner.fail_lists {
+            let status = json!({"kind": "Status", "apiVersion": "v1", "metadata": {},
+                "status": "Failure", "code": 500, "reason": "InternalError",
+                "message": "etcdserver: request timed out"});
+            return (StatusCode::INTERNAL_SERVER_ERROR, axum::Json(status)).into_response();
+        }
+        inner.lists += 1;
+        // Like the real server, list items carry neither apiVersion nor kind.
+        let items: Vec<Value> = inner
+            .pods
+            .values()
+            .filter(|p| filter.matches(p))
+            .map(|p| {
+                let mut p = p.clone();
+                if let Some(obj) = p.as_object_mut() {
+                    obj.remove("apiVersion");
+                    obj.remove("kind");
+                }
+                p
+            })
+            .collect();
+        axum::Json(json!({"kind": "PodList", "apiVersion": "v1",
+            "metadata": {"resourceVersion": inner.rv.to_string()}, "items": items}))
+        .into_response()
+    }
+
+    fn watch(&self, filter: Filter, from: Option<u64>, bookmarks: bool) -> Response {
+        let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(64);
+        let api = self.clone();
+        let mut changes = self.changes.subscribe();
+        let mut drops = self.drops.subscribe();
+        let (start, expired) = {
+            let mut inner = self.inner.lock().unwrap();
+            inner.watches += 1;
+            let start = from.unwrap_or(inner.rv);
+            let expired = start < inner.floor;
+            if expired {
+                inner.gone += 1;
+            }
+            (start, expired)
+        };
+        tokio::spawn(async move {
+            if expired {
+                let gone = json!({"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1",
+                    "metadata": {}, "status": "Failure", "code": 410, "reason": "Expired",
+                    "message": "too old resource version"}});
+                let _ = tx.send(line(&gone)).await;
+                return;
+            }
+            let mut sent = start;
+            let mut first = true;
+            loop {
+                // Bookmarks only vouch for recorded history: a silent (compacted) change must
+                // not be covered by one, or the client would resume past it without a 410.
+                let (events, now) = {
+                    let inner = api.inner.lock().unwrap();
+                    let fresh: Vec<&Change> =
+                        inner.history.iter().filter(|c| c.rv > sent).collect();
+                    let now = fresh.last().map_or(sent, |c| c.rv);
+                    let events: Vec<Value> = fresh.iter().filter_map(|c| filter.event(c)).collect();
+                    (events, now)
+                };
+                for event in events {
+                    if tx.send(line(&event)).await.is_err() {
+                        return;
+                    }
+                }
+                if bookmarks && (first || now > sent) {
+                    let mark = json!({"type": "BOOKMARK", "object": {"kind": "Pod",
+                        "apiVersion": "v1", "metadata": {"resourceVersion": now.to_string()}}});
+                    if tx.send(line(&mark)).await.is_err() {
+                        return;
+                    }
+                }
+                first = false;
+                sent = now;
+                tokio::select! {
+                    r = changes.changed() => if r.is_err() { return },
+                    _ = drops.changed() => {
+                        let abort = drops.borrow().1;
+                        if abort {
+                            let _ = tx.send(Err(std::io::Error::other("connection reset"))).await;
+                        }
+                        return;
+                    }
+                    _ = tx.closed() => return,
+                }
+            }
+        });
+        let body = futures_util::stream::unfold(rx, |mut rx| async move {
+            rx.recv().await.map(|item| (item, rx))
+        });
+        Response::builder()
+            .header("content-type", "application/json")
+            .body(Body::from_stream(body))
+            .unwrap()
+    }
+
+    fn serve(&self, namespace: Option<String>, q: HashMap<String, String>) -> Response {
+        let filter = Filter {
+            namespace,
+            selector: q.get("labelSelector").cloned(),
+        };
+        if q.get("watch").map(String::as_str) == Some("true") {
+            let from = q.get("resourceVersion").and_then(|v| v.parse().ok());
+            let bookmarks = q.get("allowWatchBookmarks").map(String::as_str) == Some("true");
+            self.watch(filter, from, bookmarks)
+        } else {
+            self.list(&filter)
+        }
+    }
+}
+
+async fn all_pods(
+    State(api): State<FakeApi>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    api.serve(None, q)
+}
+
+async fn namespaced_pods(
+    State(api): State<FakeApi>,
+    Path(ns): Path<String>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    api.serve(Some(ns), q)
+}
+
+/// A model pod; `ip: None` is a pod not yet scheduled.
+fn pod(ns: &str, name: &str, model: &str, ip: Option<&str>, ready: bool) -> Value {
+    let ready_status = if ready { "True" } else { "False" };
+    let mut p = json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"namespace": ns, "name": name, "labels": {MODEL: model}},
+        "status": {"conditions": [{"type": "Ready", "status": ready_status}]},
+    });
+    if let Some(ip) = ip {
+        p["status"]["podIP"] = json!(ip);
+    }
+    p
+}
+
+// ---------------------------------------------------------------------------------------------
+// Running the source
+
+struct Running {
+    fleet: watch::Receiver<Fleet>,
+    stats: Arc<Stats>,
+    /// Every fleet published, in order.
+    published: Arc<Mutex<Vec<Fleet>>>,
+    stop: watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+fn settings(api: &FakeApi, namespaces: &[&str]) -> KubeSettings {
+    let mut s = KubeSettings::new(
+        Some(api.url()),
+        namespaces.iter().map(|s| s.to_string()).collect(),
+    );
+    s.backoff_min = Duration::from_millis(10);
+    s.backoff_max = Duration::from_millis(200);
+    s
+}
+
+async fn run_source(api: &FakeApi, namespaces: &[&str]) -> Running {
+    let mut source = KubernetesSource::new(settings(api, namespaces));
+    let initial = source.load().await.expect("initial list");
+    let stats = Arc::new(Stats::default());
+    let (tx, fleet) = watch::channel(Arc::new(initial));
+    let (stop, stop_rx) = watch::channel(false);
+    let task = tokio::spawn(source.watch(
+        FleetPublisher::new(tx, stats.clone()),
+        Shutdown::new(stop_rx),
+    ));
+    let published = Arc::new(Mutex::new(Vec::new()));
+    let mut follow = fleet.clone();
+    let record = published.clone();
+    tokio::spawn(async move {
+        while follow.changed().await.is_ok() {
+            let current = follow.borrow_and_update().clone();
+            record.lock().unwrap().push(current);
+        }
+    });
+    Running {
+        fleet,
+        stats,
+        published,
+        stop,
+        task,
+    }
+}
+
+/// `ns/name model ip ready` per pod, plus the config when there is one.
+fn view(pods: &[PodRecord]) -> Vec<String> {
+    pods.iter()
+        .map(|p| {
+            let mut s = format!("{} {} {} {}", p.key(), p.model, p.ip, p.ready);
+            if !p.config.is_empty() {
+                s.push_str(&format!(" {}", p.config));
+            }
+            s
+        })
+        .collect()
+}
+
+impl Running {
+    fn current(&self) -> Vec<String> {
+        view(&self.fleet.borrow())
+    }
+
+    async fn wait_for(&self, what: &str, expected: &[&str]) {
+        eventually(what, || async {
+            (self.current() == expected).then_some(())
+        })
+        .await
+    }
+
+    /// Fleets published so far, once the recorder has caught up with the current one.
+    async fn publishes(&self) -> usize {
+        eventually("the recorder to catch up", || async {
+            let published = self.published.lock().unwrap();
+            let current = self.fleet.borrow().clone();
+            published
+                .last()
+                .is_some_and(|last| Arc::ptr_eq(last, &current))
+                .then_some(published.len())
+        })
+        .await
+    }
+
+    /// Stops the source and checks it never published an empty fleet.
+    async fn finish(self) {
+        let _ = self.stop.send(true);
+        self.task.await.expect("source task");
+        let published = self.published.lock().unwrap();
+        assert!(
+            published.iter().all(|f| !f.is_empty()),
+            "an empty fleet was published: {:?}",
+            published.iter().map(|f| view(f)).collect::<Vec<_>>()
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tests
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn follows_adds_readiness_ips_edits_relabels_and_deletes() {
+    let api = FakeApi::start().await;
+    api.put(pod("ns", "b", "m", Some("10.0.0.2"), false));
+    api.put(pod("ns", "a", "m", Some("10.0.0.1"), true));
+    let mut stranger = pod("ns", "web", "m", Some("10.0.0.9"), true);
+    stranger["metadata"]["labels"] = json!({"app": "web"});
+    api.put(stranger);
+
+    let run = run_source(&api, &[]).await;
+    assert_eq!(
+        run.current(),
+        ["ns/a m 10.0.0.1 true", "ns/b m 10.0.0.2 false"],
+        "initial list: sorted, unlabelled pods not watched"
+    );
+
+    api.put(pod("ns", "c", "m2", None, false));
+    run.wait_for(
+        "add",
+        &[
+            "ns/a m 10.0.0.1 true",
+            "ns/b m 10.0.0.2 false",
+            "ns/c m2  false",
+        ],
+    )
+    .await;
+
+    api.put(pod("ns", "b", "m", Some("10.0.0.2"), true));
+    run.wait_for(
+        "ready flip",
+        &[
+            "ns/a m 10.0.0.1 true",
+            "ns/b m 10.0.0.2 true",
+            "ns/c m2  false",
+        ],
+    )
+    .await;
+
+    api.put(pod("ns", "c", "m2", Some("10.0.0.3"), true));
+    api.put(pod("ns", "a", "m", Some("10.0.1.1"), true));
+    run.wait_for(
+        "IP changes",
+        &[
+            "ns/a m 10.0.1.1 true",
+            "ns/b m 10.0.0.2 true",
+            "ns/c m2 10.0.0.3 true",
+        ],
+    )
+    .await;
+
+    let mut a = api.get("ns", "a");
+    a["metadata"]["annotations"] = json!({"model.aibrix.ai/config": "{\"p\":1}"});
+    api.put(a);
+    run.wait_for(
+        "annotation edit",
+        &[
+            "ns/a m 10.0.1.1 true {\"p\":1}",
+            "ns/b m 10.0.0.2 true",
+            "ns/c m2 10.0.0.3 true",
+        ],
+    )
+    .await;
+
+    // An edit that changes no record publishes nothing.
+    let before = run.publishes().await;
+    let mut b = api.get("ns", "b");
+    b["metadata"]["labels"]["unrelated"] = json!("x");
+    api.put(b);
+
+    let mut c = api.get("ns", "c");
+    c["metadata"]["labels"] = json!({"app": "no-longer-a-model"});
+    api.put(c);
+    run.wait_for(
+        "relabel to leave",
+        &["ns/a m 10.0.1.1 true {\"p\":1}", "ns/b m 10.0.0.2 true"],
+    )
+    .await;
+    assert_eq!(
+        run.publishes().await,
+        before + 1,
+        "the unrelated edit was not published"
+    );
+
+    api.delete("ns", "b");
+    run.wait_for("delete", &["ns/a m 10.0.1.1 true {\"p\":1}"])
+        .await;
+    assert_eq!(run.stats.fleet_reload_errors_total(), 0);
+    assert_eq!(api.counts().0, 1, "no re-list was needed");
+    run.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resumes_after_a_dropped_watch_without_relisting() {
+    let api = FakeApi::start().await;
+    api.put(pod("ns", "a", "m", Some("10.0.0.1"), true));
+    let run = run_source(&api, &[]).await;
+    eventually("the first watch", || async {
+        (api.counts().1 >= 1).then_some(())
+    })
+    .await;
+
+    for round in 0..4 {
+        let watches = api.counts().1;
+        if round % 2 == 0 {
+            api.drop_watches();
+        } else {
+            api.break_watches();
+        }
+        let name = format!("p{round}");
+        api.put(pod("ns", &name, "m", Some("10.0.0.5"), true));
+        eventually("the pod added around the disconnect", || async {
+            run.current()
+                .iter()
+                .any(|p| p.starts_with(&format!("ns/{name} ")))
+                .then_some(())
+        })
+        .await;
+        eventually("a new watch", || async {
+            (api.counts().1 > watches).then_some(())
+        })
+        .await;
+    }
+    api.delete("ns", "p1");
+    run.wait_for(
+        "a delete after reconnects",
+        &[
+            "ns/a m 10.0.0.1 true",
+            "ns/p0 m 10.0.0.5 true",
+            "ns/p2 m 10.0.0.5 true",
+            "ns/p3 m 10.0.0.5 true",
+        ],
+    )
+    .await;
+    let (lists, _, gone) = api.counts();
+    assert_eq!(
+        (lists, gone),
+        (1, 0),
+        "a dropped or broken watch resumes from its resourceVersion"
+    );
+    // kube-client treats a body cut mid-chunk like a clean end (its "resumable watch
+    // termination"), so neither kind of drop is an error worth counting.
+    assert_eq!(run.stats.fleet_reload_errors_total(), 0);
+    run.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gone_forces_a_relist_that_replaces_the_fleet_whole() {
+    let api = FakeApi::start().await;
+    api.put(pod("ns", "a", "m", Some("10.0.0.1"), true));
+    api.put(pod("ns", "b", "m", Some("10.0.0.2"), true));
+    let run = run_source(&api, &[]).await;
+    eventually("the first watch", || async {
+        (api.counts().1 >= 1).then_some(())
+    })
+    .await;
+
+    // Changes the watch history no longer holds: only a re-list can reveal them.
+    api.compact_with(
+        vec![
+            pod("ns", "b", "m", Some("10.0.9.2"), true),
+            pod("ns", "c", "m", Some("10.0.0.3"), true),
+        ],
+        &[("ns", "a")],
+    );
+    run.wait_for(
+        "the re-listed fleet",
+        &["ns/b m 10.0.9.2 true", "ns/c m 10.0.0.3 true"],
+    )
+    .await;
+    let (lists, _, gone) = api.counts();
+    assert!(
+        gone >= 1 && lists >= 2,
+        "410 then re-list: {:?}",
+        api.counts()
+    );
+    assert_eq!(run.stats.fleet_reload_errors_total(), 0, "a 410 is routine");
+
+    // And the watch after the re-list works.
+    api.delete("ns", "c");
+    run.wait_for("a delete after the re-list", &["ns/b m 10.0.9.2 true"])
+        .await;
+    run.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_errors_keep_the_last_good_fleet() {
+    let api = FakeApi::start().await;
+    api.put(pod("ns", "a", "m", Some("10.0.0.1"), true));
+    let run = run_source(&api, &[]).await;
+    eventually("the first watch", || async {
+        (api.counts().1 >= 1).then_some(())
+    })
+    .await;
+
+    // The watch expires and every re-list fails: the source must hold on to what it has.
+    api.fail_lists(true);
+    api.compact_with(
+        vec![pod("ns", "d", "m", Some("10.0.0.4"), true)],
+        &[("ns", "a")],
+    );
+    eventually("failed re-lists to be reported", || async {
+        (run.stats.fleet_reload_errors_total() >= 2).then_some(())
+    })
+    .await;
+    assert_eq!(
+        run.current(),
+        ["ns/a m 10.0.0.1 true"],
+        "last good fleet kept"
+    );
+
+    api.fail_lists(false);
+    run.wait_for("recovery", &["ns/d m 10.0.0.4 true"]).await;
+    run.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn namespaces_restrict_the_watch() {
+    let api = FakeApi::start().await;
+    api.put(pod("one", "z", "m", Some("10.0.0.1"), true));
+    api.put(pod("two", "a", "m", Some("10.0.0.2"), true));
+    api.put(pod("three", "a", "m", Some("10.0.0.3"), true));
+    let run = run_source(&api, &["three", "one"]).await;
+    assert_eq!(
+        run.current(),
+        ["one/z m 10.0.0.1 true", "three/a m 10.0.0.3 true"],
+        "only the chosen namespaces, sorted by namespace then name"
+    );
+
+    api.put(pod("two", "b", "m", Some("10.0.0.4"), true));
+    api.put(pod("three", "b", "m", Some("10.0.0.5"), true));
+    run.wait_for(
+        "an add in a watched namespace",
+        &[
+            "one/z m 10.0.0.1 true",
+            "three/a m 10.0.0.3 true",
+            "three/b m 10.0.0.5 true",
+        ],
+    )
+    .await;
+    api.delete("one", "z");
+    run.wait_for(
+        "a delete in the other watched namespace",
+        &["three/a m 10.0.0.3 true", "three/b m 10.0.0.5 true"],
+    )
+    .await;
+    assert!(
+        run.published
+            .lock()
+            .unwrap()
+            .iter()
+            .all(|f| f.iter().all(|p| p.namespace != "two")),
+        "namespace two never leaked in"
+    );
+    run.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn initial_list_failure_fails_startup() {
+    let api = FakeApi::start().await;
+    api.fail_lists(true);
+    let config = pd_control::Config::kubernetes(Some(api.url()), "127.0.0.1:0".parse().unwrap());
+    let error = match pd_control::start(config).await {
+        Ok(_) => panic!("started without an initial fleet"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        error.contains("cannot load the initial fleet from Kubernetes pods labelled")
+            && error.contains("initial object list"),
+        "unclear error: {error}"
+    );
+
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let mut source = KubernetesSource::new(KubeSettings::new(
+        Some(format!("http://{closed}")),
+        Vec::new(),
+    ));
+    assert!(source.load().await.is_err(), "unreachable API server");
+
+    let mut bad = KubernetesSource::new(KubeSettings::new(Some("not a url".into()), Vec::new()));
+    let error = bad.load().await.expect_err("bad URL rejected").to_string();
+    assert!(error.contains("--kube-api-url"), "{error}");
+}
+
+/// The binary, end to end: `--source kubernetes --kube-api-url` serves the fake server's pods.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn binary_serves_pods_from_the_api_server() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+
+    let api = FakeApi::start().await;
+    api.put(pod("prod", "decode-0", "llama", Some("127.0.0.1"), true));
+    api.put(pod("prod", "prefill-0", "llama", None, false));
+    let exe = env!("CARGO_BIN_EXE_pd-control");
+
+    let out = Command::new(exe)
+        .args([
+            "--source",
+            "kubernetes",
+            "--fleet",
+            "f.yaml",
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        !out.status.success(),
+        "--fleet conflicts with --source kubernetes"
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--fleet does not apply"), "{stderr}");
+
+    let mut child = Command::new(exe)
+        .args(["--source", "kubernetes", "--kube-api-url", &api.url()])
+        .args(["--listen", "127.0.0.1:0"])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let announced = tokio::task::spawn_blocking(move || {
+        let mut first = String::new();
+        BufReader::new(stdout).read_line(&mut first).unwrap();
+        first
+    })
+    .await
+    .unwrap();
+    let addr = announced
+        .trim()
+        .strip_prefix("pd-control: listening on ")
+        .unwrap_or_else(|| panic!("unexpected first line {announced:?}"))
+        .to_string();
+    let client = reqwest::Client::builder().no_proxy().build().unwrap();
+    let url = format!("http://{addr}/v1/snapshot.json");
+    let pods = eventually("the snapshot to list the API server's pods", || async {
+        let body = client.get(&url).send().await.ok()?.bytes().await.ok()?;
+        let v: Value = serde_json::from_slice(&body).ok()?;
+        let mut names: Vec<String> = v["models"]
+            .as_array()?
+            .iter()
+            .flat_map(|m| m["pods"].as_array().cloned().unwrap_or_default())
+            .map(|p| format!("{}/{} {}", p["namespace"], p["name"], p["ready"]))
+            .collect();
+        names.sort();
+        (names.len() == 2).then_some(names)
+    })
+    .await;
+    assert_eq!(
+        pods,
+        [r#""prod"/"decode-0" true"#, r#""prod"/"prefill-0" false"#]
+    );
+
+    api.delete("prod", "prefill-0");
+    eventually("the deletion to reach the snapshot", || async {
+        let body = client.get(&url).send().await.ok()?.bytes().await.ok()?;
+        let v: Value = serde_json::from_slice(&body).ok()?;
+        (v["models"][0]["pods"].as_array()?.len() == 1).then_some(())
+    })
+    .await;
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
