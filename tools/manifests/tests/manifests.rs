@@ -231,14 +231,6 @@ fn container<'a>(containers: &'a [Container], name: &str) -> &'a Container {
         .unwrap_or_else(|| panic!("no container {name}"))
 }
 
-fn env<'a>(c: &'a Container, name: &str) -> &'a str {
-    c.env
-        .as_ref()
-        .and_then(|env| env.iter().find(|e| e.name == name))
-        .and_then(|e| e.value.as_deref())
-        .unwrap_or_else(|| panic!("container {} has no env {name}", c.name))
-}
-
 #[test]
 fn control_deployment_matches_its_cli_service_and_account() {
     let k = kube();
@@ -298,28 +290,16 @@ fn control_deployment_matches_its_cli_service_and_account() {
         assert!(matches!(get.path.as_deref(), Some("/readyz" | "/healthz")));
     }
 
-    // The fleet file lives on a volume the sync container writes and pd-control reads.
-    let fleet_dir = config.fleet.parent().unwrap().to_str().unwrap().to_string();
-    let mount = |c: &Container| {
-        c.volume_mounts
-            .as_ref()
-            .and_then(|m| m.iter().find(|m| m.mount_path == fleet_dir))
-            .cloned()
-            .unwrap_or_else(|| panic!("{} does not mount {fleet_dir}", c.name))
-    };
-    let sync = container(&pod.containers, "fleet-sync");
-    let (read_mount, write_mount) = (mount(control), mount(sync));
-    assert_eq!(read_mount.name, write_mount.name);
-    assert_eq!(read_mount.read_only, Some(true));
-    assert_ne!(write_mount.read_only, Some(true));
-    let script = sync.args.as_ref().unwrap().join("\n");
-    assert!(
-        script.contains(config.fleet.to_str().unwrap()),
-        "fleet-sync writes --fleet"
+    // pd-control watches Kubernetes itself: no fleet file, no sidecar.
+    assert_eq!(
+        config.source,
+        Some(pd_control::config::SourceKind::Kubernetes)
     );
-    assert!(script.contains("kubectl get pods"));
-    assert!(script.contains("-o yaml"));
-    assert_eq!(env(sync, "FLEET_SELECTOR"), "model.aibrix.ai/name");
+    assert!(
+        config.fleet.is_none(),
+        "the kubernetes source takes no --fleet"
+    );
+    assert_eq!(pod.containers.len(), 1, "pd-control needs no sidecar");
 
     // The Service reaches that port on these pods.
     let svc = &k.services[0];
