@@ -111,4 +111,4 @@ oci-test: wasm registry-setup
 
 # Every document under envoy/kubernetes/ and envoy/istio/ against k8s-openapi types + contract checks.
 manifests-test:
-	cargo test -p pd-deploy-manifests -- --test-threads=2
+	cargo test -p pd-control --test manifests

@@ -22,7 +22,7 @@ use serde_json::Value as Json;
 use serde_yaml::Value as Yaml;
 
 fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
 fn read(rel: &str) -> String {
