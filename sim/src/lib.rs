@@ -2,8 +2,9 @@
 //! benchmarking pd-router without GPUs.
 //!
 //! - `pd-sim` serves every loopback pod of a fleet file as a vLLM OpenAI server speaking the
-//!   disaggregated-prefill protocol (`kv_transfer_params`), with vLLM's Prometheus metrics and a
-//!   request log (`/sim/requests`) that tests assert on.
+//!   disaggregated-prefill protocol (`kv_transfer_params`), with the Prometheus metrics of the
+//!   pod's engine label (vLLM, SGLang or TRT-LLM names and endpoints) and a request log
+//!   (`/sim/requests`) that tests assert on.
 //! - `pd-load` sends OpenAI traffic through the router and reports latency and per-pod spread.
 //!
 //! Modules: [`engine`] (timing and token model), [`prefix`] (prefix cache), [`vllm`] (wire

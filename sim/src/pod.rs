@@ -17,7 +17,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::engine::{self, TimingModel, BLOCK_SIZE_TOKENS};
 use crate::log::RequestLog;
-use crate::metrics::MetricsSnapshot;
+use crate::metrics::{Engine, MetricsSnapshot};
 use crate::prefix::PrefixCache;
 use crate::vllm::{Leg, PodRole};
 
@@ -68,7 +68,20 @@ struct Inner {
     next_block_id: u64,
     prefix: PrefixCache,
     metrics: MetricsSnapshot,
+    /// Decode legs waiting for a batch slot before their KV pull, and those pulling KV.
+    decode_prealloc: u64,
+    kv_transfer: u64,
+    /// Start of the current generation-throughput window and the token count then.
+    throughput_mark: (Instant, u64),
+    /// Tokens per second over the last completed window.
+    gen_throughput: f64,
+    /// TRT-LLM iteration-stats records handed out.
+    iterations: u64,
 }
+
+/// Length of the window `sglang:gen_throughput` is averaged over (SGLang logs decode stats
+/// every `decode_log_interval` steps; a second is the same order at simulated speeds).
+pub const GEN_THROUGHPUT_WINDOW: Duration = Duration::from_secs(1);
 
 /// A served pod.
 #[derive(Debug)]
@@ -105,7 +118,8 @@ impl PodState {
         } else {
             0
         };
-        let mut metrics = MetricsSnapshot::new();
+        let mut metrics = MetricsSnapshot::for_engine(Engine::from_label(&record.engine));
+        metrics.kv_capacity_tokens = config.kv_capacity_tokens;
         metrics.num_gpu_blocks = engine::blocks_for(config.kv_capacity_tokens);
         metrics.prefix_caching = config.prefix_caching;
         PodState {
@@ -124,6 +138,11 @@ impl PodState {
                 next_block_id: 1,
                 prefix: PrefixCache::new(capacity_blocks),
                 metrics,
+                decode_prealloc: 0,
+                kv_transfer: 0,
+                throughput_mark: (Instant::now(), 0),
+                gen_throughput: 0.0,
+                iterations: 0,
             }),
             record,
             config,
@@ -154,14 +173,39 @@ impl PodState {
 
     /// The `/metrics` view, with gauges computed now.
     pub fn metrics(&self) -> MetricsSnapshot {
+        self.metrics_at(Instant::now())
+    }
+
+    /// [`PodState::metrics`] as of `now`; the generation-throughput window closes when
+    /// [`GEN_THROUGHPUT_WINDOW`] has passed since it opened.
+    pub fn metrics_at(&self, now: Instant) -> MetricsSnapshot {
         let mut inner = self.lock();
-        expire_pins(&mut inner, Instant::now());
+        expire_pins(&mut inner, now);
+        let generated = inner.metrics.generation_tokens;
+        let (opened, at_open) = inner.throughput_mark;
+        let elapsed = now.saturating_duration_since(opened);
+        if elapsed >= GEN_THROUGHPUT_WINDOW {
+            inner.gen_throughput = (generated - at_open) as f64 / elapsed.as_secs_f64();
+            inner.throughput_mark = (now, generated);
+        }
         let mut m = inner.metrics.clone();
         m.running = inner.running;
         m.waiting = inner.waiting;
-        let held = (inner.active_kv_tokens + inner.pinned_tokens) as f64;
-        m.kv_usage = (held / self.config.kv_capacity_tokens.max(1) as f64).min(1.0);
+        let held = inner.active_kv_tokens + inner.pinned_tokens;
+        m.kv_used_tokens = held;
+        m.kv_usage = (held as f64 / self.config.kv_capacity_tokens.max(1) as f64).min(1.0);
+        m.gen_throughput = inner.gen_throughput;
+        m.prefill_inflight = inner.pinned.len() as u64;
+        m.decode_prealloc = inner.decode_prealloc;
+        m.kv_transfer = inner.kv_transfer;
         m
+    }
+
+    /// Numbers the next TRT-LLM iteration-stats record.
+    pub fn next_iteration(&self) -> u64 {
+        let mut inner = self.lock();
+        inner.iterations += 1;
+        inner.iterations
     }
 
     pub fn running(&self) -> u64 {
@@ -382,6 +426,42 @@ impl Drop for Ticket {
     }
 }
 
+/// The sub-queues of `waiting` that SGLang reports apart.
+#[derive(Debug, Clone, Copy)]
+enum Queue {
+    DecodePrealloc,
+    KvTransfer,
+}
+
+/// A request's place in one [`Queue`], left on drop (a client hanging up included).
+#[derive(Debug)]
+struct QueueSlot {
+    pod: Arc<PodState>,
+    queue: Queue,
+}
+
+impl QueueSlot {
+    fn new(pod: Arc<PodState>, queue: Queue) -> Self {
+        *Self::counter(&mut pod.lock(), queue) += 1;
+        QueueSlot { pod, queue }
+    }
+
+    fn counter(inner: &mut Inner, queue: Queue) -> &mut u64 {
+        match queue {
+            Queue::DecodePrealloc => &mut inner.decode_prealloc,
+            Queue::KvTransfer => &mut inner.kv_transfer,
+        }
+    }
+}
+
+impl Drop for QueueSlot {
+    fn drop(&mut self) {
+        let mut inner = self.pod.lock();
+        let c = Self::counter(&mut inner, self.queue);
+        *c = c.saturating_sub(1);
+    }
+}
+
 /// What a job is asked to do; derived from the validated request.
 #[derive(Debug, Clone)]
 pub struct JobSpec {
@@ -433,7 +513,10 @@ impl Job {
         }
         let timing = &self.pod.config.timing;
         if self.produced == 0 {
+            let decode = self.spec.work == Leg::Decode;
+            let prealloc = decode.then(|| QueueSlot::new(self.pod.clone(), Queue::DecodePrealloc));
             self._admission = self.pod.seqs.clone().acquire_owned().await.ok();
+            drop(prealloc);
             let scheduled = match self.spec.work {
                 Leg::Prefill | Leg::Full => {
                     let _lane = match &self.pod.prefill_lane {
@@ -447,7 +530,9 @@ impl Job {
                 }
                 Leg::Decode => {
                     // vLLM counts a request as waiting while its KV is being pulled.
+                    let transfer = QueueSlot::new(self.pod.clone(), Queue::KvTransfer);
                     tokio::time::sleep(timing.kv_pull_time(self.spec.prompt_tokens)).await;
+                    drop(transfer);
                     self.ticket.start(self.spec.prompt_tokens);
                     let scheduled = Instant::now();
                     tokio::time::sleep(timing.decode_step(self.pod.running())).await;
@@ -653,5 +738,73 @@ mod tests {
         assert_eq!((m.prefix_queries, m.prefix_hits), (96, 48));
         assert_eq!(pod.allocate_blocks(2), vec![1, 2]);
         assert_eq!(pod.allocate_blocks(1), vec![3]);
+    }
+
+    #[test]
+    fn gen_throughput_is_averaged_over_closed_windows() {
+        let start = Instant::now();
+        let pod = PodState::new(record("p", "", "127.0.0.2"), fast_config());
+        pod.lock().metrics.generation_tokens = 3;
+        assert_eq!(
+            pod.metrics_at(start).gen_throughput,
+            0.0,
+            "window still open"
+        );
+        let m = pod.metrics_at(start + Duration::from_secs(2));
+        assert!(
+            (1.4..=1.6).contains(&m.gen_throughput),
+            "{}",
+            m.gen_throughput
+        );
+        pod.lock().metrics.generation_tokens = 10;
+        let held = pod.metrics_at(start + Duration::from_millis(2500));
+        assert_eq!(
+            held.gen_throughput, m.gen_throughput,
+            "kept until the window closes"
+        );
+        let next = pod.metrics_at(start + Duration::from_secs(4));
+        assert!(
+            (3.4..=3.6).contains(&next.gen_throughput),
+            "7 tokens over ~2 s"
+        );
+        let idle = pod.metrics_at(start + Duration::from_secs(6));
+        assert_eq!(idle.gen_throughput, 0.0);
+    }
+
+    #[tokio::test]
+    async fn decode_legs_show_in_prealloc_then_transfer_queues() {
+        let mut config = (*fast_config()).clone();
+        config.max_num_seqs = 1;
+        config.timing.kv_pull_base_ms = 10_000.0;
+        let pod = Arc::new(PodState::new(
+            record("d", "decode", "127.0.0.2"),
+            Arc::new(config),
+        ));
+        let mut holder = Job::new(pod.clone(), spec(Leg::Full, None), Instant::now());
+        assert_eq!(holder.next_token().await, Some(0));
+        let mut decode = Job::new(pod.clone(), spec(Leg::Decode, None), Instant::now());
+        let task = tokio::spawn(async move { decode.next_token().await });
+        let settled = |want: (u64, u64, u64)| {
+            let pod = pod.clone();
+            async move {
+                for _ in 0..200 {
+                    let m = pod.metrics();
+                    if (m.waiting, m.decode_prealloc, m.kv_transfer) == want {
+                        return m;
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                panic!("never reached {want:?}: {:?}", pod.metrics());
+            }
+        };
+        let m = settled((1, 1, 0)).await;
+        assert_eq!(m.running, 1);
+        while holder.next_token().await.is_some() {}
+        let m = settled((1, 0, 1)).await;
+        assert_eq!(m.running, 0);
+        task.abort();
+        let _ = task.await;
+        let m = settled((0, 0, 0)).await;
+        assert_eq!(m.running, 0);
     }
 }

@@ -21,7 +21,7 @@ use tokio::task::{JoinHandle, JoinSet};
 
 use crate::engine;
 use crate::log::{header_map, next_seq, unix_ms, LogEntry};
-use crate::metrics;
+use crate::metrics::{self, Engine};
 use crate::pod::{Job, JobSpec, KvPull, PodState, Registry};
 use crate::prefix::block_hashes;
 use crate::vllm::{self, ApiError, Endpoint, Leg, ResponseMeta, SimRequest};
@@ -34,12 +34,22 @@ pub struct PodCtx {
 }
 
 /// The router of one simulated pod.
+///
+/// `/metrics` follows the pod's engine label: vLLM's or SGLang's Prometheus text, or for
+/// TRT-LLM its JSON iteration stats, with the Prometheus text on `/prometheus/metrics`.
 pub fn pod_router(ctx: PodCtx) -> Router {
-    Router::new()
+    let engine = Engine::from_label(&ctx.pod.record.engine);
+    let router = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
-        .route("/v1/models", get(models))
-        .route("/metrics", get(metrics_page))
+        .route("/v1/models", get(models));
+    let router = match engine {
+        Engine::Trtllm => router
+            .route("/metrics", get(trtllm_iteration_stats))
+            .route("/prometheus/metrics", get(metrics_page)),
+        Engine::Vllm | Engine::Sglang => router.route("/metrics", get(metrics_page)),
+    };
+    router
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/ping", get(|| async { StatusCode::OK }))
         .route(
@@ -78,8 +88,36 @@ async fn models(State(ctx): State<PodCtx>) -> Response {
     )
 }
 
+/// The pod's Prometheus text in its engine's names.
+pub fn exposition(pod: &PodState) -> String {
+    let record = &pod.record;
+    let m = pod.metrics();
+    match Engine::from_label(&record.engine) {
+        Engine::Vllm => metrics::render(&record.model, &m),
+        Engine::Sglang => {
+            metrics::render_sglang(&record.model, metrics::sglang_engine_type(&record.role), &m)
+        }
+        Engine::Trtllm => metrics::render_trtllm(&record.model, std::process::id(), &m),
+    }
+}
+
+async fn trtllm_iteration_stats(State(ctx): State<PodCtx>) -> Response {
+    let m = ctx.pod.metrics();
+    let iter = if m.running + m.waiting > 0 {
+        ctx.pod.next_iteration()
+    } else {
+        0
+    };
+    let secs = unix_secs() % 86_400;
+    let timestamp = format!("{:02}:{:02}:{:02}", secs / 3600, secs / 60 % 60, secs % 60);
+    json_response(
+        StatusCode::OK,
+        &metrics::render_trtllm_iteration_stats(iter, &timestamp, &m),
+    )
+}
+
 async fn metrics_page(State(ctx): State<PodCtx>) -> Response {
-    let text = metrics::render(&ctx.pod.record.model, &ctx.pod.metrics());
+    let text = exposition(&ctx.pod);
     (
         [(
             header::CONTENT_TYPE,

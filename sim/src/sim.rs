@@ -230,6 +230,15 @@ impl Sim {
             .collect()
     }
 
+    /// The state of the pod served at `addr` (`ip:port`), for tests and tools that compare
+    /// what a scraper sees with what the simulator holds.
+    pub fn pod_state(&self, addr: &str) -> Option<Arc<PodState>> {
+        self.view()
+            .into_iter()
+            .find(|(record, _)| record.address() == addr)
+            .map(|(_, state)| state)
+    }
+
     /// Every pod's request log, merged in arrival order.
     pub fn requests(&self) -> Vec<LogEntry> {
         let mut all: Vec<LogEntry> = self

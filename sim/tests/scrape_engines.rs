@@ -1,0 +1,335 @@
+//! One pod per engine (vLLM, SGLang, TRT-LLM) served in-process, loaded with finished, pinned
+//! and in-flight requests, then scraped exactly as pd-control scrapes: its URL builder, HTTP
+//! client and fetch-and-parse path, and its rate derivation. The readings must agree with the
+//! simulator's own state of each pod.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pd_control::scrape::engine::{Engine, Reading};
+use pd_control::scrape::fetch::{client as scrape_client, metrics_url, scrape};
+use pd_control::scrape::rates::derive;
+use pd_sim::engine::TimingModel;
+use pd_sim::metrics::MetricsSnapshot;
+use pd_sim::pod::{PodState, SimConfig};
+use pd_sim::sim::{FleetWatcher, Sim};
+use serde_json::{json, Value};
+use tokio::sync::Semaphore;
+
+const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
+const ENGINES: [&str; 3] = ["vllm", "sglang", "trtllm"];
+
+fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    listener.local_addr().expect("local addr").port()
+}
+
+fn pod_yaml(name: &str, engine: &str, port: u16) -> String {
+    format!(
+        r#"- apiVersion: v1
+  kind: Pod
+  metadata:
+    name: {name}
+    namespace: default
+    labels:
+      model.aibrix.ai/name: {MODEL}
+      model.aibrix.ai/port: "{port}"
+      model.aibrix.ai/engine: {engine}
+      role-name: prefill
+      roleset-name: rs0
+  status:
+    podIP: 127.0.0.1
+    conditions:
+    - type: Ready
+      status: "True"
+"#
+    )
+}
+
+/// A fleet file in the temp dir, removed on drop.
+struct TempFile(PathBuf);
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+fn http() -> reqwest::Client {
+    reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .expect("client")
+}
+
+async fn post(base: &str, body: Value) -> reqwest::Response {
+    http()
+        .post(format!("{base}/v1/completions"))
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+        .expect("request sent")
+}
+
+async fn get_json(url: &str) -> Value {
+    let text = http()
+        .get(url)
+        .send()
+        .await
+        .expect("GET")
+        .text()
+        .await
+        .expect("body");
+    serde_json::from_str(&text).expect("JSON")
+}
+
+struct Pod {
+    engine: Engine,
+    label: &'static str,
+    base: String,
+    url: String,
+    state: Arc<PodState>,
+}
+
+/// Scrapes through pd-control's own fetch path.
+async fn read(pod: &Pod) -> Reading {
+    let slots = Arc::new(Semaphore::new(4));
+    let client = scrape_client(Duration::from_secs(2)).expect("scrape client");
+    scrape(
+        &client,
+        &slots,
+        &pod.url,
+        pod.engine,
+        MODEL,
+        Duration::from_secs(2),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("pd-control failed to scrape the {} pod: {e}", pod.label))
+}
+
+/// A reading taken while the pod's state did not change, with that state.
+async fn steady_read(pod: &Pod) -> (Reading, MetricsSnapshot) {
+    for _ in 0..50 {
+        let before = pod.state.metrics();
+        let reading = read(pod).await;
+        let after = pod.state.metrics();
+        if before == after {
+            return (reading, after);
+        }
+        tokio::time::sleep(Duration::from_millis(7)).await;
+    }
+    panic!("{} pod never held still for a scrape", pod.label);
+}
+
+fn close(a: Option<f64>, b: f64) -> bool {
+    a.is_some_and(|a| (a - b).abs() < 1e-9)
+}
+
+/// What each engine's normalised reading should say about `m`.
+fn assert_matches(pod: &Pod, r: &Reading, m: &MetricsSnapshot) {
+    let who = pod.label;
+    assert_eq!(r.running, Some(m.running as f64), "{who} running: {r:?}");
+    let waiting = match pod.engine {
+        // SGLang's waiting queue leaves out decode legs in prealloc and KV transfer.
+        Engine::Sglang => m.waiting - m.decode_prealloc - m.kv_transfer,
+        Engine::Vllm | Engine::Trtllm => m.waiting,
+    };
+    assert_eq!(r.waiting, Some(waiting as f64), "{who} waiting: {r:?}");
+    assert!(
+        close(r.kv_cache_usage, m.kv_usage),
+        "{who} KV usage {:?} vs {}",
+        r.kv_cache_usage,
+        m.kv_usage
+    );
+    assert_eq!(r.prompt_tokens, Some(m.prompt_tokens as f64), "{who}");
+    assert_eq!(
+        r.generation_tokens,
+        Some(m.generation_tokens as f64),
+        "{who}"
+    );
+    let completed = match pod.engine {
+        // TRT-LLM's success counter has no aborted requests.
+        Engine::Trtllm => m.success_stop + m.success_length,
+        Engine::Vllm | Engine::Sglang => m.success_stop + m.success_length + m.success_abort,
+    };
+    assert_eq!(r.completed, Some(completed as f64), "{who} completed");
+    let ttft = r.ttft.unwrap_or_else(|| panic!("{who} has no TTFT"));
+    assert_eq!(ttft.count, m.ttft.count() as f64, "{who} TTFT count");
+    assert!((ttft.sum - m.ttft.sum()).abs() < 1e-6, "{who} TTFT sum");
+    let tpot = r.tpot.unwrap_or_else(|| panic!("{who} has no TPOT"));
+    assert_eq!(tpot.count, m.inter_token.count() as f64, "{who} TPOT count");
+    match pod.engine {
+        Engine::Sglang => assert_eq!(r.generation_gauge, Some(m.gen_throughput), "{who}"),
+        Engine::Vllm | Engine::Trtllm => assert_eq!(r.generation_gauge, None, "{who}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pd_control_reads_every_engines_exposition() {
+    let ports: Vec<u16> = ENGINES.iter().map(|_| free_port()).collect();
+    let path = std::env::temp_dir().join(format!(
+        "pd-sim-engines-{}-{}.yaml",
+        std::process::id(),
+        ports[0]
+    ));
+    let _cleanup = TempFile(path.clone());
+    let pods: Vec<String> = ENGINES
+        .iter()
+        .zip(&ports)
+        .map(|(engine, port)| pod_yaml(&format!("{engine}-p-0"), engine, *port))
+        .collect();
+    std::fs::write(
+        &path,
+        format!("apiVersion: v1\nkind: List\nitems:\n{}", pods.concat()),
+    )
+    .expect("write fleet");
+    let watcher = FleetWatcher::load(path.clone(), Duration::from_millis(50)).expect("fleet");
+
+    // One batch slot and slow decode steps: a long request holds the pod busy and a second
+    // one waits behind it, both for long enough to scrape.
+    let sim = Sim::new(SimConfig {
+        timing: TimingModel {
+            prefill_base_ms: 1.0,
+            prefill_us_per_token: 0.0,
+            decode_ms_per_token: 150.0,
+            batch_slowdown: 0.0,
+            kv_pull_base_ms: 0.0,
+            kv_pull_us_per_token: 0.0,
+        },
+        max_num_seqs: 1,
+        kv_capacity_tokens: 10_000,
+        ..SimConfig::default()
+    });
+    let report = sim.apply(watcher.records()).await;
+    assert_eq!((report.serving, report.failed.len()), (3, 0), "{report:?}");
+
+    let pods: Vec<Pod> = ENGINES
+        .iter()
+        .zip(&ports)
+        .map(|(label, port)| {
+            let engine = Engine::from_label(label);
+            let addr = format!("127.0.0.1:{port}");
+            Pod {
+                engine,
+                label,
+                base: format!("http://{addr}"),
+                url: metrics_url("127.0.0.1", *port, engine),
+                state: sim.pod_state(&addr).expect("pod served"),
+            }
+        })
+        .collect();
+    assert_eq!(
+        pods[2].url,
+        format!("http://127.0.0.1:{}/prometheus/metrics", ports[2])
+    );
+
+    // Idle: zero gauges, counters present.
+    for pod in &pods {
+        let (r, m) = steady_read(pod).await;
+        assert_eq!(m.running + m.waiting + m.prompt_tokens, 0);
+        assert_matches(pod, &r, &m);
+    }
+    let idle_stats = get_json(&format!("{}/metrics", pods[2].base)).await;
+    assert_eq!(idle_stats, json!([]), "TRT-LLM iteration stats when idle");
+    for pod in &pods[..2] {
+        let status = http()
+            .get(format!("{}/prometheus/metrics", pod.base))
+            .send()
+            .await
+            .expect("GET")
+            .status();
+        assert_eq!(status, 404, "{} has no /prometheus/metrics", pod.label);
+    }
+
+    // Finished requests, and a prefill leg whose KV stays pinned for a decode pod.
+    for pod in &pods {
+        for i in 0..2 {
+            let body = json!({"model": MODEL, "prompt": format!("{i} {}", "y".repeat(200)), "max_tokens": 2});
+            assert_eq!(post(&pod.base, body).await.status(), 200);
+        }
+        let prefill = json!({"model": MODEL, "prompt": "z".repeat(400), "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false}});
+        assert_eq!(post(&pod.base, prefill).await.status(), 200);
+    }
+    for pod in &pods {
+        let (r, m) = steady_read(pod).await;
+        assert_eq!((m.running, m.waiting), (0, 0));
+        assert_eq!(m.success_length, 3, "{}", pod.label);
+        assert!(m.kv_usage > 0.0, "the pinned prefill holds KV");
+        assert_eq!(m.prefill_inflight, 1);
+        assert_matches(pod, &r, &m);
+    }
+
+    // In flight: one running request per pod and one waiting behind it.
+    let mut held = Vec::new();
+    for pod in &pods {
+        for i in 0..2 {
+            let body = json!({"model": MODEL, "prompt": format!("hold {i}"), "max_tokens": 1000, "stream": true});
+            held.push(post(&pod.base, body).await);
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    for pod in &pods {
+        while (pod.state.metrics().running, pod.state.metrics().waiting) != (1, 1) {
+            assert!(Instant::now() < deadline, "{} never got busy", pod.label);
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    let mut first = Vec::new();
+    for pod in &pods {
+        let (r, m) = steady_read(pod).await;
+        assert_eq!((m.running, m.waiting), (1, 1), "{}", pod.label);
+        assert_matches(pod, &r, &m);
+        first.push(r);
+    }
+    let busy_stats = get_json(&format!("{}/metrics", pods[2].base)).await;
+    let rec = &busy_stats[0];
+    assert_eq!(rec["numActiveRequests"], 1, "{busy_stats}");
+    assert_eq!(rec["numQueuedRequests"], 1, "{busy_stats}");
+    assert!(rec["kvCacheStats"]["usedNumBlocks"].as_u64() > Some(0));
+
+    // Tokens keep coming: pd-control's rates see generation throughput on every engine.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let elapsed = Duration::from_millis(1200);
+    for (pod, before) in pods.iter().zip(&first) {
+        let (r, m) = steady_read(pod).await;
+        assert_matches(pod, &r, &m);
+        let gained = r.generation_tokens.unwrap_or(0.0) - before.generation_tokens.unwrap_or(0.0);
+        assert!(gained > 0.0, "{} generated nothing", pod.label);
+        let derived = derive(pod.engine, &r, Some((before, elapsed)), None);
+        assert_eq!(derived.running, 1.0);
+        assert_eq!(derived.waiting, 1.0);
+        assert!((derived.kv_cache_usage - m.kv_usage).abs() < 1e-9);
+        let expected = match pod.engine {
+            Engine::Sglang => m.gen_throughput,
+            Engine::Vllm | Engine::Trtllm => gained / elapsed.as_secs_f64(),
+        };
+        assert!(expected > 0.0, "{} throughput", pod.label);
+        assert!(
+            (derived.generation_throughput - expected).abs() < 1e-9,
+            "{}: {} vs {expected}",
+            pod.label,
+            derived.generation_throughput
+        );
+    }
+
+    drop(held);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    for pod in &pods {
+        while pod.state.metrics().running + pod.state.metrics().waiting > 0 {
+            assert!(Instant::now() < deadline, "{} kept its requests", pod.label);
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let (r, m) = steady_read(pod).await;
+        assert_eq!(
+            (r.running, m.success_abort),
+            (Some(0.0), 2),
+            "{}",
+            pod.label
+        );
+        assert_matches(pod, &r, &m);
+    }
+    sim.shutdown().await;
+}
