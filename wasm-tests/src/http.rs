@@ -1,6 +1,7 @@
 //! A deliberately small HTTP/1.1 client: one fresh connection per request (`connection:
 //! close`), so consecutive requests land on different Envoy workers, and the raw bytes of
-//! the answer are kept, so tests can check chunked-stream termination.
+//! the answer are kept, so tests can check chunked-stream termination. [`KeepAlive`] is the
+//! opposite: several requests over one connection, each answer framed by its headers.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -90,6 +91,157 @@ pub fn post_json(
         .unwrap_or_else(|e| panic!("POST {addr}{path} failed: {e}"))
 }
 
+/// One persistent HTTP/1.1 connection: requests go out one after another on the same
+/// `TcpStream`, and each answer is read by its `content-length` or chunked framing (never
+/// by EOF), so the connection stays usable. It never reconnects: a closed connection is an
+/// error, which is what a test of per-connection behaviour wants.
+pub struct KeepAlive {
+    addr: String,
+    stream: TcpStream,
+    /// Bytes read past the previous answer (none expected without pipelining).
+    buf: Vec<u8>,
+}
+
+impl KeepAlive {
+    pub fn connect(addr: &str) -> std::io::Result<KeepAlive> {
+        let stream = TcpStream::connect(addr)?;
+        stream.set_read_timeout(Some(Duration::from_secs(60)))?;
+        stream.set_nodelay(true)?;
+        Ok(KeepAlive {
+            addr: addr.into(),
+            stream,
+            buf: Vec::new(),
+        })
+    }
+
+    /// The client side address, identifying this connection.
+    pub fn local_addr(&self) -> std::io::Result<std::net::SocketAddr> {
+        self.stream.local_addr()
+    }
+
+    pub fn request(
+        &mut self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> std::io::Result<Response> {
+        let mut head = format!("{method} {path} HTTP/1.1\r\nhost: {}\r\n", self.addr);
+        for (name, value) in headers {
+            head.push_str(&format!("{name}: {value}\r\n"));
+        }
+        if !body.is_empty() || method == "POST" {
+            head.push_str(&format!("content-length: {}\r\n", body.len()));
+        }
+        head.push_str("\r\n");
+        self.stream.write_all(head.as_bytes())?;
+        self.stream.write_all(body)?;
+        self.read_response(method == "HEAD")
+    }
+
+    pub fn post_json(
+        &mut self,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &serde_json::Value,
+    ) -> std::io::Result<Response> {
+        let mut all = vec![("content-type", "application/json")];
+        all.extend_from_slice(headers);
+        self.request("POST", path, &all, body.to_string().as_bytes())
+    }
+
+    /// Reads more bytes into `buf`; EOF is an error (the answer is not complete yet).
+    fn fill(&mut self) -> std::io::Result<()> {
+        let mut chunk = [0u8; 16 * 1024];
+        let n = self.stream.read(&mut chunk)?;
+        if n == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                format!(
+                    "connection closed mid-answer after {:?}",
+                    String::from_utf8_lossy(&self.buf)
+                ),
+            ));
+        }
+        self.buf.extend_from_slice(&chunk[..n]);
+        Ok(())
+    }
+
+    fn read_response(&mut self, head_only: bool) -> std::io::Result<Response> {
+        let head_end = loop {
+            if let Some(i) = self.buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                break i + 4;
+            }
+            self.fill()?;
+        };
+        let head = parse(&self.buf[..head_end]).ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!(
+                    "unparsable HTTP head: {:?}",
+                    String::from_utf8_lossy(&self.buf[..head_end])
+                ),
+            )
+        })?;
+        let chunked = head
+            .header("transfer-encoding")
+            .is_some_and(|v| v.eq_ignore_ascii_case("chunked"));
+        let no_body = head_only || head.status == 204 || head.status == 304 || head.status < 200;
+        let end = if no_body {
+            head_end
+        } else if chunked {
+            loop {
+                if let Some(n) = chunked_len(&self.buf[head_end..]) {
+                    break head_end + n;
+                }
+                self.fill()?;
+            }
+        } else {
+            let len: usize = head
+                .header("content-length")
+                .map(|v| v.trim().parse().unwrap_or(0))
+                .unwrap_or(0);
+            while self.buf.len() < head_end + len {
+                self.fill()?;
+            }
+            head_end + len
+        };
+        let raw: Vec<u8> = self.buf.drain(..end).collect();
+        let mut response = parse(&raw).expect("head parsed above");
+        if no_body {
+            response.body.clear();
+        }
+        Ok(response)
+    }
+}
+
+/// Length of a complete chunked body (through the terminating chunk and trailers) at the
+/// start of `data`, or `None` while incomplete.
+fn chunked_len(data: &[u8]) -> Option<usize> {
+    let mut at = 0;
+    loop {
+        let line_end = at + data[at..].windows(2).position(|w| w == b"\r\n")?;
+        let size_text = String::from_utf8_lossy(&data[at..line_end]);
+        let size = usize::from_str_radix(size_text.split(';').next()?.trim(), 16).ok()?;
+        at = line_end + 2;
+        if size == 0 {
+            // Trailers, if any, end with an empty line.
+            loop {
+                let end = at + data[at..].windows(2).position(|w| w == b"\r\n")?;
+                let empty = end == at;
+                at = end + 2;
+                if empty {
+                    return Some(at);
+                }
+            }
+        }
+        if data.len() < at + size + 2 {
+            return None;
+        }
+        at += size + 2;
+    }
+}
+
 fn parse(raw: &[u8]) -> Option<Response> {
     let split = raw.windows(4).position(|w| w == b"\r\n\r\n")?;
     let head = std::str::from_utf8(&raw[..split]).ok()?;
@@ -155,5 +307,49 @@ mod tests {
         assert_eq!(r.header("x-a"), Some("b"));
         let cut = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n";
         assert!(!parse(cut).unwrap().complete);
+    }
+
+    #[test]
+    fn chunked_len_finds_the_end_of_one_answer() {
+        let body = b"3\r\nabc\r\n0\r\n\r\nHTTP/1.1 200 OK";
+        assert_eq!(chunked_len(body), Some(13));
+        assert_eq!(chunked_len(b"3\r\nabc\r\n0\r\nx-t: 1\r\n\r\n"), Some(21));
+        assert_eq!(chunked_len(b"3\r\nabc\r\n"), None);
+        assert_eq!(chunked_len(b"3\r\nab"), None);
+    }
+
+    #[test]
+    fn keep_alive_reads_consecutive_answers_on_one_connection() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let answers: [&[u8]; 2] = [
+                b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nhi",
+                b"HTTP/1.1 201 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nyo\r\n0\r\n\r\n",
+            ];
+            for answer in answers {
+                let mut seen = Vec::new();
+                while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                    let mut b = [0u8; 1024];
+                    let n = s.read(&mut b).unwrap();
+                    seen.extend_from_slice(&b[..n]);
+                }
+                s.write_all(answer).unwrap();
+            }
+            // Keep the socket open until the client is done: no EOF framing.
+            let mut b = [0u8; 1];
+            let _ = s.read(&mut b);
+        });
+        let mut c = KeepAlive::connect(&addr).unwrap();
+        let a = c.request("GET", "/a", &[], &[]).unwrap();
+        assert_eq!((a.status, a.body.as_slice()), (200, &b"hi"[..]));
+        let b = c.request("GET", "/b", &[], &[]).unwrap();
+        assert_eq!(
+            (b.status, b.body.as_slice(), b.complete),
+            (201, &b"yo"[..], true)
+        );
+        drop(c);
+        server.join().unwrap();
     }
 }

@@ -205,6 +205,65 @@ pub fn render_envoy(
         .replace("@REFRESH_MS@", &refresh_ms.to_string())
 }
 
+/// Renders `envoy/envoy-ecds.yaml.tmpl`: the drop-in whose wasm filter comes from ECDS,
+/// read from `ecds_dir/pd-router.yaml` (see [`render_ecds`]).
+pub fn render_envoy_ecds(
+    listen_port: u16,
+    admin_port: u16,
+    control_port: u16,
+    ecds_dir: &Path,
+) -> String {
+    let template = std::fs::read_to_string(repo_root().join("envoy/envoy-ecds.yaml.tmpl"))
+        .expect("envoy ECDS template");
+    template
+        .replace("@LISTEN_ADDR@", "127.0.0.1")
+        .replace("@LISTEN_PORT@", &listen_port.to_string())
+        .replace("@ADMIN_PORT@", &admin_port.to_string())
+        .replace("@CONTROL_ADDR@", "127.0.0.1")
+        .replace("@CONTROL_PORT@", &control_port.to_string())
+        .replace("@ECDS_DIR@", &ecds_dir.display().to_string())
+}
+
+/// Renders `envoy/ecds-pd-router.yaml.tmpl`, the ECDS resource holding the wasm filter
+/// config, with `key_values` as the VM's `environment_variables.key_values`.
+pub fn render_ecds(refresh_ms: u64, key_values: &[(&str, &str)]) -> String {
+    let template = std::fs::read_to_string(repo_root().join("envoy/ecds-pd-router.yaml.tmpl"))
+        .expect("ECDS resource template");
+    // JSON strings are valid YAML double-quoted scalars.
+    let env = key_values
+        .iter()
+        .map(|(k, v)| format!("{}: {}", serde_json::json!(k), serde_json::json!(v)))
+        .collect::<Vec<_>>()
+        .join(", ");
+    // Envoy rejects a key in both host_env_keys and key_values, so an overridden key leaves
+    // the host_env_keys list (lines `- KEY`).
+    let mut out = String::new();
+    for line in template.lines() {
+        let overridden = line
+            .trim()
+            .strip_prefix("- ")
+            .is_some_and(|key| key_values.iter().any(|(k, _)| *k == key));
+        if !overridden {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out.replace("@WASM_PATH@", &wasm_path().display().to_string())
+        .replace("@REFRESH_MS@", &refresh_ms.to_string())
+        .replace("@VM_ENV@", &env)
+}
+
+/// The ECDS resource file inside the watched directory `ecds_dir`.
+const ECDS_FILE: &str = "pd-router.yaml";
+
+/// Writes the ECDS resource atomically: a temp file in the watched directory, then a rename
+/// over the resource (the rename is the event Envoy's `watched_directory` reacts to).
+fn write_ecds(ecds_dir: &Path, key_values: &[(&str, &str)]) {
+    let tmp = ecds_dir.join(format!(".{ECDS_FILE}.tmp"));
+    std::fs::write(&tmp, render_ecds(50, key_values)).expect("ECDS file");
+    std::fs::rename(&tmp, ecds_dir.join(ECDS_FILE)).expect("rename ECDS file");
+}
+
 /// Running processes; killed (and reaped) on drop.
 pub struct Stack {
     pub dir: PathBuf,
@@ -216,6 +275,8 @@ pub struct Stack {
     pub control: String,
     pub sim_admin: String,
     pub concurrency: usize,
+    /// The watched ECDS directory when started by [`Stack::start_ecds`].
+    pub ecds_dir: Option<PathBuf>,
     children: Vec<(String, Child)>,
 }
 
@@ -267,6 +328,34 @@ impl Stack {
         envoy_env: &[(&str, &str)],
         sim_args: &[&str],
     ) -> Stack {
+        Stack::start_inner(fleet, simulated, concurrency, envoy_env, sim_args, None)
+    }
+
+    /// Like [`Stack::start`] (`--concurrency 2`), but Envoy runs `envoy/envoy-ecds.yaml.tmpl`:
+    /// the wasm filter comes from an ECDS file in the test's temp dir, whose VM environment
+    /// `key_values` can later be changed by [`Stack::update_ecds`].
+    pub fn start_ecds(fleet: Fleet, key_values: &[(&str, &str)]) -> Stack {
+        Stack::start_inner(fleet.clone(), fleet, 2, &[], &[], Some(key_values))
+    }
+
+    /// Rewrites the ECDS resource (atomically) with new VM `key_values`; Envoy picks it up
+    /// asynchronously, so callers poll for its effect.
+    pub fn update_ecds(&self, key_values: &[(&str, &str)]) {
+        let dir = self
+            .ecds_dir
+            .as_ref()
+            .expect("update_ecds needs a stack started by start_ecds");
+        write_ecds(dir, key_values);
+    }
+
+    fn start_inner(
+        fleet: Fleet,
+        simulated: Fleet,
+        concurrency: usize,
+        envoy_env: &[(&str, &str)],
+        sim_args: &[&str],
+        ecds: Option<&[(&str, &str)]>,
+    ) -> Stack {
         let dir = std::env::temp_dir().join(format!(
             "pd-e2e-{}-{}",
             std::process::id(),
@@ -286,6 +375,7 @@ impl Stack {
             control: format!("127.0.0.1:{control_port}"),
             sim_admin: format!("127.0.0.1:{sim_admin_port}"),
             concurrency,
+            ecds_dir: None,
             children: Vec::new(),
         };
 
@@ -317,11 +407,17 @@ impl Stack {
         stack.children.push(("pd-control".into(), child));
 
         let config = dir.join("envoy.yaml");
-        std::fs::write(
-            &config,
-            render_envoy(listen_port, admin_port, control_port, 50),
-        )
-        .expect("envoy config");
+        let rendered = match ecds {
+            None => render_envoy(listen_port, admin_port, control_port, 50),
+            Some(key_values) => {
+                let ecds_dir = dir.join("ecds");
+                std::fs::create_dir_all(&ecds_dir).expect("ECDS dir");
+                write_ecds(&ecds_dir, key_values);
+                stack.ecds_dir = Some(ecds_dir.clone());
+                render_envoy_ecds(listen_port, admin_port, control_port, &ecds_dir)
+            }
+        };
+        std::fs::write(&config, rendered).expect("envoy config");
         let mut envoy = Command::new(envoy_bin());
         envoy
             .arg("-c")

@@ -270,6 +270,10 @@ impl RootContext for Root {
             vm.metrics = Metrics::define();
         }
         self.set_tick_period(period);
+        // A VM replaced by a config update (ECDS, new vm_config) with the same vm_id finds
+        // the snapshot already in shared data: adopt it now, not at the first tick, so its
+        // first requests are not refused with "has not received a fleet snapshot yet".
+        self.reload();
         true
     }
 

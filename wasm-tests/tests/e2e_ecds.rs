@@ -1,0 +1,108 @@
+//! End-to-end: the wasm filter delivered by ECDS (`envoy/envoy-ecds.yaml.tmpl`). Rewriting
+//! the ECDS file changes the filter for an already open keep-alive connection, on its next
+//! request, without a drain and without failing a request.
+
+use std::time::{Duration, Instant};
+
+use pd_wasm_tests::http::{KeepAlive, Response};
+use pd_wasm_tests::stack::{Fleet, Stack};
+use serde_json::{json, Value};
+
+const MODEL: &str = "llama-ecds";
+
+fn chat_body() -> Value {
+    json!({
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell me about prefill and decode."}],
+        "stream": false,
+        "max_tokens": 3,
+    })
+}
+
+fn describe(r: &Response) -> String {
+    format!(
+        "{} target-pod={:?} prefill-target-pod={:?} x-error-routing={:?} body={}",
+        r.status,
+        r.header("target-pod"),
+        r.header("prefill-target-pod"),
+        r.header("x-error-routing"),
+        r.text()
+    )
+}
+
+#[test]
+fn an_ecds_update_reaches_an_open_keep_alive_connection_without_failures() {
+    let fleet = Fleet::new(MODEL)
+        .pod("vllm-p-0", "prefill", "group-0")
+        .pod("vllm-d-0", "decode", "group-0")
+        .combined("vllm-c-0");
+    let stack = Stack::start_ecds(fleet, &[("ROUTING_ALGORITHM", "random")]);
+    let mut conn = KeepAlive::connect(&stack.gateway).expect("connect to Envoy");
+    let local = conn.local_addr().expect("local addr");
+    let send = |conn: &mut KeepAlive| -> Response {
+        conn.post_json("/v1/chat/completions", &[], &chat_body())
+            .unwrap_or_else(|e| panic!("request on the kept-alive connection {local} failed: {e}"))
+    };
+
+    // Before: `random` sends a request without `routing-strategy` to the standard pod.
+    for _ in 0..3 {
+        let r = send(&mut conn);
+        assert_eq!(r.status, 200, "{}", describe(&r));
+        assert_eq!(r.header("target-pod"), Some("vllm-c-0"), "{}", describe(&r));
+        assert_eq!(r.header("prefill-target-pod"), None, "{}", describe(&r));
+    }
+    let vms_before = stack.stat("pd_router_fleet_loaded_vms");
+
+    stack.update_ecds(&[("ROUTING_ALGORITHM", "pd")]);
+    let updated = Instant::now();
+    let deadline = updated + Duration::from_secs(15);
+    let mut seen = Vec::new();
+    let switched_after = loop {
+        let r = send(&mut conn);
+        let elapsed = updated.elapsed();
+        seen.push((elapsed, describe(&r)));
+        if r.status == 200 && r.header("prefill-target-pod").is_some() {
+            break elapsed;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the open connection never saw the ECDS update; answers since it:\n{seen:#?}"
+        );
+        // Pacing only: the loop ends on the observed effect, not after a fixed time.
+        std::thread::sleep(Duration::from_millis(10));
+    };
+
+    // After: the same connection keeps getting PD pairs of the one roleset.
+    for _ in 0..5 {
+        let r = send(&mut conn);
+        seen.push((updated.elapsed(), describe(&r)));
+        assert_eq!(r.status, 200, "{}", describe(&r));
+        assert_eq!(r.header("target-pod"), Some("vllm-d-0"), "{}", describe(&r));
+        assert_eq!(
+            r.header("prefill-target-pod"),
+            Some("vllm-p-0"),
+            "{}",
+            describe(&r)
+        );
+    }
+    assert_eq!(
+        conn.local_addr().expect("local addr"),
+        local,
+        "one connection throughout"
+    );
+    eprintln!(
+        "ECDS switch seen after {switched_after:?} over {} requests on {local}; \
+         pd_router_fleet_loaded_vms {vms_before} -> {}",
+        seen.len(),
+        stack.stat("pd_router_fleet_loaded_vms")
+    );
+    let failed: Vec<_> = seen
+        .iter()
+        .filter(|(_, d)| !d.starts_with("200 "))
+        .collect();
+    assert!(
+        failed.is_empty(),
+        "requests failed during the ECDS switch (of {}):\n{failed:#?}",
+        seen.len()
+    );
+}
