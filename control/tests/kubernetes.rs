@@ -7,10 +7,9 @@
 //! Every wait is a poll against a deadline, never a fixed sleep.
 
 use std::collections::{BTreeMap, HashMap};
-use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Query, State};
@@ -26,25 +25,10 @@ use pd_control::stats::Stats;
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, watch};
 
-const DEADLINE: Duration = Duration::from_secs(20);
-const POLL: Duration = Duration::from_millis(20);
-const MODEL: &str = "model.aibrix.ai/name";
+mod common;
+use common::eventually;
 
-/// Polls `check` until it yields `Some`, failing the test with `what` after [`DEADLINE`].
-async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Option<T>>,
-{
-    let start = Instant::now();
-    loop {
-        if let Some(v) = check().await {
-            return v;
-        }
-        assert!(start.elapsed() < DEADLINE, "timed out waiting for {what}");
-        tokio::time::sleep(POLL).await;
-    }
-}
+const MODEL: &str = "model.aibrix.ai/name";
 
 // ---------------------------------------------------------------------------------------------
 // Fake API server

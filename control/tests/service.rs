@@ -1,36 +1,19 @@
 //! End-to-end: the service in-process against fake vLLM pods on loopback, plus the binary's
 //! start-up contract. Every wait is a poll against a deadline, never a fixed sleep.
 
-use std::future::Future;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
 
 use axum::extract::State;
 use axum::routing::get;
 use axum::Router;
 use pd_control::proto;
+
+mod common;
+use common::eventually;
+
 use prost::Message;
-
-const DEADLINE: Duration = Duration::from_secs(15);
-const POLL: Duration = Duration::from_millis(20);
-
-/// Polls `check` until it yields `Some`, failing the test with `what` after [`DEADLINE`].
-async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Option<T>>,
-{
-    let start = Instant::now();
-    loop {
-        if let Some(v) = check().await {
-            return v;
-        }
-        assert!(start.elapsed() < DEADLINE, "timed out waiting for {what}");
-        tokio::time::sleep(POLL).await;
-    }
-}
 
 fn vllm_text(model: &str, running: f64) -> String {
     format!(

@@ -2,53 +2,16 @@
 //! prefill leg followed by the decode leg with the returned `kv_transfer_params`, the pods'
 //! request logs, `/metrics`, the admin endpoints, and a fleet edit that removes a pod.
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use pd_sim::pod::SimConfig;
 use pd_sim::sim::{serve_admin, FleetWatcher, Sim};
 use serde_json::{json, Value};
 
+mod common;
+use common::{fleet_yaml, free_port, pod_yaml, TempFile};
+
 const MODEL: &str = "llama-3-8b";
-
-fn free_port() -> u16 {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
-    listener.local_addr().expect("local addr").port()
-}
-
-fn pod_yaml(name: &str, role: &str, port: u16) -> String {
-    format!(
-        r#"- apiVersion: v1
-  kind: Pod
-  metadata:
-    name: {name}
-    namespace: default
-    labels:
-      model.aibrix.ai/name: {MODEL}
-      model.aibrix.ai/port: "{port}"
-      role-name: {role}
-      roleset-name: rs0
-  status:
-    podIP: 127.0.0.1
-    conditions:
-    - type: Ready
-      status: "True"
-"#
-    )
-}
-
-fn fleet_yaml(pods: &[String]) -> String {
-    format!("apiVersion: v1\nkind: List\nitems:\n{}", pods.concat())
-}
-
-/// A fleet file in the temp dir, removed on drop.
-struct TempFile(PathBuf);
-
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
 
 fn client() -> reqwest::Client {
     reqwest::Client::builder()
@@ -114,8 +77,8 @@ async fn prefill_then_decode_over_http() {
     let path =
         std::env::temp_dir().join(format!("pd-sim-test-{}-{p_port}.yaml", std::process::id()));
     let _cleanup = TempFile(path.clone());
-    let prefill_pod = pod_yaml("vllm-p-0", "prefill", p_port);
-    let decode_pod = pod_yaml("vllm-d-0", "decode", d_port);
+    let prefill_pod = pod_yaml(MODEL, "vllm-p-0", "vllm", "prefill", p_port);
+    let decode_pod = pod_yaml(MODEL, "vllm-d-0", "vllm", "decode", d_port);
     std::fs::write(&path, fleet_yaml(&[prefill_pod.clone(), decode_pod])).expect("write fleet");
 
     let watcher =
@@ -415,9 +378,9 @@ async fn prefill_then_decode_over_http() {
 async fn load_generator_against_pods() {
     let (p_port, d_port, c_port) = (free_port(), free_port(), free_port());
     let records = pd_control::fleet::parse_records(&fleet_yaml(&[
-        pod_yaml("vllm-p-0", "prefill", p_port),
-        pod_yaml("vllm-d-0", "decode", d_port),
-        pod_yaml("vllm-c-0", "combined", c_port),
+        pod_yaml(MODEL, "vllm-p-0", "vllm", "prefill", p_port),
+        pod_yaml(MODEL, "vllm-d-0", "vllm", "decode", d_port),
+        pod_yaml(MODEL, "vllm-c-0", "vllm", "combined", c_port),
     ]))
     .expect("fleet parses");
     let sim = Sim::new(SimConfig::default());

@@ -3,7 +3,6 @@
 //! client and fetch-and-parse path, and its rate derivation. The readings must agree with the
 //! simulator's own state of each pod.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -17,44 +16,11 @@ use pd_sim::sim::{FleetWatcher, Sim};
 use serde_json::{json, Value};
 use tokio::sync::Semaphore;
 
+mod common;
+use common::{fleet_yaml, free_port, pod_yaml, TempFile};
+
 const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
 const ENGINES: [&str; 3] = ["vllm", "sglang", "trtllm"];
-
-fn free_port() -> u16 {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
-    listener.local_addr().expect("local addr").port()
-}
-
-fn pod_yaml(name: &str, engine: &str, port: u16) -> String {
-    format!(
-        r#"- apiVersion: v1
-  kind: Pod
-  metadata:
-    name: {name}
-    namespace: default
-    labels:
-      model.aibrix.ai/name: {MODEL}
-      model.aibrix.ai/port: "{port}"
-      model.aibrix.ai/engine: {engine}
-      role-name: prefill
-      roleset-name: rs0
-  status:
-    podIP: 127.0.0.1
-    conditions:
-    - type: Ready
-      status: "True"
-"#
-    )
-}
-
-/// A fleet file in the temp dir, removed on drop.
-struct TempFile(PathBuf);
-
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
 
 fn http() -> reqwest::Client {
     reqwest::Client::builder()
@@ -178,13 +144,9 @@ async fn pd_control_reads_every_engines_exposition() {
     let pods: Vec<String> = ENGINES
         .iter()
         .zip(&ports)
-        .map(|(engine, port)| pod_yaml(&format!("{engine}-p-0"), engine, *port))
+        .map(|(engine, port)| pod_yaml(MODEL, &format!("{engine}-p-0"), engine, "prefill", *port))
         .collect();
-    std::fs::write(
-        &path,
-        format!("apiVersion: v1\nkind: List\nitems:\n{}", pods.concat()),
-    )
-    .expect("write fleet");
+    std::fs::write(&path, fleet_yaml(&pods)).expect("write fleet");
     let watcher = FleetWatcher::load(path.clone(), Duration::from_millis(50)).expect("fleet");
 
     // One batch slot and slow decode steps: a long request holds the pod busy and a second
@@ -291,6 +253,7 @@ async fn pd_control_reads_every_engines_exposition() {
     assert!(rec["kvCacheStats"]["usedNumBlocks"].as_u64() > Some(0));
 
     // Tokens keep coming: pd-control's rates see generation throughput on every engine.
+    // Not synchronisation: a rate needs time to pass between two scrapes.
     tokio::time::sleep(Duration::from_millis(1200)).await;
     let elapsed = Duration::from_millis(1200);
     for (pod, before) in pods.iter().zip(&first) {

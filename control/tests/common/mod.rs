@@ -1,0 +1,24 @@
+//! Helpers shared by pd-control's integration tests.
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+pub const DEADLINE: Duration = Duration::from_secs(20);
+pub const POLL: Duration = Duration::from_millis(20);
+
+/// Polls `check` until it yields `Some`, failing the test with `what` after [`DEADLINE`]:
+/// waiting on a condition, never on a fixed delay.
+pub async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let start = Instant::now();
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(start.elapsed() < DEADLINE, "timed out waiting for {what}");
+        tokio::time::sleep(POLL).await;
+    }
+}

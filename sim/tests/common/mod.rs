@@ -1,0 +1,44 @@
+//! Fleet-file helpers shared by pd-sim's integration tests.
+
+use std::path::PathBuf;
+
+pub fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    listener.local_addr().expect("local addr").port()
+}
+
+/// One ready Pod on 127.0.0.1 in roleset `rs0`, as an item of a `v1` `List`.
+pub fn pod_yaml(model: &str, name: &str, engine: &str, role: &str, port: u16) -> String {
+    format!(
+        r#"- apiVersion: v1
+  kind: Pod
+  metadata:
+    name: {name}
+    namespace: default
+    labels:
+      model.aibrix.ai/name: {model}
+      model.aibrix.ai/port: "{port}"
+      model.aibrix.ai/engine: {engine}
+      role-name: {role}
+      roleset-name: rs0
+  status:
+    podIP: 127.0.0.1
+    conditions:
+    - type: Ready
+      status: "True"
+"#
+    )
+}
+
+pub fn fleet_yaml(pods: &[String]) -> String {
+    format!("apiVersion: v1\nkind: List\nitems:\n{}", pods.concat())
+}
+
+/// A fleet file in the temp dir, removed on drop.
+pub struct TempFile(pub PathBuf);
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
