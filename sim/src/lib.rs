@@ -9,12 +9,13 @@
 //!
 //! Modules: [`engine`] (timing and token model), [`prefix`] (prefix cache), [`vllm`] (wire
 //! shapes and PD rules), [`metrics`] (exposition), [`pod`] (per-pod state and request jobs),
-//! [`log`] (request log), [`server`] (HTTP), [`sim`] (fleet → served pods), [`load`] and
+//! [`log`] (request log), [`faults`] (fault injection), [`server`] (HTTP), [`sim`] (fleet → served pods), [`load`] and
 //! [`stats`] (load generator and its summary), [`cli`] (both command lines).
 
 pub mod cli;
 pub mod client;
 pub mod engine;
+pub mod faults;
 pub mod load;
 pub mod log;
 pub mod metrics;

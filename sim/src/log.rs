@@ -41,6 +41,9 @@ pub struct LogEntry {
     pub headers: BTreeMap<String, String>,
     pub body: Option<Value>,
     pub received_unix_ms: u64,
+    /// The fault armed through `/sim/faults` that this request drew (`hang_before_headers`,
+    /// `status`, ...), if any.
+    pub fault: Option<String>,
 }
 
 static NEXT_SEQ: AtomicU64 = AtomicU64::new(1);
@@ -142,6 +145,7 @@ mod tests {
             headers: BTreeMap::new(),
             body: None,
             received_unix_ms: 0,
+            fault: None,
         }
     }
 
@@ -197,6 +201,7 @@ mod tests {
             "headers",
             "body",
             "received_unix_ms",
+            "fault",
         ] {
             assert!(keys.contains(&k), "{k}");
         }

@@ -16,6 +16,7 @@ use serde_json::Value;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::engine::{self, TimingModel, BLOCK_SIZE_TOKENS};
+use crate::faults::Faults;
 use crate::log::RequestLog;
 use crate::metrics::{Engine, MetricsSnapshot};
 use crate::prefix::PrefixCache;
@@ -91,6 +92,8 @@ pub struct PodState {
     pub engine_id: String,
     pub config: Arc<SimConfig>,
     pub log: RequestLog,
+    /// Request faults armed through `/sim/faults`.
+    pub faults: Faults,
     seqs: Arc<Semaphore>,
     prefill_lane: Option<Arc<Semaphore>>,
     inner: Mutex<Inner>,
@@ -126,6 +129,7 @@ impl PodState {
             role: PodRole::from_label(&record.role),
             engine_id: engine::engine_id(&record.namespace, &record.name),
             log: RequestLog::new(config.log_limit),
+            faults: Faults::default(),
             seqs: Arc::new(Semaphore::new(config.max_num_seqs.max(1))),
             prefill_lane: (config.prefill_concurrency > 0)
                 .then(|| Arc::new(Semaphore::new(config.prefill_concurrency))),

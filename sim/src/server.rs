@@ -5,7 +5,7 @@
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -17,13 +17,16 @@ use hyper_util::rt::TokioIo;
 use hyper_util::service::TowerToHyperService;
 use serde_json::Value;
 use tokio::net::TcpListener;
+use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
 
 use crate::engine;
+use crate::faults::{Drawn, FaultError, FaultKind, FaultSpec};
 use crate::log::{header_map, next_seq, unix_ms, LogEntry};
 use crate::metrics::{self, Engine};
 use crate::pod::{Job, JobSpec, KvPull, PodState, Registry};
 use crate::prefix::block_hashes;
+use crate::sim::fault_error;
 use crate::vllm::{self, ApiError, Endpoint, Leg, ResponseMeta, SimRequest};
 
 /// What a pod's handlers share.
@@ -62,6 +65,10 @@ pub fn pod_router(ctx: PodCtx) -> Router {
             }),
         )
         .route("/sim/requests", get(pod_requests).delete(pod_clear))
+        .route(
+            "/sim/faults",
+            get(pod_faults).post(pod_arm).delete(pod_clear_faults),
+        )
         .fallback(not_found)
         .with_state(ctx)
 }
@@ -137,6 +144,34 @@ async fn pod_clear(State(ctx): State<PodCtx>) -> Response {
     StatusCode::NO_CONTENT.into_response()
 }
 
+async fn pod_faults(State(ctx): State<PodCtx>) -> Response {
+    json_response(StatusCode::OK, &ctx.pod.faults.list())
+}
+
+/// A pod's own `POST /sim/faults`: request faults only, since a pod cannot restart its own
+/// listener (the simulator-wide admin endpoint arms `crash` and `refuse`).
+async fn pod_arm(State(ctx): State<PodCtx>, body: Bytes) -> Response {
+    let spec = match serde_json::from_slice::<FaultSpec>(&body) {
+        Ok(spec) => spec,
+        Err(e) => return fault_error(StatusCode::BAD_REQUEST, &e.to_string()),
+    };
+    if spec.kind.is_listener_fault() {
+        return fault_error(
+            StatusCode::BAD_REQUEST,
+            &FaultError::ListenerFaultOnPod.to_string(),
+        );
+    }
+    match ctx.pod.faults.arm(spec) {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => fault_error(StatusCode::BAD_REQUEST, &e.to_string()),
+    }
+}
+
+async fn pod_clear_faults(State(ctx): State<PodCtx>) -> Response {
+    ctx.pod.faults.clear();
+    StatusCode::NO_CONTENT.into_response()
+}
+
 /// Serialises `value` as a JSON response.
 pub fn json_response<T: serde::Serialize + ?Sized>(status: StatusCode, value: &T) -> Response {
     match serde_json::to_vec(value) {
@@ -193,6 +228,7 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
         headers: header_map(&headers),
         body: None,
         received_unix_ms: unix_ms(),
+        fault: None,
     };
     let reject = |mut entry: LogEntry, err: ApiError| {
         entry.status = err.status;
@@ -222,6 +258,11 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
         Err(err) => return reject(entry, err),
     };
     entry.leg = Some(req.leg.as_str().to_string());
+    let fault = pod.faults.draw(req.leg);
+    entry.fault = fault.as_ref().map(|f| f.kind.name().to_string());
+    if let Some(FaultKind::Status { status }) = fault.as_ref().map(|f| f.kind) {
+        return reject(entry, ApiError::injected(status));
+    }
 
     let id = endpoint.response_id(x_request_id.as_deref());
     let hashes = block_hashes(&req.prompt_text);
@@ -251,6 +292,23 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
     entry.kv_transfer_params_out = kv_out.clone();
     pod.log.push(entry);
 
+    // The request is logged (tests poll for it) before it starts hanging.
+    let stall = match fault {
+        Some(drawn) => match drawn.kind {
+            FaultKind::HangBeforeHeaders => {
+                drawn.released().await;
+                None
+            }
+            FaultKind::Slow { delay_ms } => {
+                tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+                None
+            }
+            FaultKind::HangAfterChunks { chunks } => Some(Stall { chunks, drawn }),
+            FaultKind::Status { .. } | FaultKind::Crash | FaultKind::Refuse => None,
+        },
+        None => None,
+    };
+
     let spec = JobSpec {
         work,
         prompt_tokens: req.prompt_tokens,
@@ -265,11 +323,44 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
         created: unix_secs(),
         model: req.model.clone(),
     };
-    if req.stream {
-        stream_response(job, meta, req.prompt_tokens, req.include_usage)
-    } else {
-        full_response(job, meta, req.prompt_tokens, kv_out).await
+    match (req.stream, stall) {
+        (true, stall) => stream_response(job, meta, req.prompt_tokens, req.include_usage, stall),
+        (false, None) => full_response(job, meta, req.prompt_tokens, kv_out).await,
+        (false, Some(stall)) => stalled_full_response(job, meta, req.prompt_tokens, kv_out, stall),
     }
+}
+
+/// A `hang_after_chunks` fault drawn by a request: the stream stalls after `chunks` events
+/// until the pod's faults are cleared.
+struct Stall {
+    chunks: u64,
+    drawn: Drawn,
+}
+
+/// An unstreamed answer whose headers go out at once and whose body waits for the fault's
+/// release: what a client sees from an engine that hangs after accepting the request.
+fn stalled_full_response(
+    job: Job,
+    meta: ResponseMeta,
+    prompt_tokens: u64,
+    kv_out: Option<Value>,
+    stall: Stall,
+) -> Response {
+    let body = futures_util::stream::once(async move {
+        stall.drawn.released().await;
+        let full = full_response(job, meta, prompt_tokens, kv_out).await;
+        axum::body::to_bytes(full.into_body(), usize::MAX)
+            .await
+            .map_err(std::io::Error::other)
+    });
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        Body::from_stream(body),
+    )
+        .into_response()
 }
 
 async fn full_response(
@@ -305,6 +396,7 @@ struct StreamState {
     include_usage: bool,
     produced: u64,
     phase: StreamPhase,
+    stall: Option<Stall>,
 }
 
 /// Headers go out at once (as vLLM's StreamingResponse does); each token follows as its own
@@ -315,6 +407,7 @@ fn stream_response(
     meta: ResponseMeta,
     prompt_tokens: u64,
     include_usage: bool,
+    stall: Option<Stall>,
 ) -> Response {
     let state = StreamState {
         job,
@@ -323,8 +416,14 @@ fn stream_response(
         include_usage,
         produced: 0,
         phase: StreamPhase::Tokens,
+        stall,
     };
     let stream = futures_util::stream::unfold(state, |mut st| async move {
+        if st.stall.as_ref().is_some_and(|s| s.chunks <= st.produced) {
+            if let Some(stall) = st.stall.take() {
+                stall.drawn.released().await;
+            }
+        }
         let text = match st.phase {
             StreamPhase::Tokens => match st.job.next_token().await {
                 Some(index) => {
@@ -376,6 +475,7 @@ fn stream_response(
 pub struct ServeHandle {
     pub addr: SocketAddr,
     task: JoinHandle<()>,
+    accepting: watch::Sender<bool>,
 }
 
 impl ServeHandle {
@@ -383,6 +483,12 @@ impl ServeHandle {
     pub async fn stop(mut self) {
         self.task.abort();
         let _ = (&mut self.task).await;
+    }
+
+    /// Closes the listening socket (new connections are refused) while open connections
+    /// finish what they are doing.
+    pub fn stop_accepting(&self) {
+        let _ = self.accepting.send(false);
     }
 }
 
@@ -395,17 +501,28 @@ impl Drop for ServeHandle {
 /// Serves `router` on an already bound listener.
 pub fn serve(listener: TcpListener, router: Router) -> std::io::Result<ServeHandle> {
     let addr = listener.local_addr()?;
-    let task = tokio::spawn(accept_loop(listener, router));
-    Ok(ServeHandle { addr, task })
+    let (accepting, accepting_rx) = watch::channel(true);
+    let task = tokio::spawn(accept_loop(listener, router, accepting_rx));
+    Ok(ServeHandle {
+        addr,
+        task,
+        accepting,
+    })
 }
 
-async fn accept_loop(listener: TcpListener, router: Router) {
+async fn accept_loop(listener: TcpListener, router: Router, mut accepting: watch::Receiver<bool>) {
     // Connection tasks live in the JoinSet, so aborting this task (dropping the set) aborts
     // them all: that is what makes a removed pod go away completely.
     let mut connections = JoinSet::new();
+    let mut listener = Some(listener);
     loop {
         tokio::select! {
-            accepted = listener.accept() => match accepted {
+            accepted = async {
+                match &listener {
+                    Some(l) => l.accept().await,
+                    None => std::future::pending().await,
+                }
+            }, if listener.is_some() => match accepted {
                 Ok((stream, _)) => {
                     let _ = stream.set_nodelay(true);
                     let service = TowerToHyperService::new(router.clone());
@@ -421,7 +538,14 @@ async fn accept_loop(listener: TcpListener, router: Router) {
                     tokio::time::sleep(std::time::Duration::from_millis(20)).await;
                 }
             },
+            changed = accepting.changed(), if listener.is_some() => {
+                if changed.is_err() || !*accepting.borrow() {
+                    // Dropping the listener closes the socket: connects are refused from now.
+                    listener = None;
+                }
+            }
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            else => std::future::pending::<()>().await,
         }
     }
 }

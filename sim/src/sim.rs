@@ -7,7 +7,8 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum::extract::State;
+use axum::body::Bytes;
+use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
@@ -15,6 +16,7 @@ use axum::Router;
 use pd_control::fleet::{self, PodRecord};
 use tokio::net::TcpListener;
 
+use crate::faults::{FaultError, FaultKind, FaultSpec};
 use crate::log::LogEntry;
 use crate::pod::{PodInfo, PodState, Registry, SimConfig};
 use crate::server::{json_response, pod_router, serve, PodCtx, ServeHandle};
@@ -80,6 +82,8 @@ struct RunningPod {
     record: PodRecord,
     state: Arc<PodState>,
     servers: Vec<ServeHandle>,
+    /// A listener fault (`crash`, `refuse`) in force; cleared, the pod listens again.
+    listener_fault: Option<FaultKind>,
 }
 
 /// What one [`Sim::apply`] did.
@@ -171,6 +175,25 @@ impl Sim {
         let ip: IpAddr = record.ip.parse().map_err(|e| {
             std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("bad IP: {e}"))
         })?;
+        let state = Arc::new(PodState::new(record.clone(), self.config.clone()));
+        let servers = self.listen(ip, &record, &state).await?;
+        self.registry.insert(state.clone());
+        tracing::info!(pod = %record.key(), addr = %record.address(), role = %record.role, "pod started");
+        Ok(RunningPod {
+            record,
+            state,
+            servers,
+            listener_fault: None,
+        })
+    }
+
+    /// Binds the pod's serving (and, when distinct, metrics) port and serves its router.
+    async fn listen(
+        &self,
+        ip: IpAddr,
+        record: &PodRecord,
+        state: &Arc<PodState>,
+    ) -> std::io::Result<Vec<ServeHandle>> {
         let mut ports = vec![record.port];
         if record.metric_port != record.port {
             ports.push(record.metric_port);
@@ -183,7 +206,6 @@ impl Sim {
                 .map_err(|e| std::io::Error::new(e.kind(), format!("cannot bind {addr}: {e}")))?;
             listeners.push(listener);
         }
-        let state = Arc::new(PodState::new(record.clone(), self.config.clone()));
         let router = pod_router(PodCtx {
             pod: state.clone(),
             registry: self.registry.clone(),
@@ -192,13 +214,95 @@ impl Sim {
         for listener in listeners {
             servers.push(serve(listener, router.clone())?);
         }
-        self.registry.insert(state.clone());
-        tracing::info!(pod = %record.key(), addr = %record.address(), role = %record.role, "pod started");
-        Ok(RunningPod {
-            record,
-            state,
-            servers,
-        })
+        Ok(servers)
+    }
+
+    /// Arms a fault on the pod `spec.pod` names (`name` or `namespace/name`). Request faults
+    /// go to the pod; `crash` and `refuse` act on its listeners here and now.
+    pub async fn arm_fault(&self, spec: FaultSpec) -> Result<(), FaultError> {
+        spec.validate()?;
+        let name = spec.pod.clone().ok_or(FaultError::MissingPod)?;
+        let mut pods = self.pods.lock().await;
+        let pod = pods
+            .values_mut()
+            .find(|p| p.record.name == name || p.record.key() == name)
+            .ok_or_else(|| FaultError::UnknownPod(name.clone()))?;
+        match spec.kind {
+            FaultKind::Crash => {
+                for server in pod.servers.drain(..) {
+                    server.stop().await;
+                }
+                pod.listener_fault = Some(FaultKind::Crash);
+                tracing::info!(pod = %pod.record.key(), "fault: crashed");
+            }
+            FaultKind::Refuse => {
+                for server in &pod.servers {
+                    server.stop_accepting();
+                }
+                pod.listener_fault.get_or_insert(FaultKind::Refuse);
+                tracing::info!(pod = %pod.record.key(), "fault: refusing connections");
+            }
+            _ => pod.state.faults.arm(spec)?,
+        }
+        Ok(())
+    }
+
+    /// Clears the faults of one pod (by name or key) or of every pod: hanging requests are
+    /// released and crashed or refusing pods listen again. Returns how many pods were cleared.
+    pub async fn clear_faults(&self, pod: Option<&str>) -> Result<usize, FaultError> {
+        let mut pods = self.pods.lock().await;
+        let mut cleared = 0;
+        for running in pods.values_mut() {
+            if pod.is_some_and(|n| running.record.name != n && running.record.key() != n) {
+                continue;
+            }
+            cleared += 1;
+            running.state.faults.clear();
+            if running.listener_fault.take().is_none() {
+                continue;
+            }
+            // A refusing pod's old handles keep driving their open connections until the pod
+            // is stopped; the new listeners take every new one.
+            let relisten = match running.record.ip.parse() {
+                Ok(ip) => self.listen(ip, &running.record, &running.state).await,
+                Err(e) => Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!("bad IP: {e}"),
+                )),
+            };
+            match relisten {
+                Ok(servers) => running.servers.extend(servers),
+                Err(err) => {
+                    tracing::warn!(pod = %running.record.key(), "cannot listen again: {err}")
+                }
+            }
+        }
+        match (pod, cleared) {
+            (Some(name), 0) => Err(FaultError::UnknownPod(name.to_string())),
+            _ => Ok(cleared),
+        }
+    }
+
+    /// Every armed fault, request and listener faults alike, with its pod.
+    pub async fn faults(&self) -> Vec<FaultSpec> {
+        let pods = self.pods.lock().await;
+        let mut all = Vec::new();
+        for running in pods.values() {
+            let pod = Some(running.record.key());
+            if let Some(kind) = running.listener_fault {
+                all.push(FaultSpec {
+                    pod: pod.clone(),
+                    kind,
+                    leg: None,
+                    times: None,
+                });
+            }
+            all.extend(running.state.faults.list().into_iter().map(|mut f| {
+                f.pod = pod.clone();
+                f
+            }));
+        }
+        all
     }
 
     async fn stop_pod(&self, pod: RunningPod) {
@@ -256,11 +360,16 @@ impl Sim {
         }
     }
 
-    /// The admin router: `/sim/requests` (GET, DELETE) and `/sim/pods` over all pods.
+    /// The admin router: `/sim/requests` (GET, DELETE), `/sim/pods` and `/sim/faults` (GET, POST,
+    /// DELETE) over all pods.
     pub fn admin_router(self: &Arc<Self>) -> Router {
         Router::new()
             .route("/sim/requests", get(admin_requests).delete(admin_clear))
             .route("/sim/pods", get(admin_pods))
+            .route(
+                "/sim/faults",
+                get(admin_faults).post(admin_arm).delete(admin_clear_faults),
+            )
             .route("/health", get(|| async { StatusCode::OK }))
             .with_state(self.clone())
     }
@@ -273,6 +382,38 @@ async fn admin_requests(State(sim): State<Arc<Sim>>) -> Response {
 async fn admin_clear(State(sim): State<Arc<Sim>>) -> Response {
     sim.clear_requests();
     StatusCode::NO_CONTENT.into_response()
+}
+
+async fn admin_faults(State(sim): State<Arc<Sim>>) -> Response {
+    json_response(StatusCode::OK, &sim.faults().await)
+}
+
+async fn admin_arm(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
+    let spec = match serde_json::from_slice::<FaultSpec>(&body) {
+        Ok(spec) => spec,
+        Err(e) => return fault_error(StatusCode::BAD_REQUEST, &e.to_string()),
+    };
+    match sim.arm_fault(spec).await {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(e @ FaultError::UnknownPod(_)) => fault_error(StatusCode::NOT_FOUND, &e.to_string()),
+        Err(e) => fault_error(StatusCode::BAD_REQUEST, &e.to_string()),
+    }
+}
+
+/// `DELETE /sim/faults[?pod=NAME]`.
+async fn admin_clear_faults(
+    State(sim): State<Arc<Sim>>,
+    Query(q): Query<BTreeMap<String, String>>,
+) -> Response {
+    match sim.clear_faults(q.get("pod").map(String::as_str)).await {
+        Ok(_) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => fault_error(StatusCode::NOT_FOUND, &e.to_string()),
+    }
+}
+
+/// `{"error": "..."}`, what the fault endpoints answer to a spec they refuse.
+pub fn fault_error(status: StatusCode, message: &str) -> Response {
+    json_response(status, &serde_json::json!({ "error": message }))
 }
 
 async fn admin_pods(State(sim): State<Arc<Sim>>) -> Response {

@@ -117,6 +117,19 @@ impl ApiError {
         }
     }
 
+    /// The error a `status` fault answers (`/sim/faults`).
+    pub fn injected(status: u16) -> Self {
+        ApiError {
+            status,
+            kind: if status >= 500 {
+                "InternalServerError"
+            } else {
+                "BadRequestError"
+            },
+            message: format!("injected fault: status {status}"),
+        }
+    }
+
     /// `{"error":{"message","type","param":null,"code":<status>}}`.
     pub fn body(&self) -> Value {
         json!({"error": {"message": self.message, "type": self.kind, "param": null, "code": self.status}})

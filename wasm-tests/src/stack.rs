@@ -506,6 +506,48 @@ impl Stack {
         http::request(&self.sim_admin, "DELETE", "/sim/requests", &[], &[]).expect("pd-sim admin");
     }
 
+    /// Arms a pd-sim fault (`POST /sim/faults`, e.g. `{"pod":"p0","kind":"hang_before_headers"}`).
+    pub fn arm_fault(&self, spec: serde_json::Value) {
+        let r = http::request(
+            &self.sim_admin,
+            "POST",
+            "/sim/faults",
+            &[("content-type", "application/json")],
+            spec.to_string().as_bytes(),
+        )
+        .expect("pd-sim admin");
+        assert_eq!(r.status, 204, "arming {spec}: {}", r.text());
+    }
+
+    /// Clears every pd-sim fault: hanging requests go on, crashed pods listen again.
+    pub fn clear_faults(&self) {
+        let r = http::request(&self.sim_admin, "DELETE", "/sim/faults", &[], &[])
+            .expect("pd-sim admin");
+        assert_eq!(r.status, 204, "{}", r.text());
+    }
+
+    /// Polls pd-sim's log until `n` legs of kind `leg` (`prefill`, `decode`, `full`) arrived.
+    pub fn wait_for_legs(&self, leg: &str, n: usize) -> Vec<serde_json::Value> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let legs: Vec<_> = self
+                .sim_requests()
+                .into_iter()
+                .filter(|e| e["leg"] == leg)
+                .collect();
+            if legs.len() >= n {
+                return legs;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "only {} of {n} {leg} legs arrived; logs in {}",
+                legs.len(),
+                self.dir.display()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     /// Rewrites the fleet file atomically (write + rename), as an operator's tooling would.
     pub fn write_fleet(&mut self, fleet: Fleet) {
         let tmp = self.dir.join("fleet.yaml.tmp");

@@ -46,16 +46,19 @@ fn token_load_spreads_long_and_short_prompts_and_the_ledger_returns_to_zero() {
         ("AIBRIX_PREFILL_SCORE_POLICY", "token_load"),
         ("AIBRIX_DECODE_SCORE_POLICY", "token_load"),
     ];
-    // Every prefill leg takes at least 400 ms, so the whole burst is routed while all of it
-    // is still in flight: each selection sees every earlier charge, and the assignment the
-    // ledger makes is the assignment the pods get.
+    // Every prefill leg hangs at its pod until the test has seen all of them arrive, so the
+    // whole burst is routed while all of it is in flight: each selection sees every earlier
+    // charge, and the assignment the ledger makes is the assignment the pods get.
     let stack = Stack::start_full(
         fleet.clone(),
         fleet,
         2,
         &env,
-        &["--prefill-base-ms", "400", "--prefill-concurrency", "0"],
+        &["--prefill-concurrency", "0"],
     );
+    for pod in ["p0", "p1"] {
+        stack.arm_fault(json!({"pod": pod, "kind": "hang_before_headers", "leg": "prefill"}));
+    }
 
     // 6 long prompts (~6000 tokens) among 24 short ones, all in flight at once.
     let mut prompts: Vec<String> = (0..24)
@@ -64,16 +67,14 @@ fn token_load_spreads_long_and_short_prompts_and_the_ledger_returns_to_zero() {
     for i in 0..6 {
         prompts.insert(i * 5, format!("long prompt {i} ").repeat(1700));
     }
+    let sent = prompts.len();
     let gateway = stack.gateway.clone();
-    let start = std::sync::Arc::new(std::sync::Barrier::new(prompts.len()));
     let handles: Vec<_> = prompts
         .into_iter()
         .map(|prompt| {
             let gateway = gateway.clone();
-            let start = start.clone();
             std::thread::spawn(move || {
                 let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 4});
-                start.wait();
                 http::post_json(
                     &gateway,
                     "/v1/completions",
@@ -83,24 +84,21 @@ fn token_load_spreads_long_and_short_prompts_and_the_ledger_returns_to_zero() {
             })
         })
         .collect();
-    for h in handles {
-        let r = h.join().expect("client thread");
-        assert_eq!(r.status, 200, "{}", r.text());
-    }
 
     // The prefill work each pod was given, from pd-sim's own log, in the ledger's unit:
     // the fixed per-request cost (AIBRIX_TOKEN_LOAD_REQUEST_COST, 3500) plus prompt tokens.
     // least_request would count a 6000-token prompt like a 45-token one; token_load may not.
     let mut per_pod: BTreeMap<String, f64> = BTreeMap::new();
-    for e in stack
-        .sim_requests()
-        .iter()
-        .filter(|e| e["leg"] == "prefill")
-    {
+    for e in stack.wait_for_legs("prefill", sent) {
         let tokens = e["body"]["prompt"].as_str().map(str::len).unwrap_or(0) as f64 / 4.0;
         *per_pod
             .entry(e["pod"].as_str().unwrap_or_default().to_string())
             .or_default() += 3500.0 + tokens;
+    }
+    stack.clear_faults();
+    for h in handles {
+        let r = h.join().expect("client thread");
+        assert_eq!(r.status, 200, "{}", r.text());
     }
     let total: f64 = per_pod.values().sum();
     assert_eq!(per_pod.len(), 2, "{per_pod:?}");
@@ -272,14 +270,9 @@ fn a_charge_held_past_its_ttl_is_force_released_once() {
         ("AIBRIX_PREFILL_SCORE_POLICY", "token_load"),
         ("AIBRIX_TOKEN_LOAD_TTL_SECONDS", "1"),
     ];
-    // The prefill leg takes 3.5 s, far past the 1 s TTL.
-    let stack = Stack::start_full(
-        fleet.clone(),
-        fleet,
-        2,
-        &env,
-        &["--prefill-base-ms", "3500"],
-    );
+    // The prefill leg hangs at its pod until the test releases it, far past the 1 s TTL.
+    let stack = Stack::start_full(fleet.clone(), fleet, 2, &env, &[]);
+    stack.arm_fault(json!({"pod": "p0", "kind": "hang_before_headers", "leg": "prefill"}));
     let gateway = stack.gateway.clone();
     let request = std::thread::spawn(move || completion_at(&gateway, &"slow prompt ".repeat(50)));
 
@@ -289,13 +282,13 @@ fn a_charge_held_past_its_ttl_is_force_released_once() {
             .copied()
             .unwrap_or(0.0)
     };
-    let deadline = Instant::now() + Duration::from_secs(3);
+    let deadline = Instant::now() + Duration::from_secs(10);
     while active(&stack) == 0.0 {
         assert!(Instant::now() < deadline, "the charge never showed up");
         std::thread::sleep(Duration::from_millis(20));
     }
     // The janitor force-releases it while the request is still waiting for its prefill.
-    let deadline = Instant::now() + Duration::from_secs(3);
+    let deadline = Instant::now() + Duration::from_secs(10);
     while active(&stack) != 0.0 {
         assert!(
             Instant::now() < deadline,
@@ -307,6 +300,8 @@ fn a_charge_held_past_its_ttl_is_force_released_once() {
         !request.is_finished(),
         "released before the request ended, not by it"
     );
+    assert_eq!(stack.wait_for_legs("prefill", 1).len(), 1);
+    stack.clear_faults();
     let r = request.join().expect("client");
     assert_eq!(
         r.status,

@@ -1,4 +1,5 @@
 //! Fleet-file helpers shared by pd-sim's integration tests.
+#![allow(dead_code)] // each test crate uses its own subset of the helpers
 
 use std::path::PathBuf;
 
