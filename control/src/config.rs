@@ -71,6 +71,16 @@ pub struct Config {
     /// Metrics older than this many refresh intervals are flagged stale.
     #[arg(long, value_name = "INTERVALS", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
     pub stale_after: u32,
+
+    /// Several gateway replicas: a replica whose decode-ledger report is older than this
+    /// drops out of the others' shares (a killed gateway stops counting).
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_positive_duration)]
+    pub replica_ttl: Duration,
+
+    /// Keep replica shares in Redis (`redis://host:port/db`) so every pd-control replica
+    /// serves every gateway; without it they are kept in memory, per pd-control.
+    #[arg(long, value_name = "URL")]
+    pub redis: Option<String>,
 }
 
 /// Settings that clap would have rejected, caught again for configs built in code.
@@ -80,6 +90,8 @@ pub enum ConfigError {
     Zero(&'static str),
     #[error("the file source needs --fleet FILE")]
     MissingFleet,
+    #[error("invalid --redis URL: {0}")]
+    Redis(String),
     #[error("{0} does not apply to the {1} source")]
     NotForSource(&'static str, &'static str),
 }
@@ -97,6 +109,8 @@ impl Config {
             scrape_timeout: Duration::from_secs(1),
             scrape_concurrency: 64,
             stale_after: 3,
+            replica_ttl: Duration::from_secs(5),
+            redis: None,
         }
     }
 

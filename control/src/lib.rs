@@ -9,6 +9,7 @@
 
 pub mod config;
 pub mod fleet;
+pub mod replicas;
 pub mod scrape;
 pub mod server;
 pub mod service;

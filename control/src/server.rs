@@ -5,13 +5,15 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 
 use axum::body::Body;
+use axum::body::Bytes;
 use axum::extract::{Query, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use axum::Router;
 use tokio::sync::watch;
 
+use crate::replicas::ReplicaBook;
 use crate::snapshot::Published;
 use crate::stats::Stats;
 
@@ -25,12 +27,14 @@ const PROMETHEUS_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
 pub struct AppState {
     pub snapshots: watch::Receiver<Arc<Published>>,
     pub stats: Arc<Stats>,
+    pub replicas: Arc<ReplicaBook>,
 }
 
 pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/v1/snapshot", get(snapshot))
         .route("/v1/snapshot.json", get(snapshot_json))
+        .route("/v1/replicas/report", post(replica_report))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
@@ -91,6 +95,19 @@ async fn snapshot(
         Some(PROTOBUF),
         Body::from(published.bytes.clone()),
     )
+}
+
+/// `POST /v1/replicas/report`: a gateway replica's decode ledger in, the other live
+/// replicas' summed shares out (both protobuf, `ReplicaReport` / `RemoteShares`).
+async fn replica_report(State(state): State<AppState>, body: Bytes) -> Response {
+    match state.replicas.report(&body).await {
+        Ok(shares) => (
+            [(header::CONTENT_TYPE, HeaderValue::from_static(PROTOBUF))],
+            prost::Message::encode_to_vec(&shares),
+        )
+            .into_response(),
+        Err(e) => (StatusCode::BAD_REQUEST, format!("{e}\n")).into_response(),
+    }
 }
 
 async fn snapshot_json(State(state): State<AppState>) -> Response {
@@ -166,5 +183,8 @@ async fn metrics(State(state): State<AppState>) -> Response {
         "Fleet updates rejected (unreadable or invalid); the previous fleet was kept.",
         &[("", stats.fleet_reload_errors_total().to_string())],
     );
+    for (name, kind, help, value) in state.replicas.metrics() {
+        family(name, kind, help, &[("", value)]);
+    }
     ([(header::CONTENT_TYPE, PROMETHEUS_TEXT)], out).into_response()
 }

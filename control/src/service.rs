@@ -14,6 +14,7 @@ use tokio::task::JoinHandle;
 use tokio::time::MissedTickBehavior;
 
 use crate::config::{Config, ConfigError, SourceKind};
+use crate::replicas::ReplicaBook;
 use crate::scrape::{Outcome, ScrapeBook, Scraper};
 use crate::server::{self, AppState};
 use crate::snapshot::{self, Published, SnapshotBuilder};
@@ -117,6 +118,10 @@ pub async fn start_with_source<S: FleetSource>(
 ) -> Result<Service, Error> {
     config.validate()?;
     let stats = Arc::new(Stats::default());
+    let replicas = Arc::new(
+        ReplicaBook::new(config.replica_ttl, config.redis.as_deref())
+            .map_err(|e| Error::Config(ConfigError::Redis(e.to_string())))?,
+    );
     let origin = source.describe();
     let pods = source.load().await.map_err(|source| Error::InitialFleet {
         origin: origin.clone(),
@@ -172,6 +177,7 @@ pub async fn start_with_source<S: FleetSource>(
     let app = server::router(AppState {
         snapshots: snapshots_rx.clone(),
         stats: stats.clone(),
+        replicas,
     });
     let mut server_shutdown = shutdown;
     let server = tokio::spawn(async move {
