@@ -338,6 +338,71 @@ impl Stack {
         Stack::start_inner(fleet.clone(), fleet, 2, &[], &[], Some(key_values))
     }
 
+    /// Kills a process of the stack by name (`envoy`, `pd-control`, `pd-sim`, `envoy-N`).
+    pub fn kill(&mut self, name: &str) {
+        let (_, child) = self
+            .children
+            .iter_mut()
+            .find(|(n, _)| n == name)
+            .unwrap_or_else(|| panic!("no process named {name}"));
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+
+    /// Starts one more Envoy (`--concurrency` as the stack's) polling the same pd-control and
+    /// routing to the same pods: a second gateway replica. Stopped with the stack.
+    pub fn add_gateway(&mut self, envoy_env: &[(&str, &str)]) -> Gateway {
+        let (listen_port, admin_port) = (free_port(), free_port());
+        let n = self.children.len();
+        let control_port: u16 = self
+            .control
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .expect("control port");
+        let config = self.dir.join(format!("envoy-{n}.yaml"));
+        std::fs::write(
+            &config,
+            render_envoy(listen_port, admin_port, control_port, 50),
+        )
+        .expect("envoy config");
+        let log = self.dir.join(format!("envoy-{n}.log"));
+        let child = Command::new(envoy_bin())
+            .arg("-c")
+            .arg(&config)
+            .arg("--concurrency")
+            .arg(self.concurrency.to_string())
+            .arg("--disable-hot-restart")
+            .arg("--base-id")
+            .arg(fastrand::u32(1..1_000_000).to_string())
+            .arg("-l")
+            .arg("info")
+            .arg("--log-path")
+            .arg(&log)
+            .env_clear()
+            .envs(envoy_env.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("cannot start the second envoy");
+        self.children.push((format!("envoy-{n}"), child));
+        let gateway = Gateway {
+            gateway: format!("127.0.0.1:{listen_port}"),
+            admin: format!("127.0.0.1:{admin_port}"),
+        };
+        let expected = (self.concurrency + 1) as u64;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while gateway.stat("pd_router_fleet_loaded_vms") < expected {
+            assert!(
+                Instant::now() < deadline,
+                "the second Envoy never loaded the fleet; log in {}",
+                log.display()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        gateway
+    }
+
     /// Rewrites the ECDS resource (atomically) with new VM `key_values`; Envoy picks it up
     /// asynchronously, so callers poll for its effect.
     pub fn update_ecds(&self, key_values: &[(&str, &str)]) {
@@ -482,15 +547,7 @@ impl Stack {
 
     /// A filter metric (`wasmcustom.<name>`) from Envoy's admin, 0 when absent.
     pub fn stat(&self, name: &str) -> u64 {
-        let Ok(r) = http::get(&self.admin, &format!("/stats?filter=^wasmcustom\\.{name}$")) else {
-            return 0;
-        };
-        r.text()
-            .lines()
-            .filter_map(|l| l.split_once(": "))
-            .find(|(n, _)| *n == format!("wasmcustom.{name}"))
-            .and_then(|(_, v)| v.trim().parse().ok())
-            .unwrap_or(0)
+        admin_stat(&self.admin, name)
     }
 
     /// Every request pd-sim pods received, in arrival order per pod.
@@ -565,6 +622,32 @@ impl Stack {
 
     pub fn chat(&self, headers: &[(&str, &str)], body: &serde_json::Value) -> http::Response {
         http::post_json(&self.gateway, "/v1/chat/completions", headers, body)
+    }
+}
+
+/// A filter metric (`wasmcustom.<name>`) from the Envoy admin at `admin`, 0 when absent.
+pub fn admin_stat(admin: &str, name: &str) -> u64 {
+    let Ok(r) = http::get(admin, &format!("/stats?filter=^wasmcustom\\.{name}$")) else {
+        return 0;
+    };
+    r.text()
+        .lines()
+        .filter_map(|l| l.split_once(": "))
+        .find(|(n, _)| *n == format!("wasmcustom.{name}"))
+        .and_then(|(_, v)| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// A further Envoy replica started by [`Stack::add_gateway`].
+pub struct Gateway {
+    /// Its data listener, `127.0.0.1:port`.
+    pub gateway: String,
+    pub admin: String,
+}
+
+impl Gateway {
+    pub fn stat(&self, name: &str) -> u64 {
+        admin_stat(&self.admin, name)
     }
 }
 

@@ -11,6 +11,7 @@
 //! neither a per-row decode nor a string hash per candidate: pod ids are computed once per
 //! snapshot.
 
+use crate::core::remote::RemoteLoad;
 use crate::core::tokens::{amount, Charge, DecodeCharge, PodTokens, IDLE_PRUNE_MS};
 
 /// The shared-data key of the ledger.
@@ -92,12 +93,16 @@ const MAGIC: [u8; 4] = *b"PDL\x01";
 #[derive(Debug, Clone, PartialEq)]
 pub struct Ledger {
     bytes: Vec<u8>,
+    /// Other gateway replicas' decode load: added where selection reads rows, never part of
+    /// the bytes written back (see [`crate::core::remote`]).
+    remote: Option<std::sync::Arc<RemoteLoad>>,
 }
 
 impl Default for Ledger {
     fn default() -> Self {
         Ledger {
             bytes: MAGIC.to_vec(),
+            remote: None,
         }
     }
 }
@@ -131,7 +136,20 @@ impl Ledger {
         {
             return Err(StoreError::Corrupt);
         }
-        Ok(Ledger { bytes })
+        Ok(Ledger {
+            bytes,
+            remote: None,
+        })
+    }
+
+    /// Lets selection see the other replicas' decode load (or stop seeing it).
+    pub fn set_remote(&mut self, remote: Option<std::sync::Arc<RemoteLoad>>) {
+        self.remote = remote;
+    }
+
+    /// Every row with its pod id, in id order (this replica's own load only).
+    pub fn iter(&self) -> impl Iterator<Item = (PodId, Row)> + '_ {
+        (0..self.len()).map(|i| (PodId(self.id_at(i)), self.read(i)))
     }
 
     pub fn decode(bytes: &[u8]) -> Result<Ledger, StoreError> {
@@ -244,8 +262,13 @@ impl Ledger {
         }
     }
 
+    /// The pod's counters as selection sees them: local plus the other replicas' running.
     pub fn counts(&self, id: PodId) -> Counts {
-        self.row(id).counts
+        let mut counts = self.row(id).counts;
+        if let Some((_, running)) = self.remote.as_ref().and_then(|r| r.get(id)) {
+            counts.running = counts.running.saturating_add(running);
+        }
+        counts
     }
 
     pub fn tokens(&self, id: PodId) -> PodTokens {
@@ -267,6 +290,9 @@ impl Ledger {
                     *r = self.read(i);
                 }
             }
+        }
+        if let Some(remote) = &self.remote {
+            remote.add_to_rows(order, &mut out);
         }
         out
     }

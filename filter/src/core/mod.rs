@@ -10,6 +10,7 @@ pub mod ledger;
 pub mod pd;
 pub mod prefix;
 pub mod profile;
+pub mod remote;
 pub mod request;
 pub mod route;
 pub mod score;

@@ -49,6 +49,9 @@ pub struct TokenLoadSettings {
     pub min_match_pct: f64,
     /// Add the output generated so far to the decode `token_load` score.
     pub output_growth: bool,
+    /// Share the decode ledger and running counts with the other gateway replicas through
+    /// pd-control (`AIBRIX_TOKEN_LOAD_SHARED_LEDGER`).
+    pub shared_ledger: bool,
 }
 
 impl Default for TokenLoadSettings {
@@ -62,6 +65,7 @@ impl Default for TokenLoadSettings {
             hybrid_factor: 0.5,
             min_match_pct: 0.0,
             output_growth: true,
+            shared_ledger: true,
         }
     }
 }
@@ -177,6 +181,14 @@ impl TokenLoadSettings {
                 &mut w,
                 "AIBRIX_DECODE_TOKEN_LOAD_OUTPUT_GROWTH",
                 d.output_growth,
+                "a boolean",
+                parse_go_bool,
+            ),
+            shared_ledger: read(
+                get,
+                &mut w,
+                "AIBRIX_TOKEN_LOAD_SHARED_LEDGER",
+                d.shared_ledger,
                 "a boolean",
                 parse_go_bool,
             ),
@@ -563,6 +575,7 @@ mod tests {
             (100_000, 0.5, 0.0)
         );
         assert!(s.output_growth);
+        assert!(s.shared_ledger);
     }
 
     #[test]
@@ -576,6 +589,7 @@ mod tests {
             ("AIBRIX_HYBRID_CACHE_LOAD_FACTOR", "0"),
             ("AIBRIX_MIN_MATCH_PCT", "40"),
             ("AIBRIX_DECODE_TOKEN_LOAD_OUTPUT_GROWTH", "False"),
+            ("AIBRIX_TOKEN_LOAD_SHARED_LEDGER", "0"),
         ]));
         assert!(w.is_empty(), "{w:?}");
         assert_eq!(
@@ -589,6 +603,7 @@ mod tests {
                 hybrid_factor: 0.0,
                 min_match_pct: 40.0,
                 output_growth: false,
+                shared_ledger: false,
             }
         );
         let (s, _) = TokenLoadSettings::from_lookup(env(&[

@@ -284,10 +284,12 @@ impl PdHttp {
             session_delta,
             now_ms: now,
         };
+        let remote = vm.remote.clone();
         let rng = &mut vm.rng;
         let started = now_ns();
         let mut core_ns = 0u128;
         let (selected, held, tokens) = ledger::update(&SharedData, |l| {
+            l.set_remote(remote.clone());
             let t0 = now_ns();
             let selected = pd::select_pd(model, step0, l, pair, rng)?;
             core_ns = now_ns().saturating_sub(t0);
@@ -328,8 +330,10 @@ impl PdHttp {
     ) -> Result<Target, RouteError> {
         let vm = self.vm.clone();
         let mut vm = vm.borrow_mut();
+        let remote = vm.remote.clone();
         let rng = &mut vm.rng;
         let (target, held) = ledger::update(&SharedData, |l| {
+            l.set_remote(remote.clone());
             let target = pd::select_single(model, strategy, l, rng)?;
             let held = pd::Selected::single(target.pod()).charge(model, l, now);
             Ok::<_, RouteError>((target, held))

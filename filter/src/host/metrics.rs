@@ -25,6 +25,9 @@ pub struct Metrics {
     pub selection_us: Option<u32>,
     /// The selection alone (Steps 0–5), without the shared-data round trip, microseconds.
     pub selection_core_us: Option<u32>,
+    /// Decode tokens and live replicas of the other gateway replicas, as this one sees them.
+    pub remote_decode_tokens: Option<u32>,
+    pub remote_replicas: Option<u32>,
     rejected: Vec<(&'static str, u32)>,
 }
 
@@ -55,6 +58,8 @@ impl Metrics {
             snapshot_fetch_errors: define(c, "pd_router_snapshot_fetch_errors_total"),
             selection_us: define(MetricType::Histogram, "pd_router_selection_us"),
             selection_core_us: define(MetricType::Histogram, "pd_router_selection_core_us"),
+            remote_decode_tokens: define(g, "pd_router_remote_decode_tokens"),
+            remote_replicas: define(g, "pd_router_remote_replicas"),
             rejected: RouteError::REASONS
                 .iter()
                 .filter_map(|r| {

@@ -4,6 +4,7 @@
 pub mod holds;
 pub mod http;
 pub mod metrics;
+pub mod replicas;
 pub mod root;
 pub mod snapshot;
 pub mod store;
@@ -41,6 +42,11 @@ pub struct VmState {
     pub fleet: Option<Rc<FleetView>>,
     pub rng: fastrand::Rng,
     pub metrics: metrics::Metrics,
+    /// The other gateway replicas' decode load, added to the ledger rows selection reads.
+    pub remote: Option<std::sync::Arc<crate::core::remote::RemoteLoad>>,
+    /// Shared-data CAS of the answer `remote` was decoded from, to skip unchanged ones.
+    pub remote_cas: Option<u32>,
+    pub remote_at_ms: u64,
 }
 
 pub type SharedVm = Rc<RefCell<VmState>>;

@@ -33,6 +33,11 @@ pub struct Root {
     fetch_failures: u64,
     next_housekeeping: u64,
     next_ledger_prune: u64,
+    /// This Envoy process's id among gateway replicas (shared by its VMs).
+    replica: u64,
+    report_in_flight: Option<u32>,
+    /// Consecutive failed replica reports, logged at powers of two.
+    report_failures: u64,
 }
 
 impl Root {
@@ -52,6 +57,9 @@ impl Root {
                 fleet: None,
                 rng: fastrand::Rng::with_seed(seed),
                 metrics: Metrics::default(),
+                remote: None,
+                remote_cas: None,
+                remote_at_ms: 0,
             })),
             token: seed | 1,
             vm_id: String::new(),
@@ -61,6 +69,58 @@ impl Root {
             fetch_failures: 0,
             next_housekeeping: 0,
             next_ledger_prune: 0,
+            replica: 0,
+            report_in_flight: None,
+            report_failures: 0,
+        }
+    }
+
+    /// The lease holder reports this process's decode ledger to pd-control once per refresh
+    /// interval and keeps the other replicas' shares it answers.
+    fn maybe_report(&mut self, now: u64) {
+        if self.report_in_flight.is_some() || !self.vm.borrow().defaults.tokens.shared_ledger {
+            return;
+        }
+        let plugin = self.vm.borrow().plugin.clone();
+        let lease_ms = (plugin.refresh_ms * 5).max(1_000);
+        if !snapshot::hold_lease(self.token, now, lease_ms) {
+            return;
+        }
+        match crate::host::replicas::send_report(
+            &plugin.control_cluster,
+            &plugin.control_authority,
+            self.replica,
+            Duration::from_millis(plugin.fetch_timeout_ms),
+        ) {
+            Ok(token) => self.report_in_flight = Some(token),
+            Err(e) => self.report_failed(format!("cannot send the replica report: {e}")),
+        }
+    }
+
+    fn report_failed(&mut self, why: String) {
+        self.report_failures += 1;
+        if self.report_failures.is_power_of_two() {
+            log::warn!(
+                "{why} ({} consecutive failures; other replicas' load ages out)",
+                self.report_failures
+            );
+        }
+    }
+
+    fn on_report_answer(&mut self, body_size: usize) {
+        self.report_in_flight = None;
+        let status = self
+            .get_http_call_response_header(":status")
+            .unwrap_or_default();
+        if status != "200" {
+            return self.report_failed(format!("replica report answered status {status:?}"));
+        }
+        let body = self
+            .get_http_call_response_body(0, body_size)
+            .unwrap_or_default();
+        match crate::host::replicas::store_answer(now_ms(), &body) {
+            Ok(()) => self.report_failures = 0,
+            Err(e) => self.report_failed(e),
         }
     }
 
@@ -177,6 +237,9 @@ impl Context for Root {
         body_size: usize,
         _trailers: usize,
     ) {
+        if self.report_in_flight == Some(token) {
+            return self.on_report_answer(body_size);
+        }
         if self.fetch_in_flight != Some(token) {
             return;
         }
@@ -243,6 +306,7 @@ impl RootContext for Root {
         vm.prefix_settings = prefix_settings;
         vm.prefix_seed = seed;
         drop(vm);
+        self.replica = crate::host::replicas::replica_id(random_seed());
         if let Err(e) = ledger::ensure_table(&SharedData) {
             log::error!("cannot create the load table: {e}");
             return false;
@@ -291,7 +355,9 @@ impl RootContext for Root {
             self.vm.borrow_mut().peers = peers;
         }
         self.maybe_fetch(now);
+        self.maybe_report(now);
         self.reload();
+        crate::host::replicas::refresh(&mut self.vm.borrow_mut(), now);
         self.housekeeping(now);
     }
 

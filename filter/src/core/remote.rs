@@ -1,0 +1,196 @@
+//! The other gateway replicas' decode load (the seed's `AIBRIX_TOKEN_LOAD_SHARED_LEDGER`).
+//!
+//! Each Envoy process reports its own decode ledger to pd-control and gets back the other live
+//! replicas' shares summed per pod; selection adds them to the local rows, so several replicas
+//! spread decode load as one gateway would. Only decode tokens and running counts travel: the
+//! prefill ledger stays local (the seed says so), and the output-growth term of remote
+//! requests is not modelled, since their routing times do not travel.
+
+use prost::Message;
+
+use crate::core::ledger::{Ledger, PodId, Row};
+use crate::proto::{DecodeShare, RemoteShares, ReplicaReport};
+
+/// Remote shares sorted by pod id, ready for a merge pass against a model's `id_order`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RemoteLoad {
+    shares: Vec<(u64, f64, u32)>,
+    /// Live replicas other than this one.
+    pub replicas: u32,
+}
+
+impl RemoteLoad {
+    /// Decodes pd-control's answer; invalid numbers are dropped rather than trusted.
+    pub fn decode(bytes: &[u8]) -> Result<RemoteLoad, prost::DecodeError> {
+        let answer = RemoteShares::decode(bytes)?;
+        let mut shares: Vec<(u64, f64, u32)> = answer
+            .shares
+            .into_iter()
+            .map(|s| {
+                let tokens = if s.decode_tokens.is_finite() && s.decode_tokens > 0.0 {
+                    s.decode_tokens
+                } else {
+                    0.0
+                };
+                (s.pod_id, tokens, s.running)
+            })
+            .collect();
+        shares.sort_unstable_by_key(|s| s.0);
+        Ok(RemoteLoad {
+            shares,
+            replicas: answer.replicas,
+        })
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.shares.is_empty()
+    }
+
+    /// Sum of the other replicas' decode tokens over all pods (a gauge).
+    pub fn total_decode_tokens(&self) -> f64 {
+        self.shares.iter().map(|s| s.1).sum()
+    }
+
+    /// `(decode tokens, running)` the other replicas charged to `id`.
+    pub fn get(&self, id: PodId) -> Option<(f64, u32)> {
+        self.shares
+            .binary_search_by_key(&id.0, |s| s.0)
+            .ok()
+            .map(|i| (self.shares[i].1, self.shares[i].2))
+    }
+
+    /// Adds the shares to `rows` (indexed by slot) in one merge pass over `order`, the
+    /// `(id, slot)` list sorted by id that a model keeps.
+    pub fn add_to_rows(&self, order: &[(PodId, usize)], rows: &mut [Row]) {
+        if self.shares.is_empty() {
+            return;
+        }
+        let mut i = 0usize;
+        for &(id, slot) in order {
+            while i < self.shares.len() && self.shares[i].0 < id.0 {
+                i += 1;
+            }
+            if i == self.shares.len() {
+                break;
+            }
+            if self.shares[i].0 == id.0 {
+                if let Some(row) = rows.get_mut(slot) {
+                    add(row, self.shares[i].1, self.shares[i].2);
+                }
+            }
+        }
+    }
+}
+
+/// Adds one remote share to a local row.
+pub fn add(row: &mut Row, decode_tokens: f64, running: u32) {
+    row.tokens.decode += decode_tokens;
+    row.counts.running = row.counts.running.saturating_add(running);
+}
+
+/// This replica's report: every pod it holds decode tokens or running requests on.
+pub fn report(ledger: &Ledger, replica: u64) -> ReplicaReport {
+    ReplicaReport {
+        replica,
+        shares: ledger
+            .iter()
+            .filter(|(_, row)| row.tokens.decode > 0.0 || row.counts.running > 0)
+            .map(|(id, row)| DecodeShare {
+                pod_id: id.0,
+                decode_tokens: row.tokens.decode.max(0.0),
+                running: row.counts.running,
+            })
+            .collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::ledger::Counter;
+
+    fn answer(shares: &[(&str, f64, u32)], replicas: u32) -> Vec<u8> {
+        RemoteShares {
+            shares: shares
+                .iter()
+                .map(|(k, t, r)| DecodeShare {
+                    pod_id: PodId::of(k).0,
+                    decode_tokens: *t,
+                    running: *r,
+                })
+                .collect(),
+            replicas,
+        }
+        .encode_to_vec()
+    }
+
+    #[test]
+    fn shares_land_on_the_slots_of_their_pods() {
+        let remote = RemoteLoad::decode(&answer(
+            &[
+                ("ns/d0", 500.0, 2),
+                ("ns/gone", 9.0, 9),
+                ("ns/d1", f64::NAN, 1),
+            ],
+            2,
+        ))
+        .unwrap();
+        let mut order: Vec<(PodId, usize)> = ["ns/d0", "ns/d1", "ns/d2"]
+            .iter()
+            .enumerate()
+            .map(|(slot, k)| (PodId::of(k), slot))
+            .collect();
+        order.sort_unstable();
+        let mut rows = vec![Row::default(); 3];
+        rows[0].tokens.decode = 100.0;
+        rows[0].counts.running = 1;
+        remote.add_to_rows(&order, &mut rows);
+        assert_eq!((rows[0].tokens.decode, rows[0].counts.running), (600.0, 3));
+        assert_eq!(
+            (rows[1].tokens.decode, rows[1].counts.running),
+            (0.0, 1),
+            "a NaN share counts as no tokens"
+        );
+        assert_eq!(rows[2], Row::default());
+        assert_eq!(remote.replicas, 2);
+        assert_eq!(remote.get(PodId::of("ns/gone")), Some((9.0, 9)));
+    }
+
+    #[test]
+    fn the_report_carries_decode_load_only() {
+        let mut ledger = Ledger::default();
+        ledger.add("ns/p0", Counter::PrefillInflight, 0);
+        ledger.charge_prefill("ns/p0", 4000.0, 0);
+        ledger.add("ns/d0", Counter::Running, 0);
+        ledger.charge_decode("ns/d0", 700, 0);
+        let r = report(&ledger, 42);
+        assert_eq!(r.replica, 42);
+        assert_eq!(
+            r.shares,
+            vec![DecodeShare {
+                pod_id: PodId::of("ns/d0").0,
+                decode_tokens: 700.0,
+                running: 1
+            }]
+        );
+    }
+
+    #[test]
+    fn the_overlay_is_read_by_selection_but_never_written_back() {
+        let mut ledger = Ledger::default();
+        ledger.add("ns/d0", Counter::Running, 0);
+        let bytes_before = ledger.encode();
+        let remote = RemoteLoad::decode(&answer(&[("ns/d0", 300.0, 4)], 1)).unwrap();
+        ledger.set_remote(Some(std::sync::Arc::new(remote)));
+        assert_eq!(ledger.counts(PodId::of("ns/d0")).running, 5);
+        let order = vec![(PodId::of("ns/d0"), 0)];
+        let rows = ledger.rows_for(&order, 1);
+        assert_eq!((rows[0].tokens.decode, rows[0].counts.running), (300.0, 5));
+        assert_eq!(
+            ledger.encode(),
+            bytes_before,
+            "remote load is not local load"
+        );
+        assert_eq!(ledger.pod("ns/d0").decode, 0.0, "gauges show local load");
+    }
+}

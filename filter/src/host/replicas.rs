@@ -1,0 +1,117 @@
+//! Several gateway replicas: the lease-holding VM of each Envoy process reports the process's
+//! decode ledger to pd-control and keeps the answer (the other replicas' shares) in shared
+//! data, where every worker VM picks it up on its tick. See `crate::core::remote`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use prost::Message;
+use proxy_wasm::hostcalls;
+
+use crate::core::ledger::{self, Store};
+use crate::core::remote::{self, RemoteLoad};
+use crate::host::metrics::Metrics;
+use crate::host::store::SharedData;
+use crate::host::VmState;
+
+/// The other replicas' shares as pd-control last answered: `at_ms` (u64 LE) then the
+/// `RemoteShares` protobuf.
+const REMOTE_KEY: &str = "pd/remote";
+/// This Envoy process's replica id, chosen by the first VM that starts.
+const REPLICA_KEY: &str = "pd/replica";
+pub const REPORT_PATH: &str = "/v1/replicas/report";
+/// Shares older than this are dropped: with pd-control unreachable, a frozen picture of the
+/// others' load would steer traffic away from pods that have long drained.
+pub const REMOTE_STALE_MS: u64 = 5_000;
+
+/// The process-wide replica id (random, never 0), shared by every VM of this Envoy.
+pub fn replica_id(random: u64) -> u64 {
+    let read = || match SharedData.get(REPLICA_KEY) {
+        Ok((Some(v), _)) => v
+            .get(..8)
+            .and_then(|b| b.try_into().ok())
+            .map(u64::from_le_bytes),
+        _ => None,
+    };
+    if let Some(id) = read() {
+        return id;
+    }
+    let _ = SharedData.set(REPLICA_KEY, &(random | 1).to_le_bytes(), None);
+    read().unwrap_or(random | 1)
+}
+
+/// Sends this process's decode ledger to pd-control; returns the call's token.
+pub fn send_report(
+    cluster: &str,
+    authority: &str,
+    replica: u64,
+    timeout: Duration,
+) -> Result<u32, String> {
+    let ledger = ledger::read(&SharedData).map_err(|e| e.to_string())?;
+    let body = remote::report(&ledger, replica).encode_to_vec();
+    hostcalls::dispatch_http_call(
+        cluster,
+        vec![
+            (":method", "POST"),
+            (":path", REPORT_PATH),
+            (":authority", authority),
+            ("content-type", "application/x-protobuf"),
+        ],
+        Some(&body),
+        vec![],
+        timeout,
+    )
+    .map_err(|e| format!("{e:?}"))
+}
+
+/// Keeps pd-control's answer for every VM of this process, after checking it decodes.
+pub fn store_answer(now_ms: u64, body: &[u8]) -> Result<(), String> {
+    RemoteLoad::decode(body).map_err(|e| format!("replica shares do not decode: {e}"))?;
+    let mut value = Vec::with_capacity(8 + body.len());
+    value.extend_from_slice(&now_ms.to_le_bytes());
+    value.extend_from_slice(body);
+    SharedData
+        .set(REMOTE_KEY, &value, None)
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}
+
+/// Brings the VM's view of the other replicas up to date: adopts a newer answer, drops a
+/// stale one. Cheap when nothing changed (one small shared-data read).
+pub fn refresh(vm: &mut VmState, now_ms: u64) {
+    if !vm.defaults.tokens.shared_ledger {
+        vm.remote = None;
+        return;
+    }
+    let Ok((Some(value), cas)) = SharedData.get(REMOTE_KEY) else {
+        return;
+    };
+    if cas.is_none() || cas != vm.remote_cas {
+        vm.remote_cas = cas;
+        let at = value
+            .get(..8)
+            .and_then(|b| b.try_into().ok())
+            .map(u64::from_le_bytes)
+            .unwrap_or(0);
+        vm.remote_at_ms = at;
+        vm.remote = value
+            .get(8..)
+            .and_then(|b| RemoteLoad::decode(b).ok())
+            .filter(|r| !r.is_empty())
+            .map(Arc::new);
+    }
+    if vm.remote.is_some() && now_ms.saturating_sub(vm.remote_at_ms) > REMOTE_STALE_MS {
+        log::warn!(
+            "other replicas' decode shares are {} s old (pd-control unreachable?); scoring local load only",
+            now_ms.saturating_sub(vm.remote_at_ms) / 1000
+        );
+        vm.remote = None;
+    }
+    let (tokens, replicas) = vm
+        .remote
+        .as_ref()
+        .map(|r| (r.total_decode_tokens(), r.replicas))
+        .unwrap_or((0.0, 0));
+    Metrics::set(vm.metrics.remote_decode_tokens, tokens.round() as u64);
+    Metrics::set(vm.metrics.remote_replicas, u64::from(replicas));
+}

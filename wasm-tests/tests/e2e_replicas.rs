@@ -1,0 +1,184 @@
+//! Two gateway replicas (two Envoy processes, `--concurrency 2` each) in front of one
+//! pd-control and the same pods: with the shared ledger, decode load routed by one gateway
+//! steers the other; with `AIBRIX_TOKEN_LOAD_SHARED_LEDGER=false` each scores only its own.
+//!
+//! Decode legs are held at the pods (pd-sim faults) so every charge stays in place while the
+//! test looks; nothing depends on timing.
+
+use std::time::{Duration, Instant};
+
+use pd_wasm_tests::http;
+use pd_wasm_tests::stack::{Fleet, Gateway, Stack};
+use serde_json::json;
+
+const MODEL: &str = "replica-llm";
+
+fn fleet() -> Fleet {
+    Fleet::new(MODEL)
+        .pod("p0", "prefill", "g0")
+        .pod("d0", "decode", "g0")
+        .pod("p1", "prefill", "g1")
+        .pod("d1", "decode", "g1")
+}
+
+fn env(shared: &str) -> Vec<(&'static str, String)> {
+    vec![
+        // Prefill legs finish (their counts go back to zero); the decode score decides.
+        ("AIBRIX_PREFILL_SCORE_POLICY", "least_request".to_string()),
+        ("AIBRIX_DECODE_SCORE_POLICY", "token_load".to_string()),
+        ("AIBRIX_TOKEN_LOAD_SHARED_LEDGER", shared.to_string()),
+    ]
+}
+
+fn send(gateway: &str, prompt: String) -> std::thread::JoinHandle<http::Response> {
+    let gateway = gateway.to_string();
+    std::thread::spawn(move || {
+        let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2});
+        http::post_json(
+            &gateway,
+            "/v1/completions",
+            &[("routing-strategy", "pd")],
+            &body,
+        )
+    })
+}
+
+/// The decode pod a prompt's decode leg reached (waiting for it to arrive).
+fn decode_pod_of(stack: &Stack, prompt: &str, legs_so_far: usize) -> String {
+    let legs = stack.wait_for_legs("decode", legs_so_far);
+    legs.iter()
+        .find(|e| e["body"]["prompt"] == prompt)
+        .and_then(|e| e["pod"].as_str())
+        .unwrap_or_else(|| panic!("no decode leg carried {prompt:.20}"))
+        .to_string()
+}
+
+/// Routes one long prompt through gateway A and five short ones through gateway B, one at a
+/// time, with every decode leg held; returns A's decode pod and B's five.
+fn run(shared: &str) -> (String, Vec<String>, Stack, Gateway) {
+    let env_a = env(shared);
+    let env_a: Vec<(&str, &str)> = env_a.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let fleet = fleet();
+    let mut stack = Stack::start_full(fleet.clone(), fleet, 2, &env_a, &[]);
+    let b = stack.add_gateway(&env_a);
+    for pod in ["d0", "d1"] {
+        stack.arm_fault(json!({"pod": pod, "kind": "hang_before_headers", "leg": "decode"}));
+    }
+    let mut clients = Vec::new();
+    let long = "long context ".repeat(2000); // ≈ 6500 prompt tokens on its decode pod
+    clients.push(send(&stack.gateway, long.clone()));
+    let a_pod = decode_pod_of(&stack, &long, 1);
+
+    if shared == "true" {
+        // B learns A's charge through pd-control: wait until its VMs see it.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while b.stat("pd_router_remote_decode_tokens") < 5000 {
+            assert!(
+                Instant::now() < deadline,
+                "gateway B never saw gateway A's decode charge"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    let mut b_pods = Vec::new();
+    for i in 0..5 {
+        let short = format!("short question {i} ").repeat(4);
+        clients.push(send(&b.gateway, short.clone()));
+        b_pods.push(decode_pod_of(&stack, &short, 2 + i));
+    }
+    stack.clear_faults();
+    for c in clients {
+        let r = c.join().expect("client");
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    (a_pod, b_pods, stack, b)
+}
+
+fn ledgers_return_to_zero(stack: &Stack, b: &Gateway) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for admin in [&stack.admin, &b.admin] {
+        loop {
+            let text = http::get(admin, "/stats?filter=pd_token_load_decode_tokens")
+                .expect("admin")
+                .text();
+            let all_zero = text
+                .lines()
+                .filter_map(|l| l.rsplit_once(": "))
+                .all(|(_, v)| v.trim() == "0");
+            if all_zero {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "decode ledger not back to 0: {text}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+#[test]
+fn a_shared_ledger_steers_one_gateway_by_the_others_decode_load() {
+    let (a_pod, b_pods, stack, b) = run("true");
+    // A's ~6500-token decode outweighs B's five short prompts: B sends all of them elsewhere.
+    assert!(
+        b_pods.iter().all(|p| *p != a_pod),
+        "gateway B ignored A's load on {a_pod}: {b_pods:?}"
+    );
+    assert!(b.stat("pd_router_remote_replicas") >= 1);
+    ledgers_return_to_zero(&stack, &b);
+}
+
+#[test]
+fn without_the_shared_ledger_each_gateway_scores_only_its_own() {
+    let (a_pod, b_pods, stack, b) = run("false");
+    // B sees two idle decode pods and alternates between them, A's charge notwithstanding.
+    assert!(
+        b_pods.contains(&a_pod),
+        "gateway B avoided {a_pod} without knowing about it: {b_pods:?}"
+    );
+    assert_eq!(b.stat("pd_router_remote_decode_tokens"), 0);
+    ledgers_return_to_zero(&stack, &b);
+}
+
+#[test]
+fn a_killed_gateways_share_expires_and_the_survivor_scores_its_own_load() {
+    let env_a = env("true");
+    let env_a: Vec<(&str, &str)> = env_a.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let fleet = fleet();
+    let mut stack = Stack::start_full(fleet.clone(), fleet, 2, &env_a, &[]);
+    let b = stack.add_gateway(&env_a);
+    for pod in ["d0", "d1"] {
+        stack.arm_fault(json!({"pod": pod, "kind": "hang_before_headers", "leg": "decode"}));
+    }
+    let long = "long context ".repeat(2000);
+    let client = send(&stack.gateway, long.clone());
+    decode_pod_of(&stack, &long, 1);
+    let wait_for = |what: &str, ok: &dyn Fn(u64) -> bool| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !ok(b.stat("pd_router_remote_decode_tokens")) {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    wait_for("B to see A's charge", &|t| t >= 5000);
+    // Gateway A dies with its charge outstanding; pd-control drops it after the replica TTL.
+    stack.kill("envoy");
+    wait_for("A's share to expire", &|t| t == 0);
+    assert_eq!(b.stat("pd_router_remote_replicas"), 0);
+    stack.clear_faults();
+    let _ = client.join(); // A's client lost its gateway; only B matters now.
+    ledgers_return_to_zero_on(&b);
+}
+
+fn ledgers_return_to_zero_on(b: &Gateway) {
+    let text = http::get(&b.admin, "/stats?filter=pd_token_load_decode_tokens")
+        .expect("admin")
+        .text();
+    assert!(
+        text.lines()
+            .filter_map(|l| l.rsplit_once(": "))
+            .all(|(_, v)| v.trim() == "0"),
+        "{text}"
+    );
+}
