@@ -67,6 +67,14 @@ pub struct SimArgs {
     /// Fleet file poll interval, milliseconds.
     #[arg(long, default_value_t = 100)]
     pub poll_ms: u64,
+    /// Seconds either leg of an SGLang (or TRT-LLM generation-first) exchange waits for the
+    /// other before failing, as the engines' transfer and bootstrap timeouts do.
+    #[arg(long, default_value_t = 300.0)]
+    pub pd_transfer_timeout_s: f64,
+    /// TRT-LLM KV-cache transceiver: `python` reports the generation-first metadata on
+    /// `/server_info`; `cpp` (TRT-LLM's default) answers an empty `disaggregated_params`.
+    #[arg(long, default_value = "python", value_parser = ["python", "cpp"])]
+    pub trtllm_transceiver: String,
 }
 
 impl SimArgs {
@@ -88,6 +96,9 @@ impl SimArgs {
             kv_pin_timeout: Duration::try_from_secs_f64(self.kv_pin_timeout_s)
                 .unwrap_or(Duration::from_secs(30)),
             log_limit: self.log_limit.max(1),
+            transfer_timeout: Duration::try_from_secs_f64(self.pd_transfer_timeout_s)
+                .unwrap_or(Duration::from_secs(300)),
+            trtllm_python_transceiver: self.trtllm_transceiver == "python",
         }
     }
 }

@@ -8,6 +8,7 @@ use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::http::HeaderMap;
+use pd_control::fleet::PodRecord;
 use serde::Serialize;
 use serde_json::Value;
 
@@ -44,6 +45,41 @@ pub struct LogEntry {
     /// The fault armed through `/sim/faults` that this request drew (`hang_before_headers`,
     /// `status`, ...), if any.
     pub fault: Option<String>,
+    /// SGLang and TRT-LLM legs: the disaggregation fields the pod acted on (bootstrap
+    /// host/port/room and rid; request type, schedule style and ids); `/abort_request`: the
+    /// rid and how many requests it ended.
+    pub pd: Option<Value>,
+}
+
+impl LogEntry {
+    /// A fresh entry for a request to `record`'s pod on `path`, answered 200 unless changed.
+    pub fn new(record: &PodRecord, path: &str, headers: &HeaderMap) -> LogEntry {
+        LogEntry {
+            seq: next_seq(),
+            pod: record.name.clone(),
+            namespace: record.namespace.clone(),
+            role: record.role.clone(),
+            roleset: record.roleset.clone(),
+            addr: record.address(),
+            path: path.to_string(),
+            leg: None,
+            x_request_id: headers
+                .get("x-request-id")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string),
+            stream: false,
+            status: 200,
+            error: None,
+            kv_transfer_params_in: None,
+            kv_transfer_params_out: None,
+            kv_pull: None,
+            headers: header_map(headers),
+            body: None,
+            received_unix_ms: unix_ms(),
+            fault: None,
+            pd: None,
+        }
+    }
 }
 
 static NEXT_SEQ: AtomicU64 = AtomicU64::new(1);
@@ -106,6 +142,14 @@ impl RequestLog {
         }
     }
 
+    /// Changes the entry `seq` in place (an outcome known only after it was logged, such as
+    /// a rendezvous that completed or timed out). A no-op once the entry left the log.
+    pub fn update(&self, seq: u64, change: impl FnOnce(&mut LogEntry)) {
+        if let Some(e) = self.lock().iter_mut().rev().find(|e| e.seq == seq) {
+            change(e);
+        }
+    }
+
     pub fn snapshot(&self) -> Vec<LogEntry> {
         self.lock().iter().cloned().collect()
     }
@@ -146,6 +190,7 @@ mod tests {
             body: None,
             received_unix_ms: 0,
             fault: None,
+            pd: None,
         }
     }
 
@@ -202,6 +247,7 @@ mod tests {
             "body",
             "received_unix_ms",
             "fault",
+            "pd",
         ] {
             assert!(keys.contains(&k), "{k}");
         }

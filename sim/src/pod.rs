@@ -15,11 +15,13 @@ use serde::Serialize;
 use serde_json::Value;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use crate::abort::Aborts;
 use crate::engine::{self, TimingModel, BLOCK_SIZE_TOKENS};
 use crate::faults::Faults;
 use crate::log::RequestLog;
 use crate::metrics::{Engine, MetricsSnapshot};
 use crate::prefix::PrefixCache;
+use crate::rendezvous::Rooms;
 use crate::vllm::{Leg, PodRole};
 
 /// Simulator-wide settings shared by every pod.
@@ -39,6 +41,12 @@ pub struct SimConfig {
     pub kv_pin_timeout: Duration,
     /// Entries kept in each pod's request log.
     pub log_limit: usize,
+    /// How long either leg of an SGLang or TRT-LLM generation-first exchange waits for the
+    /// other (SGLang's `SGLANG_DISAGGREGATION_WAITING_TIMEOUT` / bootstrap timeout, 300 s).
+    pub transfer_timeout: Duration,
+    /// TRT-LLM workers run the Python KV-cache transceiver, the only one that reports the
+    /// generation-first metadata on `/server_info`; false models the default C++ one.
+    pub trtllm_python_transceiver: bool,
 }
 
 impl Default for SimConfig {
@@ -52,6 +60,8 @@ impl Default for SimConfig {
             prefix_caching: true,
             kv_pin_timeout: Duration::from_secs(30),
             log_limit: 10_000,
+            transfer_timeout: Duration::from_secs(300),
+            trtllm_python_transceiver: true,
         }
     }
 }
@@ -94,6 +104,8 @@ pub struct PodState {
     pub log: RequestLog,
     /// Request faults armed through `/sim/faults`.
     pub faults: Faults,
+    /// In-flight requests by `rid`, for `/abort_request`.
+    pub aborts: Aborts,
     seqs: Arc<Semaphore>,
     prefill_lane: Option<Arc<Semaphore>>,
     inner: Mutex<Inner>,
@@ -130,6 +142,7 @@ impl PodState {
             engine_id: engine::engine_id(&record.namespace, &record.name),
             log: RequestLog::new(config.log_limit),
             faults: Faults::default(),
+            aborts: Aborts::default(),
             seqs: Arc::new(Semaphore::new(config.max_num_seqs.max(1))),
             prefill_lane: (config.prefill_concurrency > 0)
                 .then(|| Arc::new(Semaphore::new(config.prefill_concurrency))),
@@ -312,10 +325,12 @@ impl KvPull {
     }
 }
 
-/// Every pod's engine id, so a decode pod can find the prefill pod it is told to pull from.
+/// Every pod's engine id, so a decode pod can find the prefill pod it is told to pull from,
+/// and the rooms where SGLang and TRT-LLM generation-first legs meet.
 #[derive(Debug, Default)]
 pub struct Registry {
     engines: Mutex<HashMap<String, Arc<PodState>>>,
+    pub rooms: Rooms,
 }
 
 impl Registry {
@@ -329,6 +344,22 @@ impl Registry {
 
     fn lock(&self) -> MutexGuard<'_, HashMap<String, Arc<PodState>>> {
         self.engines.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The pod with engine id `engine_id`.
+    pub fn get(&self, engine_id: &str) -> Option<Arc<PodState>> {
+        self.lock().get(engine_id).cloned()
+    }
+
+    /// Whether some served prefill pod of `engine` listens at `ip` with bootstrap port
+    /// `port`: what an SGLang decode worker needs to reach the bootstrap server it is told.
+    pub fn has_bootstrap_server(&self, engine: Engine, ip: &str, port: u16) -> bool {
+        self.lock().values().any(|p| {
+            p.role == PodRole::Prefill
+                && Engine::from_label(&p.record.engine) == engine
+                && p.record.ip == ip
+                && p.record.sglang_bootstrap_port == port
+        })
     }
 
     /// Checks `kv` against the prefill pod it names and, when it is right, frees the pinned

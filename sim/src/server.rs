@@ -13,6 +13,7 @@ use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
+use futures_util::future::BoxFuture;
 use hyper_util::rt::TokioIo;
 use hyper_util::service::TowerToHyperService;
 use serde_json::Value;
@@ -20,14 +21,17 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
 
+use crate::abort::AbortHandle;
 use crate::engine;
 use crate::faults::{Drawn, FaultError, FaultKind, FaultSpec};
-use crate::log::{header_map, next_seq, unix_ms, LogEntry};
+use crate::log::LogEntry;
 use crate::metrics::{self, Engine};
 use crate::pod::{Job, JobSpec, KvPull, PodState, Registry};
 use crate::prefix::block_hashes;
+use crate::sglang::{self, SglangLeg};
 use crate::sim::fault_error;
-use crate::vllm::{self, ApiError, Endpoint, Leg, ResponseMeta, SimRequest};
+use crate::trtllm::{self, TrtLeg};
+use crate::vllm::{self, ApiError, Endpoint, Leg, PodRole, ResponseMeta, SimRequest};
 
 /// What a pod's handlers share.
 #[derive(Debug, Clone)]
@@ -51,6 +55,13 @@ pub fn pod_router(ctx: PodCtx) -> Router {
             .route("/metrics", get(trtllm_iteration_stats))
             .route("/prometheus/metrics", get(metrics_page)),
         Engine::Vllm | Engine::Sglang => router.route("/metrics", get(metrics_page)),
+    };
+    let router = match engine {
+        Engine::Sglang | Engine::Trtllm => router
+            .route("/server_info", get(server_info))
+            .route("/get_server_info", get(server_info))
+            .route("/abort_request", post(abort_request)),
+        Engine::Vllm => router,
     };
     router
         .route("/health", get(|| async { StatusCode::OK }))
@@ -188,9 +199,14 @@ pub fn json_response<T: serde::Serialize + ?Sized>(status: StatusCode, value: &T
     }
 }
 
-fn error_response(err: &ApiError) -> Response {
+/// An error in the engine's body shape: vLLM's nested `error` object, or SGLang's and
+/// TRT-LLM's flat `{"object":"error",...}`.
+fn error_response(err: &ApiError, engine: Engine) -> Response {
     let status = StatusCode::from_u16(err.status).unwrap_or(StatusCode::BAD_REQUEST);
-    json_response(status, &err.body())
+    match engine {
+        Engine::Vllm => json_response(status, &err.body()),
+        Engine::Sglang | Engine::Trtllm => json_response(status, &err.flat_body()),
+    }
 }
 
 fn unix_secs() -> u64 {
@@ -200,41 +216,102 @@ fn unix_secs() -> u64 {
         .unwrap_or(0)
 }
 
+/// Edits a response body into the engine's shape.
+type Decorate = Box<dyn FnOnce(&mut Value) + Send>;
+
+/// Engine-specific steps around the timing model: a decode leg waiting for its KV before
+/// the first token (`gate`), a prefill leg handing its KV over before it answers
+/// (`handover`), and what the engine adds to a response body (`decorate`).
+struct Hooks {
+    engine: Engine,
+    gate: Option<BoxFuture<'static, Result<(), ApiError>>>,
+    handover: Option<BoxFuture<'static, Result<(), ApiError>>>,
+    decorate: Option<Decorate>,
+}
+
+impl Hooks {
+    fn new(engine: Engine) -> Hooks {
+        Hooks {
+            engine,
+            gate: None,
+            handover: None,
+            decorate: None,
+        }
+    }
+
+    /// The final body in the engine's shape: only vLLM reports `kv_transfer_params`.
+    fn finish_body(&mut self, body: &mut Value) {
+        if self.engine != Engine::Vllm {
+            if let Some(map) = body.as_object_mut() {
+                map.remove("kv_transfer_params");
+            }
+        }
+        if let Some(decorate) = self.decorate.take() {
+            decorate(body);
+        }
+    }
+}
+
+/// Wraps a rendezvous wait so that its outcome lands in the request's log entry.
+fn logged_wait(
+    pod: Arc<PodState>,
+    seq: u64,
+    wait: BoxFuture<'static, Result<(), String>>,
+) -> BoxFuture<'static, Result<(), ApiError>> {
+    Box::pin(async move {
+        let result = wait.await;
+        let outcome = match &result {
+            Ok(()) => "ok".to_string(),
+            Err(_) => "timeout".to_string(),
+        };
+        pod.log.update(seq, |e| e.kv_pull = Some(outcome));
+        result.map_err(ApiError::server_error)
+    })
+}
+
+/// The leg and disaggregation fields of a request, by the pod's engine.
+fn classify(
+    engine: Engine,
+    body: &Value,
+    req: &SimRequest,
+    role: PodRole,
+) -> Result<(Leg, Option<SglangLeg>, Option<TrtLeg>), ApiError> {
+    let empty = serde_json::Map::new();
+    let obj = body.as_object().unwrap_or(&empty);
+    match engine {
+        Engine::Vllm => Ok((
+            vllm::classify_leg(req.kv_transfer_params.as_ref(), role, req.stream)?,
+            None,
+            None,
+        )),
+        Engine::Sglang => Ok(match sglang::classify(obj, role)? {
+            Some(s) => (s.leg, Some(s), None),
+            None => (Leg::Full, None, None),
+        }),
+        Engine::Trtllm => match trtllm::classify(obj, role)? {
+            Some(t) if t.leg == Leg::Prefill && req.stream => Err(ApiError::bad_request(
+                "a context_only request cannot stream",
+            )),
+            Some(t) => Ok((t.leg, None, Some(t))),
+            None => Ok((Leg::Full, None, None)),
+        },
+    }
+}
+
 /// One completion request: validate, log, then play it through the timing model.
 async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes) -> Response {
     let received = Instant::now();
     let pod = &ctx.pod;
     let record = &pod.record;
-    let x_request_id = headers
-        .get("x-request-id")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string);
-    let mut entry = LogEntry {
-        seq: next_seq(),
-        pod: record.name.clone(),
-        namespace: record.namespace.clone(),
-        role: record.role.clone(),
-        roleset: record.roleset.clone(),
-        addr: record.address(),
-        path: endpoint.path().to_string(),
-        leg: None,
-        x_request_id: x_request_id.clone(),
-        stream: false,
-        status: 200,
-        error: None,
-        kv_transfer_params_in: None,
-        kv_transfer_params_out: None,
-        kv_pull: None,
-        headers: header_map(&headers),
-        body: None,
-        received_unix_ms: unix_ms(),
-        fault: None,
-    };
+    let engine = Engine::from_label(&record.engine);
+    let mut entry = LogEntry::new(record, endpoint.path(), &headers);
+    let x_request_id = entry.x_request_id.clone();
+    let seq = entry.seq;
     let reject = |mut entry: LogEntry, err: ApiError| {
         entry.status = err.status;
         entry.error = Some(err.message.clone());
         pod.log.push(entry);
-        error_response(&err)
+        error_response(&err, engine)
     };
     let json = match vllm::parse_json(&body) {
         Ok(v) => v,
@@ -245,19 +322,27 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
         .get("kv_transfer_params")
         .filter(|v| !v.is_null())
         .cloned();
-    entry.body = Some(json);
-    let parsed = SimRequest::from_json(
+    let parsed = SimRequest::parse_fields(
         endpoint,
-        entry.body.as_ref().unwrap_or(&Value::Null),
+        &json,
         &record.model,
-        pod.role,
         pod.config.default_max_tokens,
-    );
-    let req = match parsed {
+    )
+    .and_then(|mut req| {
+        let (leg, s, t) = classify(engine, &json, &req, pod.role)?;
+        req.leg = leg;
+        Ok((req, s, t))
+    });
+    entry.body = Some(json);
+    let (req, sglang_leg, trt_leg) = match parsed {
         Ok(r) => r,
         Err(err) => return reject(entry, err),
     };
     entry.leg = Some(req.leg.as_str().to_string());
+    entry.pd = sglang_leg
+        .as_ref()
+        .map(SglangLeg::log_value)
+        .or_else(|| trt_leg.as_ref().map(TrtLeg::log_value));
     let fault = pod.faults.draw(req.leg);
     entry.fault = fault.as_ref().map(|f| f.kind.name().to_string());
     if let Some(FaultKind::Status { status }) = fault.as_ref().map(|f| f.kind) {
@@ -266,8 +351,11 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
 
     let id = endpoint.response_id(x_request_id.as_deref());
     let hashes = block_hashes(&req.prompt_text);
-    let work = match (req.leg, &req.kv_transfer_params) {
-        (Leg::Decode, Some(kv)) => {
+    let mut hooks = Hooks::new(engine);
+    let mut pin_as = (req.leg == Leg::Prefill && engine == Engine::Vllm).then(|| id.clone());
+    let timeout = pod.config.transfer_timeout;
+    let work = match (req.leg, &req.kv_transfer_params, &sglang_leg, &trt_leg) {
+        (Leg::Decode, Some(kv), None, None) => {
             let pull = ctx.registry.pull(kv);
             entry.kv_pull = Some(pull.as_str().to_string());
             if pull == KvPull::Ok {
@@ -276,7 +364,119 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
                 Leg::Full // the pull failed: recompute the prefill here
             }
         }
-        (leg, _) => leg,
+        (Leg::Decode, _, Some(s), _) => {
+            let port = s.bootstrap_port.unwrap_or(sglang::DEFAULT_BOOTSTRAP_PORT);
+            if !ctx
+                .registry
+                .has_bootstrap_server(Engine::Sglang, &s.bootstrap_host, port)
+            {
+                entry.kv_pull = Some("unknown_bootstrap".into());
+                let err = ApiError::server_error(format!(
+                    "Decode transfer failed for request rid={} bootstrap_room={}: no prefill bootstrap server at {}:{port}",
+                    s.rid.as_deref().unwrap_or(""), s.bootstrap_room, s.bootstrap_host
+                ));
+                return reject(entry, err);
+            }
+            let (registry, key, what) = (
+                ctx.registry.clone(),
+                s.room_key(),
+                format!(
+                    "Decode transfer failed for request rid={} bootstrap_room={}: KV did not arrive",
+                    s.rid.as_deref().unwrap_or(""),
+                    s.bootstrap_room
+                ),
+            );
+            let wait = async move {
+                registry
+                    .rooms
+                    .receive(&key, timeout)
+                    .await
+                    .map_err(|e| format!("{what} ({e})"))
+            };
+            hooks.gate = Some(logged_wait(pod.clone(), seq, Box::pin(wait)));
+            Leg::Decode
+        }
+        (Leg::Prefill, _, Some(s), _) => {
+            // The computed KV stays on the pod (SGLang's prefill inflight queue) until the
+            // decode worker took it or the bootstrap timed out.
+            let key =
+                sglang::own_room_key(&record.ip, record.sglang_bootstrap_port, s.bootstrap_room);
+            pin_as = Some(key.clone());
+            let (registry, holder, what) = (
+                ctx.registry.clone(),
+                pod.clone(),
+                format!(
+                    "Prefill bootstrap failed for request rid={} bootstrap_room={}",
+                    s.rid.as_deref().unwrap_or(""),
+                    s.bootstrap_room
+                ),
+            );
+            let wait = async move {
+                let met = registry.rooms.hand_over(&key, timeout).await;
+                holder.release_pin(&key);
+                met.map_err(|e| format!("{what} ({e})"))
+            };
+            hooks.handover = Some(logged_wait(pod.clone(), seq, Box::pin(wait)));
+            Leg::Prefill
+        }
+        (Leg::Prefill, _, _, Some(t)) => {
+            let generation_first = t.schedule_style == trtllm::GENERATION_FIRST;
+            let ctx_id = match (generation_first, t.disagg_request_id) {
+                (true, Some(id)) => id,
+                _ => trtllm::new_ctx_request_id(),
+            };
+            let opaque = trtllm::opaque_state(&pod.engine_id, ctx_id);
+            let prompt_ids = trtllm::prompt_token_ids(&req.prompt_text);
+            let first = prompt_ids.last().copied().unwrap_or(1000) + 1;
+            let params = trtllm::ctx_params(t, ctx_id, &opaque, first);
+            hooks.decorate = Some(Box::new(move |body: &mut Value| {
+                trtllm::decorate_ctx_response(body, params, &prompt_ids)
+            }));
+            if generation_first {
+                let key = trtllm::room_key(&trtllm::ctx_info_endpoint(&record.ip), ctx_id);
+                let registry = ctx.registry.clone();
+                let wait = async move {
+                    registry.rooms.hand_over(&key, timeout).await.map_err(|e| {
+                        format!("context transfer failed for disagg_request_id={ctx_id} ({e})")
+                    })
+                };
+                hooks.handover = Some(logged_wait(pod.clone(), seq, Box::pin(wait)));
+            } else {
+                pin_as = Some(ctx_id.to_string());
+            }
+            Leg::Prefill
+        }
+        (Leg::Decode, _, _, Some(t)) if t.schedule_style == trtllm::GENERATION_FIRST => {
+            let (endpoint_name, id) = (
+                t.ctx_info_endpoint.clone().unwrap_or_default(),
+                t.disagg_request_id.unwrap_or_default(),
+            );
+            let key = trtllm::room_key(&endpoint_name, id);
+            let registry = ctx.registry.clone();
+            let wait = async move {
+                registry
+                    .rooms
+                    .receive(&key, timeout)
+                    .await
+                    .map_err(|e| format!("DISAGG_TRANS_ERROR: no KV from {endpoint_name} for disagg_request_id={id} ({e})"))
+            };
+            hooks.gate = Some(logged_wait(pod.clone(), seq, Box::pin(wait)));
+            Leg::Decode
+        }
+        (Leg::Decode, _, _, Some(t)) => {
+            let pull = trtllm_pull(&ctx.registry, t);
+            entry.kv_pull = Some(pull.as_str().to_string());
+            if pull != KvPull::Ok {
+                let err = ApiError::server_error(format!(
+                    "DISAGG_TRANS_ERROR: cannot fetch the KV of ctx_request_id={:?}: {}",
+                    t.ctx_request_id,
+                    pull.as_str()
+                ));
+                return reject(entry, err);
+            }
+            Leg::Decode
+        }
+        (leg, _, _, _) => leg,
     };
     let new_tokens = match work {
         Leg::Decode => {
@@ -285,49 +485,151 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
         }
         _ => pod.prefill_lookup(&hashes, req.prompt_tokens),
     };
-    let kv_out = (req.leg == Leg::Prefill).then(|| {
+    let kv_out = (req.leg == Leg::Prefill && engine == Engine::Vllm).then(|| {
         let blocks = pod.allocate_blocks(engine::blocks_for(req.prompt_tokens));
         vllm::prefill_kv_params(&pod.engine_id, &id, &blocks)
     });
     entry.kv_transfer_params_out = kv_out.clone();
     pod.log.push(entry);
+    let mut abort = sglang_leg
+        .as_ref()
+        .and_then(|s| s.rid.as_deref())
+        .map(|rid| pod.aborts.register(rid));
+    let mut signal = abort.as_ref().map(AbortHandle::signal);
 
     // The request is logged (tests poll for it) before it starts hanging.
-    let stall = match fault {
-        Some(drawn) => match drawn.kind {
-            FaultKind::HangBeforeHeaders => {
-                drawn.released().await;
-                None
+    let pod = pod.clone();
+    let respond = async move {
+        let stall = match fault {
+            Some(drawn) => match drawn.kind {
+                FaultKind::HangBeforeHeaders => {
+                    drawn.released().await;
+                    None
+                }
+                FaultKind::Slow { delay_ms } => {
+                    tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+                    None
+                }
+                FaultKind::HangAfterChunks { chunks } => Some(Stall { chunks, drawn }),
+                FaultKind::Status { .. } | FaultKind::Crash | FaultKind::Refuse => None,
+            },
+            None => None,
+        };
+        let spec = JobSpec {
+            work,
+            prompt_tokens: req.prompt_tokens,
+            new_tokens,
+            output_tokens: req.output_tokens(),
+            pin_as,
+        };
+        let job = Job::new(pod, spec, received);
+        let meta = ResponseMeta {
+            endpoint,
+            id,
+            created: unix_secs(),
+            model: req.model.clone(),
+        };
+        match (req.stream, stall) {
+            (true, stall) => stream_response(
+                job,
+                meta,
+                StreamOptions {
+                    prompt_tokens: req.prompt_tokens,
+                    include_usage: req.include_usage,
+                    stall,
+                    hooks,
+                    abort: abort.take(),
+                },
+            ),
+            (false, None) => full_response(job, meta, req.prompt_tokens, kv_out, hooks).await,
+            (false, Some(stall)) => {
+                stalled_full_response(job, meta, req.prompt_tokens, kv_out, stall, hooks)
             }
-            FaultKind::Slow { delay_ms } => {
-                tokio::time::sleep(Duration::from_millis(delay_ms)).await;
-                None
+        }
+    };
+    match signal.as_mut() {
+        None => respond.await,
+        Some(signal) => {
+            tokio::select! {
+                response = respond => response,
+                _ = signal.aborted() => aborted_response(engine),
             }
-            FaultKind::HangAfterChunks { chunks } => Some(Stall { chunks, drawn }),
-            FaultKind::Status { .. } | FaultKind::Crash | FaultKind::Refuse => None,
-        },
-        None => None,
-    };
-
-    let spec = JobSpec {
-        work,
-        prompt_tokens: req.prompt_tokens,
-        new_tokens,
-        output_tokens: req.output_tokens(),
-        pin_as: (req.leg == Leg::Prefill).then(|| id.clone()),
-    };
-    let job = Job::new(pod.clone(), spec, received);
-    let meta = ResponseMeta {
-        endpoint,
-        id,
-        created: unix_secs(),
-        model: req.model.clone(),
-    };
-    match (req.stream, stall) {
-        (true, stall) => stream_response(job, meta, req.prompt_tokens, req.include_usage, stall),
-        (false, None) => full_response(job, meta, req.prompt_tokens, kv_out).await,
-        (false, Some(stall)) => stalled_full_response(job, meta, req.prompt_tokens, kv_out, stall),
+        }
     }
+}
+
+/// A context-first TRT-LLM generation leg fetching the KV its `encoded_opaque_state` names.
+fn trtllm_pull(registry: &Registry, t: &TrtLeg) -> KvPull {
+    let Some((engine_id, id)) = t
+        .encoded_opaque_state
+        .as_deref()
+        .and_then(trtllm::parse_opaque_state)
+    else {
+        return KvPull::UnknownEngine;
+    };
+    let Some(ctx_pod) = registry.get(&engine_id) else {
+        return KvPull::UnknownEngine;
+    };
+    if t.ctx_request_id != Some(id) {
+        return KvPull::UnknownRequest;
+    }
+    if ctx_pod.release_pin(&id.to_string()) {
+        KvPull::Ok
+    } else {
+        KvPull::UnknownRequest
+    }
+}
+
+/// What an aborted unstreamed request answers (SGLang finishes it with an abort reason).
+fn aborted_response(engine: Engine) -> Response {
+    error_response(
+        &ApiError {
+            status: 500,
+            kind: "InternalServerError",
+            message: "request aborted by /abort_request".into(),
+        },
+        engine,
+    )
+}
+
+/// `POST /abort_request {"rid": ...}`: ends every in-flight request with that rid and
+/// answers 200 with an empty body, as SGLang does. Logged, so tests can see the router's
+/// abort arrive.
+async fn abort_request(State(ctx): State<PodCtx>, headers: HeaderMap, body: Bytes) -> Response {
+    let mut entry = LogEntry::new(&ctx.pod.record, "/abort_request", &headers);
+    let parsed = serde_json::from_slice::<Value>(&body);
+    let rid = parsed
+        .as_ref()
+        .ok()
+        .and_then(|v| v.get("rid"))
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    entry.body = parsed.ok();
+    let Some(rid) = rid else {
+        entry.status = 400;
+        entry.error = Some("abort_request needs a rid".into());
+        ctx.pod.log.push(entry);
+        return json_response(
+            StatusCode::BAD_REQUEST,
+            &serde_json::json!({"error": {"message": "abort_request needs a rid"}}),
+        );
+    };
+    let aborted = ctx.pod.aborts.abort(&rid);
+    entry.pd = Some(serde_json::json!({"rid": rid, "aborted": aborted}));
+    ctx.pod.log.push(entry);
+    StatusCode::OK.into_response()
+}
+
+/// `GET /server_info` (and SGLang's `/get_server_info`), logged like a request.
+async fn server_info(State(ctx): State<PodCtx>, headers: HeaderMap) -> Response {
+    let record = &ctx.pod.record;
+    let entry = LogEntry::new(record, "/server_info", &headers);
+    ctx.pod.log.push(entry);
+    let body = match Engine::from_label(&record.engine) {
+        Engine::Trtllm => trtllm::server_info(&record.ip, ctx.pod.config.trtllm_python_transceiver),
+        _ => sglang::server_info(&record.model, ctx.pod.role, record.sglang_bootstrap_port),
+    };
+    json_response(StatusCode::OK, &body)
 }
 
 /// A `hang_after_chunks` fault drawn by a request: the stream stalls after `chunks` events
@@ -345,10 +647,11 @@ fn stalled_full_response(
     prompt_tokens: u64,
     kv_out: Option<Value>,
     stall: Stall,
+    hooks: Hooks,
 ) -> Response {
     let body = futures_util::stream::once(async move {
         stall.drawn.released().await;
-        let full = full_response(job, meta, prompt_tokens, kv_out).await;
+        let full = full_response(job, meta, prompt_tokens, kv_out, hooks).await;
         axum::body::to_bytes(full.into_body(), usize::MAX)
             .await
             .map_err(std::io::Error::other)
@@ -368,78 +671,113 @@ async fn full_response(
     meta: ResponseMeta,
     prompt_tokens: u64,
     kv_out: Option<Value>,
+    mut hooks: Hooks,
 ) -> Response {
+    if let Some(gate) = hooks.gate.take() {
+        if let Err(err) = gate.await {
+            return error_response(&err, hooks.engine);
+        }
+    }
     let mut produced = 0;
     while job.next_token().await.is_some() {
         produced += 1;
     }
-    let body = meta.full_body(
+    if let Some(handover) = hooks.handover.take() {
+        if let Err(err) = handover.await {
+            return error_response(&err, hooks.engine);
+        }
+    }
+    let mut body = meta.full_body(
         &engine::output_text(produced),
         prompt_tokens,
         produced,
         kv_out.as_ref(),
     );
+    hooks.finish_body(&mut body);
     json_response(StatusCode::OK, &body)
 }
 
 enum StreamPhase {
+    Gate,
     Tokens,
     Usage,
     Done,
     Finished,
 }
 
+/// What a streamed answer needs besides the job and its identity.
+struct StreamOptions {
+    prompt_tokens: u64,
+    include_usage: bool,
+    stall: Option<Stall>,
+    hooks: Hooks,
+    abort: Option<AbortHandle>,
+}
+
 struct StreamState {
     job: Job,
     meta: ResponseMeta,
-    prompt_tokens: u64,
-    include_usage: bool,
+    opts: StreamOptions,
     produced: u64,
     phase: StreamPhase,
-    stall: Option<Stall>,
 }
 
-/// Headers go out at once (as vLLM's StreamingResponse does); each token follows as its own
-/// SSE event when the timing model produces it. The job lives inside the body stream, so a
-/// client that hangs up aborts it.
-fn stream_response(
-    job: Job,
-    meta: ResponseMeta,
-    prompt_tokens: u64,
-    include_usage: bool,
-    stall: Option<Stall>,
-) -> Response {
-    let state = StreamState {
-        job,
-        meta,
-        prompt_tokens,
-        include_usage,
-        produced: 0,
-        phase: StreamPhase::Tokens,
-        stall,
-    };
-    let stream = futures_util::stream::unfold(state, |mut st| async move {
-        if st.stall.as_ref().is_some_and(|s| s.chunks <= st.produced) {
-            if let Some(stall) = st.stall.take() {
+/// One SSE event of an error after the headers went out, then the stream ends.
+fn stream_error(message: &str) -> String {
+    let mut text = vllm::sse_event(
+        &serde_json::json!({"error": {"message": message, "type": "InternalServerError", "code": 500}}),
+    );
+    text.push_str(vllm::SSE_DONE);
+    text
+}
+
+impl StreamState {
+    async fn step(&mut self) -> Option<String> {
+        if self
+            .opts
+            .stall
+            .as_ref()
+            .is_some_and(|s| s.chunks <= self.produced)
+        {
+            if let Some(stall) = self.opts.stall.take() {
                 stall.drawn.released().await;
             }
         }
-        let text = match st.phase {
-            StreamPhase::Tokens => match st.job.next_token().await {
+        let text = match self.phase {
+            StreamPhase::Gate => {
+                self.phase = StreamPhase::Tokens;
+                match self.opts.hooks.gate.take() {
+                    Some(gate) => match gate.await {
+                        Ok(()) => String::new(),
+                        Err(err) => {
+                            self.phase = StreamPhase::Finished;
+                            stream_error(&err.message)
+                        }
+                    },
+                    None => String::new(),
+                }
+            }
+            StreamPhase::Tokens => match self.job.next_token().await {
                 Some(index) => {
-                    st.produced += 1;
-                    let last = st.produced == st.job.spec().output_tokens;
+                    self.produced += 1;
+                    let last = self.produced == self.job.spec().output_tokens;
                     let mut text = String::new();
-                    if index == 0 && st.meta.endpoint == Endpoint::Chat {
-                        text.push_str(&vllm::sse_event(&st.meta.role_chunk()));
+                    if index == 0 && self.meta.endpoint == Endpoint::Chat {
+                        text.push_str(&vllm::sse_event(&self.meta.role_chunk()));
                     }
                     text.push_str(&vllm::sse_event(
-                        &st.meta.token_chunk(&engine::token_text(index), last),
+                        &self.meta.token_chunk(&engine::token_text(index), last),
                     ));
                     text
                 }
                 None => {
-                    st.phase = if st.include_usage {
+                    if let Some(handover) = self.opts.hooks.handover.take() {
+                        if let Err(err) = handover.await {
+                            self.phase = StreamPhase::Finished;
+                            return Some(stream_error(&err.message));
+                        }
+                    }
+                    self.phase = if self.opts.include_usage {
                         StreamPhase::Usage
                     } else {
                         StreamPhase::Done
@@ -448,16 +786,51 @@ fn stream_response(
                 }
             },
             StreamPhase::Usage => {
-                st.phase = StreamPhase::Done;
-                vllm::sse_event(&st.meta.usage_chunk(st.prompt_tokens, st.produced))
+                self.phase = StreamPhase::Done;
+                vllm::sse_event(
+                    &self
+                        .meta
+                        .usage_chunk(self.opts.prompt_tokens, self.produced),
+                )
             }
             StreamPhase::Done => {
-                st.phase = StreamPhase::Finished;
+                self.phase = StreamPhase::Finished;
                 vllm::SSE_DONE.to_string()
             }
             StreamPhase::Finished => return None,
         };
-        Some((Ok::<_, Infallible>(Bytes::from(text)), st))
+        Some(text)
+    }
+}
+
+/// Headers go out at once (as vLLM's and SGLang's StreamingResponse do: before the first
+/// token, and before an SGLang decode leg has its KV); each token follows as its own SSE
+/// event when the timing model produces it. The job lives inside the body stream, so a
+/// client that hangs up aborts it; an `/abort_request` ends it with an error event.
+fn stream_response(job: Job, meta: ResponseMeta, opts: StreamOptions) -> Response {
+    let state = StreamState {
+        job,
+        meta,
+        opts,
+        produced: 0,
+        phase: StreamPhase::Gate,
+    };
+    let stream = futures_util::stream::unfold(state, |mut st| async move {
+        let mut abort = st.opts.abort.take();
+        let text = match abort.as_mut() {
+            None => st.step().await,
+            Some(a) => {
+                tokio::select! {
+                    text = st.step() => text,
+                    _ = a.aborted() => {
+                        st.phase = StreamPhase::Finished;
+                        Some(stream_error("request aborted by /abort_request"))
+                    }
+                }
+            }
+        };
+        st.opts.abort = abort;
+        text.map(|t| (Ok::<_, Infallible>(Bytes::from(t)), st))
     });
     (
         [(

@@ -130,6 +130,21 @@ impl ApiError {
         }
     }
 
+    /// An engine-side failure (a KV transfer that did not happen, an aborted request).
+    pub fn server_error(message: impl Into<String>) -> Self {
+        ApiError {
+            status: 500,
+            kind: "InternalServerError",
+            message: message.into(),
+        }
+    }
+
+    /// SGLang's and TRT-LLM's handler errors:
+    /// `{"object":"error","message","type","param":null,"code":<status>}`.
+    pub fn flat_body(&self) -> Value {
+        json!({"object": "error", "message": self.message, "type": self.kind, "param": null, "code": self.status})
+    }
+
     /// `{"error":{"message","type","param":null,"code":<status>}}`.
     pub fn body(&self) -> Value {
         json!({"error": {"message": self.message, "type": self.kind, "param": null, "code": self.status}})
@@ -165,6 +180,19 @@ impl SimRequest {
         body: &Value,
         served_model: &str,
         role: PodRole,
+        default_max_tokens: u64,
+    ) -> Result<SimRequest, ApiError> {
+        let mut req = SimRequest::parse_fields(endpoint, body, served_model, default_max_tokens)?;
+        req.leg = classify_leg(req.kv_transfer_params.as_ref(), role, req.stream)?;
+        Ok(req)
+    }
+
+    /// The engine-independent validation (fields, then the model); the leg is left `Full`
+    /// for the engine's own disaggregation rules to classify.
+    pub fn parse_fields(
+        endpoint: Endpoint,
+        body: &Value,
+        served_model: &str,
         default_max_tokens: u64,
     ) -> Result<SimRequest, ApiError> {
         let obj = body
@@ -218,7 +246,6 @@ impl SimRequest {
         if model != served_model {
             return Err(ApiError::model_not_found(&model));
         }
-        let leg = classify_leg(kv_transfer_params.as_ref(), role, stream)?;
         Ok(SimRequest {
             endpoint,
             model,
@@ -228,7 +255,7 @@ impl SimRequest {
             include_usage,
             max_tokens,
             kv_transfer_params,
-            leg,
+            leg: Leg::Full,
         })
     }
 

@@ -206,14 +206,49 @@ async fn pd_control_reads_every_engines_exposition() {
     }
 
     // Finished requests, and a prefill leg whose KV stays pinned for a decode pod.
+    let mut pending_prefill = None;
     for pod in &pods {
         for i in 0..2 {
             let body = json!({"model": MODEL, "prompt": format!("{i} {}", "y".repeat(200)), "max_tokens": 2});
             assert_eq!(post(&pod.base, body).await.status(), 200);
         }
-        let prefill = json!({"model": MODEL, "prompt": "z".repeat(400), "max_tokens": 1,
-            "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false}});
-        assert_eq!(post(&pod.base, prefill).await.status(), 200);
+        // Each engine's own prefill leg. SGLang's answers only once a decode worker took
+        // the KV, which none does here: it stays in flight, holding its KV.
+        let prefill = json!({"model": MODEL, "prompt": "z".repeat(400), "max_tokens": 1});
+        let mut prefill = prefill.as_object().cloned().unwrap_or_default();
+        match pod.engine {
+            Engine::Vllm => {
+                prefill.insert(
+                    "kv_transfer_params".into(),
+                    json!({"do_remote_decode": true, "do_remote_prefill": false}),
+                );
+            }
+            Engine::Sglang => {
+                prefill.insert("bootstrap_host".into(), json!("127.0.0.1"));
+                prefill.insert("bootstrap_port".into(), json!(8998));
+                prefill.insert("bootstrap_room".into(), json!(77));
+            }
+            Engine::Trtllm => {
+                prefill.insert("disaggregated_params".into(),
+                    json!({"request_type": "context_only", "disagg_request_id": 4_398_046_511_105i64}));
+            }
+        }
+        let (base, body) = (pod.base.clone(), Value::Object(prefill));
+        if pod.engine == Engine::Sglang {
+            pending_prefill = Some(tokio::spawn(
+                async move { post(&base, body).await.status() },
+            ));
+        } else {
+            assert_eq!(post(&base, body).await.status(), 200);
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while pods[1].state.metrics().prefill_inflight != 1 {
+        assert!(
+            Instant::now() < deadline,
+            "the SGLang prefill never finished computing"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
     for pod in &pods {
         let (r, m) = steady_read(pod).await;
@@ -293,6 +328,13 @@ async fn pd_control_reads_every_engines_exposition() {
             pod.label
         );
         assert_matches(pod, &r, &m);
+    }
+    if let Some(task) = pending_prefill {
+        assert!(
+            !task.is_finished(),
+            "the SGLang prefill waits for its decode worker"
+        );
+        task.abort();
     }
     sim.shutdown().await;
 }
