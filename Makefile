@@ -18,6 +18,7 @@ help:
 	@echo "make test   - set up and run every test (unit + end-to-end in real Envoy)"
 	@echo "make up FLEET=path [SIM=1] [PORT=10000] / make down - local stack"
 	@echo "make bench-scrape [BENCH_PODS=1000 BENCH_SECONDS=30 BENCH_INTERVAL=100ms] - pd-control scrape scale benchmark"
+	@echo "make bench-v8 [BENCH_V8_PODS='16 256 1024'] - selection cost inside Envoy's V8 (envoy/bench-v8.sh)"
 	@echo "make build | lint | clean"
 
 # Toolchain pieces: the wasm target, a project venv holding the Envoy wheel, and Node (whose
@@ -131,3 +132,11 @@ bench-scrape:
 	cargo build --profile native -p pd-control -p pd-sim
 	$(or $(CARGO_TARGET_DIR),target)/native/pd-bench-scrape --pods $(BENCH_PODS) \
 	  --seconds $(BENCH_SECONDS) --interval $(BENCH_INTERVAL) --out $(BENCH_OUT)
+
+# ---- Selection cost inside Envoy's V8 ---------------------------------------------------------
+# For each fleet size: unserved pods, the release .wasm in Envoy, 600 sequential PD requests,
+# then p50/p99 of pd_router_selection_core_us and pd_router_selection_us (bench-v8.txt).
+BENCH_V8_PODS ?= 16 256 1024
+.PHONY: bench-v8
+bench-v8: build-native
+	envoy/bench-v8.sh $(BENCH_V8_PODS)

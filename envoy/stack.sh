@@ -5,7 +5,8 @@
 # `up` returns once Envoy is ready and every worker has loaded the first fleet snapshot.
 # State (pids, logs, rendered config) lives in .run/; `down` stops exactly what `up` started.
 # Environment: ADMIN_PORT CONTROL_PORT SIM_ADMIN_PORT CONCURRENCY REFRESH_MS, SIM_ARGS (extra
-# pd-sim flags, e.g. its timing model), and any AIBRIX_* variable for the filter.
+# pd-sim flags, e.g. its timing model), CARGO_TARGET_DIR (where the binaries and the .wasm are;
+# default ./target), and any AIBRIX_* variable for the filter.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=.run
@@ -35,7 +36,8 @@ up() {
   local fleet=${1:?usage: stack.sh up FLEET [SIM] [PORT] [PROFILE]} sim=${2:-1} port=${3:-10000} profile=${4:-debug}
   [ -f "$fleet" ] || die "no fleet file $fleet"
   [ ! -f "$RUN/envoy.pid" ] || die "a stack is already up (make down first)"
-  local bin=target/$profile wasm=target/wasm32-wasip1/release/pd_router_filter.wasm envoy=.venv/envoy
+  local target=${CARGO_TARGET_DIR:-$PWD/target}
+  local bin=$target/$profile wasm=$target/wasm32-wasip1/release/pd_router_filter.wasm envoy=.venv/envoy
   for f in "$bin/pd-control" "$bin/pd-sim" "$wasm" "$envoy"; do [ -e "$f" ] || die "$f missing (make build)"; done
   mkdir -p "$RUN"
   if [ "$sim" = 1 ]; then
@@ -46,7 +48,7 @@ up() {
   start pd-control "$bin/pd-control" --fleet "$fleet" --listen "127.0.0.1:$CONTROL_PORT" --refresh-interval "${REFRESH_MS}ms"
   wait_for_line "$RUN/pd-control.out" "pd-control: listening" 30 pd-control
   sed -e "s#@LISTEN_ADDR@#127.0.0.1#; s#@LISTEN_PORT@#$port#; s#@ADMIN_PORT@#$ADMIN_PORT#" \
-      -e "s#@WASM_PATH@#$PWD/$wasm#; s#@CONTROL_ADDR@#127.0.0.1#; s#@CONTROL_PORT@#$CONTROL_PORT#" \
+      -e "s#@WASM_PATH@#$(realpath "$wasm")#; s#@CONTROL_ADDR@#127.0.0.1#; s#@CONTROL_PORT@#$CONTROL_PORT#" \
       -e "s#@REFRESH_MS@#$REFRESH_MS#" envoy/envoy.yaml.tmpl > "$RUN/envoy.yaml"
   start envoy "$envoy" -c "$RUN/envoy.yaml" --concurrency "$CONCURRENCY" --disable-hot-restart \
       --log-path "$RUN/envoy.log" --file-flush-interval-msec 200 -l info
