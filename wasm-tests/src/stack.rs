@@ -328,14 +328,63 @@ impl Stack {
         envoy_env: &[(&str, &str)],
         sim_args: &[&str],
     ) -> Stack {
-        Stack::start_inner(fleet, simulated, concurrency, envoy_env, sim_args, None)
+        Stack::start_inner(
+            fleet,
+            simulated,
+            concurrency,
+            envoy_env,
+            sim_args,
+            None,
+            &[],
+        )
+    }
+
+    /// Like [`Stack::start_full`] with extra pd-control arguments (e.g. `--redis URL`).
+    pub fn start_with_control_args(
+        fleet: Fleet,
+        concurrency: usize,
+        envoy_env: &[(&str, &str)],
+        control_args: &[&str],
+    ) -> Stack {
+        Stack::start_inner(
+            fleet.clone(),
+            fleet,
+            concurrency,
+            envoy_env,
+            &[],
+            None,
+            control_args,
+        )
+    }
+
+    /// Starts one more pd-control on the stack's fleet file with `args`; returns its address.
+    pub fn add_control(&mut self, args: &[&str]) -> String {
+        let addr = format!("127.0.0.1:{}", free_port());
+        let n = self.children.len();
+        let mut control = Command::new(bin("pd-control"));
+        control
+            .arg("--fleet")
+            .arg(&self.fleet_path)
+            .arg("--listen")
+            .arg(&addr)
+            .arg("--refresh-interval")
+            .arg("50ms")
+            .args(args);
+        let child = spawn_until(
+            "pd-control",
+            control,
+            "pd-control: listening",
+            &self.dir.join(format!("pd-control-{n}.log")),
+        );
+        self.children.push((format!("pd-control-{n}"), child));
+        addr
     }
 
     /// Like [`Stack::start`] (`--concurrency 2`), but Envoy runs `envoy/envoy-ecds.yaml.tmpl`:
     /// the wasm filter comes from an ECDS file in the test's temp dir, whose VM environment
     /// `key_values` can later be changed by [`Stack::update_ecds`].
     pub fn start_ecds(fleet: Fleet, key_values: &[(&str, &str)]) -> Stack {
-        Stack::start_inner(fleet.clone(), fleet, 2, &[], &[], Some(key_values))
+        Stack::start_inner(fleet.clone(), fleet, 2, &[], &[], Some(key_values), &[])
     }
 
     /// Kills a process of the stack by name (`envoy`, `pd-control`, `pd-sim`, `envoy-N`).
@@ -352,10 +401,16 @@ impl Stack {
     /// Starts one more Envoy (`--concurrency` as the stack's) polling the same pd-control and
     /// routing to the same pods: a second gateway replica. Stopped with the stack.
     pub fn add_gateway(&mut self, envoy_env: &[(&str, &str)]) -> Gateway {
+        let control = self.control.clone();
+        self.add_gateway_via(&control, envoy_env)
+    }
+
+    /// Like [`Stack::add_gateway`], polling the pd-control at `control` (see
+    /// [`Stack::add_control`]).
+    pub fn add_gateway_via(&mut self, control: &str, envoy_env: &[(&str, &str)]) -> Gateway {
         let (listen_port, admin_port) = (free_port(), free_port());
         let n = self.children.len();
-        let control_port: u16 = self
-            .control
+        let control_port: u16 = control
             .rsplit(':')
             .next()
             .and_then(|p| p.parse().ok())
@@ -420,6 +475,7 @@ impl Stack {
         envoy_env: &[(&str, &str)],
         sim_args: &[&str],
         ecds: Option<&[(&str, &str)]>,
+        control_args: &[&str],
     ) -> Stack {
         let dir = std::env::temp_dir().join(format!(
             "pd-e2e-{}-{}",
@@ -462,7 +518,8 @@ impl Stack {
             .arg("--listen")
             .arg(&stack.control)
             .arg("--refresh-interval")
-            .arg("50ms");
+            .arg("50ms")
+            .args(control_args);
         let child = spawn_until(
             "pd-control",
             control,

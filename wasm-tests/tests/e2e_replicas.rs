@@ -61,15 +61,20 @@ fn run(shared: &str) -> (String, Vec<String>, Stack, Gateway) {
     let fleet = fleet();
     let mut stack = Stack::start_full(fleet.clone(), fleet, 2, &env_a, &[]);
     let b = stack.add_gateway(&env_a);
+    let (a_pod, b_pods) = steer(&stack, &b, shared == "true");
+    (a_pod, b_pods, stack, b)
+}
+
+fn steer(stack: &Stack, b: &Gateway, shared: bool) -> (String, Vec<String>) {
     for pod in ["d0", "d1"] {
         stack.arm_fault(json!({"pod": pod, "kind": "hang_before_headers", "leg": "decode"}));
     }
     let mut clients = Vec::new();
     let long = "long context ".repeat(2000); // ≈ 6500 prompt tokens on its decode pod
     clients.push(send(&stack.gateway, long.clone()));
-    let a_pod = decode_pod_of(&stack, &long, 1);
+    let a_pod = decode_pod_of(stack, &long, 1);
 
-    if shared == "true" {
+    if shared {
         // B learns A's charge through pd-control: wait until its VMs see it.
         let deadline = Instant::now() + Duration::from_secs(20);
         while b.stat("pd_router_remote_decode_tokens") < 5000 {
@@ -84,14 +89,14 @@ fn run(shared: &str) -> (String, Vec<String>, Stack, Gateway) {
     for i in 0..5 {
         let short = format!("short question {i} ").repeat(4);
         clients.push(send(&b.gateway, short.clone()));
-        b_pods.push(decode_pod_of(&stack, &short, 2 + i));
+        b_pods.push(decode_pod_of(stack, &short, 2 + i));
     }
     stack.clear_faults();
     for c in clients {
         let r = c.join().expect("client");
         assert_eq!(r.status, 200, "{}", r.text());
     }
-    (a_pod, b_pods, stack, b)
+    (a_pod, b_pods)
 }
 
 fn ledgers_return_to_zero(stack: &Stack, b: &Gateway) {
@@ -181,4 +186,131 @@ fn ledgers_return_to_zero_on(b: &Gateway) {
             .all(|(_, v)| v.trim() == "0"),
         "{text}"
     );
+}
+
+#[test]
+fn two_pd_controls_share_through_redis_one_gateway_each() {
+    let dir = std::env::temp_dir().join(format!("pd-redis-{}", fastrand::u64(..)));
+    std::fs::create_dir_all(&dir).expect("redis dir");
+    let Some(redis) = pd_wasm_tests::redis::RedisServer::start(&dir) else {
+        return;
+    };
+    let url = redis.url();
+    let env_a = env("true");
+    let env_a: Vec<(&str, &str)> = env_a.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let mut stack = Stack::start_with_control_args(fleet(), 2, &env_a, &["--redis", &url]);
+    let second_control = stack.add_control(&["--redis", &url]);
+    let b = stack.add_gateway_via(&second_control, &env_a);
+    let (a_pod, b_pods) = steer(&stack, &b, true);
+    assert!(
+        b_pods.iter().all(|p| *p != a_pod),
+        "gateway B (other pd-control) ignored A's load on {a_pod}: {b_pods:?}"
+    );
+    ledgers_return_to_zero(&stack, &b);
+    drop(redis);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Sum of a gateway's own `pd_token_load_decode_tokens` gauges.
+fn local_decode_total(admin: &str) -> u64 {
+    http::get(admin, "/stats?filter=pd_token_load_decode_tokens")
+        .expect("admin")
+        .text()
+        .lines()
+        .filter_map(|l| l.rsplit_once(": "))
+        .filter_map(|(_, v)| v.trim().parse::<u64>().ok())
+        .sum()
+}
+
+/// Per-decode-pod prompt tokens (chars / 4) of the decode legs pd-sim received, sorted.
+fn decode_spread(stack: &Stack, n: usize) -> Vec<u64> {
+    let mut per_pod = std::collections::BTreeMap::<String, u64>::new();
+    for e in stack.wait_for_legs("decode", n) {
+        let tokens = e["body"]["prompt"].as_str().map(str::len).unwrap_or(0) as u64 / 4;
+        *per_pod
+            .entry(e["pod"].as_str().unwrap_or_default().to_string())
+            .or_default() += tokens;
+    }
+    let mut v: Vec<u64> = per_pod.into_values().collect();
+    v.resize(2, 0);
+    v.sort_unstable();
+    v
+}
+
+const BURST: [usize; 10] = [1500, 200, 800, 50, 1200, 400, 900, 100, 600, 300];
+
+/// Sends the burst (decode legs held) alternating over `gateways`; before each request the
+/// gateway about to route has seen every charge the others made (their remote gauge equals
+/// the others' own ledgers), so the comparison with one gateway is exact, not a race.
+fn burst(stack: &Stack, gateways: &[(&str, &str)]) -> Vec<u64> {
+    for pod in ["d0", "d1"] {
+        stack.arm_fault(json!({"pod": pod, "kind": "hang_before_headers", "leg": "decode"}));
+    }
+    let mut clients = Vec::new();
+    for (i, words) in BURST.iter().enumerate() {
+        let (listener, admin) = gateways[i % gateways.len()];
+        if gateways.len() > 1 {
+            let others: u64 = gateways
+                .iter()
+                .filter(|(_, a)| *a != admin)
+                .map(|(_, a)| local_decode_total(a))
+                .sum();
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while pd_wasm_tests::stack::admin_stat(admin, "pd_router_remote_decode_tokens")
+                != others
+            {
+                assert!(
+                    Instant::now() < deadline,
+                    "gateway {admin} never saw the others' {others} decode tokens"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        let prompt = format!("burst {i} ") + &"word ".repeat(*words);
+        clients.push(send(listener, prompt.clone()));
+        decode_pod_of(stack, &prompt, i + 1);
+    }
+    let spread = decode_spread(stack, BURST.len());
+    stack.clear_faults();
+    for c in clients {
+        let r = c.join().expect("client");
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    spread
+}
+
+#[test]
+fn a_burst_split_over_two_gateways_spreads_like_one_gateway() {
+    let env_a = env("true");
+    let env_a: Vec<(&str, &str)> = env_a.iter().map(|(k, v)| (*k, v.as_str())).collect();
+
+    let one = {
+        let f = fleet();
+        let stack = Stack::start_full(f.clone(), f, 2, &env_a, &[]);
+        burst(&stack, &[(stack.gateway.as_str(), stack.admin.as_str())])
+    };
+    let split = {
+        let f = fleet();
+        let mut stack = Stack::start_full(f.clone(), f, 2, &env_a, &[]);
+        let b = stack.add_gateway(&env_a);
+        let spread = burst(
+            &stack,
+            &[
+                (stack.gateway.as_str(), stack.admin.as_str()),
+                (b.gateway.as_str(), b.admin.as_str()),
+            ],
+        );
+        ledgers_return_to_zero(&stack, &b);
+        spread
+    };
+    // Tolerance: 5 % of the burst's tokens per pod. Both runs make the same greedy choices
+    // (ties aside, which the sort makes symmetric), so they normally agree exactly.
+    let total: u64 = one.iter().sum();
+    eprintln!("decode tokens per pod: one gateway {one:?}, two gateways {split:?}");
+    for (o, s) in one.iter().zip(&split) {
+        assert!(
+            o.abs_diff(*s) * 20 <= total,
+            "one gateway {one:?} vs two gateways {split:?}"
+        );
+    }
 }
