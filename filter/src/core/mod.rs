@@ -6,6 +6,7 @@ pub mod engine;
 pub mod env;
 pub mod errors;
 pub mod fleet;
+pub mod journal;
 pub mod ledger;
 pub mod pd;
 pub mod prefix;

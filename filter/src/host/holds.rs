@@ -17,6 +17,20 @@ pub struct Hold {
     /// 0 = never force-released.
     pub ttl_ms: u64,
     pub request_id: String,
+    /// The charges' journal record (`crate::core::journal::record`), kept current with them.
+    pub record: Vec<u8>,
+}
+
+impl Hold {
+    pub fn new(charges: HeldCharges, since_ms: u64, ttl_ms: u64, request_id: String) -> Hold {
+        Hold {
+            record: crate::core::journal::record(&charges),
+            charges,
+            since_ms,
+            ttl_ms,
+            request_id,
+        }
+    }
 }
 
 /// The token rows of the pods a request holds charges on, for the ledger gauges.
@@ -57,8 +71,10 @@ pub fn release(
             if next.is_empty() {
                 vm.holds.remove(&id);
             } else if let Some(h) = vm.holds.get_mut(&id) {
+                h.record = crate::core::journal::record(&next);
                 h.charges = next;
             }
+            crate::host::journal::write(&vm, now);
         }
         Err(e) => log::error!("cannot release the charges of context {id}: {e}"),
     }

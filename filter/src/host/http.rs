@@ -69,6 +69,8 @@ pub struct PdHttp {
     /// The profile `config-profile: auto` picked, echoed as `x-aibrix-config-profile`.
     auto_profile: Option<String>,
     session_key: Option<String>,
+    /// Testing only: trap when the prefill leg answers (see `VmState::debug_trap_header`).
+    trap_at_prefill_answer: bool,
     /// Prefill leg timeout of the request's profile.
     prefill_timeout_s: f64,
     pending: Option<PendingDecode>,
@@ -87,6 +89,7 @@ impl PdHttp {
             profile_header: None,
             auto_profile: None,
             session_key: None,
+            trap_at_prefill_answer: false,
             prefill_timeout_s: 30.0,
             pending: None,
             routed: None,
@@ -122,13 +125,14 @@ impl PdHttp {
 
     /// Records what the request now holds, with its force-release deadline.
     fn hold(&self, vm: &mut VmState, charges: HeldCharges, now: u64, ttl_s: u64) {
-        let hold = Hold {
+        let hold = Hold::new(
             charges,
-            since_ms: now,
-            ttl_ms: ttl_s.saturating_mul(1000),
-            request_id: self.request_id.clone(),
-        };
+            now,
+            ttl_s.saturating_mul(1000),
+            self.request_id.clone(),
+        );
         vm.holds.insert(self.id, hold);
+        crate::host::journal::write(vm, now);
     }
 
     fn release_all(&mut self) {
@@ -449,6 +453,12 @@ impl Context for PdHttp {
         if self.pending.as_ref().map(|p| p.token) != Some(token) {
             return;
         }
+        // Testing only: trap while this request's charges are held, so tests see a VM die
+        // with load on the ledger (PD_ROUTER_DEBUG_TRAP_HEADER).
+        assert!(
+            !self.trap_at_prefill_answer,
+            "trap requested by PD_ROUTER_DEBUG_TRAP_HEADER"
+        );
         self.release_stage(HeldCharges::release_prefill_leg);
         let status = self
             .get_http_call_response_header(":status")
@@ -482,6 +492,9 @@ impl HttpContext for PdHttp {
         self.set_http_request_header(ENVOY_DST_HEADER, None);
         self.set_http_request_header(&dst_header, None);
         Metrics::inc(self.vm.borrow().metrics.requests);
+        let trap = self.vm.borrow().debug_trap_header.clone();
+        self.trap_at_prefill_answer =
+            trap.is_some_and(|h| self.get_http_request_header(&h).is_some());
 
         let traceparent = self.get_http_request_header("traceparent");
         let random = self.vm.borrow_mut().rng.u128(..);

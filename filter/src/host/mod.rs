@@ -3,6 +3,7 @@
 
 pub mod holds;
 pub mod http;
+pub mod journal;
 pub mod metrics;
 pub mod replicas;
 pub mod root;
@@ -47,6 +48,10 @@ pub struct VmState {
     /// Shared-data CAS of the answer `remote` was decoded from, to skip unchanged ones.
     pub remote_cas: Option<u32>,
     pub remote_at_ms: u64,
+    /// `PD_ROUTER_DEBUG_TRAP_HEADER`: testing only, a request carrying it traps the VM.
+    pub debug_trap_header: Option<String>,
+    /// Shared-data key of this VM's hold journal (`host::journal`).
+    pub journal_key: String,
 }
 
 pub type SharedVm = Rc<RefCell<VmState>>;

@@ -38,6 +38,8 @@ pub struct Root {
     report_in_flight: Option<u32>,
     /// Consecutive failed replica reports, logged at powers of two.
     report_failures: u64,
+    /// Publishes this VM's outstanding charges and reclaims those of dead VMs.
+    journal: crate::host::journal::JournalWriter,
 }
 
 impl Root {
@@ -60,6 +62,8 @@ impl Root {
                 remote: None,
                 remote_cas: None,
                 remote_at_ms: 0,
+                debug_trap_header: None,
+                journal_key: crate::host::journal::key_of(seed | 1),
             })),
             token: seed | 1,
             vm_id: String::new(),
@@ -72,6 +76,7 @@ impl Root {
             replica: 0,
             report_in_flight: None,
             report_failures: 0,
+            journal: crate::host::journal::JournalWriter::new(seed | 1),
         }
     }
 
@@ -300,6 +305,13 @@ impl RootContext for Root {
             crate::core::tokenize::warm_up();
         }
         let mut vm = self.vm.borrow_mut();
+        vm.debug_trap_header = std::env::var("PD_ROUTER_DEBUG_TRAP_HEADER")
+            .ok()
+            .map(|h| h.trim().to_ascii_lowercase())
+            .filter(|h| !h.is_empty());
+        if let Some(h) = &vm.debug_trap_header {
+            log::warn!("PD_ROUTER_DEBUG_TRAP_HEADER is set: requests carrying {h} trap this VM (testing only)");
+        }
         vm.sessions = SessionTable::from_settings(&defaults.tokens);
         vm.defaults = defaults;
         vm.prefix = PrefixIndex::new(prefix_settings.capacity);
@@ -359,6 +371,7 @@ impl RootContext for Root {
         self.reload();
         crate::host::replicas::refresh(&mut self.vm.borrow_mut(), now);
         self.housekeeping(now);
+        self.journal.tick(&self.vm, now);
     }
 
     fn on_queue_ready(&mut self, queue_id: u32) {
