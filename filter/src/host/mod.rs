@@ -3,10 +3,12 @@
 
 pub mod holds;
 pub mod http;
+pub mod legs;
 pub mod metrics;
 pub mod root;
 pub mod snapshot;
 pub mod store;
+pub mod watchdog;
 
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -41,6 +43,11 @@ pub struct VmState {
     pub fleet: Option<Rc<FleetView>>,
     pub rng: fastrand::Rng,
     pub metrics: metrics::Metrics,
+    /// Engine protocol state: `/server_info` cache, queued aborts, rid counter.
+    pub engines: legs::EngineState,
+    /// Requests of this VM under the decode watchdog, by HTTP context id.
+    pub watched: hashbrown::HashMap<u32, watchdog::Watched>,
+    pub watchdog_metrics: watchdog::WatchdogMetrics,
 }
 
 pub type SharedVm = Rc<RefCell<VmState>>;
