@@ -46,18 +46,22 @@ impl WatchdogMetrics {
     }
 }
 
+/// A fired watchdog: context id, the fire, request id, decode pod name and address, rid,
+/// and the abort settings.
+type FiredWatch = (
+    u32,
+    Fire,
+    String,
+    String,
+    String,
+    Option<String>,
+    WatchdogSettings,
+);
+
 /// Checks every watched request of the VM; `root_id` is the calling root context, made
 /// effective again afterwards.
 pub fn tick(vm: &SharedVm, root_id: u32, now: u64) {
-    let fired: Vec<(
-        u32,
-        Fire,
-        String,
-        String,
-        String,
-        Option<String>,
-        WatchdogSettings,
-    )> = {
+    let fired: Vec<FiredWatch> = {
         let mut vm = vm.borrow_mut();
         vm.watched
             .iter_mut()
