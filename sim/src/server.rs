@@ -503,6 +503,13 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
         let stall = match fault {
             Some(drawn) => match drawn.kind {
                 FaultKind::HangBeforeHeaders => {
+                    // A decode leg that meets its prefill first and hangs afterwards: the
+                    // KV was taken (so the prefill answers), then the scheduler stalled.
+                    if let Some(gate) = hooks.gate.take() {
+                        if let Err(err) = gate.await {
+                            return error_response(&err, engine);
+                        }
+                    }
                     drawn.released().await;
                     None
                 }

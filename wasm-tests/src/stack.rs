@@ -22,12 +22,18 @@ pub struct PodSpec {
     pub ready: bool,
     /// Raw `model.aibrix.ai/config` annotation, empty for none.
     pub config: String,
+    /// `model.aibrix.ai/engine` label.
+    pub engine: String,
+    /// `model.aibrix.ai/sglang-bootstrap-port` annotation, when set.
+    pub bootstrap_port: Option<u16>,
 }
 
 /// A fleet of pods of one model on one random loopback /24, so every pod has its own IP.
 #[derive(Debug, Clone)]
 pub struct Fleet {
     pub model: String,
+    /// Engine label of pods added from now on.
+    engine: String,
     pub pods: Vec<PodSpec>,
     subnet: String,
     port: u16,
@@ -38,6 +44,7 @@ impl Fleet {
         let subnet = format!("127.{}.{}", fastrand::u8(100..250), fastrand::u8(1..250));
         Fleet {
             model: model.into(),
+            engine: "vllm".into(),
             pods: Vec::new(),
             subnet,
             port: free_port(),
@@ -56,7 +63,23 @@ impl Fleet {
             port: self.port,
             ready: true,
             config: String::new(),
+            engine: self.engine.clone(),
+            bootstrap_port: None,
         });
+        self
+    }
+
+    /// The `model.aibrix.ai/engine` label of every pod added after this call.
+    pub fn engine(mut self, engine: &str) -> Fleet {
+        self.engine = engine.into();
+        self
+    }
+
+    /// Sets the last added pod's `model.aibrix.ai/sglang-bootstrap-port` annotation.
+    pub fn bootstrap_port(mut self, port: u16) -> Fleet {
+        if let Some(p) = self.pods.last_mut() {
+            p.bootstrap_port = Some(port);
+        }
         self
     }
 
@@ -111,8 +134,8 @@ impl Fleet {
         let mut out = String::from("apiVersion: v1\nkind: List\nitems:\n");
         for p in &self.pods {
             out.push_str(&format!(
-                "- apiVersion: v1\n  kind: Pod\n  metadata:\n    name: {}\n    namespace: default\n    labels:\n      model.aibrix.ai/name: {}\n      model.aibrix.ai/port: \"{}\"\n      model.aibrix.ai/engine: vllm\n",
-                p.name, p.model, p.port
+                "- apiVersion: v1\n  kind: Pod\n  metadata:\n    name: {}\n    namespace: default\n    labels:\n      model.aibrix.ai/name: {}\n      model.aibrix.ai/port: \"{}\"\n      model.aibrix.ai/engine: {}\n",
+                p.name, p.model, p.port, p.engine
             ));
             if !p.role.is_empty() {
                 out.push_str(&format!("      role-name: {}\n", p.role));
@@ -120,10 +143,15 @@ impl Fleet {
             if !p.roleset.is_empty() {
                 out.push_str(&format!("      roleset-name: {}\n", p.roleset));
             }
+            if !p.config.is_empty() || p.bootstrap_port.is_some() {
+                out.push_str("    annotations:\n");
+            }
             if !p.config.is_empty() {
+                out.push_str(&format!("      model.aibrix.ai/config: '{}'\n", p.config));
+            }
+            if let Some(port) = p.bootstrap_port {
                 out.push_str(&format!(
-                    "    annotations:\n      model.aibrix.ai/config: '{}'\n",
-                    p.config
+                    "      model.aibrix.ai/sglang-bootstrap-port: \"{port}\"\n"
                 ));
             }
             out.push_str(&format!(

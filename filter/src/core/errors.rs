@@ -31,6 +31,12 @@ pub enum RouteError {
         class: &'static str,
         detail: String,
     },
+    /// The engine refused the body's shape before any selection (SGLang's validation).
+    #[error("{0}")]
+    InvalidRequest(String),
+    /// The decode watchdog fired before any response header reached the client.
+    #[error("{0}")]
+    DecodeTimeout(String),
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -45,6 +51,8 @@ impl RouteError {
             | RouteError::Selection { .. }
             | RouteError::NoSnapshot => 503,
             RouteError::Prefill { status, .. } => *status,
+            RouteError::InvalidRequest(_) => 400,
+            RouteError::DecodeTimeout(_) => 504,
             RouteError::Internal(_) => 500,
         }
     }
@@ -59,10 +67,12 @@ impl RouteError {
                 ("x-error-no-model-backends", sanitize_header(model))
             }
             RouteError::NoRoutablePods(_) => ("x-error-no-model-backends", "true".into()),
-            RouteError::BadStrategy(_) | RouteError::Selection { .. } | RouteError::NoSnapshot => {
-                ("x-error-routing", "true".into())
-            }
+            RouteError::BadStrategy(_)
+            | RouteError::Selection { .. }
+            | RouteError::NoSnapshot
+            | RouteError::InvalidRequest(_) => ("x-error-routing", "true".into()),
             RouteError::Prefill { .. } => ("x-error-pd-prefill", "true".into()),
+            RouteError::DecodeTimeout(_) => ("x-error-pd-decode", "true".into()),
             RouteError::Internal(_) => ("x-error-internal", "true".into()),
         }
     }
@@ -79,12 +89,14 @@ impl RouteError {
             RouteError::Selection { .. } => "selection",
             RouteError::NoSnapshot => "no_snapshot",
             RouteError::Prefill { .. } => "prefill",
+            RouteError::InvalidRequest(_) => "invalid_request",
+            RouteError::DecodeTimeout(_) => "pd_decode_watchdog",
             RouteError::Internal(_) => "internal",
         }
     }
 
     /// All reasons, so the host can define one counter each up front.
-    pub const REASONS: [&'static str; 10] = [
+    pub const REASONS: [&'static str; 12] = [
         "bad_body",
         "no_messages",
         "unknown_path",
@@ -94,6 +106,8 @@ impl RouteError {
         "selection",
         "no_snapshot",
         "prefill",
+        "invalid_request",
+        "pd_decode_watchdog",
         "internal",
     ];
 
@@ -188,6 +202,18 @@ mod tests {
                 RouteError::Selection { detail: "d".into() },
                 503,
                 "x-error-routing",
+                "true",
+            ),
+            (
+                RouteError::InvalidRequest("dup".into()),
+                400,
+                "x-error-routing",
+                "true",
+            ),
+            (
+                RouteError::DecodeTimeout("late".into()),
+                504,
+                "x-error-pd-decode",
                 "true",
             ),
         ];

@@ -36,6 +36,8 @@ pub struct PodView {
     pub config: Option<ModelConfig>,
     /// Per-pod connector label, when it names a known connector.
     pub kv_connector: Option<KvConnector>,
+    /// `model.aibrix.ai/sglang-bootstrap-port` (8998 when absent).
+    pub sglang_bootstrap_port: u16,
     pub metrics: Option<proto::PodMetrics>,
 }
 
@@ -149,6 +151,10 @@ impl ModelView {
                 roleset_idx: None,
                 config: parsed,
                 kv_connector: KvConnector::parse(&pod.kv_connector_type),
+                sglang_bootstrap_port: u16::try_from(pod.sglang_bootstrap_port)
+                    .ok()
+                    .filter(|p| *p != 0)
+                    .unwrap_or(crate::core::engine::sglang::DEFAULT_BOOTSTRAP_PORT),
                 metrics: pod.metrics.filter(|m| m.present),
             });
             if role == Role::Other {

@@ -17,3 +17,4 @@ pub mod route;
 pub mod score;
 pub mod tokenize;
 pub mod tokens;
+pub mod watchdog;

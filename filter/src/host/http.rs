@@ -6,12 +6,13 @@ use std::time::Duration;
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
-use proxy_wasm::types::{Action, BufferType};
+use proxy_wasm::types::Action;
 use serde_json::{Map, Value};
 
+mod pair;
+
 use crate::core::charges::HeldCharges;
-use crate::core::config::KvConnector;
-use crate::core::engine::vllm;
+use crate::core::engine::{self, trtllm, vllm, Engine};
 use crate::core::errors::RouteError;
 use crate::core::fleet::{FleetView, ModelView};
 use crate::core::ledger::{self, Ledger};
@@ -55,7 +56,7 @@ struct PendingDecode {
     body: Map<String, Value>,
     prefill_ip: String,
     decode_address: String,
-    connector: KvConnector,
+    merge: pair::Merge,
 }
 
 pub struct PdHttp {
@@ -75,6 +76,8 @@ pub struct PdHttp {
     prefill_timeout_s: f64,
     pending: Option<PendingDecode>,
     routed: Option<Routed>,
+    /// Engine legs beyond the synchronous prefill (see `pair`).
+    legs: pair::Legs,
 }
 
 impl PdHttp {
@@ -93,6 +96,7 @@ impl PdHttp {
             prefill_timeout_s: 30.0,
             pending: None,
             routed: None,
+            legs: pair::Legs::default(),
         }
     }
 
@@ -172,10 +176,24 @@ impl PdHttp {
             )?
         };
         self.auto_profile = decision.auto_profile.clone();
+        let mut engine = Engine::Vllm;
         let target = if decision.strategy == Strategy::Pd {
             let settings =
                 PdSettings::resolve(&self.vm.borrow().defaults, decision.routing_config.as_ref())?;
             self.prefill_timeout_s = settings.prefill_timeout_s;
+            // The engine check and SGLang's body validation come before any selection, so
+            // a refused request changes no load counter.
+            engine = engine::agreed_engine(model)?;
+            if engine == Engine::Sglang {
+                engine::sglang::validate(raw)?;
+            }
+            self.legs.watch_settings = self.vm.borrow().engines.defaults.watchdog.with_knobs(
+                &decision
+                    .routing_config
+                    .as_ref()
+                    .map(|rc| rc.knobs)
+                    .unwrap_or_default(),
+            );
             self.select_pair(model, &req, &decision, &settings, now)?
         } else {
             self.select_one(model, decision.strategy, now)?
@@ -196,18 +214,6 @@ impl PdHttp {
             }
             Target::Pair { prefill, decode } => {
                 let (prefill, decode) = (&model.pods[prefill], &model.pods[decode]);
-                let connector = prefill
-                    .kv_connector
-                    .unwrap_or(self.vm.borrow().defaults.env.kv_connector);
-                let body = vllm::prefill_body(&req.body, connector);
-                let token = self.dispatch_prefill(endpoint, &prefill.address, &body)?;
-                self.pending = Some(PendingDecode {
-                    token,
-                    body: req.body,
-                    prefill_ip: prefill.ip.clone(),
-                    decode_address: decode.address.clone(),
-                    connector,
-                });
                 self.routed = Some(Routed {
                     strategy,
                     pod_name: decode.name.clone(),
@@ -215,7 +221,7 @@ impl PdHttp {
                     prefill: Some((prefill.name.clone(), prefill.ip.clone())),
                 });
                 Metrics::inc(self.vm.borrow().metrics.routed_pair);
-                Ok(Action::Pause)
+                self.start_pair(engine, req, raw, prefill, decode)
             }
         }
     }
@@ -421,16 +427,17 @@ impl PdHttp {
                 detail,
             });
         }
-        if let Some(body) = vllm::decode_body(
-            &pending.body,
-            response,
-            &pending.prefill_ip,
-            pending.connector,
-        )? {
-            hostcalls::set_buffer(BufferType::HttpRequestBody, 0, usize::MAX >> 1, &body).map_err(
-                |e| RouteError::Internal(format!("cannot replace the request body: {e:?}")),
-            )?;
-            self.set_http_request_header("content-length", Some(&body.len().to_string()));
+        let decode_body = match pending.merge {
+            pair::Merge::Vllm(connector) => {
+                vllm::decode_body(&pending.body, response, &pending.prefill_ip, connector)?
+            }
+            pair::Merge::Trtllm(endpoint) => {
+                trtllm::generation_body(&pending.body, endpoint, response)?
+            }
+            pair::Merge::Unchanged => None,
+        };
+        if let Some(body) = decode_body {
+            self.replace_body(&body)?;
         }
         let strategy = self
             .routed
@@ -451,6 +458,7 @@ impl Context for PdHttp {
         _trailers: usize,
     ) {
         if self.pending.as_ref().map(|p| p.token) != Some(token) {
+            self.on_leg_response(token, body_size);
             return;
         }
         // Testing only: trap while this request's charges are held, so tests see a VM die
@@ -473,6 +481,7 @@ impl Context for PdHttp {
         match self.finish_prefill(&status, &body) {
             Ok(()) => {
                 Metrics::inc(success);
+                self.arm_watchdog();
                 self.resume_http_request();
             }
             Err(e) => {
@@ -532,7 +541,13 @@ impl HttpContext for PdHttp {
         }
     }
 
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        self.watch_chunk(body_size, end_of_stream);
+        Action::Continue
+    }
+
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        self.watch_headers();
         self.set_http_response_header("request-id", Some(&self.request_id));
         if let Some(profile) = &self.auto_profile {
             self.set_http_response_header("x-aibrix-config-profile", Some(profile));
@@ -552,6 +567,7 @@ impl HttpContext for PdHttp {
     }
 
     fn on_log(&mut self) {
+        self.vm.borrow_mut().watched.remove(&self.id);
         self.release_all();
     }
 }

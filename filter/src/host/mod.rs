@@ -4,11 +4,13 @@
 pub mod holds;
 pub mod http;
 pub mod journal;
+pub mod legs;
 pub mod metrics;
 pub mod replicas;
 pub mod root;
 pub mod snapshot;
 pub mod store;
+pub mod watchdog;
 
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -52,6 +54,11 @@ pub struct VmState {
     pub debug_trap_header: Option<String>,
     /// Shared-data key of this VM's hold journal (`host::journal`).
     pub journal_key: String,
+    /// Engine protocol state: `/server_info` cache, queued aborts, rid counter.
+    pub engines: legs::EngineState,
+    /// Requests of this VM under the decode watchdog, by HTTP context id.
+    pub watched: hashbrown::HashMap<u32, watchdog::Watched>,
+    pub watchdog_metrics: watchdog::WatchdogMetrics,
 }
 
 pub type SharedVm = Rc<RefCell<VmState>>;

@@ -9,6 +9,7 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::ContextType;
 
 use crate::core::config::PluginConfig;
+use crate::core::engine::EngineDefaults;
 use crate::core::fleet::FleetView;
 use crate::core::ledger;
 use crate::core::pd::bucket_serve::Planner;
@@ -16,13 +17,17 @@ use crate::core::pd::PdDefaults;
 use crate::core::prefix::{PrefixEvent, PrefixIndex, PrefixSettings};
 use crate::core::tokens::{SessionTable, TokenLoadSettings};
 use crate::host::http::PdHttp;
+use crate::host::legs::EngineState;
 use crate::host::metrics::Metrics;
 use crate::host::snapshot::{self, NoticeQueue};
 use crate::host::store::SharedData;
+use crate::host::watchdog::WatchdogMetrics;
 use crate::host::{now_ms, random_seed, SharedVm, VmState};
 
 pub struct Root {
     vm: SharedVm,
+    /// This root context's id, made effective again after acting on an HTTP stream.
+    context_id: u32,
     /// Identifies this root context in the lease and the queue registry.
     token: u64,
     vm_id: String,
@@ -43,7 +48,7 @@ pub struct Root {
 }
 
 impl Root {
-    pub fn new(_context_id: u32) -> Root {
+    pub fn new(context_id: u32) -> Root {
         let seed = random_seed();
         Root {
             vm: Rc::new(RefCell::new(VmState {
@@ -64,7 +69,11 @@ impl Root {
                 remote_at_ms: 0,
                 debug_trap_header: None,
                 journal_key: crate::host::journal::key_of(seed | 1),
+                engines: EngineState::new(EngineDefaults::default()),
+                watched: hashbrown::HashMap::new(),
+                watchdog_metrics: WatchdogMetrics::default(),
             })),
+            context_id,
             token: seed | 1,
             vm_id: String::new(),
             queue: None,
@@ -246,6 +255,13 @@ impl Context for Root {
             return self.on_report_answer(body_size);
         }
         if self.fetch_in_flight != Some(token) {
+            let status = self
+                .get_http_call_response_header(":status")
+                .unwrap_or_default();
+            self.vm
+                .borrow_mut()
+                .engines
+                .on_abort_response(token, &status, now_ms());
             return;
         }
         self.fetch_in_flight = None;
@@ -304,6 +320,19 @@ impl RootContext for Root {
             // The first exact count would otherwise cost a request a few hundred ms in V8.
             crate::core::tokenize::warm_up();
         }
+        let engines = match EngineDefaults::from_lookup(|k| std::env::var(k).ok()) {
+            Ok((engines, warnings)) => {
+                for w in warnings {
+                    log::warn!("{w}");
+                }
+                engines
+            }
+            Err(e) => {
+                log::error!("{e}");
+                return false;
+            }
+        };
+        crate::host::legs::ensure_trt_counter();
         let mut vm = self.vm.borrow_mut();
         vm.debug_trap_header = std::env::var("PD_ROUTER_DEBUG_TRAP_HEADER")
             .ok()
@@ -312,6 +341,7 @@ impl RootContext for Root {
         if let Some(h) = &vm.debug_trap_header {
             log::warn!("PD_ROUTER_DEBUG_TRAP_HEADER is set: requests carrying {h} trap this VM (testing only)");
         }
+        vm.engines = EngineState::new(engines);
         vm.sessions = SessionTable::from_settings(&defaults.tokens);
         vm.defaults = defaults;
         vm.prefix = PrefixIndex::new(prefix_settings.capacity);
@@ -344,6 +374,8 @@ impl RootContext for Root {
             let mut vm = self.vm.borrow_mut();
             vm.plugin = plugin;
             vm.metrics = Metrics::define();
+            vm.engines.define_metrics();
+            vm.watchdog_metrics = WatchdogMetrics::define();
         }
         self.set_tick_period(period);
         // A VM replaced by a config update (ECDS, new vm_config) with the same vm_id finds
@@ -372,6 +404,10 @@ impl RootContext for Root {
         crate::host::replicas::refresh(&mut self.vm.borrow_mut(), now);
         self.housekeeping(now);
         self.journal.tick(&self.vm, now);
+        crate::host::watchdog::tick(&self.vm, self.context_id, now);
+        let mut vm = self.vm.borrow_mut();
+        let (cluster, dst) = (vm.plugin.pods_cluster.clone(), vm.plugin.dst_header.clone());
+        vm.engines.send_due_aborts(&cluster, &dst, now);
     }
 
     fn on_queue_ready(&mut self, queue_id: u32) {

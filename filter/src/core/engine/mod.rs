@@ -1,4 +1,184 @@
 //! Engine adapters: how each engine's prefill leg is built and how its answer shapes the
-//! decode request.
+//! decode request (`vllm`, `sglang`, `trtllm`), the engine a PD request runs on, and the
+//! gateway-wide engine settings.
 
+pub mod json_edit;
+pub mod sglang;
+pub mod trtllm;
 pub mod vllm;
+
+use crate::core::env::EnvReader;
+use crate::core::errors::RouteError;
+use crate::core::fleet::ModelView;
+use trtllm::ScheduleStyle;
+
+/// The `model.aibrix.ai/engine` of a PD request's pods.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Engine {
+    Vllm,
+    Sglang,
+    Trtllm,
+    /// Any other label: a plain one-token prefill leg and an unchanged decode body.
+    Other,
+}
+
+impl Engine {
+    /// The label value (the fleet view already turned a missing label into `vllm`).
+    pub fn from_label(label: &str) -> Engine {
+        match label {
+            "vllm" | "" => Engine::Vllm,
+            "sglang" => Engine::Sglang,
+            "trtllm" => Engine::Trtllm,
+            _ => Engine::Other,
+        }
+    }
+}
+
+/// The engine of a PD request: every routable pod of the model must carry the same label,
+/// because one request's legs speak one protocol (AIBrix checks the same set).
+pub fn agreed_engine(model: &ModelView) -> Result<Engine, RouteError> {
+    let mut pods = model.pods.iter();
+    let Some(first) = pods.next() else {
+        return Ok(Engine::Vllm);
+    };
+    match pods.find(|p| p.engine != first.engine) {
+        None => Ok(Engine::from_label(&first.engine)),
+        Some(other) => Err(RouteError::Selection {
+            detail: format!(
+                "inconsistent LLM engines detected: {} runs {:?}, {} runs {:?}",
+                first.name, first.engine, other.name, other.engine
+            ),
+        }),
+    }
+}
+
+/// Gateway-wide engine settings from the environment.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineDefaults {
+    /// `AIBRIX_TRT_SCHEDULE_STYLE`; an unknown value is logged and leaves context_first.
+    pub trt_schedule_style: ScheduleStyle,
+    /// `AIBRIX_TRT_MACHINE_ID`, [0, 1024).
+    pub trt_machine_id: u16,
+    pub watchdog: crate::core::watchdog::WatchdogSettings,
+}
+
+impl Default for EngineDefaults {
+    fn default() -> Self {
+        EngineDefaults {
+            trt_schedule_style: ScheduleStyle::ContextFirst,
+            trt_machine_id: 0,
+            watchdog: crate::core::watchdog::WatchdogSettings::default(),
+        }
+    }
+}
+
+/// A setting the gateway must not start with.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EngineConfigError {
+    /// Two gateways sharing TRT workers with clashing ids would mix up requests, so a bad
+    /// value stops the VM instead of silently becoming 0 (as AIBrix refuses to start).
+    #[error("AIBRIX_TRT_MACHINE_ID={0:?} is not an integer in [0, 1024)")]
+    MachineId(String),
+}
+
+impl EngineDefaults {
+    pub fn from_lookup(
+        get: impl Fn(&str) -> Option<String>,
+    ) -> Result<(EngineDefaults, Vec<String>), EngineConfigError> {
+        let mut r = EnvReader::new(&get);
+        let trt_schedule_style = r.choice(
+            "AIBRIX_TRT_SCHEDULE_STYLE",
+            (ScheduleStyle::ContextFirst, "context_first"),
+            ScheduleStyle::parse,
+        );
+        let trt_machine_id = match r.string("AIBRIX_TRT_MACHINE_ID") {
+            None => 0,
+            Some(raw) => raw
+                .parse::<u16>()
+                .ok()
+                .filter(|v| *v < 1024)
+                .ok_or(EngineConfigError::MachineId(raw))?,
+        };
+        let mut warnings = r.warnings;
+        let (watchdog, w) = crate::core::watchdog::WatchdogSettings::from_lookup(&get);
+        warnings.extend(w);
+        Ok((
+            EngineDefaults {
+                trt_schedule_style,
+                trt_machine_id,
+                watchdog,
+            },
+            warnings,
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::fleet::tests::{pod, snapshot};
+    use crate::core::fleet::FleetView;
+
+    #[test]
+    fn engines_must_agree() {
+        let mut sg = pod("d0", "decode", "g0", true);
+        sg.engine = "sglang".into();
+        let mut sp = pod("p0", "prefill", "g0", true);
+        sp.engine = "sglang".into();
+        let fleet = FleetView::from_snapshot(&snapshot(vec![sp.clone(), sg.clone()]));
+        assert_eq!(agreed_engine(&fleet.models["m"]), Ok(Engine::Sglang));
+        let mut missing = pod("c0", "all", "", true);
+        missing.engine = String::new();
+        let fleet =
+            FleetView::from_snapshot(&snapshot(vec![missing, pod("x", "decode", "g", true)]));
+        assert_eq!(
+            agreed_engine(&fleet.models["m"]),
+            Ok(Engine::Vllm),
+            "missing counts as vllm"
+        );
+        let fleet = FleetView::from_snapshot(&snapshot(vec![sp, pod("d1", "decode", "g0", true)]));
+        let err = agreed_engine(&fleet.models["m"]).unwrap_err();
+        assert!(
+            matches!(&err, RouteError::Selection { detail } if detail.starts_with("inconsistent LLM engines detected"))
+        );
+        assert_eq!(err.status(), 503);
+        assert_eq!(Engine::from_label("tgi"), Engine::Other);
+    }
+
+    #[test]
+    fn env_values() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| {
+                pairs
+                    .iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        let (d, w) = EngineDefaults::from_lookup(env(&[
+            ("AIBRIX_TRT_SCHEDULE_STYLE", "generation_first"),
+            ("AIBRIX_TRT_MACHINE_ID", "1023"),
+        ]))
+        .unwrap();
+        assert_eq!(
+            (d.trt_schedule_style, d.trt_machine_id),
+            (ScheduleStyle::GenerationFirst, 1023)
+        );
+        assert!(w.is_empty());
+        let (d, w) =
+            EngineDefaults::from_lookup(env(&[("AIBRIX_TRT_SCHEDULE_STYLE", "parallel")])).unwrap();
+        assert_eq!(d.trt_schedule_style, ScheduleStyle::ContextFirst);
+        assert!(
+            w[0].contains("AIBRIX_TRT_SCHEDULE_STYLE"),
+            "unknown value is logged: {w:?}"
+        );
+        for bad in ["1024", "-1", "x"] {
+            let pairs: &'static [(&str, &str)] = match bad {
+                "1024" => &[("AIBRIX_TRT_MACHINE_ID", "1024")],
+                "-1" => &[("AIBRIX_TRT_MACHINE_ID", "-1")],
+                _ => &[("AIBRIX_TRT_MACHINE_ID", "x")],
+            };
+            assert!(EngineDefaults::from_lookup(env(pairs)).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,185 @@
+//! SGLang disaggregation: both legs carry the same `bootstrap_host` (the prefill pod's IP),
+//! `bootstrap_port` and `bootstrap_room`, and the same `rid` so the decode request can be
+//! aborted. The legs are sent concurrently; SGLang's prefill answers only once the decode
+//! pod has taken the KV. Bodies are edited byte-for-byte (see `json_edit`), so everything
+//! the client sent reaches the engine unchanged.
+
+use super::json_edit::{self, JsonEditError, Member};
+use crate::core::errors::RouteError;
+
+/// `model.aibrix.ai/sglang-bootstrap-port` when the annotation is absent.
+pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
+
+/// Top-level keys the router writes; a client body holding one of them twice is ambiguous
+/// (which one would the engine read?) and is refused.
+const CONTROLLED: [&str; 9] = [
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+    "max_tokens",
+    "max_completion_tokens",
+    "stream",
+    "stream_options",
+    "min_tokens",
+    "rid",
+];
+
+/// What pairs the two legs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Bootstrap {
+    pub host: String,
+    pub port: u16,
+    pub room: u64,
+    pub rid: String,
+}
+
+fn invalid(e: JsonEditError) -> RouteError {
+    RouteError::InvalidRequest(match e {
+        JsonEditError::Invalid => "SGLang request body is not valid JSON".into(),
+        JsonEditError::NotObject => "SGLang request body is not a JSON object".into(),
+    })
+}
+
+/// Checks the body before any selection, so a refused request changes no load counter.
+pub fn validate(raw: &[u8]) -> Result<(), RouteError> {
+    let members = json_edit::members(raw).map_err(invalid)?;
+    check(&members)
+}
+
+fn check(members: &[Member<'_>]) -> Result<(), RouteError> {
+    for (i, m) in members.iter().enumerate() {
+        if CONTROLLED.contains(&m.key.as_str()) && members[..i].iter().any(|p| p.key == m.key) {
+            return Err(RouteError::InvalidRequest(format!(
+                "duplicate top-level key {:?} in SGLang request body",
+                m.key
+            )));
+        }
+        if m.key == "rid" && m.value == b"\"\"" {
+            return Err(RouteError::InvalidRequest(
+                "rid must not be empty in SGLang request body".into(),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The request id both legs carry: the gateway request id plus 8 hex digits of per-process
+/// randomness and 8 of a counter, so ids stay unique across gateway processes that share
+/// the engines. It replaces any client `rid`.
+pub fn rid(request_id: &str, process_random: u32, counter: u32) -> String {
+    format!("{request_id}-{process_random:08x}{counter:08x}")
+}
+
+/// A bootstrap room from 64 random bits: SGLang takes rooms in [0, 2^63 - 2]. `None` for
+/// the one draw out of range (the caller draws again).
+pub fn room(random: u64) -> Option<u64> {
+    let r = random & (i64::MAX as u64);
+    (r < i64::MAX as u64).then_some(r)
+}
+
+/// The prefill and decode bodies. The decode body is the client's with the bootstrap fields
+/// and `rid` set; the prefill body additionally asks for one unstreamed token.
+pub fn legs(raw: &[u8], b: &Bootstrap) -> Result<(Vec<u8>, Vec<u8>), RouteError> {
+    let members = json_edit::members(raw).map_err(invalid)?;
+    check(&members)?;
+    let host = serde_json::Value::String(b.host.clone()).to_string();
+    let port = b.port.to_string();
+    let room = b.room.to_string();
+    let rid = serde_json::Value::String(b.rid.clone()).to_string();
+    let shared: [(&str, &[u8]); 4] = [
+        ("bootstrap_host", host.as_bytes()),
+        ("bootstrap_port", port.as_bytes()),
+        ("bootstrap_room", room.as_bytes()),
+        ("rid", rid.as_bytes()),
+    ];
+    let decode = json_edit::rewrite(&members, &shared, &[]);
+    let mut prefill_set: Vec<(&str, &[u8])> = shared.to_vec();
+    prefill_set.extend([
+        ("max_tokens", b"1".as_slice()),
+        ("max_completion_tokens", b"1".as_slice()),
+        ("stream", b"false".as_slice()),
+    ]);
+    let prefill = json_edit::rewrite(&members, &prefill_set, &["stream_options", "min_tokens"]);
+    Ok((prefill, decode))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::Value;
+
+    fn boot() -> Bootstrap {
+        Bootstrap {
+            host: "10.0.0.7".into(),
+            port: 8998,
+            room: 9_223_372_036_854_775_806,
+            rid: "req-1-0000abcd00000001".into(),
+        }
+    }
+
+    #[test]
+    fn both_legs_share_the_bootstrap_and_keep_the_client_bytes() {
+        let raw = br#"{"model":"m","tools":[{"schema":{"x":1.50}}],"stream":true,"stream_options":{"include_usage":true},"min_tokens":3,"bootstrap_room":1,"seed":18446744073709551615}"#;
+        let (prefill, decode) = legs(raw, &boot()).unwrap();
+        let d = String::from_utf8(decode.clone()).unwrap();
+        assert!(d.contains(r#""tools":[{"schema":{"x":1.50}}]"#), "{d}");
+        assert!(
+            d.contains(r#""bootstrap_room":9223372036854775806"#),
+            "exact room: {d}"
+        );
+        assert!(d.contains(r#""seed":18446744073709551615"#));
+        let dv: Value = serde_json::from_slice(&decode).unwrap();
+        assert_eq!(dv["stream"], true);
+        assert_eq!(dv["bootstrap_host"], "10.0.0.7");
+        assert_eq!(dv["bootstrap_port"], 8998);
+        assert_eq!(dv["rid"], "req-1-0000abcd00000001");
+        let pv: Value = serde_json::from_slice(&prefill).unwrap();
+        assert_eq!(
+            (
+                &pv["max_tokens"],
+                &pv["max_completion_tokens"],
+                &pv["stream"]
+            ),
+            (&Value::from(1), &Value::from(1), &Value::from(false))
+        );
+        assert!(pv.get("stream_options").is_none() && pv.get("min_tokens").is_none());
+        assert_eq!(
+            pv["bootstrap_room"].as_u64(),
+            Some(9_223_372_036_854_775_806)
+        );
+        assert_eq!(pv["rid"], dv["rid"]);
+    }
+
+    #[test]
+    fn validation_table() {
+        let cases: [(&[u8], Option<&str>); 6] = [
+            (
+                br#"{"model":"m","stream":true,"stream":false}"#,
+                Some("duplicate top-level key \"stream\""),
+            ),
+            (
+                br#"{"rid":"a","rid":"b"}"#,
+                Some("duplicate top-level key \"rid\""),
+            ),
+            (br#"{"tools":1,"tools":2}"#, None),
+            (br#"{"rid":""}"#, Some("rid must not be empty")),
+            (b"[1,2]", Some("is not a JSON object")),
+            (b"{oops", Some("is not valid JSON")),
+        ];
+        for (raw, want) in cases {
+            match (validate(raw), want) {
+                (Ok(()), None) => {}
+                (Err(RouteError::InvalidRequest(m)), Some(w)) => assert!(m.contains(w), "{m}"),
+                (got, _) => panic!("{}: {got:?}", String::from_utf8_lossy(raw)),
+            }
+        }
+    }
+
+    #[test]
+    fn rooms_and_rids() {
+        assert_eq!(room(u64::MAX), None, "2^63-1 is out of range");
+        assert_eq!(room(u64::MAX - 1), Some(i64::MAX as u64 - 1));
+        assert_eq!(room(1 << 63), Some(0));
+        assert_eq!(rid("abc", 0xdead_beef, 7), "abc-deadbeef00000007");
+    }
+}

@@ -1,0 +1,376 @@
+//! The two legs of a PD pair, per engine: which prefill body goes where, whether the
+//! decode request waits for the prefill (vLLM, TRT-LLM context_first) or goes at once
+//! (SGLang, TRT-LLM generation_first), how a late prefill failure reaches the client, and
+//! the decode watchdog's view of the response.
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext};
+use proxy_wasm::types::{Action, BufferType};
+use serde_json::{Map, Value};
+
+use super::{PdHttp, PendingDecode};
+use crate::core::charges::HeldCharges;
+use crate::core::config::KvConnector;
+use crate::core::engine::sglang::{self, Bootstrap};
+use crate::core::engine::trtllm::{self, ScheduleStyle, ServerInfo};
+use crate::core::engine::{vllm, Engine};
+use crate::core::errors::RouteError;
+use crate::core::fleet::PodView;
+use crate::core::request::{Endpoint, RoutingRequest};
+use crate::core::watchdog::{Watchdog, WatchdogSettings};
+use crate::host::legs::{self, SERVER_INFO_TIMEOUT};
+use crate::host::metrics::Metrics;
+use crate::host::now_ms;
+use crate::host::watchdog::Watched;
+
+/// How the decode body is made from the prefill answer (synchronous engines).
+#[derive(Debug, Clone, Copy)]
+pub enum Merge {
+    Vllm(KvConnector),
+    Trtllm(Endpoint),
+    /// An engine the router has no adapter for: the client's body as sent.
+    Unchanged,
+}
+
+/// A prefill (context) leg that runs beside the decode request.
+struct AsyncPrefill {
+    token: u32,
+    engine: Engine,
+    rid: Option<String>,
+    decode_address: String,
+}
+
+/// A `/server_info` lookup that generation_first waits for before sending either leg.
+struct ServerInfoCall {
+    token: u32,
+    id: i64,
+    body: Map<String, Value>,
+    endpoint: Endpoint,
+    prefill_address: String,
+    decode_address: String,
+}
+
+/// The per-request state of this module.
+#[derive(Default)]
+pub struct Legs {
+    pub watch_settings: WatchdogSettings,
+    async_prefill: Option<AsyncPrefill>,
+    server_info: Option<ServerInfoCall>,
+    /// Response headers went to the client: errors can no longer be a local reply.
+    response_started: bool,
+}
+
+impl PdHttp {
+    /// Starts the legs of the pair: the prefill call, and the decode request now or once
+    /// the prefill (or `/server_info`) answered.
+    pub(super) fn start_pair(
+        &mut self,
+        engine: Engine,
+        req: RoutingRequest,
+        raw: &[u8],
+        prefill: &PodView,
+        decode: &PodView,
+    ) -> Result<Action, RouteError> {
+        let endpoint = req.endpoint;
+        match engine {
+            Engine::Sglang => {
+                let rid = self.vm.borrow_mut().engines.next_rid(&self.request_id);
+                let bootstrap = Bootstrap {
+                    host: prefill.ip.clone(),
+                    port: prefill.sglang_bootstrap_port,
+                    room: legs::bootstrap_room(),
+                    rid: rid.clone(),
+                };
+                let (prefill_body, decode_body) = sglang::legs(raw, &bootstrap)?;
+                let token = self.dispatch_prefill(endpoint, &prefill.address, &prefill_body)?;
+                self.legs.async_prefill = Some(AsyncPrefill {
+                    token,
+                    engine,
+                    rid: Some(rid.clone()),
+                    decode_address: decode.address.clone(),
+                });
+                self.watch(decode, Some(rid), req.stream);
+                self.replace_body(&decode_body)?;
+                self.route_to(&decode.address);
+                Ok(Action::Continue)
+            }
+            Engine::Trtllm
+                if self.vm.borrow().engines.defaults.trt_schedule_style
+                    == ScheduleStyle::GenerationFirst =>
+            {
+                let machine = self.vm.borrow().engines.defaults.trt_machine_id;
+                let id = legs::disagg_request_id(machine);
+                self.watch(decode, None, req.stream);
+                let cached = self
+                    .vm
+                    .borrow()
+                    .engines
+                    .server_info(&prefill.address, now_ms());
+                if let Some(info) = cached {
+                    self.send_generation_first(
+                        endpoint,
+                        &req.body,
+                        id,
+                        &prefill.address,
+                        &decode.address,
+                        &info,
+                    )?;
+                    return Ok(Action::Continue);
+                }
+                let token = self.dispatch_get(&prefill.address, "/server_info")?;
+                self.legs.server_info = Some(ServerInfoCall {
+                    token,
+                    id,
+                    body: req.body,
+                    endpoint,
+                    prefill_address: prefill.address.clone(),
+                    decode_address: decode.address.clone(),
+                });
+                Ok(Action::Pause)
+            }
+            _ => {
+                let (body, merge) = match engine {
+                    Engine::Trtllm => {
+                        let machine = self.vm.borrow().engines.defaults.trt_machine_id;
+                        let id = legs::disagg_request_id(machine);
+                        (
+                            trtllm::context_body(&req.body, id, ScheduleStyle::ContextFirst),
+                            Merge::Trtllm(endpoint),
+                        )
+                    }
+                    Engine::Vllm => {
+                        let connector = prefill
+                            .kv_connector
+                            .unwrap_or(self.vm.borrow().defaults.env.kv_connector);
+                        (
+                            vllm::prefill_body(&req.body, connector),
+                            Merge::Vllm(connector),
+                        )
+                    }
+                    _ => (
+                        vllm::prefill_body(&req.body, KvConnector::Mooncake),
+                        Merge::Unchanged,
+                    ),
+                };
+                let token = self.dispatch_prefill(endpoint, &prefill.address, &body)?;
+                self.watch(decode, None, req.stream);
+                self.pending = Some(PendingDecode {
+                    token,
+                    body: req.body,
+                    prefill_ip: prefill.ip.clone(),
+                    decode_address: decode.address.clone(),
+                    merge,
+                });
+                Ok(Action::Pause)
+            }
+        }
+    }
+
+    /// CTX leg in the background, GEN leg forwarded now (generation_first).
+    fn send_generation_first(
+        &mut self,
+        endpoint: Endpoint,
+        client: &Map<String, Value>,
+        id: i64,
+        prefill_address: &str,
+        decode_address: &str,
+        info: &ServerInfo,
+    ) -> Result<(), RouteError> {
+        let ctx = trtllm::context_body(client, id, ScheduleStyle::GenerationFirst);
+        let token = self.dispatch_prefill(endpoint, prefill_address, &ctx)?;
+        self.legs.async_prefill = Some(AsyncPrefill {
+            token,
+            engine: Engine::Trtllm,
+            rid: None,
+            decode_address: decode_address.to_string(),
+        });
+        self.replace_body(&trtllm::generation_first_body(client, id, info))?;
+        self.route_to(decode_address);
+        Ok(())
+    }
+
+    /// Answers of the calls this module made (not the synchronous prefill).
+    pub(super) fn on_leg_response(&mut self, token: u32, body_size: usize) {
+        let status = self
+            .get_http_call_response_header(":status")
+            .unwrap_or_default();
+        let body = self
+            .get_http_call_response_body(0, body_size)
+            .unwrap_or_default();
+        if self.legs.server_info.as_ref().map(|c| c.token) == Some(token) {
+            self.on_server_info(&status, &body);
+        } else if self.legs.async_prefill.as_ref().map(|p| p.token) == Some(token) {
+            self.on_async_prefill(&status, &body);
+        }
+    }
+
+    fn on_server_info(&mut self, status: &str, body: &[u8]) {
+        let Some(call) = self.legs.server_info.take() else {
+            return;
+        };
+        let info = if status == "200" {
+            trtllm::parse_server_info(body)
+        } else {
+            Err(format!("/server_info answered status {status:?}"))
+        };
+        let result = info
+            .map_err(|e| RouteError::Selection {
+                detail: format!(
+                    "TRT-LLM generation_first: context worker {}: {e}",
+                    call.prefill_address
+                ),
+            })
+            .and_then(|info| {
+                self.vm.borrow_mut().engines.cache_server_info(
+                    &call.prefill_address,
+                    info.clone(),
+                    now_ms(),
+                );
+                self.send_generation_first(
+                    call.endpoint,
+                    &call.body,
+                    call.id,
+                    &call.prefill_address,
+                    &call.decode_address,
+                    &info,
+                )
+            });
+        match result {
+            Ok(()) => self.resume_http_request(),
+            Err(e) => {
+                self.vm.borrow_mut().watched.remove(&self.id);
+                self.routed = None;
+                self.reject(e);
+            }
+        }
+    }
+
+    fn on_async_prefill(&mut self, status: &str, body: &[u8]) {
+        let Some(leg) = self.legs.async_prefill.take() else {
+            return;
+        };
+        self.release_stage(HeldCharges::release_prefill_leg);
+        let (success, fail) = {
+            let vm = self.vm.borrow();
+            (vm.metrics.prefill_success, vm.metrics.prefill_fail)
+        };
+        if status == "200" {
+            Metrics::inc(success);
+            self.arm_watchdog();
+            return;
+        }
+        Metrics::inc(fail);
+        let code = status
+            .parse::<u32>()
+            .ok()
+            .filter(|c| (400..=599).contains(c) && *c != 499)
+            .unwrap_or(502);
+        let detail: String = String::from_utf8_lossy(body).chars().take(256).collect();
+        let error = RouteError::Prefill {
+            status: code,
+            class: "http_status",
+            detail,
+        };
+        log::warn!("request {}: {error}", self.request_id);
+        // The decode pod will never get its KV: stop the watchdog, ask the pod to drop it.
+        self.vm.borrow_mut().watched.remove(&self.id);
+        let settings = self.legs.watch_settings;
+        self.vm.borrow_mut().engines.queue_abort(
+            &leg.decode_address,
+            leg.rid.as_deref(),
+            settings.abort_timeout_s,
+            settings.abort_retry_delay_s,
+        );
+        if !self.legs.response_started {
+            self.routed = None;
+            self.reject(error);
+        } else if leg.engine == Engine::Trtllm {
+            // GEN is already answering: reset, so the engine cancels the generation.
+            if let Err(e) = hostcalls::reset_http_response() {
+                log::warn!(
+                    "request {}: cannot reset the stream: {e:?}",
+                    self.request_id
+                );
+            }
+        }
+    }
+
+    /// Puts the request under the decode watchdog (not yet armed).
+    fn watch(&mut self, decode: &PodView, rid: Option<String>, stream: bool) {
+        let settings = self.legs.watch_settings;
+        if let Some(watchdog) = Watchdog::new(&settings, stream) {
+            let watched = Watched {
+                watchdog,
+                settings,
+                request_id: self.request_id.clone(),
+                decode_pod: decode.name.clone(),
+                decode_address: decode.address.clone(),
+                rid,
+            };
+            self.vm.borrow_mut().watched.insert(self.id, watched);
+        }
+    }
+
+    /// The prefill succeeded: the decode pod owes the answer from now on.
+    pub(super) fn arm_watchdog(&mut self) {
+        if let Some(w) = self.vm.borrow_mut().watched.get_mut(&self.id) {
+            w.watchdog.arm(now_ms());
+        }
+    }
+
+    pub(super) fn watch_headers(&mut self) {
+        self.legs.response_started = true;
+        if let Some(w) = self.vm.borrow_mut().watched.get_mut(&self.id) {
+            w.watchdog.on_headers();
+        }
+    }
+
+    pub(super) fn watch_chunk(&mut self, size: usize, end: bool) {
+        if size == 0 && !end {
+            return;
+        }
+        if let Some(w) = self.vm.borrow_mut().watched.get_mut(&self.id) {
+            w.watchdog.on_chunk(now_ms(), end);
+        }
+    }
+
+    /// Replaces the buffered request body and its `content-length` (Envoy does not).
+    pub(super) fn replace_body(&self, body: &[u8]) -> Result<(), RouteError> {
+        hostcalls::set_buffer(BufferType::HttpRequestBody, 0, usize::MAX >> 1, body)
+            .map_err(|e| RouteError::Internal(format!("cannot replace the request body: {e:?}")))?;
+        self.set_http_request_header("content-length", Some(&body.len().to_string()));
+        Ok(())
+    }
+
+    fn route_to(&self, address: &str) {
+        let strategy = self
+            .routed
+            .as_ref()
+            .map(|r| r.strategy.clone())
+            .unwrap_or_default();
+        self.set_destination(address, &strategy);
+    }
+
+    /// A `GET` side call to a pod (`/server_info`).
+    fn dispatch_get(&self, address: &str, path: &str) -> Result<u32, RouteError> {
+        let (dst_header, cluster) = {
+            let vm = self.vm.borrow();
+            (vm.plugin.dst_header.clone(), vm.plugin.pods_cluster.clone())
+        };
+        let mut headers: Vec<(&str, &str)> = vec![
+            (":method", "GET"),
+            (":path", path),
+            (":authority", address),
+            ("x-request-id", &self.request_id),
+            (dst_header.as_str(), address),
+        ];
+        if dst_header != super::ENVOY_DST_HEADER {
+            headers.push((super::ENVOY_DST_HEADER, address));
+        }
+        hostcalls::dispatch_http_call(&cluster, headers, None, vec![], SERVER_INFO_TIMEOUT).map_err(
+            |e| RouteError::Selection {
+                detail: format!("cannot ask {address} for {path}: {e:?}"),
+            },
+        )
+    }
+}

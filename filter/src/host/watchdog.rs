@@ -1,0 +1,132 @@
+//! The decode watchdog's host side: every request of this VM with a watchdog, checked on the
+//! root context's tick. A fired watchdog answers 504 (`x-error-pd-decode`) when no response
+//! header reached the client yet, otherwise resets the stream (the client sees a cut
+//! chunked body); either way the decode pod is asked to drop the request.
+//!
+//! Context ids are per VM, so only the worker that owns a stream can act on it; each worker
+//! runs its own check.
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::MetricType;
+
+use crate::core::errors::RouteError;
+use crate::core::watchdog::{self, Fire, Watchdog, WatchdogSettings};
+use crate::host::metrics::Metrics;
+use crate::host::SharedVm;
+
+/// One request's watchdog and what a fire needs.
+pub struct Watched {
+    pub watchdog: Watchdog,
+    pub settings: WatchdogSettings,
+    pub request_id: String,
+    pub decode_pod: String,
+    pub decode_address: String,
+    /// SGLang's request id; `None` for engines without `/abort_request`.
+    pub rid: Option<String>,
+}
+
+/// Metric ids of the watchdog (per VM).
+#[derive(Default, Clone, Copy)]
+pub struct WatchdogMetrics {
+    first_response: Option<u32>,
+    stream_idle: Option<u32>,
+    model_fail: Option<u32>,
+}
+
+impl WatchdogMetrics {
+    pub fn define() -> WatchdogMetrics {
+        let c = |name: &str| hostcalls::define_metric(MetricType::Counter, name).ok();
+        WatchdogMetrics {
+            first_response: c("gateway_pd_decode_watchdog_total.phase.first_response"),
+            stream_idle: c("gateway_pd_decode_watchdog_total.phase.stream_idle"),
+            model_fail: c(
+                "gateway_request_model_fail_total.status.pd_decode_watchdog.status_code.504",
+            ),
+        }
+    }
+}
+
+/// A fired watchdog: context id, the fire, request id, decode pod name and address, rid,
+/// and the abort settings.
+type FiredWatch = (
+    u32,
+    Fire,
+    String,
+    String,
+    String,
+    Option<String>,
+    WatchdogSettings,
+);
+
+/// Checks every watched request of the VM; `root_id` is the calling root context, made
+/// effective again afterwards.
+pub fn tick(vm: &SharedVm, root_id: u32, now: u64) {
+    let fired: Vec<FiredWatch> = {
+        let mut vm = vm.borrow_mut();
+        vm.watched
+            .iter_mut()
+            .filter_map(|(id, w)| {
+                w.watchdog.poll(now).map(|fire| {
+                    (
+                        *id,
+                        fire,
+                        w.request_id.clone(),
+                        w.decode_pod.clone(),
+                        w.decode_address.clone(),
+                        w.rid.clone(),
+                        w.settings,
+                    )
+                })
+            })
+            .collect()
+    };
+    if fired.is_empty() {
+        return;
+    }
+    let metrics = vm.borrow().watchdog_metrics;
+    for (id, fire, request_id, pod, address, rid, settings) in fired {
+        Metrics::inc(match fire.phase {
+            watchdog::Phase::FirstResponse => metrics.first_response,
+            watchdog::Phase::StreamIdle => metrics.stream_idle,
+        });
+        Metrics::inc(metrics.model_fail);
+        log::warn!(
+            "request {request_id}: decode pod {pod} exceeded the {} bound ({} ms); {}",
+            fire.phase.name(),
+            fire.timeout_ms,
+            if fire.headers_sent {
+                "cutting the stream"
+            } else {
+                "answering 504"
+            }
+        );
+        if hostcalls::set_effective_context(id).is_ok() {
+            let result = if fire.headers_sent {
+                hostcalls::reset_http_response()
+            } else {
+                let error = RouteError::DecodeTimeout(watchdog::message(&pod, &fire));
+                let (name, value) = error.header();
+                let body = error.body();
+                hostcalls::send_http_response(
+                    504,
+                    vec![
+                        (name, value.as_str()),
+                        ("content-type", "application/json"),
+                        ("request-id", request_id.as_str()),
+                    ],
+                    Some(&body),
+                )
+            };
+            if let Err(e) = result {
+                log::warn!("request {request_id}: cannot end the stream: {e:?}");
+            }
+        }
+        let _ = hostcalls::set_effective_context(root_id);
+        vm.borrow_mut().engines.queue_abort(
+            &address,
+            rid.as_deref(),
+            settings.abort_timeout_s,
+            settings.abort_retry_delay_s,
+        );
+    }
+}

@@ -1,0 +1,291 @@
+//! End-to-end: SGLang and TRT-LLM prefill/decode through the real `.wasm` in real Envoy
+//! (`--concurrency 2`), against pd-sim pods speaking each engine's protocol.
+
+use std::time::{Duration, Instant};
+
+use pd_wasm_tests::http::{self, Response};
+use pd_wasm_tests::stack::{Fleet, Stack};
+use serde_json::{json, Value};
+
+const MODEL: &str = "eng-model";
+const TOKEN_LOAD: [(&str, &str); 2] = [
+    ("AIBRIX_PREFILL_SCORE_POLICY", "token_load"),
+    ("AIBRIX_DECODE_SCORE_POLICY", "token_load"),
+];
+
+fn pair(engine: &str) -> Fleet {
+    Fleet::new(MODEL)
+        .engine(engine)
+        .pod(&format!("{engine}-p-0"), "prefill", "group-0")
+        .bootstrap_port(9100)
+        .pod(&format!("{engine}-d-0"), "decode", "group-0")
+        .pod(&format!("{engine}-p-1"), "prefill", "group-1")
+        .pod(&format!("{engine}-d-1"), "decode", "group-1")
+}
+
+fn chat(stream: bool, max_tokens: u32) -> Value {
+    json!({"model": MODEL, "stream": stream, "max_tokens": max_tokens,
+           "messages": [{"role": "user", "content": "Explain disaggregated serving in one line."}]})
+}
+
+fn header<'a>(r: &'a Response, name: &str) -> &'a str {
+    r.header(name)
+        .unwrap_or_else(|| panic!("response lacks {name}: {:?} {}", r.headers, r.text()))
+}
+
+/// The completion legs pd-sim logged for one request id: (prefill, decode).
+fn legs(stack: &Stack, request_id: &str) -> (Value, Value) {
+    let entries: Vec<Value> = stack
+        .sim_requests()
+        .into_iter()
+        .filter(|e| e["x_request_id"] == request_id && e["path"] == "/v1/chat/completions")
+        .collect();
+    let one = |leg: &str| {
+        let found: Vec<&Value> = entries.iter().filter(|e| e["leg"] == leg).collect();
+        assert_eq!(found.len(), 1, "one {leg} leg: {entries:?}");
+        found[0].clone()
+    };
+    (one("prefill"), one("decode"))
+}
+
+/// Pods of one roleset served the legs, and the client got the decode pod's answer.
+fn assert_pair(stack: &Stack, r: &Response, tokens: usize) -> (Value, Value) {
+    assert_eq!(r.status, 200, "{}", r.text());
+    let request_id = header(r, "request-id").to_string();
+    let (p, d) = legs(stack, &request_id);
+    let (prefill, decode) = (
+        stack.fleet.spec(p["pod"].as_str().unwrap_or_default()),
+        stack.fleet.spec(d["pod"].as_str().unwrap_or_default()),
+    );
+    assert_eq!(
+        (prefill.role.as_str(), decode.role.as_str()),
+        ("prefill", "decode")
+    );
+    assert_eq!(prefill.roleset, decode.roleset, "legs went to one roleset");
+    assert_eq!(header(r, "target-pod"), decode.name);
+    assert_eq!(header(r, "prefill-target-pod"), prefill.name);
+    assert_eq!(p["status"], 200, "{p}");
+    assert_eq!(
+        d["kv_pull"], "ok",
+        "the decode pod got the prefill's KV: {d}"
+    );
+    assert_eq!(p["body"]["max_tokens"], 1);
+    assert_eq!(p["body"]["stream"], false);
+    if r.header("content-type")
+        .is_some_and(|c| c.starts_with("text/event-stream"))
+    {
+        assert!(r.complete, "stream ended properly");
+        let text = r.text();
+        let got = text
+            .split("\n\n")
+            .filter_map(|e| e.strip_prefix("data: "))
+            .filter(|d| *d != "[DONE]")
+            .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+            .filter(|v| {
+                v["choices"][0]["delta"]["content"]
+                    .as_str()
+                    .is_some_and(|c| !c.is_empty())
+            })
+            .count();
+        assert_eq!(got, tokens, "{text}");
+        assert!(text.ends_with("data: [DONE]\n\n"));
+    } else {
+        let answer = r.json();
+        assert_eq!(
+            answer["id"],
+            format!("chatcmpl-{request_id}"),
+            "the decode pod's answer"
+        );
+        assert_eq!(answer["usage"]["completion_tokens"], tokens);
+    }
+    (p, d)
+}
+
+/// Every token-ledger gauge returns to 0 once the requests are done.
+fn assert_ledger_zero(stack: &Stack) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let text = http::get(&stack.admin, "/stats/prometheus")
+            .expect("admin")
+            .text();
+        let values: Vec<f64> = text
+            .lines()
+            .filter(|l| l.starts_with("pd_token_load_"))
+            .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse().ok()))
+            .collect();
+        assert!(!values.is_empty(), "ledger gauges exist");
+        if values.iter().all(|v| *v == 0.0) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "ledger gauges stuck: {values:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn sglang_legs_share_bootstrap_room_and_rid_and_the_decode_answers() {
+    let stack = Stack::start_with(pair("sglang"), 2, &TOKEN_LOAD);
+    for stream in [false, true] {
+        for _ in 0..3 {
+            let r = stack.chat(&[("routing-strategy", "pd")], &chat(stream, 4));
+            let (p, d) = assert_pair(&stack, &r, 4);
+            let prefill = stack.fleet.spec(p["pod"].as_str().unwrap_or_default());
+            assert_eq!(p["body"]["bootstrap_host"], prefill.ip.as_str());
+            let port = if prefill.name.ends_with("p-0") {
+                9100
+            } else {
+                8998
+            };
+            assert_eq!(p["body"]["bootstrap_port"], port, "annotation or default");
+            for key in ["bootstrap_host", "bootstrap_port", "bootstrap_room", "rid"] {
+                assert_eq!(p["body"][key], d["body"][key], "{key} matches on both legs");
+            }
+            let room = d["body"]["bootstrap_room"].as_u64().expect("integer room");
+            assert!(room < i64::MAX as u64);
+            let rid = d["body"]["rid"].as_str().unwrap_or_default();
+            assert!(
+                rid.starts_with(&format!("{}-", header(&r, "request-id"))),
+                "{rid}"
+            );
+            assert_eq!(
+                d["body"]["stream"], stream,
+                "decode keeps the client's stream flag"
+            );
+            assert_eq!(p["x_request_id"], d["x_request_id"]);
+        }
+    }
+    assert_ledger_zero(&stack);
+}
+
+#[test]
+fn sglang_duplicate_controlled_key_is_400_before_any_leg() {
+    let stack = Stack::start(pair("sglang"));
+    let body = br#"{"model":"eng-model","messages":[{"role":"user","content":"x"}],"stream":true,"stream":false}"#;
+    let r = http::request(
+        &stack.gateway,
+        "POST",
+        "/v1/chat/completions",
+        &[
+            ("content-type", "application/json"),
+            ("routing-strategy", "pd"),
+        ],
+        body,
+    )
+    .expect("request");
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(header(&r, "x-error-routing"), "true");
+    assert!(r.json()["error"]["message"]
+        .as_str()
+        .unwrap_or("")
+        .contains("duplicate top-level key"));
+    assert!(stack.sim_requests().is_empty(), "no leg was sent");
+    assert!(stack.stat("pd_router_rejected_total.reason.invalid_request") >= 1);
+}
+
+#[test]
+fn mixed_engines_fail_selection() {
+    let fleet = Fleet::new(MODEL)
+        .engine("sglang")
+        .pod("p0", "prefill", "g0")
+        .engine("vllm")
+        .pod("d0", "decode", "g0");
+    let stack = Stack::start(fleet);
+    let r = stack.chat(&[("routing-strategy", "pd")], &chat(false, 2));
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(header(&r, "x-error-routing"), "true");
+    assert!(
+        r.text().contains("inconsistent LLM engines detected"),
+        "{}",
+        r.text()
+    );
+    assert!(stack.sim_requests().is_empty());
+}
+
+#[test]
+fn trtllm_context_first_forwards_params_and_prompt_ids() {
+    let stack = Stack::start_with(pair("trtllm"), 2, &TOKEN_LOAD);
+    for stream in [false, true] {
+        let r = stack.chat(&[("routing-strategy", "pd")], &chat(stream, 3));
+        let (p, d) = assert_pair(&stack, &r, 3);
+        let ctx = &p["body"]["disaggregated_params"];
+        assert_eq!(ctx["request_type"], "context_only");
+        let id = ctx["disagg_request_id"].as_i64().expect("int64 id");
+        assert!(
+            id >= 1 << 42,
+            "Snowflake ids are above the local range: {id}"
+        );
+        assert!(p["body"].get("max_completion_tokens").is_none());
+        let gen = &d["body"]["disaggregated_params"];
+        assert_eq!(gen["request_type"], "generation_only");
+        assert_eq!(gen["disagg_request_id"].as_i64(), Some(id));
+        assert!(
+            gen["ctx_request_id"].as_i64().is_some_and(|c| c > 1 << 53),
+            "{gen}"
+        );
+        assert!(gen["encoded_opaque_state"].is_string() && gen["first_gen_tokens"].is_array());
+        assert!(d["body"]["prompt_token_ids"]
+            .as_array()
+            .is_some_and(|a| !a.is_empty()));
+    }
+    assert_ledger_zero(&stack);
+}
+
+#[test]
+fn trtllm_generation_first_sends_both_legs_with_one_id() {
+    let mut env = TOKEN_LOAD.to_vec();
+    env.push(("AIBRIX_TRT_SCHEDULE_STYLE", "generation_first"));
+    env.push(("AIBRIX_TRT_MACHINE_ID", "7"));
+    let stack = Stack::start_with(pair("trtllm"), 2, &env);
+    for stream in [false, true, false, true] {
+        let r = stack.chat(&[("routing-strategy", "pd")], &chat(stream, 3));
+        let (p, d) = assert_pair(&stack, &r, 3);
+        let (ctx, gen) = (
+            &p["body"]["disaggregated_params"],
+            &d["body"]["disaggregated_params"],
+        );
+        let id = ctx["disagg_request_id"].as_i64().expect("id");
+        assert_eq!((id >> 12) & 0x3ff, 7, "machine id bits");
+        assert_eq!(ctx["schedule_style"], 1);
+        assert_eq!(gen["schedule_style"], 1);
+        assert_eq!(gen["disagg_request_id"].as_i64(), Some(id));
+        assert_eq!(gen["ctx_request_id"].as_i64(), Some(id));
+        let prefill = stack.fleet.spec(p["pod"].as_str().unwrap_or_default());
+        assert_eq!(
+            gen["ctx_info_endpoint"],
+            format!("tcp://{}:5555", prefill.ip)
+        );
+    }
+    let lookups = stack
+        .sim_requests()
+        .into_iter()
+        .filter(|e| e["path"] == "/server_info")
+        .count();
+    assert!(
+        (1..=4).contains(&lookups),
+        "server_info is cached per worker and pod, not fetched per request: {lookups}"
+    );
+    assert_ledger_zero(&stack);
+}
+
+#[test]
+fn trtllm_generation_first_without_metadata_fails_before_either_leg() {
+    let fleet = pair("trtllm");
+    let env = [("AIBRIX_TRT_SCHEDULE_STYLE", "generation_first")];
+    let stack = Stack::start_full(
+        fleet.clone(),
+        fleet,
+        2,
+        &env,
+        &["--trtllm-transceiver", "cpp"],
+    );
+    let r = stack.chat(&[("routing-strategy", "pd")], &chat(false, 2));
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(header(&r, "x-error-routing"), "true");
+    assert!(r.text().contains("ctx_dp_rank"), "{}", r.text());
+    let log = stack.sim_requests();
+    assert!(log.iter().any(|e| e["path"] == "/server_info"), "{log:?}");
+    assert!(
+        log.iter().all(|e| e["leg"].is_null()),
+        "no inference leg was sent: {log:?}"
+    );
+}

@@ -1,0 +1,205 @@
+//! End-to-end: the decode watchdog and PD failure headers, in real Envoy (`--concurrency 2`)
+//! against pd-sim SGLang pods with injected faults.
+
+use std::time::{Duration, Instant};
+
+use pd_wasm_tests::http::{self, Response};
+use pd_wasm_tests::stack::{Fleet, Stack};
+use serde_json::{json, Value};
+
+const MODEL: &str = "wd-model";
+/// The filter's tick (envoy.yaml.tmpl `refresh_ms` in the harness): the watchdog's accuracy.
+const TICK: Duration = Duration::from_millis(50);
+/// Scheduling slack on a 2-core machine running Envoy, pd-sim and the test at once.
+const SLACK: Duration = Duration::from_millis(400);
+
+fn fleet() -> Fleet {
+    Fleet::new(MODEL)
+        .engine("sglang")
+        .pod("sg-p-0", "prefill", "group-0")
+        .pod("sg-d-0", "decode", "group-0")
+}
+
+fn env(extra: &[(&'static str, &'static str)]) -> Vec<(&'static str, &'static str)> {
+    let mut e = vec![
+        ("AIBRIX_PREFILL_SCORE_POLICY", "token_load"),
+        ("AIBRIX_DECODE_SCORE_POLICY", "token_load"),
+    ];
+    e.extend_from_slice(extra);
+    e
+}
+
+fn chat(stream: bool, max_tokens: u32) -> Value {
+    json!({"model": MODEL, "stream": stream, "max_tokens": max_tokens,
+           "messages": [{"role": "user", "content": "hello"}]})
+}
+
+fn header<'a>(r: &'a Response, name: &str) -> &'a str {
+    r.header(name)
+        .unwrap_or_else(|| panic!("response lacks {name}: {:?} {}", r.headers, r.text()))
+}
+
+/// The rid of the decode leg pd-sim logged for `request_id`.
+fn decode_rid(stack: &Stack, request_id: &str) -> String {
+    stack
+        .sim_requests()
+        .into_iter()
+        .find(|e| e["x_request_id"] == request_id && e["leg"] == "decode")
+        .and_then(|e| e["body"]["rid"].as_str().map(str::to_string))
+        .unwrap_or_else(|| panic!("no decode leg for {request_id}"))
+}
+
+/// Polls until the decode pod logged an `/abort_request` for `rid`.
+fn wait_for_abort(stack: &Stack, rid: &str) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(e) = stack
+            .sim_requests()
+            .into_iter()
+            .find(|e| e["path"] == "/abort_request" && e["body"]["rid"] == rid)
+        {
+            return e;
+        }
+        assert!(Instant::now() < deadline, "no /abort_request for {rid}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn assert_ledger_zero(stack: &Stack) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let text = http::get(&stack.admin, "/stats/prometheus")
+            .expect("admin")
+            .text();
+        let values: Vec<f64> = text
+            .lines()
+            .filter(|l| l.starts_with("pd_token_load_"))
+            .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse().ok()))
+            .collect();
+        assert!(!values.is_empty(), "ledger gauges exist");
+        if values.iter().all(|v| *v == 0.0) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "ledger gauges stuck: {values:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn decode_silent_before_its_first_token_gets_504_and_an_abort() {
+    let stack = Stack::start_with(
+        fleet(),
+        2,
+        &env(&[("AIBRIX_DECODE_FIRST_RESPONSE_TIMEOUT", "1")]),
+    );
+    stack.arm_fault(json!({"pod": "sg-d-0", "kind": "hang_before_headers", "leg": "decode"}));
+    let started = Instant::now();
+    let r = stack.chat(&[("routing-strategy", "pd")], &chat(true, 4));
+    let took = started.elapsed();
+    assert_eq!(r.status, 504, "{}", r.text());
+    assert_eq!(header(&r, "x-error-pd-decode"), "true");
+    let message = r.json()["error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert_eq!(
+        message,
+        "decode pod sg-d-0 did not start responding within 1s"
+    );
+    assert!(
+        took >= Duration::from_secs(1),
+        "not before the bound: {took:?}"
+    );
+    assert!(
+        took <= Duration::from_secs(1) + TICK + SLACK,
+        "within a tick of the bound: {took:?}"
+    );
+    let rid = decode_rid(&stack, header(&r, "request-id"));
+    let abort = wait_for_abort(&stack, &rid);
+    assert_eq!(abort["pod"], "sg-d-0");
+    assert_eq!(abort["status"], 200);
+    assert_eq!(
+        stack.stat("gateway_request_model_fail_total.status.pd_decode_watchdog.status_code.504"),
+        1
+    );
+    assert_eq!(
+        stack.stat("gateway_pd_decode_watchdog_total.phase.first_response"),
+        1
+    );
+    stack.clear_faults();
+    assert_ledger_zero(&stack);
+}
+
+#[test]
+fn decode_stalling_mid_stream_is_cut_and_aborted() {
+    let stack = Stack::start_with(
+        fleet(),
+        2,
+        &env(&[("AIBRIX_DECODE_STREAM_IDLE_TIMEOUT", "1")]),
+    );
+    stack.arm_fault(
+        json!({"pod": "sg-d-0", "kind": "hang_after_chunks", "chunks": 2, "leg": "decode"}),
+    );
+    let started = Instant::now();
+    let r = stack.chat(&[("routing-strategy", "pd")], &chat(true, 50));
+    let took = started.elapsed();
+    assert_eq!(r.status, 200, "headers had gone out: the status stays");
+    assert!(
+        !r.complete,
+        "the client sees a truncated stream: {}",
+        r.text()
+    );
+    assert!(
+        r.text().contains("tok1"),
+        "the first chunks arrived: {}",
+        r.text()
+    );
+    assert!(!r.text().contains("[DONE]"));
+    assert!(
+        took >= Duration::from_secs(1)
+            && took <= Duration::from_secs(1) + TICK + SLACK + Duration::from_millis(300),
+        "cut one idle bound after the last chunk: {took:?}"
+    );
+    let rid = decode_rid(&stack, header(&r, "request-id"));
+    wait_for_abort(&stack, &rid);
+    assert_eq!(
+        stack.stat("gateway_pd_decode_watchdog_total.phase.stream_idle"),
+        1
+    );
+    assert_eq!(
+        stack.stat("gateway_request_model_fail_total.status.pd_decode_watchdog.status_code.504"),
+        1
+    );
+    stack.clear_faults();
+    assert_ledger_zero(&stack);
+}
+
+#[test]
+fn failed_sglang_prefill_answers_x_error_pd_prefill_and_aborts_the_decode() {
+    let stack = Stack::start_with(fleet(), 2, &env(&[]));
+    stack.arm_fault(json!({"pod": "sg-p-0", "kind": "status", "status": 500, "leg": "prefill"}));
+    let r = stack.chat(&[("routing-strategy", "pd")], &chat(false, 4));
+    assert_eq!(
+        r.status,
+        500,
+        "the prefill pod's status passes through: {}",
+        r.text()
+    );
+    assert_eq!(header(&r, "x-error-pd-prefill"), "true");
+    assert!(r.json()["error"]["message"]
+        .as_str()
+        .unwrap_or("")
+        .starts_with("prefill request failed"));
+    let rid = decode_rid(&stack, header(&r, "request-id"));
+    wait_for_abort(&stack, &rid);
+    assert_eq!(
+        stack.stat("gateway_pd_decode_watchdog_total.phase.first_response"),
+        0,
+        "not a watchdog failure"
+    );
+    stack.clear_faults();
+    // The gateway keeps serving once the pod recovers.
+    let ok = stack.chat(&[("routing-strategy", "pd")], &chat(false, 2));
+    assert_eq!(ok.status, 200, "{}", ok.text());
+    assert_ledger_zero(&stack);
+}
