@@ -124,6 +124,8 @@ pub async fn start_with_source<S: FleetSource>(
     })?;
     tracing::info!(%origin, pods = pods.len(), "initial fleet loaded");
     stats.fleet_loaded();
+    stats.fleet_event(crate::unix_ms_now());
+    let source_kind = source.kind();
 
     let listener = TcpListener::bind(config.listen)
         .await
@@ -172,6 +174,7 @@ pub async fn start_with_source<S: FleetSource>(
     let app = server::router(AppState {
         snapshots: snapshots_rx.clone(),
         stats: stats.clone(),
+        source_kind,
     });
     let mut server_shutdown = shutdown;
     let server = tokio::spawn(async move {
@@ -268,8 +271,13 @@ impl ControlLoop {
     }
 
     fn apply(&mut self, outcome: Outcome) {
-        if outcome.result.is_err() {
-            self.stats.scrape_error();
+        match &outcome.result {
+            Err(crate::scrape::ScrapeError::Closed) => {}
+            Err(_) => {
+                self.stats.scrape_error(&outcome.job.key);
+                self.stats.scrape_latency(outcome.elapsed);
+            }
+            Ok(_) => self.stats.scrape_latency(outcome.elapsed),
         }
         if let Some(duration) = self.book.apply(outcome) {
             // Publish before recording, so a caller that sees /readyz succeed also sees the
@@ -281,6 +289,16 @@ impl ControlLoop {
 
     fn publish(&mut self) {
         let fleet = self.fleet.borrow_and_update().clone();
+        if self.stats.has_scrape_errors() {
+            // Error counts of pods that left would otherwise stay exported for ever.
+            let live: std::collections::HashSet<(&str, &str)> = fleet
+                .iter()
+                .map(|p| (p.namespace.as_str(), p.name.as_str()))
+                .collect();
+            self.stats.retain_scrape_errors(|key| {
+                key.split_once('/').is_some_and(|pod| live.contains(&pod))
+            });
+        }
         let now = Instant::now();
         let models = snapshot::models(&fleet, |pod| self.book.metrics(pod, now));
         let (published, changed) = self.builder.update(models, crate::unix_ms_now());

@@ -641,3 +641,35 @@ fn fallback_envoy_filter_carries_the_drop_in_wasm_config() {
         );
     }
 }
+
+// ---- Metrics labels ------------------------------------------------------------------------
+
+/// Every label the filter writes into a stat name has a `stats_tags` entry, with the regex
+/// Istio generates for `extraStatTags`, in both drop-ins; otherwise the label would stay in
+/// the metric name and the series would not match the contract's name.
+#[test]
+fn drop_ins_extract_every_filter_label() {
+    use pd_router_filter::core::obs::labels::TAG_NAMES;
+    for rel in ["envoy/envoy.yaml.tmpl", "envoy/envoy-ecds.yaml.tmpl"] {
+        let text = read(rel).replace('@', "x");
+        let doc: Yaml = serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{rel}: {e}"));
+        let tags: BTreeMap<String, String> = doc["stats_config"]["stats_tags"]
+            .as_sequence()
+            .unwrap_or_else(|| panic!("{rel}: no stats_tags"))
+            .iter()
+            .map(|t| {
+                (
+                    t["tag_name"].as_str().unwrap().to_string(),
+                    t["regex"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect();
+        for tag in TAG_NAMES {
+            assert_eq!(
+                tags.get(tag).map(String::as_str),
+                Some(format!(r"({tag}=\.=(.*?);\.;)").as_str()),
+                "{rel}: tag {tag}"
+            );
+        }
+    }
+}

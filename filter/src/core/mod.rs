@@ -7,6 +7,7 @@ pub mod env;
 pub mod errors;
 pub mod fleet;
 pub mod ledger;
+pub mod obs;
 pub mod pd;
 pub mod prefix;
 pub mod profile;

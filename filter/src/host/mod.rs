@@ -63,6 +63,11 @@ pub fn now_ns() -> u128 {
         .unwrap_or(0)
 }
 
+/// Microseconds since the Unix epoch from the host clock, for request timing.
+pub fn now_us() -> u64 {
+    (now_ns() / 1_000) as u64
+}
+
 /// A random seed from WASI `random_get`; falls back to the clock, which is only less
 /// unpredictable, never wrong for tie-breaks.
 pub fn random_seed() -> u64 {

@@ -84,6 +84,15 @@ impl Root {
         let version = view.version;
         let (version_gauge, loaded_gauge) = {
             let mut vm = self.vm.borrow_mut();
+            if vm.metrics.has_pod_series() {
+                // Pods that left the fleet: zero their gauges, stop updating their counters.
+                let live: hashbrown::HashSet<&str> = view
+                    .models
+                    .values()
+                    .flat_map(|m| m.pods.iter().map(|p| p.key.as_str()))
+                    .collect();
+                vm.metrics.retain_pods(|key| live.contains(key));
+            }
             vm.fleet = Some(Rc::new(view));
             (vm.metrics.fleet_version, vm.metrics.fleet_loaded_vms)
         };
