@@ -49,7 +49,7 @@ up() {
   wait_for_line "$RUN/pd-control.out" "pd-control: listening" 30 pd-control
   sed -e "s#@LISTEN_ADDR@#127.0.0.1#; s#@LISTEN_PORT@#$port#; s#@ADMIN_PORT@#$ADMIN_PORT#" \
       -e "s#@WASM_PATH@#$(realpath "$wasm")#; s#@CONTROL_ADDR@#127.0.0.1#; s#@CONTROL_PORT@#$CONTROL_PORT#" \
-      -e "s#@REFRESH_MS@#$REFRESH_MS#" envoy/envoy.yaml.tmpl > "$RUN/envoy.yaml"
+      -e "s#@REFRESH_MS@#$REFRESH_MS#; s#@ACCESS_LOG@#$RUN/access.log#" envoy/envoy.yaml.tmpl > "$RUN/envoy.yaml"
   start envoy "$envoy" -c "$RUN/envoy.yaml" --concurrency "$CONCURRENCY" --disable-hot-restart \
       --log-path "$RUN/envoy.log" --file-flush-interval-msec 200 -l info
   local deadline=$((SECONDS + 30)) want=$((CONCURRENCY + 1))

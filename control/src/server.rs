@@ -1,8 +1,10 @@
 //! The HTTP API: the snapshot for filters, a JSON view for people, health and own metrics.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 use std::sync::Arc;
+#[cfg(test)]
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::body::Bytes;
@@ -28,6 +30,8 @@ pub struct AppState {
     pub snapshots: watch::Receiver<Arc<Published>>,
     pub stats: Arc<Stats>,
     pub replicas: Arc<ReplicaBook>,
+    /// `FleetSource::kind` of the running source.
+    pub source_kind: &'static str,
 }
 
 pub fn router(state: AppState) -> Router {
@@ -141,50 +145,255 @@ async fn readyz(State(state): State<AppState>) -> Response {
 
 async fn metrics(State(state): State<AppState>) -> Response {
     let published = current(&state);
-    let (ready, not_ready) = published.pod_counts();
-    let stats = &state.stats;
+    let mut text = render_metrics(
+        &published,
+        &state.stats,
+        state.source_kind,
+        crate::unix_ms_now(),
+    );
+    for (name, kind, help, value) in state.replicas.metrics() {
+        family(&mut text, name, kind, help, &[(String::new(), value)]);
+    }
+    ([(header::CONTENT_TYPE, PROMETHEUS_TEXT)], text).into_response()
+}
+
+/// A Prometheus label value: backslash, quote and newline escaped.
+fn label(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// One metric family: HELP, TYPE and its samples (`labels` is `{...}` or empty).
+fn family(out: &mut String, name: &str, kind: &str, help: &str, samples: &[(String, String)]) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    for (labels, value) in samples {
+        let _ = writeln!(out, "{name}{labels} {value}");
+    }
+}
+
+/// pd-control's own metrics in the Prometheus text format, at `now_ms`.
+pub fn render_metrics(
+    published: &Published,
+    stats: &Stats,
+    source_kind: &str,
+    now_ms: i64,
+) -> String {
     let mut out = String::new();
-    let mut family = |name: &str, kind: &str, help: &str, samples: &[(&str, String)]| {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-        for (labels, value) in samples {
-            let _ = writeln!(out, "{name}{labels} {value}");
-        }
-    };
+    let seconds_since = |ms: i64| (now_ms.saturating_sub(ms).max(0) as f64 / 1000.0).to_string();
+    let plain = |value: String| vec![(String::new(), value)];
+
     family(
+        &mut out,
         "pd_control_snapshot_version",
         "gauge",
         "Version of the snapshot being served.",
-        &[("", published.version.to_string())],
+        &plain(published.version.to_string()),
     );
     family(
+        &mut out,
+        "pd_control_snapshot_age_seconds",
+        "gauge",
+        "Time since the served snapshot was built (it is rebuilt whenever the fleet or a pod's metrics change).",
+        &plain(seconds_since(published.snapshot.generated_unix_ms)),
+    );
+
+    // Pods by model, role and readiness; every combination present in the fleet, zeros kept
+    // for the readiness a group has none of, so a group going all-unready reads 0, not absent.
+    let mut pods: BTreeMap<(&str, &str), [u64; 2]> = BTreeMap::new();
+    for model in &published.snapshot.models {
+        for pod in &model.pods {
+            let role = match pod.role.as_str() {
+                "prefill" | "decode" => pod.role.as_str(),
+                "" => "none",
+                _ => "other",
+            };
+            pods.entry((model.name.as_str(), role)).or_default()[usize::from(!pod.ready)] += 1;
+        }
+    }
+    let samples: Vec<(String, String)> = pods
+        .iter()
+        .flat_map(|((model, role), counts)| {
+            ["ready", "not_ready"]
+                .into_iter()
+                .zip(counts)
+                .map(move |(state, n)| {
+                    (
+                        format!(
+                            "{{model=\"{}\",role=\"{role}\",state=\"{state}\"}}",
+                            label(model)
+                        ),
+                        n.to_string(),
+                    )
+                })
+        })
+        .collect();
+    family(
+        &mut out,
         "pd_control_pods",
         "gauge",
-        "Pods in the served snapshot by readiness.",
-        &[
-            ("{state=\"ready\"}", ready.to_string()),
-            ("{state=\"not_ready\"}", not_ready.to_string()),
-        ],
+        "Pods in the served snapshot by model, role (prefill, decode, other, none) and readiness.",
+        &samples,
     );
+
+    let samples: Vec<(String, String)> = published
+        .snapshot
+        .models
+        .iter()
+        .flat_map(|m| &m.pods)
+        .map(|p| {
+            let key = format!("{}/{}", p.namespace, p.name);
+            (
+                format!(
+                    "{{namespace=\"{}\",pod=\"{}\"}}",
+                    label(&p.namespace),
+                    label(&p.name)
+                ),
+                stats.scrape_errors_of(&key).to_string(),
+            )
+        })
+        .collect();
     family(
+        &mut out,
         "pd_control_scrape_errors_total",
         "counter",
-        "Engine metrics scrapes that failed (connect, timeout, status, body).",
-        &[("", stats.scrape_errors_total().to_string())],
+        "Engine metrics scrapes that failed (connect, timeout, status, body), per pod of the fleet.",
+        &samples,
     );
+
+    let latency = stats.scrape_latency_snapshot();
+    let _ = writeln!(
+        out,
+        "# HELP pd_control_scrape_latency_seconds Time of one engine metrics scrape (the HTTP exchange and parse).\n# TYPE pd_control_scrape_latency_seconds histogram"
+    );
+    for (bound, count) in &latency.cumulative {
+        let le = if bound.is_infinite() {
+            "+Inf".to_string()
+        } else {
+            bound.to_string()
+        };
+        let _ = writeln!(
+            out,
+            "pd_control_scrape_latency_seconds_bucket{{le=\"{le}\"}} {count}"
+        );
+    }
+    let _ = writeln!(
+        out,
+        "pd_control_scrape_latency_seconds_sum {}",
+        latency.sum_seconds
+    );
+    let _ = writeln!(
+        out,
+        "pd_control_scrape_latency_seconds_count {}",
+        latency.count
+    );
+
     family(
+        &mut out,
         "pd_control_scrape_duration_seconds",
         "gauge",
         "Wall time of the last completed scrape round.",
-        &[("", stats.scrape_duration_seconds().to_string())],
+        &plain(stats.scrape_duration_seconds().to_string()),
     );
     family(
+        &mut out,
         "pd_control_fleet_reload_errors_total",
         "counter",
         "Fleet updates rejected (unreadable or invalid); the previous fleet was kept.",
-        &[("", stats.fleet_reload_errors_total().to_string())],
+        &plain(stats.fleet_reload_errors_total().to_string()),
     );
-    for (name, kind, help, value) in state.replicas.metrics() {
-        family(name, kind, help, &[("", value)]);
+    if let Some(ms) = stats.last_fleet_event_ms() {
+        family(
+            &mut out,
+            "pd_control_fleet_event_age_seconds",
+            "gauge",
+            "Time since the fleet source last delivered a change (a Kubernetes pod event, a fleet-file reload).",
+            &[(
+                format!("{{source=\"{}\"}}", label(source_kind)),
+                seconds_since(ms),
+            )],
+        );
     }
-    ([(header::CONTENT_TYPE, PROMETHEUS_TEXT)], out).into_response()
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto;
+
+    fn pod(name: &str, role: &str, ready: bool) -> proto::Pod {
+        proto::Pod {
+            namespace: "ns".into(),
+            name: name.into(),
+            role: role.into(),
+            ready,
+            ..Default::default()
+        }
+    }
+
+    fn published() -> Published {
+        let snapshot = proto::Snapshot {
+            version: 4,
+            generated_unix_ms: 10_000,
+            models: vec![proto::Model {
+                name: "m\"1".into(),
+                pods: vec![
+                    pod("p0", "prefill", true),
+                    pod("d0", "decode", true),
+                    pod("d1", "decode", false),
+                    pod("c0", "all", true),
+                ],
+            }],
+        };
+        Published {
+            version: 4,
+            snapshot,
+            bytes: Default::default(),
+        }
+    }
+
+    #[test]
+    fn pods_errors_ages_and_latency_render_as_prometheus_text() {
+        let stats = Stats::default();
+        stats.scrape_error("ns/d1");
+        stats.scrape_error("ns/gone");
+        stats.scrape_latency(Duration::from_millis(3));
+        stats.fleet_event(9_000);
+        let text = render_metrics(&published(), &stats, "kubernetes", 12_500);
+        for line in [
+            "pd_control_snapshot_version 4",
+            "pd_control_snapshot_age_seconds 2.5",
+            "pd_control_pods{model=\"m\\\"1\",role=\"decode\",state=\"ready\"} 1",
+            "pd_control_pods{model=\"m\\\"1\",role=\"decode\",state=\"not_ready\"} 1",
+            "pd_control_pods{model=\"m\\\"1\",role=\"other\",state=\"ready\"} 1",
+            "pd_control_scrape_errors_total{namespace=\"ns\",pod=\"d1\"} 1",
+            "pd_control_scrape_errors_total{namespace=\"ns\",pod=\"p0\"} 0",
+            "pd_control_scrape_latency_seconds_bucket{le=\"0.0025\"} 0",
+            "pd_control_scrape_latency_seconds_bucket{le=\"0.005\"} 1",
+            "pd_control_scrape_latency_seconds_bucket{le=\"+Inf\"} 1",
+            "pd_control_scrape_latency_seconds_count 1",
+            "pd_control_fleet_event_age_seconds{source=\"kubernetes\"} 3.5",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "{line:?} missing from:\n{text}"
+            );
+        }
+        assert!(
+            !text.contains("gone"),
+            "only pods of the served snapshot are exported"
+        );
+    }
+
+    #[test]
+    fn no_fleet_event_yet_means_no_age_sample() {
+        let text = render_metrics(&published(), &Stats::default(), "file", 1);
+        assert!(!text.contains("pd_control_fleet_event_age_seconds"));
+        assert!(
+            text.contains("pd_control_snapshot_age_seconds 0\n"),
+            "a clock behind the snapshot reads 0"
+        );
+    }
 }

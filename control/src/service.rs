@@ -129,6 +129,8 @@ pub async fn start_with_source<S: FleetSource>(
     })?;
     tracing::info!(%origin, pods = pods.len(), "initial fleet loaded");
     stats.fleet_loaded();
+    stats.fleet_event(crate::unix_ms_now());
+    let source_kind = source.kind();
 
     let listener = TcpListener::bind(config.listen)
         .await
@@ -178,6 +180,7 @@ pub async fn start_with_source<S: FleetSource>(
         snapshots: snapshots_rx.clone(),
         stats: stats.clone(),
         replicas,
+        source_kind,
     });
     let mut server_shutdown = shutdown;
     let server = tokio::spawn(async move {
@@ -274,8 +277,13 @@ impl ControlLoop {
     }
 
     fn apply(&mut self, outcome: Outcome) {
-        if outcome.result.is_err() {
-            self.stats.scrape_error();
+        match &outcome.result {
+            Err(crate::scrape::ScrapeError::Closed) => {}
+            Err(_) => {
+                self.stats.scrape_error(&outcome.job.key);
+                self.stats.scrape_latency(outcome.elapsed);
+            }
+            Ok(_) => self.stats.scrape_latency(outcome.elapsed),
         }
         if let Some(duration) = self.book.apply(outcome) {
             // Publish before recording, so a caller that sees /readyz succeed also sees the
@@ -287,6 +295,16 @@ impl ControlLoop {
 
     fn publish(&mut self) {
         let fleet = self.fleet.borrow_and_update().clone();
+        if self.stats.has_scrape_errors() {
+            // Error counts of pods that left would otherwise stay exported for ever.
+            let live: std::collections::HashSet<(&str, &str)> = fleet
+                .iter()
+                .map(|p| (p.namespace.as_str(), p.name.as_str()))
+                .collect();
+            self.stats.retain_scrape_errors(|key| {
+                key.split_once('/').is_some_and(|pod| live.contains(&pod))
+            });
+        }
         let now = Instant::now();
         let models = snapshot::models(&fleet, |pod| self.book.metrics(pod, now));
         let (published, changed) = self.builder.update(models, crate::unix_ms_now());

@@ -1,28 +1,121 @@
 //! Counters shared between the background tasks and the HTTP server.
 //!
-//! Atomics rather than a metrics library: the service exports five numbers, and the server reads
-//! them without taking any lock the control loop holds.
+//! Atomics rather than a metrics library: the service exports a handful of numbers, and the
+//! server reads them without taking any lock the control loop holds for longer than a map
+//! copy (the per-pod error counts).
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::Mutex;
 use std::time::Duration;
+
+/// Upper bounds (seconds) of the scrape-latency histogram: a loopback scrape takes about a
+/// millisecond, a loaded engine tens, the default timeout one second.
+pub const LATENCY_BOUNDS: [f64; 12] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+];
+
+/// A Prometheus histogram of durations, lock-free.
+#[derive(Debug, Default)]
+pub struct Histogram {
+    /// Per-bucket (not cumulative) counts; the last slot is above every bound.
+    buckets: [AtomicU64; LATENCY_BOUNDS.len() + 1],
+    sum_micros: AtomicU64,
+}
+
+/// A histogram read at one instant: cumulative counts per bound, then `+Inf`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HistogramSnapshot {
+    pub cumulative: Vec<(f64, u64)>,
+    pub count: u64,
+    pub sum_seconds: f64,
+}
+
+impl Histogram {
+    pub fn observe(&self, d: Duration) {
+        let s = d.as_secs_f64();
+        let slot = LATENCY_BOUNDS
+            .iter()
+            .position(|b| s <= *b)
+            .unwrap_or(LATENCY_BOUNDS.len());
+        self.buckets[slot].fetch_add(1, Ordering::Relaxed);
+        let micros = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+        self.sum_micros.fetch_add(micros, Ordering::Relaxed);
+    }
+
+    pub fn snapshot(&self) -> HistogramSnapshot {
+        let mut running = 0;
+        let mut cumulative = Vec::with_capacity(LATENCY_BOUNDS.len() + 1);
+        for (i, bucket) in self.buckets.iter().enumerate() {
+            running += bucket.load(Ordering::Relaxed);
+            let bound = LATENCY_BOUNDS.get(i).copied().unwrap_or(f64::INFINITY);
+            cumulative.push((bound, running));
+        }
+        HistogramSnapshot {
+            cumulative,
+            count: running,
+            sum_seconds: self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6,
+        }
+    }
+}
 
 #[derive(Debug, Default)]
 pub struct Stats {
     scrape_errors_total: AtomicU64,
+    /// Failed scrapes per pod key (`namespace/name`), pruned to the fleet's pods.
+    scrape_errors_by_pod: Mutex<BTreeMap<String, u64>>,
+    scrape_latency: Histogram,
     fleet_reload_errors_total: AtomicU64,
     /// `f64::to_bits` of the last completed round's duration in seconds.
     scrape_duration_bits: AtomicU64,
+    /// Unix ms of the last fleet change the source delivered (0 = none yet).
+    last_fleet_event_ms: AtomicI64,
     fleet_loaded: AtomicBool,
     first_round_done: AtomicBool,
 }
 
 impl Stats {
-    pub fn scrape_error(&self) {
+    pub fn scrape_error(&self, pod: &str) {
         self.scrape_errors_total.fetch_add(1, Ordering::Relaxed);
+        if let Ok(mut by_pod) = self.scrape_errors_by_pod.lock() {
+            *by_pod.entry(pod.to_string()).or_insert(0) += 1;
+        }
     }
 
     pub fn scrape_errors_total(&self) -> u64 {
         self.scrape_errors_total.load(Ordering::Relaxed)
+    }
+
+    /// Failed scrapes of `pod` so far (0 for a pod that never failed).
+    pub fn scrape_errors_of(&self, pod: &str) -> u64 {
+        self.scrape_errors_by_pod
+            .lock()
+            .map(|m| m.get(pod).copied().unwrap_or(0))
+            .unwrap_or(0)
+    }
+
+    /// Whether any pod has a failed scrape on record.
+    pub fn has_scrape_errors(&self) -> bool {
+        self.scrape_errors_by_pod
+            .lock()
+            .map(|m| !m.is_empty())
+            .unwrap_or(false)
+    }
+
+    /// Drops the error counts of pods that left the fleet, so their series go away.
+    pub fn retain_scrape_errors(&self, live: impl Fn(&str) -> bool) {
+        if let Ok(mut by_pod) = self.scrape_errors_by_pod.lock() {
+            by_pod.retain(|pod, _| live(pod));
+        }
+    }
+
+    /// Time of one scrape exchange (after its concurrency slot was granted).
+    pub fn scrape_latency(&self, d: Duration) {
+        self.scrape_latency.observe(d);
+    }
+
+    pub fn scrape_latency_snapshot(&self) -> HistogramSnapshot {
+        self.scrape_latency.snapshot()
     }
 
     pub fn fleet_reload_error(&self) {
@@ -32,6 +125,16 @@ impl Stats {
 
     pub fn fleet_reload_errors_total(&self) -> u64 {
         self.fleet_reload_errors_total.load(Ordering::Relaxed)
+    }
+
+    /// The source delivered a fleet change (a Kubernetes pod event, a fleet-file reload).
+    pub fn fleet_event(&self, unix_ms: i64) {
+        self.last_fleet_event_ms.store(unix_ms, Ordering::Relaxed);
+    }
+
+    /// Unix ms of the last fleet change, `None` before the first.
+    pub fn last_fleet_event_ms(&self) -> Option<i64> {
+        Some(self.last_fleet_event_ms.load(Ordering::Relaxed)).filter(|ms| *ms > 0)
     }
 
     /// Records a finished scrape round; the first one also makes the service ready.
@@ -53,5 +156,40 @@ impl Stats {
     /// so a filter pointed at a freshly started service does not route on all-empty metrics.
     pub fn is_ready(&self) -> bool {
         self.fleet_loaded.load(Ordering::Acquire) && self.first_round_done.load(Ordering::Acquire)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_is_cumulative_with_inf_last() {
+        let h = Histogram::default();
+        h.observe(Duration::from_micros(500));
+        h.observe(Duration::from_millis(30));
+        h.observe(Duration::from_secs(9));
+        let s = h.snapshot();
+        assert_eq!(s.count, 3);
+        assert_eq!(s.cumulative[0], (0.001, 1));
+        assert_eq!(s.cumulative[5], (0.05, 2));
+        assert_eq!(s.cumulative.last().copied(), Some((f64::INFINITY, 3)));
+        assert!((s.sum_seconds - 9.0305).abs() < 1e-9);
+    }
+
+    #[test]
+    fn errors_are_counted_per_pod_and_pruned_with_the_fleet() {
+        let s = Stats::default();
+        s.scrape_error("ns/a");
+        s.scrape_error("ns/a");
+        s.scrape_error("ns/b");
+        assert_eq!(
+            (s.scrape_errors_of("ns/a"), s.scrape_errors_total()),
+            (2, 3)
+        );
+        s.retain_scrape_errors(|p| p == "ns/b");
+        assert_eq!(s.scrape_errors_of("ns/a"), 0);
+        assert_eq!(s.scrape_errors_of("ns/b"), 1);
+        assert_eq!(s.scrape_errors_total(), 3, "the total never goes down");
     }
 }

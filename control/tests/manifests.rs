@@ -407,7 +407,8 @@ fn wasm_plugin() -> Yaml {
     plugins.remove(0)
 }
 
-/// The plugin configuration JSON and host_env_keys of the static drop-in.
+/// The plugin configuration JSON and host_env_keys of the static drop-in, without its
+/// testing-only `PD_ROUTER_DEBUG_*` keys (production manifests do not pass them).
 fn drop_in() -> (Json, Vec<String>) {
     let text = read("envoy/envoy.yaml.tmpl");
     let config_line = text
@@ -424,8 +425,9 @@ fn drop_in() -> (Json, Vec<String>) {
     for line in text.lines().map(str::trim) {
         if line == "host_env_keys:" {
             inside = true;
-        } else if inside {
+        } else if inside && !line.starts_with('#') {
             match line.strip_prefix("- ") {
+                Some(key) if key.starts_with("PD_ROUTER_DEBUG_") => {}
                 Some(key) => keys.push(key.to_string()),
                 None => break,
             }
@@ -639,5 +641,37 @@ fn fallback_envoy_filter_carries_the_drop_in_wasm_config() {
             Some(value),
             "{key} differs from wasmplugin.yaml"
         );
+    }
+}
+
+// ---- Metrics labels ------------------------------------------------------------------------
+
+/// Every label the filter writes into a stat name has a `stats_tags` entry, with the regex
+/// Istio generates for `extraStatTags`, in both drop-ins; otherwise the label would stay in
+/// the metric name and the series would not match the contract's name.
+#[test]
+fn drop_ins_extract_every_filter_label() {
+    use pd_router_filter::core::obs::labels::TAG_NAMES;
+    for rel in ["envoy/envoy.yaml.tmpl", "envoy/envoy-ecds.yaml.tmpl"] {
+        let text = read(rel).replace('@', "x");
+        let doc: Yaml = serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{rel}: {e}"));
+        let tags: BTreeMap<String, String> = doc["stats_config"]["stats_tags"]
+            .as_sequence()
+            .unwrap_or_else(|| panic!("{rel}: no stats_tags"))
+            .iter()
+            .map(|t| {
+                (
+                    t["tag_name"].as_str().unwrap().to_string(),
+                    t["regex"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect();
+        for tag in TAG_NAMES {
+            assert_eq!(
+                tags.get(tag).map(String::as_str),
+                Some(format!(r"({tag}=\.=(.*?);\.;)").as_str()),
+                "{rel}: tag {tag}"
+            );
+        }
     }
 }

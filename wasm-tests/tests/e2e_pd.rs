@@ -330,9 +330,13 @@ fn errors_have_status_header_and_openai_body() {
     );
 
     // Refusals are counted by reason.
-    assert!(stack.stat("pd_router_rejected_total.reason.bad_body") >= 1);
-    assert!(stack.stat("pd_router_rejected_total.reason.unknown_model") >= 1);
-    assert!(stack.stat("pd_router_rejected_total.reason.selection") >= 1);
+    let scrape = stack.scrape();
+    for reason in ["bad_body", "unknown_model", "selection"] {
+        assert!(
+            scrape.sum("pd_router_rejected_total", &[("reason", reason)]) >= 1.0,
+            "{reason}"
+        );
+    }
     // Nothing reached a pod for any of them.
     assert!(
         stack.sim_requests().is_empty(),
@@ -383,5 +387,29 @@ fn a_failed_prefill_leg_answers_x_error_pd_prefill_and_releases_its_charges() {
         decode_on_dead_roleset, 0,
         "no decode leg follows a failed prefill"
     );
-    assert_eq!(stack.stat("gateway_prefill_request_fail_total"), failures);
+    // Counted as AIBrix does: once by the route step, once by transport class.
+    let scrape = stack.scrape();
+    let fails = |status: &str, code: &str| {
+        scrape.sum(
+            "gateway_prefill_request_fail_total",
+            &[("status", status), ("status_code", code)],
+        )
+    };
+    assert_eq!(fails("pd-do-prefill-request-error", "500"), failures as f64);
+    assert_eq!(fails("http_error", "503"), failures as f64);
+    assert_eq!(
+        scrape.sum(
+            "gateway_request_model_fail_total",
+            &[
+                ("model", MODEL),
+                ("status", "pd_prefill_failure"),
+                ("status_code", "503")
+            ]
+        ),
+        failures as f64
+    );
+    assert_eq!(
+        scrape.value("gateway_prefill_outstanding_requests", &[]),
+        Some(0.0)
+    );
 }

@@ -211,24 +211,29 @@ fn prompt_length_buckets_choose_the_roleset_or_the_standard_pod() {
     // " hello" is one cl100k token, so these prompts are exactly 10, 20 and 40 tokens.
     let tokens = |n: usize| " hello".repeat(n);
     for _ in 0..4 {
+        stack.wait_quiet_snapshot();
         let r = completion(&stack, &tokens(10));
         assert_eq!(
             (r.header("prefill-target-pod"), r.header("target-pod")),
             (Some("short-p"), Some("short-d"))
         );
+        stack.wait_quiet_snapshot();
         let r = completion(&stack, &tokens(20));
         assert_eq!(
             (r.header("prefill-target-pod"), r.header("target-pod")),
             (Some("medium-p"), Some("medium-d"))
         );
+        stack.wait_quiet_snapshot();
         let r = completion(&stack, &tokens(40));
         assert_eq!(
             (r.header("prefill-target-pod"), r.header("target-pod")),
             (None, Some("standard"))
         );
         // Range edges are inclusive.
+        stack.wait_quiet_snapshot();
         let r = completion(&stack, &tokens(15));
         assert_eq!(r.header("target-pod"), Some("short-d"));
+        stack.wait_quiet_snapshot();
         let r = completion(&stack, &tokens(16));
         assert_eq!(r.header("target-pod"), Some("medium-d"));
     }

@@ -10,8 +10,9 @@ use serde_json::{json, Value};
 const MODEL: &str = "wd-model";
 /// The filter's tick (envoy.yaml.tmpl `refresh_ms` in the harness): the watchdog's accuracy.
 const TICK: Duration = Duration::from_millis(50);
-/// Scheduling slack on a 2-core machine running Envoy, pd-sim and the test at once.
-const SLACK: Duration = Duration::from_millis(400);
+/// Scheduling slack on a loaded 2-core CI box (other tests' Envoys run at the same time);
+/// the lower bound ("not before the timeout") is the exact one.
+const SLACK: Duration = Duration::from_millis(1500);
 
 fn fleet() -> Fleet {
     Fleet::new(MODEL)
@@ -51,16 +52,19 @@ fn decode_rid(stack: &Stack, request_id: &str) -> String {
 
 /// Polls until the decode pod logged an `/abort_request` for `rid`.
 fn wait_for_abort(stack: &Stack, rid: &str) -> Value {
+    wait_for_abort_where(stack, rid, |r| r == rid)
+}
+
+/// Polls until the decode pod logged an `/abort_request` whose rid satisfies `matches`.
+fn wait_for_abort_where(stack: &Stack, what: &str, matches: impl Fn(&str) -> bool) -> Value {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        if let Some(e) = stack
-            .sim_requests()
-            .into_iter()
-            .find(|e| e["path"] == "/abort_request" && e["body"]["rid"] == rid)
-        {
+        if let Some(e) = stack.sim_requests().into_iter().find(|e| {
+            e["path"] == "/abort_request" && e["body"]["rid"].as_str().is_some_and(&matches)
+        }) {
             return e;
         }
-        assert!(Instant::now() < deadline, "no /abort_request for {rid}");
+        assert!(Instant::now() < deadline, "no /abort_request for {what}");
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -119,12 +123,18 @@ fn decode_silent_before_its_first_token_gets_504_and_an_abort() {
     assert_eq!(abort["pod"], "sg-d-0");
     assert_eq!(abort["status"], 200);
     assert_eq!(
-        stack.stat("gateway_request_model_fail_total.status.pd_decode_watchdog.status_code.504"),
-        1
+        stack.metric(
+            "gateway_request_model_fail_total",
+            &[("status", "pd_decode_watchdog"), ("status_code", "504")]
+        ),
+        1.0
     );
     assert_eq!(
-        stack.stat("gateway_pd_decode_watchdog_total.phase.first_response"),
-        1
+        stack.metric(
+            "gateway_pd_decode_watchdog_total",
+            &[("phase", "first_response")]
+        ),
+        1.0
     );
     stack.clear_faults();
     assert_ledger_zero(&stack);
@@ -163,12 +173,18 @@ fn decode_stalling_mid_stream_is_cut_and_aborted() {
     let rid = decode_rid(&stack, header(&r, "request-id"));
     wait_for_abort(&stack, &rid);
     assert_eq!(
-        stack.stat("gateway_pd_decode_watchdog_total.phase.stream_idle"),
-        1
+        stack.metric(
+            "gateway_pd_decode_watchdog_total",
+            &[("phase", "stream_idle")]
+        ),
+        1.0
     );
     assert_eq!(
-        stack.stat("gateway_request_model_fail_total.status.pd_decode_watchdog.status_code.504"),
-        1
+        stack.metric(
+            "gateway_request_model_fail_total",
+            &[("status", "pd_decode_watchdog"), ("status_code", "504")]
+        ),
+        1.0
     );
     stack.clear_faults();
     assert_ledger_zero(&stack);
@@ -190,11 +206,17 @@ fn failed_sglang_prefill_answers_x_error_pd_prefill_and_aborts_the_decode() {
         .as_str()
         .unwrap_or("")
         .starts_with("prefill request failed"));
-    let rid = decode_rid(&stack, header(&r, "request-id"));
-    wait_for_abort(&stack, &rid);
+    // The decode leg went out with the prefill leg; the gateway's local reply may cancel it
+    // before the pod logs it, but the abort names the request's rid (`<request-id>-<hex>`).
+    let prefix = format!("{}-", header(&r, "request-id"));
+    let abort = wait_for_abort_where(&stack, &prefix, |rid| rid.starts_with(&prefix));
+    assert_eq!(abort["pod"], "sg-d-0");
     assert_eq!(
-        stack.stat("gateway_pd_decode_watchdog_total.phase.first_response"),
-        0,
+        stack.metric(
+            "gateway_pd_decode_watchdog_total",
+            &[("phase", "first_response")]
+        ),
+        0.0,
         "not a watchdog failure"
     );
     stack.clear_faults();

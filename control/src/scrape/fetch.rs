@@ -71,11 +71,34 @@ pub async fn scrape(
     model: &str,
     timeout: Duration,
 ) -> Result<Reading, ScrapeError> {
-    let _slot = slots.acquire().await.map_err(|_| ScrapeError::Closed)?;
+    scrape_timed(client, slots, url, engine, model, timeout)
+        .await
+        .0
+}
+
+/// [`scrape`] with the duration of the exchange itself (not of the wait for a slot), for the
+/// scrape-latency histogram.
+pub async fn scrape_timed(
+    client: &reqwest::Client,
+    slots: &Arc<Semaphore>,
+    url: &str,
+    engine: Engine,
+    model: &str,
+    timeout: Duration,
+) -> (Result<Reading, ScrapeError>, Duration) {
+    let Ok(_slot) = slots.acquire().await else {
+        return (Err(ScrapeError::Closed), Duration::ZERO);
+    };
+    let started = std::time::Instant::now();
     let text = tokio::time::timeout(timeout, fetch_text(client, url))
         .await
-        .map_err(|_| ScrapeError::Timeout(timeout))??;
-    Ok(parse_reading(&text, engine, model)?)
+        .map_err(|_| ScrapeError::Timeout(timeout));
+    let elapsed = started.elapsed();
+    let result = match text {
+        Ok(Ok(text)) => parse_reading(&text, engine, model).map_err(ScrapeError::from),
+        Ok(Err(e)) | Err(e) => Err(e),
+    };
+    (result, elapsed)
 }
 
 async fn fetch_text(client: &reqwest::Client, url: &str) -> Result<String, ScrapeError> {

@@ -39,6 +39,8 @@ pub struct Job {
 pub struct Outcome {
     pub job: Job,
     pub result: Result<Reading, ScrapeError>,
+    /// Time of the HTTP exchange itself.
+    pub elapsed: Duration,
     pub finished: Instant,
     pub finished_unix_ms: i64,
 }
@@ -179,6 +181,7 @@ impl ScrapeBook {
             result,
             finished,
             finished_unix_ms,
+            ..
         } = outcome;
         let mut round_done = None;
         if let Some(i) = self.rounds.iter().position(|r| r.id == job.round) {
@@ -271,11 +274,13 @@ impl Scraper {
         let timeout = self.timeout;
         let outcomes = self.outcomes.clone();
         tokio::spawn(async move {
-            let result =
-                fetch::scrape(&client, &slots, &job.url, job.engine, &job.model, timeout).await;
+            let (result, elapsed) =
+                fetch::scrape_timed(&client, &slots, &job.url, job.engine, &job.model, timeout)
+                    .await;
             let _ = outcomes.send(Outcome {
                 job,
                 result,
+                elapsed,
                 finished: Instant::now(),
                 finished_unix_ms: crate::unix_ms_now(),
             });
@@ -309,6 +314,7 @@ mod tests {
 
     fn ok(job: &Job, at: Instant, running: f64, prompt: f64) -> Outcome {
         Outcome {
+            elapsed: Duration::from_millis(1),
             job: job.clone(),
             result: Ok(Reading {
                 running: Some(running),
@@ -322,6 +328,7 @@ mod tests {
 
     fn failed(job: &Job, at: Instant) -> Outcome {
         Outcome {
+            elapsed: Duration::from_millis(1),
             job: job.clone(),
             result: Err(ScrapeError::Timeout(Duration::from_secs(1))),
             finished: at,

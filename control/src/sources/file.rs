@@ -86,6 +86,10 @@ impl FleetSource for FileSource {
         format!("fleet file {}", self.path.display())
     }
 
+    fn kind(&self) -> &'static str {
+        "file"
+    }
+
     async fn load(&mut self) -> Result<Vec<PodRecord>, SourceError> {
         let bytes = tokio::fs::read(&self.path)
             .await

@@ -163,6 +163,10 @@ impl KubernetesSource {
 }
 
 impl FleetSource for KubernetesSource {
+    fn kind(&self) -> &'static str {
+        "kubernetes"
+    }
+
     fn describe(&self) -> String {
         let server = self
             .settings

@@ -38,6 +38,11 @@ pub trait FleetSource: Send + 'static {
     /// Human-readable origin, for logs and start-up errors.
     fn describe(&self) -> String;
 
+    /// Short kind of source, the `source` label of `pd_control_fleet_event_age_seconds`.
+    fn kind(&self) -> &'static str {
+        "custom"
+    }
+
     /// The first complete fleet. A failure here stops start-up: serving an empty snapshot would
     /// tell every filter that no model has pods.
     fn load(&mut self) -> impl Future<Output = Result<Vec<PodRecord>, SourceError>> + Send;
@@ -69,6 +74,7 @@ impl FleetPublisher {
     /// Replaces the fleet; returns whether it differed. Identical fleets are not sent so the
     /// control loop does not rebuild snapshots for a no-op re-read.
     pub fn publish(&self, pods: Vec<PodRecord>) -> bool {
+        self.stats.fleet_event(crate::unix_ms_now());
         self.tx.send_if_modified(|current| {
             if **current == pods {
                 return false;

@@ -32,6 +32,9 @@ pub struct PluginConfig {
     pub pods_cluster: String,
     /// The header that cluster reads (`original_dst_lb_config.http_header_name`).
     pub dst_header: String,
+    /// Honour `x-pd-explain: 1`: the response then carries `x-pd-explain`, why these pods.
+    /// Off by default: the explanation names pods and scores, which clients need not see.
+    pub explain: bool,
 }
 
 impl Default for PluginConfig {
@@ -44,6 +47,7 @@ impl Default for PluginConfig {
             fetch_timeout_ms: 2000,
             pods_cluster: "pd_pods".into(),
             dst_header: "target-pod".into(),
+            explain: false,
         }
     }
 }
@@ -132,6 +136,10 @@ pub struct EnvSettings {
     pub prefill_request_timeout_s: f64,
     /// `AIBRIX_KV_CONNECTOR_TYPE`.
     pub kv_connector: KvConnector,
+    /// `AIBRIX_TTFT_THRESHOLD_S`: TTFT above it counts in
+    /// `gateway_first_token_delay_over_1s_total`. AIBrix reads whole seconds; fractions are
+    /// accepted too.
+    pub ttft_threshold_s: f64,
     pub pd: PdEnv,
 }
 
@@ -183,6 +191,7 @@ impl Default for EnvSettings {
             routing_algorithm: None,
             prefill_request_timeout_s: 30.0,
             kv_connector: KvConnector::Shfs,
+            ttft_threshold_s: 1.0,
             pd: PdEnv::default(),
         }
     }
@@ -205,6 +214,7 @@ impl EnvSettings {
                 (KvConnector::Shfs, "shfs"),
                 KvConnector::parse,
             ),
+            ttft_threshold_s: r.positive("AIBRIX_TTFT_THRESHOLD_S", d.ttft_threshold_s),
             pd: PdEnv {
                 prompt_length_bucketing: r.bool("AIBRIX_PROMPT_LENGTH_BUCKETING", false),
                 prefill_score_policy: r
@@ -285,6 +295,9 @@ mod tests {
             (ok.dst_header.as_str(), ok.refresh_ms),
             ("x-gateway-destination-endpoint", 50)
         );
+        assert!(!ok.explain, "explanations are off unless asked for");
+        assert!(PluginConfig::parse(br#"{"explain":true}"#).unwrap().explain);
+        assert!(PluginConfig::parse(br#"{"explain":"yes"}"#).is_err());
     }
 
     #[test]
@@ -299,6 +312,7 @@ mod tests {
         assert_eq!(s.prefill_request_timeout_s, 30.0);
         assert_eq!(s.kv_connector, KvConnector::Nixl);
         assert_eq!(s.routing_algorithm.as_deref(), Some("pd"));
+        assert_eq!(s.ttft_threshold_s, 1.0);
         assert_eq!(warnings.len(), 1);
         assert!(warnings[0].contains("AIBRIX_PREFILL_REQUEST_TIMEOUT"));
     }

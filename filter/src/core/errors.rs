@@ -157,6 +157,20 @@ pub fn sanitize_header(value: &str) -> String {
     cleaned
 }
 
+/// Like [`sanitize_header`] for longer values: at most `max` bytes, a cut marked with `...`.
+pub fn sanitize_header_len(value: &str, max: usize) -> String {
+    let mut cleaned: String = value.chars().filter(|c| !c.is_control()).collect();
+    if cleaned.len() > max {
+        let mut cut = max.saturating_sub(3);
+        while !cleaned.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        cleaned.truncate(cut);
+        cleaned.push_str("...");
+    }
+    cleaned
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

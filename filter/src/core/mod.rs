@@ -8,6 +8,7 @@ pub mod errors;
 pub mod fleet;
 pub mod journal;
 pub mod ledger;
+pub mod obs;
 pub mod pd;
 pub mod prefix;
 pub mod profile;

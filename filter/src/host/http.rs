@@ -16,6 +16,9 @@ use crate::core::engine::{self, trtllm, vllm, Engine};
 use crate::core::errors::RouteError;
 use crate::core::fleet::{FleetView, ModelView};
 use crate::core::ledger::{self, Ledger};
+use crate::core::obs::outcome::Outcome;
+use crate::core::obs::timing::Instants;
+use crate::core::obs::{usage, Explain};
 use crate::core::pd::{self, candidates, PairInput, PdSettings, Step0Input, Target};
 use crate::core::prefix::{self, PrefixEvent};
 use crate::core::profile::Strategy;
@@ -27,7 +30,7 @@ use crate::host::holds::{self, pod_tokens, Hold};
 use crate::host::metrics::Metrics;
 use crate::host::snapshot;
 use crate::host::store::SharedData;
-use crate::host::{now_ms, now_ns, SharedVm, VmState};
+use crate::host::{now_ms, now_ns, now_us, SharedVm, VmState};
 
 /// Request headers forwarded on the prefill leg, as AIBrix does.
 const FORWARDED: [&str; 6] = [
@@ -38,6 +41,19 @@ const FORWARDED: [&str; 6] = [
     "x-aibrix-session-key",
     "traceparent",
 ];
+/// Request header asking for a routing explanation (honoured when the plugin enables it).
+const EXPLAIN_HEADER: &str = "x-pd-explain";
+/// Filter-state keys (Envoy prefixes `wasm.`), printable with `%FILTER_STATE(wasm.<key>:PLAIN)%`.
+const STATE_PREFILL_POD: &str = "pd_prefill_pod";
+const STATE_DECODE_POD: &str = "pd_decode_pod";
+const STATE_TARGET_POD: &str = "pd_target_pod";
+const STATE_STRATEGY: &str = "pd_strategy";
+const STATE_PROFILE: &str = "pd_profile";
+const STATE_SELECTION_US: &str = "pd_selection_us";
+const STATE_EXPLAIN: &str = "pd_explain";
+/// Model label of requests whose model the fleet does not know: client-chosen names never
+/// become labels, so a client cannot grow Envoy's stats without bound.
+const UNKNOWN_MODEL: &str = "unknown";
 /// ORIGINAL_DST's default header; removed even when the cluster reads another one, so a
 /// client can never pick an upstream through either.
 const ENVOY_DST_HEADER: &str = "x-envoy-original-dst-host";
@@ -59,6 +75,26 @@ struct PendingDecode {
     merge: pair::Merge,
 }
 
+/// What the request contributes to metrics, the access log and its explanation.
+#[derive(Default)]
+struct Observed {
+    times: Instants,
+    /// The request's model, once the fleet knows it.
+    model: Option<String>,
+    /// Set by a local reply; otherwise the outcome comes from the response status.
+    outcome: Option<Outcome>,
+    response_status: Option<u32>,
+    /// Streams that asked for a usage chunk: their chunks are scanned for completion tokens.
+    scan_usage: bool,
+    /// `gateway_prefill_outstanding_requests` was raised for this request's prefill leg.
+    prefill_outstanding: bool,
+    /// Selection plus charge, microseconds (PD pairs).
+    selection_us: Option<u64>,
+    /// Filled by the selection only when the client asked and the plugin allows it.
+    explain: Option<Box<Explain>>,
+    explain_header: Option<String>,
+}
+
 pub struct PdHttp {
     id: u32,
     vm: SharedVm,
@@ -78,6 +114,7 @@ pub struct PdHttp {
     routed: Option<Routed>,
     /// Engine legs beyond the synchronous prefill (see `pair`).
     legs: pair::Legs,
+    obs: Observed,
 }
 
 impl PdHttp {
@@ -97,12 +134,20 @@ impl PdHttp {
             pending: None,
             routed: None,
             legs: pair::Legs::default(),
+            obs: Observed::default(),
         }
     }
 
     fn reject(&mut self, error: RouteError) -> Action {
         self.release_all();
-        self.vm.borrow().metrics.rejected(&error);
+        self.obs.outcome.get_or_insert(Outcome::rejected(&error));
+        {
+            let mut vm = self.vm.borrow_mut();
+            vm.metrics.rejected(&error);
+            if matches!(error, RouteError::Prefill { .. }) {
+                vm.metrics.prefill_failed(&error);
+            }
+        }
         if !matches!(
             error,
             RouteError::UnknownPath | RouteError::BadBody | RouteError::NoMessages
@@ -110,11 +155,14 @@ impl PdHttp {
             log::info!("request {} refused: {error}", self.request_id);
         }
         let (name, value) = error.header();
-        let headers = vec![
+        let mut headers = vec![
             (name, value.as_str()),
             ("content-type", "application/json"),
             ("request-id", self.request_id.as_str()),
         ];
+        if let Some(explain) = &self.obs.explain_header {
+            headers.push((EXPLAIN_HEADER, explain.as_str()));
+        }
         let body = error.body();
         if let Err(e) = hostcalls::send_http_response(error.status(), headers, Some(&body)) {
             log::error!("context {}: cannot send local reply: {e:?}", self.id);
@@ -152,10 +200,13 @@ impl PdHttp {
             .clone()
             .ok_or(RouteError::NoSnapshot)?;
         let req = RoutingRequest::parse(endpoint, raw)?;
+        self.obs.times.stream = req.stream;
+        self.obs.scan_usage = req.stream && wants_usage(&req.body);
         let model = fleet
             .models
             .get(&req.model)
             .ok_or_else(|| RouteError::UnknownModel(req.model.clone()))?;
+        self.obs.model = Some(req.model.clone());
         if model.pods.is_empty() {
             return Err(RouteError::NoRoutablePods(req.model.clone()));
         }
@@ -199,6 +250,15 @@ impl PdHttp {
             self.select_one(model, decision.strategy, now)?
         };
         let strategy = decision.strategy.name().to_string();
+        self.obs.times.routed_us = Some(now_us());
+        if self.obs.explain.is_some() && self.obs.explain_header.is_none() {
+            // Non-PD strategies have no cascade to explain: name the strategy and the pick.
+            self.obs.explain_header = Some(format!(
+                "strategy={strategy}; pick={}",
+                model.pods[target.pod()].name
+            ));
+        }
+        self.log_state(model, target, &strategy, decision.profile.as_deref());
         match target {
             Target::Single { pod } => {
                 let pod = &model.pods[pod];
@@ -214,6 +274,11 @@ impl PdHttp {
             }
             Target::Pair { prefill, decode } => {
                 let (prefill, decode) = (&model.pods[prefill], &model.pods[decode]);
+                {
+                    let mut vm = self.vm.borrow_mut();
+                    vm.metrics.selected(prefill, &req.model);
+                    vm.metrics.selected(decode, &req.model);
+                }
                 self.routed = Some(Routed {
                     strategy,
                     pod_name: decode.name.clone(),
@@ -221,7 +286,10 @@ impl PdHttp {
                     prefill: Some((prefill.name.clone(), prefill.ip.clone())),
                 });
                 Metrics::inc(self.vm.borrow().metrics.routed_pair);
-                self.start_pair(engine, req, raw, prefill, decode)
+                let action = self.start_pair(engine, req, raw, prefill, decode)?;
+                Metrics::gauge_add(self.vm.borrow().metrics.prefill_outstanding, 1);
+                self.obs.prefill_outstanding = true;
+                Ok(action)
             }
         }
     }
@@ -298,16 +366,31 @@ impl PdHttp {
         let rng = &mut vm.rng;
         let started = now_ns();
         let mut core_ns = 0u128;
-        let (selected, held, tokens) = ledger::update(&SharedData, |l| {
+        let mut explain = self.obs.explain.take();
+        let result = ledger::update(&SharedData, |l| {
             l.set_remote(remote.clone());
+            if let Some(x) = explain.as_deref_mut() {
+                // A CAS retry selects again: explain the attempt that lands.
+                *x = Explain::default();
+            }
             let t0 = now_ns();
-            let selected = pd::select_pd(model, step0, l, pair, rng)?;
+            let selected =
+                pd::select_pd_explained(model, step0, l, pair, rng, explain.as_deref_mut())?;
             core_ns = now_ns().saturating_sub(t0);
             let held = selected.charge(model, l, now);
             let tokens = pod_tokens(l, &held);
             Ok::<_, RouteError>((selected, held, tokens))
-        })?;
+        });
+        if let Some(x) = &explain {
+            self.obs.explain_header = Some(x.header(model));
+        }
+        self.obs.explain = explain;
+        if let Err(e @ RouteError::Selection { .. }) = &result {
+            vm.metrics.prefill_failed(e);
+        }
+        let (selected, held, tokens) = result?;
         let elapsed_us = (now_ns().saturating_sub(started) / 1_000) as u64;
+        self.obs.selection_us = Some(elapsed_us);
         if let Some(id) = vm.metrics.selection_us {
             let _ = hostcalls::record_metric(id, elapsed_us);
         }
@@ -342,12 +425,23 @@ impl PdHttp {
         let mut vm = vm.borrow_mut();
         let remote = vm.remote.clone();
         let rng = &mut vm.rng;
-        let (target, held) = ledger::update(&SharedData, |l| {
+        let result = ledger::update(&SharedData, |l| {
             l.set_remote(remote.clone());
             let target = pd::select_single(model, strategy, l, rng)?;
             let held = pd::Selected::single(target.pod()).charge(model, l, now);
             Ok::<_, RouteError>((target, held))
-        })?;
+        });
+        if let (Some(_), Err(e)) = (&self.obs.explain, &result) {
+            let detail = match e {
+                RouteError::Selection { detail } => detail.clone(),
+                other => other.to_string(),
+            };
+            self.obs.explain_header = Some(crate::core::errors::sanitize_header_len(
+                &format!("strategy={}; error={detail}", strategy.name()),
+                crate::core::obs::explain::MAX_LEN,
+            ));
+        }
+        let (target, held) = result?;
         let ttl_s = vm.defaults.tokens.ttl_s;
         self.hold(&mut vm, held, now, ttl_s);
         Ok(target)
@@ -402,6 +496,57 @@ impl PdHttp {
         self.set_http_request_header("x-request-id", Some(&self.request_id));
         if !strategy.is_empty() {
             self.set_http_request_header("routing-strategy", Some(strategy));
+        }
+    }
+
+    /// Lowers `gateway_prefill_outstanding_requests` once the leg is over (answered, or the
+    /// stream ended first).
+    fn prefill_returned(&mut self) {
+        if std::mem::take(&mut self.obs.prefill_outstanding) {
+            Metrics::gauge_add(self.vm.borrow().metrics.prefill_outstanding, -1);
+        }
+    }
+
+    /// Exposes the routing decision as filter state (`wasm.pd_*`) for access-log formats.
+    fn log_state(&self, model: &ModelView, target: Target, strategy: &str, profile: Option<&str>) {
+        let set = |key: &str, value: &str| {
+            if let Err(e) = hostcalls::set_property(vec![key], Some(value.as_bytes())) {
+                log::debug!("context {}: cannot set filter state {key}: {e:?}", self.id);
+            }
+        };
+        if let Target::Pair { prefill, decode } = target {
+            set(STATE_PREFILL_POD, &model.pods[prefill].name);
+            set(STATE_DECODE_POD, &model.pods[decode].name);
+        }
+        set(STATE_TARGET_POD, &model.pods[target.pod()].name);
+        set(STATE_STRATEGY, strategy);
+        if let Some(profile) = profile {
+            set(STATE_PROFILE, profile);
+        }
+        if let Some(us) = self.obs.selection_us {
+            set(STATE_SELECTION_US, &us.to_string());
+        }
+        if let Some(explain) = &self.obs.explain_header {
+            set(STATE_EXPLAIN, explain);
+        }
+    }
+
+    /// Counts the request's outcome and, when a pod answered, its durations. Runs once, at
+    /// the end of the stream, whatever happened.
+    fn observe_end(&mut self) {
+        self.prefill_returned();
+        let outcome = self.obs.outcome.unwrap_or(match self.obs.response_status {
+            Some(code) => Outcome::Response { code },
+            None => Outcome::Aborted,
+        });
+        let model = self.obs.model.as_deref().unwrap_or(UNKNOWN_MODEL);
+        let mut vm = self.vm.borrow_mut();
+        vm.metrics.outcome(model, outcome);
+        if self.obs.outcome.is_none() && self.obs.response_status.is_some() {
+            let mut times = self.obs.times;
+            times.end_us.get_or_insert_with(now_us);
+            let threshold_us = (vm.defaults.env.ttft_threshold_s * 1e6) as u64;
+            vm.metrics.durations(&times.durations(), threshold_us);
         }
     }
 
@@ -468,26 +613,22 @@ impl Context for PdHttp {
             "trap requested by PD_ROUTER_DEBUG_TRAP_HEADER"
         );
         self.release_stage(HeldCharges::release_prefill_leg);
+        self.prefill_returned();
         let status = self
             .get_http_call_response_header(":status")
             .unwrap_or_default();
         let body = self
             .get_http_call_response_body(0, body_size)
             .unwrap_or_default();
-        let (success, fail) = {
-            let vm = self.vm.borrow();
-            (vm.metrics.prefill_success, vm.metrics.prefill_fail)
-        };
+        let success = self.vm.borrow().metrics.prefill_success;
         match self.finish_prefill(&status, &body) {
             Ok(()) => {
                 Metrics::inc(success);
                 self.arm_watchdog();
+                self.obs.times.prefill_end_us = Some(now_us());
                 self.resume_http_request();
             }
             Err(e) => {
-                if matches!(e, RouteError::Prefill { .. }) {
-                    Metrics::inc(fail);
-                }
                 self.routed = None;
                 self.reject(e);
             }
@@ -504,6 +645,13 @@ impl HttpContext for PdHttp {
         let trap = self.vm.borrow().debug_trap_header.clone();
         self.trap_at_prefill_answer =
             trap.is_some_and(|h| self.get_http_request_header(&h).is_some());
+        self.obs.times.request_us = now_us();
+        if self.vm.borrow().plugin.explain {
+            if self.get_http_request_header(EXPLAIN_HEADER).as_deref() == Some("1") {
+                self.obs.explain = Some(Box::default());
+            }
+            self.set_http_request_header(EXPLAIN_HEADER, None);
+        }
 
         let traceparent = self.get_http_request_header("traceparent");
         let random = self.vm.borrow_mut().rng.u128(..);
@@ -541,13 +689,17 @@ impl HttpContext for PdHttp {
         }
     }
 
-    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        self.watch_chunk(body_size, end_of_stream);
-        Action::Continue
-    }
-
-    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+    fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         self.watch_headers();
+        self.obs.response_status = self
+            .get_http_response_header(":status")
+            .and_then(|s| s.parse().ok());
+        if end_of_stream {
+            self.obs.times.end_us = Some(now_us());
+        }
+        if let Some(explain) = &self.obs.explain_header {
+            self.set_http_response_header(EXPLAIN_HEADER, Some(explain));
+        }
         self.set_http_response_header("request-id", Some(&self.request_id));
         if let Some(profile) = &self.auto_profile {
             self.set_http_response_header("x-aibrix-config-profile", Some(profile));
@@ -566,8 +718,44 @@ impl HttpContext for PdHttp {
         Action::Continue
     }
 
-    fn on_log(&mut self) {
-        self.vm.borrow_mut().watched.remove(&self.id);
-        self.release_all();
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        self.watch_chunk(body_size, end_of_stream);
+        let t = &mut self.obs.times;
+        if body_size > 0 && t.first_token_us.is_none() {
+            t.first_token_us = Some(now_us());
+        }
+        if self.obs.scan_usage && body_size > 0 {
+            if let Some(n) = self
+                .get_http_response_body(0, body_size)
+                .and_then(|chunk| usage::completion_tokens(&chunk))
+            {
+                self.obs.times.completion_tokens = Some(n);
+            }
+        }
+        if end_of_stream {
+            self.obs.times.end_us = Some(now_us());
+        }
+        Action::Continue
     }
+
+    fn on_log(&mut self) {
+        let fired = {
+            let mut vm = self.vm.borrow_mut();
+            vm.watched.remove(&self.id);
+            vm.watchdog_fired.remove(&self.id)
+        };
+        if fired {
+            self.obs.outcome = Some(Outcome::DecodeWatchdog);
+        }
+        self.release_all();
+        self.observe_end();
+    }
+}
+
+/// Whether a streaming body asked for the final usage chunk (`stream_options.include_usage`).
+fn wants_usage(body: &Map<String, Value>) -> bool {
+    body.get("stream_options")
+        .and_then(|o| o.get("include_usage"))
+        .and_then(Value::as_bool)
+        == Some(true)
 }

@@ -62,7 +62,10 @@ impl EngineState {
         let define = |r: &str| {
             hostcalls::define_metric(
                 MetricType::Counter,
-                &format!("gateway_pd_decode_abort_total.result.{r}"),
+                &crate::core::obs::labels::tagged(
+                    "gateway_pd_decode_abort_total",
+                    &[("result", r)],
+                ),
             )
             .ok()
         };

@@ -1,23 +1,73 @@
-//! Filter metrics. Envoy exposes them as `wasmcustom.<name>`; `stats_tags` in envoy.yaml turn
-//! the `.reason.<x>` / `.kind.<x>` suffixes into Prometheus labels.
+//! Filter metrics. Envoy exposes them as `wasmcustom.<name>`; labels are encoded into the
+//! name by `core::obs::labels::tagged` and extracted by the `stats_tags` of envoy.yaml.
+//!
+//! Ids are per VM and values process-wide (every VM defining a name shares the stat). Labelled
+//! series are defined once per label set and their ids cached, so the request path formats no
+//! name after the first request of each label set: it only hashes the label values it holds.
 
+use hashbrown::HashMap;
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::MetricType;
 
 use crate::core::errors::RouteError;
+use crate::core::fleet::{PodView, Role};
+use crate::core::obs::labels::tagged;
+use crate::core::obs::outcome::{self, Outcome};
+use crate::core::obs::timing::{self, Durations, DURATION_BUCKETS, TOTAL_BUCKETS};
 
 /// Ids of the three token-ledger gauges of one pod.
 type TokenGaugeIds = [Option<u32>; 3];
 
+/// Per-pod series a VM defines before new pods share one `pod="_other"` series. Envoy cannot
+/// delete a stat and a counter cannot be zeroed, so series of pods that left stay (flat) until
+/// Envoy restarts; the cap bounds that growth under heavy pod churn.
+pub const MAX_POD_SERIES: usize = 4096;
+const OTHER_POD: &str = "_other";
+
+/// Durations with AIBrix bucket counters, in `DURATION_KINDS` order.
+const DURATION_KINDS: [&str; 6] = [
+    "routing",
+    "prefill",
+    "kv_transfer",
+    "decode",
+    "ttft",
+    "tpot",
+];
+
+/// Histograms of the same durations (plus total), unit in the name.
+const HISTOGRAMS: [&str; 7] = [
+    "pd_router_routing_time_us",
+    "pd_router_prefill_time_us",
+    "pd_router_kv_transfer_time_us",
+    "pd_router_decode_time_ms",
+    "pd_router_ttft_ms",
+    "pd_router_tpot_us",
+    "pd_router_total_time_ms",
+];
+
+/// Outcome counter ids of one model: (status, status_code) → id.
+type OutcomeIds = HashMap<(&'static str, u32), Option<u32>>;
+
 #[derive(Default)]
 pub struct Metrics {
-    /// Per-pod token-ledger gauges, defined on first use (ids are per VM).
-    token_gauges: hashbrown::HashMap<String, TokenGaugeIds>,
+    /// Per-pod token-ledger gauges, defined on first use.
+    token_gauges: HashMap<String, TokenGaugeIds>,
+    /// `pd_selected_{prefill,decode}_pod_total` per pod key.
+    selected: HashMap<String, Option<u32>>,
+    /// The shared `pod="_other"` series past [`MAX_POD_SERIES`], per side, once defined.
+    selected_other: [Option<Option<u32>>; 2],
+    /// `gateway_request_model_{success,fail}_total` per model.
+    outcomes: HashMap<String, OutcomeIds>,
+    prefill_fail: HashMap<(&'static str, u32), Option<u32>>,
+    duration_buckets: [[Option<u32>; 13]; 6],
+    total_buckets: [Option<u32>; 8],
+    histograms: [Option<u32>; 7],
     pub requests: Option<u32>,
     pub routed_pair: Option<u32>,
     pub routed_single: Option<u32>,
     pub prefill_success: Option<u32>,
-    pub prefill_fail: Option<u32>,
+    pub prefill_outstanding: Option<u32>,
+    pub first_token_delay: Option<u32>,
     pub fleet_version: Option<u32>,
     pub fleet_loaded_vms: Option<u32>,
     pub snapshot_fetch_errors: Option<u32>,
@@ -41,18 +91,65 @@ fn define(kind: MetricType, name: &str) -> Option<u32> {
     }
 }
 
+fn counter(name: &str, tags: &[(&str, &str)]) -> Option<u32> {
+    define(MetricType::Counter, &tagged(name, tags))
+}
+
 impl Metrics {
-    /// Defines every metric once per VM (ids are per VM, values process-wide).
+    /// Defines the fixed metrics once per VM; labelled per-model and per-pod series come later.
     pub fn define() -> Metrics {
         let c = MetricType::Counter;
         let g = MetricType::Gauge;
+        let code = outcome::PREFILL_SUCCESS.1.to_string();
+        let mut duration_buckets = [[None; 13]; 6];
+        for (kind, ids) in DURATION_KINDS.iter().zip(duration_buckets.iter_mut()) {
+            let name = format!("gateway_{kind}_time_bucket_total");
+            let name = if *kind == "ttft" || *kind == "tpot" {
+                format!("gateway_{kind}_bucket_total")
+            } else {
+                name
+            };
+            for (label, id) in DURATION_BUCKETS.iter().zip(ids.iter_mut()) {
+                *id = counter(&name, &[("bucket", label)]);
+            }
+        }
+        let mut total_buckets = [None; 8];
+        for (label, id) in TOTAL_BUCKETS.iter().zip(total_buckets.iter_mut()) {
+            *id = counter("gateway_total_time_bucket_total", &[("bucket", label)]);
+        }
+        let mut histograms = [None; 7];
+        for (name, id) in HISTOGRAMS.iter().zip(histograms.iter_mut()) {
+            *id = define(MetricType::Histogram, name);
+        }
+        // The route-step failure series exist from the start, so a success ratio over them
+        // reads 100 % rather than "no data" before the first failure.
+        let prefill_fail = [
+            ("pd-do-prefill-request-error", 500),
+            ("pd-filter-prefill-decode-pods-fail", 400),
+        ]
+        .into_iter()
+        .map(|(status, code)| {
+            let id = counter(
+                "gateway_prefill_request_fail_total",
+                &[("status", status), ("status_code", &code.to_string())],
+            );
+            ((status, code), id)
+        })
+        .collect();
         Metrics {
-            token_gauges: hashbrown::HashMap::new(),
+            prefill_fail,
             requests: define(c, "pd_router_requests_total"),
-            routed_pair: define(c, "pd_router_routed_total.kind.pair"),
-            routed_single: define(c, "pd_router_routed_total.kind.single"),
-            prefill_success: define(c, "gateway_prefill_request_success_total"),
-            prefill_fail: define(c, "gateway_prefill_request_fail_total"),
+            routed_pair: counter("pd_router_routed_total", &[("kind", "pair")]),
+            routed_single: counter("pd_router_routed_total", &[("kind", "single")]),
+            prefill_success: counter(
+                "gateway_prefill_request_success_total",
+                &[
+                    ("status", outcome::PREFILL_SUCCESS.0),
+                    ("status_code", &code),
+                ],
+            ),
+            prefill_outstanding: define(g, "gateway_prefill_outstanding_requests"),
+            first_token_delay: define(c, "gateway_first_token_delay_over_1s_total"),
             fleet_version: define(g, "pd_router_fleet_version"),
             fleet_loaded_vms: define(g, "pd_router_fleet_loaded_vms"),
             snapshot_fetch_errors: define(c, "pd_router_snapshot_fetch_errors_total"),
@@ -63,9 +160,13 @@ impl Metrics {
             rejected: RouteError::REASONS
                 .iter()
                 .filter_map(|r| {
-                    define(c, &format!("pd_router_rejected_total.reason.{r}")).map(|id| (*r, id))
+                    counter("pd_router_rejected_total", &[("reason", r)]).map(|id| (*r, id))
                 })
                 .collect(),
+            duration_buckets,
+            total_buckets,
+            histograms,
+            ..Metrics::default()
         }
     }
 
@@ -100,7 +201,7 @@ impl Metrics {
                     let gauge = |metric: &str| {
                         define(
                             MetricType::Gauge,
-                            &format!("{metric}.namespace.{ns}.pod_name.{name}"),
+                            &tagged(metric, &[("namespace", ns), ("pod_name", name)]),
                         )
                     };
                     [
@@ -113,6 +214,131 @@ impl Metrics {
             for (id, value) in ids.iter().zip(values) {
                 Metrics::set(*id, value.max(0.0).round() as u64);
             }
+        }
+    }
+
+    /// Counts one PD selection of `pod` (`pd_selected_prefill_pod_total` or
+    /// `pd_selected_decode_pod_total`, labelled namespace, pod, model, roleset, role).
+    pub fn selected(&mut self, pod: &PodView, model: &str) {
+        let side = usize::from(pod.role == Role::Decode);
+        let metric = if side == 0 {
+            "pd_selected_prefill_pod_total"
+        } else {
+            "pd_selected_decode_pod_total"
+        };
+        let id = match self.selected.get(pod.key.as_str()) {
+            Some(id) => *id,
+            None if self.selected.len() >= MAX_POD_SERIES => *self.selected_other[side]
+                .get_or_insert_with(|| counter(metric, &[("pod", OTHER_POD)])),
+            None => {
+                let ns = pod.key.split_once('/').map(|(ns, _)| ns).unwrap_or("");
+                let role = if side == 0 { "prefill" } else { "decode" };
+                let id = counter(
+                    metric,
+                    &[
+                        ("namespace", ns),
+                        ("roleset", &pod.roleset),
+                        ("role", role),
+                        ("model", model),
+                        ("pod", &pod.name),
+                    ],
+                );
+                self.selected.insert(pod.key.clone(), id);
+                id
+            }
+        };
+        Metrics::inc(id);
+    }
+
+    /// Forgets (and zeroes the gauges of) pods that are no longer in the fleet. Counters of
+    /// such pods stay at their last value: Envoy offers no way to delete a stat, and a
+    /// Prometheus counter must not go down, so they are simply never updated again.
+    pub fn retain_pods(&mut self, live: impl Fn(&str) -> bool) {
+        self.token_gauges.retain(|key, ids| {
+            let keep = live(key);
+            if !keep {
+                for id in ids.iter() {
+                    Metrics::set(*id, 0);
+                }
+            }
+            keep
+        });
+        self.selected.retain(|key, _| live(key));
+    }
+
+    /// Whether any per-pod series is cached (so the caller can skip building the live set).
+    pub fn has_pod_series(&self) -> bool {
+        !self.token_gauges.is_empty() || !self.selected.is_empty()
+    }
+
+    /// Counts a request's outcome in `gateway_request_model_{success,fail}_total`.
+    pub fn outcome(&mut self, model: &str, outcome: Outcome) {
+        let (status, code) = outcome.labels();
+        let success = outcome.is_success();
+        let by_model = self.outcomes.entry_ref(model).or_default();
+        let id = *by_model.entry((status, code)).or_insert_with(|| {
+            let metric = if success {
+                "gateway_request_model_success_total"
+            } else {
+                "gateway_request_model_fail_total"
+            };
+            let code = code.to_string();
+            counter(
+                metric,
+                &[("model", model), ("status", status), ("status_code", &code)],
+            )
+        });
+        Metrics::inc(id);
+    }
+
+    /// Counts a failed prefill leg or selection in `gateway_prefill_request_fail_total`.
+    pub fn prefill_failed(&mut self, error: &RouteError) {
+        for labels in outcome::prefill_fail_labels(error) {
+            let id = *self.prefill_fail.entry(labels).or_insert_with(|| {
+                let code = labels.1.to_string();
+                counter(
+                    "gateway_prefill_request_fail_total",
+                    &[("status", labels.0), ("status_code", &code)],
+                )
+            });
+            Metrics::inc(id);
+        }
+    }
+
+    /// Records a finished request's durations: AIBrix's bucket counters and the histograms.
+    pub fn durations(&self, d: &Durations, ttft_threshold_us: u64) {
+        let by_kind = [
+            d.routing_us,
+            d.prefill_us,
+            d.kv_transfer_us,
+            d.decode_us,
+            d.ttft_us,
+            d.tpot_us,
+        ];
+        for (us, ids) in by_kind.iter().zip(&self.duration_buckets) {
+            if let Some(us) = us {
+                Metrics::inc(ids[timing::duration_bucket(*us)]);
+            }
+        }
+        if let Some(us) = d.total_us {
+            Metrics::inc(self.total_buckets[timing::total_bucket(us)]);
+        }
+        let values = [
+            d.routing_us,
+            d.prefill_us,
+            d.kv_transfer_us,
+            d.decode_us.map(|us| us / 1000),
+            d.ttft_us.map(|us| us / 1000),
+            d.tpot_us,
+            d.total_us.map(|us| us / 1000),
+        ];
+        for (value, id) in values.iter().zip(&self.histograms) {
+            if let Some(v) = value {
+                Metrics::set(*id, *v);
+            }
+        }
+        if timing::first_token_delayed(d, ttft_threshold_us) {
+            Metrics::inc(self.first_token_delay);
         }
     }
 

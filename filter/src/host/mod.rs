@@ -59,6 +59,8 @@ pub struct VmState {
     /// Requests of this VM under the decode watchdog, by HTTP context id.
     pub watched: hashbrown::HashMap<u32, watchdog::Watched>,
     pub watchdog_metrics: watchdog::WatchdogMetrics,
+    /// Requests whose watchdog fired, by context id: their outcome is `pd_decode_watchdog`.
+    pub watchdog_fired: hashbrown::HashSet<u32>,
 }
 
 pub type SharedVm = Rc<RefCell<VmState>>;
@@ -79,6 +81,11 @@ pub fn now_ns() -> u128 {
         .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
         .map(|d| d.as_nanos())
         .unwrap_or(0)
+}
+
+/// Microseconds since the Unix epoch from the host clock, for request timing.
+pub fn now_us() -> u64 {
+    (now_ns() / 1_000) as u64
 }
 
 /// A random seed from WASI `random_get`; falls back to the clock, which is only less

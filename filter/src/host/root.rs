@@ -72,6 +72,7 @@ impl Root {
                 engines: EngineState::new(EngineDefaults::default()),
                 watched: hashbrown::HashMap::new(),
                 watchdog_metrics: WatchdogMetrics::default(),
+                watchdog_fired: hashbrown::HashSet::new(),
             })),
             context_id,
             token: seed | 1,
@@ -158,6 +159,15 @@ impl Root {
         let version = view.version;
         let (version_gauge, loaded_gauge) = {
             let mut vm = self.vm.borrow_mut();
+            if vm.metrics.has_pod_series() {
+                // Pods that left the fleet: zero their gauges, stop updating their counters.
+                let live: hashbrown::HashSet<&str> = view
+                    .models
+                    .values()
+                    .flat_map(|m| m.pods.iter().map(|p| p.key.as_str()))
+                    .collect();
+                vm.metrics.retain_pods(|key| live.contains(key));
+            }
             vm.fleet = Some(Rc::new(view));
             (vm.metrics.fleet_version, vm.metrics.fleet_loaded_vms)
         };

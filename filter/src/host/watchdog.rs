@@ -26,22 +26,28 @@ pub struct Watched {
 }
 
 /// Metric ids of the watchdog (per VM).
+///
+/// `gateway_request_model_fail_total{status="pd_decode_watchdog"}` is counted with the
+/// request's other outcomes when it ends (`VmState::watchdog_fired` marks it), so each request
+/// counts once, under its model.
 #[derive(Default, Clone, Copy)]
 pub struct WatchdogMetrics {
     first_response: Option<u32>,
     stream_idle: Option<u32>,
-    model_fail: Option<u32>,
 }
 
 impl WatchdogMetrics {
     pub fn define() -> WatchdogMetrics {
-        let c = |name: &str| hostcalls::define_metric(MetricType::Counter, name).ok();
+        let c = |phase: &str| {
+            let name = crate::core::obs::labels::tagged(
+                "gateway_pd_decode_watchdog_total",
+                &[("phase", phase)],
+            );
+            hostcalls::define_metric(MetricType::Counter, &name).ok()
+        };
         WatchdogMetrics {
-            first_response: c("gateway_pd_decode_watchdog_total.phase.first_response"),
-            stream_idle: c("gateway_pd_decode_watchdog_total.phase.stream_idle"),
-            model_fail: c(
-                "gateway_request_model_fail_total.status.pd_decode_watchdog.status_code.504",
-            ),
+            first_response: c("first_response"),
+            stream_idle: c("stream_idle"),
         }
     }
 }
@@ -89,7 +95,7 @@ pub fn tick(vm: &SharedVm, root_id: u32, now: u64) {
             watchdog::Phase::FirstResponse => metrics.first_response,
             watchdog::Phase::StreamIdle => metrics.stream_idle,
         });
-        Metrics::inc(metrics.model_fail);
+        vm.borrow_mut().watchdog_fired.insert(id);
         log::warn!(
             "request {request_id}: decode pod {pod} exceeded the {} bound ({} ms); {}",
             fire.phase.name(),

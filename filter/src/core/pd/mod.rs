@@ -18,6 +18,15 @@ use crate::core::charges::HeldCharges;
 use crate::core::errors::RouteError;
 use crate::core::fleet::ModelView;
 use crate::core::ledger::{Counter, Ledger};
+use crate::core::obs::Explain;
+
+/// The detail of a selection error, for the explanation.
+fn explain_error(e: &RouteError) -> String {
+    match e {
+        RouteError::Selection { detail } => detail.clone(),
+        other => other.to_string(),
+    }
+}
 
 /// Where a request goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,11 +102,41 @@ pub fn select_pd(
     pair: PairInput<'_>,
     rng: &mut fastrand::Rng,
 ) -> Result<Selected, RouteError> {
-    match candidates::collect(model, step0, &mut |n| rng.usize(0..n))? {
-        Step0::Combined(pod) => Ok(Selected::single(pod)),
+    select_pd_explained(model, step0, ledger, pair, rng, None)
+}
+
+/// [`select_pd`] that also records its reasoning into `explain` when one is given.
+pub fn select_pd_explained(
+    model: &ModelView,
+    step0: Step0Input<'_>,
+    ledger: &Ledger,
+    pair: PairInput<'_>,
+    rng: &mut fastrand::Rng,
+    mut explain: Option<&mut Explain>,
+) -> Result<Selected, RouteError> {
+    if let Some(x) = explain.as_deref_mut() {
+        x.bucket_len = step0.bucketing.then_some(step0.prompt_len);
+        x.band = pair.banded_roleset.map(str::to_string);
+    }
+    let collected = candidates::collect(model, step0, &mut |n| rng.usize(0..n));
+    if let (Some(x), Err(e)) = (explain.as_deref_mut(), &collected) {
+        x.error = Some(explain_error(e));
+    }
+    match collected? {
+        Step0::Combined(pod) => {
+            if let Some(x) = explain {
+                x.combined = Some(pod);
+            }
+            Ok(Selected::single(pod))
+        }
         Step0::Pairs { prefill, decode } => {
+            if let Some(x) = explain.as_deref_mut() {
+                x.kept("s0", &prefill, &decode);
+            }
             let rows = ledger.rows_for(&model.id_order, model.pods.len());
-            let c = select::select_pair(model, prefill, decode, &rows, pair, rng)?;
+            let chosen =
+                select::select_pair_explained(model, prefill, decode, &rows, pair, rng, explain);
+            let c = chosen?;
             Ok(Selected {
                 target: Target::Pair {
                     prefill: c.prefill,

@@ -7,6 +7,7 @@
 use crate::core::errors::RouteError;
 use crate::core::fleet::{ModelView, PodView, Role};
 use crate::core::ledger::Row;
+use crate::core::obs::explain::{Explain, PairScore};
 use crate::core::pd::settings::PdSettings;
 use crate::core::pd::MinPicker;
 use crate::core::score::decode::{DecodeBatch, DecodeInput};
@@ -74,11 +75,25 @@ fn decode_input(pod: &PodView, row: &Row) -> DecodeInput {
 /// Steps 1–5 over Step 0's candidates.
 pub fn select_pair(
     model: &ModelView,
+    prefill: Vec<usize>,
+    decode: Vec<usize>,
+    rows: &[Row],
+    input: PairInput<'_>,
+    rng: &mut fastrand::Rng,
+) -> Result<PairChoice, RouteError> {
+    select_pair_explained(model, prefill, decode, rows, input, rng, None)
+}
+
+/// [`select_pair`] that records the candidates after each step, the fast paths, skipped
+/// prefill pods, each roleset's pair scores and the pick into `explain` when one is given.
+pub fn select_pair_explained(
+    model: &ModelView,
     mut prefill: Vec<usize>,
     mut decode: Vec<usize>,
     rows: &[Row],
     input: PairInput<'_>,
     rng: &mut fastrand::Rng,
+    mut explain: Option<&mut Explain>,
 ) -> Result<PairChoice, RouteError> {
     let s = input.settings;
     let mut fast = FastPaths::default();
@@ -95,6 +110,9 @@ pub fn select_pair(
         prefill = vec![chosen];
         decode.retain(|&d| roleset_of(model, d) == roleset);
         fast.prefill = true;
+    }
+    if let Some(x) = explain.as_deref_mut() {
+        x.kept("s1", &prefill, &decode);
     }
 
     // The decode signals of the candidates; rebuilt below only if a later step narrows them.
@@ -127,6 +145,9 @@ pub fn select_pair(
             fast.decode = Some(pick.check);
         }
     }
+    if let Some(x) = explain.as_deref_mut() {
+        x.kept("s2", &prefill, &decode);
+    }
 
     // Step 2b: adaptive bucket serving, advisory: only when the banded roleset keeps both sides.
     if let Some(band) = input.banded_roleset {
@@ -135,6 +156,9 @@ pub fn select_pair(
             prefill.retain(in_band);
             decode.retain(in_band);
             fast.banded = true;
+        }
+        if let Some(x) = explain.as_deref_mut() {
+            x.kept("s2b", &prefill, &decode);
         }
     }
 
@@ -151,6 +175,9 @@ pub fn select_pair(
     let mut max_prefill = PREFILL_MAX_SCORE_FLOOR;
     for (&i, &cnt) in prefill.iter().zip(&counts) {
         if prefill::skip(cnt, mean, std, s.std_dev_factor) {
+            if let Some(x) = explain.as_deref_mut() {
+                x.prefill_skipped.push(i);
+            }
             continue;
         }
         let pod = &model.pods[i];
@@ -234,9 +261,22 @@ pub fn select_pair(
     // Step 5: the roleset with the lowest normalised sum.
     let mut best = MinPicker::new();
     for r in 0..rolesets {
-        if let (Some((ps, _)), Some((ds, _))) = (prefill_best[r].best, decode_best[r].best) {
-            best.offer(ps / max_prefill + ds / max_decode, r, rng);
+        if let (Some((ps, p)), Some((ds, d))) = (prefill_best[r].best, decode_best[r].best) {
+            let total = ps / max_prefill + ds / max_decode;
+            if let Some(x) = explain.as_deref_mut() {
+                x.pairs.push(PairScore {
+                    prefill: p,
+                    prefill_score: ps,
+                    decode: d,
+                    decode_score: ds,
+                    total,
+                });
+            }
+            best.offer(total, r, rng);
         }
+    }
+    if let Some(x) = explain.as_deref_mut() {
+        x.fast = fast;
     }
     let Some(r) = best.item() else {
         let missing = if prefill_best.iter().all(|p| p.best.is_none()) {
@@ -244,15 +284,20 @@ pub fn select_pair(
         } else {
             "decode"
         };
-        return Err(RouteError::Selection {
-            detail: format!("target {missing} pod is nil"),
-        });
+        let detail = format!("target {missing} pod is nil");
+        if let Some(x) = explain {
+            x.error = Some(detail.clone());
+        }
+        return Err(RouteError::Selection { detail });
     };
     let (Some(p), Some(d)) = (prefill_best[r].item(), decode_best[r].item()) else {
         return Err(RouteError::Selection {
             detail: "target pod is nil".into(),
         });
     };
+    if let Some(x) = explain {
+        x.chosen = Some((p, d));
+    }
 
     let prefill_cost = s.prefill_policy.uses_token_ledger().then(|| {
         let pct = (s.prefill_policy == PrefillPolicy::HybridCacheLoad)

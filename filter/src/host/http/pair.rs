@@ -250,16 +250,13 @@ impl PdHttp {
             return;
         };
         self.release_stage(HeldCharges::release_prefill_leg);
-        let (success, fail) = {
-            let vm = self.vm.borrow();
-            (vm.metrics.prefill_success, vm.metrics.prefill_fail)
-        };
+        self.prefill_returned();
+        let success = self.vm.borrow().metrics.prefill_success;
         if status == "200" {
             Metrics::inc(success);
             self.arm_watchdog();
             return;
         }
-        Metrics::inc(fail);
         let code = status
             .parse::<u32>()
             .ok()
@@ -283,8 +280,11 @@ impl PdHttp {
         );
         if !self.legs.response_started {
             self.routed = None;
-            self.reject(error);
-        } else if leg.engine == Engine::Trtllm {
+            self.reject(error); // counts the failed leg
+            return;
+        }
+        self.vm.borrow_mut().metrics.prefill_failed(&error);
+        if leg.engine == Engine::Trtllm {
             // GEN is already answering: reset, so the engine cancels the generation.
             if let Err(e) = hostcalls::reset_http_response() {
                 log::warn!(

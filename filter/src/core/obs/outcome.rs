@@ -1,0 +1,161 @@
+//! How a request ended, as the `status` / `status_code` labels of
+//! `gateway_request_model_success_total` and `gateway_request_model_fail_total`, and of the
+//! prefill-leg counters. Every request gets exactly one outcome.
+//!
+//! AIBrix labels an outcome with the phase that decided it plus `_success` / `_fail`; the
+//! contract names two specific ones (`pd_prefill_failure`, `pd_decode_watchdog`/504).
+
+use crate::core::errors::RouteError;
+
+/// Where a request's fate was decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Refused while reading the request headers (unknown path).
+    RequestHeadersFail { code: u32 },
+    /// Refused after reading the body: bad body, unknown model, no pods, bad strategy,
+    /// selection failure, no snapshot.
+    RequestBodyFail { code: u32 },
+    /// The prefill leg failed; the client got `code`.
+    PrefillFailure { code: u32 },
+    /// The decode watchdog gave up on the decode pod (504 even when a 200 stream was cut).
+    DecodeWatchdog,
+    /// The upstream (decode or single pod) answered with `code`.
+    Response { code: u32 },
+    /// The stream ended without a response (the client went away, or a reset).
+    Aborted,
+}
+
+/// Status label values; `&'static` so the host can key its metric-id cache without copies.
+pub const REQUEST_HEADERS_FAIL: &str = "request_headers_fail";
+pub const REQUEST_BODY_FAIL: &str = "request_body_fail";
+pub const PD_PREFILL_FAILURE: &str = "pd_prefill_failure";
+pub const PD_DECODE_WATCHDOG: &str = "pd_decode_watchdog";
+pub const RESPONSE_SUCCESS: &str = "response_success";
+pub const RESPONSE_FAIL: &str = "response_fail";
+/// nginx's "client closed request", AIBrix's `context_canceled` code.
+pub const ABORTED_CODE: u32 = 499;
+
+impl Outcome {
+    /// The outcome of a local reply for `error`.
+    pub fn rejected(error: &RouteError) -> Outcome {
+        let code = error.status();
+        match error {
+            RouteError::UnknownPath => Outcome::RequestHeadersFail { code },
+            RouteError::Prefill { .. } => Outcome::PrefillFailure { code },
+            _ => Outcome::RequestBodyFail { code },
+        }
+    }
+
+    /// True for the success counter; a 2xx answer from the pod is a success.
+    pub fn is_success(self) -> bool {
+        matches!(self, Outcome::Response { code } if (200..300).contains(&code))
+    }
+
+    /// `(status, status_code)` labels.
+    pub fn labels(self) -> (&'static str, u32) {
+        match self {
+            Outcome::RequestHeadersFail { code } => (REQUEST_HEADERS_FAIL, code),
+            Outcome::RequestBodyFail { code } => (REQUEST_BODY_FAIL, code),
+            Outcome::PrefillFailure { code } => (PD_PREFILL_FAILURE, code),
+            Outcome::DecodeWatchdog => (PD_DECODE_WATCHDOG, 504),
+            Outcome::Response { code } if (200..300).contains(&code) => (RESPONSE_SUCCESS, code),
+            Outcome::Response { code } => (RESPONSE_FAIL, code),
+            Outcome::Aborted => (RESPONSE_FAIL, ABORTED_CODE),
+        }
+    }
+}
+
+/// `gateway_prefill_request_fail_total` labels of a failed prefill leg, as AIBrix counts it:
+/// once as `pd-do-prefill-request-error`/500 (the route step) and once per transport class
+/// (`http_error`/<code>, `timeout`/504, `error`/502). A selection failure counts
+/// `pd-filter-prefill-decode-pods-fail`/400 instead.
+pub fn prefill_fail_labels(error: &RouteError) -> Vec<(&'static str, u32)> {
+    match error {
+        RouteError::Prefill { status, class, .. } => {
+            let transport = match *class {
+                "http_error" if *status == 504 => ("timeout", 504),
+                "http_error" => ("http_error", *status),
+                _ => ("error", 502),
+            };
+            vec![("pd-do-prefill-request-error", 500), transport]
+        }
+        RouteError::Selection { .. } => vec![("pd-filter-prefill-decode-pods-fail", 400)],
+        _ => Vec::new(),
+    }
+}
+
+/// Labels of `gateway_prefill_request_success_total`.
+pub const PREFILL_SUCCESS: (&str, u32) = ("pd-prefill-request-success", 200);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_refusal_maps_to_its_phase_and_status() {
+        let cases = [
+            (RouteError::UnknownPath, REQUEST_HEADERS_FAIL, 501),
+            (RouteError::BadBody, REQUEST_BODY_FAIL, 400),
+            (RouteError::UnknownModel("m".into()), REQUEST_BODY_FAIL, 400),
+            (
+                RouteError::Selection { detail: "x".into() },
+                REQUEST_BODY_FAIL,
+                503,
+            ),
+            (
+                RouteError::Prefill {
+                    status: 502,
+                    class: "http_error",
+                    detail: String::new(),
+                },
+                PD_PREFILL_FAILURE,
+                502,
+            ),
+        ];
+        for (error, status, code) in cases {
+            let outcome = Outcome::rejected(&error);
+            assert_eq!(outcome.labels(), (status, code), "{error:?}");
+            assert!(!outcome.is_success());
+        }
+    }
+
+    #[test]
+    fn responses_split_on_2xx_and_the_watchdog_is_504() {
+        assert!(Outcome::Response { code: 200 }.is_success());
+        assert_eq!(
+            Outcome::Response { code: 200 }.labels(),
+            (RESPONSE_SUCCESS, 200)
+        );
+        assert_eq!(
+            Outcome::Response { code: 429 }.labels(),
+            (RESPONSE_FAIL, 429)
+        );
+        assert_eq!(Outcome::Aborted.labels(), (RESPONSE_FAIL, 499));
+        assert_eq!(Outcome::DecodeWatchdog.labels(), (PD_DECODE_WATCHDOG, 504));
+        assert!(!Outcome::DecodeWatchdog.is_success());
+    }
+
+    #[test]
+    fn prefill_failures_count_twice_like_aibrix() {
+        let timeout = RouteError::Prefill {
+            status: 504,
+            class: "http_error",
+            detail: String::new(),
+        };
+        assert_eq!(
+            prefill_fail_labels(&timeout),
+            vec![("pd-do-prefill-request-error", 500), ("timeout", 504)]
+        );
+        let dispatch = RouteError::Prefill {
+            status: 503,
+            class: "dispatch",
+            detail: String::new(),
+        };
+        assert_eq!(prefill_fail_labels(&dispatch)[1], ("error", 502));
+        assert_eq!(
+            prefill_fail_labels(&RouteError::Selection { detail: "x".into() }),
+            vec![("pd-filter-prefill-decode-pods-fail", 400)]
+        );
+        assert!(prefill_fail_labels(&RouteError::BadBody).is_empty());
+    }
+}
