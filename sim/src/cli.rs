@@ -75,6 +75,10 @@ pub struct SimArgs {
     /// `/server_info`; `cpp` (TRT-LLM's default) answers an empty `disaggregated_params`.
     #[arg(long, default_value = "python", value_parser = ["python", "cpp"])]
     pub trtllm_transceiver: String,
+    /// vLLM KV connector contract: `shfs` (upstream vLLM `kv_transfer_params`, AIBrix's
+    /// default) or `nixl` (vLLM on Neuron: the decode leg carries `disagg_prefill_resp`).
+    #[arg(long, default_value = "shfs", value_parser = ["shfs", "nixl"])]
+    pub vllm_connector: String,
 }
 
 impl SimArgs {
@@ -99,6 +103,7 @@ impl SimArgs {
             transfer_timeout: Duration::try_from_secs_f64(self.pd_transfer_timeout_s)
                 .unwrap_or(Duration::from_secs(300)),
             trtllm_python_transceiver: self.trtllm_transceiver == "python",
+            vllm_neuron: self.vllm_connector == "nixl",
         }
     }
 }

@@ -22,6 +22,7 @@ pub mod faults;
 pub mod load;
 pub mod log;
 pub mod metrics;
+pub mod neuron;
 pub mod pod;
 pub mod prefix;
 pub mod rendezvous;

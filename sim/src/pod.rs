@@ -47,6 +47,9 @@ pub struct SimConfig {
     /// TRT-LLM workers run the Python KV-cache transceiver, the only one that reports the
     /// generation-first metadata on `/server_info`; false models the default C++ one.
     pub trtllm_python_transceiver: bool,
+    /// vLLM pods speak the Neuron NIXL contract (`disagg_prefill_resp`) instead of upstream
+    /// vLLM's `kv_transfer_params` exchange (`crate::neuron`).
+    pub vllm_neuron: bool,
 }
 
 impl Default for SimConfig {
@@ -62,6 +65,7 @@ impl Default for SimConfig {
             log_limit: 10_000,
             transfer_timeout: Duration::from_secs(300),
             trtllm_python_transceiver: true,
+            vllm_neuron: false,
         }
     }
 }

@@ -322,6 +322,14 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
         .get("kv_transfer_params")
         .filter(|v| !v.is_null())
         .cloned();
+    // Logged as received (above and in `entry.body`); classified in the upstream shape.
+    let neuron = engine == Engine::Vllm && pod.config.vllm_neuron;
+    let received_body = neuron.then(|| json.clone());
+    let json = if neuron {
+        crate::neuron::adapt(json, pod.role)
+    } else {
+        json
+    };
     let parsed = SimRequest::parse_fields(
         endpoint,
         &json,
@@ -333,7 +341,7 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
         req.leg = leg;
         Ok((req, s, t))
     });
-    entry.body = Some(json);
+    entry.body = Some(received_body.unwrap_or(json));
     let (req, sglang_leg, trt_leg) = match parsed {
         Ok(r) => r,
         Err(err) => return reject(entry, err),
@@ -487,7 +495,12 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
     };
     let kv_out = (req.leg == Leg::Prefill && engine == Engine::Vllm).then(|| {
         let blocks = pod.allocate_blocks(engine::blocks_for(req.prompt_tokens));
-        vllm::prefill_kv_params(&pod.engine_id, &id, &blocks)
+        let mut params = vllm::prefill_kv_params(&pod.engine_id, &id, &blocks);
+        if neuron {
+            // No gateway rewrites `remote_host` in this contract: the pod names itself.
+            params["remote_host"] = Value::String(record.ip.clone());
+        }
+        params
     });
     entry.kv_transfer_params_out = kv_out.clone();
     pod.log.push(entry);

@@ -289,3 +289,34 @@ fn trtllm_generation_first_without_metadata_fails_before_either_leg() {
         "no inference leg was sent: {log:?}"
     );
 }
+
+#[test]
+fn vllm_nixl_hands_the_decode_pod_the_whole_prefill_answer() {
+    // AIBRIX_KV_CONNECTOR_TYPE=nixl is the Neuron contract: no kv_transfer_params on the
+    // prefill leg, the decode leg gets the prefill's whole answer as `disagg_prefill_resp`.
+    let mut env = TOKEN_LOAD.to_vec();
+    env.push(("AIBRIX_KV_CONNECTOR_TYPE", "nixl"));
+    let fleet = pair("vllm");
+    let stack = Stack::start_full(fleet.clone(), fleet, 2, &env, &["--vllm-connector", "nixl"]);
+    for stream in [false, true] {
+        let r = stack.chat(&[("routing-strategy", "pd")], &chat(stream, 3));
+        let (p, d) = assert_pair(&stack, &r, 3);
+        assert!(
+            p["kv_transfer_params_in"].is_null(),
+            "nixl marks nothing on the prefill leg: {p}"
+        );
+        assert!(p["body"].get("stream_options").is_none());
+        let handed = &d["body"]["disagg_prefill_resp"];
+        assert_eq!(
+            handed["kv_transfer_params"], p["kv_transfer_params_out"],
+            "the decode pod got the prefill's own answer"
+        );
+        assert_eq!(handed["usage"]["completion_tokens"], 1);
+        assert!(
+            d["kv_transfer_params_in"].is_null(),
+            "no upstream-vLLM params in this contract: {d}"
+        );
+        assert_eq!(p["x_request_id"], d["x_request_id"]);
+    }
+    assert_ledger_zero(&stack);
+}
