@@ -40,6 +40,9 @@ pub struct PodCtx {
     pub registry: Arc<Registry>,
 }
 
+/// Largest request body a simulated pod reads (past the gateway's own 8 MiB limit).
+pub const MAX_BODY_BYTES: usize = 64 << 20;
+
 /// The router of one simulated pod.
 ///
 /// `/metrics` follows the pod's engine label: vLLM's or SGLang's Prometheus text, or for
@@ -81,6 +84,9 @@ pub fn pod_router(ctx: PodCtx) -> Router {
             get(pod_faults).post(pod_arm).delete(pod_clear_faults),
         )
         .fallback(not_found)
+        // Engines take long-context prompts (vLLM has no body limit); axum's 2 MB default
+        // would answer 413 to prompts a real pod serves.
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(ctx)
 }
 

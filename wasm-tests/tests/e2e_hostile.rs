@@ -1,0 +1,429 @@
+//! Hostile and malformed input, table-driven, through the real `.wasm` in real Envoy
+//! (`--concurrency 2`): each input gets its exact status, `x-error-*` header and OpenAI error
+//! type, no input reaches a pod it should not, nothing panics the filter, and the gateway
+//! keeps serving afterwards with every ledger gauge back at 0.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use pd_wasm_tests::http;
+use pd_wasm_tests::stack::{Fleet, Stack};
+use serde_json::{json, Value};
+
+const MODEL: &str = "hostile-llm";
+const LOCKED: &str = "locked-llm";
+
+/// What one input must produce.
+struct Case {
+    name: &'static str,
+    path: &'static str,
+    headers: Vec<(&'static str, String)>,
+    body: Vec<u8>,
+    status: u16,
+    /// `(header, value)` the answer must carry; `None` value means present with any value.
+    header: Option<(&'static str, Option<&'static str>)>,
+    /// The OpenAI `error.type` of a refusal, or `None` for a success (or a refusal by Envoy
+    /// itself, which has no OpenAI body).
+    error_type: Option<&'static str>,
+}
+
+fn case(name: &'static str, body: impl Into<Vec<u8>>, status: u16) -> Case {
+    Case {
+        name,
+        path: "/v1/completions",
+        headers: vec![("routing-strategy", "pd".to_string())],
+        body: body.into(),
+        status,
+        header: None,
+        error_type: None,
+    }
+}
+
+impl Case {
+    fn chat(mut self) -> Case {
+        self.path = "/v1/chat/completions";
+        self
+    }
+    fn path(mut self, path: &'static str) -> Case {
+        self.path = path;
+        self
+    }
+    fn header(mut self, name: &'static str, value: impl Into<String>) -> Case {
+        self.headers.retain(|(k, _)| *k != name);
+        self.headers.push((name, value.into()));
+        self
+    }
+    fn expect_header(mut self, name: &'static str, value: Option<&'static str>) -> Case {
+        self.header = Some((name, value));
+        self
+    }
+    fn error(mut self, kind: &'static str) -> Case {
+        self.error_type = Some(kind);
+        self
+    }
+}
+
+fn ok(prompt: &str) -> Value {
+    json!({"model": MODEL, "prompt": prompt, "max_tokens": 2})
+}
+
+fn nested(depth: usize) -> String {
+    format!(
+        r#"{{"model":"{MODEL}","prompt":"x","extra":{}{}}}"#,
+        "[".repeat(depth),
+        "]".repeat(depth)
+    )
+}
+
+fn cases() -> Vec<Case> {
+    let bad = "x-error-request-body-processing";
+    let routing = "x-error-routing";
+    let no_backend = "x-error-no-model-backends";
+    let invalid = "invalid_request_error";
+    vec![
+        case("invalid JSON", "{", 400)
+            .expect_header(bad, Some("true"))
+            .error(invalid),
+        case("empty body", "", 400).expect_header(bad, Some("true")),
+        case("a JSON array", "[]", 400)
+            .expect_header(bad, Some("true"))
+            .error(invalid),
+        case("a JSON string", "\"hi\"", 400)
+            .expect_header(bad, Some("true"))
+            .error(invalid),
+        case(
+            "model is a number",
+            json!({"model": 5, "prompt": "x"}).to_string(),
+            400,
+        )
+        .expect_header(bad, Some("true"))
+        .error(invalid),
+        case("model missing", json!({"prompt": "x"}).to_string(), 400)
+            .expect_header(no_backend, None)
+            .error(invalid),
+        case(
+            "model empty",
+            json!({"model": "", "prompt": "x"}).to_string(),
+            400,
+        )
+        .expect_header(no_backend, None)
+        .error(invalid),
+        case(
+            "unknown model",
+            json!({"model": "nope", "prompt": "x"}).to_string(),
+            400,
+        )
+        .expect_header(no_backend, Some("nope"))
+        .error(invalid),
+        case(
+            "model with CR/LF cannot inject a header",
+            json!({"model": "m\r\nx-injected: 1", "prompt": "x"}).to_string(),
+            400,
+        )
+        .expect_header(no_backend, None)
+        .error(invalid),
+        case(
+            "model of 10 KB",
+            json!({"model": "m".repeat(10_000), "prompt": "x"}).to_string(),
+            400,
+        )
+        .expect_header(no_backend, None)
+        .error(invalid),
+        case(
+            "model with a NUL",
+            json!({"model": "a\u{0}b", "prompt": "x"}).to_string(),
+            400,
+        )
+        .expect_header(no_backend, None)
+        .error(invalid),
+        case("prompt missing", json!({"model": MODEL}).to_string(), 400)
+            .expect_header(bad, Some("true"))
+            .error(invalid),
+        case(
+            "prompt is a number",
+            json!({"model": MODEL, "prompt": 7}).to_string(),
+            400,
+        )
+        .expect_header(bad, Some("true"))
+        .error(invalid),
+        case(
+            "stream is a string",
+            json!({"model": MODEL, "prompt": "x", "stream": "yes"}).to_string(),
+            400,
+        )
+        .expect_header(bad, Some("true"))
+        .error(invalid),
+        case(
+            "max_tokens is a string (the engine judges it)",
+            json!({"model": MODEL, "prompt": "x", "max_tokens": "ten"}).to_string(),
+            400,
+        ),
+        case(
+            "max_tokens is huge (the engine judges it)",
+            r#"{"model":"hostile-llm","prompt":"x","max_tokens":1e30}"#,
+            400,
+        ),
+        case(
+            "a 63-bit seed passes through exactly",
+            r#"{"model":"hostile-llm","prompt":"x","max_tokens":2,"seed":9223372036854775807}"#,
+            200,
+        ),
+        case(
+            "duplicated keys: the last one wins, as in the engine",
+            r#"{"model":"nope","model":"hostile-llm","prompt":"x","max_tokens":2}"#,
+            200,
+        ),
+        case("nesting 100 deep is fine", nested(100), 200),
+        case(
+            "nesting 10000 deep is refused, not a crash",
+            nested(10_000),
+            400,
+        )
+        .expect_header(bad, Some("true"))
+        .error(invalid),
+        case(
+            "non-UTF-8 body",
+            b"{\"model\":\"\xff\xfe\",\"prompt\":\"x\"}".to_vec(),
+            400,
+        )
+        .expect_header(bad, Some("true"))
+        .error(invalid),
+        case(
+            "gzip body",
+            b"\x1f\x8b\x08\x00\x00\x00\x00\x00".to_vec(),
+            400,
+        )
+        .header("content-encoding", "gzip")
+        .expect_header(bad, Some("true")),
+        case("query string on the path", ok("x").to_string(), 501)
+            .path("/v1/completions?debug=1")
+            .expect_header(bad, Some("true")),
+        case("unknown path", ok("x").to_string(), 501)
+            .path("/v1/embeddings")
+            .expect_header(bad, Some("true")),
+        case("unknown routing strategy", ok("x").to_string(), 400)
+            .header("routing-strategy", "teleport")
+            .expect_header(routing, Some("true"))
+            .error(invalid),
+        case(
+            "unknown profile falls back to the default",
+            ok("x").to_string(),
+            200,
+        )
+        .header("config-profile", "no-such-profile"),
+        case(
+            "empty profile falls back to the default",
+            ok("x").to_string(),
+            200,
+        )
+        .header("config-profile", ""),
+        case(
+            "an over-long session key is ignored",
+            ok("x").to_string(),
+            200,
+        )
+        .header("x-aibrix-session-key", "k".repeat(300)),
+        case(
+            "client destination headers are stripped",
+            ok("x").to_string(),
+            200,
+        )
+        .header("x-envoy-original-dst-host", "127.0.0.1:1")
+        .header("x-pd-dst", "127.0.0.1:1"),
+        case(
+            "a locked strategy ignores the routing-strategy header",
+            json!({"model": LOCKED, "prompt": "x", "max_tokens": 2}).to_string(),
+            200,
+        )
+        .header("routing-strategy", "random")
+        .expect_header("prefill-target-pod", Some("lp0")),
+        case(
+            "chat: messages empty",
+            json!({"model": MODEL, "messages": []}).to_string(),
+            400,
+        )
+        .chat()
+        .expect_header(bad, Some("true"))
+        .error(invalid),
+        case(
+            "chat: messages not an array",
+            json!({"model": MODEL, "messages": "hi"}).to_string(),
+            400,
+        )
+        .chat()
+        .expect_header(bad, Some("true"))
+        .error(invalid),
+        case(
+            "chat: a message that is not an object",
+            json!({"model": MODEL, "messages": ["hi"]}).to_string(),
+            400,
+        )
+        .chat()
+        .expect_header(bad, Some("true"))
+        .error(invalid),
+        case(
+            "chat: content parts are fine",
+            json!({"model": MODEL, "max_tokens": 2, "messages": [{"role": "user",
+                "content": [{"type": "text", "text": "hi"}]}]})
+            .to_string(),
+            200,
+        )
+        .chat(),
+        case(
+            "a 2 MB prompt is routed",
+            ok(&"long ".repeat(400_000)).to_string(),
+            200,
+        ),
+        case(
+            "a body over the 8 MiB buffer limit is refused by Envoy",
+            ok(&"x".repeat(9 << 20)).to_string(),
+            413,
+        ),
+    ]
+}
+
+#[test]
+fn hostile_inputs_get_their_exact_answers_and_break_nothing() {
+    let locked =
+        r#"{"lockedRoutingStrategy":"pd","profiles":{"default":{"routingStrategy":"pd"}}}"#;
+    let fleet = Fleet::new(MODEL)
+        .pod("p0", "prefill", "g0")
+        .pod("d0", "decode", "g0")
+        .pod("lp0", "prefill", "lg0")
+        .of_model(LOCKED)
+        .config(locked)
+        .pod("ld0", "decode", "lg0")
+        .of_model(LOCKED)
+        .config(locked);
+    let env = [
+        ("AIBRIX_PREFILL_SCORE_POLICY", "token_load"),
+        ("AIBRIX_DECODE_SCORE_POLICY", "token_load"),
+    ];
+    let stack = Stack::start_with(fleet, 2, &env);
+    let pods: Vec<String> = stack
+        .fleet
+        .pods
+        .iter()
+        .map(|p| format!("{}:{}", p.ip, p.port))
+        .collect();
+    let cases = cases();
+    assert!(cases.len() >= 30, "the table holds {} inputs", cases.len());
+    let mut failures = Vec::new();
+    for c in &cases {
+        let mut headers: Vec<(&str, &str)> = vec![("content-type", "application/json")];
+        headers.extend(c.headers.iter().map(|(k, v)| (*k, v.as_str())));
+        let r = match http::request(&stack.gateway, "POST", c.path, &headers, &c.body) {
+            Ok(r) => r,
+            Err(e) => {
+                failures.push(format!("{}: no answer ({e})", c.name));
+                continue;
+            }
+        };
+        let mut wrong = Vec::new();
+        if r.status != c.status {
+            wrong.push(format!("status {} (want {})", r.status, c.status));
+        }
+        if let Some((name, want)) = c.header {
+            match (r.header(name), want) {
+                (None, _) => wrong.push(format!("no {name} header")),
+                (Some(got), Some(want)) if got != want => {
+                    wrong.push(format!("{name}: {got:?} (want {want:?})"))
+                }
+                _ => {}
+            }
+        }
+        if r.headers.iter().any(|(k, _)| k == "x-injected") {
+            wrong.push("a client string became a header".into());
+        }
+        if let Some(kind) = c.error_type {
+            let body = r.json();
+            if body["error"]["type"] != kind || !body["error"]["message"].is_string() {
+                wrong.push(format!("error body {body}"));
+            }
+        }
+        if r.status == 200 {
+            if let Some(target) = r.header("target-pod-ip") {
+                if !pods.iter().any(|p| p == target) {
+                    wrong.push(format!("routed outside the fleet: {target}"));
+                }
+            }
+        }
+        if !wrong.is_empty() {
+            failures.push(format!("{}: {}", c.name, wrong.join("; ")));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+
+    // The 63-bit seed reached the engine digit for digit (no f64 round trip).
+    let seeds: Vec<String> = stack
+        .sim_requests()
+        .iter()
+        .filter_map(|e| e["body"].get("seed").map(Value::to_string))
+        .collect();
+    assert!(
+        !seeds.is_empty() && seeds.iter().all(|s| s == "9223372036854775807"),
+        "{seeds:?}"
+    );
+    // Nothing was sent anywhere but the fleet's pods.
+    for e in stack.sim_requests() {
+        assert!(pods.contains(&e["addr"].as_str().unwrap_or_default().to_string()));
+    }
+    // A header value with a bare CR: whatever Envoy's codec makes of it (refuse it, or pass
+    // the value on), no client bytes may come back as a header of their own.
+    let mut raw = TcpStream::connect(&stack.gateway).expect("connect");
+    raw.set_read_timeout(Some(Duration::from_secs(10))).ok();
+    let body = ok("x").to_string();
+    let request = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: pd\r\ncontent-type: application/json\r\n\
+         routing-strategy: pd\r\nx-aibrix-session-key: a\rinjected: 1\r\n\
+         connection: close\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    raw.write_all(request.as_bytes()).expect("send");
+    let mut answer = String::new();
+    let _ = raw.read_to_string(&mut answer);
+    assert!(
+        answer.starts_with("HTTP/1.1 200") || answer.starts_with("HTTP/1.1 400"),
+        "{answer:.300}"
+    );
+    let head = answer.split("\r\n\r\n").next().unwrap_or_default();
+    assert!(
+        !head
+            .lines()
+            .any(|l| l.to_ascii_lowercase().starts_with("injected")),
+        "{head}"
+    );
+
+    assert!(
+        !stack.envoy_log().contains("panicked at"),
+        "an input panicked the filter"
+    );
+    // Still serving, and nothing left charged.
+    let r = http::post_json(
+        &stack.gateway,
+        "/v1/completions",
+        &[("routing-strategy", "pd")],
+        &ok("after the storm"),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let text = http::get(&stack.admin, "/stats/prometheus")
+            .expect("admin")
+            .text();
+        let values: Vec<f64> = text
+            .lines()
+            .filter(|l| l.starts_with("pd_token_load_"))
+            .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse().ok()))
+            .collect();
+        if !values.is_empty() && values.iter().all(|v| *v == 0.0) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "ledger not at 0: {values:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
