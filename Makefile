@@ -11,7 +11,7 @@ SIM       ?= 1
 PORT      ?= 10000
 PROFILE   ?= debug
 
-.PHONY: wasm wasm-unit help setup build build-native test unit e2e lint fmt up down demo clean
+.PHONY: fuzz wasm wasm-unit help setup build build-native test unit e2e lint fmt up down demo clean
 
 help:
 	@echo "make demo   - set up, start a demo fleet behind Envoy, run a short load, print a summary"
@@ -62,6 +62,20 @@ lint: setup
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 	cargo clippy -p pd-router-filter --target wasm32-wasip1 -- -D warnings
+
+# Every fuzz target for FUZZ_SECONDS each (libFuzzer via cargo-fuzz, nightly); findings land
+# in fuzz/artifacts/<target>/ and fail the run.
+FUZZ_SECONDS ?= 60
+FUZZ_TARGETS := request model_config snapshot prometheus sse_usage shared_state
+fuzz:
+	@rustup toolchain list | grep -q '^nightly' || rustup toolchain install nightly --profile minimal
+	@command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
+	@set -e; for t in $(FUZZ_TARGETS); do \
+	  echo "== fuzz $$t ($(FUZZ_SECONDS) s)"; \
+	  (cd fuzz && cargo +nightly fuzz run $$t -- -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=4096 2>&1 \
+	    | grep -E '^#[0-9]+.*DONE|^Done|ERROR|panicked|SUMMARY' || true); \
+	  test -z "$$(ls fuzz/artifacts/$$t 2>/dev/null)" || { echo "finding in fuzz/artifacts/$$t"; exit 1; }; \
+	done
 
 fmt:
 	cargo fmt --all
