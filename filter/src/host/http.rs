@@ -285,11 +285,12 @@ impl PdHttp {
             now_ms: now,
         };
         let rng = &mut vm.rng;
+        let scratch = &mut vm.select_scratch;
         let started = now_ns();
         let mut core_ns = 0u128;
         let (selected, held, tokens) = ledger::update(&SharedData, |l| {
             let t0 = now_ns();
-            let selected = pd::select_pd(model, step0, l, pair, rng)?;
+            let selected = pd::select_pd_with(model, step0, l, pair, rng, scratch)?;
             core_ns = now_ns().saturating_sub(t0);
             let held = selected.charge(model, l, now);
             let tokens = pod_tokens(l, &held);

@@ -3,6 +3,7 @@
 
 pub mod bucket_serve;
 pub mod candidates;
+pub mod columns;
 pub mod pick;
 pub mod select;
 pub mod settings;
@@ -10,7 +11,7 @@ pub mod single;
 
 pub use candidates::{Step0, Step0Input};
 pub use pick::MinPicker;
-pub use select::{FastPaths, PairInput};
+pub use select::{FastPaths, PairInput, Scratch};
 pub use settings::{PdDefaults, PdSettings};
 pub use single::select_single;
 
@@ -93,22 +94,48 @@ pub fn select_pd(
     pair: PairInput<'_>,
     rng: &mut fastrand::Rng,
 ) -> Result<Selected, RouteError> {
-    match candidates::collect(model, step0, &mut |n| rng.usize(0..n))? {
-        Step0::Combined(pod) => Ok(Selected::single(pod)),
-        Step0::Pairs { prefill, decode } => {
-            let rows = ledger.rows_for(&model.id_order, model.pods.len());
-            let c = select::select_pair(model, prefill, decode, &rows, pair, rng)?;
-            Ok(Selected {
-                target: Target::Pair {
-                    prefill: c.prefill,
-                    decode: c.decode,
-                },
-                prefill_cost: c.prefill_cost,
-                decode_tokens: c.decode_tokens,
-                fast_paths: c.fast_paths,
-            })
+    select_pd_with(model, step0, ledger, pair, rng, &mut Scratch::default())
+}
+
+/// [`select_pd`] with buffers (and ledger row hints) kept from earlier selections.
+pub fn select_pd_with(
+    model: &ModelView,
+    step0: Step0Input<'_>,
+    ledger: &Ledger,
+    pair: PairInput<'_>,
+    rng: &mut fastrand::Rng,
+    scratch: &mut Scratch,
+) -> Result<Selected, RouteError> {
+    let cols = &model.columns;
+    // Without bucketing, Step 0 keeps every pod of every complete roleset (when there is at
+    // least one): the snapshot already lists them.
+    let c = if !step0.bucketing && !cols.all_prefill.is_empty() && !cols.all_decode.is_empty() {
+        select::select_pair(
+            model,
+            &cols.all_prefill,
+            &cols.all_decode,
+            ledger,
+            pair,
+            rng,
+            scratch,
+        )?
+    } else {
+        match candidates::collect(model, step0, &mut |n| rng.usize(0..n))? {
+            Step0::Combined(pod) => return Ok(Selected::single(pod)),
+            Step0::Pairs { prefill, decode } => {
+                select::select_pair(model, &prefill, &decode, ledger, pair, rng, scratch)?
+            }
         }
-    }
+    };
+    Ok(Selected {
+        target: Target::Pair {
+            prefill: c.prefill,
+            decode: c.decode,
+        },
+        prefill_cost: c.prefill_cost,
+        decode_tokens: c.decode_tokens,
+        fast_paths: c.fast_paths,
+    })
 }
 
 #[cfg(test)]
@@ -116,3 +143,6 @@ mod tests;
 
 #[cfg(test)]
 mod proptests;
+
+#[cfg(test)]
+mod reference;

@@ -69,12 +69,12 @@ pub struct DecodeBatch {
 }
 
 /// A usable metric value: finite and not negative (a counter reset can yield a negative rate).
-fn usable(v: Option<f64>) -> Option<f64> {
+pub fn usable(v: Option<f64>) -> Option<f64> {
     v.filter(|x| x.is_finite()).map(|x| x.max(0.0))
 }
 
 /// `round(100 − usage × 100)`, or 0.1 when the cache is full (or over-reported).
-fn free_percent(kv_usage: Option<f64>) -> f64 {
+pub fn free_percent(kv_usage: Option<f64>) -> f64 {
     let usage = usable(kv_usage).unwrap_or(0.0);
     let free = (100.0 - usage * 100.0).round();
     if free <= 0.0 {

@@ -59,24 +59,43 @@ fn conductor_prefill_ms(tokens: f64) -> f64 {
 /// pod's prefill-time histogram; `None` (no histogram, or no samples) and unusable values
 /// (negative, non-finite) price the queue with the 512-token estimate (≈ 16.585 ms).
 pub fn conductor(token_bytes: usize, match_pct: f64, cnt: u32, avg_prefill_ms: Option<f64>) -> f64 {
+    conductor_with(conductor_parts(token_bytes, match_pct), cnt, avg_prefill_ms)
+}
+
+/// The part of [`conductor`] that depends only on the prompt and the pod's match:
+/// `(cached prefix ms, unmatched prefill ms)`. It holds the `powf`, and most pods of one
+/// request share a match percentage, so a selection computes it once per distinct match.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ConductorParts {
+    pub prefix_ms: f64,
+    pub prefill_ms: f64,
+}
+
+pub fn conductor_parts(token_bytes: usize, match_pct: f64) -> ConductorParts {
     let total = token_bytes as f64;
     let matched = total * effective_match_pct(match_pct, 0.0) / 100.0;
     let unmatched = total - matched;
+    ConductorParts {
+        prefix_ms: if matched > 0.0 {
+            CONDUCTOR_A_PREFIX * matched + CONDUCTOR_B_PREFIX
+        } else {
+            0.0
+        },
+        prefill_ms: if unmatched > 0.0 {
+            conductor_prefill_ms(unmatched)
+        } else {
+            0.0
+        },
+    }
+}
+
+/// [`conductor`] from its prompt-only parts: `queue + prefix + prefill`, in that order.
+pub fn conductor_with(parts: ConductorParts, cnt: u32, avg_prefill_ms: Option<f64>) -> f64 {
     let per_request = avg_prefill_ms
         .filter(|ms| ms.is_finite() && *ms >= 0.0)
         .unwrap_or_else(|| conductor_prefill_ms(CONDUCTOR_FALLBACK_TOKENS));
     let queue = f64::from(cnt) * per_request;
-    let prefix = if matched > 0.0 {
-        CONDUCTOR_A_PREFIX * matched + CONDUCTOR_B_PREFIX
-    } else {
-        0.0
-    };
-    let prefill = if unmatched > 0.0 {
-        conductor_prefill_ms(unmatched)
-    } else {
-        0.0
-    };
-    queue + prefix + prefill
+    queue + parts.prefix_ms + parts.prefill_ms
 }
 
 /// `token_load`: `active + kv_weight × kv`, the prefill work charged to the pod in tokens.
