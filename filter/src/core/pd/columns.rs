@@ -1,19 +1,28 @@
-//! The per-pod signals Steps 1–5 read, laid out as one array per signal, computed once per
+//! The per-pod signals Steps 1–5 read, laid out as one array per signal and computed once per
 //! snapshot. A selection at 1024 pods then walks a few dense arrays instead of `PodView`s
 //! (strings, protobuf metrics, configs), and every derivation that depends only on the
-//! snapshot (metric freshness, usable throughput, free KV percent, ...) is paid once per
-//! snapshot instead of once per pod per request.
+//! snapshot (metric freshness, usable throughput, free KV percent, the batch maxima of the
+//! decode side and the terms of its scores that follow from them) is paid once per snapshot
+//! instead of once per pod per request.
+//!
+//! [`Columns`] is indexed by pod; a [`PrefillSet`] or [`DecodeSet`] holds one side's
+//! candidates position by position, so the passes of a selection read memory in order. The
+//! sets of "every pod of every complete roleset" (Step 0 without bucketing, the usual case)
+//! are built here; narrower sets are filled per request into reused buffers.
 //!
 //! `NaN` marks "not reported" in the `f64` columns: every reported value that survives its
 //! filter is a number, so the marker never collides with data.
 
-use crate::core::fleet::PodView;
+use crate::core::fleet::{PodView, Roleset};
 use crate::core::ledger::PodId;
-use crate::core::score::decode::{free_percent, usable};
+use crate::core::score::decode::{
+    self, free_percent, usable, ConductorParts, DecodeMaxima, DecodeStats, LbParts,
+};
 
 /// Marks a pod outside any complete roleset in [`Columns::roleset`].
 pub const NO_ROLESET: u32 = u32::MAX;
 
+/// Per-pod signals, indexed like `ModelView::pods`.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Columns {
     /// Ledger identity of each pod.
@@ -36,12 +45,12 @@ pub struct Columns {
     pub prefill_ms: Vec<f64>,
     /// Step 0 without bucketing: every prefill and every decode pod of the complete rolesets,
     /// roleset by roleset in roleset order.
-    pub all_prefill: Vec<usize>,
-    pub all_decode: Vec<usize>,
+    pub all_prefill: PrefillSet,
+    pub all_decode: DecodeSet,
 }
 
 impl Columns {
-    pub fn build(pods: &[PodView], rolesets: &[crate::core::fleet::Roleset]) -> Columns {
+    pub fn build(pods: &[PodView], rolesets: &[Roleset]) -> Columns {
         let n = pods.len();
         let mut c = Columns {
             id: Vec::with_capacity(n),
@@ -52,14 +61,8 @@ impl Columns {
             drain: Vec::with_capacity(n),
             own_rate: Vec::with_capacity(n),
             prefill_ms: Vec::with_capacity(n),
-            all_prefill: rolesets
-                .iter()
-                .flat_map(|r| r.prefill.iter().copied())
-                .collect(),
-            all_decode: rolesets
-                .iter()
-                .flat_map(|r| r.decode.iter().copied())
-                .collect(),
+            all_prefill: PrefillSet::default(),
+            all_decode: DecodeSet::default(),
         };
         for pod in pods {
             let fresh = pod.metrics.as_ref().filter(|m| !m.stale);
@@ -94,6 +97,12 @@ impl Columns {
                     .unwrap_or(f64::NAN),
             );
         }
+        let mut all_prefill = PrefillSet::default();
+        all_prefill.fill(&c, rolesets.iter().flat_map(|r| r.prefill.iter().copied()));
+        let mut all_decode = DecodeSet::default();
+        all_decode.fill(&c, rolesets.iter().flat_map(|r| r.decode.iter().copied()));
+        c.all_prefill = all_prefill;
+        c.all_decode = all_decode;
         c
     }
 }
@@ -101,4 +110,180 @@ impl Columns {
 /// `Some(v)` unless `v` is the "not reported" marker.
 pub fn reported(v: f64) -> Option<f64> {
     (!v.is_nan()).then_some(v)
+}
+
+/// Consecutive candidates of one roleset: positions `start..end` of a set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Run {
+    pub roleset: u32,
+    pub start: usize,
+    pub end: usize,
+}
+
+/// Appends position `at` (of `roleset`) to the runs.
+fn extend_runs(runs: &mut Vec<Run>, roleset: u32, at: usize) {
+    match runs.last_mut() {
+        Some(run) if run.roleset == roleset && run.end == at => run.end = at + 1,
+        _ => runs.push(Run {
+            roleset,
+            start: at,
+            end: at + 1,
+        }),
+    }
+}
+
+/// Prefill candidates, position by position.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PrefillSet {
+    pub slot: Vec<usize>,
+    pub id: Vec<PodId>,
+    pub roleset: Vec<u32>,
+    pub prefill_ms: Vec<f64>,
+    pub runs: Vec<Run>,
+}
+
+impl PrefillSet {
+    /// Replaces the set with the pods in `slots` (in that order).
+    pub fn fill(&mut self, cols: &Columns, slots: impl IntoIterator<Item = usize>) {
+        self.slot.clear();
+        self.id.clear();
+        self.roleset.clear();
+        self.prefill_ms.clear();
+        self.runs.clear();
+        for slot in slots {
+            extend_runs(&mut self.runs, cols.roleset[slot], self.slot.len());
+            self.slot.push(slot);
+            self.id.push(cols.id[slot]);
+            self.roleset.push(cols.roleset[slot]);
+            self.prefill_ms.push(cols.prefill_ms[slot]);
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.slot.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.slot.is_empty()
+    }
+}
+
+/// Lowest (first of equals, strict <) and highest of a stream of `(position, value)`, as the
+/// Step 2 checks read them.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct MinMax(pub Option<((usize, f64), f64)>);
+
+impl MinMax {
+    pub fn push(&mut self, at: usize, v: f64) {
+        self.0 = Some(match self.0 {
+            None => ((at, v), v),
+            Some(((bi, bv), max)) => (if v < bv { (at, v) } else { (bi, bv) }, max.max(v)),
+        });
+    }
+}
+
+/// What the decode side's candidate set fixes, whatever the request counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct DecodeFixed {
+    /// `max(1, throughputs)`, missing throughput read as 0.
+    pub max_throughput: f64,
+    /// `max(1, free percents)`.
+    pub max_free: f64,
+    /// Step 2 check 2: over the pods reporting throughput.
+    pub throughputs: MinMax,
+    /// Step 2 check 3 applies: the set is not empty and every pod drains (finite rate > 0).
+    pub all_draining: bool,
+    /// Decode `token_load`: mean of the own rates the set has, the rate of the others.
+    pub own_rate_mean: Option<f64>,
+}
+
+/// Decode candidates, position by position, with the parts of their scores that depend on
+/// the set alone.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DecodeSet {
+    pub slot: Vec<usize>,
+    pub id: Vec<PodId>,
+    pub roleset: Vec<u32>,
+    pub fresh: Vec<bool>,
+    /// Usable throughput, NaN when not reported.
+    pub throughput: Vec<f64>,
+    pub drain: Vec<f64>,
+    pub own_rate: Vec<f64>,
+    pub lb: Vec<LbParts>,
+    pub conductor: Vec<ConductorParts>,
+    pub runs: Vec<Run>,
+    pub fixed: DecodeFixed,
+}
+
+impl DecodeSet {
+    /// Replaces the set with the pods in `slots` (in that order).
+    pub fn fill(&mut self, cols: &Columns, slots: impl IntoIterator<Item = usize>) {
+        self.slot.clear();
+        self.id.clear();
+        self.roleset.clear();
+        self.fresh.clear();
+        self.throughput.clear();
+        self.drain.clear();
+        self.own_rate.clear();
+        self.lb.clear();
+        self.conductor.clear();
+        self.runs.clear();
+        let mut fixed = DecodeFixed {
+            max_throughput: 1.0,
+            max_free: 1.0,
+            throughputs: MinMax::default(),
+            all_draining: true,
+            own_rate_mean: None,
+        };
+        for slot in slots {
+            let at = self.slot.len();
+            extend_runs(&mut self.runs, cols.roleset[slot], at);
+            self.slot.push(slot);
+            self.id.push(cols.id[slot]);
+            self.roleset.push(cols.roleset[slot]);
+            self.fresh.push(cols.fresh[slot]);
+            let throughput = cols.throughput[slot];
+            self.throughput.push(throughput);
+            fixed.max_throughput = fixed
+                .max_throughput
+                .max(reported(throughput).unwrap_or(0.0));
+            fixed.max_free = fixed.max_free.max(cols.free[slot]);
+            if let Some(t) = reported(throughput) {
+                fixed.throughputs.push(at, t);
+            }
+            let drain = cols.drain[slot];
+            fixed.all_draining &= drain.is_finite() && drain > 0.0;
+            self.drain.push(drain);
+            self.own_rate.push(cols.own_rate[slot]);
+        }
+        fixed.all_draining &= !self.slot.is_empty();
+        // Summed in candidate order, as `tokens::decode_rates` does.
+        let own = || self.own_rate.iter().filter_map(|&r| reported(r));
+        let rates = own().count();
+        fixed.own_rate_mean = (rates > 0).then(|| own().sum::<f64>() / rates as f64);
+        let maxima = DecodeMaxima {
+            count: 1.0,
+            throughput: fixed.max_throughput,
+            free: fixed.max_free,
+        };
+        for &slot in &self.slot {
+            // The count does not enter these parts; 0 stands in for it.
+            let stats = DecodeStats {
+                count: 0.0,
+                throughput: reported(cols.throughput[slot]).unwrap_or(0.0),
+                free: cols.free[slot],
+            };
+            self.lb.push(decode::lb_parts(&stats, &maxima));
+            self.conductor.push(decode::conductor_parts(&stats));
+        }
+        self.fixed = fixed;
+    }
+
+    pub fn len(&self) -> usize {
+        self.slot.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.slot.is_empty()
+    }
 }

@@ -11,7 +11,7 @@ pub mod single;
 
 pub use candidates::{Step0, Step0Input};
 pub use pick::MinPicker;
-pub use select::{FastPaths, PairInput, Scratch};
+pub use select::{Candidates, FastPaths, PairInput, Scratch};
 pub use settings::{PdDefaults, PdSettings};
 pub use single::select_single;
 
@@ -108,22 +108,18 @@ pub fn select_pd_with(
 ) -> Result<Selected, RouteError> {
     let cols = &model.columns;
     // Without bucketing, Step 0 keeps every pod of every complete roleset (when there is at
-    // least one): the snapshot already lists them.
+    // least one): the snapshot already has them as candidate sets.
     let c = if !step0.bucketing && !cols.all_prefill.is_empty() && !cols.all_decode.is_empty() {
-        select::select_pair(
-            model,
-            &cols.all_prefill,
-            &cols.all_decode,
-            ledger,
-            pair,
-            rng,
-            scratch,
-        )?
+        select::select_pair(model, Candidates::All, ledger, pair, rng, scratch)?
     } else {
         match candidates::collect(model, step0, &mut |n| rng.usize(0..n))? {
             Step0::Combined(pod) => return Ok(Selected::single(pod)),
             Step0::Pairs { prefill, decode } => {
-                select::select_pair(model, &prefill, &decode, ledger, pair, rng, scratch)?
+                let listed = Candidates::Listed {
+                    prefill: &prefill,
+                    decode: &decode,
+                };
+                select::select_pair(model, listed, ledger, pair, rng, scratch)?
             }
         }
     };

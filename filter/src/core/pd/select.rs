@@ -4,23 +4,22 @@
 //! one roleset. Token-ledger charges are computed here and applied by the caller in the same
 //! CAS round as the selection.
 //!
-//! Built for 1000-pod fleets inside a wasm VM: the per-pod signals come from the snapshot's
-//! dense [`Columns`], ledger rows are read in place through cached [`RowHints`], each side's
-//! candidates are gathered once into reused [`Scratch`] buffers, and per-roleset minima are
-//! kept per run of candidates (Step 0 lists candidates roleset by roleset) instead of in a
-//! table sized by the fleet. Every formula, comparison and random draw happens in the same
-//! order as the plain statement of the cascade (kept as `reference.rs` for the tests), so the
-//! same inputs and random state give the same pair.
+//! Built for 1000-pod fleets inside a wasm VM. Each side's candidates are a position-ordered
+//! set of dense arrays ([`PrefillSet`], [`DecodeSet`]); the usual sets (every pod of every
+//! complete roleset) and everything that follows from them alone come with the snapshot, so a
+//! request only reads its ledger counts (in place, through cached [`RowHints`]), scores each
+//! pod in one pass per side into reused [`Scratch`] buffers, and picks per roleset over runs
+//! of positions (Step 0 lists candidates roleset by roleset). Every formula, comparison and
+//! random draw happens in the same order as the plain statement of the cascade (kept as
+//! `reference.rs` for the tests), so the same inputs and random state give the same pair.
 
 use crate::core::errors::RouteError;
 use crate::core::fleet::{ModelView, Role};
-use crate::core::ledger::{Ledger, RowHints, StaleHint};
-use crate::core::pd::columns::{reported, Columns};
+use crate::core::ledger::{Ledger, PodId, RowHints, StaleHint};
+use crate::core::pd::columns::{reported, DecodeSet, MinMax, PrefillSet, Run};
 use crate::core::pd::settings::PdSettings;
 use crate::core::pd::MinPicker;
-use crate::core::score::decode::{
-    self, cold_start, DecodeMaxima, DecodeStats, FastPathCheck, LbWeights,
-};
+use crate::core::score::decode::{self, cold_start, FastPathCheck};
 use crate::core::score::{
     prefill, DecodePolicy, PrefillPolicy, DECODE_MAX_SCORE_FLOOR, PREFILL_MAX_SCORE_FLOOR,
 };
@@ -64,13 +63,15 @@ pub struct PairChoice {
     pub fast_paths: FastPaths,
 }
 
-/// A candidate of one side: its pod and where its ledger row is.
+/// Step 0's candidates: every pod of every complete roleset (the snapshot has them as sets),
+/// or explicit lists of pod indexes, grouped by roleset in roleset order.
 #[derive(Debug, Clone, Copy)]
-struct Candidate {
-    slot: usize,
-    row: Option<usize>,
-    /// In-flight prefill calls (prefill side) or running requests (decode side).
-    count: u32,
+pub enum Candidates<'a> {
+    All,
+    Listed {
+        prefill: &'a [usize],
+        decode: &'a [usize],
+    },
 }
 
 /// The best pod of one roleset on one side.
@@ -81,27 +82,59 @@ struct Best {
     slot: usize,
 }
 
+/// Marks a candidate without a ledger row in [`Scratch`]'s row lists.
+const NO_ROW: u32 = u32::MAX;
+
 /// Buffers a selection reuses, and the ledger row hints of the last model it served. One per
 /// VM; a fresh one works too (it only costs the allocations and a hint rebuild).
 #[derive(Debug, Default)]
 pub struct Scratch {
     hints: RowHints,
-    prefill: Vec<Candidate>,
-    /// The prefill candidates' counts again, densely, for the σ filter's mean and deviation.
+    /// Candidate sets narrower than the snapshot's.
+    prefill_set: PrefillSet,
+    decode_set: DecodeSet,
+    slots: Vec<usize>,
+    /// Per candidate position: ledger count, ledger row, score.
     prefill_counts: Vec<u32>,
-    decode: Vec<Candidate>,
-    rates: Vec<f64>,
+    prefill_rows: Vec<u32>,
+    prefill_scores: Vec<f64>,
+    decode_counts: Vec<u32>,
+    decode_rows: Vec<u32>,
+    decode_scores: Vec<f64>,
     prefill_best: Vec<Best>,
     decode_best: Vec<Best>,
 }
 
-/// Reads the candidates' rows, rebuilding the hints once if they are out of date.
+/// Reads one ledger count of each candidate (and where its row is), rebuilding the row hints
+/// once if they are out of date.
+#[allow(clippy::too_many_arguments)]
 fn gather(
     model: &ModelView,
     ledger: &Ledger,
     hints: &mut RowHints,
-    mut run: impl FnMut(&RowHints) -> Result<(), StaleHint>,
+    slots: &[usize],
+    ids: &[PodId],
+    read: fn(&Ledger, usize) -> u32,
+    counts: &mut Vec<u32>,
+    rows: &mut Vec<u32>,
 ) -> Result<(), RouteError> {
+    let mut run = |hints: &RowHints| -> Result<(), StaleHint> {
+        counts.clear();
+        rows.clear();
+        for (&slot, &id) in slots.iter().zip(ids) {
+            match hints.row(ledger, slot, id)? {
+                Some(i) => {
+                    counts.push(read(ledger, i));
+                    rows.push(i as u32);
+                }
+                None => {
+                    counts.push(0);
+                    rows.push(NO_ROW);
+                }
+            }
+        }
+        Ok(())
+    };
     if run(hints).is_ok() {
         return Ok(());
     }
@@ -109,192 +142,127 @@ fn gather(
     run(hints).map_err(|StaleHint| RouteError::Internal("ledger row hints out of date".into()))
 }
 
-/// The per-roleset minimum of one side, kept per run of same-roleset candidates: Step 0 lists
-/// candidates roleset by roleset (in roleset order) and the steps only drop candidates, so
-/// each roleset is one run and the bests come out sorted by roleset.
-struct RolesetMins<'a> {
-    out: &'a mut Vec<Best>,
-    roleset: u32,
-    picker: MinPicker,
+fn tokens_of(ledger: &Ledger, row: u32) -> PodTokens {
+    if row == NO_ROW {
+        PodTokens::default()
+    } else {
+        ledger.tokens_at(row as usize)
+    }
 }
 
-impl<'a> RolesetMins<'a> {
-    fn new(out: &'a mut Vec<Best>) -> Self {
-        out.clear();
-        RolesetMins {
-            out,
-            roleset: 0,
-            picker: MinPicker::new(),
+/// Keeps the candidates at the positions `keep` accepts: their counts and rows in place, and
+/// their pods in `slots` (for refilling the set).
+fn narrow(
+    from: &[usize],
+    counts: &mut Vec<u32>,
+    rows: &mut Vec<u32>,
+    slots: &mut Vec<usize>,
+    keep: impl Fn(usize) -> bool,
+) {
+    slots.clear();
+    let mut kept = 0;
+    for k in 0..from.len() {
+        if keep(k) {
+            counts[kept] = counts[k];
+            rows[kept] = rows[k];
+            slots.push(from[k]);
+            kept += 1;
         }
     }
+    counts.truncate(kept);
+    rows.truncate(kept);
+}
 
-    fn offer(&mut self, roleset: u32, score: f64, slot: usize, rng: &mut fastrand::Rng) {
-        if roleset != self.roleset {
-            debug_assert!(
-                self.picker.best.is_none() || roleset > self.roleset,
-                "candidates are grouped by roleset in roleset order"
-            );
-            self.flush();
-            self.roleset = roleset;
+/// The per-request figures of the decode candidates: whether any has the running metric
+/// (then cold-start scores apply to the others), the highest count (`max(1, counts)`), and
+/// the lowest and highest count among those with the metric (Step 2 check 1).
+fn decode_counts(set: &DecodeSet, counts: &[u32]) -> (bool, f64, MinMax) {
+    let (mut any_ready, mut max_count, mut ready) = (false, 1.0f64, MinMax::default());
+    for (k, (&count, &fresh)) in counts.iter().zip(&set.fresh).enumerate() {
+        let count_f = f64::from(count);
+        max_count = max_count.max(count_f);
+        // "Metrics ready": the engine has been scraped, or this gateway has routed to it.
+        if fresh || count > 0 {
+            any_ready = true;
+            ready.push(k, count_f);
         }
-        self.picker.offer(score, slot, rng);
     }
-
-    /// Ends the last run.
-    fn finish(mut self) {
-        self.flush();
-    }
-
-    fn flush(&mut self) {
-        if let Some((score, slot)) = self.picker.best.take() {
-            self.out.push(Best {
-                roleset: self.roleset,
-                score,
-                slot,
-            });
-        }
-        self.picker = MinPicker::new();
-    }
-}
-
-/// `(first index of the strict minimum, minimum), maximum` of a stream, as Step 2 reads it.
-#[derive(Debug, Clone, Copy, Default)]
-struct MinMax(Option<((usize, f64), f64)>);
-
-impl MinMax {
-    fn push(&mut self, i: usize, v: f64) {
-        self.0 = Some(match self.0 {
-            None => ((i, v), v),
-            Some(((bi, bv), max)) => (if v < bv { (i, v) } else { (bi, bv) }, max.max(v)),
-        });
-    }
-}
-
-/// What Steps 2 and 4 need to know about the decode candidates as a whole.
-#[derive(Debug, Clone, Copy)]
-struct DecodeView {
-    /// Some candidate has the running metric (cold-start scores apply to the others).
-    any_ready: bool,
-    maxima: DecodeMaxima,
-    counts: MinMax,
-    throughputs: MinMax,
-    all_draining: bool,
-    drain_scores: MinMax,
-}
-
-/// "Metrics ready": the engine has been scraped, or this gateway has routed to it.
-fn has_running_metric(cols: &Columns, c: &Candidate) -> bool {
-    cols.fresh[c.slot] || c.count > 0
-}
-
-fn decode_stats(cols: &Columns, c: &Candidate) -> DecodeStats {
-    DecodeStats {
-        count: f64::from(c.count),
-        throughput: reported(cols.throughput[c.slot]).unwrap_or(0.0),
-        free: cols.free[c.slot],
-    }
+    (any_ready, max_count, ready)
 }
 
 /// The smallest drain rate the drain score divides by.
 const MIN_DRAIN_RATE: f64 = 0.1;
 
-fn decode_view(cols: &Columns, cands: &[Candidate]) -> DecodeView {
-    let mut v = DecodeView {
-        any_ready: false,
-        maxima: DecodeMaxima {
-            count: 1.0,
-            throughput: 1.0,
-            free: 1.0,
-        },
-        counts: MinMax::default(),
-        throughputs: MinMax::default(),
-        all_draining: !cands.is_empty(),
-        drain_scores: MinMax::default(),
-    };
-    for (k, c) in cands.iter().enumerate() {
-        let stats = decode_stats(cols, c);
-        let ready = has_running_metric(cols, c);
-        v.any_ready |= ready;
-        v.maxima.count = v.maxima.count.max(stats.count);
-        v.maxima.throughput = v.maxima.throughput.max(stats.throughput);
-        v.maxima.free = v.maxima.free.max(stats.free);
-        if ready {
-            v.counts.push(k, stats.count);
-        }
-        if let Some(t) = reported(cols.throughput[c.slot]) {
-            v.throughputs.push(k, t);
-        }
-        let drain = cols.drain[c.slot];
-        if drain.is_finite() && drain > 0.0 {
-            v.drain_scores
-                .push(k, stats.count / drain.max(MIN_DRAIN_RATE));
-        } else {
-            v.all_draining = false;
-        }
-    }
-    v
-}
-
-/// Step 2 (see `score::decode::decode_fast_path`, whose rules these are).
+/// Step 2 (see `score::decode::decode_fast_path`, whose rules these are): three checks in
+/// order, the first that fires picks a position.
 fn decode_fast_path(
-    v: &DecodeView,
+    set: &DecodeSet,
+    counts: &[u32],
+    ready: MinMax,
     th: &decode::DecodeThresholds,
 ) -> Option<(usize, FastPathCheck)> {
-    if let Some(((index, min), max)) = v.counts.0 {
+    if let Some(((at, min), max)) = ready.0 {
         if max - min >= th.count_spread {
-            return Some((index, FastPathCheck::CountSpread));
+            return Some((at, FastPathCheck::CountSpread));
         }
     }
-    if let Some(((index, min), max)) = v.throughputs.0 {
+    if let Some(((at, min), max)) = set.fixed.throughputs.0 {
         if max - min > th.throughput_spread {
-            return Some((index, FastPathCheck::ThroughputSpread));
+            return Some((at, FastPathCheck::ThroughputSpread));
         }
     }
-    if v.all_draining {
-        if let Some(((index, min), max)) = v.drain_scores.0 {
+    if set.fixed.all_draining {
+        let mut scores = MinMax::default();
+        for (k, (&count, &drain)) in counts.iter().zip(&set.drain).enumerate() {
+            scores.push(k, f64::from(count) / drain.max(MIN_DRAIN_RATE));
+        }
+        if let Some(((at, min), max)) = scores.0 {
             if min > 0.0 && max / min > th.drain_ratio {
-                return Some((index, FastPathCheck::DrainRatio));
+                return Some((at, FastPathCheck::DrainRatio));
             }
         }
     }
     None
 }
 
-/// Step 4 for one candidate (see `DecodeBatch::score`): cold start, the policy, then the
-/// `load_balancing` fallback for a NaN; `None` skips the pod.
-fn decode_score(
-    cols: &Columns,
-    c: &Candidate,
-    v: &DecodeView,
-    policy: DecodePolicy,
-    weights: LbWeights,
-    token_load_score: f64,
-) -> Option<f64> {
-    if policy.uses_cold_start() && v.any_ready && !has_running_metric(cols, c) {
-        return Some(cold_start(c.count));
+/// The lowest score of each run (one roleset's candidates), ties broken at random in
+/// candidate order; NaN scores (skipped pods) never win. Runs come in roleset order, so the
+/// bests do too.
+fn pick_per_roleset(
+    runs: &[Run],
+    scores: &[f64],
+    slots: &[usize],
+    out: &mut Vec<Best>,
+    rng: &mut fastrand::Rng,
+) {
+    out.clear();
+    for run in runs {
+        debug_assert!(out.last().is_none_or(|b| b.roleset < run.roleset));
+        let best = if run.end - run.start == 1 {
+            // One candidate: no tie to break, no random draw.
+            let score = scores[run.start];
+            (!score.is_nan()).then(|| (score, slots[run.start]))
+        } else {
+            let mut picker = MinPicker::new();
+            for k in run.start..run.end {
+                picker.offer(scores[k], slots[k], rng);
+            }
+            picker.best
+        };
+        if let Some((score, slot)) = best {
+            out.push(Best {
+                roleset: run.roleset,
+                score,
+                slot,
+            });
+        }
     }
-    let stats = decode_stats(cols, c);
-    let value = match policy {
-        DecodePolicy::LoadBalancing => decode::load_balancing(&stats, &v.maxima, weights),
-        DecodePolicy::LeastRequest => decode::least_request(&stats),
-        DecodePolicy::Conductor => decode::conductor(&stats),
-        DecodePolicy::TokenLoad => token_load_score,
-    };
-    if !value.is_nan() {
-        return Some(value);
-    }
-    if policy == DecodePolicy::LoadBalancing {
-        return None;
-    }
-    let value = decode::load_balancing(&stats, &v.maxima, weights);
-    (!value.is_nan()).then_some(value)
 }
 
-/// Steps 1–5 over Step 0's candidates (pod indexes, grouped by roleset in roleset order).
+/// Steps 1–5 over Step 0's candidates.
 pub fn select_pair(
     model: &ModelView,
-    prefill: &[usize],
-    decode: &[usize],
+    candidates: Candidates<'_>,
     ledger: &Ledger,
     input: PairInput<'_>,
     rng: &mut fastrand::Rng,
@@ -305,65 +273,87 @@ pub fn select_pair(
     let mut fast = FastPaths::default();
     let Scratch {
         hints,
-        prefill: pc,
+        prefill_set,
+        decode_set,
+        slots,
         prefill_counts,
-        decode: dc,
-        rates,
+        prefill_rows,
+        prefill_scores,
+        decode_counts: dcounts,
+        decode_rows,
+        decode_scores,
         prefill_best,
         decode_best,
     } = scratch;
     hints.prepare(model.uid, ledger, &model.id_order);
+    let (mut pset, mut dset): (&PrefillSet, &DecodeSet) = match candidates {
+        Candidates::All => (&cols.all_prefill, &cols.all_decode),
+        Candidates::Listed { prefill, decode } => {
+            prefill_set.fill(cols, prefill.iter().copied());
+            decode_set.fill(cols, decode.iter().copied());
+            (&*prefill_set, &*decode_set)
+        }
+    };
 
     // Step 1: prefill imbalance, on in-flight prefill counts.
-    gather(model, ledger, hints, |hints| {
-        pc.clear();
-        prefill_counts.clear();
-        for &slot in prefill {
-            let row = hints.row(ledger, slot, cols.id[slot])?;
-            let count = row.map_or(0, |i| ledger.prefill_inflight_at(i));
-            pc.push(Candidate { slot, row, count });
-            prefill_counts.push(count);
-        }
-        Ok(())
-    })?;
+    gather(
+        model,
+        ledger,
+        hints,
+        &pset.slot,
+        &pset.id,
+        Ledger::prefill_inflight_at,
+        prefill_counts,
+        prefill_rows,
+    )?;
     let spread = s.prefill_spread.min(u32::MAX as f64) as u32;
-    let mut decode_roleset = None;
     if let Some(k) = prefill::prefill_fast_path(prefill_counts, spread, rng) {
-        let chosen = pc[k];
-        pc.clear();
-        pc.push(chosen);
-        prefill_counts.clear();
-        prefill_counts.push(chosen.count);
-        decode_roleset = Some(cols.roleset[chosen.slot]);
+        let roleset = pset.roleset[k];
+        narrow(&pset.slot, prefill_counts, prefill_rows, slots, |j| j == k);
+        prefill_set.fill(cols, slots.iter().copied());
+        pset = &*prefill_set;
+        slots.clear();
+        slots.extend(
+            dset.slot
+                .iter()
+                .zip(&dset.roleset)
+                .filter(|&(_, &r)| r == roleset)
+                .map(|(&slot, _)| slot),
+        );
+        decode_set.fill(cols, slots.iter().copied());
+        dset = &*decode_set;
         fast.prefill = true;
     }
 
-    // The decode candidates and their batch figures; recomputed below only if a later step
-    // narrows them, since maxima are relative to the candidates still in play.
-    gather(model, ledger, hints, |hints| {
-        dc.clear();
-        for &slot in decode {
-            if decode_roleset.is_some_and(|r| cols.roleset[slot] != r) {
-                continue;
-            }
-            let row = hints.row(ledger, slot, cols.id[slot])?;
-            let count = row.map_or(0, |i| ledger.running_at(i));
-            dc.push(Candidate { slot, row, count });
-        }
-        Ok(())
-    })?;
-    let mut view = decode_view(cols, dc);
+    // The decode candidates' counts; their batch figures are recomputed below only if a later
+    // step narrows them, since maxima are relative to the candidates still in play.
+    gather(
+        model,
+        ledger,
+        hints,
+        &dset.slot,
+        &dset.id,
+        Ledger::running_at,
+        dcounts,
+        decode_rows,
+    )?;
+    let (mut any_ready, mut max_count, ready) = decode_counts(dset, dcounts);
     let mut narrowed = false;
 
     // Step 2: decode imbalance (not under token_load, which replaces what it measures).
     if s.decode_policy.runs_fast_path() {
-        if let Some((index, check)) = decode_fast_path(&view, &s.decode) {
-            let chosen = dc[index];
-            let roleset = cols.roleset[chosen.slot];
-            dc.clear();
-            dc.push(chosen);
-            if pc.iter().any(|c| cols.roleset[c.slot] == roleset) {
-                retain_prefill(pc, prefill_counts, |c| cols.roleset[c.slot] == roleset);
+        if let Some((k, check)) = decode_fast_path(dset, dcounts, ready, &s.decode) {
+            let roleset = dset.roleset[k];
+            narrow(&dset.slot, dcounts, decode_rows, slots, |j| j == k);
+            decode_set.fill(cols, slots.iter().copied());
+            dset = &*decode_set;
+            if pset.roleset.contains(&roleset) {
+                let rolesets = &pset.roleset;
+                narrow(&pset.slot, prefill_counts, prefill_rows, slots, |j| {
+                    rolesets[j] == roleset
+                });
+                prefill_set.fill(cols, slots.iter().copied());
+                pset = &*prefill_set;
             }
             fast.decode = Some(check);
             narrowed = true;
@@ -378,10 +368,19 @@ pub fn select_pair(
             .position(|r| r.name == band)
             .and_then(|r| u32::try_from(r).ok());
         if let Some(band) = band {
-            let in_band = |c: &Candidate| cols.roleset[c.slot] == band;
-            if pc.iter().any(in_band) && dc.iter().any(in_band) {
-                retain_prefill(pc, prefill_counts, in_band);
-                dc.retain(in_band);
+            if pset.roleset.contains(&band) && dset.roleset.contains(&band) {
+                let rolesets = &pset.roleset;
+                narrow(&pset.slot, prefill_counts, prefill_rows, slots, |j| {
+                    rolesets[j] == band
+                });
+                prefill_set.fill(cols, slots.iter().copied());
+                pset = &*prefill_set;
+                let rolesets = &dset.roleset;
+                narrow(&dset.slot, dcounts, decode_rows, slots, |j| {
+                    rolesets[j] == band
+                });
+                decode_set.fill(cols, slots.iter().copied());
+                dset = &*decode_set;
                 fast.banded = true;
                 narrowed = true;
             }
@@ -391,17 +390,17 @@ pub fn select_pair(
     // Step 3: prefill scoring; the lowest per roleset wins, pods far above the mean skipped.
     let max_req = prefill::max_req(prefill_counts);
     let (mean, std) = prefill::mean_std(prefill_counts);
+    let bound = prefill::skip_bound(mean, std, s.std_dev_factor);
     let tk = &s.tokens;
     let mut max_prefill = PREFILL_MAX_SCORE_FLOOR;
     let mut conductor_memo: Option<(u64, prefill::ConductorParts)> = None;
-    let mut mins = RolesetMins::new(prefill_best);
-    for c in pc.iter() {
-        let cnt = c.count;
-        if prefill::skip(cnt, mean, std, s.std_dev_factor) {
+    prefill_scores.clear();
+    for (k, (&cnt, &slot)) in prefill_counts.iter().zip(&pset.slot).enumerate() {
+        if f64::from(cnt) > bound {
+            prefill_scores.push(f64::NAN);
             continue;
         }
-        let pct = input.match_pct.get(c.slot).copied().unwrap_or(0.0);
-        let tokens = || c.row.map(|i| ledger.tokens_at(i)).unwrap_or_default();
+        let pct = input.match_pct.get(slot).copied().unwrap_or(0.0);
         let score = match s.prefill_policy {
             PrefillPolicy::PrefixCache => prefill::prefix_cache(
                 prefill::effective_match_pct(pct, tk.min_match_pct),
@@ -418,14 +417,14 @@ pub fn select_pair(
                         parts
                     }
                 };
-                prefill::conductor_with(parts, cnt, reported(cols.prefill_ms[c.slot]))
+                prefill::conductor_with(parts, cnt, reported(pset.prefill_ms[k]))
             }
             PrefillPolicy::TokenLoad => {
-                let t = tokens();
+                let t = tokens_of(ledger, prefill_rows[k]);
                 prefill::token_load(t.active, t.kv, tk.kv_weight)
             }
             PrefillPolicy::HybridCacheLoad => {
-                let t = tokens();
+                let t = tokens_of(ledger, prefill_rows[k]);
                 prefill::hybrid(
                     t.active,
                     t.kv,
@@ -436,56 +435,71 @@ pub fn select_pair(
                 )
             }
         };
-        if score.is_nan() {
-            continue;
+        if !score.is_nan() {
+            max_prefill = max_prefill.max(score);
         }
-        max_prefill = max_prefill.max(score);
-        mins.offer(cols.roleset[c.slot], score, c.slot, rng);
+        prefill_scores.push(score);
     }
-    mins.finish();
+    pick_per_roleset(&pset.runs, prefill_scores, &pset.slot, prefill_best, rng);
 
     // Step 4: decode scoring, with cold-start scores for pods the gateway has no signal for.
     // Maxima are relative to the candidates still in play, as in AIBrix.
     if narrowed {
-        view = decode_view(cols, dc);
+        (any_ready, max_count, _) = decode_counts(dset, dcounts);
     }
-    rates.clear();
-    if s.decode_policy == DecodePolicy::TokenLoad {
-        // Pods without their own rate borrow the mean of the candidates that have one.
-        let own = |c: &Candidate| reported(cols.own_rate[c.slot]);
-        let known = dc.iter().filter(|c| own(c).is_some()).count();
-        let mean = (known > 0).then(|| dc.iter().filter_map(own).sum::<f64>() / known as f64);
-        rates.extend(dc.iter().map(|c| own(c).or(mean).unwrap_or(0.0)));
-    }
+    let policy = s.decode_policy;
+    let cold_starts = policy.uses_cold_start() && any_ready;
     let mut max_decode = DECODE_MAX_SCORE_FLOOR;
-    let mut mins = RolesetMins::new(decode_best);
-    for (k, c) in dc.iter().enumerate() {
-        let ledger_score = match rates.get(k) {
-            Some(&rate) => c
-                .row
-                .map(|i| ledger.tokens_at(i))
-                .unwrap_or_else(PodTokens::default)
-                .decode_load(rate, input.now_ms, tk.output_growth),
-            None => 0.0,
+    decode_scores.clear();
+    for k in 0..dset.len() {
+        let count = dcounts[k];
+        let count_f = f64::from(count);
+        let score = if cold_starts && !(dset.fresh[k] || count > 0) {
+            cold_start(count)
+        } else {
+            let lb = || decode::load_balancing_with(count_f, max_count, dset.lb[k], s.lb);
+            let value = match policy {
+                DecodePolicy::LoadBalancing => lb(),
+                DecodePolicy::LeastRequest => count_f,
+                DecodePolicy::Conductor => decode::conductor_with(dset.conductor[k], count_f),
+                DecodePolicy::TokenLoad => {
+                    // Pods without their own rate borrow the mean of the candidates' rates.
+                    let rate = reported(dset.own_rate[k])
+                        .or(dset.fixed.own_rate_mean)
+                        .unwrap_or(0.0);
+                    tokens_of(ledger, decode_rows[k]).decode_load(
+                        rate,
+                        input.now_ms,
+                        tk.output_growth,
+                    )
+                }
+            };
+            // A NaN from another policy falls back to load_balancing; a NaN after that skips.
+            if value.is_nan() && policy != DecodePolicy::LoadBalancing {
+                lb()
+            } else {
+                value
+            }
         };
-        let Some(score) = decode_score(cols, c, &view, s.decode_policy, s.lb, ledger_score) else {
-            continue;
-        };
-        max_decode = max_decode.max(score);
-        mins.offer(cols.roleset[c.slot], score, c.slot, rng);
+        if !score.is_nan() {
+            max_decode = max_decode.max(score);
+        }
+        decode_scores.push(score);
     }
-    mins.finish();
+    pick_per_roleset(&dset.runs, decode_scores, &dset.slot, decode_best, rng);
 
     // Step 5: the roleset with the lowest normalised sum (both lists are in roleset order).
     let mut best = MinPicker::new();
-    let mut d = decode_best.iter().peekable();
-    for (k, p) in prefill_best.iter().enumerate() {
-        while d.next_if(|d| d.roleset < p.roleset).is_some() {}
-        if let Some(d) = d.next_if(|d| d.roleset == p.roleset) {
-            best.offer(p.score / max_prefill + d.score / max_decode, k, rng);
+    let mut j = 0;
+    for (i, p) in prefill_best.iter().enumerate() {
+        while decode_best.get(j).is_some_and(|d| d.roleset < p.roleset) {
+            j += 1;
+        }
+        if let Some(d) = decode_best.get(j).filter(|d| d.roleset == p.roleset) {
+            best.offer(p.score / max_prefill + d.score / max_decode, i, rng);
         }
     }
-    let Some(k) = best.item() else {
+    let Some(i) = best.item() else {
         let missing = if prefill_best.is_empty() {
             "prefill"
         } else {
@@ -495,13 +509,13 @@ pub fn select_pair(
             detail: format!("target {missing} pod is nil"),
         });
     };
-    let p = prefill_best[k];
-    let Some(d) = decode_best.iter().find(|d| d.roleset == p.roleset) else {
+    let p = prefill_best[i];
+    let Ok(j) = decode_best.binary_search_by_key(&p.roleset, |d| d.roleset) else {
         return Err(RouteError::Selection {
             detail: "target pod is nil".into(),
         });
     };
-    let (p, d) = (p.slot, d.slot);
+    let (p, d) = (p.slot, decode_best[j].slot);
 
     let prefill_cost = s.prefill_policy.uses_token_ledger().then(|| {
         let pct = (s.prefill_policy == PrefillPolicy::HybridCacheLoad)
@@ -523,15 +537,4 @@ pub fn select_pair(
         decode_tokens,
         fast_paths: fast,
     })
-}
-
-/// Keeps the prefill candidates (and their dense counts) that pass `keep`.
-fn retain_prefill(
-    pc: &mut Vec<Candidate>,
-    counts: &mut Vec<u32>,
-    keep: impl Fn(&Candidate) -> bool,
-) {
-    pc.retain(|c| keep(c));
-    counts.clear();
-    counts.extend(pc.iter().map(|c| c.count));
 }

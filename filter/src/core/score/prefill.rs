@@ -164,7 +164,12 @@ pub fn mean_std(counts: &[u32]) -> (f64, f64) {
 /// The σ filter: a pod whose count exceeds `mean + factor × std` is skipped in scoring, so a
 /// pod that is already swamped is not picked for its cache (strict >: at the bound it stays).
 pub fn skip(cnt: u32, mean: f64, std: f64, factor: f64) -> bool {
-    f64::from(cnt) > mean + factor * std
+    f64::from(cnt) > skip_bound(mean, std, factor)
+}
+
+/// `mean + factor × std`: the count above which [`skip`] drops a pod (one per selection).
+pub fn skip_bound(mean: f64, std: f64, factor: f64) -> f64 {
+    mean + factor * std
 }
 
 /// Step 1: when `max − min` of the in-flight prefill counts exceeds `min_spread` (strict >),
