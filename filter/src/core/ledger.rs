@@ -458,6 +458,8 @@ impl Ledger {
 
 /// Marks a hint of a pod without a row; the low bits keep its insertion point.
 const ABSENT: u32 = 1 << 31;
+/// [`RowHints::read_counts`]'s row index of a pod without a row.
+pub const NO_ROW: u32 = u32::MAX;
 
 /// Where each pod of one model had its ledger row at the last selection, so a selection
 /// reads rows by index instead of merging the model's ids against the ledger every time.
@@ -489,6 +491,46 @@ impl RowHints {
     pub fn rebuild(&mut self, model: u64, ledger: &Ledger, order: &[(PodId, usize)]) {
         ledger.locate(order, &mut self.hints);
         self.model = model;
+    }
+
+    /// One counter of many pods: for the pod in `slots[k]` (ledger id `ids[k]`), `counts[k]`
+    /// gets its `counter` (0 without a row) and `rows[k]` its row index ([`NO_ROW`] without
+    /// one). `Err` as soon as a hint is out of date. The four slices are as long as `slots`.
+    pub fn read_counts(
+        &self,
+        ledger: &Ledger,
+        counter: Counter,
+        slots: &[usize],
+        ids: &[PodId],
+        counts: &mut [u32],
+        rows: &mut [u32],
+    ) -> Result<(), StaleHint> {
+        let field = match counter {
+            Counter::PrefillInflight => 8,
+            Counter::Running => 12,
+        };
+        let pods = slots.iter().zip(ids);
+        for ((&slot, &id), (count, row)) in pods.zip(counts.iter_mut().zip(rows.iter_mut())) {
+            let hint = *self.hints.get(slot).ok_or(StaleHint)?;
+            if hint & ABSENT == 0 {
+                let at = Ledger::row_offset(hint as usize);
+                let bytes: &[u8; ROW] = ledger
+                    .bytes
+                    .get(at..at + ROW)
+                    .and_then(|b| b.try_into().ok())
+                    .ok_or(StaleHint)?;
+                if u64_at(bytes, 0) != id.0 {
+                    return Err(StaleHint);
+                }
+                *count = u32_at(bytes, field);
+                *row = hint;
+            } else {
+                ledger.resolve(hint, id)?;
+                *count = 0;
+                *row = NO_ROW;
+            }
+        }
+        Ok(())
     }
 
     /// The row of the pod in `slot` (with ledger id `id`): `Ok(Some(index))`, `Ok(None)`

@@ -168,23 +168,46 @@ impl PrefillSet {
     }
 }
 
-/// Lowest (first of equals, strict <) and highest of a stream of `(position, value)`, as the
-/// Step 2 checks read them.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct MinMax(pub Option<((usize, f64), f64)>);
+/// Lowest (first of equals, strict <) and highest of a stream of `(position, value)` of
+/// finite values, as the Step 2 checks read them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MinMax {
+    min_at: usize,
+    min: f64,
+    max: f64,
+}
+
+impl Default for MinMax {
+    fn default() -> Self {
+        MinMax {
+            min_at: usize::MAX,
+            min: f64::INFINITY,
+            max: f64::NEG_INFINITY,
+        }
+    }
+}
 
 impl MinMax {
     pub fn push(&mut self, at: usize, v: f64) {
-        self.0 = Some(match self.0 {
-            None => ((at, v), v),
-            Some(((bi, bv), max)) => (if v < bv { (at, v) } else { (bi, bv) }, max.max(v)),
-        });
+        debug_assert!(v.is_finite());
+        if v < self.min {
+            self.min_at = at;
+            self.min = v;
+        }
+        self.max = self.max.max(v);
+    }
+
+    /// `((position of the minimum, minimum), maximum)`, `None` for an empty stream.
+    pub fn get(&self) -> Option<((usize, f64), f64)> {
+        (self.min_at != usize::MAX).then_some(((self.min_at, self.min), self.max))
     }
 }
 
 /// What the decode side's candidate set fixes, whatever the request counts.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct DecodeFixed {
+    /// Every run is one pod (one pod of this side per roleset).
+    pub singles: bool,
     /// `max(1, throughputs)`, missing throughput read as 0.
     pub max_throughput: f64,
     /// `max(1, free percents)`.
@@ -229,6 +252,7 @@ impl DecodeSet {
         self.conductor.clear();
         self.runs.clear();
         let mut fixed = DecodeFixed {
+            singles: false,
             max_throughput: 1.0,
             max_free: 1.0,
             throughputs: MinMax::default(),
@@ -257,6 +281,7 @@ impl DecodeSet {
             self.own_rate.push(cols.own_rate[slot]);
         }
         fixed.all_draining &= !self.slot.is_empty();
+        fixed.singles = self.runs.len() == self.slot.len();
         // Summed in candidate order, as `tokens::decode_rates` does.
         let own = || self.own_rate.iter().filter_map(|&r| reported(r));
         let rates = own().count();

@@ -898,5 +898,13 @@ proptest! {
     #[test]
     fn optimised_selection_matches_the_reference(case in case()) {
         check_against_reference(&case)?;
+        // Again as a fleet of one prefill and one decode pod per roleset, the layout with a
+        // shortcut of its own.
+        let mut singles = case.clone();
+        for r in &mut singles.rolesets {
+            r.prefill.truncate(1);
+            r.decode.truncate(1);
+        }
+        check_against_reference(&singles)?;
     }
 }

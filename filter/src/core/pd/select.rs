@@ -15,7 +15,7 @@
 
 use crate::core::errors::RouteError;
 use crate::core::fleet::{ModelView, Role};
-use crate::core::ledger::{Ledger, PodId, RowHints, StaleHint};
+use crate::core::ledger::{Counter, Ledger, PodId, RowHints, StaleHint, NO_ROW};
 use crate::core::pd::columns::{reported, DecodeSet, MinMax, PrefillSet, Run};
 use crate::core::pd::settings::PdSettings;
 use crate::core::pd::MinPicker;
@@ -82,9 +82,6 @@ struct Best {
     slot: usize,
 }
 
-/// Marks a candidate without a ledger row in [`Scratch`]'s row lists.
-const NO_ROW: u32 = u32::MAX;
-
 /// Buffers a selection reuses, and the ledger row hints of the last model it served. One per
 /// VM; a fresh one works too (it only costs the allocations and a hint rebuild).
 #[derive(Debug, Default)]
@@ -105,41 +102,31 @@ pub struct Scratch {
     decode_best: Vec<Best>,
 }
 
-/// Reads one ledger count of each candidate (and where its row is), rebuilding the row hints
-/// once if they are out of date.
+/// Reads one ledger counter of each candidate (and where its row is), rebuilding the row
+/// hints once if they are out of date.
 #[allow(clippy::too_many_arguments)]
 fn gather(
     model: &ModelView,
     ledger: &Ledger,
     hints: &mut RowHints,
+    counter: Counter,
     slots: &[usize],
     ids: &[PodId],
-    read: fn(&Ledger, usize) -> u32,
     counts: &mut Vec<u32>,
     rows: &mut Vec<u32>,
 ) -> Result<(), RouteError> {
-    let mut run = |hints: &RowHints| -> Result<(), StaleHint> {
-        counts.clear();
-        rows.clear();
-        for (&slot, &id) in slots.iter().zip(ids) {
-            match hints.row(ledger, slot, id)? {
-                Some(i) => {
-                    counts.push(read(ledger, i));
-                    rows.push(i as u32);
-                }
-                None => {
-                    counts.push(0);
-                    rows.push(NO_ROW);
-                }
-            }
-        }
-        Ok(())
-    };
-    if run(hints).is_ok() {
+    counts.resize(slots.len(), 0);
+    rows.resize(slots.len(), NO_ROW);
+    if hints
+        .read_counts(ledger, counter, slots, ids, counts, rows)
+        .is_ok()
+    {
         return Ok(());
     }
     hints.rebuild(model.uid, ledger, &model.id_order);
-    run(hints).map_err(|StaleHint| RouteError::Internal("ledger row hints out of date".into()))
+    hints
+        .read_counts(ledger, counter, slots, ids, counts, rows)
+        .map_err(|StaleHint| RouteError::Internal("ledger row hints out of date".into()))
 }
 
 fn tokens_of(ledger: &Ledger, row: u32) -> PodTokens {
@@ -201,12 +188,12 @@ fn decode_fast_path(
     ready: MinMax,
     th: &decode::DecodeThresholds,
 ) -> Option<(usize, FastPathCheck)> {
-    if let Some(((at, min), max)) = ready.0 {
+    if let Some(((at, min), max)) = ready.get() {
         if max - min >= th.count_spread {
             return Some((at, FastPathCheck::CountSpread));
         }
     }
-    if let Some(((at, min), max)) = set.fixed.throughputs.0 {
+    if let Some(((at, min), max)) = set.fixed.throughputs.get() {
         if max - min > th.throughput_spread {
             return Some((at, FastPathCheck::ThroughputSpread));
         }
@@ -216,7 +203,7 @@ fn decode_fast_path(
         for (k, (&count, &drain)) in counts.iter().zip(&set.drain).enumerate() {
             scores.push(k, f64::from(count) / drain.max(MIN_DRAIN_RATE));
         }
-        if let Some(((at, min), max)) = scores.0 {
+        if let Some(((at, min), max)) = scores.get() {
             if min > 0.0 && max / min > th.drain_ratio {
                 return Some((at, FastPathCheck::DrainRatio));
             }
@@ -300,14 +287,15 @@ pub fn select_pair(
         model,
         ledger,
         hints,
+        Counter::PrefillInflight,
         &pset.slot,
         &pset.id,
-        Ledger::prefill_inflight_at,
         prefill_counts,
         prefill_rows,
     )?;
+    let mut count_stats = prefill::CountStats::of(prefill_counts);
     let spread = s.prefill_spread.min(u32::MAX as f64) as u32;
-    if let Some(k) = prefill::prefill_fast_path(prefill_counts, spread, rng) {
+    if let Some(k) = prefill::prefill_fast_path_with(prefill_counts, count_stats, spread, rng) {
         let roleset = pset.roleset[k];
         narrow(&pset.slot, prefill_counts, prefill_rows, slots, |j| j == k);
         prefill_set.fill(cols, slots.iter().copied());
@@ -331,9 +319,9 @@ pub fn select_pair(
         model,
         ledger,
         hints,
+        Counter::Running,
         &dset.slot,
         &dset.id,
-        Ledger::running_at,
         dcounts,
         decode_rows,
     )?;
@@ -388,20 +376,27 @@ pub fn select_pair(
     }
 
     // Step 3: prefill scoring; the lowest per roleset wins, pods far above the mean skipped.
-    let max_req = prefill::max_req(prefill_counts);
-    let (mean, std) = prefill::mean_std(prefill_counts);
+    if fast.prefill || fast.decode.is_some() || fast.banded {
+        count_stats = prefill::CountStats::of(prefill_counts);
+    }
+    let max_req = count_stats.max.max(1);
+    let (mean, std) = prefill::mean_std_with(prefill_counts, count_stats);
     let bound = prefill::skip_bound(mean, std, s.std_dev_factor);
     let tk = &s.tokens;
     let mut max_prefill = PREFILL_MAX_SCORE_FLOOR;
     let mut conductor_memo: Option<(u64, prefill::ConductorParts)> = None;
     prefill_scores.clear();
-    for (k, (&cnt, &slot)) in prefill_counts.iter().zip(&pset.slot).enumerate() {
+    prefill_scores.resize(pset.len(), f64::NAN);
+    let pods = prefill_counts
+        .iter()
+        .zip(&pset.slot)
+        .zip(prefill_rows.iter());
+    for (k, (((&cnt, &slot), &row), score)) in pods.zip(prefill_scores.iter_mut()).enumerate() {
         if f64::from(cnt) > bound {
-            prefill_scores.push(f64::NAN);
-            continue;
+            continue; // stays NaN: skipped
         }
         let pct = input.match_pct.get(slot).copied().unwrap_or(0.0);
-        let score = match s.prefill_policy {
+        *score = match s.prefill_policy {
             PrefillPolicy::PrefixCache => prefill::prefix_cache(
                 prefill::effective_match_pct(pct, tk.min_match_pct),
                 cnt,
@@ -420,11 +415,11 @@ pub fn select_pair(
                 prefill::conductor_with(parts, cnt, reported(pset.prefill_ms[k]))
             }
             PrefillPolicy::TokenLoad => {
-                let t = tokens_of(ledger, prefill_rows[k]);
+                let t = tokens_of(ledger, row);
                 prefill::token_load(t.active, t.kv, tk.kv_weight)
             }
             PrefillPolicy::HybridCacheLoad => {
-                let t = tokens_of(ledger, prefill_rows[k]);
+                let t = tokens_of(ledger, row);
                 prefill::hybrid(
                     t.active,
                     t.kv,
@@ -435,12 +430,15 @@ pub fn select_pair(
                 )
             }
         };
-        if !score.is_nan() {
-            max_prefill = max_prefill.max(score);
+        // Above the floor, so never a ±0 question: `>` keeps what `f64::max` would.
+        if *score > max_prefill {
+            max_prefill = *score;
         }
-        prefill_scores.push(score);
     }
-    pick_per_roleset(&pset.runs, prefill_scores, &pset.slot, prefill_best, rng);
+    let prefill_singles = pset.runs.len() == pset.len();
+    if !prefill_singles {
+        pick_per_roleset(&pset.runs, prefill_scores, &pset.slot, prefill_best, rng);
+    }
 
     // Step 4: decode scoring, with cold-start scores for pods the gateway has no signal for.
     // Maxima are relative to the candidates still in play, as in AIBrix.
@@ -451,10 +449,11 @@ pub fn select_pair(
     let cold_starts = policy.uses_cold_start() && any_ready;
     let mut max_decode = DECODE_MAX_SCORE_FLOOR;
     decode_scores.clear();
-    for k in 0..dset.len() {
-        let count = dcounts[k];
+    decode_scores.resize(dset.len(), f64::NAN);
+    let pods = dcounts.iter().zip(&dset.fresh).zip(decode_rows.iter());
+    for (k, (((&count, &fresh), &row), score)) in pods.zip(decode_scores.iter_mut()).enumerate() {
         let count_f = f64::from(count);
-        let score = if cold_starts && !(dset.fresh[k] || count > 0) {
+        *score = if cold_starts && !(fresh || count > 0) {
             cold_start(count)
         } else {
             let lb = || decode::load_balancing_with(count_f, max_count, dset.lb[k], s.lb);
@@ -467,11 +466,7 @@ pub fn select_pair(
                     let rate = reported(dset.own_rate[k])
                         .or(dset.fixed.own_rate_mean)
                         .unwrap_or(0.0);
-                    tokens_of(ledger, decode_rows[k]).decode_load(
-                        rate,
-                        input.now_ms,
-                        tk.output_growth,
-                    )
+                    tokens_of(ledger, row).decode_load(rate, input.now_ms, tk.output_growth)
                 }
             };
             // A NaN from another policy falls back to load_balancing; a NaN after that skips.
@@ -481,41 +476,69 @@ pub fn select_pair(
                 value
             }
         };
-        if !score.is_nan() {
-            max_decode = max_decode.max(score);
+        // Above the floor, so never a ±0 question: `>` keeps what `f64::max` would.
+        if *score > max_decode {
+            max_decode = *score;
         }
-        decode_scores.push(score);
     }
-    pick_per_roleset(&dset.runs, decode_scores, &dset.slot, decode_best, rng);
 
-    // Step 5: the roleset with the lowest normalised sum (both lists are in roleset order).
-    let mut best = MinPicker::new();
-    let mut j = 0;
-    for (i, p) in prefill_best.iter().enumerate() {
-        while decode_best.get(j).is_some_and(|d| d.roleset < p.roleset) {
-            j += 1;
+    // Step 5: the roleset with the lowest normalised sum.
+    let (p, d) = if prefill_singles && dset.fixed.singles && pset.roleset == dset.roleset {
+        // One pod per roleset on both sides, the same rolesets in the same order (every
+        // roleset of a 1P1D fleet): a roleset's best pods are its pods.
+        let mut best = MinPicker::new();
+        for (k, (&p, &d)) in prefill_scores.iter().zip(decode_scores.iter()).enumerate() {
+            if !p.is_nan() && !d.is_nan() {
+                best.offer(p / max_prefill + d / max_decode, k, rng);
+            }
         }
-        if let Some(d) = decode_best.get(j).filter(|d| d.roleset == p.roleset) {
-            best.offer(p.score / max_prefill + d.score / max_decode, i, rng);
+        match best.item() {
+            Some(k) => (pset.slot[k], dset.slot[k]),
+            None => {
+                let missing = if prefill_scores.iter().all(|p| p.is_nan()) {
+                    "prefill"
+                } else {
+                    "decode"
+                };
+                return Err(RouteError::Selection {
+                    detail: format!("target {missing} pod is nil"),
+                });
+            }
         }
-    }
-    let Some(i) = best.item() else {
-        let missing = if prefill_best.is_empty() {
-            "prefill"
-        } else {
-            "decode"
+    } else {
+        if prefill_singles {
+            pick_per_roleset(&pset.runs, prefill_scores, &pset.slot, prefill_best, rng);
+        }
+        pick_per_roleset(&dset.runs, decode_scores, &dset.slot, decode_best, rng);
+        // Both lists are in roleset order.
+        let mut best = MinPicker::new();
+        let mut j = 0;
+        for (i, p) in prefill_best.iter().enumerate() {
+            while decode_best.get(j).is_some_and(|d| d.roleset < p.roleset) {
+                j += 1;
+            }
+            if let Some(d) = decode_best.get(j).filter(|d| d.roleset == p.roleset) {
+                best.offer(p.score / max_prefill + d.score / max_decode, i, rng);
+            }
+        }
+        let Some(i) = best.item() else {
+            let missing = if prefill_best.is_empty() {
+                "prefill"
+            } else {
+                "decode"
+            };
+            return Err(RouteError::Selection {
+                detail: format!("target {missing} pod is nil"),
+            });
         };
-        return Err(RouteError::Selection {
-            detail: format!("target {missing} pod is nil"),
-        });
+        let p = prefill_best[i];
+        let Ok(j) = decode_best.binary_search_by_key(&p.roleset, |d| d.roleset) else {
+            return Err(RouteError::Selection {
+                detail: "target pod is nil".into(),
+            });
+        };
+        (p.slot, decode_best[j].slot)
     };
-    let p = prefill_best[i];
-    let Ok(j) = decode_best.binary_search_by_key(&p.roleset, |d| d.roleset) else {
-        return Err(RouteError::Selection {
-            detail: "target pod is nil".into(),
-        });
-    };
-    let (p, d) = (p.slot, decode_best[j].slot);
 
     let prefill_cost = s.prefill_policy.uses_token_ledger().then(|| {
         let pct = (s.prefill_policy == PrefillPolicy::HybridCacheLoad)

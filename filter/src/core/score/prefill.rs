@@ -145,12 +145,42 @@ pub fn max_req(counts: &[u32]) -> u32 {
 /// Mean and **sample** standard deviation (n − 1) of the candidates' in-flight counts; the
 /// deviation is 0 for n ≤ 1 (one pod is never an outlier).
 pub fn mean_std(counts: &[u32]) -> (f64, f64) {
+    mean_std_with(counts, CountStats::of(counts))
+}
+
+/// Lowest, highest and total of the candidates' in-flight counts (one pass).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CountStats {
+    pub min: u32,
+    pub max: u32,
+    pub sum: u64,
+}
+
+impl CountStats {
+    pub fn of(counts: &[u32]) -> CountStats {
+        let mut s = CountStats {
+            min: u32::MAX,
+            max: 0,
+            sum: 0,
+        };
+        for &c in counts {
+            s.min = s.min.min(c);
+            s.max = s.max.max(c);
+            s.sum += u64::from(c);
+        }
+        s
+    }
+}
+
+/// [`mean_std`] given the counts' [`CountStats`]. Whole counts add up exactly in `f64`, so
+/// the mean is the exact sum over n; equal counts deviate by exactly 0.
+pub fn mean_std_with(counts: &[u32], stats: CountStats) -> (f64, f64) {
     let n = counts.len();
     if n == 0 {
         return (0.0, 0.0);
     }
-    let mean = counts.iter().map(|&c| f64::from(c)).sum::<f64>() / n as f64;
-    if n == 1 {
+    let mean = stats.sum as f64 / n as f64;
+    if n == 1 || stats.min == stats.max {
         return (mean, 0.0);
     }
     let var = counts
@@ -180,9 +210,18 @@ pub fn prefill_fast_path(
     min_spread: u32,
     rng: &mut fastrand::Rng,
 ) -> Option<usize> {
-    let min = *counts.iter().min()?;
-    let max = *counts.iter().max()?;
-    if max - min <= min_spread {
+    prefill_fast_path_with(counts, CountStats::of(counts), min_spread, rng)
+}
+
+/// [`prefill_fast_path`] given the counts' [`CountStats`].
+pub fn prefill_fast_path_with(
+    counts: &[u32],
+    stats: CountStats,
+    min_spread: u32,
+    rng: &mut fastrand::Rng,
+) -> Option<usize> {
+    let (min, max) = (stats.min, stats.max);
+    if counts.is_empty() || max - min <= min_spread {
         return None;
     }
     let at_min: Vec<usize> = (0..counts.len()).filter(|&i| counts[i] == min).collect();
