@@ -509,23 +509,31 @@ impl RowHints {
             Counter::PrefillInflight => 8,
             Counter::Running => 12,
         };
+        let bytes = ledger.bytes.as_slice();
+        let len = ledger.len();
+        let id_at = |i: usize| u64_at(bytes, Ledger::row_offset(i));
         let pods = slots.iter().zip(ids);
         for ((&slot, &id), (count, row)) in pods.zip(counts.iter_mut().zip(rows.iter_mut())) {
             let hint = *self.hints.get(slot).ok_or(StaleHint)?;
+            let at = (hint & !ABSENT) as usize;
             if hint & ABSENT == 0 {
-                let at = Ledger::row_offset(hint as usize);
-                let bytes: &[u8; ROW] = ledger
-                    .bytes
-                    .get(at..at + ROW)
+                let start = Ledger::row_offset(at);
+                let row_bytes: &[u8; ROW] = bytes
+                    .get(start..start + ROW)
                     .and_then(|b| b.try_into().ok())
                     .ok_or(StaleHint)?;
-                if u64_at(bytes, 0) != id.0 {
+                if u64_at(row_bytes, 0) != id.0 {
                     return Err(StaleHint);
                 }
-                *count = u32_at(bytes, field);
+                *count = u32_at(row_bytes, field);
                 *row = hint;
             } else {
-                ledger.resolve(hint, id)?;
+                // No row: the neighbours of the insertion point bracket the id.
+                let after_prev = at == 0 || (at <= len && id_at(at - 1) < id.0);
+                let before_next = at >= len || id_at(at) > id.0;
+                if !(after_prev && before_next) {
+                    return Err(StaleHint);
+                }
                 *count = 0;
                 *row = NO_ROW;
             }

@@ -22,6 +22,9 @@ use crate::core::score::decode::{
 /// Marks a pod outside any complete roleset in [`Columns::roleset`].
 pub const NO_ROLESET: u32 = u32::MAX;
 
+/// The smallest drain rate Step 2's drain score divides by.
+const MIN_DRAIN_RATE: f64 = 0.1;
+
 /// Per-pod signals, indexed like `ModelView::pods`.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Columns {
@@ -47,6 +50,8 @@ pub struct Columns {
     /// roleset by roleset in roleset order.
     pub all_prefill: PrefillSet,
     pub all_decode: DecodeSet,
+    /// Both of those hold one pod per roleset, of the same rolesets in the same order.
+    pub all_one_to_one: bool,
 }
 
 impl Columns {
@@ -63,6 +68,7 @@ impl Columns {
             prefill_ms: Vec::with_capacity(n),
             all_prefill: PrefillSet::default(),
             all_decode: DecodeSet::default(),
+            all_one_to_one: false,
         };
         for pod in pods {
             let fresh = pod.metrics.as_ref().filter(|m| !m.stale);
@@ -101,10 +107,19 @@ impl Columns {
         all_prefill.fill(&c, rolesets.iter().flat_map(|r| r.prefill.iter().copied()));
         let mut all_decode = DecodeSet::default();
         all_decode.fill(&c, rolesets.iter().flat_map(|r| r.decode.iter().copied()));
+        c.all_one_to_one = one_to_one(&all_prefill, &all_decode);
         c.all_prefill = all_prefill;
         c.all_decode = all_decode;
         c
     }
+}
+
+/// One pod per roleset on both sides, the same rolesets in the same order: then position `k`
+/// of one side pairs with position `k` of the other.
+pub fn one_to_one(prefill: &PrefillSet, decode: &DecodeSet) -> bool {
+    prefill.runs.len() == prefill.len()
+        && decode.runs.len() == decode.len()
+        && prefill.roleset == decode.roleset
 }
 
 /// `Some(v)` unless `v` is the "not reported" marker.
@@ -206,8 +221,6 @@ impl MinMax {
 /// What the decode side's candidate set fixes, whatever the request counts.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct DecodeFixed {
-    /// Every run is one pod (one pod of this side per roleset).
-    pub singles: bool,
     /// `max(1, throughputs)`, missing throughput read as 0.
     pub max_throughput: f64,
     /// `max(1, free percents)`.
@@ -230,7 +243,8 @@ pub struct DecodeSet {
     pub fresh: Vec<bool>,
     /// Usable throughput, NaN when not reported.
     pub throughput: Vec<f64>,
-    pub drain: Vec<f64>,
+    /// What Step 2's drain score divides a pod's count by: its drain rate, at least 0.1.
+    pub drain_divisor: Vec<f64>,
     pub own_rate: Vec<f64>,
     pub lb: Vec<LbParts>,
     pub conductor: Vec<ConductorParts>,
@@ -246,13 +260,12 @@ impl DecodeSet {
         self.roleset.clear();
         self.fresh.clear();
         self.throughput.clear();
-        self.drain.clear();
+        self.drain_divisor.clear();
         self.own_rate.clear();
         self.lb.clear();
         self.conductor.clear();
         self.runs.clear();
         let mut fixed = DecodeFixed {
-            singles: false,
             max_throughput: 1.0,
             max_free: 1.0,
             throughputs: MinMax::default(),
@@ -277,11 +290,10 @@ impl DecodeSet {
             }
             let drain = cols.drain[slot];
             fixed.all_draining &= drain.is_finite() && drain > 0.0;
-            self.drain.push(drain);
+            self.drain_divisor.push(drain.max(MIN_DRAIN_RATE));
             self.own_rate.push(cols.own_rate[slot]);
         }
         fixed.all_draining &= !self.slot.is_empty();
-        fixed.singles = self.runs.len() == self.slot.len();
         // Summed in candidate order, as `tokens::decode_rates` does.
         let own = || self.own_rate.iter().filter_map(|&r| reported(r));
         let rates = own().count();

@@ -16,7 +16,7 @@
 use crate::core::errors::RouteError;
 use crate::core::fleet::{ModelView, Role};
 use crate::core::ledger::{Counter, Ledger, PodId, RowHints, StaleHint, NO_ROW};
-use crate::core::pd::columns::{reported, DecodeSet, MinMax, PrefillSet, Run};
+use crate::core::pd::columns::{one_to_one, reported, DecodeSet, MinMax, PrefillSet, Run};
 use crate::core::pd::settings::PdSettings;
 use crate::core::pd::MinPicker;
 use crate::core::score::decode::{self, cold_start, FastPathCheck};
@@ -177,9 +177,6 @@ fn decode_counts(set: &DecodeSet, counts: &[u32]) -> (bool, f64, MinMax) {
     (any_ready, max_count, ready)
 }
 
-/// The smallest drain rate the drain score divides by.
-const MIN_DRAIN_RATE: f64 = 0.1;
-
 /// Step 2 (see `score::decode::decode_fast_path`, whose rules these are): three checks in
 /// order, the first that fires picks a position.
 fn decode_fast_path(
@@ -200,8 +197,8 @@ fn decode_fast_path(
     }
     if set.fixed.all_draining {
         let mut scores = MinMax::default();
-        for (k, (&count, &drain)) in counts.iter().zip(&set.drain).enumerate() {
-            scores.push(k, f64::from(count) / drain.max(MIN_DRAIN_RATE));
+        for (k, (&count, &divisor)) in counts.iter().zip(&set.drain_divisor).enumerate() {
+            scores.push(k, f64::from(count) / divisor);
         }
         if let Some(((at, min), max)) = scores.get() {
             if min > 0.0 && max / min > th.drain_ratio {
@@ -384,6 +381,8 @@ pub fn select_pair(
     let bound = prefill::skip_bound(mean, std, s.std_dev_factor);
     let tk = &s.tokens;
     let mut max_prefill = PREFILL_MAX_SCORE_FLOOR;
+    // Terms that depend only on a pod's match percentage, kept for the next pod with the same.
+    let mut miss_memo: Option<(u64, f64)> = None;
     let mut conductor_memo: Option<(u64, prefill::ConductorParts)> = None;
     prefill_scores.clear();
     prefill_scores.resize(pset.len(), f64::NAN);
@@ -397,11 +396,18 @@ pub fn select_pair(
         }
         let pct = input.match_pct.get(slot).copied().unwrap_or(0.0);
         *score = match s.prefill_policy {
-            PrefillPolicy::PrefixCache => prefill::prefix_cache(
-                prefill::effective_match_pct(pct, tk.min_match_pct),
-                cnt,
-                max_req,
-            ),
+            PrefillPolicy::PrefixCache => {
+                let miss = match miss_memo {
+                    Some((bits, miss)) if bits == pct.to_bits() => miss,
+                    _ => {
+                        let eff = prefill::effective_match_pct(pct, tk.min_match_pct);
+                        let miss = prefill::prefix_cache_miss(eff);
+                        miss_memo = Some((pct.to_bits(), miss));
+                        miss
+                    }
+                };
+                prefill::prefix_cache_with(miss, cnt, max_req)
+            }
             PrefillPolicy::LeastRequest => prefill::least_request(cnt),
             PrefillPolicy::Conductor => {
                 let parts = match conductor_memo {
@@ -483,7 +489,13 @@ pub fn select_pair(
     }
 
     // Step 5: the roleset with the lowest normalised sum.
-    let (p, d) = if prefill_singles && dset.fixed.singles && pset.roleset == dset.roleset {
+    let whole = std::ptr::eq(pset, &cols.all_prefill) && std::ptr::eq(dset, &cols.all_decode);
+    let paired = if whole {
+        cols.all_one_to_one
+    } else {
+        one_to_one(pset, dset)
+    };
+    let (p, d) = if paired {
         // One pod per roleset on both sides, the same rolesets in the same order (every
         // roleset of a 1P1D fleet): a roleset's best pods are its pods.
         let mut best = MinPicker::new();

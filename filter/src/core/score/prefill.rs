@@ -38,8 +38,18 @@ pub fn effective_match_pct(match_pct: f64, min_match_pct: f64) -> f64 {
 /// to this policy too (the spec only found it for hybrid); pass a pct already filtered by
 /// [`effective_match_pct`]. `max_req` is `max(1, counts)`, so a 0 here is treated as 1.
 pub fn prefix_cache(match_pct: f64, cnt: u32, max_req: u32) -> f64 {
-    let pct = effective_match_pct(match_pct, 0.0);
-    (100.0 - pct) * PREFIX_CACHE_MATCH_WEIGHT + f64::from(cnt) / f64::from(max_req.max(1))
+    prefix_cache_with(prefix_cache_miss(match_pct), cnt, max_req)
+}
+
+/// The cache term of [`prefix_cache`], `(100 − match) × 0.1`: most pods of one request share
+/// a match percentage (usually 0), so a selection computes it once per distinct match.
+pub fn prefix_cache_miss(match_pct: f64) -> f64 {
+    (100.0 - effective_match_pct(match_pct, 0.0)) * PREFIX_CACHE_MATCH_WEIGHT
+}
+
+/// [`prefix_cache`] from its cache term.
+pub fn prefix_cache_with(miss: f64, cnt: u32, max_req: u32) -> f64 {
+    miss + f64::from(cnt) / f64::from(max_req.max(1))
 }
 
 /// `least_request`: the raw in-flight prefill count.
