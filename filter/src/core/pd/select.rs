@@ -74,6 +74,45 @@ pub enum Candidates<'a> {
     },
 }
 
+/// Per-request memo of a term that depends only on a pod's match percentage. The prefix
+/// index yields whole percents, so those get a slot each (filled on first use); any other
+/// value is computed every time.
+#[derive(Debug, Clone)]
+struct PctMemo<T> {
+    filled: u128,
+    values: [T; 101],
+}
+
+impl<T: Copy + Default> Default for PctMemo<T> {
+    fn default() -> Self {
+        PctMemo {
+            filled: 0,
+            values: [T::default(); 101],
+        }
+    }
+}
+
+impl<T: Copy> PctMemo<T> {
+    /// Forgets every value (they depend on the request).
+    fn clear(&mut self) {
+        self.filled = 0;
+    }
+
+    fn get(&mut self, pct: f64, compute: impl FnOnce() -> T) -> T {
+        let whole = pct as u32;
+        if whole > 100 || (whole as f64).to_bits() != pct.to_bits() {
+            return compute();
+        }
+        let bit = 1u128 << whole;
+        let slot = &mut self.values[whole as usize];
+        if self.filled & bit == 0 {
+            *slot = compute();
+            self.filled |= bit;
+        }
+        *slot
+    }
+}
+
 /// The best pod of one roleset on one side.
 #[derive(Debug, Clone, Copy)]
 struct Best {
@@ -100,6 +139,8 @@ pub struct Scratch {
     decode_scores: Vec<f64>,
     prefill_best: Vec<Best>,
     decode_best: Vec<Best>,
+    miss_memo: PctMemo<f64>,
+    conductor_memo: PctMemo<prefill::ConductorParts>,
 }
 
 /// Reads one ledger counter of each candidate (and where its row is), rebuilding the row
@@ -268,6 +309,8 @@ pub fn select_pair(
         decode_scores,
         prefill_best,
         decode_best,
+        miss_memo,
+        conductor_memo,
     } = scratch;
     hints.prepare(model.uid, ledger, &model.id_order);
     let (mut pset, mut dset): (&PrefillSet, &DecodeSet) = match candidates {
@@ -381,9 +424,9 @@ pub fn select_pair(
     let bound = prefill::skip_bound(mean, std, s.std_dev_factor);
     let tk = &s.tokens;
     let mut max_prefill = PREFILL_MAX_SCORE_FLOOR;
-    // Terms that depend only on a pod's match percentage, kept for the next pod with the same.
-    let mut miss_memo: Option<(u64, f64)> = None;
-    let mut conductor_memo: Option<(u64, prefill::ConductorParts)> = None;
+    // Terms that depend only on a pod's match percentage, computed once per distinct match.
+    miss_memo.clear();
+    conductor_memo.clear();
     prefill_scores.clear();
     prefill_scores.resize(pset.len(), f64::NAN);
     let pods = prefill_counts
@@ -397,27 +440,15 @@ pub fn select_pair(
         let pct = input.match_pct.get(slot).copied().unwrap_or(0.0);
         *score = match s.prefill_policy {
             PrefillPolicy::PrefixCache => {
-                let miss = match miss_memo {
-                    Some((bits, miss)) if bits == pct.to_bits() => miss,
-                    _ => {
-                        let eff = prefill::effective_match_pct(pct, tk.min_match_pct);
-                        let miss = prefill::prefix_cache_miss(eff);
-                        miss_memo = Some((pct.to_bits(), miss));
-                        miss
-                    }
-                };
+                let miss = miss_memo.get(pct, || {
+                    prefill::prefix_cache_miss(prefill::effective_match_pct(pct, tk.min_match_pct))
+                });
                 prefill::prefix_cache_with(miss, cnt, max_req)
             }
             PrefillPolicy::LeastRequest => prefill::least_request(cnt),
             PrefillPolicy::Conductor => {
-                let parts = match conductor_memo {
-                    Some((bits, parts)) if bits == pct.to_bits() => parts,
-                    _ => {
-                        let parts = prefill::conductor_parts(input.token_bytes, pct);
-                        conductor_memo = Some((pct.to_bits(), parts));
-                        parts
-                    }
-                };
+                let parts =
+                    conductor_memo.get(pct, || prefill::conductor_parts(input.token_bytes, pct));
                 prefill::conductor_with(parts, cnt, reported(pset.prefill_ms[k]))
             }
             PrefillPolicy::TokenLoad => {

@@ -75,7 +75,7 @@ pub fn conductor(token_bytes: usize, match_pct: f64, cnt: u32, avg_prefill_ms: O
 /// The part of [`conductor`] that depends only on the prompt and the pod's match:
 /// `(cached prefix ms, unmatched prefill ms)`. It holds the `powf`, and most pods of one
 /// request share a match percentage, so a selection computes it once per distinct match.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct ConductorParts {
     pub prefix_ms: f64,
     pub prefill_ms: f64,
