@@ -1,4 +1,6 @@
-//! One full PD selection (Steps 0–5, no charge) at 16 / 256 / 1024 pods, per policy pair.
+//! One full PD selection (Steps 0–5, no charge) at 16 / 256 / 1024 pods, per policy pair, with
+//! the scratch buffers a VM keeps between requests; and the default policies on a fleet that
+//! was never scraped and carries no load (what `envoy/bench-v8.sh` measures inside Envoy).
 //! Run with `cargo bench -p pd-router-filter --bench select`.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
@@ -11,6 +13,10 @@ use pd_router_filter::proto;
 /// `pods` pods in rolesets of one prefill and one decode pod, with engine metrics and a
 /// ledger that has load on every pod, so no branch is skipped for lack of data.
 fn fleet(pods: usize) -> (ModelView, Ledger) {
+    fleet_with(pods, true)
+}
+
+fn fleet_with(pods: usize, scraped: bool) -> (ModelView, Ledger) {
     let mut rng = fastrand::Rng::with_seed(1);
     let mut list = Vec::with_capacity(pods);
     for i in 0..pods {
@@ -25,7 +31,7 @@ fn fleet(pods: usize) -> (ModelView, Ledger) {
             roleset: format!("rs-{}", i / 2),
             ready: true,
             serves_http: true,
-            metrics: Some(proto::PodMetrics {
+            metrics: scraped.then(|| proto::PodMetrics {
                 present: true,
                 running: rng.f64() * 20.0,
                 kv_cache_usage: rng.f64(),
@@ -47,6 +53,9 @@ fn fleet(pods: usize) -> (ModelView, Ledger) {
     };
     let model = FleetView::from_snapshot(&snapshot).models["m"].clone();
     let mut ledger = Ledger::default();
+    if !scraped {
+        return (model, ledger);
+    }
     for p in &model.pods {
         for _ in 0..rng.usize(0..4) {
             let counter = if p.name.ends_with(['0', '2', '4', '6', '8']) {
@@ -93,15 +102,41 @@ fn selection(c: &mut Criterion) {
                 now_ms: 1_000,
             };
             let mut rng = fastrand::Rng::with_seed(7);
+            let mut scratch = pd::Scratch::default();
             group.bench_function(
                 BenchmarkId::new(format!("{}+{}", p.name(), d.name()), pods),
                 |b| {
                     b.iter(|| {
-                        pd::select_pd(&model, step0, &ledger, input, &mut rng).expect("a pair")
+                        pd::select_pd_with(&model, step0, &ledger, input, &mut rng, &mut scratch)
+                            .expect("a pair")
                     })
                 },
             );
         }
+        let (unscraped, empty) = fleet_with(pods, false);
+        let settings = PdSettings::resolve(&PdDefaults::default(), None).expect("defaults");
+        let input = PairInput {
+            settings: &settings,
+            match_pct: &[],
+            token_bytes: 64,
+            banded_roleset: None,
+            prompt_tokens: 16,
+            session_delta: None,
+            now_ms: 1_000,
+        };
+        let mut rng = fastrand::Rng::with_seed(7);
+        let mut scratch = pd::Scratch::default();
+        let step0 = Step0Input {
+            profile: None,
+            bucketing: false,
+            prompt_len: 0,
+        };
+        group.bench_function(BenchmarkId::new("unscraped_idle", pods), |b| {
+            b.iter(|| {
+                pd::select_pd_with(&unscraped, step0, &empty, input, &mut rng, &mut scratch)
+                    .expect("a pair")
+            })
+        });
         // What a request pays on top: decoding the shared ledger it selects over.
         let bytes = ledger.encode();
         group.bench_function(BenchmarkId::new("ledger_decode", pods), |b| {

@@ -85,7 +85,15 @@ pub struct ModelView {
     pub total_pods: usize,
     /// `(ledger id, pod index)` sorted by id, for one-pass ledger reads.
     pub id_order: Vec<(crate::core::ledger::PodId, usize)>,
+    /// The selection's per-pod signals as dense arrays (see `pd::columns`).
+    pub columns: crate::core::pd::columns::Columns,
+    /// Distinct for every view built (0 for a default one): per-view caches outside the view
+    /// (ledger row hints) key on it.
+    pub uid: u64,
 }
+
+/// Source of [`ModelView::uid`].
+static NEXT_UID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 #[derive(Debug, Clone, Default)]
 pub struct FleetView {
@@ -195,6 +203,8 @@ impl ModelView {
                 view.pods[i].roleset_idx = Some(r);
             }
         }
+        view.columns = crate::core::pd::columns::Columns::build(&view.pods, &view.rolesets);
+        view.uid = NEXT_UID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         view
     }
 }

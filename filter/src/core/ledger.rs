@@ -147,6 +147,11 @@ impl Ledger {
         self.remote = remote;
     }
 
+    /// The other replicas' load selection adds to this ledger's rows, if any.
+    pub fn remote(&self) -> Option<&RemoteLoad> {
+        self.remote.as_deref()
+    }
+
     /// Every row with its pod id, in id order (this replica's own load only).
     pub fn iter(&self) -> impl Iterator<Item = (PodId, Row)> + '_ {
         (0..self.len()).map(|i| (PodId(self.id_at(i)), self.read(i)))
@@ -297,6 +302,64 @@ impl Ledger {
         out
     }
 
+    /// Row hints for the pods of one model, in one merge pass: `order` lists `(id, slot)`
+    /// sorted by id, `out` gets one hint per slot (see [`RowHints`]).
+    fn locate(&self, order: &[(PodId, usize)], out: &mut Vec<u32>) {
+        out.clear();
+        out.resize(order.len(), ABSENT);
+        let (n, mut i) = (self.len(), 0usize);
+        for &(id, slot) in order {
+            while i < n && self.id_at(i) < id.0 {
+                i += 1;
+            }
+            let hint = if i < n && self.id_at(i) == id.0 {
+                i as u32
+            } else {
+                ABSENT | i as u32
+            };
+            if let Some(h) = out.get_mut(slot) {
+                *h = hint;
+            }
+        }
+    }
+
+    /// What `hint` says about the row of `id`, checked against this ledger: `Ok(Some(i))`
+    /// the row is at `i`, `Ok(None)` the pod has no row, `Err` the hint is out of date.
+    fn resolve(&self, hint: u32, id: PodId) -> Result<Option<usize>, StaleHint> {
+        let at = (hint & !ABSENT) as usize;
+        let n = self.len();
+        if hint & ABSENT == 0 {
+            return if at < n && self.id_at(at) == id.0 {
+                Ok(Some(at))
+            } else {
+                Err(StaleHint)
+            };
+        }
+        // Absent: the neighbours of the insertion point bracket the id (rows are sorted).
+        let after_prev = at == 0 || (at <= n && self.id_at(at - 1) < id.0);
+        let before_next = at >= n || self.id_at(at) > id.0;
+        if at <= n && after_prev && before_next {
+            Ok(None)
+        } else {
+            Err(StaleHint)
+        }
+    }
+
+    /// In-flight prefill calls of the row at `i` (an index [`RowHints::row`] gave).
+    pub fn prefill_inflight_at(&self, i: usize) -> u32 {
+        u32_at(&self.bytes, Ledger::row_offset(i) + 8)
+    }
+
+    /// Running requests of the row at `i`.
+    pub fn running_at(&self, i: usize) -> u32 {
+        u32_at(&self.bytes, Ledger::row_offset(i) + 12)
+    }
+
+    /// The token ledger of the row at `i`.
+    pub fn tokens_at(&self, i: usize) -> PodTokens {
+        self.read(i).tokens
+    }
+
     /// The token row of a pod by key (tests, gauges).
     pub fn pod(&self, key: &str) -> PodTokens {
         self.tokens(PodId::of(key))
@@ -421,6 +484,99 @@ impl Ledger {
         }
         self.bytes = kept;
         before - self.len()
+    }
+}
+
+/// Marks a hint of a pod without a row; the low bits keep its insertion point.
+const ABSENT: u32 = 1 << 31;
+/// [`RowHints::read_counts`]'s row index of a pod without a row.
+pub const NO_ROW: u32 = u32::MAX;
+
+/// Where each pod of one model had its ledger row at the last selection, so a selection
+/// reads rows by index instead of merging the model's ids against the ledger every time.
+///
+/// Rows move when another pod's row is inserted or pruned, so every hint is checked as it is
+/// read (the row at the hinted index must carry the pod's id; for a pod without a row, its
+/// neighbours must bracket the id) and all hints are rebuilt in one merge pass when any
+/// check fails. A check costs one or two id comparisons on rows the selection reads anyway.
+#[derive(Debug, Clone, Default)]
+pub struct RowHints {
+    /// `ModelView::uid` the hints were built for (0: none yet).
+    model: u64,
+    hints: Vec<u32>,
+}
+
+/// A hint was out of date; [`RowHints::rebuild`] and read again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StaleHint;
+
+impl RowHints {
+    /// Hints for `model` (`ModelView::uid`), rebuilt from `ledger` when they were made for
+    /// another model. `order` is the model's `(id, slot)` list sorted by id.
+    pub fn prepare(&mut self, model: u64, ledger: &Ledger, order: &[(PodId, usize)]) {
+        if self.model != model || self.hints.len() != order.len() {
+            self.rebuild(model, ledger, order);
+        }
+    }
+
+    pub fn rebuild(&mut self, model: u64, ledger: &Ledger, order: &[(PodId, usize)]) {
+        ledger.locate(order, &mut self.hints);
+        self.model = model;
+    }
+
+    /// One counter of many pods: for the pod in `slots[k]` (ledger id `ids[k]`), `counts[k]`
+    /// gets its `counter` (0 without a row) and `rows[k]` its row index ([`NO_ROW`] without
+    /// one). `Err` as soon as a hint is out of date. The four slices are as long as `slots`.
+    pub fn read_counts(
+        &self,
+        ledger: &Ledger,
+        counter: Counter,
+        slots: &[usize],
+        ids: &[PodId],
+        counts: &mut [u32],
+        rows: &mut [u32],
+    ) -> Result<(), StaleHint> {
+        let field = match counter {
+            Counter::PrefillInflight => 8,
+            Counter::Running => 12,
+        };
+        let bytes = ledger.bytes.as_slice();
+        let len = ledger.len();
+        let id_at = |i: usize| u64_at(bytes, Ledger::row_offset(i));
+        let pods = slots.iter().zip(ids);
+        for ((&slot, &id), (count, row)) in pods.zip(counts.iter_mut().zip(rows.iter_mut())) {
+            let hint = *self.hints.get(slot).ok_or(StaleHint)?;
+            let at = (hint & !ABSENT) as usize;
+            if hint & ABSENT == 0 {
+                let start = Ledger::row_offset(at);
+                let row_bytes: &[u8; ROW] = bytes
+                    .get(start..start + ROW)
+                    .and_then(|b| b.try_into().ok())
+                    .ok_or(StaleHint)?;
+                if u64_at(row_bytes, 0) != id.0 {
+                    return Err(StaleHint);
+                }
+                *count = u32_at(row_bytes, field);
+                *row = hint;
+            } else {
+                // No row: the neighbours of the insertion point bracket the id.
+                let after_prev = at == 0 || (at <= len && id_at(at - 1) < id.0);
+                let before_next = at >= len || id_at(at) > id.0;
+                if !(after_prev && before_next) {
+                    return Err(StaleHint);
+                }
+                *count = 0;
+                *row = NO_ROW;
+            }
+        }
+        Ok(())
+    }
+
+    /// The row of the pod in `slot` (with ledger id `id`): `Ok(Some(index))`, `Ok(None)`
+    /// when it has no row, `Err` when the hint is out of date.
+    pub fn row(&self, ledger: &Ledger, slot: usize, id: PodId) -> Result<Option<usize>, StaleHint> {
+        let hint = self.hints.get(slot).copied().ok_or(StaleHint)?;
+        ledger.resolve(hint, id)
     }
 }
 

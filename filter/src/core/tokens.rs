@@ -488,7 +488,8 @@ pub fn decode_rate(pod_throughput: Option<f64>, pod_running: f64, others_mean: O
         .unwrap_or(0.0)
 }
 
-fn own_rate(throughput: Option<f64>, running: f64) -> Option<f64> {
+/// A pod's own per-request generation rate, when it reports throughput and runs requests.
+pub fn own_rate(throughput: Option<f64>, running: f64) -> Option<f64> {
     let t = throughput.filter(|t| t.is_finite() && *t >= 0.0)?;
     (running.is_finite() && running > 0.0).then(|| t / running)
 }

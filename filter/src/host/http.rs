@@ -364,6 +364,7 @@ impl PdHttp {
         };
         let remote = vm.remote.clone();
         let rng = &mut vm.rng;
+        let scratch = &mut vm.select_scratch;
         let started = now_ns();
         let mut core_ns = 0u128;
         let mut explain = self.obs.explain.take();
@@ -374,8 +375,10 @@ impl PdHttp {
                 *x = Explain::default();
             }
             let t0 = now_ns();
-            let selected =
-                pd::select_pd_explained(model, step0, l, pair, rng, explain.as_deref_mut())?;
+            let selected = match explain.as_deref_mut() {
+                Some(x) => pd::select_pd_explained(model, step0, l, pair, rng, Some(x))?,
+                None => pd::select_pd_with(model, step0, l, pair, rng, scratch)?,
+            };
             core_ns = now_ns().saturating_sub(t0);
             let held = selected.charge(model, l, now);
             let tokens = pod_tokens(l, &held);

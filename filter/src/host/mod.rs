@@ -44,6 +44,8 @@ pub struct VmState {
     /// The fleet view of the newest snapshot this VM has decoded.
     pub fleet: Option<Rc<FleetView>>,
     pub rng: fastrand::Rng,
+    /// Buffers and ledger row hints PD selections reuse from one request to the next.
+    pub select_scratch: crate::core::pd::Scratch,
     pub metrics: metrics::Metrics,
     /// The other gateway replicas' decode load, added to the ledger rows selection reads.
     pub remote: Option<std::sync::Arc<crate::core::remote::RemoteLoad>>,

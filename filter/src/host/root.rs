@@ -63,6 +63,7 @@ impl Root {
                 holds: hashbrown::HashMap::new(),
                 fleet: None,
                 rng: fastrand::Rng::with_seed(seed),
+                select_scratch: crate::core::pd::Scratch::default(),
                 metrics: Metrics::default(),
                 remote: None,
                 remote_cas: None,

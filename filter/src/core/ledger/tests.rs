@@ -306,3 +306,59 @@ fn prune_idle_drops_only_zero_rows_untouched_for_a_minute() {
     let _again = t.charge_prefill("ns/a", 7.0, 100_000);
     assert_eq!(t.pod("ns/a").active, 7.0);
 }
+
+/// Row hints follow rows as other rows are inserted before them and pruned, notice every
+/// stale hint (present or absent pod) and read the same counts as a lookup once rebuilt.
+#[test]
+fn row_hints_catch_every_moved_row() {
+    let keys: Vec<String> = (0..40).map(|i| format!("ns/pod-{i}")).collect();
+    let mut order: Vec<(PodId, usize)> = keys
+        .iter()
+        .enumerate()
+        .map(|(slot, k)| (PodId::of(k), slot))
+        .collect();
+    order.sort_unstable();
+    let mut ledger = Ledger::default();
+    for k in keys.iter().step_by(3) {
+        ledger.add(k, Counter::Running, 0);
+    }
+    let mut hints = RowHints::default();
+    hints.prepare(1, &ledger, &order);
+    let read = |hints: &RowHints, ledger: &Ledger| -> Result<Vec<u32>, StaleHint> {
+        keys.iter()
+            .enumerate()
+            .map(|(slot, k)| {
+                let row = hints.row(ledger, slot, PodId::of(k))?;
+                Ok(row.map_or(0, |i| ledger.running_at(i)))
+            })
+            .collect()
+    };
+    let truth = |ledger: &Ledger| -> Vec<u32> {
+        keys.iter().map(|k| ledger.counts_of(k).running).collect()
+    };
+    assert_eq!(read(&hints, &ledger), Ok(truth(&ledger)));
+
+    // A pod without a row gets one: its own hint (absent) and the rows after it go stale.
+    let mut changed = ledger.clone();
+    changed.add(&keys[1], Counter::Running, 0);
+    assert_eq!(read(&hints, &changed), Err(StaleHint));
+    // A row inserted elsewhere, then one pruned, leaving the count of rows as before.
+    let mut same_len = ledger.clone();
+    same_len.add("ns/outsider", Counter::Running, 0);
+    same_len.release(&keys[0], Counter::Running, 0);
+    assert_eq!(same_len.prune_idle(IDLE_PRUNE_MS), 1);
+    assert_eq!(same_len.len(), ledger.len());
+    assert_eq!(read(&hints, &same_len), Err(StaleHint));
+    for l in [changed, same_len] {
+        let mut fresh = hints.clone();
+        fresh.rebuild(1, &l, &order);
+        assert_eq!(read(&fresh, &l), Ok(truth(&l)));
+    }
+    // Counts change in place: hints stay valid and read the new values.
+    let mut bumped = ledger.clone();
+    bumped.add(&keys[3], Counter::Running, 0);
+    assert_eq!(read(&hints, &bumped), Ok(truth(&bumped)));
+    // Hints of another model are rebuilt, not trusted.
+    hints.prepare(2, &bumped, &order);
+    assert_eq!(read(&hints, &bumped), Ok(truth(&bumped)));
+}

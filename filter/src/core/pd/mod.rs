@@ -3,6 +3,8 @@
 
 pub mod bucket_serve;
 pub mod candidates;
+pub mod columns;
+pub mod explained;
 pub mod pick;
 pub mod select;
 pub mod settings;
@@ -10,7 +12,7 @@ pub mod single;
 
 pub use candidates::{Step0, Step0Input};
 pub use pick::MinPicker;
-pub use select::{FastPaths, PairInput};
+pub use select::{Candidates, FastPaths, PairInput, Scratch};
 pub use settings::{PdDefaults, PdSettings};
 pub use single::select_single;
 
@@ -102,10 +104,50 @@ pub fn select_pd(
     pair: PairInput<'_>,
     rng: &mut fastrand::Rng,
 ) -> Result<Selected, RouteError> {
-    select_pd_explained(model, step0, ledger, pair, rng, None)
+    select_pd_with(model, step0, ledger, pair, rng, &mut Scratch::default())
 }
 
-/// [`select_pd`] that also records its reasoning into `explain` when one is given.
+/// [`select_pd`] with buffers (and ledger row hints) kept from earlier selections.
+pub fn select_pd_with(
+    model: &ModelView,
+    step0: Step0Input<'_>,
+    ledger: &Ledger,
+    pair: PairInput<'_>,
+    rng: &mut fastrand::Rng,
+    scratch: &mut Scratch,
+) -> Result<Selected, RouteError> {
+    let cols = &model.columns;
+    // Without bucketing, Step 0 keeps every pod of every complete roleset (when there is at
+    // least one): the snapshot already has them as candidate sets.
+    let c = if !step0.bucketing && !cols.all_prefill.is_empty() && !cols.all_decode.is_empty() {
+        select::select_pair(model, Candidates::All, ledger, pair, rng, scratch)?
+    } else {
+        match candidates::collect(model, step0, &mut |n| rng.usize(0..n))? {
+            Step0::Combined(pod) => return Ok(Selected::single(pod)),
+            Step0::Pairs { prefill, decode } => {
+                let listed = Candidates::Listed {
+                    prefill: &prefill,
+                    decode: &decode,
+                };
+                select::select_pair(model, listed, ledger, pair, rng, scratch)?
+            }
+        }
+    };
+    Ok(Selected {
+        target: Target::Pair {
+            prefill: c.prefill,
+            decode: c.decode,
+        },
+        prefill_cost: c.prefill_cost,
+        decode_tokens: c.decode_tokens,
+        fast_paths: c.fast_paths,
+    })
+}
+
+/// [`select_pd`] that also records its reasoning into `explain`. Explaining is opt-in and
+/// rare, so it runs the cascade as first written (`explained`, step by step, with hooks),
+/// which the tests hold to the same choices as the optimised path; the normal path pays
+/// nothing for it.
 pub fn select_pd_explained(
     model: &ModelView,
     step0: Step0Input<'_>,
@@ -134,9 +176,9 @@ pub fn select_pd_explained(
                 x.kept("s0", &prefill, &decode);
             }
             let rows = ledger.rows_for(&model.id_order, model.pods.len());
-            let chosen =
-                select::select_pair_explained(model, prefill, decode, &rows, pair, rng, explain);
-            let c = chosen?;
+            let c = explained::select_pair_explained(
+                model, prefill, decode, &rows, pair, rng, explain,
+            )?;
             Ok(Selected {
                 target: Target::Pair {
                     prefill: c.prefill,
@@ -155,3 +197,6 @@ mod tests;
 
 #[cfg(test)]
 mod proptests;
+
+#[cfg(test)]
+mod reference;

@@ -822,6 +822,67 @@ fn check(case: &Case) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+/// The optimised selection against the plain one (`reference.rs`): the same result (pair,
+/// charges, fast paths, or error) and the same random state afterwards, with one scratch (and
+/// its ledger row hints) carried across a sequence of ledgers in which rows appear, change and
+/// disappear, and across another model in between.
+fn check_against_reference(case: &Case) -> Result<(), TestCaseError> {
+    let specs = case.specs();
+    let r = &case.request;
+    let len = case.prompt_len(&specs);
+    let fleet = FleetView::from_snapshot(&snapshot(specs.iter().map(Spec::proto).collect()));
+    let model = &fleet.models["m"];
+    let other = FleetView::from_snapshot(&snapshot(specs.iter().rev().map(Spec::proto).collect()));
+    let other = &other.models["m"];
+    let mut settings = PdSettings::resolve(&PdDefaults::default(), None).unwrap();
+    settings.prefill_policy = r.prefill;
+    settings.decode_policy = r.decode;
+    let banded = r.banded.map(|k| format!("g{k}"));
+    let pair = PairInput {
+        settings: &settings,
+        match_pct: &r.match_pct,
+        token_bytes: r.token_bytes,
+        banded_roleset: banded.as_deref(),
+        prompt_tokens: r.prompt_tokens,
+        session_delta: r.session_delta,
+        now_ms: r.now_ms,
+    };
+    let step0 = Step0Input {
+        profile: None,
+        bucketing: r.bucketing,
+        prompt_len: len,
+    };
+    let mut scratch = Scratch::default();
+    let mut ledger = case.ledger(&specs);
+    for round in 0..6u64 {
+        let m = if round == 3 { other } else { model };
+        let seed = r.seed.wrapping_add(round);
+        let mut want_rng = fastrand::Rng::with_seed(seed);
+        let mut got_rng = fastrand::Rng::with_seed(seed);
+        let want = reference::select_pd(m, step0, &ledger, pair, &mut want_rng);
+        let got = select_pd_with(m, step0, &ledger, pair, &mut got_rng, &mut scratch);
+        prop_assert_eq!(&got, &want, "round {}", round);
+        prop_assert_eq!(
+            got_rng.get_seed(),
+            want_rng.get_seed(),
+            "random draws, round {}",
+            round
+        );
+        // The next ledger: this selection charged (new rows appear, others shift), every
+        // second round also released and pruned (rows disappear).
+        if let Ok(sel) = got {
+            let held = sel.charge(m, &mut ledger, r.now_ms);
+            if round % 2 == 1 {
+                held.release_rest(&mut ledger, r.now_ms);
+                ledger.prune_idle(r.now_ms + crate::core::tokens::IDLE_PRUNE_MS * 10);
+            }
+        } else {
+            ledger.add("ns/zz-newcomer", Counter::Running, r.now_ms);
+        }
+    }
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig {
         failure_persistence: None,
@@ -832,5 +893,18 @@ proptest! {
     #[test]
     fn selection_stays_in_one_matching_roleset_or_a_combined_pod(case in case()) {
         check(&case)?;
+    }
+
+    #[test]
+    fn optimised_selection_matches_the_reference(case in case()) {
+        check_against_reference(&case)?;
+        // Again as a fleet of one prefill and one decode pod per roleset, the layout with a
+        // shortcut of its own.
+        let mut singles = case.clone();
+        for r in &mut singles.rolesets {
+            r.prefill.truncate(1);
+            r.decode.truncate(1);
+        }
+        check_against_reference(&singles)?;
     }
 }

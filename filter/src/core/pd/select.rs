@@ -3,18 +3,27 @@
 //! and decode scoring, and the final pair by normalised score sum. The pair always comes from
 //! one roleset. Token-ledger charges are computed here and applied by the caller in the same
 //! CAS round as the selection.
+//!
+//! Built for 1000-pod fleets inside a wasm VM. Each side's candidates are a position-ordered
+//! set of dense arrays ([`PrefillSet`], [`DecodeSet`]); the usual sets (every pod of every
+//! complete roleset) and everything that follows from them alone come with the snapshot, so a
+//! request only reads its ledger counts (in place, through cached [`RowHints`]), scores each
+//! pod in one pass per side into reused [`Scratch`] buffers, and picks per roleset over runs
+//! of positions (Step 0 lists candidates roleset by roleset). Every formula, comparison and
+//! random draw happens in the same order as the plain statement of the cascade (kept as
+//! `reference.rs` for the tests), so the same inputs and random state give the same pair.
 
 use crate::core::errors::RouteError;
-use crate::core::fleet::{ModelView, PodView, Role};
-use crate::core::ledger::Row;
-use crate::core::obs::explain::{Explain, PairScore};
+use crate::core::fleet::{ModelView, Role};
+use crate::core::ledger::{Counter, Ledger, PodId, RowHints, StaleHint, NO_ROW};
+use crate::core::pd::columns::{one_to_one, reported, DecodeSet, MinMax, PrefillSet, Run};
 use crate::core::pd::settings::PdSettings;
 use crate::core::pd::MinPicker;
-use crate::core::score::decode::{DecodeBatch, DecodeInput};
+use crate::core::score::decode::{self, cold_start, FastPathCheck};
 use crate::core::score::{
     prefill, DecodePolicy, PrefillPolicy, DECODE_MAX_SCORE_FLOOR, PREFILL_MAX_SCORE_FLOOR,
 };
-use crate::core::tokens;
+use crate::core::tokens::{self, PodTokens};
 
 /// What the request brings to Steps 1–5 besides the fleet and the ledger.
 #[derive(Debug, Clone, Copy)]
@@ -54,250 +63,546 @@ pub struct PairChoice {
     pub fast_paths: FastPaths,
 }
 
-fn roleset_of(model: &ModelView, pod: usize) -> Option<usize> {
-    model.pods.get(pod).and_then(|p| p.roleset_idx)
+/// Step 0's candidates: every pod of every complete roleset (the snapshot has them as sets),
+/// or explicit lists of pod indexes, grouped by roleset in roleset order.
+#[derive(Debug, Clone, Copy)]
+pub enum Candidates<'a> {
+    All,
+    Listed {
+        prefill: &'a [usize],
+        decode: &'a [usize],
+    },
 }
 
-/// The decode-side signals of one pod.
-fn decode_input(pod: &PodView, row: &Row) -> DecodeInput {
-    let counts = row.counts;
-    let metrics = pod.metrics.as_ref().filter(|m| !m.stale);
-    DecodeInput {
-        count: counts.running,
+/// Per-request memo of a term that depends only on a pod's match percentage. The prefix
+/// index yields whole percents, so those get a slot each (filled on first use); any other
+/// value is computed every time.
+#[derive(Debug, Clone)]
+struct PctMemo<T> {
+    filled: u128,
+    values: [T; 101],
+}
+
+impl<T: Copy + Default> Default for PctMemo<T> {
+    fn default() -> Self {
+        PctMemo {
+            filled: 0,
+            values: [T::default(); 101],
+        }
+    }
+}
+
+impl<T: Copy> PctMemo<T> {
+    /// Forgets every value (they depend on the request).
+    fn clear(&mut self) {
+        self.filled = 0;
+    }
+
+    fn get(&mut self, pct: f64, compute: impl FnOnce() -> T) -> T {
+        let whole = pct as u32;
+        if whole > 100 || (whole as f64).to_bits() != pct.to_bits() {
+            return compute();
+        }
+        let bit = 1u128 << whole;
+        let slot = &mut self.values[whole as usize];
+        if self.filled & bit == 0 {
+            *slot = compute();
+            self.filled |= bit;
+        }
+        *slot
+    }
+}
+
+/// The best pod of one roleset on one side.
+#[derive(Debug, Clone, Copy)]
+struct Best {
+    roleset: u32,
+    score: f64,
+    slot: usize,
+}
+
+/// Buffers a selection reuses, and the ledger row hints of the last model it served. One per
+/// VM; a fresh one works too (it only costs the allocations and a hint rebuild).
+#[derive(Debug, Default)]
+pub struct Scratch {
+    hints: RowHints,
+    /// Candidate sets narrower than the snapshot's.
+    prefill_set: PrefillSet,
+    decode_set: DecodeSet,
+    slots: Vec<usize>,
+    /// Per candidate position: ledger count, ledger row, score.
+    prefill_counts: Vec<u32>,
+    prefill_rows: Vec<u32>,
+    prefill_scores: Vec<f64>,
+    decode_counts: Vec<u32>,
+    decode_rows: Vec<u32>,
+    decode_scores: Vec<f64>,
+    prefill_best: Vec<Best>,
+    decode_best: Vec<Best>,
+    miss_memo: PctMemo<f64>,
+    conductor_memo: PctMemo<prefill::ConductorParts>,
+}
+
+/// Reads one ledger counter of each candidate (and where its row is), rebuilding the row
+/// hints once if they are out of date.
+#[allow(clippy::too_many_arguments)]
+fn gather(
+    model: &ModelView,
+    ledger: &Ledger,
+    hints: &mut RowHints,
+    counter: Counter,
+    slots: &[usize],
+    ids: &[PodId],
+    counts: &mut Vec<u32>,
+    rows: &mut Vec<u32>,
+) -> Result<(), RouteError> {
+    counts.resize(slots.len(), 0);
+    rows.resize(slots.len(), NO_ROW);
+    if hints
+        .read_counts(ledger, counter, slots, ids, counts, rows)
+        .is_err()
+    {
+        hints.rebuild(model.uid, ledger, &model.id_order);
+        hints
+            .read_counts(ledger, counter, slots, ids, counts, rows)
+            .map_err(|StaleHint| RouteError::Internal("ledger row hints out of date".into()))?;
+    }
+    // Other gateway replicas' running requests count like this one's (`core::remote`).
+    if let (Counter::Running, Some(remote)) = (counter, ledger.remote()) {
+        for (count, id) in counts.iter_mut().zip(ids) {
+            if let Some((_, running)) = remote.get(*id) {
+                *count = count.saturating_add(running);
+            }
+        }
+    }
+    Ok(())
+}
+
+fn tokens_of(ledger: &Ledger, row: u32) -> PodTokens {
+    if row == NO_ROW {
+        PodTokens::default()
+    } else {
+        ledger.tokens_at(row as usize)
+    }
+}
+
+/// A decode pod's tokens, with the other gateway replicas' decode charges added.
+fn decode_tokens_of(ledger: &Ledger, row: u32, id: PodId) -> PodTokens {
+    let mut t = tokens_of(ledger, row);
+    if let Some((decode, _)) = ledger.remote().and_then(|r| r.get(id)) {
+        t.decode += decode;
+    }
+    t
+}
+
+/// Keeps the candidates at the positions `keep` accepts: their counts and rows in place, and
+/// their pods in `slots` (for refilling the set).
+fn narrow(
+    from: &[usize],
+    counts: &mut Vec<u32>,
+    rows: &mut Vec<u32>,
+    slots: &mut Vec<usize>,
+    keep: impl Fn(usize) -> bool,
+) {
+    slots.clear();
+    let mut kept = 0;
+    for k in 0..from.len() {
+        if keep(k) {
+            counts[kept] = counts[k];
+            rows[kept] = rows[k];
+            slots.push(from[k]);
+            kept += 1;
+        }
+    }
+    counts.truncate(kept);
+    rows.truncate(kept);
+}
+
+/// The per-request figures of the decode candidates: whether any has the running metric
+/// (then cold-start scores apply to the others), the highest count (`max(1, counts)`), and
+/// the lowest and highest count among those with the metric (Step 2 check 1).
+fn decode_counts(set: &DecodeSet, counts: &[u32]) -> (bool, f64, MinMax) {
+    let (mut any_ready, mut max_count, mut ready) = (false, 1.0f64, MinMax::default());
+    for (k, (&count, &fresh)) in counts.iter().zip(&set.fresh).enumerate() {
+        let count_f = f64::from(count);
+        max_count = max_count.max(count_f);
         // "Metrics ready": the engine has been scraped, or this gateway has routed to it.
-        has_running_metric: metrics.is_some() || counts.running > 0,
-        throughput: metrics.map(|m| m.generation_throughput),
-        kv_usage: metrics.map(|m| m.kv_cache_usage),
-        drain_rate: metrics.map(|m| m.drain_rate).filter(|d| *d > 0.0),
+        if fresh || count > 0 {
+            any_ready = true;
+            ready.push(k, count_f);
+        }
+    }
+    (any_ready, max_count, ready)
+}
+
+/// Step 2 (see `score::decode::decode_fast_path`, whose rules these are): three checks in
+/// order, the first that fires picks a position.
+fn decode_fast_path(
+    set: &DecodeSet,
+    counts: &[u32],
+    ready: MinMax,
+    th: &decode::DecodeThresholds,
+) -> Option<(usize, FastPathCheck)> {
+    if let Some(((at, min), max)) = ready.get() {
+        if max - min >= th.count_spread {
+            return Some((at, FastPathCheck::CountSpread));
+        }
+    }
+    if let Some(((at, min), max)) = set.fixed.throughputs.get() {
+        if max - min > th.throughput_spread {
+            return Some((at, FastPathCheck::ThroughputSpread));
+        }
+    }
+    if set.fixed.all_draining {
+        let mut scores = MinMax::default();
+        for (k, (&count, &divisor)) in counts.iter().zip(&set.drain_divisor).enumerate() {
+            scores.push(k, f64::from(count) / divisor);
+        }
+        if let Some(((at, min), max)) = scores.get() {
+            if min > 0.0 && max / min > th.drain_ratio {
+                return Some((at, FastPathCheck::DrainRatio));
+            }
+        }
+    }
+    None
+}
+
+/// The lowest score of each run (one roleset's candidates), ties broken at random in
+/// candidate order; NaN scores (skipped pods) never win. Runs come in roleset order, so the
+/// bests do too.
+fn pick_per_roleset(
+    runs: &[Run],
+    scores: &[f64],
+    slots: &[usize],
+    out: &mut Vec<Best>,
+    rng: &mut fastrand::Rng,
+) {
+    out.clear();
+    for run in runs {
+        debug_assert!(out.last().is_none_or(|b| b.roleset < run.roleset));
+        let best = if run.end - run.start == 1 {
+            // One candidate: no tie to break, no random draw.
+            let score = scores[run.start];
+            (!score.is_nan()).then(|| (score, slots[run.start]))
+        } else {
+            let mut picker = MinPicker::new();
+            for k in run.start..run.end {
+                picker.offer(scores[k], slots[k], rng);
+            }
+            picker.best
+        };
+        if let Some((score, slot)) = best {
+            out.push(Best {
+                roleset: run.roleset,
+                score,
+                slot,
+            });
+        }
     }
 }
 
 /// Steps 1–5 over Step 0's candidates.
 pub fn select_pair(
     model: &ModelView,
-    prefill: Vec<usize>,
-    decode: Vec<usize>,
-    rows: &[Row],
+    candidates: Candidates<'_>,
+    ledger: &Ledger,
     input: PairInput<'_>,
     rng: &mut fastrand::Rng,
-) -> Result<PairChoice, RouteError> {
-    select_pair_explained(model, prefill, decode, rows, input, rng, None)
-}
-
-/// [`select_pair`] that records the candidates after each step, the fast paths, skipped
-/// prefill pods, each roleset's pair scores and the pick into `explain` when one is given.
-pub fn select_pair_explained(
-    model: &ModelView,
-    mut prefill: Vec<usize>,
-    mut decode: Vec<usize>,
-    rows: &[Row],
-    input: PairInput<'_>,
-    rng: &mut fastrand::Rng,
-    mut explain: Option<&mut Explain>,
+    scratch: &mut Scratch,
 ) -> Result<PairChoice, RouteError> {
     let s = input.settings;
+    let cols = &model.columns;
     let mut fast = FastPaths::default();
+    let Scratch {
+        hints,
+        prefill_set,
+        decode_set,
+        slots,
+        prefill_counts,
+        prefill_rows,
+        prefill_scores,
+        decode_counts: dcounts,
+        decode_rows,
+        decode_scores,
+        prefill_best,
+        decode_best,
+        miss_memo,
+        conductor_memo,
+    } = scratch;
+    hints.prepare(model.uid, ledger, &model.id_order);
+    let (mut pset, mut dset): (&PrefillSet, &DecodeSet) = match candidates {
+        Candidates::All => (&cols.all_prefill, &cols.all_decode),
+        Candidates::Listed { prefill, decode } => {
+            prefill_set.fill(cols, prefill.iter().copied());
+            decode_set.fill(cols, decode.iter().copied());
+            (&*prefill_set, &*decode_set)
+        }
+    };
 
     // Step 1: prefill imbalance, on in-flight prefill counts.
-    let counts: Vec<u32> = prefill
-        .iter()
-        .map(|&i| rows[i].counts.prefill_inflight)
-        .collect();
+    gather(
+        model,
+        ledger,
+        hints,
+        Counter::PrefillInflight,
+        &pset.slot,
+        &pset.id,
+        prefill_counts,
+        prefill_rows,
+    )?;
+    let mut count_stats = prefill::CountStats::of(prefill_counts);
     let spread = s.prefill_spread.min(u32::MAX as f64) as u32;
-    if let Some(k) = prefill::prefill_fast_path(&counts, spread, rng) {
-        let chosen = prefill[k];
-        let roleset = roleset_of(model, chosen);
-        prefill = vec![chosen];
-        decode.retain(|&d| roleset_of(model, d) == roleset);
+    if let Some(k) = prefill::prefill_fast_path_with(prefill_counts, count_stats, spread, rng) {
+        let roleset = pset.roleset[k];
+        narrow(&pset.slot, prefill_counts, prefill_rows, slots, |j| j == k);
+        prefill_set.fill(cols, slots.iter().copied());
+        pset = &*prefill_set;
+        slots.clear();
+        slots.extend(
+            dset.slot
+                .iter()
+                .zip(&dset.roleset)
+                .filter(|&(_, &r)| r == roleset)
+                .map(|(&slot, _)| slot),
+        );
+        decode_set.fill(cols, slots.iter().copied());
+        dset = &*decode_set;
         fast.prefill = true;
     }
-    if let Some(x) = explain.as_deref_mut() {
-        x.kept("s1", &prefill, &decode);
-    }
 
-    // The decode signals of the candidates; rebuilt below only if a later step narrows them.
-    // Steps only ever drop candidates, so an unchanged length means an unchanged list.
-    let build_batch = |decode: &[usize]| {
-        DecodeBatch::new(
-            decode
-                .iter()
-                .map(|&i| decode_input(&model.pods[i], &rows[i]))
-                .collect(),
-        )
-    };
-    let mut batch = build_batch(&decode);
-    let mut batch_of = decode.len();
+    // The decode candidates' counts; their batch figures are recomputed below only if a later
+    // step narrows them, since maxima are relative to the candidates still in play.
+    gather(
+        model,
+        ledger,
+        hints,
+        Counter::Running,
+        &dset.slot,
+        &dset.id,
+        dcounts,
+        decode_rows,
+    )?;
+    let (mut any_ready, mut max_count, ready) = decode_counts(dset, dcounts);
+    let mut narrowed = false;
 
     // Step 2: decode imbalance (not under token_load, which replaces what it measures).
     if s.decode_policy.runs_fast_path() {
-        if let Some(pick) = crate::core::score::decode::decode_fast_path(&batch, &s.decode) {
-            let chosen = decode[pick.index];
-            let roleset = roleset_of(model, chosen);
-            decode = vec![chosen];
-            let aligned: Vec<usize> = prefill
-                .iter()
-                .copied()
-                .filter(|&p| roleset_of(model, p) == roleset)
-                .collect();
-            if !aligned.is_empty() {
-                prefill = aligned;
+        if let Some((k, check)) = decode_fast_path(dset, dcounts, ready, &s.decode) {
+            let roleset = dset.roleset[k];
+            narrow(&dset.slot, dcounts, decode_rows, slots, |j| j == k);
+            decode_set.fill(cols, slots.iter().copied());
+            dset = &*decode_set;
+            if pset.roleset.contains(&roleset) {
+                let rolesets = &pset.roleset;
+                narrow(&pset.slot, prefill_counts, prefill_rows, slots, |j| {
+                    rolesets[j] == roleset
+                });
+                prefill_set.fill(cols, slots.iter().copied());
+                pset = &*prefill_set;
             }
-            fast.decode = Some(pick.check);
+            fast.decode = Some(check);
+            narrowed = true;
         }
-    }
-    if let Some(x) = explain.as_deref_mut() {
-        x.kept("s2", &prefill, &decode);
     }
 
     // Step 2b: adaptive bucket serving, advisory: only when the banded roleset keeps both sides.
     if let Some(band) = input.banded_roleset {
-        let in_band = |i: &usize| model.pods[*i].roleset == band;
-        if prefill.iter().any(in_band) && decode.iter().any(in_band) {
-            prefill.retain(in_band);
-            decode.retain(in_band);
-            fast.banded = true;
-        }
-        if let Some(x) = explain.as_deref_mut() {
-            x.kept("s2b", &prefill, &decode);
+        let band = model
+            .rolesets
+            .iter()
+            .position(|r| r.name == band)
+            .and_then(|r| u32::try_from(r).ok());
+        if let Some(band) = band {
+            if pset.roleset.contains(&band) && dset.roleset.contains(&band) {
+                let rolesets = &pset.roleset;
+                narrow(&pset.slot, prefill_counts, prefill_rows, slots, |j| {
+                    rolesets[j] == band
+                });
+                prefill_set.fill(cols, slots.iter().copied());
+                pset = &*prefill_set;
+                let rolesets = &dset.roleset;
+                narrow(&dset.slot, dcounts, decode_rows, slots, |j| {
+                    rolesets[j] == band
+                });
+                decode_set.fill(cols, slots.iter().copied());
+                dset = &*decode_set;
+                fast.banded = true;
+                narrowed = true;
+            }
         }
     }
 
     // Step 3: prefill scoring; the lowest per roleset wins, pods far above the mean skipped.
-    let counts: Vec<u32> = prefill
-        .iter()
-        .map(|&i| rows[i].counts.prefill_inflight)
-        .collect();
-    let max_req = prefill::max_req(&counts);
-    let (mean, std) = prefill::mean_std(&counts);
+    if fast.prefill || fast.decode.is_some() || fast.banded {
+        count_stats = prefill::CountStats::of(prefill_counts);
+    }
+    let max_req = count_stats.max.max(1);
+    let (mean, std) = prefill::mean_std_with(prefill_counts, count_stats);
+    let bound = prefill::skip_bound(mean, std, s.std_dev_factor);
     let tk = &s.tokens;
-    let rolesets = model.rolesets.len();
-    let mut prefill_best: Vec<MinPicker> = (0..rolesets).map(|_| MinPicker::new()).collect();
     let mut max_prefill = PREFILL_MAX_SCORE_FLOOR;
-    for (&i, &cnt) in prefill.iter().zip(&counts) {
-        if prefill::skip(cnt, mean, std, s.std_dev_factor) {
-            if let Some(x) = explain.as_deref_mut() {
-                x.prefill_skipped.push(i);
-            }
-            continue;
+    // Terms that depend only on a pod's match percentage, computed once per distinct match.
+    miss_memo.clear();
+    conductor_memo.clear();
+    prefill_scores.clear();
+    prefill_scores.resize(pset.len(), f64::NAN);
+    let pods = prefill_counts
+        .iter()
+        .zip(&pset.slot)
+        .zip(prefill_rows.iter());
+    for (k, (((&cnt, &slot), &row), score)) in pods.zip(prefill_scores.iter_mut()).enumerate() {
+        if f64::from(cnt) > bound {
+            continue; // stays NaN: skipped
         }
-        let pod = &model.pods[i];
-        let pct = input.match_pct.get(i).copied().unwrap_or(0.0);
-        let tokens = rows[i].tokens;
-        let score = match s.prefill_policy {
-            PrefillPolicy::PrefixCache => prefill::prefix_cache(
-                prefill::effective_match_pct(pct, tk.min_match_pct),
-                cnt,
-                max_req,
-            ),
+        let pct = input.match_pct.get(slot).copied().unwrap_or(0.0);
+        *score = match s.prefill_policy {
+            PrefillPolicy::PrefixCache => {
+                let miss = miss_memo.get(pct, || {
+                    prefill::prefix_cache_miss(prefill::effective_match_pct(pct, tk.min_match_pct))
+                });
+                prefill::prefix_cache_with(miss, cnt, max_req)
+            }
             PrefillPolicy::LeastRequest => prefill::least_request(cnt),
             PrefillPolicy::Conductor => {
-                let avg_ms = pod
-                    .metrics
-                    .as_ref()
-                    .map(|m| m.ttft_avg_seconds * 1000.0)
-                    .filter(|v| *v > 0.0);
-                prefill::conductor(input.token_bytes, pct, cnt, avg_ms)
+                let parts =
+                    conductor_memo.get(pct, || prefill::conductor_parts(input.token_bytes, pct));
+                prefill::conductor_with(parts, cnt, reported(pset.prefill_ms[k]))
             }
-            PrefillPolicy::TokenLoad => prefill::token_load(tokens.active, tokens.kv, tk.kv_weight),
-            PrefillPolicy::HybridCacheLoad => prefill::hybrid(
-                tokens.active,
-                tokens.kv,
-                tk.kv_weight,
-                pct,
-                tk.min_match_pct,
-                tk.hybrid_factor,
-            ),
+            PrefillPolicy::TokenLoad => {
+                let t = tokens_of(ledger, row);
+                prefill::token_load(t.active, t.kv, tk.kv_weight)
+            }
+            PrefillPolicy::HybridCacheLoad => {
+                let t = tokens_of(ledger, row);
+                prefill::hybrid(
+                    t.active,
+                    t.kv,
+                    tk.kv_weight,
+                    pct,
+                    tk.min_match_pct,
+                    tk.hybrid_factor,
+                )
+            }
         };
-        if score.is_nan() {
-            continue;
+        // Above the floor, so never a ±0 question: `>` keeps what `f64::max` would.
+        if *score > max_prefill {
+            max_prefill = *score;
         }
-        max_prefill = max_prefill.max(score);
-        if let Some(r) = pod.roleset_idx {
-            prefill_best[r].offer(score, i, rng);
-        }
+    }
+    let prefill_singles = pset.runs.len() == pset.len();
+    if !prefill_singles {
+        pick_per_roleset(&pset.runs, prefill_scores, &pset.slot, prefill_best, rng);
     }
 
     // Step 4: decode scoring, with cold-start scores for pods the gateway has no signal for.
     // Maxima are relative to the candidates still in play, as in AIBrix.
-    if batch_of != decode.len() {
-        batch = build_batch(&decode);
-        batch_of = decode.len();
+    if narrowed {
+        (any_ready, max_count, _) = decode_counts(dset, dcounts);
     }
-    debug_assert_eq!(batch_of, batch.len());
-    let rates = if s.decode_policy == DecodePolicy::TokenLoad {
-        let pods: Vec<(Option<f64>, f64)> = decode
-            .iter()
-            .map(|&i| {
-                let m = model.pods[i].metrics.as_ref().filter(|m| !m.stale);
-                (
-                    m.map(|m| m.generation_throughput),
-                    m.map(|m| m.running).unwrap_or(0.0),
-                )
-            })
-            .collect();
-        tokens::decode_rates(&pods)
-    } else {
-        Vec::new()
-    };
-    let mut decode_best: Vec<MinPicker> = (0..rolesets).map(|_| MinPicker::new()).collect();
+    let policy = s.decode_policy;
+    let cold_starts = policy.uses_cold_start() && any_ready;
     let mut max_decode = DECODE_MAX_SCORE_FLOOR;
-    for (k, &i) in decode.iter().enumerate() {
-        let pod = &model.pods[i];
-        let ledger_score = match rates.get(k) {
-            Some(&rate) => rows[i]
-                .tokens
-                .decode_load(rate, input.now_ms, tk.output_growth),
-            None => 0.0,
+    decode_scores.clear();
+    decode_scores.resize(dset.len(), f64::NAN);
+    let pods = dcounts.iter().zip(&dset.fresh).zip(decode_rows.iter());
+    for (k, (((&count, &fresh), &row), score)) in pods.zip(decode_scores.iter_mut()).enumerate() {
+        let count_f = f64::from(count);
+        *score = if cold_starts && !(fresh || count > 0) {
+            cold_start(count)
+        } else {
+            let lb = || decode::load_balancing_with(count_f, max_count, dset.lb[k], s.lb);
+            let value = match policy {
+                DecodePolicy::LoadBalancing => lb(),
+                DecodePolicy::LeastRequest => count_f,
+                DecodePolicy::Conductor => decode::conductor_with(dset.conductor[k], count_f),
+                DecodePolicy::TokenLoad => {
+                    // Pods without their own rate borrow the mean of the candidates' rates.
+                    let rate = reported(dset.own_rate[k])
+                        .or(dset.fixed.own_rate_mean)
+                        .unwrap_or(0.0);
+                    decode_tokens_of(ledger, row, dset.id[k]).decode_load(
+                        rate,
+                        input.now_ms,
+                        tk.output_growth,
+                    )
+                }
+            };
+            // A NaN from another policy falls back to load_balancing; a NaN after that skips.
+            if value.is_nan() && policy != DecodePolicy::LoadBalancing {
+                lb()
+            } else {
+                value
+            }
         };
-        let Some(score) = batch.score(k, s.decode_policy, s.lb, ledger_score) else {
-            continue;
-        };
-        max_decode = max_decode.max(score.value);
-        if let Some(r) = pod.roleset_idx {
-            decode_best[r].offer(score.value, i, rng);
+        // Above the floor, so never a ±0 question: `>` keeps what `f64::max` would.
+        if *score > max_decode {
+            max_decode = *score;
         }
     }
 
     // Step 5: the roleset with the lowest normalised sum.
-    let mut best = MinPicker::new();
-    for r in 0..rolesets {
-        if let (Some((ps, p)), Some((ds, d))) = (prefill_best[r].best, decode_best[r].best) {
-            let total = ps / max_prefill + ds / max_decode;
-            if let Some(x) = explain.as_deref_mut() {
-                x.pairs.push(PairScore {
-                    prefill: p,
-                    prefill_score: ps,
-                    decode: d,
-                    decode_score: ds,
-                    total,
+    let whole = std::ptr::eq(pset, &cols.all_prefill) && std::ptr::eq(dset, &cols.all_decode);
+    let paired = if whole {
+        cols.all_one_to_one
+    } else {
+        one_to_one(pset, dset)
+    };
+    let (p, d) = if paired {
+        // One pod per roleset on both sides, the same rolesets in the same order (every
+        // roleset of a 1P1D fleet): a roleset's best pods are its pods.
+        let mut best = MinPicker::new();
+        for (k, (&p, &d)) in prefill_scores.iter().zip(decode_scores.iter()).enumerate() {
+            if !p.is_nan() && !d.is_nan() {
+                best.offer(p / max_prefill + d / max_decode, k, rng);
+            }
+        }
+        match best.item() {
+            Some(k) => (pset.slot[k], dset.slot[k]),
+            None => {
+                let missing = if prefill_scores.iter().all(|p| p.is_nan()) {
+                    "prefill"
+                } else {
+                    "decode"
+                };
+                return Err(RouteError::Selection {
+                    detail: format!("target {missing} pod is nil"),
                 });
             }
-            best.offer(total, r, rng);
         }
-    }
-    if let Some(x) = explain.as_deref_mut() {
-        x.fast = fast;
-    }
-    let Some(r) = best.item() else {
-        let missing = if prefill_best.iter().all(|p| p.best.is_none()) {
-            "prefill"
-        } else {
-            "decode"
+    } else {
+        if prefill_singles {
+            pick_per_roleset(&pset.runs, prefill_scores, &pset.slot, prefill_best, rng);
+        }
+        pick_per_roleset(&dset.runs, decode_scores, &dset.slot, decode_best, rng);
+        // Both lists are in roleset order.
+        let mut best = MinPicker::new();
+        let mut j = 0;
+        for (i, p) in prefill_best.iter().enumerate() {
+            while decode_best.get(j).is_some_and(|d| d.roleset < p.roleset) {
+                j += 1;
+            }
+            if let Some(d) = decode_best.get(j).filter(|d| d.roleset == p.roleset) {
+                best.offer(p.score / max_prefill + d.score / max_decode, i, rng);
+            }
+        }
+        let Some(i) = best.item() else {
+            let missing = if prefill_best.is_empty() {
+                "prefill"
+            } else {
+                "decode"
+            };
+            return Err(RouteError::Selection {
+                detail: format!("target {missing} pod is nil"),
+            });
         };
-        let detail = format!("target {missing} pod is nil");
-        if let Some(x) = explain {
-            x.error = Some(detail.clone());
-        }
-        return Err(RouteError::Selection { detail });
+        let p = prefill_best[i];
+        let Ok(j) = decode_best.binary_search_by_key(&p.roleset, |d| d.roleset) else {
+            return Err(RouteError::Selection {
+                detail: "target pod is nil".into(),
+            });
+        };
+        (p.slot, decode_best[j].slot)
     };
-    let (Some(p), Some(d)) = (prefill_best[r].item(), decode_best[r].item()) else {
-        return Err(RouteError::Selection {
-            detail: "target pod is nil".into(),
-        });
-    };
-    if let Some(x) = explain {
-        x.chosen = Some((p, d));
-    }
 
     let prefill_cost = s.prefill_policy.uses_token_ledger().then(|| {
         let pct = (s.prefill_policy == PrefillPolicy::HybridCacheLoad)

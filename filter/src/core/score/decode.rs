@@ -69,12 +69,12 @@ pub struct DecodeBatch {
 }
 
 /// A usable metric value: finite and not negative (a counter reset can yield a negative rate).
-fn usable(v: Option<f64>) -> Option<f64> {
+pub fn usable(v: Option<f64>) -> Option<f64> {
     v.filter(|x| x.is_finite()).map(|x| x.max(0.0))
 }
 
 /// `round(100 − usage × 100)`, or 0.1 when the cache is full (or over-reported).
-fn free_percent(kv_usage: Option<f64>) -> f64 {
+pub fn free_percent(kv_usage: Option<f64>) -> f64 {
     let usage = usable(kv_usage).unwrap_or(0.0);
     let free = (100.0 - usage * 100.0).round();
     if free <= 0.0 {
@@ -196,10 +196,30 @@ pub struct DecodeScore {
 /// Busy, slow and KV-full pods score high; a full cache (free 0.1) multiplies the numerator
 /// by up to 1000 against an empty one.
 pub fn load_balancing(s: &DecodeStats, m: &DecodeMaxima, w: LbWeights) -> f64 {
-    let running = s.count / m.count.max(1.0);
-    let slowness = 1.0 - s.throughput / m.throughput.max(1.0);
-    let free = s.free / m.free.max(1.0);
-    (w.running * running + w.throughput * slowness) / free
+    load_balancing_with(s.count, m.count, lb_parts(s, m), w)
+}
+
+/// The terms of [`load_balancing`] that do not depend on the request counts: for a fixed set
+/// of candidates they are the same on every request.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LbParts {
+    /// `1 − thr/maxThr`.
+    pub slowness: f64,
+    /// `free/maxFree`.
+    pub free: f64,
+}
+
+pub fn lb_parts(s: &DecodeStats, m: &DecodeMaxima) -> LbParts {
+    LbParts {
+        slowness: 1.0 - s.throughput / m.throughput.max(1.0),
+        free: s.free / m.free.max(1.0),
+    }
+}
+
+/// [`load_balancing`] from the pod's count, the batch's maximum count and the fixed parts.
+pub fn load_balancing_with(count: f64, max_count: f64, parts: LbParts, w: LbWeights) -> f64 {
+    let running = count / max_count.max(1.0);
+    (w.running * running + w.throughput * parts.slowness) / parts.free
 }
 
 /// `least_request`: pending + running decode requests.
@@ -216,13 +236,32 @@ pub const CONDUCTOR_PRESSURE_PENALTY: f64 = 1.5;
 /// `conductor`: estimated time between tokens, ms. `1000/thr` (20 ms without throughput),
 /// scaled by `1 + 1/max(cnt, 1)` for batching, ×1.5 above 90 % KV usage.
 pub fn conductor(s: &DecodeStats) -> f64 {
-    let mut tbt = if s.throughput > 0.0 {
-        1000.0 / s.throughput
-    } else {
-        CONDUCTOR_DEFAULT_TBT_MS
-    };
-    tbt *= 1.0 + 1.0 / s.count.max(1.0);
-    if 1.0 - s.free / 100.0 > CONDUCTOR_PRESSURE_USAGE {
+    conductor_with(conductor_parts(s), s.count)
+}
+
+/// The count-independent part of [`conductor`]: the pod's base TBT and its KV pressure.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ConductorParts {
+    pub tbt_ms: f64,
+    pub pressure: bool,
+}
+
+pub fn conductor_parts(s: &DecodeStats) -> ConductorParts {
+    ConductorParts {
+        tbt_ms: if s.throughput > 0.0 {
+            1000.0 / s.throughput
+        } else {
+            CONDUCTOR_DEFAULT_TBT_MS
+        },
+        pressure: 1.0 - s.free / 100.0 > CONDUCTOR_PRESSURE_USAGE,
+    }
+}
+
+/// [`conductor`] from the fixed parts and the pod's count.
+pub fn conductor_with(parts: ConductorParts, count: f64) -> f64 {
+    let mut tbt = parts.tbt_ms;
+    tbt *= 1.0 + 1.0 / count.max(1.0);
+    if parts.pressure {
         tbt *= CONDUCTOR_PRESSURE_PENALTY;
     }
     tbt

@@ -38,8 +38,18 @@ pub fn effective_match_pct(match_pct: f64, min_match_pct: f64) -> f64 {
 /// to this policy too (the spec only found it for hybrid); pass a pct already filtered by
 /// [`effective_match_pct`]. `max_req` is `max(1, counts)`, so a 0 here is treated as 1.
 pub fn prefix_cache(match_pct: f64, cnt: u32, max_req: u32) -> f64 {
-    let pct = effective_match_pct(match_pct, 0.0);
-    (100.0 - pct) * PREFIX_CACHE_MATCH_WEIGHT + f64::from(cnt) / f64::from(max_req.max(1))
+    prefix_cache_with(prefix_cache_miss(match_pct), cnt, max_req)
+}
+
+/// The cache term of [`prefix_cache`], `(100 − match) × 0.1`: most pods of one request share
+/// a match percentage (usually 0), so a selection computes it once per distinct match.
+pub fn prefix_cache_miss(match_pct: f64) -> f64 {
+    (100.0 - effective_match_pct(match_pct, 0.0)) * PREFIX_CACHE_MATCH_WEIGHT
+}
+
+/// [`prefix_cache`] from its cache term.
+pub fn prefix_cache_with(miss: f64, cnt: u32, max_req: u32) -> f64 {
+    miss + f64::from(cnt) / f64::from(max_req.max(1))
 }
 
 /// `least_request`: the raw in-flight prefill count.
@@ -59,24 +69,43 @@ fn conductor_prefill_ms(tokens: f64) -> f64 {
 /// pod's prefill-time histogram; `None` (no histogram, or no samples) and unusable values
 /// (negative, non-finite) price the queue with the 512-token estimate (≈ 16.585 ms).
 pub fn conductor(token_bytes: usize, match_pct: f64, cnt: u32, avg_prefill_ms: Option<f64>) -> f64 {
+    conductor_with(conductor_parts(token_bytes, match_pct), cnt, avg_prefill_ms)
+}
+
+/// The part of [`conductor`] that depends only on the prompt and the pod's match:
+/// `(cached prefix ms, unmatched prefill ms)`. It holds the `powf`, and most pods of one
+/// request share a match percentage, so a selection computes it once per distinct match.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct ConductorParts {
+    pub prefix_ms: f64,
+    pub prefill_ms: f64,
+}
+
+pub fn conductor_parts(token_bytes: usize, match_pct: f64) -> ConductorParts {
     let total = token_bytes as f64;
     let matched = total * effective_match_pct(match_pct, 0.0) / 100.0;
     let unmatched = total - matched;
+    ConductorParts {
+        prefix_ms: if matched > 0.0 {
+            CONDUCTOR_A_PREFIX * matched + CONDUCTOR_B_PREFIX
+        } else {
+            0.0
+        },
+        prefill_ms: if unmatched > 0.0 {
+            conductor_prefill_ms(unmatched)
+        } else {
+            0.0
+        },
+    }
+}
+
+/// [`conductor`] from its prompt-only parts: `queue + prefix + prefill`, in that order.
+pub fn conductor_with(parts: ConductorParts, cnt: u32, avg_prefill_ms: Option<f64>) -> f64 {
     let per_request = avg_prefill_ms
         .filter(|ms| ms.is_finite() && *ms >= 0.0)
         .unwrap_or_else(|| conductor_prefill_ms(CONDUCTOR_FALLBACK_TOKENS));
     let queue = f64::from(cnt) * per_request;
-    let prefix = if matched > 0.0 {
-        CONDUCTOR_A_PREFIX * matched + CONDUCTOR_B_PREFIX
-    } else {
-        0.0
-    };
-    let prefill = if unmatched > 0.0 {
-        conductor_prefill_ms(unmatched)
-    } else {
-        0.0
-    };
-    queue + prefix + prefill
+    queue + parts.prefix_ms + parts.prefill_ms
 }
 
 /// `token_load`: `active + kv_weight × kv`, the prefill work charged to the pod in tokens.
@@ -126,12 +155,42 @@ pub fn max_req(counts: &[u32]) -> u32 {
 /// Mean and **sample** standard deviation (n − 1) of the candidates' in-flight counts; the
 /// deviation is 0 for n ≤ 1 (one pod is never an outlier).
 pub fn mean_std(counts: &[u32]) -> (f64, f64) {
+    mean_std_with(counts, CountStats::of(counts))
+}
+
+/// Lowest, highest and total of the candidates' in-flight counts (one pass).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CountStats {
+    pub min: u32,
+    pub max: u32,
+    pub sum: u64,
+}
+
+impl CountStats {
+    pub fn of(counts: &[u32]) -> CountStats {
+        let mut s = CountStats {
+            min: u32::MAX,
+            max: 0,
+            sum: 0,
+        };
+        for &c in counts {
+            s.min = s.min.min(c);
+            s.max = s.max.max(c);
+            s.sum += u64::from(c);
+        }
+        s
+    }
+}
+
+/// [`mean_std`] given the counts' [`CountStats`]. Whole counts add up exactly in `f64`, so
+/// the mean is the exact sum over n; equal counts deviate by exactly 0.
+pub fn mean_std_with(counts: &[u32], stats: CountStats) -> (f64, f64) {
     let n = counts.len();
     if n == 0 {
         return (0.0, 0.0);
     }
-    let mean = counts.iter().map(|&c| f64::from(c)).sum::<f64>() / n as f64;
-    if n == 1 {
+    let mean = stats.sum as f64 / n as f64;
+    if n == 1 || stats.min == stats.max {
         return (mean, 0.0);
     }
     let var = counts
@@ -145,7 +204,12 @@ pub fn mean_std(counts: &[u32]) -> (f64, f64) {
 /// The σ filter: a pod whose count exceeds `mean + factor × std` is skipped in scoring, so a
 /// pod that is already swamped is not picked for its cache (strict >: at the bound it stays).
 pub fn skip(cnt: u32, mean: f64, std: f64, factor: f64) -> bool {
-    f64::from(cnt) > mean + factor * std
+    f64::from(cnt) > skip_bound(mean, std, factor)
+}
+
+/// `mean + factor × std`: the count above which [`skip`] drops a pod (one per selection).
+pub fn skip_bound(mean: f64, std: f64, factor: f64) -> f64 {
+    mean + factor * std
 }
 
 /// Step 1: when `max − min` of the in-flight prefill counts exceeds `min_spread` (strict >),
@@ -156,9 +220,18 @@ pub fn prefill_fast_path(
     min_spread: u32,
     rng: &mut fastrand::Rng,
 ) -> Option<usize> {
-    let min = *counts.iter().min()?;
-    let max = *counts.iter().max()?;
-    if max - min <= min_spread {
+    prefill_fast_path_with(counts, CountStats::of(counts), min_spread, rng)
+}
+
+/// [`prefill_fast_path`] given the counts' [`CountStats`].
+pub fn prefill_fast_path_with(
+    counts: &[u32],
+    stats: CountStats,
+    min_spread: u32,
+    rng: &mut fastrand::Rng,
+) -> Option<usize> {
+    let (min, max) = (stats.min, stats.max);
+    if counts.is_empty() || max - min <= min_spread {
         return None;
     }
     let at_min: Vec<usize> = (0..counts.len()).filter(|&i| counts[i] == min).collect();
