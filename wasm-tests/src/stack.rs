@@ -702,6 +702,11 @@ impl Stack {
         crate::prom::Scrape::parse(&text).sum(name, labels)
     }
 
+    /// See [`wait_ledger_zero`] (10 s).
+    pub fn wait_ledger_zero(&self) {
+        wait_ledger_zero(&self.admin, Duration::from_secs(10));
+    }
+
     /// A filter metric (`wasmcustom.<name>`) from Envoy's admin, 0 when absent.
     pub fn stat(&self, name: &str) -> u64 {
         admin_stat(&self.admin, name)
@@ -835,6 +840,28 @@ pub fn admin_stat(admin: &str, name: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// Waits until every token-ledger gauge (`pd_token_load_*`) of the Envoy at `admin` reads
+/// exactly 0, failing after `timeout`; some gauges must exist.
+pub fn wait_ledger_zero(admin: &str, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let text = http::get(admin, "/stats/prometheus").expect("admin").text();
+        let values: Vec<f64> = text
+            .lines()
+            .filter(|l| l.starts_with("pd_token_load_"))
+            .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse().ok()))
+            .collect();
+        if !values.is_empty() && values.iter().all(|v| *v == 0.0) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "ledger gauges of {admin} not back to 0: {values:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// A further Envoy replica started by [`Stack::add_gateway`].
 pub struct Gateway {
     /// Its data listener, `127.0.0.1:port`.
@@ -845,6 +872,11 @@ pub struct Gateway {
 impl Gateway {
     pub fn stat(&self, name: &str) -> u64 {
         admin_stat(&self.admin, name)
+    }
+
+    /// See [`wait_ledger_zero`] (10 s).
+    pub fn wait_ledger_zero(&self) {
+        wait_ledger_zero(&self.admin, Duration::from_secs(10));
     }
 }
 

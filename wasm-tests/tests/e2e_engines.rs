@@ -1,8 +1,6 @@
 //! End-to-end: SGLang and TRT-LLM prefill/decode through the real `.wasm` in real Envoy
 //! (`--concurrency 2`), against pd-sim pods speaking each engine's protocol.
 
-use std::time::{Duration, Instant};
-
 use pd_wasm_tests::http::{self, Response};
 use pd_wasm_tests::stack::{Fleet, Stack};
 use serde_json::{json, Value};
@@ -101,27 +99,6 @@ fn assert_pair(stack: &Stack, r: &Response, tokens: usize) -> (Value, Value) {
     (p, d)
 }
 
-/// Every token-ledger gauge returns to 0 once the requests are done.
-fn assert_ledger_zero(stack: &Stack) {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let text = http::get(&stack.admin, "/stats/prometheus")
-            .expect("admin")
-            .text();
-        let values: Vec<f64> = text
-            .lines()
-            .filter(|l| l.starts_with("pd_token_load_"))
-            .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse().ok()))
-            .collect();
-        assert!(!values.is_empty(), "ledger gauges exist");
-        if values.iter().all(|v| *v == 0.0) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "ledger gauges stuck: {values:?}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 #[test]
 fn sglang_legs_share_bootstrap_room_and_rid_and_the_decode_answers() {
     let stack = Stack::start_with(pair("sglang"), 2, &TOKEN_LOAD);
@@ -154,7 +131,7 @@ fn sglang_legs_share_bootstrap_room_and_rid_and_the_decode_answers() {
             assert_eq!(p["x_request_id"], d["x_request_id"]);
         }
     }
-    assert_ledger_zero(&stack);
+    stack.wait_ledger_zero();
 }
 
 #[test]
@@ -227,7 +204,7 @@ fn trtllm_context_first_forwards_params_and_prompt_ids() {
             .as_array()
             .is_some_and(|a| !a.is_empty()));
     }
-    assert_ledger_zero(&stack);
+    stack.wait_ledger_zero();
 }
 
 #[test]
@@ -264,7 +241,7 @@ fn trtllm_generation_first_sends_both_legs_with_one_id() {
         (1..=4).contains(&lookups),
         "server_info is cached per worker and pod, not fetched per request: {lookups}"
     );
-    assert_ledger_zero(&stack);
+    stack.wait_ledger_zero();
 }
 
 #[test]
@@ -318,5 +295,5 @@ fn vllm_nixl_hands_the_decode_pod_the_whole_prefill_answer() {
         );
         assert_eq!(p["x_request_id"], d["x_request_id"]);
     }
-    assert_ledger_zero(&stack);
+    stack.wait_ledger_zero();
 }

@@ -407,23 +407,5 @@ fn hostile_inputs_get_their_exact_answers_and_break_nothing() {
         &ok("after the storm"),
     );
     assert_eq!(r.status, 200, "{}", r.text());
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let text = http::get(&stack.admin, "/stats/prometheus")
-            .expect("admin")
-            .text();
-        let values: Vec<f64> = text
-            .lines()
-            .filter(|l| l.starts_with("pd_token_load_"))
-            .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse().ok()))
-            .collect();
-        if !values.is_empty() && values.iter().all(|v| *v == 0.0) {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "ledger not at 0: {values:?}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    stack.wait_ledger_zero();
 }

@@ -74,19 +74,7 @@ fn a_trapped_vms_charges_are_released_and_the_worker_recovers() {
     );
 
     // A live VM finds the silent journal and releases it: exactly 0, not "mostly drained".
-    let deadline = Instant::now() + Duration::from_secs(40);
-    loop {
-        let samples = ledger_samples(&stack);
-        if !samples.is_empty() && samples.iter().all(|(_, v)| *v == 0.0) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the trapped VM's charges were never released: {samples:?}\n{}",
-            stack.envoy_log()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    pd_wasm_tests::stack::wait_ledger_zero(&stack.admin, Duration::from_secs(40));
     // Envoy flushes its log file every 100 ms: poll for the line.
     let deadline = Instant::now() + Duration::from_secs(5);
     while !stack

@@ -99,29 +99,6 @@ fn steer(stack: &Stack, b: &Gateway, shared: bool) -> (String, Vec<String>) {
     (a_pod, b_pods)
 }
 
-fn ledgers_return_to_zero(stack: &Stack, b: &Gateway) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    for admin in [&stack.admin, &b.admin] {
-        loop {
-            let text = http::get(admin, "/stats?filter=pd_token_load_decode_tokens")
-                .expect("admin")
-                .text();
-            let all_zero = text
-                .lines()
-                .filter_map(|l| l.rsplit_once(": "))
-                .all(|(_, v)| v.trim() == "0");
-            if all_zero {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "decode ledger not back to 0: {text}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
 #[test]
 fn a_shared_ledger_steers_one_gateway_by_the_others_decode_load() {
     let (a_pod, b_pods, stack, b) = run("true");
@@ -131,7 +108,8 @@ fn a_shared_ledger_steers_one_gateway_by_the_others_decode_load() {
         "gateway B ignored A's load on {a_pod}: {b_pods:?}"
     );
     assert!(b.stat("pd_router_remote_replicas") >= 1);
-    ledgers_return_to_zero(&stack, &b);
+    stack.wait_ledger_zero();
+    b.wait_ledger_zero();
 }
 
 #[test]
@@ -143,7 +121,8 @@ fn without_the_shared_ledger_each_gateway_scores_only_its_own() {
         "gateway B avoided {a_pod} without knowing about it: {b_pods:?}"
     );
     assert_eq!(b.stat("pd_router_remote_decode_tokens"), 0);
-    ledgers_return_to_zero(&stack, &b);
+    stack.wait_ledger_zero();
+    b.wait_ledger_zero();
 }
 
 #[test]
@@ -173,19 +152,6 @@ fn a_killed_gateways_share_expires_and_the_survivor_scores_its_own_load() {
     assert_eq!(b.stat("pd_router_remote_replicas"), 0);
     stack.clear_faults();
     let _ = client.join(); // A's client lost its gateway; only B matters now.
-    ledgers_return_to_zero_on(&b);
-}
-
-fn ledgers_return_to_zero_on(b: &Gateway) {
-    let text = http::get(&b.admin, "/stats?filter=pd_token_load_decode_tokens")
-        .expect("admin")
-        .text();
-    assert!(
-        text.lines()
-            .filter_map(|l| l.rsplit_once(": "))
-            .all(|(_, v)| v.trim() == "0"),
-        "{text}"
-    );
 }
 
 #[test]
@@ -206,7 +172,8 @@ fn two_pd_controls_share_through_redis_one_gateway_each() {
         b_pods.iter().all(|p| *p != a_pod),
         "gateway B (other pd-control) ignored A's load on {a_pod}: {b_pods:?}"
     );
-    ledgers_return_to_zero(&stack, &b);
+    stack.wait_ledger_zero();
+    b.wait_ledger_zero();
     drop(redis);
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -300,7 +267,8 @@ fn a_burst_split_over_two_gateways_spreads_like_one_gateway() {
                 (b.gateway.as_str(), b.admin.as_str()),
             ],
         );
-        ledgers_return_to_zero(&stack, &b);
+        stack.wait_ledger_zero();
+        b.wait_ledger_zero();
         spread
     };
     // Tolerance: 5 % of the burst's tokens per pod. Both runs make the same greedy choices

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use pd_wasm_tests::http::{self, Response};
+use pd_wasm_tests::http::Response;
 use pd_wasm_tests::stack::{Fleet, Stack};
 use serde_json::{json, Value};
 
@@ -69,26 +69,6 @@ fn wait_for_abort_where(stack: &Stack, what: &str, matches: impl Fn(&str) -> boo
     }
 }
 
-fn assert_ledger_zero(stack: &Stack) {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let text = http::get(&stack.admin, "/stats/prometheus")
-            .expect("admin")
-            .text();
-        let values: Vec<f64> = text
-            .lines()
-            .filter(|l| l.starts_with("pd_token_load_"))
-            .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse().ok()))
-            .collect();
-        assert!(!values.is_empty(), "ledger gauges exist");
-        if values.iter().all(|v| *v == 0.0) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "ledger gauges stuck: {values:?}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 #[test]
 fn decode_silent_before_its_first_token_gets_504_and_an_abort() {
     let stack = Stack::start_with(
@@ -137,7 +117,7 @@ fn decode_silent_before_its_first_token_gets_504_and_an_abort() {
         1.0
     );
     stack.clear_faults();
-    assert_ledger_zero(&stack);
+    stack.wait_ledger_zero();
 }
 
 #[test]
@@ -187,7 +167,7 @@ fn decode_stalling_mid_stream_is_cut_and_aborted() {
         1.0
     );
     stack.clear_faults();
-    assert_ledger_zero(&stack);
+    stack.wait_ledger_zero();
 }
 
 #[test]
@@ -223,5 +203,5 @@ fn failed_sglang_prefill_answers_x_error_pd_prefill_and_aborts_the_decode() {
     // The gateway keeps serving once the pod recovers.
     let ok = stack.chat(&[("routing-strategy", "pd")], &chat(false, 2));
     assert_eq!(ok.status, 200, "{}", ok.text());
-    assert_ledger_zero(&stack);
+    stack.wait_ledger_zero();
 }

@@ -1,8 +1,8 @@
 //! The cascade as first written, with the routing explanation's hooks: Step 0 through
 //! `candidates::collect`, every ledger row decoded by `Ledger::rows_for`, the decode batch
 //! from `PodView`s, per-roleset pickers in a table sized by the fleet. Slow at 1000 pods and
-//! plain to read; it serves `x-pd-explain` requests, and the tests (`reference.rs`, the same
-//! cascade without hooks) hold the optimised `select.rs` to its choices.
+//! plain to read; it serves `x-pd-explain` requests, and the tests hold the optimised
+//! `select.rs` to its choices (pair, charges and random draws) on random fleets.
 
 use crate::core::errors::RouteError;
 use crate::core::fleet::{ModelView, PodView, Role};

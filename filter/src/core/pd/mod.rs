@@ -197,6 +197,3 @@ mod tests;
 
 #[cfg(test)]
 mod proptests;
-
-#[cfg(test)]
-mod reference;

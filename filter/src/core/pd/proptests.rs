@@ -822,7 +822,7 @@ fn check(case: &Case) -> Result<(), TestCaseError> {
     Ok(())
 }
 
-/// The optimised selection against the plain one (`reference.rs`): the same result (pair,
+/// The optimised selection against the plain one (`explained.rs`, without an explanation): the same result (pair,
 /// charges, fast paths, or error) and the same random state afterwards, with one scratch (and
 /// its ledger row hints) carried across a sequence of ledgers in which rows appear, change and
 /// disappear, and across another model in between.
@@ -859,7 +859,7 @@ fn check_against_reference(case: &Case) -> Result<(), TestCaseError> {
         let seed = r.seed.wrapping_add(round);
         let mut want_rng = fastrand::Rng::with_seed(seed);
         let mut got_rng = fastrand::Rng::with_seed(seed);
-        let want = reference::select_pd(m, step0, &ledger, pair, &mut want_rng);
+        let want = explained::select_pd(m, step0, &ledger, pair, &mut want_rng);
         let got = select_pd_with(m, step0, &ledger, pair, &mut got_rng, &mut scratch);
         prop_assert_eq!(&got, &want, "round {}", round);
         prop_assert_eq!(

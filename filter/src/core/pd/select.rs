@@ -11,7 +11,7 @@
 //! pod in one pass per side into reused [`Scratch`] buffers, and picks per roleset over runs
 //! of positions (Step 0 lists candidates roleset by roleset). Every formula, comparison and
 //! random draw happens in the same order as the plain statement of the cascade (kept as
-//! `reference.rs` for the tests), so the same inputs and random state give the same pair.
+//! `explained.rs`, which the tests compare it with), so the same inputs and random state give the same pair.
 
 use crate::core::errors::RouteError;
 use crate::core::fleet::{ModelView, Role};
