@@ -9,7 +9,7 @@ use crate::core::fleet::{ModelView, PodView, Role};
 use crate::core::ledger::{Ledger, Row};
 use crate::core::obs::explain::{Explain, PairScore};
 use crate::core::pd::select::{FastPaths, PairChoice, PairInput};
-use crate::core::pd::{candidates, MinPicker, Selected, Step0, Step0Input, Target};
+use crate::core::pd::{candidates, MinPicker, Selected, Step0, Step0Input};
 use crate::core::score::decode::{DecodeBatch, DecodeInput};
 use crate::core::score::{
     prefill, DecodePolicy, PrefillPolicy, DECODE_MAX_SCORE_FLOOR, PREFILL_MAX_SCORE_FLOOR,
@@ -296,15 +296,7 @@ pub fn select_pd(
         Step0::Pairs { prefill, decode } => {
             let rows = ledger.rows_for(&model.id_order, model.pods.len());
             let c = select_pair(model, prefill, decode, &rows, pair, rng)?;
-            Ok(Selected {
-                target: Target::Pair {
-                    prefill: c.prefill,
-                    decode: c.decode,
-                },
-                prefill_cost: c.prefill_cost,
-                decode_tokens: c.decode_tokens,
-                fast_paths: c.fast_paths,
-            })
+            Ok(Selected::from(c))
         }
     }
 }

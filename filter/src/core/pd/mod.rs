@@ -58,6 +58,20 @@ pub struct Selected {
     pub fast_paths: FastPaths,
 }
 
+impl From<select::PairChoice> for Selected {
+    fn from(c: select::PairChoice) -> Selected {
+        Selected {
+            target: Target::Pair {
+                prefill: c.prefill,
+                decode: c.decode,
+            },
+            prefill_cost: c.prefill_cost,
+            decode_tokens: c.decode_tokens,
+            fast_paths: c.fast_paths,
+        }
+    }
+}
+
 impl Selected {
     pub fn single(pod: usize) -> Selected {
         Selected {
@@ -133,15 +147,7 @@ pub fn select_pd_with(
             }
         }
     };
-    Ok(Selected {
-        target: Target::Pair {
-            prefill: c.prefill,
-            decode: c.decode,
-        },
-        prefill_cost: c.prefill_cost,
-        decode_tokens: c.decode_tokens,
-        fast_paths: c.fast_paths,
-    })
+    Ok(Selected::from(c))
 }
 
 /// [`select_pd`] that also records its reasoning into `explain`. Explaining is opt-in and
@@ -179,15 +185,7 @@ pub fn select_pd_explained(
             let c = explained::select_pair_explained(
                 model, prefill, decode, &rows, pair, rng, explain,
             )?;
-            Ok(Selected {
-                target: Target::Pair {
-                    prefill: c.prefill,
-                    decode: c.decode,
-                },
-                prefill_cost: c.prefill_cost,
-                decode_tokens: c.decode_tokens,
-                fast_paths: c.fast_paths,
-            })
+            Ok(Selected::from(c))
         }
     }
 }
