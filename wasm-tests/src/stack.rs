@@ -526,15 +526,16 @@ impl Stack {
             admin: format!("127.0.0.1:{admin_port}"),
         };
         let expected = (self.concurrency + 1) as u64;
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while gateway.stat("pd_router_fleet_loaded_vms") < expected {
-            assert!(
-                Instant::now() < deadline,
-                "the second Envoy never loaded the fleet; log in {}",
-                log.display()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        eventually(Duration::from_secs(30), || {
+            (gateway.stat("pd_router_fleet_loaded_vms") >= expected)
+                .then_some(())
+                .ok_or_else(|| {
+                    format!(
+                        "the second Envoy never loaded the fleet; log in {}",
+                        log.display()
+                    )
+                })
+        });
         gateway
     }
 
@@ -762,24 +763,32 @@ impl Stack {
 
     /// Polls pd-sim's log until `n` legs of kind `leg` (`prefill`, `decode`, `full`) arrived.
     pub fn wait_for_legs(&self, leg: &str, n: usize) -> Vec<serde_json::Value> {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
+        eventually(Duration::from_secs(30), || {
             let legs: Vec<_> = self
                 .sim_requests()
                 .into_iter()
                 .filter(|e| e["leg"] == leg)
                 .collect();
             if legs.len() >= n {
-                return legs;
+                Ok(legs)
+            } else {
+                Err(format!(
+                    "only {} of {n} {leg} legs arrived; logs in {}",
+                    legs.len(),
+                    self.dir.display()
+                ))
             }
-            assert!(
-                Instant::now() < deadline,
-                "only {} of {n} {leg} legs arrived; logs in {}",
-                legs.len(),
-                self.dir.display()
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        })
+    }
+
+    /// Waits until Envoy's log (flushed every 100 ms) contains `needle`.
+    pub fn wait_for_log(&self, needle: &str) {
+        eventually(Duration::from_secs(20), || {
+            self.envoy_log()
+                .contains(needle)
+                .then_some(())
+                .ok_or_else(|| format!("Envoy never logged {needle:?}"))
+        })
     }
 
     /// Rewrites the fleet file atomically (write + rename), as an operator's tooling would.
@@ -794,8 +803,7 @@ impl Stack {
     /// on that snapshot: a test asserting a routing choice right after earlier requests must
     /// not see a scrape taken while they were queued (which rightly changes the choice).
     pub fn wait_quiet_snapshot(&self) {
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
+        eventually(Duration::from_secs(15), || {
             let snap = self.control_snapshot();
             let busy = snap["models"]
                 .as_array()
@@ -805,14 +813,11 @@ impl Stack {
                 .any(|p| p["metrics"]["waiting"].as_f64().unwrap_or(0.0) > 0.0);
             let version = snap["version"].as_u64().unwrap_or(u64::MAX);
             if !busy && self.stat("pd_router_fleet_version") >= version {
-                return;
+                Ok(())
+            } else {
+                Err(format!("the fleet never looked idle: {snap}"))
             }
-            assert!(
-                Instant::now() < deadline,
-                "the fleet never looked idle: {snap}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        })
     }
 
     /// The snapshot pd-control currently serves, as JSON.
@@ -824,6 +829,19 @@ impl Stack {
 
     pub fn chat(&self, headers: &[(&str, &str)], body: &serde_json::Value) -> http::Response {
         http::post_json(&self.gateway, "/v1/chat/completions", headers, body)
+    }
+}
+
+/// Polls `check` every 20 ms until it yields `Ok`, failing the test with its last `Err`
+/// after `timeout`: tests wait on conditions, never on fixed delays.
+pub fn eventually<T>(timeout: Duration, mut check: impl FnMut() -> Result<T, String>) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        match check() {
+            Ok(value) => return value,
+            Err(why) => assert!(Instant::now() < deadline, "timed out: {why}"),
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
@@ -843,8 +861,7 @@ pub fn admin_stat(admin: &str, name: &str) -> u64 {
 /// Waits until every token-ledger gauge (`pd_token_load_*`) of the Envoy at `admin` reads
 /// exactly 0, failing after `timeout`; some gauges must exist.
 pub fn wait_ledger_zero(admin: &str, timeout: Duration) {
-    let deadline = Instant::now() + timeout;
-    loop {
+    eventually(timeout, || {
         let text = http::get(admin, "/stats/prometheus").expect("admin").text();
         let values: Vec<f64> = text
             .lines()
@@ -852,14 +869,13 @@ pub fn wait_ledger_zero(admin: &str, timeout: Duration) {
             .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse().ok()))
             .collect();
         if !values.is_empty() && values.iter().all(|v| *v == 0.0) {
-            return;
+            Ok(())
+        } else {
+            Err(format!(
+                "ledger gauges of {admin} not back to 0: {values:?}"
+            ))
         }
-        assert!(
-            Instant::now() < deadline,
-            "ledger gauges of {admin} not back to 0: {values:?}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    })
 }
 
 /// A further Envoy replica started by [`Stack::add_gateway`].

@@ -320,12 +320,7 @@ fn a_charge_held_past_its_ttl_is_force_released_once() {
         "{:?}",
         ledger_gauges(&stack)
     );
-    // Envoy flushes its log file every 100 ms: poll for the line.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !stack.envoy_log().contains("force-releasing") {
-        assert!(Instant::now() < deadline, "the force release is logged");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    stack.wait_for_log("force-releasing");
 }
 
 fn completion_at(gateway: &str, prompt: &str) -> http::Response {

@@ -57,14 +57,7 @@ fn a_trapped_vms_charges_are_released_and_the_worker_recovers() {
         body.len()
     );
     std::io::Write::write_all(&mut trapped, request.as_bytes()).expect("send");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !stack
-        .envoy_log()
-        .contains("trap requested by PD_ROUTER_DEBUG_TRAP_HEADER")
-    {
-        assert!(Instant::now() < deadline, "the VM never trapped");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    stack.wait_for_log("trap requested by PD_ROUTER_DEBUG_TRAP_HEADER");
     let charged = ledger_samples(&stack);
     assert!(
         charged
@@ -75,15 +68,7 @@ fn a_trapped_vms_charges_are_released_and_the_worker_recovers() {
 
     // A live VM finds the silent journal and releases it: exactly 0, not "mostly drained".
     pd_wasm_tests::stack::wait_ledger_zero(&stack.admin, Duration::from_secs(40));
-    // Envoy flushes its log file every 100 ms: poll for the line.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !stack
-        .envoy_log()
-        .contains("released the charges of 1 requests")
-    {
-        assert!(Instant::now() < deadline, "the reclaim is logged");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    stack.wait_for_log("released the charges of 1 requests");
 
     // Both workers route again (the trapped one through a reloaded VM), each request on a
     // new connection so both workers are reached.

@@ -5,10 +5,10 @@
 //! Decode legs are held at the pods (pd-sim faults) so every charge stays in place while the
 //! test looks; nothing depends on timing.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use pd_wasm_tests::http;
-use pd_wasm_tests::stack::{Fleet, Gateway, Stack};
+use pd_wasm_tests::stack::{admin_stat, eventually, Fleet, Gateway, Stack};
 use serde_json::json;
 
 const MODEL: &str = "replica-llm";
@@ -76,14 +76,11 @@ fn steer(stack: &Stack, b: &Gateway, shared: bool) -> (String, Vec<String>) {
 
     if shared {
         // B learns A's charge through pd-control: wait until its VMs see it.
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while b.stat("pd_router_remote_decode_tokens") < 5000 {
-            assert!(
-                Instant::now() < deadline,
-                "gateway B never saw gateway A's decode charge"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        eventually(Duration::from_secs(20), || {
+            (b.stat("pd_router_remote_decode_tokens") >= 5000)
+                .then_some(())
+                .ok_or_else(|| "gateway B never saw gateway A's decode charge".to_string())
+        });
     }
     let mut b_pods = Vec::new();
     for i in 0..5 {
@@ -139,11 +136,11 @@ fn a_killed_gateways_share_expires_and_the_survivor_scores_its_own_load() {
     let client = send(&stack.gateway, long.clone());
     decode_pod_of(&stack, &long, 1);
     let wait_for = |what: &str, ok: &dyn Fn(u64) -> bool| {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while !ok(b.stat("pd_router_remote_decode_tokens")) {
-            assert!(Instant::now() < deadline, "timed out waiting for {what}");
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        eventually(Duration::from_secs(30), || {
+            ok(b.stat("pd_router_remote_decode_tokens"))
+                .then_some(())
+                .ok_or(format!("waiting for {what}"))
+        })
     };
     wait_for("B to see A's charge", &|t| t >= 5000);
     // Gateway A dies with its charge outstanding; pd-control drops it after the replica TTL.
@@ -222,16 +219,13 @@ fn burst(stack: &Stack, gateways: &[(&str, &str)]) -> Vec<u64> {
                 .filter(|(_, a)| *a != admin)
                 .map(|(_, a)| local_decode_total(a))
                 .sum();
-            let deadline = Instant::now() + Duration::from_secs(20);
-            while pd_wasm_tests::stack::admin_stat(admin, "pd_router_remote_decode_tokens")
-                != others
-            {
-                assert!(
-                    Instant::now() < deadline,
-                    "gateway {admin} never saw the others' {others} decode tokens"
-                );
-                std::thread::sleep(Duration::from_millis(20));
-            }
+            eventually(Duration::from_secs(20), || {
+                (admin_stat(admin, "pd_router_remote_decode_tokens") == others)
+                    .then_some(())
+                    .ok_or(format!(
+                        "gateway {admin} never saw the others' {others} decode tokens"
+                    ))
+            });
         }
         let prompt = format!("burst {i} ") + &"word ".repeat(*words);
         clients.push(send(listener, prompt.clone()));

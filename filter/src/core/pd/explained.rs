@@ -5,7 +5,7 @@
 //! `select.rs` to its choices (pair, charges and random draws) on random fleets.
 
 use crate::core::errors::RouteError;
-use crate::core::fleet::{ModelView, PodView, Role};
+use crate::core::fleet::{ModelView, PodView};
 use crate::core::ledger::{Ledger, Row};
 use crate::core::obs::explain::{Explain, PairScore};
 use crate::core::pd::select::{FastPaths, PairChoice, PairInput};
@@ -261,26 +261,7 @@ pub fn select_pair_explained(
         x.chosen = Some((p, d));
     }
 
-    let prefill_cost = s.prefill_policy.uses_token_ledger().then(|| {
-        let pct = (s.prefill_policy == PrefillPolicy::HybridCacheLoad)
-            .then(|| input.match_pct.get(p).copied().unwrap_or(0.0));
-        let (new_tokens, _) = tokens::new_tokens(
-            input.prompt_tokens,
-            input.session_delta,
-            pct,
-            tk.min_match_pct,
-        );
-        tk.prefill_cost(new_tokens)
-    });
-    let decode_tokens = (s.decode_policy == DecodePolicy::TokenLoad).then_some(input.prompt_tokens);
-    debug_assert!(model.pods[p].role == Role::Prefill && model.pods[d].role == Role::Decode);
-    Ok(PairChoice {
-        prefill: p,
-        decode: d,
-        prefill_cost,
-        decode_tokens,
-        fast_paths: fast,
-    })
+    Ok(PairChoice::charged(model, p, d, &input, fast))
 }
 
 /// `select_pd` as first written.

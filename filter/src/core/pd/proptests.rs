@@ -203,6 +203,40 @@ struct Request {
 }
 
 /// One generated roleset.
+impl Request {
+    /// Default settings with the request's two policies.
+    fn settings(&self) -> PdSettings {
+        let mut settings = PdSettings::resolve(&PdDefaults::default(), None).unwrap();
+        settings.prefill_policy = self.prefill;
+        settings.decode_policy = self.decode;
+        settings
+    }
+
+    fn pair_input<'a>(
+        &'a self,
+        settings: &'a PdSettings,
+        banded: Option<&'a str>,
+    ) -> PairInput<'a> {
+        PairInput {
+            settings,
+            match_pct: &self.match_pct,
+            token_bytes: self.token_bytes,
+            banded_roleset: banded,
+            prompt_tokens: self.prompt_tokens,
+            session_delta: self.session_delta,
+            now_ms: self.now_ms,
+        }
+    }
+
+    fn step0(&self, prompt_len: i64) -> Step0Input<'static> {
+        Step0Input {
+            profile: None,
+            bucketing: self.bucketing,
+            prompt_len,
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 struct RolesetGen {
     label: Label,
@@ -669,24 +703,10 @@ fn check(case: &Case) -> Result<(), TestCaseError> {
             .ok_or_else(|| TestCaseError::fail(format!("unknown pod {}", p.name)))
     };
 
-    let mut settings = PdSettings::resolve(&PdDefaults::default(), None).unwrap();
-    settings.prefill_policy = r.prefill;
-    settings.decode_policy = r.decode;
+    let settings = r.settings();
     let banded = r.banded.map(|k| format!("g{k}"));
-    let pair = PairInput {
-        settings: &settings,
-        match_pct: &r.match_pct,
-        token_bytes: r.token_bytes,
-        banded_roleset: banded.as_deref(),
-        prompt_tokens: r.prompt_tokens,
-        session_delta: r.session_delta,
-        now_ms: r.now_ms,
-    };
-    let step0 = Step0Input {
-        profile: None,
-        bucketing: r.bucketing,
-        prompt_len: len,
-    };
+    let pair = r.pair_input(&settings, banded.as_deref());
+    let step0 = r.step0(len);
     let ledger = case.ledger(&specs);
     let pair_possible = oracle.pair_possible();
     let overflow = oracle.overflow();
@@ -834,24 +854,10 @@ fn check_against_reference(case: &Case) -> Result<(), TestCaseError> {
     let model = &fleet.models["m"];
     let other = FleetView::from_snapshot(&snapshot(specs.iter().rev().map(Spec::proto).collect()));
     let other = &other.models["m"];
-    let mut settings = PdSettings::resolve(&PdDefaults::default(), None).unwrap();
-    settings.prefill_policy = r.prefill;
-    settings.decode_policy = r.decode;
+    let settings = r.settings();
     let banded = r.banded.map(|k| format!("g{k}"));
-    let pair = PairInput {
-        settings: &settings,
-        match_pct: &r.match_pct,
-        token_bytes: r.token_bytes,
-        banded_roleset: banded.as_deref(),
-        prompt_tokens: r.prompt_tokens,
-        session_delta: r.session_delta,
-        now_ms: r.now_ms,
-    };
-    let step0 = Step0Input {
-        profile: None,
-        bucketing: r.bucketing,
-        prompt_len: len,
-    };
+    let pair = r.pair_input(&settings, banded.as_deref());
+    let step0 = r.step0(len);
     let mut scratch = Scratch::default();
     let mut ledger = case.ledger(&specs);
     for round in 0..6u64 {

@@ -604,24 +604,41 @@ pub fn select_pair(
         (p.slot, decode_best[j].slot)
     };
 
-    let prefill_cost = s.prefill_policy.uses_token_ledger().then(|| {
-        let pct = (s.prefill_policy == PrefillPolicy::HybridCacheLoad)
-            .then(|| input.match_pct.get(p).copied().unwrap_or(0.0));
-        let (new_tokens, _) = tokens::new_tokens(
-            input.prompt_tokens,
-            input.session_delta,
-            pct,
-            tk.min_match_pct,
-        );
-        tk.prefill_cost(new_tokens)
-    });
-    let decode_tokens = (s.decode_policy == DecodePolicy::TokenLoad).then_some(input.prompt_tokens);
-    debug_assert!(model.pods[p].role == Role::Prefill && model.pods[d].role == Role::Decode);
-    Ok(PairChoice {
-        prefill: p,
-        decode: d,
-        prefill_cost,
-        decode_tokens,
-        fast_paths: fast,
-    })
+    Ok(PairChoice::charged(model, p, d, &input, fast))
+}
+
+impl PairChoice {
+    /// The chosen pair with the token-ledger charges its policies make: the prefill's
+    /// `request_cost + new_tokens` (session delta and, for hybrid_cache_load, the prefix
+    /// match), the decode's whole prompt.
+    pub fn charged(
+        model: &ModelView,
+        p: usize,
+        d: usize,
+        input: &PairInput<'_>,
+        fast: FastPaths,
+    ) -> PairChoice {
+        let (s, tk) = (input.settings, &input.settings.tokens);
+        let prefill_cost = s.prefill_policy.uses_token_ledger().then(|| {
+            let pct = (s.prefill_policy == PrefillPolicy::HybridCacheLoad)
+                .then(|| input.match_pct.get(p).copied().unwrap_or(0.0));
+            let (new_tokens, _) = tokens::new_tokens(
+                input.prompt_tokens,
+                input.session_delta,
+                pct,
+                tk.min_match_pct,
+            );
+            tk.prefill_cost(new_tokens)
+        });
+        let decode_tokens =
+            (s.decode_policy == DecodePolicy::TokenLoad).then_some(input.prompt_tokens);
+        debug_assert!(model.pods[p].role == Role::Prefill && model.pods[d].role == Role::Decode);
+        PairChoice {
+            prefill: p,
+            decode: d,
+            prefill_cost,
+            decode_tokens,
+            fast_paths: fast,
+        }
+    }
 }
