@@ -166,11 +166,17 @@ impl Fleet {
 
 /// A free TCP port on loopback (the OS picks; a race with another process is possible but
 /// shows up as a clear bind error, not a wrong result).
+/// A port that is free now, chosen below Linux's ephemeral range (32768+): a port the kernel
+/// hands out for `bind(0)` is also what it hands to outgoing connections, so between this
+/// check and the child process binding it, another test's connection could take it.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("no free port")
+    for _ in 0..1000 {
+        let port = fastrand::u16(20_000..32_000);
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in 20000..32000")
 }
 
 fn repo_root() -> PathBuf {
