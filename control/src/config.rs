@@ -81,6 +81,13 @@ pub struct Config {
     /// serves every gateway; without it they are kept in memory, per pd-control.
     #[arg(long, value_name = "URL")]
     pub redis: Option<String>,
+
+    /// File holding a shared token: `/v1/snapshot`, `/v1/snapshot.json` and
+    /// `/v1/replicas/report` then answer 401 unless the request carries
+    /// `authorization: Bearer <token>` (the filter's `snapshot_token`). Surrounding
+    /// whitespace is ignored; read once at start. Health and `/metrics` stay open.
+    #[arg(long, value_name = "FILE", env = "PD_CONTROL_SNAPSHOT_TOKEN_FILE")]
+    pub snapshot_token_file: Option<PathBuf>,
 }
 
 /// Settings that clap would have rejected, caught again for configs built in code.
@@ -111,6 +118,7 @@ impl Config {
             stale_after: 3,
             replica_ttl: Duration::from_secs(5),
             redis: None,
+            snapshot_token_file: None,
         }
     }
 

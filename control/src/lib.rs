@@ -7,6 +7,7 @@
 //! [`service`] scrapes them ([`scrape`]) and folds both into a [`snapshot`], which [`server`]
 //! hands out.
 
+pub mod auth;
 pub mod config;
 pub mod fleet;
 pub mod replicas;

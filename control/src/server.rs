@@ -8,13 +8,15 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::body::Bytes;
-use axum::extract::{Query, State};
+use axum::extract::{Query, Request, State};
 use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use tokio::sync::watch;
 
+use crate::auth::SnapshotToken;
 use crate::replicas::ReplicaBook;
 use crate::snapshot::Published;
 use crate::stats::Stats;
@@ -32,17 +34,40 @@ pub struct AppState {
     pub replicas: Arc<ReplicaBook>,
     /// `FleetSource::kind` of the running source.
     pub source_kind: &'static str,
+    /// `--snapshot-token-file`: required on the snapshot and replica routes when set.
+    pub token: Option<Arc<SnapshotToken>>,
 }
 
 pub fn router(state: AppState) -> Router {
-    Router::new()
+    // What names pods and steers routing sits behind the token; health and metrics do not
+    // (probes and Prometheus carry no gateway secret).
+    let guarded = Router::new()
         .route("/v1/snapshot", get(snapshot))
         .route("/v1/snapshot.json", get(snapshot_json))
         .route("/v1/replicas/report", post(replica_report))
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_token));
+    Router::new()
+        .merge(guarded)
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .with_state(state)
+}
+
+/// 401 without `authorization: Bearer <token>` when a token is configured.
+async fn require_token(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    match &state.token {
+        Some(token) if !token.authorizes(request.headers().get(header::AUTHORIZATION)) => {
+            state.stats.unauthorized();
+            (
+                StatusCode::UNAUTHORIZED,
+                [(header::WWW_AUTHENTICATE, "Bearer")],
+                "missing or wrong snapshot token\n",
+            )
+                .into_response()
+        }
+        _ => next.run(request).await,
+    }
 }
 
 fn current(state: &AppState) -> Arc<Published> {
@@ -295,6 +320,13 @@ pub fn render_metrics(
         "gauge",
         "Wall time of the last completed scrape round.",
         &plain(stats.scrape_duration_seconds().to_string()),
+    );
+    family(
+        &mut out,
+        "pd_control_unauthorized_requests_total",
+        "counter",
+        "Snapshot API requests refused for a missing or wrong token (--snapshot-token-file).",
+        &plain(stats.unauthorized_total().to_string()),
     );
     family(
         &mut out,

@@ -38,6 +38,8 @@ pub enum Error {
     Serve(#[source] io::Error),
     #[error("cannot install signal handlers: {0}")]
     Signal(#[source] io::Error),
+    #[error(transparent)]
+    Token(#[from] crate::auth::TokenError),
     #[error("background task failed: {0}")]
     Task(#[from] tokio::task::JoinError),
 }
@@ -117,6 +119,10 @@ pub async fn start_with_source<S: FleetSource>(
     mut source: S,
 ) -> Result<Service, Error> {
     config.validate()?;
+    let token = match &config.snapshot_token_file {
+        Some(path) => Some(Arc::new(crate::auth::SnapshotToken::from_file(path)?)),
+        None => None,
+    };
     let stats = Arc::new(Stats::default());
     let replicas = Arc::new(
         ReplicaBook::new(config.replica_ttl, config.redis.as_deref())
@@ -176,11 +182,13 @@ pub async fn start_with_source<S: FleetSource>(
         tokio::spawn(control.run(shutdown.clone())),
     ];
 
+    let guarded = token.is_some();
     let app = server::router(AppState {
         snapshots: snapshots_rx.clone(),
         stats: stats.clone(),
         replicas,
         source_kind,
+        token,
     });
     let mut server_shutdown = shutdown;
     let server = tokio::spawn(async move {
@@ -188,7 +196,11 @@ pub async fn start_with_source<S: FleetSource>(
             .with_graceful_shutdown(async move { server_shutdown.requested().await })
             .await
     });
-    tracing::info!(%local_addr, "serving snapshots");
+    tracing::info!(
+        %local_addr,
+        token = guarded,
+        "serving snapshots"
+    );
 
     Ok(Service {
         local_addr,

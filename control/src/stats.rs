@@ -66,6 +66,8 @@ pub struct Stats {
     scrape_errors_by_pod: Mutex<BTreeMap<String, u64>>,
     scrape_latency: Histogram,
     fleet_reload_errors_total: AtomicU64,
+    /// Snapshot API requests refused for a missing or wrong token.
+    unauthorized_total: AtomicU64,
     /// `f64::to_bits` of the last completed round's duration in seconds.
     scrape_duration_bits: AtomicU64,
     /// Unix ms of the last fleet change the source delivered (0 = none yet).
@@ -121,6 +123,14 @@ impl Stats {
     pub fn fleet_reload_error(&self) {
         self.fleet_reload_errors_total
             .fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn unauthorized(&self) {
+        self.unauthorized_total.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn unauthorized_total(&self) -> u64 {
+        self.unauthorized_total.load(Ordering::Relaxed)
     }
 
     pub fn fleet_reload_errors_total(&self) -> u64 {

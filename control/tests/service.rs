@@ -396,13 +396,14 @@ async fn quiet_fleet_keeps_its_version_and_dead_pods_go_stale() {
     let service = pd_control::start(config).await.unwrap();
     let base = format!("http://{}", service.local_addr());
     let client = client();
+    let first = snapshot(&client, &base).await.version;
 
     eventually("readiness with nothing to scrape", || async {
         (fetch(&client, &format!("{base}/readyz")).await.status == 200).then_some(())
     })
     .await;
     let v = snapshot(&client, &base).await.version;
-    assert_eq!(v, 1, "nothing changed since start");
+    assert_eq!(v, first, "nothing changed since start");
     let f = fetch(&client, &format!("{base}/v1/snapshot?version={v}")).await;
     assert_eq!(
         (f.status, f.version_header, f.body.len()),
@@ -548,5 +549,123 @@ fn binary_announces_its_address_and_rejects_a_bad_fleet() {
     assert!(
         reply.starts_with("HTTP/1.") && reply.contains(" 200 ") && reply.ends_with("ok"),
         "{reply}"
+    );
+}
+
+/// `--snapshot-token-file`: the snapshot and replica routes want `authorization: Bearer
+/// <token>`; health, readiness and metrics stay open; refusals are counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshot_routes_require_the_token_when_one_is_configured() {
+    let dir = tempfile::tempdir().unwrap();
+    let fleet_path = dir.path().join("fleet.yaml");
+    let pending = PodSpec {
+        name: "pending",
+        model: "m",
+        role: "decode",
+        port: None,
+    };
+    write_atomically(&fleet_path, &fleet_yaml(&[pending]));
+    let token_path = dir.path().join("token");
+    std::fs::write(&token_path, "t0ken-Abc_123\n").unwrap();
+    let mut config = pd_control::Config::new(&fleet_path, "127.0.0.1:0".parse().unwrap());
+    config.snapshot_token_file = Some(token_path.clone());
+    let service = pd_control::start(config).await.unwrap();
+    let base = format!("http://{}", service.local_addr());
+    let client = client();
+
+    let call = |method: reqwest::Method, path: &str, auth: Option<&str>| {
+        let mut r = client.request(method, format!("{base}{path}"));
+        if let Some(a) = auth {
+            r = r.header("authorization", a);
+        }
+        async move {
+            let resp = r.send().await.unwrap();
+            let status = resp.status().as_u16();
+            let challenge = resp
+                .headers()
+                .get("www-authenticate")
+                .map(|v| v.to_str().unwrap().to_string());
+            (status, challenge, resp.bytes().await.unwrap())
+        }
+    };
+    let guarded = [
+        (reqwest::Method::GET, "/v1/snapshot"),
+        (reqwest::Method::GET, "/v1/snapshot?version=0"),
+        (reqwest::Method::GET, "/v1/snapshot.json"),
+        (reqwest::Method::POST, "/v1/replicas/report"),
+    ];
+    let mut refused = 0.0;
+    for (method, path) in &guarded {
+        for auth in [
+            None,
+            Some("Bearer wrong"),
+            Some("Bearer t0ken-Abc_12"),
+            Some("Bearer t0ken-Abc_1234"),
+            Some("bearer t0ken-Abc_123"),
+            Some("t0ken-Abc_123"),
+        ] {
+            let (status, challenge, body) = call(method.clone(), path, auth).await;
+            assert_eq!(status, 401, "{method} {path} with {auth:?}");
+            assert_eq!(challenge.as_deref(), Some("Bearer"));
+            assert!(
+                !body.windows(7).any(|w| w == b"pending"),
+                "a refusal leaks nothing of the fleet"
+            );
+            refused += 1.0;
+        }
+    }
+    let (status, _, body) = call(
+        reqwest::Method::GET,
+        "/v1/snapshot",
+        Some("Bearer t0ken-Abc_123"),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let snap = proto::Snapshot::decode(body).unwrap();
+    assert!(find(&snap, "pending").is_some());
+    let (status, _, _) = call(
+        reqwest::Method::GET,
+        "/v1/snapshot.json",
+        Some("Bearer t0ken-Abc_123"),
+    )
+    .await;
+    assert_eq!(status, 200);
+    // An empty report with the token reaches the handler (which accepts or refuses the
+    // body on its own terms), not the 401.
+    let (status, _, _) = call(
+        reqwest::Method::POST,
+        "/v1/replicas/report",
+        Some("Bearer t0ken-Abc_123"),
+    )
+    .await;
+    assert_ne!(status, 401);
+    for open in ["/healthz", "/readyz", "/metrics"] {
+        let (status, _, _) = call(reqwest::Method::GET, open, None).await;
+        assert_ne!(status, 401, "{open} stays open");
+    }
+    assert_eq!(
+        counter(&client, &base, "pd_control_unauthorized_requests_total").await,
+        refused
+    );
+
+    // A token file that is empty, or absent, stops the service from starting.
+    std::fs::write(&token_path, "  \n").unwrap();
+    let mut config = pd_control::Config::new(&fleet_path, "127.0.0.1:0".parse().unwrap());
+    config.snapshot_token_file = Some(token_path.clone());
+    let err = pd_control::start(config)
+        .await
+        .err()
+        .expect("an empty token is refused");
+    assert!(err.to_string().contains("is empty"), "{err}");
+    let mut config = pd_control::Config::new(&fleet_path, "127.0.0.1:0".parse().unwrap());
+    config.snapshot_token_file = Some(dir.path().join("absent"));
+    let err = pd_control::start(config)
+        .await
+        .err()
+        .expect("a missing file is refused");
+    assert!(
+        err.to_string()
+            .contains("cannot read the snapshot token file"),
+        "{err}"
     );
 }

@@ -117,7 +117,11 @@ impl SnapshotBuilder {
         }
         // With version and time at their defaults, prost encodes only the models field.
         let content = Bytes::from(snapshot.encode_to_vec());
-        self.version += 1;
+        // At least the build time in ms: a restarted pd-control must serve versions above
+        // those of the process before it, or every filter (which only adopts a newer version)
+        // would keep the old snapshot until the new counter caught up. One version per ms at
+        // most is far above the refresh rate, so the versions stay close to the clock.
+        self.version = (self.version + 1).max(u64::try_from(now_unix_ms).unwrap_or(0));
         snapshot.version = self.version;
         snapshot.generated_unix_ms = now_unix_ms;
         // Protobuf fields may be concatenated, and prost writes them in tag order (version,
@@ -212,11 +216,14 @@ mod tests {
         let mut builder = SnapshotBuilder::default();
         let (v1, new) = builder.update(models(&fleet, |_| metrics(1.0)), 1_000);
         assert!(new);
-        assert_eq!(v1.version, 1, "the first version is 1; 0 is never served");
+        assert_eq!(
+            v1.version, 1_000,
+            "the first version is the build time in ms; 0 is never served"
+        );
 
         let (same, new) = builder.update(models(&fleet, |_| metrics(1.0)), 2_000);
         assert!(!new);
-        assert_eq!(same.version, 1);
+        assert_eq!(same.version, 1_000);
         assert!(
             Arc::ptr_eq(&v1, &same),
             "same content serves the same bytes"
@@ -232,7 +239,7 @@ mod tests {
         };
         let (same, new) = builder.update(models(&fleet, rescraped), 2_500);
         assert!(
-            !new && same.version == 1,
+            !new && same.version == 1_000,
             "a new scrape time alone is no change"
         );
 
@@ -241,10 +248,13 @@ mod tests {
             3_000,
         );
         assert!(new);
-        assert_eq!(v2.version, 2, "a metric change bumps by one");
+        assert_eq!(v2.version, 3_000, "a metric change bumps (to the clock)");
 
-        let (v3, _) = builder.update(models(&fleet[..1], |_| metrics(1.0)), 4_000);
-        assert_eq!(v3.version, 3, "a fleet change bumps");
+        let (v3, _) = builder.update(models(&fleet[..1], |_| metrics(1.0)), 3_000);
+        assert_eq!(
+            v3.version, 3_001,
+            "a fleet change bumps, in the same ms too"
+        );
         assert_eq!(v3.pod_counts(), (1, 0));
     }
 
@@ -260,7 +270,27 @@ mod tests {
         assert_eq!(decoded, p.snapshot);
         assert_eq!(
             (decoded.version, decoded.generated_unix_ms),
-            (1, 1_700_000_000_123)
+            (1_700_000_000_123, 1_700_000_000_123)
+        );
+    }
+
+    #[test]
+    fn a_restarted_builder_serves_newer_versions_than_the_last_process() {
+        let fleet = vec![pod("a", "m")];
+        let mut before = SnapshotBuilder::default();
+        let mut last = 0;
+        for (i, now) in (10_000..10_050).enumerate() {
+            let (p, _) = before.update(models(&fleet, |_| metrics(i as f64)), now);
+            last = p.version;
+        }
+        let mut after = SnapshotBuilder::default();
+        let (first, _) = after.update(models(&fleet, |_| metrics(0.0)), 10_051);
+        assert!(first.version > last, "{} after {last}", first.version);
+        let (clock_behind, _) =
+            SnapshotBuilder::default().update(models(&fleet, |_| metrics(0.0)), -5);
+        assert_eq!(
+            clock_behind.version, 1,
+            "a clock before the epoch still serves 1"
         );
     }
 }

@@ -35,6 +35,14 @@ pub struct PluginConfig {
     /// Honour `x-pd-explain: 1`: the response then carries `x-pd-explain`, why these pods.
     /// Off by default: the explanation names pods and scores, which clients need not see.
     pub explain: bool,
+    /// How long the fleet snapshot may go unconfirmed by pd-control (no successful poll)
+    /// before it counts as stale. Routing then continues on its pods, but their engine
+    /// metrics are treated as stale (they describe a past load), and
+    /// `pd_router_snapshot_stale` reads 1.
+    pub snapshot_stale_after_ms: u64,
+    /// Shared secret sent as `authorization: Bearer <token>` on every call to pd-control
+    /// (pd-control `--snapshot-token-file`). Empty sends none.
+    pub snapshot_token: String,
 }
 
 impl Default for PluginConfig {
@@ -48,6 +56,8 @@ impl Default for PluginConfig {
             pods_cluster: "pd_pods".into(),
             dst_header: "target-pod".into(),
             explain: false,
+            snapshot_stale_after_ms: 10_000,
+            snapshot_token: String::new(),
         }
     }
 }
@@ -99,6 +109,21 @@ impl PluginConfig {
             return Err(ConfigError::Field {
                 field: "fetch_timeout_ms",
                 reason: "must be positive".into(),
+            });
+        }
+        // Below one poll period every snapshot would flap stale between two polls.
+        if self.snapshot_stale_after_ms < self.refresh_ms.saturating_mul(2) {
+            return Err(ConfigError::Field {
+                field: "snapshot_stale_after_ms",
+                reason: format!("must be at least twice refresh_ms ({})", self.refresh_ms),
+            });
+        }
+        // A header value: visible ASCII only, so it can neither split the request nor
+        // be mangled on the way.
+        if !self.snapshot_token.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(ConfigError::Field {
+                field: "snapshot_token",
+                reason: "must be visible ASCII without spaces".into(),
             });
         }
         Ok(())
@@ -266,6 +291,45 @@ mod tests {
     fn empty_config_gives_defaults() {
         assert_eq!(PluginConfig::parse(b"").unwrap(), PluginConfig::default());
         assert_eq!(PluginConfig::parse(b"{}").unwrap(), PluginConfig::default());
+    }
+
+    #[test]
+    fn staleness_bound_and_token_are_checked() {
+        let ok = PluginConfig::parse(
+            br#"{"refresh_ms":50,"snapshot_stale_after_ms":100,"snapshot_token":"s3cr3t-Tok_en"}"#,
+        )
+        .unwrap();
+        assert_eq!(ok.snapshot_stale_after_ms, 100);
+        assert_eq!(ok.snapshot_token, "s3cr3t-Tok_en");
+        for bad in [
+            &br#"{"refresh_ms":50,"snapshot_stale_after_ms":99}"#[..],
+            br#"{"snapshot_stale_after_ms":0}"#,
+        ] {
+            assert!(matches!(
+                PluginConfig::parse(bad),
+                Err(ConfigError::Field {
+                    field: "snapshot_stale_after_ms",
+                    ..
+                })
+            ));
+        }
+        for bad in [
+            &br#"{"snapshot_token":"a b"}"#[..],
+            br#"{"snapshot_token":"a\r\nx-evil: 1"}"#,
+            br#"{"snapshot_token":"caf\u00e9"}"#,
+        ] {
+            assert!(
+                matches!(
+                    PluginConfig::parse(bad),
+                    Err(ConfigError::Field {
+                        field: "snapshot_token",
+                        ..
+                    })
+                ),
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
     }
 
     #[test]

@@ -24,6 +24,12 @@ pub enum RouteError {
     Selection { detail: String },
     #[error("pd-router has not received a fleet snapshot yet")]
     NoSnapshot,
+    /// The address about to become an upstream (the destination header, a prefill or side
+    /// call) is not a pod of the current fleet snapshot. Selection only ever picks fleet pods,
+    /// so this is a last line of defence: no code path may let anything else steer
+    /// ORIGINAL_DST. The address stays in the logs, not in the reply.
+    #[error("routing target is not a pod of the current fleet")]
+    TargetOutsideFleet(String),
     /// The prefill leg failed; `status` is the prefill's own 4xx/5xx, or 502/503/504.
     #[error("prefill request failed ({class}): {detail}")]
     Prefill {
@@ -49,7 +55,8 @@ impl RouteError {
             RouteError::UnknownModel(_) | RouteError::BadStrategy(_) => 400,
             RouteError::NoRoutablePods(_)
             | RouteError::Selection { .. }
-            | RouteError::NoSnapshot => 503,
+            | RouteError::NoSnapshot
+            | RouteError::TargetOutsideFleet(_) => 503,
             RouteError::Prefill { status, .. } => *status,
             RouteError::InvalidRequest(_) => 400,
             RouteError::DecodeTimeout(_) => 504,
@@ -70,6 +77,7 @@ impl RouteError {
             RouteError::BadStrategy(_)
             | RouteError::Selection { .. }
             | RouteError::NoSnapshot
+            | RouteError::TargetOutsideFleet(_)
             | RouteError::InvalidRequest(_) => ("x-error-routing", "true".into()),
             RouteError::Prefill { .. } => ("x-error-pd-prefill", "true".into()),
             RouteError::DecodeTimeout(_) => ("x-error-pd-decode", "true".into()),
@@ -88,6 +96,7 @@ impl RouteError {
             RouteError::BadStrategy(_) => "bad_strategy",
             RouteError::Selection { .. } => "selection",
             RouteError::NoSnapshot => "no_snapshot",
+            RouteError::TargetOutsideFleet(_) => "target_outside_fleet",
             RouteError::Prefill { .. } => "prefill",
             RouteError::InvalidRequest(_) => "invalid_request",
             RouteError::DecodeTimeout(_) => "pd_decode_watchdog",
@@ -96,7 +105,7 @@ impl RouteError {
     }
 
     /// All reasons, so the host can define one counter each up front.
-    pub const REASONS: [&'static str; 12] = [
+    pub const REASONS: [&'static str; 13] = [
         "bad_body",
         "no_messages",
         "unknown_path",
@@ -105,6 +114,7 @@ impl RouteError {
         "bad_strategy",
         "selection",
         "no_snapshot",
+        "target_outside_fleet",
         "prefill",
         "invalid_request",
         "pd_decode_watchdog",
@@ -225,6 +235,12 @@ mod tests {
                 "true",
             ),
             (
+                RouteError::TargetOutsideFleet("10.0.0.9:8000".into()),
+                503,
+                "x-error-routing",
+                "true",
+            ),
+            (
                 RouteError::DecodeTimeout("late".into()),
                 504,
                 "x-error-pd-decode",
@@ -254,6 +270,14 @@ mod tests {
             b["error"]["message"],
             "error on selecting target pod: no complete roleset"
         );
+    }
+
+    #[test]
+    fn a_target_outside_the_fleet_does_not_echo_the_address() {
+        let e = RouteError::TargetOutsideFleet("10.1.2.3:8000".into());
+        let b = body(&e);
+        assert_eq!(b["error"]["code"], "service_unavailable");
+        assert!(!b.to_string().contains("10.1.2.3"), "{b}");
     }
 
     #[test]

@@ -99,18 +99,60 @@ static NEXT_UID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::ne
 pub struct FleetView {
     pub version: u64,
     pub models: HashMap<String, ModelView>,
+    /// `ip:port` of every routable pod of every model: the only values the filter ever
+    /// writes into the destination header or sends a side call to (see `core::guard`).
+    addresses: hashbrown::HashSet<String>,
 }
 
 impl FleetView {
     pub fn from_snapshot(snapshot: &proto::Snapshot) -> FleetView {
-        let models = snapshot
+        let models: HashMap<String, ModelView> = snapshot
             .models
             .iter()
             .map(|m| (m.name.clone(), ModelView::build(&m.pods)))
             .collect();
+        let addresses = models
+            .values()
+            .flat_map(|m| m.pods.iter().map(|p| p.address.clone()))
+            .collect();
         FleetView {
             version: snapshot.version,
             models,
+            addresses,
+        }
+    }
+
+    /// Whether `address` (`ip:port`) is a routable pod of this snapshot.
+    pub fn holds_address(&self, address: &str) -> bool {
+        self.addresses.contains(address)
+    }
+
+    /// The same fleet with every pod's engine metrics flagged stale: what the filter routes
+    /// on once pd-control has not confirmed the snapshot for a while. The pods stay (they
+    /// were serving a moment ago, and refusing everything would turn a control-plane outage
+    /// into a data-plane one), but their load figures describe the past, so selection treats
+    /// them as it treats any stale scrape. A new view: per-view caches keyed on `uid` reset.
+    pub fn with_stale_metrics(&self) -> FleetView {
+        let models = self
+            .models
+            .iter()
+            .map(|(name, model)| {
+                let mut model = model.clone();
+                for pod in &mut model.pods {
+                    if let Some(m) = pod.metrics.as_mut() {
+                        m.stale = true;
+                    }
+                }
+                model.columns =
+                    crate::core::pd::columns::Columns::build(&model.pods, &model.rolesets);
+                model.uid = NEXT_UID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                (name.clone(), model)
+            })
+            .collect();
+        FleetView {
+            version: self.version,
+            models,
+            addresses: self.addresses.clone(),
         }
     }
 
@@ -237,6 +279,67 @@ pub(crate) mod tests {
                 pods,
             }],
         }
+    }
+
+    fn scraped(mut pod: proto::Pod) -> proto::Pod {
+        pod.metrics = Some(proto::PodMetrics {
+            present: true,
+            running: 3.0,
+            generation_throughput: 500.0,
+            ..Default::default()
+        });
+        pod
+    }
+
+    #[test]
+    fn addresses_are_those_of_routable_pods_only() {
+        let mut other = pod("q0", "decode", "g0", true);
+        other.port = 9000;
+        let mut snap = snapshot(vec![
+            pod("p0", "prefill", "g0", true),
+            pod("d00", "decode", "g0", false),
+        ]);
+        snap.models.push(proto::Model {
+            name: "m2".into(),
+            pods: vec![other],
+        });
+        let fleet = FleetView::from_snapshot(&snap);
+        assert!(fleet.holds_address("127.0.0.2:8000"));
+        assert!(fleet.holds_address("127.0.0.2:9000"), "other models count");
+        assert!(
+            !fleet.holds_address("127.0.0.3:8000"),
+            "a pod that is not ready is no target"
+        );
+        assert!(!fleet.holds_address("127.0.0.2:8001"));
+        assert!(!fleet.holds_address(""));
+    }
+
+    #[test]
+    fn a_stale_copy_keeps_pods_and_flags_every_metric() {
+        let fleet = FleetView::from_snapshot(&snapshot(vec![
+            scraped(pod("p0", "prefill", "g0", true)),
+            scraped(pod("d0", "decode", "g0", true)),
+            pod("d1", "decode", "g0", true),
+        ]));
+        let fresh = &fleet.models["m"];
+        assert!(fresh.columns.fresh[0] && fresh.columns.fresh[1]);
+        let stale = fleet.with_stale_metrics();
+        let m = &stale.models["m"];
+        assert_eq!(stale.version, fleet.version);
+        assert_eq!(m.pods.len(), 3);
+        assert_eq!(m.rolesets.len(), 1);
+        assert!(m
+            .pods
+            .iter()
+            .all(|p| p.metrics.as_ref().is_none_or(|m| m.stale)));
+        assert!(m.columns.fresh.iter().all(|f| !f), "{:?}", m.columns.fresh);
+        assert!(m.columns.throughput.iter().all(|t| t.is_nan()));
+        assert_ne!(m.uid, fresh.uid, "per-view caches must not carry over");
+        assert!(stale.holds_address(&m.pods[0].address));
+        assert!(
+            fleet.models["m"].columns.fresh[0],
+            "the original view is untouched"
+        );
     }
 
     #[test]

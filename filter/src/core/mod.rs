@@ -6,6 +6,8 @@ pub mod engine;
 pub mod env;
 pub mod errors;
 pub mod fleet;
+pub mod freshness;
+pub mod guard;
 pub mod journal;
 pub mod ledger;
 pub mod obs;

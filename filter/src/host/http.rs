@@ -262,7 +262,7 @@ impl PdHttp {
         match target {
             Target::Single { pod } => {
                 let pod = &model.pods[pod];
-                self.set_destination(&pod.address, &strategy);
+                self.set_destination(&pod.address, &strategy)?;
                 self.routed = Some(Routed {
                     strategy,
                     pod_name: pod.name.clone(),
@@ -456,6 +456,7 @@ impl PdHttp {
         address: &str,
         body: &[u8],
     ) -> Result<u32, RouteError> {
+        self.guard_target(address)?;
         let (dst_header, cluster, timeout_s) = {
             let vm = self.vm.borrow();
             (
@@ -492,14 +493,29 @@ impl PdHttp {
         })
     }
 
+    /// Refuses any upstream address that is not a pod of the VM's current fleet (see
+    /// `core::guard`); logged with the address, which the client's reply leaves out.
+    fn guard_target(&self, address: &str) -> Result<(), RouteError> {
+        let checked = crate::core::guard::check_target(self.vm.borrow().fleet.as_deref(), address);
+        if checked.is_err() {
+            log::warn!(
+                "context {}: refusing to send request {} to {address:?}: not a pod of the current fleet",
+                self.id, self.request_id
+            );
+        }
+        checked
+    }
+
     /// Points the ORIGINAL_DST cluster at the pod and stamps the upstream request.
-    fn set_destination(&self, address: &str, strategy: &str) {
+    fn set_destination(&self, address: &str, strategy: &str) -> Result<(), RouteError> {
+        self.guard_target(address)?;
         let dst_header = self.vm.borrow().plugin.dst_header.clone();
         self.set_http_request_header(&dst_header, Some(address));
         self.set_http_request_header("x-request-id", Some(&self.request_id));
         if !strategy.is_empty() {
             self.set_http_request_header("routing-strategy", Some(strategy));
         }
+        Ok(())
     }
 
     /// Lowers `gateway_prefill_outstanding_requests` once the leg is over (answered, or the
@@ -592,7 +608,7 @@ impl PdHttp {
             .as_ref()
             .map(|r| r.strategy.clone())
             .unwrap_or_default();
-        self.set_destination(&pending.decode_address, &strategy);
+        self.set_destination(&pending.decode_address, &strategy)?;
         Ok(())
     }
 }

@@ -70,7 +70,12 @@ pub struct Metrics {
     pub first_token_delay: Option<u32>,
     pub fleet_version: Option<u32>,
     pub fleet_loaded_vms: Option<u32>,
-    pub snapshot_fetch_errors: Option<u32>,
+    /// `pd_router_snapshot_fetch_errors_total` by `reason` (`host::snapshot::FETCH_ERRORS`).
+    snapshot_fetch_errors: Vec<(&'static str, u32)>,
+    /// `pd_router_snapshot_stale` (0/1) and `pd_router_snapshot_age_ms`: process-wide values
+    /// every VM computes alike from the shared confirmation time.
+    pub snapshot_stale: Option<u32>,
+    pub snapshot_age_ms: Option<u32>,
     /// Selection plus charge (one CAS round), microseconds, as measured inside the VM.
     pub selection_us: Option<u32>,
     /// The selection alone (Steps 0–5), without the shared-data round trip, microseconds.
@@ -152,7 +157,15 @@ impl Metrics {
             first_token_delay: define(c, "gateway_first_token_delay_over_1s_total"),
             fleet_version: define(g, "pd_router_fleet_version"),
             fleet_loaded_vms: define(g, "pd_router_fleet_loaded_vms"),
-            snapshot_fetch_errors: define(c, "pd_router_snapshot_fetch_errors_total"),
+            snapshot_fetch_errors: crate::host::snapshot::FETCH_ERRORS
+                .iter()
+                .filter_map(|r| {
+                    counter("pd_router_snapshot_fetch_errors_total", &[("reason", r)])
+                        .map(|id| (*r, id))
+                })
+                .collect(),
+            snapshot_stale: define(g, "pd_router_snapshot_stale"),
+            snapshot_age_ms: define(g, "pd_router_snapshot_age_ms"),
             selection_us: define(MetricType::Histogram, "pd_router_selection_us"),
             selection_core_us: define(MetricType::Histogram, "pd_router_selection_core_us"),
             remote_decode_tokens: define(g, "pd_router_remote_decode_tokens"),
@@ -167,6 +180,17 @@ impl Metrics {
             total_buckets,
             histograms,
             ..Metrics::default()
+        }
+    }
+
+    /// Counts one failed snapshot poll under `reason` (one of `FETCH_ERRORS`).
+    pub fn snapshot_fetch_error(&self, reason: &str) {
+        if let Some((_, id)) = self
+            .snapshot_fetch_errors
+            .iter()
+            .find(|(r, _)| *r == reason)
+        {
+            let _ = hostcalls::increment_metric(*id, 1);
         }
     }
 

@@ -45,23 +45,23 @@ pub fn send_report(
     cluster: &str,
     authority: &str,
     replica: u64,
+    token: &str,
     timeout: Duration,
 ) -> Result<u32, String> {
     let ledger = ledger::read(&SharedData).map_err(|e| e.to_string())?;
     let body = remote::report(&ledger, replica).encode_to_vec();
-    hostcalls::dispatch_http_call(
-        cluster,
-        vec![
-            (":method", "POST"),
-            (":path", REPORT_PATH),
-            (":authority", authority),
-            ("content-type", "application/x-protobuf"),
-        ],
-        Some(&body),
-        vec![],
-        timeout,
-    )
-    .map_err(|e| format!("{e:?}"))
+    let authorization = crate::host::snapshot::bearer(token);
+    let mut headers = vec![
+        (":method", "POST"),
+        (":path", REPORT_PATH),
+        (":authority", authority),
+        ("content-type", "application/x-protobuf"),
+    ];
+    if let Some(value) = authorization.as_deref() {
+        headers.push(("authorization", value));
+    }
+    hostcalls::dispatch_http_call(cluster, headers, Some(&body), vec![], timeout)
+        .map_err(|e| format!("{e:?}"))
 }
 
 /// Keeps pd-control's answer for every VM of this process, after checking it decodes.

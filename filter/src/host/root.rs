@@ -11,6 +11,7 @@ use proxy_wasm::types::ContextType;
 use crate::core::config::PluginConfig;
 use crate::core::engine::EngineDefaults;
 use crate::core::fleet::FleetView;
+use crate::core::freshness::{Freshness, Transition};
 use crate::core::ledger;
 use crate::core::pd::bucket_serve::Planner;
 use crate::core::pd::PdDefaults;
@@ -34,6 +35,13 @@ pub struct Root {
     queue: Option<NoticeQueue>,
     fetch_in_flight: Option<u32>,
     loaded_once: bool,
+    /// The newest adopted view as decoded; the VM routes on a stale-flagged copy of it
+    /// while pd-control has not confirmed it for `snapshot_stale_after_ms`.
+    latest: Option<Rc<FleetView>>,
+    /// When this VM adopted `latest`: the freshness floor when no poll confirmation has
+    /// been recorded in this process yet (a VM that took over a published snapshot).
+    adopted_at: u64,
+    freshness: Freshness,
     /// Consecutive failed polls; logged at 1, 2, 4, 8, ... so an outage does not flood the log.
     fetch_failures: u64,
     next_housekeeping: u64,
@@ -81,6 +89,9 @@ impl Root {
             queue: None,
             fetch_in_flight: None,
             loaded_once: false,
+            latest: None,
+            adopted_at: 0,
+            freshness: Freshness::default(),
             fetch_failures: 0,
             next_housekeeping: 0,
             next_ledger_prune: 0,
@@ -106,6 +117,7 @@ impl Root {
             &plugin.control_cluster,
             &plugin.control_authority,
             self.replica,
+            &plugin.snapshot_token,
             Duration::from_millis(plugin.fetch_timeout_ms),
         ) {
             Ok(token) => self.report_in_flight = Some(token),
@@ -169,7 +181,14 @@ impl Root {
                     .collect();
                 vm.metrics.retain_pods(|key| live.contains(key));
             }
-            vm.fleet = Some(Rc::new(view));
+            let view = Rc::new(view);
+            vm.fleet = Some(if self.freshness.is_stale() {
+                Rc::new(view.with_stale_metrics())
+            } else {
+                view.clone()
+            });
+            self.latest = Some(view);
+            self.adopted_at = now_ms();
             (vm.metrics.fleet_version, vm.metrics.fleet_loaded_vms)
         };
         Metrics::set(version_gauge, version);
@@ -207,9 +226,9 @@ impl Root {
         }
     }
 
-    fn fetch_failed(&mut self, why: String) {
+    fn fetch_failed(&mut self, reason: &'static str, why: String) {
         self.fetch_failures += 1;
-        Metrics::inc(self.vm.borrow().metrics.snapshot_fetch_errors);
+        self.vm.borrow().metrics.snapshot_fetch_error(reason);
         if self.fetch_failures.is_power_of_two() {
             log::warn!(
                 "{why} ({} consecutive failures; routing on the last snapshot)",
@@ -219,6 +238,7 @@ impl Root {
     }
 
     fn fetch_succeeded(&mut self) {
+        snapshot::confirm(now_ms());
         if self.fetch_failures > 0 {
             log::info!(
                 "snapshot polls recovered after {} failures",
@@ -243,14 +263,58 @@ impl Root {
             &plugin.control_authority,
             &plugin.snapshot_path,
             have,
+            &plugin.snapshot_token,
             Duration::from_millis(plugin.fetch_timeout_ms),
         ) {
             Ok(token) => self.fetch_in_flight = Some(token),
-            Err(e) => self.fetch_failed(format!(
-                "cannot poll cluster {}: {e:?}",
-                plugin.control_cluster
-            )),
+            Err(e) => self.fetch_failed(
+                "dispatch",
+                format!("cannot poll cluster {}: {e:?}", plugin.control_cluster),
+            ),
         }
+    }
+
+    /// Judges the snapshot's age from the last confirmed poll (shared by every VM), flags
+    /// its metrics stale past `snapshot_stale_after_ms` and unflags them once pd-control
+    /// answers again. Routing never stops for it: the pods of the last snapshot stay.
+    fn check_freshness(&mut self, now: u64) {
+        let Some(latest) = self.latest.clone() else {
+            return;
+        };
+        let confirmed = snapshot::confirmed_at().unwrap_or(0).max(self.adopted_at);
+        let (bound, stale_gauge, age_gauge) = {
+            let vm = self.vm.borrow();
+            (
+                vm.plugin.snapshot_stale_after_ms,
+                vm.metrics.snapshot_stale,
+                vm.metrics.snapshot_age_ms,
+            )
+        };
+        Metrics::set(age_gauge, Freshness::age_ms(now, confirmed));
+        let Some(transition) = self.freshness.observe(now, confirmed, bound) else {
+            return;
+        };
+        let view = match transition {
+            Transition::BecameStale { age_ms } => {
+                log::warn!(
+                    "fleet snapshot {} is stale: pd-control has not confirmed it for {age_ms} ms \
+                     (snapshot_stale_after_ms {bound}); routing on its pods, ignoring their \
+                     engine metrics",
+                    latest.version
+                );
+                Metrics::set(stale_gauge, 1);
+                Rc::new(latest.with_stale_metrics())
+            }
+            Transition::BecameFresh { age_ms } => {
+                log::info!(
+                    "fleet snapshot {} is fresh again (confirmed {age_ms} ms ago)",
+                    latest.version
+                );
+                Metrics::set(stale_gauge, 0);
+                latest
+            }
+        };
+        self.vm.borrow_mut().fleet = Some(view);
     }
 }
 
@@ -279,26 +343,35 @@ impl Context for Root {
         let status = self
             .get_http_call_response_header(":status")
             .unwrap_or_default();
+        let version_header = self.get_http_call_response_header("x-pd-snapshot-version");
         match status.as_str() {
             "304" => return self.fetch_succeeded(),
             "200" => {}
-            other => return self.fetch_failed(format!("snapshot poll answered status {other:?}")),
+            other => {
+                let reason = snapshot::status_reason(other, version_header.is_some());
+                return self
+                    .fetch_failed(reason, format!("snapshot poll answered status {other:?}"));
+            }
         }
-        let version = self
-            .get_http_call_response_header("x-pd-snapshot-version")
-            .and_then(|v| v.trim().parse::<u64>().ok());
+        let version = version_header.and_then(|v| v.trim().parse::<u64>().ok());
         let body = self
             .get_http_call_response_body(0, body_size)
             .unwrap_or_default();
         let Some(version) = version.filter(|v| *v > 0) else {
             return self.fetch_failed(
+                "no_version",
                 "snapshot response without a valid x-pd-snapshot-version header".into(),
             );
         };
         // Refuse what we could not decode ourselves: a bad snapshot must not reach the workers.
         let view = match FleetView::decode(&body) {
             Ok(view) => view,
-            Err(e) => return self.fetch_failed(format!("snapshot {version} does not decode: {e}")),
+            Err(e) => {
+                return self.fetch_failed(
+                    "undecodable",
+                    format!("snapshot {version} does not decode: {e}"),
+                )
+            }
         };
         self.fetch_succeeded();
         match snapshot::publish(version, &body) {
@@ -412,6 +485,7 @@ impl RootContext for Root {
         self.maybe_fetch(now);
         self.maybe_report(now);
         self.reload();
+        self.check_freshness(now);
         crate::host::replicas::refresh(&mut self.vm.borrow_mut(), now);
         self.housekeeping(now);
         self.journal.tick(&self.vm, now);

@@ -22,6 +22,10 @@ pub const VERSION_KEY: &str = "pd/snapshot/version";
 pub const LEASE_KEY: &str = "pd/lease";
 /// One line per VM queue: `"<queue name> <expiry ms>"`.
 pub const QUEUES_KEY: &str = "pd/queues";
+/// When pd-control last confirmed the published snapshot (a 200 or 304 poll), 8-byte
+/// little-endian milliseconds: every VM judges the snapshot's freshness from it, not only
+/// the lease holder that polls.
+pub const CONFIRMED_KEY: &str = "pd/snapshot/confirmed";
 
 /// How long a VM's queue entry lives without a heartbeat; dead VMs (reloads) drop out.
 const QUEUE_TTL_MS: u64 = 5_000;
@@ -37,6 +41,55 @@ pub fn published_version() -> u64 {
             .unwrap_or(0),
         _ => 0,
     }
+}
+
+/// Why a snapshot poll failed: the `reason` label of `pd_router_snapshot_fetch_errors_total`.
+/// `unreachable`: no answer (refused, reset, timed out); `unauthorized`: 401/403 (the
+/// `snapshot_token` does not match pd-control's); `status`: any other unexpected status;
+/// `no_version`: a 200 without a valid `x-pd-snapshot-version`; `undecodable`: the body is
+/// not a snapshot; `dispatch`: Envoy refused to send the call (unknown cluster, say).
+pub const FETCH_ERRORS: [&str; 6] = [
+    "unreachable",
+    "unauthorized",
+    "status",
+    "no_version",
+    "undecodable",
+    "dispatch",
+];
+
+/// The reason label of a poll answered with `status` (neither 200 nor 304). pd-control
+/// stamps its version on every snapshot answer; a 503/504 without it is Envoy's own reply
+/// for a connection that failed or timed out, so pd-control was not reached.
+pub fn status_reason(status: &str, from_control: bool) -> &'static str {
+    match status {
+        "" => "unreachable",
+        "503" | "504" if !from_control => "unreachable",
+        "401" | "403" => "unauthorized",
+        _ => "status",
+    }
+}
+
+/// Records a successful poll at `now` for every VM of this process.
+pub fn confirm(now: u64) {
+    if let Err(e) = SharedData.set(CONFIRMED_KEY, &now.to_le_bytes(), None) {
+        log::warn!("cannot record the snapshot confirmation: {e}");
+    }
+}
+
+/// When a poll last succeeded, if one ever did in this process.
+pub fn confirmed_at() -> Option<u64> {
+    match SharedData.get(CONFIRMED_KEY) {
+        Ok((Some(bytes), _)) => bytes
+            .get(..8)
+            .and_then(|b| b.try_into().ok())
+            .map(u64::from_le_bytes),
+        _ => None,
+    }
+}
+
+/// `authorization: Bearer <token>` for calls to pd-control, when a token is configured.
+pub fn bearer(token: &str) -> Option<String> {
+    (!token.is_empty()).then(|| format!("Bearer {token}"))
 }
 
 /// Decodes the published snapshot when it is newer than `have`.
@@ -232,18 +285,18 @@ pub fn fetch_request(
     authority: &str,
     path: &str,
     have: u64,
+    token: &str,
     timeout: Duration,
 ) -> Result<u32, proxy_wasm::types::Status> {
     let path = format!("{path}?version={have}");
-    hostcalls::dispatch_http_call(
-        cluster,
-        vec![
-            (":method", "GET"),
-            (":path", &path),
-            (":authority", authority),
-        ],
-        None,
-        vec![],
-        timeout,
-    )
+    let authorization = bearer(token);
+    let mut headers = vec![
+        (":method", "GET"),
+        (":path", path.as_str()),
+        (":authority", authority),
+    ];
+    if let Some(value) = authorization.as_deref() {
+        headers.push(("authorization", value));
+    }
+    hostcalls::dispatch_http_call(cluster, headers, None, vec![], timeout)
 }

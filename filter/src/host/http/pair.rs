@@ -91,7 +91,7 @@ impl PdHttp {
                 });
                 self.watch(decode, Some(rid), req.stream);
                 self.replace_body(&decode_body)?;
-                self.route_to(&decode.address);
+                self.route_to(&decode.address)?;
                 Ok(Action::Continue)
             }
             Engine::Trtllm
@@ -185,7 +185,7 @@ impl PdHttp {
             decode_address: decode_address.to_string(),
         });
         self.replace_body(&trtllm::generation_first_body(client, id, info))?;
-        self.route_to(decode_address);
+        self.route_to(decode_address)?;
         Ok(())
     }
 
@@ -342,17 +342,18 @@ impl PdHttp {
         Ok(())
     }
 
-    fn route_to(&self, address: &str) {
+    fn route_to(&self, address: &str) -> Result<(), RouteError> {
         let strategy = self
             .routed
             .as_ref()
             .map(|r| r.strategy.clone())
             .unwrap_or_default();
-        self.set_destination(address, &strategy);
+        self.set_destination(address, &strategy)
     }
 
     /// A `GET` side call to a pod (`/server_info`).
     fn dispatch_get(&self, address: &str, path: &str) -> Result<u32, RouteError> {
+        self.guard_target(address)?;
         let (dst_header, cluster) = {
             let vm = self.vm.borrow();
             (vm.plugin.dst_header.clone(), vm.plugin.pods_cluster.clone())
