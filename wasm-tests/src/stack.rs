@@ -323,6 +323,10 @@ pub struct Options<'a> {
     pub sim_args: &'a [&'a str],
     /// Plugin configuration `explain: true`.
     pub explain: bool,
+    /// Further plugin configuration members, JSON without braces (e.g.
+    /// `"snapshot_stale_after_ms":1000`); empty for none. No single quotes (the drop-in
+    /// holds the JSON in a single-quoted YAML scalar).
+    pub plugin_extra: &'a str,
 }
 
 impl Default for Options<'_> {
@@ -332,6 +336,7 @@ impl Default for Options<'_> {
             envoy_env: &[],
             sim_args: &[],
             explain: false,
+            plugin_extra: "",
         }
     }
 }
@@ -406,7 +411,7 @@ impl Stack {
             concurrency,
             envoy_env,
             sim_args,
-            explain: false,
+            ..Options::default()
         };
         Stack::start_inner(fleet, simulated, &options, None, &[])
     }
@@ -638,6 +643,7 @@ impl Stack {
         } else {
             rendered
         };
+        let rendered = with_plugin_extra(rendered, options.plugin_extra);
         std::fs::write(&config, rendered).expect("envoy config");
         let mut envoy = Command::new(envoy_bin());
         envoy
@@ -911,5 +917,135 @@ impl Drop for Stack {
         if !std::thread::panicking() {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
+    }
+}
+
+/// Adds `extra` (JSON members without braces) to a rendered drop-in's plugin configuration.
+fn with_plugin_extra(rendered: String, extra: &str) -> String {
+    if extra.is_empty() {
+        return rendered;
+    }
+    assert!(
+        !extra.contains('\''),
+        "plugin_extra must not contain single quotes"
+    );
+    const KEY: &str = "\"refresh_ms\":";
+    assert!(
+        rendered.contains(KEY),
+        "plugin configuration without refresh_ms"
+    );
+    rendered.replacen(KEY, &format!("{extra},{KEY}"), 1)
+}
+
+/// Control-plane faults: pd-control stopped, replaced, restarted on its address.
+impl Stack {
+    /// Whether the stack's pd-control process is running.
+    pub fn control_running(&mut self) -> bool {
+        self.children
+            .iter_mut()
+            .find(|(n, _)| n == "pd-control")
+            .is_some_and(|(_, c)| matches!(c.try_wait(), Ok(None)))
+    }
+
+    /// Starts pd-control again on the stack's control address (after [`Stack::kill`] of
+    /// `pd-control`), with extra `args`; returns once it listens.
+    pub fn restart_control(&mut self, args: &[&str]) {
+        self.kill("pd-control");
+        let n = self.children.len();
+        let fleet = self.fleet_path.display().to_string();
+        let mut argv: Vec<&str> = vec![
+            "--fleet",
+            &fleet,
+            "--listen",
+            &self.control,
+            "--refresh-interval",
+            "50ms",
+        ];
+        argv.extend_from_slice(args);
+        // The old process just closed the port; a bind can still race its teardown for a
+        // moment, so a failed start is retried against a deadline.
+        let log = self.dir.join(format!("pd-control-restart-{n}.log"));
+        let child = eventually(Duration::from_secs(10), || {
+            let mut cmd = Command::new(bin("pd-control"));
+            cmd.args(&argv);
+            let stderr = std::fs::File::create(&log).map_err(|e| e.to_string())?;
+            let mut child = cmd
+                .stdout(Stdio::piped())
+                .stderr(Stdio::from(stderr))
+                .spawn()
+                .map_err(|e| e.to_string())?;
+            let stdout = child.stdout.take().ok_or("no stdout")?;
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            if line.contains("pd-control: listening") {
+                Ok(child)
+            } else {
+                let _ = child.kill();
+                let _ = child.wait();
+                Err(format!(
+                    "pd-control did not restart on {}: {}",
+                    self.control,
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                ))
+            }
+        });
+        let slot = self
+            .children
+            .iter_mut()
+            .find(|(name, _)| name == "pd-control")
+            .expect("the stack's pd-control");
+        slot.1 = child;
+    }
+
+    /// Starts one more Envoy like [`Stack::add_gateway`] with `plugin_extra` members in its
+    /// plugin configuration, and does not wait for it to load a snapshot (it may never).
+    pub fn add_gateway_with_plugin(&mut self, plugin_extra: &str) -> Gateway {
+        let (listen_port, admin_port) = (free_port(), free_port());
+        let n = self.children.len();
+        let control_port: u16 = self
+            .control
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .expect("control port");
+        let config = self.dir.join(format!("envoy-{n}.yaml"));
+        let rendered = render_envoy(
+            listen_port,
+            admin_port,
+            control_port,
+            50,
+            &self.dir.join(format!("access-{n}.log")),
+        );
+        std::fs::write(&config, with_plugin_extra(rendered, plugin_extra)).expect("envoy config");
+        let child = Command::new(envoy_bin())
+            .arg("-c")
+            .arg(&config)
+            .arg("--concurrency")
+            .arg(self.concurrency.to_string())
+            .arg("--disable-hot-restart")
+            .arg("--base-id")
+            .arg(fastrand::u32(1..1_000_000).to_string())
+            .arg("-l")
+            .arg("info")
+            .arg("--log-path")
+            .arg(self.dir.join(format!("envoy-{n}.log")))
+            .env_clear()
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("cannot start the second envoy");
+        self.children.push((format!("envoy-{n}"), child));
+        let gateway = Gateway {
+            gateway: format!("127.0.0.1:{listen_port}"),
+            admin: format!("127.0.0.1:{admin_port}"),
+        };
+        eventually(Duration::from_secs(30), || {
+            http::get(&gateway.admin, "/ready")
+                .ok()
+                .filter(|r| r.status == 200)
+                .map(|_| ())
+                .ok_or_else(|| format!("Envoy {n} never became ready"))
+        });
+        gateway
     }
 }

@@ -1,0 +1,488 @@
+//! Control-plane faults and the snapshot endpoint's protection, in real Envoy
+//! (`--concurrency 2`) with the built filter: pd-control down and back, pd-control answering
+//! garbage, the snapshot token, and the snapshot API kept off the data listener.
+//!
+//! Every test checks the invariants of the fault matrix: each request ends with a success or
+//! a specific error, no request reaches a pod outside the fleet, and the token ledger returns
+//! to exactly 0.
+
+use std::collections::BTreeSet;
+use std::io::{Read, Write};
+use std::net::TcpListener;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use pd_wasm_tests::http;
+use pd_wasm_tests::stack::{eventually, Fleet, Options, Stack};
+use serde_json::json;
+
+const MODEL: &str = "cp-model";
+
+/// The token ledger only moves under the token-load policies; with them every routed request
+/// charges (and must release) prefill and decode tokens.
+const LEDGER_ENV: [(&str, &str); 2] = [
+    ("AIBRIX_PREFILL_SCORE_POLICY", "token_load"),
+    ("AIBRIX_DECODE_SCORE_POLICY", "token_load"),
+];
+
+fn two_pairs() -> Fleet {
+    Fleet::new(MODEL)
+        .pod("p0", "prefill", "g0")
+        .pod("d0", "decode", "g0")
+        .pod("p1", "prefill", "g1")
+        .pod("d1", "decode", "g1")
+}
+
+fn pd_request(gateway: &str) -> http::Response {
+    let body =
+        json!({"model": MODEL, "prompt": "control plane fault ".repeat(20), "max_tokens": 3});
+    http::post_json(
+        gateway,
+        "/v1/completions",
+        &[("routing-strategy", "pd")],
+        &body,
+    )
+}
+
+/// A request the gateway must route: 200, or the test fails with what it got.
+fn routed(stack: &Stack) {
+    let r = pd_request(&stack.gateway);
+    assert_eq!(r.status, 200, "{}: {}", r.status, r.text());
+}
+
+/// Pods that received any leg since the last clear, by name.
+fn pods_reached(stack: &Stack) -> BTreeSet<String> {
+    stack
+        .sim_requests()
+        .iter()
+        .filter_map(|e| e["pod"].as_str().map(str::to_string))
+        .collect()
+}
+
+fn fetch_errors(stack: &Stack, reason: &str) -> f64 {
+    stack.metric(
+        "pd_router_snapshot_fetch_errors_total",
+        &[("reason", reason)],
+    )
+}
+
+#[test]
+fn pd_control_down_routes_on_the_last_snapshot_marks_it_stale_and_recovers() {
+    let fleet = two_pairs();
+    let mut stack = Stack::start_opts(
+        fleet.clone(),
+        fleet.clone(),
+        &Options {
+            envoy_env: &LEDGER_ENV,
+            plugin_extra: "\"snapshot_stale_after_ms\":1000",
+            ..Options::default()
+        },
+    );
+    for _ in 0..6 {
+        routed(&stack);
+    }
+    assert_eq!(stack.stat("pd_router_snapshot_stale"), 0);
+    let version_before = stack.stat("pd_router_fleet_version");
+
+    // pd-control goes away; requests keep coming until every VM calls the snapshot stale.
+    stack.kill("pd-control");
+    let mut served_while_down = 0;
+    eventually(Duration::from_secs(20), || {
+        routed(&stack);
+        served_while_down += 1;
+        (stack.stat("pd_router_snapshot_stale") == 1)
+            .then_some(())
+            .ok_or_else(|| "the snapshot never went stale".to_string())
+    });
+    stack.wait_for_log("is stale: pd-control has not confirmed it");
+    assert!(stack.stat("pd_router_snapshot_age_ms") > 1000);
+    assert!(fetch_errors(&stack, "unreachable") > 0.0);
+    // Stale, and still routing on the last snapshot's pods.
+    for _ in 0..10 {
+        routed(&stack);
+    }
+    assert!(served_while_down >= 1);
+    assert_eq!(stack.stat("pd_router_fleet_version"), version_before);
+    let reached = pods_reached(&stack);
+    assert!(
+        reached
+            .iter()
+            .all(|p| fleet.pods.iter().any(|s| &s.name == p)),
+        "{reached:?}"
+    );
+
+    // The fleet changes while pd-control is down (pair g1 leaves); pd-control comes back on
+    // its address. Its fresh process must still win over the version the gateway holds.
+    let smaller = fleet.without("p1").without("d1");
+    stack.write_fleet(smaller);
+    stack.restart_control(&[]);
+    eventually(Duration::from_secs(20), || {
+        let fresh = stack.stat("pd_router_snapshot_stale") == 0;
+        let newer = stack.stat("pd_router_fleet_version") > version_before;
+        (fresh && newer).then_some(()).ok_or_else(|| {
+            format!(
+                "not recovered: stale {} version {} (was {version_before})",
+                stack.stat("pd_router_snapshot_stale"),
+                stack.stat("pd_router_fleet_version")
+            )
+        })
+    });
+    stack.wait_for_log("is fresh again");
+    // Every VM adopts the restarted pd-control's snapshot: g1 is gone from routing.
+    eventually(Duration::from_secs(10), || {
+        stack.clear_sim_requests();
+        for _ in 0..4 {
+            routed(&stack);
+        }
+        let reached = pods_reached(&stack);
+        (!reached.contains("p1") && !reached.contains("d1"))
+            .then_some(())
+            .ok_or_else(|| format!("a VM still routes to the departed pair: {reached:?}"))
+    });
+    stack.clear_sim_requests();
+    for _ in 0..12 {
+        routed(&stack);
+    }
+    let reached = pods_reached(&stack);
+    assert_eq!(
+        reached,
+        BTreeSet::from(["d0".to_string(), "p0".to_string()]),
+        "only the current fleet's pods"
+    );
+    stack.wait_ledger_zero();
+}
+
+/// What the fake control service answers, in rotation, one answer per connection.
+#[derive(Debug, Clone, Copy)]
+enum Garbage {
+    /// 200, a version, bytes that start with an invalid protobuf tag.
+    RandomBytes,
+    /// 200, a version, a real snapshot missing its last byte.
+    Truncated,
+    /// 500 with a text body.
+    ServerError,
+    /// 200, a version, an HTML page.
+    WrongContent,
+    /// 200 and a real snapshot, but no version header.
+    NoVersion,
+    /// 200 and a real snapshot, version header not a number.
+    BadVersion,
+    /// The connection closes without an answer.
+    Hangup,
+}
+
+const GARBAGE: [Garbage; 7] = [
+    Garbage::RandomBytes,
+    Garbage::Truncated,
+    Garbage::ServerError,
+    Garbage::WrongContent,
+    Garbage::NoVersion,
+    Garbage::BadVersion,
+    Garbage::Hangup,
+];
+
+/// A version far above anything real: if any garbage answer were adopted, the gateway's
+/// `pd_router_fleet_version` would show it.
+const BOGUS_VERSION: u64 = 9_000_000_000_000_000;
+
+struct FakeControl {
+    stop: Arc<AtomicBool>,
+    served: Arc<AtomicUsize>,
+    addr: String,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl FakeControl {
+    /// Serves garbage on `addr` (the real pd-control's address, now free) until dropped.
+    fn start(addr: &str, snapshot: Vec<u8>) -> FakeControl {
+        let listener = eventually(Duration::from_secs(10), || {
+            TcpListener::bind(addr).map_err(|e| format!("cannot bind {addr}: {e}"))
+        });
+        let stop = Arc::new(AtomicBool::new(false));
+        let served = Arc::new(AtomicUsize::new(0));
+        let (stop_t, served_t) = (stop.clone(), served.clone());
+        let thread = std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                if stop_t.load(Ordering::SeqCst) {
+                    break;
+                }
+                let Ok(mut conn) = conn else { continue };
+                let n = served_t.fetch_add(1, Ordering::SeqCst);
+                answer(&mut conn, GARBAGE[n % GARBAGE.len()], &snapshot);
+            }
+        });
+        FakeControl {
+            stop,
+            served,
+            addr: addr.to_string(),
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for FakeControl {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = std::net::TcpStream::connect(&self.addr);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Reads one request head and writes the garbage answer (Envoy keeps connections alive, so
+/// the connection is closed after each answer to take the next one fresh).
+fn answer(conn: &mut std::net::TcpStream, kind: Garbage, snapshot: &[u8]) {
+    let _ = conn.set_read_timeout(Some(Duration::from_secs(2)));
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") && head.len() < 16 * 1024 {
+        match conn.read(&mut byte) {
+            Ok(1) => head.push(byte[0]),
+            _ => return,
+        }
+    }
+    let bogus = BOGUS_VERSION.to_string();
+    let (status, headers, body): (&str, Vec<(&str, &str)>, Vec<u8>) = match kind {
+        Garbage::RandomBytes => {
+            let mut body = vec![0xff];
+            body.extend((0..512).map(|_| fastrand::u8(..)));
+            ("200 OK", vec![("x-pd-snapshot-version", &bogus)], body)
+        }
+        Garbage::Truncated => (
+            "200 OK",
+            vec![("x-pd-snapshot-version", &bogus)],
+            snapshot[..snapshot.len() - 1].to_vec(),
+        ),
+        Garbage::ServerError => (
+            "500 Internal Server Error",
+            vec![("content-type", "text/plain")],
+            b"boom\n".to_vec(),
+        ),
+        Garbage::WrongContent => (
+            "200 OK",
+            vec![
+                ("x-pd-snapshot-version", &bogus),
+                ("content-type", "text/html"),
+            ],
+            b"<html><body>not a snapshot</body></html>".to_vec(),
+        ),
+        Garbage::NoVersion => ("200 OK", vec![], snapshot.to_vec()),
+        Garbage::BadVersion => (
+            "200 OK",
+            vec![("x-pd-snapshot-version", "12abc")],
+            snapshot.to_vec(),
+        ),
+        Garbage::Hangup => return,
+    };
+    let mut out = format!(
+        "HTTP/1.1 {status}\r\ncontent-length: {}\r\nconnection: close\r\n",
+        body.len()
+    );
+    for (name, value) in headers {
+        out.push_str(&format!("{name}: {value}\r\n"));
+    }
+    out.push_str("\r\n");
+    let _ = conn.write_all(out.as_bytes());
+    let _ = conn.write_all(&body);
+}
+
+#[test]
+fn pd_control_answering_garbage_keeps_the_last_good_snapshot_and_counts_each_failure() {
+    let fleet = two_pairs();
+    let mut stack = Stack::start_opts(
+        fleet.clone(),
+        fleet.clone(),
+        &Options {
+            envoy_env: &LEDGER_ENV,
+            ..Options::default()
+        },
+    );
+    routed(&stack);
+    let version_before = stack.stat("pd_router_fleet_version");
+    let snapshot = http::get(&stack.control, "/v1/snapshot")
+        .expect("pd-control")
+        .body;
+    assert!(snapshot.len() > 8, "a real snapshot to mangle");
+    let reasons = ["undecodable", "status", "no_version", "unreachable"];
+    let before: Vec<f64> = reasons.iter().map(|r| fetch_errors(&stack, r)).collect();
+
+    stack.kill("pd-control");
+    let fake = FakeControl::start(&stack.control.clone(), snapshot);
+    // Requests go on while every kind of garbage is served, until each failure reason counted.
+    let started = Instant::now();
+    eventually(Duration::from_secs(30), || {
+        routed(&stack);
+        let missing: Vec<&str> = reasons
+            .iter()
+            .zip(&before)
+            .filter(|(r, b)| fetch_errors(&stack, r) <= **b)
+            .map(|(r, _)| *r)
+            .collect();
+        let rounds = fake.served.load(Ordering::SeqCst) / GARBAGE.len();
+        (missing.is_empty() && rounds >= 2)
+            .then_some(())
+            .ok_or_else(|| format!("not counted yet: {missing:?} after {rounds} rounds"))
+    });
+    assert_eq!(
+        stack.stat("pd_router_fleet_version"),
+        version_before,
+        "no garbage was adopted"
+    );
+    assert!(
+        !stack.envoy_log().contains("panicked"),
+        "no VM panicked: {}",
+        stack.envoy_log()
+    );
+    stack.wait_for_log("does not decode");
+    let reached = pods_reached(&stack);
+    assert!(
+        reached
+            .iter()
+            .all(|p| fleet.pods.iter().any(|s| &s.name == p)),
+        "{reached:?}"
+    );
+    let garbage_for = started.elapsed();
+
+    // The real pd-control comes back with a changed fleet: its snapshot is adopted.
+    drop(fake);
+    stack.write_fleet(fleet.without("p1").without("d1"));
+    stack.restart_control(&[]);
+    eventually(Duration::from_secs(20), || {
+        let v = stack.stat("pd_router_fleet_version");
+        (v > version_before && v < BOGUS_VERSION)
+            .then_some(())
+            .ok_or_else(|| format!("version {v} not adopted (was {version_before})"))
+    });
+    eventually(Duration::from_secs(10), || {
+        stack.clear_sim_requests();
+        for _ in 0..4 {
+            routed(&stack);
+        }
+        let reached = pods_reached(&stack);
+        (!reached.contains("p1") && !reached.contains("d1"))
+            .then_some(())
+            .ok_or_else(|| format!("a VM still routes to the departed pair: {reached:?}"))
+    });
+    stack.wait_ledger_zero();
+    eprintln!("garbage served for {garbage_for:?}");
+}
+
+const TOKEN: &str = "e2e-Sn4pshot_T0ken";
+
+#[test]
+fn the_snapshot_token_gates_the_fetch_and_the_api_is_not_on_the_data_listener() {
+    let fleet = two_pairs();
+    let extra = format!("\"snapshot_token\":\"{TOKEN}\"");
+    let mut stack = Stack::start_opts(
+        fleet.clone(),
+        fleet.clone(),
+        &Options {
+            envoy_env: &LEDGER_ENV,
+            plugin_extra: &extra,
+            ..Options::default()
+        },
+    );
+    routed(&stack);
+
+    // pd-control now requires the token, which this gateway sends: polls keep succeeding,
+    // and a fleet change made meanwhile is adopted.
+    let version_before = stack.stat("pd_router_fleet_version");
+    let token_file = stack.dir.join("snapshot-token");
+    std::fs::write(&token_file, format!("{TOKEN}\n")).expect("token file");
+    stack.write_fleet(fleet.without("p1").without("d1"));
+    let token_arg = token_file.display().to_string();
+    stack.restart_control(&["--snapshot-token-file", &token_arg]);
+    eventually(Duration::from_secs(20), || {
+        (stack.stat("pd_router_fleet_version") > version_before)
+            .then_some(())
+            .ok_or_else(|| "the gateway with the right token never got the new fleet".to_string())
+    });
+    let unauthorized_before = fetch_errors(&stack, "unauthorized");
+    routed(&stack);
+
+    // Without the token, pd-control refuses the snapshot (people and tools too).
+    let r = http::get(&stack.control, "/v1/snapshot.json").expect("pd-control");
+    assert_eq!(r.status, 401);
+    let r = http::request(
+        &stack.control,
+        "GET",
+        "/v1/snapshot.json",
+        &[("authorization", &format!("Bearer {TOKEN}"))],
+        &[],
+    )
+    .expect("pd-control");
+    assert_eq!(r.status, 200);
+
+    // A gateway with the wrong token never gets a snapshot: requests get the contract's
+    // no-snapshot error, and its failed polls are counted as unauthorized.
+    let wrong = stack.add_gateway_with_plugin("\"snapshot_token\":\"not-the-token\"");
+    eventually(Duration::from_secs(20), || {
+        let scraped = http::get(&wrong.admin, "/stats/prometheus")
+            .map(|r| pd_wasm_tests::prom::Scrape::parse(&r.text()))
+            .map(|s| {
+                s.sum(
+                    "pd_router_snapshot_fetch_errors_total",
+                    &[("reason", "unauthorized")],
+                )
+            })
+            .unwrap_or(0.0);
+        (scraped > 0.0)
+            .then_some(())
+            .ok_or_else(|| "the wrong token's polls are not counted".to_string())
+    });
+    for _ in 0..4 {
+        let r = pd_request(&wrong.gateway);
+        assert_eq!(r.status, 503, "{}", r.text());
+        assert_eq!(r.header("x-error-routing"), Some("true"));
+        assert!(
+            r.text().contains("has not received a fleet snapshot"),
+            "{}",
+            r.text()
+        );
+    }
+    assert_eq!(wrong.stat("pd_router_fleet_loaded_vms"), 0);
+    assert_eq!(
+        fetch_errors(&stack, "unauthorized"),
+        unauthorized_before,
+        "the right token is never refused"
+    );
+
+    // The snapshot API is a separate cluster: through the data listener, with or without the
+    // token and with destination headers pointing at pd-control, nothing of it comes back.
+    let pod_names: Vec<&str> = fleet.pods.iter().map(|p| p.name.as_str()).collect();
+    for path in [
+        "/v1/snapshot",
+        "/v1/snapshot.json",
+        "/v1/snapshot?version=0",
+    ] {
+        for headers in [
+            vec![],
+            vec![("authorization", format!("Bearer {TOKEN}"))],
+            vec![
+                ("authorization", format!("Bearer {TOKEN}")),
+                ("target-pod", stack.control.clone()),
+                ("x-envoy-original-dst-host", stack.control.clone()),
+            ],
+        ] {
+            let headers: Vec<(&str, &str)> =
+                headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
+            let r = http::request(&stack.gateway, "GET", path, &headers, &[]).expect("gateway");
+            assert_ne!(
+                r.status,
+                200,
+                "GET {path} through the data port: {}",
+                r.text()
+            );
+            assert!(r.header("x-pd-snapshot-version").is_none());
+            let text = r.text();
+            assert!(
+                !pod_names.iter().any(|p| text.contains(&format!("\"{p}\""))),
+                "GET {path} leaked the fleet: {text}"
+            );
+        }
+    }
+    stack.wait_ledger_zero();
+}
