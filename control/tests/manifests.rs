@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use clap::Parser;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Container, Namespace, Pod, Service, ServiceAccount};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use pd_control::fleet::PodRecord;
@@ -80,6 +81,7 @@ struct Kube {
     cluster_role_bindings: Vec<ClusterRoleBinding>,
     roles: Vec<Role>,
     role_bindings: Vec<RoleBinding>,
+    network_policies: Vec<NetworkPolicy>,
     /// (file, pod)
     pods: Vec<(String, Pod)>,
 }
@@ -107,6 +109,9 @@ fn kube() -> Kube {
                     k.role_bindings.push(typed(doc, &origin))
                 }
                 ("v1", "Pod") => k.pods.push((file.clone(), typed(doc, &origin))),
+                ("networking.k8s.io/v1", "NetworkPolicy") => {
+                    k.network_policies.push(typed(doc, &origin))
+                }
                 _ => panic!("{origin}: unexpected kind; add it to this test"),
             }
         }
@@ -160,6 +165,7 @@ fn every_kubernetes_document_is_a_known_typed_object() {
     assert_eq!(k.roles.len(), 1);
     assert_eq!(k.role_bindings.len(), 1);
     assert_eq!(k.pods.len(), 3);
+    assert_eq!(k.network_policies.len(), 1);
     // Every namespaced object lives in a namespace the manifests create.
     let namespaces: BTreeSet<&str> = k.namespaces.iter().map(|n| name_of(&n.metadata)).collect();
     let used = k
@@ -170,6 +176,7 @@ fn every_kubernetes_document_is_a_known_typed_object() {
         .chain(k.services.iter().map(|o| &o.metadata))
         .chain(k.roles.iter().map(|o| &o.metadata))
         .chain(k.role_bindings.iter().map(|o| &o.metadata))
+        .chain(k.network_policies.iter().map(|o| &o.metadata))
         .chain(k.pods.iter().map(|(_, o)| &o.metadata));
     for meta in used {
         assert!(
@@ -222,6 +229,60 @@ fn rbac_grants_get_list_watch_on_pods_and_nothing_else() {
                 && ns_of(&r.metadata) == ns_of(&b.metadata)));
         subject_ok(&b.subjects);
     }
+}
+
+/// The snapshot API admits only the gateway and Prometheus, on the Service's port only.
+#[test]
+fn network_policy_restricts_pd_control_ingress_to_its_port() {
+    let k = kube();
+    let policy = &k.network_policies[0];
+    let deployment = &k.deployments[0];
+    let spec = policy.spec.as_ref().expect("spec");
+    let selected = spec
+        .pod_selector
+        .as_ref()
+        .and_then(|s| s.match_labels.as_ref())
+        .expect("podSelector");
+    let pod_labels = deployment
+        .spec
+        .template
+        .metadata
+        .as_ref()
+        .and_then(|m| m.labels.as_ref())
+        .expect("pod labels");
+    assert!(
+        selected.iter().all(|(k, v)| pod_labels.get(k) == Some(v)),
+        "the policy selects pd-control's pods"
+    );
+    assert_eq!(ns_of(&policy.metadata), ns_of(&deployment.metadata));
+    assert_eq!(
+        spec.policy_types.as_deref(),
+        Some(&["Ingress".to_string()][..])
+    );
+    let rules = spec.ingress.as_ref().expect("ingress rules");
+    assert_eq!(rules.len(), 1, "one rule: no allow-all beside it");
+    let rule = &rules[0];
+    let from = rule.from.as_ref().expect("from: never open to all");
+    assert!(!from.is_empty());
+    for peer in from {
+        assert!(peer.ip_block.is_none(), "no address ranges");
+        assert!(
+            peer.namespace_selector
+                .as_ref()
+                .and_then(|n| n.match_labels.as_ref())
+                .is_some_and(|l| !l.is_empty()),
+            "every peer names its namespace"
+        );
+    }
+    let service_port = k.services[0]
+        .spec
+        .as_ref()
+        .and_then(|s| s.ports.as_ref())
+        .expect("ports")[0]
+        .port;
+    let ports = rule.ports.as_ref().expect("ports");
+    assert_eq!(ports.len(), 1);
+    assert_eq!(ports[0].port, Some(IntOrString::Int(service_port)));
 }
 
 fn container<'a>(containers: &'a [Container], name: &str) -> &'a Container {
