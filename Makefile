@@ -11,7 +11,7 @@ SIM       ?= 1
 PORT      ?= 10000
 PROFILE   ?= debug
 
-.PHONY: fuzz wasm wasm-unit help setup build build-native test unit e2e lint fmt up down demo clean
+.PHONY: fuzz fuzz-smoke soak wasm wasm-unit help setup build build-native test unit e2e lint fmt up down demo clean
 
 help:
 	@echo "make demo   - set up, start a demo fleet behind Envoy, run a short load, print a summary"
@@ -55,7 +55,7 @@ e2e: build
 wasm-unit: setup
 	cargo test -p pd-router-filter --lib --target wasm32-wasip1 -- --test-threads=1
 
-test: build lint wasm-unit oci-test
+test: build lint wasm-unit oci-test fuzz-smoke
 	cargo test --workspace -- --test-threads=2
 
 lint: setup
@@ -76,6 +76,32 @@ fuzz:
 	    | grep -E '^#[0-9]+.*DONE|^Done|ERROR|panicked|SUMMARY' || true); \
 	  test -z "$$(ls fuzz/artifacts/$$t 2>/dev/null)" || { echo "finding in fuzz/artifacts/$$t"; exit 1; }; \
 	done
+
+# CI's share of fuzzing, part of `make test`: every target for FUZZ_SMOKE_SECONDS each. Built
+# once for all targets, optimised, without a sanitizer (the ASan build alone took ~7 min on
+# 2 cores; Rust code needs it little) but with debug assertions, so panics and overflows still
+# fail the run. A finding fails the run and is left in fuzz/artifacts/<target>/.
+FUZZ_SMOKE_SECONDS ?= 5
+FUZZ_SMOKE_FLAGS := -O -a -s none
+fuzz-smoke:
+	@rustup toolchain list | grep -q '^nightly' || rustup toolchain install nightly --profile minimal
+	@command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
+	cd fuzz && env -u CARGO_TARGET_DIR cargo +nightly fuzz build $(FUZZ_SMOKE_FLAGS)
+	@set -e; for t in $(FUZZ_TARGETS); do \
+	  out=$$(cd fuzz && env -u CARGO_TARGET_DIR cargo +nightly fuzz run $(FUZZ_SMOKE_FLAGS) $$t -- \
+	    -max_total_time=$(FUZZ_SMOKE_SECONDS) -rss_limit_mb=2048 2>&1) || { echo "$$out" | tail -40; exit 1; }; \
+	  echo "fuzz-smoke $$t: $$(echo "$$out" | grep -E '^#[0-9]+.*DONE' | tail -1)"; \
+	  test -z "$$(ls fuzz/artifacts/$$t 2>/dev/null)" || { echo "finding in fuzz/artifacts/$$t"; exit 1; }; \
+	done
+
+# Soak: pd-load at SOAK_RPS (default 24, ~80 % of the demo fleet's measured capacity) for
+# SOAK_SECONDS (default 600) against a local stack while pd-sim faults rotate through the pods;
+# reports errors by kind, Envoy and pd-control RSS (after warm-up and at the end) and the
+# ledger after the run (envoy/soak.sh).
+SOAK_SECONDS ?= 600
+SOAK_RPS ?= 24
+soak: build-native
+	SOAK_SECONDS=$(SOAK_SECONDS) SOAK_RPS=$(SOAK_RPS) PORT=$(PORT) envoy/soak.sh
 
 fmt:
 	cargo fmt --all
