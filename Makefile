@@ -94,12 +94,12 @@ fuzz-smoke:
 	  test -z "$$(ls fuzz/artifacts/$$t 2>/dev/null)" || { echo "finding in fuzz/artifacts/$$t"; exit 1; }; \
 	done
 
-# Soak: pd-load at SOAK_RPS (default 24, ~80 % of the demo fleet's measured capacity) for
+# Soak: pd-load at SOAK_RPS (default 32, ~80 % of the demo fleet's measured capacity) for
 # SOAK_SECONDS (default 600) against a local stack while pd-sim faults rotate through the pods;
 # reports errors by kind, Envoy and pd-control RSS (after warm-up and at the end) and the
 # ledger after the run (envoy/soak.sh).
 SOAK_SECONDS ?= 600
-SOAK_RPS ?= 24
+SOAK_RPS ?= 32
 soak: build-native
 	SOAK_SECONDS=$(SOAK_SECONDS) SOAK_RPS=$(SOAK_RPS) PORT=$(PORT) envoy/soak.sh
 

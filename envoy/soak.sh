@@ -9,7 +9,7 @@
 #     (all must read exactly 0).
 # Exit status 1 when a ledger gauge stays non-zero or memory grew by 5 % or more.
 #
-# Environment (defaults): SOAK_SECONDS (600), SOAK_RPS (24: ~80 % of the demo fleet's
+# Environment (defaults): SOAK_SECONDS (600), SOAK_RPS (32: ~80 % of the demo fleet's
 # measured capacity, docs/OPERATOR.md "Soak"), SOAK_FAULT_SECONDS (10), SOAK_WARMUP_SECONDS
 # (20), FLEET (envoy/fleets/demo.yaml), MODEL (demo-llm), PORT (10000), PROFILE (native),
 # and stack.sh's ADMIN_PORT CONTROL_PORT SIM_ADMIN_PORT.
@@ -17,7 +17,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 SOAK_SECONDS=${SOAK_SECONDS:-600}
-SOAK_RPS=${SOAK_RPS:-24}
+SOAK_RPS=${SOAK_RPS:-32}
 SOAK_FAULT_SECONDS=${SOAK_FAULT_SECONDS:-10}
 SOAK_WARMUP_SECONDS=${SOAK_WARMUP_SECONDS:-20}
 FLEET=${FLEET:-envoy/fleets/demo.yaml}
