@@ -80,7 +80,9 @@ fuzz:
 # CI's share of fuzzing, part of `make test`: every target for FUZZ_SMOKE_SECONDS each. Built
 # once for all targets, optimised, without a sanitizer (the ASan build alone took ~7 min on
 # 2 cores; Rust code needs it little) but with debug assertions, so panics and overflows still
-# fail the run. A finding fails the run and is left in fuzz/artifacts/<target>/.
+# fail the run. A finding fails the run and is left in fuzz/artifacts/<target>/. Cost on the
+# 2-core box: ~40 s once fuzz/target is built; the first build compiles pd-control's whole
+# dependency tree (~10 CPU-minutes).
 FUZZ_SMOKE_SECONDS ?= 5
 FUZZ_SMOKE_FLAGS := -O -a -s none
 fuzz-smoke:

@@ -38,8 +38,8 @@ pub struct Root {
     /// The newest adopted view as decoded; the VM routes on a stale-flagged copy of it
     /// while pd-control has not confirmed it for `snapshot_stale_after_ms`.
     latest: Option<Rc<FleetView>>,
-    /// When this VM adopted `latest`: the freshness floor when no poll confirmation has
-    /// been recorded in this process yet (a VM that took over a published snapshot).
+    /// When this VM adopted `latest`: its age reference while no poll confirmation has been
+    /// recorded in this process yet.
     adopted_at: u64,
     freshness: Freshness,
     /// Consecutive failed polls; logged at 1, 2, 4, 8, ... so an outage does not flood the log.
@@ -281,7 +281,9 @@ impl Root {
         let Some(latest) = self.latest.clone() else {
             return;
         };
-        let confirmed = snapshot::confirmed_at().unwrap_or(0).max(self.adopted_at);
+        // The process-wide confirmation wins: a VM created by a reload while pd-control is
+        // down must not call its inherited snapshot fresh just because it adopted it now.
+        let confirmed = snapshot::confirmed_at().unwrap_or(self.adopted_at);
         let (bound, stale_gauge, age_gauge) = {
             let vm = self.vm.borrow();
             (
