@@ -63,7 +63,13 @@ pub fn request(
     stream.write_all(head.as_bytes())?;
     stream.write_all(body)?;
     let mut raw = Vec::new();
-    stream.read_to_end(&mut raw)?;
+    if let Err(e) = stream.read_to_end(&mut raw) {
+        // A reset after part of the answer still shows what the client got (a cut stream
+        // parses as incomplete); a timeout or a reset before any byte is the error itself.
+        if raw.is_empty() || e.kind() != std::io::ErrorKind::ConnectionReset {
+            return Err(e);
+        }
+    }
     parse(&raw).ok_or_else(|| {
         std::io::Error::new(
             std::io::ErrorKind::InvalidData,

@@ -773,6 +773,19 @@ impl Stack {
         assert_eq!(r.status, 204, "{}", r.text());
     }
 
+    /// Clears the pd-sim faults of one pod only.
+    pub fn clear_faults_of(&self, pod: &str) {
+        let r = http::request(
+            &self.sim_admin,
+            "DELETE",
+            &format!("/sim/faults?pod={pod}"),
+            &[],
+            &[],
+        )
+        .expect("pd-sim admin");
+        assert_eq!(r.status, 204, "{}", r.text());
+    }
+
     /// Polls pd-sim's log until `n` legs of kind `leg` (`prefill`, `decode`, `full`) arrived.
     pub fn wait_for_legs(&self, leg: &str, n: usize) -> Vec<serde_json::Value> {
         eventually(Duration::from_secs(30), || {
@@ -870,14 +883,23 @@ pub fn admin_stat(admin: &str, name: &str) -> u64 {
         .unwrap_or(0)
 }
 
-/// Waits until every token-ledger gauge (`pd_token_load_*`) of the Envoy at `admin` reads
-/// exactly 0, failing after `timeout`; some gauges must exist.
+/// Gauges that must all read exactly 0 once no request is in flight: the token ledger, the
+/// per-pod request counters of the shared ledger and the outstanding prefill legs.
+pub const LEDGER_GAUGES: [&str; 4] = [
+    "pd_token_load_",
+    "pd_router_prefill_inflight",
+    "pd_router_running_requests",
+    "gateway_prefill_outstanding_requests",
+];
+
+/// Waits until every ledger and outstanding gauge ([`LEDGER_GAUGES`]) of the Envoy at
+/// `admin` reads exactly 0, failing after `timeout`; some gauges must exist.
 pub fn wait_ledger_zero(admin: &str, timeout: Duration) {
     eventually(timeout, || {
         let text = http::get(admin, "/stats/prometheus").expect("admin").text();
         let values: Vec<f64> = text
             .lines()
-            .filter(|l| l.starts_with("pd_token_load_"))
+            .filter(|l| LEDGER_GAUGES.iter().any(|g| l.starts_with(g)))
             .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse().ok()))
             .collect();
         if !values.is_empty() && values.iter().all(|v| *v == 0.0) {

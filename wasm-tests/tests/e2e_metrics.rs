@@ -84,6 +84,8 @@ const FAMILIES: &[&str] = &[
     "pd_token_load_active_tokens",
     "pd_token_load_kv_tokens",
     "pd_token_load_decode_tokens",
+    "pd_router_prefill_inflight",
+    "pd_router_running_requests",
     "pd_router_requests_total",
     "pd_router_routed_total",
     "pd_router_rejected_total",

@@ -363,9 +363,10 @@ fn a_failed_prefill_leg_answers_x_error_pd_prefill_and_releases_its_charges() {
             continue;
         }
         failures += 1;
+        // A refused connection is the pod's transport failing: 502, not Envoy's 503.
         assert_error(
             &r,
-            503,
+            502,
             "x-error-pd-prefill",
             "true",
             "prefill request failed",
@@ -396,14 +397,14 @@ fn a_failed_prefill_leg_answers_x_error_pd_prefill_and_releases_its_charges() {
         )
     };
     assert_eq!(fails("pd-do-prefill-request-error", "500"), failures as f64);
-    assert_eq!(fails("http_error", "503"), failures as f64);
+    assert_eq!(fails("error", "502"), failures as f64);
     assert_eq!(
         scrape.sum(
             "gateway_request_model_fail_total",
             &[
                 ("model", MODEL),
                 ("status", "pd_prefill_failure"),
-                ("status_code", "503")
+                ("status_code", "502")
             ]
         ),
         failures as f64

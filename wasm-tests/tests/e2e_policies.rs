@@ -69,11 +69,17 @@ fn token_load_spreads_long_and_short_prompts_and_the_ledger_returns_to_zero() {
     }
     let sent = prompts.len();
     let gateway = stack.gateway.clone();
+    // One after another in this order (each sent once the previous one's prefill leg is
+    // parked at its pod), so the outcome depends on the policy, not on which client thread
+    // the OS ran first: with two workers racing, a burst of long prompts can arrive first
+    // and the normalised prefill + decode sum then balances decode tokens at the prefill
+    // side's expense (seen as 0.61-0.63 shares).
     let handles: Vec<_> = prompts
         .into_iter()
-        .map(|prompt| {
+        .enumerate()
+        .map(|(i, prompt)| {
             let gateway = gateway.clone();
-            std::thread::spawn(move || {
+            let handle = std::thread::spawn(move || {
                 let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 4});
                 http::post_json(
                     &gateway,
@@ -81,7 +87,9 @@ fn token_load_spreads_long_and_short_prompts_and_the_ledger_returns_to_zero() {
                     &[("routing-strategy", "pd")],
                     &body,
                 )
-            })
+            });
+            stack.wait_for_legs("prefill", i + 1);
+            handle
         })
         .collect();
 

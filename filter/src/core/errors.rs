@@ -47,7 +47,36 @@ pub enum RouteError {
     Internal(String),
 }
 
+/// How Envoy's own answer to a callout it could not deliver (connection refused, reset
+/// before any header) begins; Envoy answers it as a 503.
+const ENVOY_UNDELIVERED: &[u8] = b"upstream connect error or disconnect/reset before headers";
+
 impl RouteError {
+    /// The refusal for a prefill leg that answered `status` (not 200) with `body`. The pod's
+    /// own 4xx/5xx passes through; a callout Envoy could not deliver is the pod's transport
+    /// failing, a 502 (`error`), not the 503 "overloaded" Envoy synthesises; an unparsable or
+    /// 499 status is a 502 too.
+    pub fn prefill_answer(status: &str, body: &[u8], class: &'static str) -> RouteError {
+        let detail: String = String::from_utf8_lossy(body).chars().take(256).collect();
+        if status == "503" && body.starts_with(ENVOY_UNDELIVERED) {
+            return RouteError::Prefill {
+                status: 502,
+                class: "error",
+                detail,
+            };
+        }
+        let status = status
+            .parse::<u32>()
+            .ok()
+            .filter(|c| (400..=599).contains(c) && *c != 499)
+            .unwrap_or(502);
+        RouteError::Prefill {
+            status,
+            class,
+            detail,
+        }
+    }
+
     pub fn status(&self) -> u32 {
         match self {
             RouteError::BadBody | RouteError::NoMessages => 400,
@@ -184,6 +213,29 @@ pub fn sanitize_header_len(value: &str, max: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn prefill_answers_keep_the_pods_status_and_blame_transport_on_502() {
+        let undelivered = b"upstream connect error or disconnect/reset before headers. reset reason: remote connection failure";
+        let cases: [(&str, &[u8], u32, &str); 6] = [
+            ("500", b"{\"error\":1}", 500, "http_error"),
+            ("429", b"", 429, "http_error"),
+            ("503", b"busy", 503, "http_error"),
+            ("503", undelivered, 502, "error"),
+            ("499", b"", 502, "http_error"),
+            ("abc", b"", 502, "http_error"),
+        ];
+        for (status, body, code, class) in cases {
+            match RouteError::prefill_answer(status, body, "http_error") {
+                RouteError::Prefill {
+                    status: s,
+                    class: c,
+                    ..
+                } => assert_eq!((s, c), (code, class), "{status}"),
+                other => panic!("{other:?}"),
+            }
+        }
+    }
 
     fn body(e: &RouteError) -> serde_json::Value {
         serde_json::from_slice(&e.body()).unwrap()

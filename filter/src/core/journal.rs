@@ -27,6 +27,18 @@ pub struct Journal {
     pub holds: Vec<HeldCharges>,
 }
 
+impl Journal {
+    /// Prefill legs the VM had in flight: each raised `gateway_prefill_outstanding_requests`
+    /// on that VM, which a dead VM can no longer lower, so its reclaimer lowers it instead.
+    pub fn prefill_legs_in_flight(&self) -> usize {
+        self.holds
+            .iter()
+            .flat_map(|h| &h.counters)
+            .filter(|(_, c)| *c == crate::core::ledger::Counter::PrefillInflight)
+            .count()
+    }
+}
+
 /// Encodes the holds of one VM with its heartbeat.
 pub fn encode<'a>(heartbeat_ms: u64, holds: impl Iterator<Item = &'a HeldCharges>) -> Vec<u8> {
     let records: Vec<Vec<u8>> = holds.map(record).collect();
@@ -237,6 +249,7 @@ mod tests {
             dead[2].clone(),
         ];
         let journal = decode(&encode(9, dead.iter())).unwrap();
+        assert_eq!(journal.prefill_legs_in_flight(), 2, "one leg had answered");
         assert_eq!(reclaim(&journal, &mut ledger, 10), 3);
         live.release_rest(&mut ledger, 11);
         assert!(ledger.all_zero(), "{:?}", ledger.pod("ns/d1"));

@@ -4,8 +4,7 @@
 //! and a leaked entry cannot pin load on a pod for ever.
 
 use crate::core::charges::HeldCharges;
-use crate::core::ledger::{self, Ledger, StoreError};
-use crate::core::tokens::PodTokens;
+use crate::core::ledger::{self, Ledger, PodId, Row, StoreError};
 use crate::host::store::SharedData;
 use crate::host::SharedVm;
 
@@ -34,14 +33,14 @@ impl Hold {
 }
 
 /// The token rows of the pods a request holds charges on, for the ledger gauges.
-pub fn pod_tokens(ledger: &Ledger, held: &HeldCharges) -> Vec<(String, PodTokens)> {
+pub fn pod_tokens(ledger: &Ledger, held: &HeldCharges) -> Vec<(String, Row)> {
     let mut keys: Vec<&str> = held.counters.iter().map(|(k, _)| k.as_str()).collect();
     keys.extend(held.prefill_tokens.as_ref().map(|c| c.pod.as_str()));
     keys.extend(held.decode_tokens.as_ref().map(|c| c.pod.as_str()));
     keys.sort_unstable();
     keys.dedup();
     keys.into_iter()
-        .map(|k| (k.to_string(), ledger.pod(k)))
+        .map(|k| (k.to_string(), ledger.row(PodId::of(k))))
         .collect()
 }
 

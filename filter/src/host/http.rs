@@ -16,7 +16,7 @@ use crate::core::engine::{self, trtllm, vllm, Engine};
 use crate::core::errors::RouteError;
 use crate::core::fleet::{FleetView, ModelView};
 use crate::core::ledger::{self, Ledger};
-use crate::core::obs::outcome::Outcome;
+use crate::core::obs::outcome::{CutBy, Outcome};
 use crate::core::obs::timing::Instants;
 use crate::core::obs::{usage, Explain};
 use crate::core::pd::{self, candidates, PairInput, PdSettings, Step0Input, Target};
@@ -555,13 +555,20 @@ impl PdHttp {
     fn observe_end(&mut self) {
         self.prefill_returned();
         let outcome = self.obs.outcome.unwrap_or(match self.obs.response_status {
+            Some(_) if self.obs.times.end_us.is_none() => {
+                let details = self
+                    .get_property(vec!["response", "code_details"])
+                    .map(|b| String::from_utf8_lossy(&b).into_owned())
+                    .unwrap_or_default();
+                CutBy::from_code_details(&details).outcome()
+            }
             Some(code) => Outcome::Response { code },
             None => Outcome::Aborted,
         });
         let model = self.obs.model.as_deref().unwrap_or(UNKNOWN_MODEL);
         let mut vm = self.vm.borrow_mut();
         vm.metrics.outcome(model, outcome);
-        if self.obs.outcome.is_none() && self.obs.response_status.is_some() {
+        if matches!(outcome, Outcome::Response { .. }) {
             let mut times = self.obs.times;
             times.end_us.get_or_insert_with(now_us);
             let threshold_us = (vm.defaults.env.ttft_threshold_s * 1e6) as u64;
@@ -576,20 +583,7 @@ impl PdHttp {
             ));
         };
         if status != "200" {
-            let code = status
-                .parse::<u32>()
-                .ok()
-                .filter(|c| (400..=599).contains(c))
-                .unwrap_or(502);
-            let detail: String = String::from_utf8_lossy(response)
-                .chars()
-                .take(256)
-                .collect();
-            return Err(RouteError::Prefill {
-                status: code,
-                class: "http_error",
-                detail,
-            });
+            return Err(RouteError::prefill_answer(status, response, "http_error"));
         }
         let decode_body = match pending.merge {
             pair::Merge::Vllm(connector) => {
@@ -754,6 +748,12 @@ impl HttpContext for PdHttp {
         if end_of_stream {
             self.obs.times.end_us = Some(now_us());
         }
+        Action::Continue
+    }
+
+    fn on_http_response_trailers(&mut self, _num_trailers: usize) -> Action {
+        // Trailers end the stream: without this a response with trailers would count as cut.
+        self.obs.times.end_us = Some(now_us());
         Action::Continue
     }
 

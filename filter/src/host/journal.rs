@@ -7,6 +7,7 @@
 use crate::core::journal::{self, Journal};
 use crate::core::ledger::{self, Store, StoreError};
 use crate::host::holds::pod_tokens;
+use crate::host::metrics::Metrics;
 use crate::host::store::SharedData;
 use crate::host::{SharedVm, VmState};
 
@@ -172,7 +173,11 @@ fn reclaim_dead(own: u64, vm: &SharedVm, now: u64) -> Result<(), StoreError> {
                         now.saturating_sub(journal.heartbeat_ms) / 1000
                     );
                 }
-                vm.borrow_mut().metrics.token_gauges(&gauges);
+                let mut state = vm.borrow_mut();
+                state.metrics.token_gauges(&gauges);
+                let legs = journal.prefill_legs_in_flight() as i64;
+                Metrics::gauge_add(state.metrics.prefill_outstanding, -legs);
+                drop(state);
                 let mut marker = RECLAIMED.to_vec();
                 marker.extend_from_slice(&journal.heartbeat_ms.to_le_bytes());
                 let _ = SharedData.set(&key_of(token), &marker, None);

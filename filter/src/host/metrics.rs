@@ -16,7 +16,7 @@ use crate::core::obs::outcome::{self, Outcome};
 use crate::core::obs::timing::{self, Durations, DURATION_BUCKETS, TOTAL_BUCKETS};
 
 /// Ids of the three token-ledger gauges of one pod.
-type TokenGaugeIds = [Option<u32>; 3];
+type TokenGaugeIds = [Option<u32>; 5];
 
 /// Per-pod series a VM defines before new pods share one `pod="_other"` series. Envoy cannot
 /// delete a stat and a counter cannot be zeroed, so series of pods that left stay (flat) until
@@ -212,11 +212,13 @@ impl Metrics {
         }
     }
 
-    /// Sets the token-ledger gauges (`pd_token_load_active_tokens`, `_kv_tokens`,
-    /// `_decode_tokens`, labelled `namespace` and `pod_name`) to the ledger's values. Absolute
-    /// values from the shared ledger, so whichever worker writes last is right.
-    pub fn token_gauges(&mut self, pods: &[(String, crate::core::tokens::PodTokens)]) {
-        for (key, tokens) in pods {
+    /// Sets the ledger gauges of these pods to the shared ledger's local rows: tokens
+    /// (`pd_token_load_active_tokens`, `_kv_tokens`, `_decode_tokens`) and request counters
+    /// (`pd_router_prefill_inflight`, `pd_router_running_requests`), each labelled
+    /// `namespace` and `pod_name`. Absolute values, so whichever worker writes last is right;
+    /// operators (and the fault tests) read "all back to exactly 0" from them after a load.
+    pub fn token_gauges(&mut self, pods: &[(String, crate::core::ledger::Row)]) {
+        for (key, row) in pods {
             let ids = self
                 .token_gauges
                 .entry_ref(key.as_str())
@@ -232,11 +234,20 @@ impl Metrics {
                         gauge("pd_token_load_active_tokens"),
                         gauge("pd_token_load_kv_tokens"),
                         gauge("pd_token_load_decode_tokens"),
+                        gauge("pd_router_prefill_inflight"),
+                        gauge("pd_router_running_requests"),
                     ]
                 });
-            let values = [tokens.active, tokens.kv, tokens.decode];
+            let t = &row.tokens;
+            let values = [
+                t.active.max(0.0).round() as u64,
+                t.kv.max(0.0).round() as u64,
+                t.decode.max(0.0).round() as u64,
+                u64::from(row.counts.prefill_inflight),
+                u64::from(row.counts.running),
+            ];
             for (id, value) in ids.iter().zip(values) {
-                Metrics::set(*id, value.max(0.0).round() as u64);
+                Metrics::set(*id, value);
             }
         }
     }

@@ -23,6 +23,37 @@ pub enum Outcome {
     Response { code: u32 },
     /// The stream ended without a response (the client went away, or a reset).
     Aborted,
+    /// Response headers went out but the body never ended: the pod died or stalled
+    /// mid-stream (`code` 502) or the client went away (499). Counted apart from a clean
+    /// 200 so a decode pod dying mid-stream shows up as a failure, not a success.
+    Cut { code: u32 },
+}
+
+/// Why a started response ended without its end of stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CutBy {
+    Upstream,
+    Client,
+}
+
+impl CutBy {
+    /// Reads Envoy's `response.code_details` (e.g. `downstream_remote_disconnect`,
+    /// `upstream_reset_after_response_started{connection_termination}`): anything not naming
+    /// the downstream is the upstream's doing, the conservative reading for an operator.
+    pub fn from_code_details(details: &str) -> CutBy {
+        if details.starts_with("downstream") || details.contains("downstream_remote") {
+            CutBy::Client
+        } else {
+            CutBy::Upstream
+        }
+    }
+
+    pub fn outcome(self) -> Outcome {
+        match self {
+            CutBy::Upstream => Outcome::Cut { code: 502 },
+            CutBy::Client => Outcome::Cut { code: ABORTED_CODE },
+        }
+    }
 }
 
 /// Status label values; `&'static` so the host can key its metric-id cache without copies.
@@ -32,6 +63,7 @@ pub const PD_PREFILL_FAILURE: &str = "pd_prefill_failure";
 pub const PD_DECODE_WATCHDOG: &str = "pd_decode_watchdog";
 pub const RESPONSE_SUCCESS: &str = "response_success";
 pub const RESPONSE_FAIL: &str = "response_fail";
+pub const RESPONSE_CUT: &str = "response_cut";
 /// nginx's "client closed request", AIBrix's `context_canceled` code.
 pub const ABORTED_CODE: u32 = 499;
 
@@ -61,6 +93,7 @@ impl Outcome {
             Outcome::Response { code } if (200..300).contains(&code) => (RESPONSE_SUCCESS, code),
             Outcome::Response { code } => (RESPONSE_FAIL, code),
             Outcome::Aborted => (RESPONSE_FAIL, ABORTED_CODE),
+            Outcome::Cut { code } => (RESPONSE_CUT, code),
         }
     }
 }
@@ -131,8 +164,32 @@ mod tests {
             (RESPONSE_FAIL, 429)
         );
         assert_eq!(Outcome::Aborted.labels(), (RESPONSE_FAIL, 499));
+        assert!(!Outcome::Cut { code: 502 }.is_success());
         assert_eq!(Outcome::DecodeWatchdog.labels(), (PD_DECODE_WATCHDOG, 504));
         assert!(!Outcome::DecodeWatchdog.is_success());
+    }
+
+    #[test]
+    fn a_cut_stream_blames_the_side_envoy_names() {
+        let cases = [
+            ("downstream_remote_disconnect", (RESPONSE_CUT, 499)),
+            (
+                "upstream_reset_after_response_started{connection_termination}",
+                (RESPONSE_CUT, 502),
+            ),
+            (
+                "upstream_reset_after_response_started{remote_reset}",
+                (RESPONSE_CUT, 502),
+            ),
+            ("", (RESPONSE_CUT, 502)),
+        ];
+        for (details, labels) in cases {
+            assert_eq!(
+                CutBy::from_code_details(details).outcome().labels(),
+                labels,
+                "{details}"
+            );
+        }
     }
 
     #[test]

@@ -76,17 +76,21 @@ pub enum Candidates<'a> {
 
 /// Per-request memo of a term that depends only on a pod's match percentage. The prefix
 /// index yields whole percents, so those get a slot each (filled on first use); any other
-/// value is computed every time.
+/// value is computed every time. Most pods of a large fleet share one percentage (0: no
+/// match), so the last value answers first, with one comparison. The filled set is two
+/// `u64` words, not a `u128`: the filter runs as 32-bit wasm, where wide shifts are costly.
 #[derive(Debug, Clone)]
 struct PctMemo<T> {
-    filled: u128,
+    last: Option<(u64, T)>,
+    filled: [u64; 2],
     values: [T; 101],
 }
 
 impl<T: Copy + Default> Default for PctMemo<T> {
     fn default() -> Self {
         PctMemo {
-            filled: 0,
+            last: None,
+            filled: [0; 2],
             values: [T::default(); 101],
         }
     }
@@ -95,20 +99,28 @@ impl<T: Copy + Default> Default for PctMemo<T> {
 impl<T: Copy> PctMemo<T> {
     /// Forgets every value (they depend on the request).
     fn clear(&mut self) {
-        self.filled = 0;
+        self.last = None;
+        self.filled = [0; 2];
     }
 
     fn get(&mut self, pct: f64, compute: impl FnOnce() -> T) -> T {
+        let bits = pct.to_bits();
+        if let Some((last, value)) = self.last {
+            if last == bits {
+                return value;
+            }
+        }
         let whole = pct as u32;
-        if whole > 100 || (whole as f64).to_bits() != pct.to_bits() {
+        if whole > 100 || f64::from(whole).to_bits() != bits {
             return compute();
         }
-        let bit = 1u128 << whole;
+        let (word, bit) = ((whole / 64) as usize, 1u64 << (whole % 64));
         let slot = &mut self.values[whole as usize];
-        if self.filled & bit == 0 {
+        if self.filled[word] & bit == 0 {
             *slot = compute();
-            self.filled |= bit;
+            self.filled[word] |= bit;
         }
+        self.last = Some((bits, *slot));
         *slot
     }
 }

@@ -257,17 +257,7 @@ impl PdHttp {
             self.arm_watchdog();
             return;
         }
-        let code = status
-            .parse::<u32>()
-            .ok()
-            .filter(|c| (400..=599).contains(c) && *c != 499)
-            .unwrap_or(502);
-        let detail: String = String::from_utf8_lossy(body).chars().take(256).collect();
-        let error = RouteError::Prefill {
-            status: code,
-            class: "http_status",
-            detail,
-        };
+        let error = RouteError::prefill_answer(status, body, "http_status");
         log::warn!("request {}: {error}", self.request_id);
         // The decode pod will never get its KV: stop the watchdog, ask the pod to drop it.
         self.vm.borrow_mut().watched.remove(&self.id);

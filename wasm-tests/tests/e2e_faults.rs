@@ -1,0 +1,532 @@
+//! End-to-end fault matrix: real Envoy (`--concurrency 2`), the real filter, pd-sim pods with
+//! injected faults. Every test checks the same three promises besides its own:
+//! - every request ends, with a success or a specific error (a status plus the contract's
+//!   `x-error-*` header and an OpenAI-style error body, or, once a 200 stream is under way,
+//!   a cut stream the filter counts as `response_cut`), and no client is left hanging;
+//! - no request reaches a pod outside the fleet (pd-sim also serves a pod the router was
+//!   never told about, which must see nothing);
+//! - afterwards every ledger and outstanding gauge reads exactly 0.
+//!
+//! Faults hold legs until the test clears them (no timing assumptions); where a bound is the
+//! behaviour under test (watchdog, prefill timeout) the env var sets it to 1 s.
+
+use std::collections::BTreeSet;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use pd_wasm_tests::http::{self, Response};
+use pd_wasm_tests::stack::{eventually, Fleet, Options, Stack};
+use serde_json::{json, Value};
+
+const MODEL: &str = "fault-llm";
+/// A pod pd-sim serves under the model but the fleet file never lists.
+const ROGUE: &str = "rogue-d-9";
+/// How long a test waits for all its clients: far beyond every bound set in these tests,
+/// far below Envoy's 120 s route timeout, so a client stuck until that timeout fails here.
+const ALL_ENDED: Duration = Duration::from_secs(30);
+
+fn one_roleset() -> Fleet {
+    Fleet::new(MODEL)
+        .pod("p-0", "prefill", "group-0")
+        .pod("d-0", "decode", "group-0")
+}
+
+fn two_rolesets() -> Fleet {
+    one_roleset()
+        .pod("p-1", "prefill", "group-1")
+        .pod("d-1", "decode", "group-1")
+}
+
+/// Starts the stack on `fleet`, with pd-sim also serving [`ROGUE`].
+fn start(fleet: Fleet, env: &[(&str, &str)]) -> Stack {
+    let simulated = fleet.clone().pod(ROGUE, "decode", "group-9");
+    Stack::start_opts(
+        fleet,
+        simulated,
+        &Options {
+            envoy_env: env,
+            ..Options::default()
+        },
+    )
+}
+
+fn chat(stream: bool, max_tokens: u32) -> Value {
+    json!({"model": MODEL, "stream": stream, "max_tokens": max_tokens,
+           "messages": [{"role": "user", "content": "tell me about faults"}]})
+}
+
+const PD: [(&str, &str); 1] = [("routing-strategy", "pd")];
+
+/// Sends `n` requests at once, each on its own connection and thread.
+fn fire(stack: &Stack, n: usize, body: Value) -> Vec<JoinHandle<Response>> {
+    (0..n)
+        .map(|_| {
+            let (addr, body) = (stack.gateway.clone(), body.clone());
+            std::thread::spawn(move || http::post_json(&addr, "/v1/chat/completions", &PD, &body))
+        })
+        .collect()
+}
+
+/// Waits until every client got its answer, failing if one is still waiting after
+/// [`ALL_ENDED`].
+fn ended(handles: Vec<JoinHandle<Response>>) -> Vec<Response> {
+    eventually(ALL_ENDED, || {
+        let open = handles.iter().filter(|h| !h.is_finished()).count();
+        if open == 0 {
+            Ok(())
+        } else {
+            Err(format!("{open} of {} clients still wait", handles.len()))
+        }
+    });
+    handles
+        .into_iter()
+        .map(|h| h.join().expect("client thread"))
+        .collect()
+}
+
+fn describe(r: &Response) -> String {
+    format!(
+        "{} complete={} target-pod={:?} headers={:?} body={}",
+        r.status,
+        r.complete,
+        r.header("target-pod"),
+        r.headers,
+        r.text().chars().take(300).collect::<String>()
+    )
+}
+
+/// A complete 200.
+fn assert_success(r: &Response) {
+    assert!(r.status == 200 && r.complete, "{}", describe(r));
+}
+
+/// A refusal with `status`, the contract's error header and an OpenAI-style error body.
+fn assert_error(r: &Response, status: u16, header: &str) {
+    assert_eq!(r.status, status, "{}", describe(r));
+    assert_eq!(r.header(header), Some("true"), "{}", describe(r));
+    let body = r.json();
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty())
+            && body["error"]["type"].is_string(),
+        "not an OpenAI error body: {}",
+        describe(r)
+    );
+}
+
+/// A 200 stream that was cut before its end. (Whether its first chunk reached the client
+/// depends on the reset: a TCP reset discards bytes the client had not read yet.)
+fn assert_cut(r: &Response) {
+    assert_eq!(r.status, 200, "{}", describe(r));
+    assert!(!r.complete, "the stream should be cut: {}", describe(r));
+    assert!(!r.text().contains("[DONE]"), "{}", describe(r));
+}
+
+/// No pd-sim pod outside `allowed` (and so never [`ROGUE`]) saw a request.
+fn assert_only(stack: &Stack, allowed: &BTreeSet<String>) {
+    for e in stack.sim_requests() {
+        let pod = e["pod"].as_str().unwrap_or_default();
+        assert!(
+            allowed.contains(pod),
+            "a request reached {pod}, outside the fleet: {e}"
+        );
+    }
+}
+
+fn fleet_pods(fleet: &Fleet) -> BTreeSet<String> {
+    fleet.pods.iter().map(|p| p.name.clone()).collect()
+}
+
+/// The shared ending of every test: nothing outside the fleet, gauges back to 0, and the
+/// gateway still serves.
+fn assert_clean_end(stack: &Stack, allowed: &BTreeSet<String>) {
+    stack.wait_ledger_zero();
+    assert_success(&stack.chat(&PD, &chat(false, 2)));
+    stack.wait_ledger_zero();
+    assert_only(stack, allowed);
+    let log = stack.envoy_log();
+    assert!(!log.contains("panicked"), "the filter panicked:\n{log}");
+}
+
+fn fail_count(stack: &Stack, status: &str, code: &str) -> f64 {
+    stack.metric(
+        "gateway_request_model_fail_total",
+        &[("status", status), ("status_code", code)],
+    )
+}
+
+/// Decode legs pd-sim logged per pod.
+fn decode_legs(stack: &Stack, pod: &str) -> Vec<Value> {
+    stack
+        .sim_requests()
+        .into_iter()
+        .filter(|e| e["leg"] == "decode" && e["pod"] == pod)
+        .collect()
+}
+
+#[test]
+fn decode_pod_crashing_mid_stream_cuts_its_streams_and_counts_them() {
+    let fleet = one_roleset();
+    let stack = start(fleet.clone(), &[]);
+    stack.arm_fault(
+        json!({"pod": "d-0", "kind": "hang_after_chunks", "chunks": 1, "leg": "decode"}),
+    );
+    let clients = fire(&stack, 4, chat(true, 20));
+    stack.wait_for_legs("decode", 4);
+    stack.arm_fault(json!({"pod": "d-0", "kind": "crash"}));
+    for r in ended(clients) {
+        assert_cut(&r);
+        assert_eq!(r.header("target-pod"), Some("d-0"));
+    }
+    assert_eq!(
+        fail_count(&stack, "response_cut", "502"),
+        4.0,
+        "a stream the pod dropped is a failure, not a success"
+    );
+    stack.clear_faults();
+    assert_clean_end(&stack, &fleet_pods(&fleet));
+}
+
+#[test]
+fn decode_hanging_before_its_first_token_gets_504_from_the_watchdog() {
+    let fleet = one_roleset();
+    let stack = start(
+        fleet.clone(),
+        &[("AIBRIX_DECODE_FIRST_RESPONSE_TIMEOUT", "1")],
+    );
+    stack.arm_fault(json!({"pod": "d-0", "kind": "hang_before_headers", "leg": "decode"}));
+    for r in ended(fire(&stack, 4, chat(true, 8))) {
+        assert_error(&r, 504, "x-error-pd-decode");
+    }
+    assert_eq!(fail_count(&stack, "pd_decode_watchdog", "504"), 4.0);
+    stack.clear_faults();
+    assert_clean_end(&stack, &fleet_pods(&fleet));
+}
+
+#[test]
+fn decode_stalling_after_some_chunks_is_cut_by_the_watchdog() {
+    let fleet = one_roleset();
+    let stack = start(fleet.clone(), &[("AIBRIX_DECODE_STREAM_IDLE_TIMEOUT", "1")]);
+    stack.arm_fault(
+        json!({"pod": "d-0", "kind": "hang_after_chunks", "chunks": 2, "leg": "decode"}),
+    );
+    for r in ended(fire(&stack, 4, chat(true, 40))) {
+        assert_cut(&r);
+    }
+    assert_eq!(fail_count(&stack, "pd_decode_watchdog", "504"), 4.0);
+    assert_eq!(
+        stack.metric(
+            "gateway_pd_decode_watchdog_total",
+            &[("phase", "stream_idle")]
+        ),
+        4.0
+    );
+    stack.clear_faults();
+    assert_clean_end(&stack, &fleet_pods(&fleet));
+}
+
+/// Prefill failures of every kind: the client gets `status` with `x-error-pd-prefill`, no
+/// decode leg is sent, and the prefill failure is counted.
+fn prefill_failure(fault: Value, env: &[(&str, &str)], status: u16) {
+    let fleet = one_roleset();
+    let stack = start(fleet.clone(), env);
+    stack.arm_fault(fault);
+    for r in ended(fire(&stack, 4, chat(false, 4))) {
+        assert_error(&r, status, "x-error-pd-prefill");
+    }
+    assert!(
+        decode_legs(&stack, "d-0").is_empty(),
+        "no decode after a failed prefill"
+    );
+    assert_eq!(
+        fail_count(&stack, "pd_prefill_failure", &status.to_string()),
+        4.0
+    );
+    assert_eq!(
+        stack.metric(
+            "gateway_prefill_request_fail_total",
+            &[("status", "pd-do-prefill-request-error")]
+        ),
+        4.0
+    );
+    stack.clear_faults();
+    assert_clean_end(&stack, &fleet_pods(&fleet));
+}
+
+#[test]
+fn prefill_answering_5xx_fails_the_request_with_x_error_pd_prefill() {
+    prefill_failure(
+        json!({"pod": "p-0", "kind": "status", "status": 503, "leg": "prefill"}),
+        &[],
+        503,
+    );
+}
+
+#[test]
+fn prefill_timing_out_fails_the_request_with_504() {
+    prefill_failure(
+        json!({"pod": "p-0", "kind": "hang_before_headers", "leg": "prefill"}),
+        &[("AIBRIX_PREFILL_REQUEST_TIMEOUT", "1")],
+        504,
+    );
+}
+
+#[test]
+fn prefill_port_refusing_connections_fails_the_request_with_502() {
+    prefill_failure(json!({"pod": "p-0", "kind": "refuse"}), &[], 502);
+}
+
+#[test]
+fn a_roleset_losing_its_decode_pod_in_flight_routes_new_requests_to_complete_rolesets() {
+    let fleet = two_rolesets();
+    let mut stack = start(fleet.clone(), &[]);
+    for pod in ["d-0", "d-1"] {
+        stack.arm_fault(
+            json!({"pod": pod, "kind": "hang_after_chunks", "chunks": 1, "leg": "decode"}),
+        );
+    }
+    // Enough streams that both decode pods hold some (token_load spreads concurrent ones).
+    let clients = fire(&stack, 6, chat(true, 20));
+    stack.wait_for_legs("decode", 6);
+    let on_d0 = decode_legs(&stack, "d-0").len();
+    assert!(on_d0 > 0, "no stream landed on d-0");
+
+    // d-0 leaves the fleet while its streams are open; group-0 is now incomplete.
+    stack.write_fleet(fleet.without("d-0"));
+    let version = stack.control_snapshot()["version"].as_u64().unwrap_or(0);
+    eventually(Duration::from_secs(15), || {
+        let pods = stack.control_snapshot()["models"][0]["pods"]
+            .as_array()
+            .map_or(0, Vec::len);
+        (pods == 3 && stack.stat("pd_router_fleet_version") > version)
+            .then_some(())
+            .ok_or_else(|| "Envoy has not adopted the fleet without d-0".to_string())
+    });
+    stack.clear_faults_of("d-1");
+    for _ in 0..4 {
+        let r = stack.chat(&PD, &chat(false, 2));
+        assert_success(&r);
+        assert_eq!(r.header("target-pod"), Some("d-1"), "{}", describe(&r));
+        assert_eq!(
+            r.header("prefill-target-pod"),
+            Some("p-1"),
+            "{}",
+            describe(&r)
+        );
+    }
+    // The pod goes away for good, as a deleted pod does: its streams are cut.
+    stack.arm_fault(json!({"pod": "d-0", "kind": "crash"}));
+    let (mut cut, mut whole) = (0, 0);
+    for r in ended(clients) {
+        if r.header("target-pod") == Some("d-0") {
+            assert_cut(&r);
+            cut += 1;
+        } else {
+            assert_success(&r);
+            whole += 1;
+        }
+    }
+    assert_eq!((cut, whole), (on_d0, 6 - on_d0));
+    stack.clear_faults();
+    assert_clean_end(&stack, &fleet_pods(&fleet));
+}
+
+#[test]
+fn pods_churning_under_load_never_fail_a_request() {
+    let full = two_rolesets()
+        .pod("p-2", "prefill", "group-2")
+        .pod("d-2", "decode", "group-2")
+        .combined("c-0");
+    let mut stack = start(full.clone(), &[]);
+    let shapes = [
+        full.without("d-1"),
+        full.clone(),
+        full.without("p-2").without("c-0"),
+        full.without("d-0").without("p-1"),
+        full.clone(),
+    ];
+    let stop = Arc::new(AtomicBool::new(false));
+    let load: Vec<JoinHandle<Vec<Response>>> = (0..2)
+        .map(|i| {
+            let (addr, stop) = (stack.gateway.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut answers = Vec::new();
+                while !stop.load(Ordering::Relaxed) {
+                    let body = chat(i == 0, 3);
+                    answers.push(http::post_json(&addr, "/v1/chat/completions", &PD, &body));
+                }
+                answers
+            })
+        })
+        .collect();
+    // The churn itself: a new fleet every 500 ms, each adopted by Envoy before the next.
+    for shape in shapes.iter().cycle().take(10) {
+        let version = stack.stat("pd_router_fleet_version");
+        stack.write_fleet(shape.clone());
+        eventually(Duration::from_secs(15), || {
+            (stack.stat("pd_router_fleet_version") > version)
+                .then_some(())
+                .ok_or_else(|| "Envoy never adopted the new fleet".to_string())
+        });
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    stop.store(true, Ordering::Relaxed);
+    let answers: Vec<Response> = load
+        .into_iter()
+        .flat_map(|h| h.join().expect("load thread"))
+        .collect();
+    assert!(answers.len() >= 10, "too little load: {}", answers.len());
+    for r in &answers {
+        assert_success(r);
+    }
+    assert_clean_end(&stack, &fleet_pods(&full));
+}
+
+#[test]
+fn an_ecds_reload_under_load_fails_no_request_and_keeps_the_ledger_exact() {
+    let fleet = two_rolesets();
+    let policies = ["least_request", "token_load", "prefix_cache", "token_load"];
+    let stack = Stack::start_ecds(
+        fleet.clone(),
+        &[("AIBRIX_PREFILL_SCORE_POLICY", "token_load")],
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let load: Vec<JoinHandle<Vec<Response>>> = (0..2)
+        .map(|i| {
+            let (addr, stop) = (stack.gateway.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut answers = Vec::new();
+                while !stop.load(Ordering::Relaxed) {
+                    let body = chat(i == 0, 3);
+                    answers.push(http::post_json(&addr, "/v1/chat/completions", &PD, &body));
+                }
+                answers
+            })
+        })
+        .collect();
+    for policy in policies {
+        let loaded = stack.stat("pd_router_fleet_loaded_vms");
+        let served = stack.stat("pd_router_requests_total");
+        stack.update_ecds(&[("AIBRIX_PREFILL_SCORE_POLICY", policy)]);
+        // New VMs load the fleet, and the load keeps flowing through them.
+        eventually(Duration::from_secs(20), || {
+            (stack.stat("pd_router_fleet_loaded_vms") > loaded
+                && stack.stat("pd_router_requests_total") > served + 4)
+                .then_some(())
+                .ok_or_else(|| format!("no reload seen for {policy}"))
+        });
+    }
+    stop.store(true, Ordering::Relaxed);
+    let answers: Vec<Response> = load
+        .into_iter()
+        .flat_map(|h| h.join().expect("load thread"))
+        .collect();
+    for r in &answers {
+        assert_success(r);
+    }
+    assert_clean_end(&stack, &fleet_pods(&fleet));
+}
+
+/// Sends a request on a raw connection and returns it unread.
+fn open_request(addr: &str, body: &Value) -> TcpStream {
+    let mut s = TcpStream::connect(addr).expect("connect to Envoy");
+    let body = body.to_string();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\n\
+         routing-strategy: pd\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).expect("send head");
+    s.write_all(body.as_bytes()).expect("send body");
+    s
+}
+
+#[test]
+fn a_client_leaving_mid_prefill_releases_everything_it_held() {
+    let fleet = one_roleset();
+    let stack = start(fleet.clone(), &[]);
+    stack.arm_fault(json!({"pod": "p-0", "kind": "hang_before_headers", "leg": "prefill"}));
+    let clients: Vec<TcpStream> = (0..3)
+        .map(|_| open_request(&stack.gateway, &chat(false, 4)))
+        .collect();
+    stack.wait_for_legs("prefill", 3);
+    eventually(Duration::from_secs(10), || {
+        let held = stack.metric("pd_router_prefill_inflight", &[("pod_name", "p-0")]);
+        (held == 3.0)
+            .then_some(())
+            .ok_or_else(|| format!("the ledger shows {held} prefill legs on p-0, not 3"))
+    });
+    drop(clients);
+    // The charges go as the streams end, while the prefill legs still hang at the pod.
+    stack.wait_ledger_zero();
+    eventually(Duration::from_secs(10), || {
+        let aborted = fail_count(&stack, "response_fail", "499");
+        (aborted == 3.0)
+            .then_some(())
+            .ok_or_else(|| format!("{aborted} of 3 departures counted"))
+    });
+    stack.clear_faults();
+    assert_clean_end(&stack, &fleet_pods(&fleet));
+    assert!(
+        decode_legs(&stack, "d-0").len() == 1,
+        "only the final check's request reached the decode pod"
+    );
+}
+
+#[test]
+fn a_slow_reader_gets_its_whole_stream_and_holds_up_nobody() {
+    let fleet = one_roleset();
+    // A long stream: 200 tokens at pd-sim's decode pace.
+    let stack = start(fleet.clone(), &[]);
+    let (first_chunk_tx, first_chunk_rx) = mpsc::channel();
+    let (go_on_tx, go_on_rx) = mpsc::channel::<()>();
+    let addr = stack.gateway.clone();
+    let reader = std::thread::spawn(move || {
+        let mut s = open_request(&addr, &chat(true, 200));
+        let mut got = Vec::new();
+        let mut buf = [0u8; 64];
+        let n = s.read(&mut buf).expect("first bytes");
+        got.extend_from_slice(&buf[..n]);
+        first_chunk_tx.send(()).expect("signal");
+        go_on_rx.recv().expect("go on");
+        // The slow reader itself: 64 bytes at a time with a pause, far slower than pd-sim
+        // produces tokens, so Envoy buffers and applies flow control behind it.
+        loop {
+            match s.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                Err(e) => panic!("slow reader lost its stream: {e}"),
+            }
+            if got.ends_with(b"0\r\n\r\n") {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        String::from_utf8_lossy(&got).into_owned()
+    });
+    first_chunk_rx.recv().expect("first chunk");
+    // While the slow reader sits on its stream, other requests flow normally.
+    for _ in 0..3 {
+        assert_success(&stack.chat(&PD, &chat(false, 2)));
+    }
+    go_on_tx.send(()).expect("go on");
+    eventually(ALL_ENDED, || {
+        if reader.is_finished() {
+            Ok(())
+        } else {
+            Err("the slow reader is still reading".to_string())
+        }
+    });
+    let stream = reader.join().expect("reader");
+    assert!(stream.starts_with("HTTP/1.1 200"), "{stream}");
+    assert!(
+        stream.contains("data: [DONE]"),
+        "the whole stream arrived: {stream}"
+    );
+    assert_clean_end(&stack, &fleet_pods(&fleet));
+}
