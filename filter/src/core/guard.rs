@@ -2,9 +2,9 @@
 //! request wherever the destination header points, so whatever writes that header decides
 //! where traffic goes. Selection only picks pods of the fleet, the client's own destination
 //! headers are stripped on arrival, and this check makes the rule explicit at the point of
-//! use: every destination header, prefill leg and side call to a pod passes through it, with
-//! the fleet as it is at that moment (a pod that left between selection and use is refused
-//! rather than contacted).
+//! use: every destination header, prefill leg and side call to a pod passes through it, checked
+//! against the snapshot the request was routed on (the host keeps it for the request, so a
+//! pod that leaves while its prefill runs still receives the decode leg prepared for it).
 
 use crate::core::errors::RouteError;
 use crate::core::fleet::FleetView;

@@ -108,6 +108,11 @@ pub struct PdHttp {
     session_key: Option<String>,
     /// Testing only: trap when the prefill leg answers (see `VmState::debug_trap_header`).
     trap_at_prefill_answer: bool,
+    /// The snapshot this request was routed on. Its later legs (the decode destination set
+    /// once the prefill answered) are checked against it, not against a newer snapshot: a pod
+    /// that leaves the fleet while a prefill is in flight still gets the decode leg the KV
+    /// cache is being prepared for, as it would have without the check.
+    routed_on: Option<Rc<FleetView>>,
     /// Prefill leg timeout of the request's profile.
     prefill_timeout_s: f64,
     pending: Option<PendingDecode>,
@@ -130,6 +135,7 @@ impl PdHttp {
             auto_profile: None,
             session_key: None,
             trap_at_prefill_answer: false,
+            routed_on: None,
             prefill_timeout_s: 30.0,
             pending: None,
             routed: None,
@@ -199,6 +205,7 @@ impl PdHttp {
             .fleet
             .clone()
             .ok_or(RouteError::NoSnapshot)?;
+        self.routed_on = Some(fleet.clone());
         let req = RoutingRequest::parse(endpoint, raw)?;
         self.obs.times.stream = req.stream;
         self.obs.scan_usage = req.stream && wants_usage(&req.body);
@@ -493,10 +500,13 @@ impl PdHttp {
         })
     }
 
-    /// Refuses any upstream address that is not a pod of the VM's current fleet (see
-    /// `core::guard`); logged with the address, which the client's reply leaves out.
+    /// Refuses any upstream address that is not a pod of the snapshot the request was routed
+    /// on (see `core::guard`); logged with the address, which the client's reply leaves out.
     fn guard_target(&self, address: &str) -> Result<(), RouteError> {
-        let checked = crate::core::guard::check_target(self.vm.borrow().fleet.as_deref(), address);
+        let checked = match &self.routed_on {
+            Some(fleet) => crate::core::guard::check_target(Some(fleet), address),
+            None => crate::core::guard::check_target(self.vm.borrow().fleet.as_deref(), address),
+        };
         if checked.is_err() {
             log::warn!(
                 "context {}: refusing to send request {} to {address:?}: not a pod of the current fleet",
