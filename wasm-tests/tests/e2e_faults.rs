@@ -530,3 +530,94 @@ fn a_slow_reader_gets_its_whole_stream_and_holds_up_nobody() {
     );
     assert_clean_end(&stack, &fleet_pods(&fleet));
 }
+
+/// A failing pod leaves each worker's routing view after `eject_after_failures` (3)
+/// consecutive failures there, so at most 3 requests per worker fail; the rest go to the
+/// other roleset; once the pod serves again it comes back after the ejection period.
+fn failing_pod_is_ejected_then_readmitted(fault: Value, failed_status: u16, header: Option<&str>) {
+    let fleet = two_rolesets();
+    let simulated = fleet.clone().pod(ROGUE, "decode", "group-9");
+    let stack = Stack::start_opts(
+        fleet.clone(),
+        simulated,
+        &Options {
+            // Long enough for the 40 requests below to fit in one ejection period.
+            plugin_extra: r#""eject_base_ms": 4000"#,
+            // Count-based scores: idle rolesets tie and each request picks one at random
+            // (engine-metric policies would prefer one roleset for every request).
+            envoy_env: &[
+                ("AIBRIX_PREFILL_SCORE_POLICY", "least_request"),
+                ("AIBRIX_DECODE_SCORE_POLICY", "least_request"),
+            ],
+            ..Options::default()
+        },
+    );
+    stack.arm_fault(fault);
+    let mut failed = 0;
+    let mut answers = Vec::new();
+    for i in 0..40 {
+        // Distinct prompts: no prefix affinity holds the requests on one roleset.
+        let body = json!({"model": MODEL, "max_tokens": 2,
+                          "messages": [{"role": "user", "content": format!("question {i}")}]});
+        let r = stack.chat(&PD, &body);
+        if r.status == 200 {
+            assert_success(&r);
+        } else {
+            match header {
+                Some(h) => assert_error(&r, failed_status, h),
+                // The pod's own error answer, relayed as it is.
+                None => assert_eq!(r.status, failed_status, "{}", describe(&r)),
+            }
+            failed += 1;
+        }
+        answers.push(r);
+    }
+    assert!(
+        (1..=3 * stack.concurrency).contains(&failed),
+        "{failed} requests failed; ejection allows at most 3 per worker"
+    );
+    for r in &answers[answers.len() - 10..] {
+        assert_success(r);
+        assert_eq!(
+            r.header("prefill-target-pod"),
+            Some("p-1"),
+            "{}",
+            describe(r)
+        );
+    }
+    assert!(stack.stat("pd_router_ejections_total") >= 1);
+    stack.wait_for_log("ejecting pod default/");
+
+    // Healthy again: after the ejection period the pod takes requests once more.
+    stack.clear_faults();
+    let mut i = 0;
+    eventually(Duration::from_secs(25), || {
+        i += 1;
+        let body = json!({"model": MODEL, "max_tokens": 2,
+                          "messages": [{"role": "user", "content": format!("again {i}")}]});
+        let r = stack.chat(&PD, &body);
+        assert_success(&r);
+        (r.header("prefill-target-pod") == Some("p-0"))
+            .then_some(())
+            .ok_or_else(|| "group-0 never came back".to_string())
+    });
+    assert_clean_end(&stack, &fleet_pods(&fleet));
+}
+
+#[test]
+fn a_prefill_pod_refusing_connections_is_ejected_then_readmitted() {
+    failing_pod_is_ejected_then_readmitted(
+        json!({"pod": "p-0", "kind": "refuse"}),
+        502,
+        Some("x-error-pd-prefill"),
+    );
+}
+
+#[test]
+fn a_decode_pod_answering_500_is_ejected_and_its_roleset_skipped() {
+    failing_pod_is_ejected_then_readmitted(
+        json!({"pod": "d-0", "kind": "status", "status": 500, "leg": "decode"}),
+        500,
+        None,
+    );
+}

@@ -43,6 +43,24 @@ pub struct PluginConfig {
     /// Shared secret sent as `authorization: Bearer <token>` on every call to pd-control
     /// (pd-control `--snapshot-token-file`). Empty sends none.
     pub snapshot_token: String,
+    /// Passive outlier ejection (`core::ejection`): consecutive failures (refused, 5xx,
+    /// dropped stream, silent decode) that take a pod out of this worker's routing view;
+    /// 0 turns it off.
+    pub eject_after_failures: u32,
+    /// First ejection period; doubled on each further ejection without a success between.
+    pub eject_base_ms: u64,
+    /// Longest ejection period.
+    pub eject_max_ms: u64,
+}
+
+impl PluginConfig {
+    pub fn ejection(&self) -> crate::core::ejection::EjectionPolicy {
+        crate::core::ejection::EjectionPolicy {
+            after_failures: self.eject_after_failures,
+            base_ms: self.eject_base_ms,
+            max_ms: self.eject_max_ms,
+        }
+    }
 }
 
 impl Default for PluginConfig {
@@ -58,6 +76,9 @@ impl Default for PluginConfig {
             explain: false,
             snapshot_stale_after_ms: 10_000,
             snapshot_token: String::new(),
+            eject_after_failures: 3,
+            eject_base_ms: 5_000,
+            eject_max_ms: 60_000,
         }
     }
 }

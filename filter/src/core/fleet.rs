@@ -156,6 +156,25 @@ impl FleetView {
         }
     }
 
+    /// The routing view without the pods `leaves` names (ejected ones, see
+    /// `core::ejection`); a model that would be left with no route keeps all its pods. The
+    /// addresses stay: requests already routed to a leaving pod finish their legs there.
+    pub fn without_pods(&self, leaves: impl Fn(&str) -> bool) -> FleetView {
+        let models = self
+            .models
+            .iter()
+            .map(|(name, model)| {
+                let model = model.without(&leaves).unwrap_or_else(|| model.clone());
+                (name.clone(), model)
+            })
+            .collect();
+        FleetView {
+            version: self.version,
+            models,
+            addresses: self.addresses.clone(),
+        }
+    }
+
     pub fn decode(bytes: &[u8]) -> Result<FleetView, prost::DecodeError> {
         let snapshot: proto::Snapshot = prost::Message::decode(bytes)?;
         Ok(FleetView::from_snapshot(&snapshot))
@@ -168,8 +187,6 @@ impl ModelView {
             total_pods: pods.len(),
             ..ModelView::default()
         };
-        let mut roleset_index: HashMap<&str, usize> = HashMap::new();
-        let mut groups: Vec<Roleset> = Vec::new();
         for pod in pods {
             let parsed = ModelConfig::parse(&pod.config);
             if view.config.is_none() {
@@ -183,7 +200,6 @@ impl ModelView {
                 "decode" => Role::Decode,
                 _ => Role::Other,
             };
-            let idx = view.pods.len();
             let key = format!("{}/{}", pod.namespace, pod.name);
             view.pods.push(PodView {
                 id: crate::core::ledger::PodId::of(&key),
@@ -207,8 +223,21 @@ impl ModelView {
                     .unwrap_or(crate::core::engine::sglang::DEFAULT_BOOTSTRAP_PORT),
                 metrics: pod.metrics.filter(|m| m.present),
             });
-            if role == Role::Other {
-                view.others.push(idx);
+        }
+        view.assemble();
+        view
+    }
+
+    /// Everything derived from `pods`: rolesets (in order of first appearance), standard
+    /// pods, the ledger id order, the selection columns and a fresh uid.
+    fn assemble(&mut self) {
+        let view = self;
+        let mut others = Vec::new();
+        let mut roleset_index: HashMap<&str, usize> = HashMap::new();
+        let mut groups: Vec<Roleset> = Vec::new();
+        for (idx, pod) in view.pods.iter().enumerate() {
+            if pod.role == Role::Other {
+                others.push(idx);
                 continue;
             }
             if pod.roleset.is_empty() {
@@ -224,10 +253,15 @@ impl ModelView {
                     });
                     groups.len() - 1
                 });
-            match role {
+            match pod.role {
                 Role::Prefill => groups[g].prefill.push(idx),
                 _ => groups[g].decode.push(idx),
             }
+        }
+        drop(roleset_index);
+        view.others = others;
+        for pod in &mut view.pods {
+            pod.roleset_idx = None;
         }
         view.rolesets = groups
             .into_iter()
@@ -247,7 +281,34 @@ impl ModelView {
         }
         view.columns = crate::core::pd::columns::Columns::build(&view.pods, &view.rolesets);
         view.uid = NEXT_UID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        view
+    }
+
+    /// Whether a request could be routed at all: a complete roleset or a standard pod.
+    pub fn has_route(&self) -> bool {
+        !self.rolesets.is_empty() || !self.others.is_empty()
+    }
+
+    /// The view without the pods `leaves` names (by key), or `None` when none of them is
+    /// here or when removing them would leave the model with no route at all: then the
+    /// model keeps every pod (better a suspect pod than a certain 503, as Envoy's panic
+    /// threshold does).
+    pub fn without(&self, leaves: impl Fn(&str) -> bool) -> Option<ModelView> {
+        if !self.pods.iter().any(|p| leaves(&p.key)) {
+            return None;
+        }
+        let mut view = ModelView {
+            pods: self
+                .pods
+                .iter()
+                .filter(|p| !leaves(&p.key))
+                .cloned()
+                .collect(),
+            config: self.config.clone(),
+            total_pods: self.total_pods,
+            ..ModelView::default()
+        };
+        view.assemble();
+        view.has_route().then_some(view)
     }
 }
 
@@ -289,6 +350,36 @@ pub(crate) mod tests {
             ..Default::default()
         });
         pod
+    }
+
+    #[test]
+    fn ejected_pods_leave_the_view_unless_nothing_would_be_left() {
+        let fleet = FleetView::from_snapshot(&snapshot(vec![
+            pod("p0", "prefill", "g0", true),
+            pod("d0", "decode", "g0", true),
+            pod("p11", "prefill", "g1", true),
+            pod("d11", "decode", "g1", true),
+            pod("c222", "all", "", true),
+        ]));
+        let m = &fleet.models["m"];
+        assert!(m.without(|k| k == "ns/zz").is_none(), "nothing to remove");
+        let v = fleet.without_pods(|k| k == "ns/d0");
+        let view = &v.models["m"];
+        let names = |idx: &[usize]| -> Vec<String> {
+            idx.iter().map(|&i| view.pods[i].name.clone()).collect()
+        };
+        assert_eq!(view.rolesets.len(), 1, "g0 lost its decode pod: incomplete");
+        assert_eq!(names(&view.rolesets[0].prefill), ["p11"]);
+        assert_eq!(names(&view.others), ["c222"]);
+        assert_ne!(view.uid, m.uid);
+        assert_eq!(view.columns.all_prefill.len(), 1);
+        assert!(
+            v.holds_address(&m.pods[1].address),
+            "in-flight legs may still go there"
+        );
+        // Removing every route keeps the model whole.
+        let all = fleet.without_pods(|k| k != "ns/p0");
+        assert_eq!(all.models["m"].pods.len(), 5);
     }
 
     #[test]

@@ -2,6 +2,7 @@
 
 pub mod charges;
 pub mod config;
+pub mod ejection;
 pub mod engine;
 pub mod env;
 pub mod errors;

@@ -16,7 +16,7 @@ use crate::core::engine::{self, trtllm, vllm, Engine};
 use crate::core::errors::RouteError;
 use crate::core::fleet::{FleetView, ModelView};
 use crate::core::ledger::{self, Ledger};
-use crate::core::obs::outcome::{CutBy, Outcome};
+use crate::core::obs::outcome::{self, CutBy, Outcome};
 use crate::core::obs::timing::Instants;
 use crate::core::obs::{usage, Explain};
 use crate::core::pd::{self, candidates, PairInput, PdSettings, Step0Input, Target};
@@ -64,6 +64,14 @@ struct Routed {
     pod_name: String,
     pod_address: String,
     prefill: Option<(String, String)>,
+}
+
+/// The pods a request was routed to, by key, for passive ejection (`core::ejection`): kept
+/// apart from [`Routed`], which a failed prefill clears before the outcome is known.
+#[derive(Default)]
+struct Served {
+    target: Option<String>,
+    prefill: Option<String>,
 }
 
 /// A prefill leg in flight and what the decode request needs once it answers.
@@ -117,6 +125,7 @@ pub struct PdHttp {
     prefill_timeout_s: f64,
     pending: Option<PendingDecode>,
     routed: Option<Routed>,
+    served: Served,
     /// Engine legs beyond the synchronous prefill (see `pair`).
     legs: pair::Legs,
     obs: Observed,
@@ -139,6 +148,7 @@ impl PdHttp {
             prefill_timeout_s: 30.0,
             pending: None,
             routed: None,
+            served: Served::default(),
             legs: pair::Legs::default(),
             obs: Observed::default(),
         }
@@ -270,6 +280,7 @@ impl PdHttp {
             Target::Single { pod } => {
                 let pod = &model.pods[pod];
                 self.set_destination(&pod.address, &strategy)?;
+                self.served.target = Some(pod.key.clone());
                 self.routed = Some(Routed {
                     strategy,
                     pod_name: pod.name.clone(),
@@ -286,6 +297,10 @@ impl PdHttp {
                     vm.metrics.selected(prefill, &req.model);
                     vm.metrics.selected(decode, &req.model);
                 }
+                self.served = Served {
+                    target: Some(decode.key.clone()),
+                    prefill: Some(prefill.key.clone()),
+                };
                 self.routed = Some(Routed {
                     strategy,
                     pod_name: decode.name.clone(),
@@ -528,6 +543,13 @@ impl PdHttp {
         Ok(())
     }
 
+    /// Records how the prefill pod answered its leg, for passive ejection.
+    fn prefill_served(&self, status: &str) {
+        if let (Some(pod), Some(ok)) = (&self.served.prefill, outcome::prefill_served(status)) {
+            self.vm.borrow_mut().pod_outcome(pod, ok, now_ms());
+        }
+    }
+
     /// Lowers `gateway_prefill_outstanding_requests` once the leg is over (answered, or the
     /// stream ended first).
     fn prefill_returned(&mut self) {
@@ -578,6 +600,9 @@ impl PdHttp {
         let model = self.obs.model.as_deref().unwrap_or(UNKNOWN_MODEL);
         let mut vm = self.vm.borrow_mut();
         vm.metrics.outcome(model, outcome);
+        if let (Some(pod), Some(ok)) = (&self.served.target, outcome.pod_served()) {
+            vm.pod_outcome(pod, ok, now_ms());
+        }
         if matches!(outcome, Outcome::Response { .. }) {
             let mut times = self.obs.times;
             times.end_us.get_or_insert_with(now_us);
@@ -643,6 +668,7 @@ impl Context for PdHttp {
         let body = self
             .get_http_call_response_body(0, body_size)
             .unwrap_or_default();
+        self.prefill_served(&status);
         let success = self.vm.borrow().metrics.prefill_success;
         match self.finish_prefill(&status, &body) {
             Ok(()) => {

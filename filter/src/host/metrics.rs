@@ -76,6 +76,9 @@ pub struct Metrics {
     /// every VM computes alike from the shared confirmation time.
     pub snapshot_stale: Option<u32>,
     pub snapshot_age_ms: Option<u32>,
+    /// `pd_router_ejections_total`: pods taken out of a worker's routing view by passive
+    /// ejection (`core::ejection`).
+    pub ejections: Option<u32>,
     /// Selection plus charge (one CAS round), microseconds, as measured inside the VM.
     pub selection_us: Option<u32>,
     /// The selection alone (Steps 0–5), without the shared-data round trip, microseconds.
@@ -166,6 +169,7 @@ impl Metrics {
                 .collect(),
             snapshot_stale: define(g, "pd_router_snapshot_stale"),
             snapshot_age_ms: define(g, "pd_router_snapshot_age_ms"),
+            ejections: define(c, "pd_router_ejections_total"),
             selection_us: define(MetricType::Histogram, "pd_router_selection_us"),
             selection_core_us: define(MetricType::Histogram, "pd_router_selection_core_us"),
             remote_decode_tokens: define(g, "pd_router_remote_decode_tokens"),

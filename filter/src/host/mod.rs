@@ -63,6 +63,34 @@ pub struct VmState {
     pub watchdog_metrics: watchdog::WatchdogMetrics,
     /// Requests whose watchdog fired, by context id: their outcome is `pd_decode_watchdog`.
     pub watchdog_fired: hashbrown::HashSet<u32>,
+    /// Pods this VM took out of its routing view after repeated failures.
+    pub ejections: crate::core::ejection::Ejections,
+}
+
+impl VmState {
+    /// Records how a pod served a request (`ok`) for passive ejection, logging and counting
+    /// an ejection; the routing view is rebuilt on the next tick.
+    pub fn pod_outcome(&mut self, pod: &str, ok: bool, now_ms: u64) {
+        if ok {
+            self.ejections.success(pod);
+            return;
+        }
+        if let crate::core::ejection::Verdict::Ejected { for_ms } =
+            self.ejections.failure(pod, now_ms)
+        {
+            log::warn!(
+                "ejecting pod {pod} from routing for {for_ms} ms after {} consecutive failures",
+                self.plugin.eject_after_failures
+            );
+            metrics::Metrics::inc(self.metrics.ejections);
+            // Out of this worker's view at once, not at the next tick: the next request must
+            // not be routed there. (The tick rebuilds the view from the snapshot anyway.)
+            if let Some(fleet) = &self.fleet {
+                let ejections = &self.ejections;
+                self.fleet = Some(Rc::new(fleet.without_pods(|k| ejections.is_ejected(k))));
+            }
+        }
+    }
 }
 
 pub type SharedVm = Rc<RefCell<VmState>>;

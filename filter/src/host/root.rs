@@ -82,6 +82,7 @@ impl Root {
                 watched: hashbrown::HashMap::new(),
                 watchdog_metrics: WatchdogMetrics::default(),
                 watchdog_fired: hashbrown::HashSet::new(),
+                ejections: crate::core::ejection::Ejections::default(),
             })),
             context_id,
             token: seed | 1,
@@ -182,11 +183,11 @@ impl Root {
                 vm.metrics.retain_pods(|key| live.contains(key));
             }
             let view = Rc::new(view);
-            vm.fleet = Some(if self.freshness.is_stale() {
-                Rc::new(view.with_stale_metrics())
-            } else {
-                view.clone()
-            });
+            vm.fleet = Some(routing_view(
+                &view,
+                self.freshness.is_stale(),
+                &vm.ejections,
+            ));
             self.latest = Some(view);
             self.adopted_at = now_ms();
             (vm.metrics.fleet_version, vm.metrics.fleet_loaded_vms)
@@ -305,7 +306,7 @@ impl Root {
                     latest.version
                 );
                 Metrics::set(stale_gauge, 1);
-                Rc::new(latest.with_stale_metrics())
+                latest.clone()
             }
             Transition::BecameFresh { age_ms } => {
                 log::info!(
@@ -316,7 +317,48 @@ impl Root {
                 latest
             }
         };
-        self.vm.borrow_mut().fleet = Some(view);
+        let mut vm = self.vm.borrow_mut();
+        vm.fleet = Some(routing_view(
+            &view,
+            self.freshness.is_stale(),
+            &vm.ejections,
+        ));
+    }
+
+    /// Brings pods whose ejection is over back, and rebuilds the routing view when the set
+    /// of ejected pods changed (requests record failures; the view follows within a tick).
+    fn apply_ejections(&mut self, now: u64) {
+        let Some(latest) = self.latest.clone() else {
+            return;
+        };
+        let mut vm = self.vm.borrow_mut();
+        vm.ejections.expire(now);
+        if vm.ejections.take_changed() {
+            vm.fleet = Some(routing_view(
+                &latest,
+                self.freshness.is_stale(),
+                &vm.ejections,
+            ));
+        }
+    }
+}
+
+/// What requests route on: the newest snapshot without the ejected pods, its engine metrics
+/// flagged stale while pd-control has not confirmed it.
+fn routing_view(
+    latest: &Rc<FleetView>,
+    stale: bool,
+    ejections: &crate::core::ejection::Ejections,
+) -> Rc<FleetView> {
+    let view = if ejections.ejected().next().is_some() {
+        Rc::new(latest.without_pods(|key| ejections.is_ejected(key)))
+    } else {
+        latest.clone()
+    };
+    if stale {
+        Rc::new(view.with_stale_metrics())
+    } else {
+        view
     }
 }
 
@@ -458,6 +500,7 @@ impl RootContext for Root {
         let period = Duration::from_millis(plugin.refresh_ms);
         {
             let mut vm = self.vm.borrow_mut();
+            vm.ejections = crate::core::ejection::Ejections::new(plugin.ejection());
             vm.plugin = plugin;
             vm.metrics = Metrics::define();
             vm.engines.define_metrics();
@@ -490,6 +533,7 @@ impl RootContext for Root {
         self.check_freshness(now);
         crate::host::replicas::refresh(&mut self.vm.borrow_mut(), now);
         self.housekeeping(now);
+        self.apply_ejections(now);
         self.journal.tick(&self.vm, now);
         crate::host::watchdog::tick(&self.vm, self.context_id, now);
         let mut vm = self.vm.borrow_mut();

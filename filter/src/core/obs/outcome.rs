@@ -83,6 +83,19 @@ impl Outcome {
         matches!(self, Outcome::Response { code } if (200..300).contains(&code))
     }
 
+    /// How the request's target pod served it, for passive ejection: `Some(true)` for a
+    /// 2xx, `Some(false)` for a 5xx (a refused connection is Envoy's 503), a stream the pod
+    /// dropped or a decode the watchdog gave up on; `None` where the pod is not to blame
+    /// (4xx, the client leaving, the filter refusing before any pod answered).
+    pub fn pod_served(self) -> Option<bool> {
+        match self {
+            Outcome::Response { code } if (200..300).contains(&code) => Some(true),
+            Outcome::Response { code } if (500..600).contains(&code) => Some(false),
+            Outcome::Cut { code: 502 } | Outcome::DecodeWatchdog => Some(false),
+            _ => None,
+        }
+    }
+
     /// `(status, status_code)` labels.
     pub fn labels(self) -> (&'static str, u32) {
         match self {
@@ -95,6 +108,18 @@ impl Outcome {
             Outcome::Aborted => (RESPONSE_FAIL, ABORTED_CODE),
             Outcome::Cut { code } => (RESPONSE_CUT, code),
         }
+    }
+}
+
+/// How a prefill pod answered its leg (the callout's status), for passive ejection: 200
+/// served; a 5xx (Envoy answers a leg it could not deliver or that timed out with its own
+/// 503/504) or no status at all failed; anything else is not the pod's fault.
+pub fn prefill_served(status: &str) -> Option<bool> {
+    match status.parse::<u32>() {
+        Ok(200) => Some(true),
+        Ok(code) if (500..600).contains(&code) => Some(false),
+        Ok(_) => None,
+        Err(_) => Some(false),
     }
 }
 
@@ -167,6 +192,33 @@ mod tests {
         assert!(!Outcome::Cut { code: 502 }.is_success());
         assert_eq!(Outcome::DecodeWatchdog.labels(), (PD_DECODE_WATCHDOG, 504));
         assert!(!Outcome::DecodeWatchdog.is_success());
+    }
+
+    #[test]
+    fn only_the_pods_own_failures_count_against_it() {
+        let cases = [
+            (Outcome::Response { code: 200 }, Some(true)),
+            (Outcome::Response { code: 503 }, Some(false)),
+            (Outcome::Response { code: 429 }, None),
+            (Outcome::Cut { code: 502 }, Some(false)),
+            (Outcome::Cut { code: 499 }, None),
+            (Outcome::DecodeWatchdog, Some(false)),
+            (Outcome::Aborted, None),
+            (Outcome::PrefillFailure { code: 502 }, None),
+            (Outcome::RequestBodyFail { code: 503 }, None),
+        ];
+        for (outcome, verdict) in cases {
+            assert_eq!(outcome.pod_served(), verdict, "{outcome:?}");
+        }
+        let legs = [
+            ("200", Some(true)),
+            ("503", Some(false)),
+            ("404", None),
+            ("", Some(false)),
+        ];
+        for (status, verdict) in legs {
+            assert_eq!(prefill_served(status), verdict, "{status:?}");
+        }
     }
 
     #[test]

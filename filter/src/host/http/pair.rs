@@ -251,6 +251,7 @@ impl PdHttp {
         };
         self.release_stage(HeldCharges::release_prefill_leg);
         self.prefill_returned();
+        self.prefill_served(status);
         let success = self.vm.borrow().metrics.prefill_success;
         if status == "200" {
             Metrics::inc(success);

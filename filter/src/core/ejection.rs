@@ -1,0 +1,220 @@
+//! Passive outlier ejection: a pod that fails several requests in a row (connection refused,
+//! 5xx, a stream it dropped, a decode leg the watchdog gave up on) leaves the routing view
+//! for a while, so a crashed pod that pd-control still lists (readiness probes lag by
+//! seconds) does not keep taking a share of the traffic. The cascade itself is untouched:
+//! the routing view is rebuilt without the ejected pods, so a roleset that loses its decode
+//! pod is simply incomplete, exactly as if Kubernetes had marked the pod unready.
+//!
+//! Per VM (each worker learns from its own requests): no shared-data round trip on the
+//! request path, and a pod failing everyone is ejected by every worker within a few requests.
+
+use hashbrown::HashMap;
+
+/// How ejection behaves (plugin configuration `eject_after_failures`, `eject_base_ms`,
+/// `eject_max_ms`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EjectionPolicy {
+    /// Consecutive failures that eject a pod; 0 turns ejection off.
+    pub after_failures: u32,
+    /// First ejection period; each further ejection of the same pod (without a success in
+    /// between) doubles it, up to `max_ms`.
+    pub base_ms: u64,
+    pub max_ms: u64,
+}
+
+impl Default for EjectionPolicy {
+    fn default() -> Self {
+        EjectionPolicy {
+            after_failures: 3,
+            base_ms: 5_000,
+            max_ms: 60_000,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct PodHealth {
+    consecutive_failures: u32,
+    /// Ejections since the pod's last success: the backoff exponent.
+    ejections: u32,
+    /// 0 when the pod is in the routing view.
+    ejected_until_ms: u64,
+}
+
+/// What a failure did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    Counted,
+    /// The pod leaves the routing view for `for_ms`.
+    Ejected {
+        for_ms: u64,
+    },
+}
+
+/// Per-pod health of one VM, keyed by pod key (`namespace/name`).
+#[derive(Debug, Default)]
+pub struct Ejections {
+    policy: EjectionPolicy,
+    pods: HashMap<String, PodHealth>,
+    /// The set of ejected pods changed since [`Ejections::take_changed`] last ran.
+    changed: bool,
+}
+
+impl Ejections {
+    pub fn new(policy: EjectionPolicy) -> Ejections {
+        Ejections {
+            policy,
+            ..Ejections::default()
+        }
+    }
+
+    /// A request the pod failed (transport failure, 5xx, dropped stream, silent decode).
+    pub fn failure(&mut self, pod: &str, now_ms: u64) -> Verdict {
+        if self.policy.after_failures == 0 {
+            return Verdict::Counted;
+        }
+        let policy = self.policy;
+        let health = self.pods.entry_ref(pod).or_default();
+        if health.ejected_until_ms > now_ms {
+            // Requests routed before the ejection still finish; they do not extend it.
+            return Verdict::Counted;
+        }
+        health.consecutive_failures += 1;
+        if health.consecutive_failures < policy.after_failures {
+            return Verdict::Counted;
+        }
+        let shift = health.ejections.min(16);
+        let for_ms = policy
+            .base_ms
+            .saturating_mul(1u64 << shift)
+            .min(policy.max_ms.max(policy.base_ms));
+        health.ejections += 1;
+        health.consecutive_failures = 0;
+        health.ejected_until_ms = now_ms.saturating_add(for_ms.max(1));
+        self.changed = true;
+        Verdict::Ejected { for_ms }
+    }
+
+    /// A request the pod served: it is healthy again and its backoff starts over.
+    pub fn success(&mut self, pod: &str) {
+        if let Some(h) = self.pods.get_mut(pod) {
+            if h.ejected_until_ms == 0 {
+                self.pods.remove(pod);
+            } else {
+                h.consecutive_failures = 0;
+                h.ejections = 0;
+            }
+        }
+    }
+
+    /// Returns pods whose period is over to the routing view; true when any did.
+    pub fn expire(&mut self, now_ms: u64) -> bool {
+        let mut any = false;
+        for h in self.pods.values_mut() {
+            if h.ejected_until_ms != 0 && h.ejected_until_ms <= now_ms {
+                h.ejected_until_ms = 0;
+                any = true;
+            }
+        }
+        if any {
+            self.changed = true;
+            self.pods
+                .retain(|_, h| h.ejected_until_ms != 0 || h.ejections > 0);
+        }
+        any
+    }
+
+    /// Whether the ejected set changed since the last call (the routing view needs a rebuild).
+    pub fn take_changed(&mut self) -> bool {
+        std::mem::take(&mut self.changed)
+    }
+
+    pub fn is_ejected(&self, pod: &str) -> bool {
+        self.pods.get(pod).is_some_and(|h| h.ejected_until_ms != 0)
+    }
+
+    /// Keys of the pods currently out of the routing view.
+    pub fn ejected(&self) -> impl Iterator<Item = &str> {
+        self.pods
+            .iter()
+            .filter(|(_, h)| h.ejected_until_ms != 0)
+            .map(|(k, _)| k.as_str())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy() -> EjectionPolicy {
+        EjectionPolicy {
+            after_failures: 3,
+            base_ms: 1_000,
+            max_ms: 3_000,
+        }
+    }
+
+    #[test]
+    fn consecutive_failures_eject_and_a_success_resets_the_count() {
+        let mut e = Ejections::new(policy());
+        assert_eq!(e.failure("ns/a", 0), Verdict::Counted);
+        assert_eq!(e.failure("ns/a", 1), Verdict::Counted);
+        e.success("ns/a");
+        assert_eq!(e.failure("ns/a", 2), Verdict::Counted);
+        assert_eq!(e.failure("ns/a", 3), Verdict::Counted);
+        assert!(!e.is_ejected("ns/a"));
+        assert!(!e.take_changed());
+        assert_eq!(e.failure("ns/a", 4), Verdict::Ejected { for_ms: 1_000 });
+        assert!(e.is_ejected("ns/a") && e.take_changed());
+        assert_eq!(e.ejected().collect::<Vec<_>>(), ["ns/a"]);
+        // Late answers of requests routed before the ejection do not extend it.
+        assert_eq!(e.failure("ns/a", 500), Verdict::Counted);
+        assert!(!e.expire(1_003));
+        assert!(e.expire(1_004) && e.take_changed());
+        assert!(!e.is_ejected("ns/a"));
+    }
+
+    #[test]
+    fn repeated_ejections_back_off_up_to_the_cap_until_a_success() {
+        let mut e = Ejections::new(policy());
+        let mut now = 0;
+        let mut periods = Vec::new();
+        for _ in 0..4 {
+            let mut v = Verdict::Counted;
+            for _ in 0..3 {
+                v = e.failure("ns/a", now);
+            }
+            let Verdict::Ejected { for_ms } = v else {
+                panic!("not ejected: {v:?}")
+            };
+            periods.push(for_ms);
+            now += for_ms;
+            assert!(e.expire(now));
+        }
+        assert_eq!(periods, [1_000, 2_000, 3_000, 3_000]);
+        e.success("ns/a");
+        for _ in 0..2 {
+            e.failure("ns/a", now);
+        }
+        assert_eq!(e.failure("ns/a", now), Verdict::Ejected { for_ms: 1_000 });
+    }
+
+    #[test]
+    fn zero_turns_it_off_and_pods_are_independent() {
+        let mut off = Ejections::new(EjectionPolicy {
+            after_failures: 0,
+            ..policy()
+        });
+        for t in 0..10 {
+            assert_eq!(off.failure("ns/a", t), Verdict::Counted);
+        }
+        assert!(!off.is_ejected("ns/a"));
+        let mut e = Ejections::new(policy());
+        for t in 0..3 {
+            e.failure("ns/a", t);
+            e.failure("ns/b", t);
+            e.success("ns/b");
+        }
+        assert!(e.is_ejected("ns/a") && !e.is_ejected("ns/b"));
+    }
+}
