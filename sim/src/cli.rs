@@ -81,6 +81,10 @@ pub struct SimArgs {
     /// default) or `nixl` (vLLM on Neuron: the decode leg carries `disagg_prefill_resp`).
     #[arg(long, default_value = "shfs", value_parser = ["shfs", "nixl"])]
     pub vllm_connector: String,
+    /// `remote_host` a vLLM prefill answers: `localhost` (vLLM's default, which a router must
+    /// overwrite) or `pod` (its own IP, as with `VLLM_NIXL_SIDE_CHANNEL_HOST` set).
+    #[arg(long, default_value = "localhost", value_parser = ["localhost", "pod"])]
+    pub side_channel_host: String,
 }
 
 impl SimArgs {
@@ -106,6 +110,7 @@ impl SimArgs {
                 .unwrap_or(Duration::from_secs(300)),
             trtllm_python_transceiver: self.trtllm_transceiver == "python",
             vllm_neuron: self.vllm_connector == "nixl",
+            side_channel_host_is_pod_ip: self.side_channel_host == "pod",
         }
     }
 }

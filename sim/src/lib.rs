@@ -15,6 +15,7 @@
 //! [`stats`] (load generator and its summary), [`cli`] (both command lines).
 
 pub mod abort;
+pub mod charts;
 pub mod cli;
 pub mod client;
 pub mod engine;
@@ -27,6 +28,7 @@ pub mod pod;
 pub mod prefix;
 pub mod probe;
 pub mod rendezvous;
+pub mod report;
 pub mod server;
 pub mod sglang;
 pub mod sim;

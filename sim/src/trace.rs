@@ -367,6 +367,14 @@ mod tests {
     }
 
     #[test]
+    fn the_documented_example_parses() {
+        let t = parse(include_str!("../../docs/bench/example-trace.jsonl")).unwrap();
+        assert_eq!(t.len(), 4);
+        assert_eq!(t[3].session.as_deref(), Some("user-17"));
+        assert_eq!(t[2].size_tokens(), 3000);
+    }
+
+    #[test]
     fn bad_lines_name_the_line() {
         let cases = [
             ("{}", "one of messages"),
