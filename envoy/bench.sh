@@ -31,7 +31,7 @@ if [ "$MODE" = quick ]; then
   PAIRS=${POLICY_PAIRS:-"least_request:least_request token_load:least_request prefix_cache:load_balancing hybrid_cache_load:load_balancing"}
   LOADS=${POLICY_LOADS:-"90"}
 else
-  REPS=${REPS:-2} SECS=${SECONDS_PER_RUN:-8} POLICY_SECS=${POLICY_SECONDS:-20}
+  REPS=${REPS:-2} SECS=${SECONDS_PER_RUN:-6} POLICY_SECS=${POLICY_SECONDS:-15}
   BODIES=${BODIES:-"2048 32768 262144"}
   PAIRS=${POLICY_PAIRS:-}
   if [ -z "$PAIRS" ]; then
@@ -59,11 +59,14 @@ tree() { # pid
   echo "$1"
 }
 
-stop() { # pid
-  local p
-  for p in $(tree "$1"); do kill "$p" 2>/dev/null || true; done
-  for _ in $(seq 100); do kill -0 "$1" 2>/dev/null || return 0; sleep 0.05; done
-  for p in $(tree "$1"); do kill -9 "$p" 2>/dev/null || true; done
+stop() { # pid: the process and its descendants, each waited for (ports free again)
+  local p all
+  all=$(tree "$1")
+  for p in $all; do kill "$p" 2>/dev/null || true; done
+  for p in $all; do
+    for _ in $(seq 100); do kill -0 "$p" 2>/dev/null || break; sleep 0.05; done
+    kill -9 "$p" 2>/dev/null || true
+  done
 }
 
 cleanup() {
@@ -273,7 +276,7 @@ overhead() {
 # 4 rolesets + 2 combined pods with pd-sim's default timing (prefill 2 ms + 20 us/token, one
 # prefill at a time per pod, decode 2 ms/token with batch slowdown) under the mixed trace.
 # Every run starts from cold caches: pd-sim and the router are restarted for each.
-POLICY_SIM="--kv-capacity-tokens 200000"
+POLICY_SIM="--kv-capacity-tokens 30000"
 MIXED="--workload mixed --mixed-entries 4000 --stream-ratio 1 --max-tokens 16 --timeout 30s"
 
 policy_run() { # scenario target rps url-kind policy-args...

@@ -445,6 +445,7 @@ fn chart_policy_target(t: &str) -> bool {
             | "hybrid_cache_load+load_balancing"
             | "sglang-cache_aware"
             | "vllm-router"
+            | "pd-router"
     )
 }
 

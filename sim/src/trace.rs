@@ -236,7 +236,7 @@ impl Default for MixedShape {
             rag_share: 0.2,
             chat_tokens: (32, 256),
             rag_tokens: (1500, 4000),
-            rag_documents: 8,
+            rag_documents: 16,
             system_prompts: 4,
             system_tokens: 400,
             sessions: 48,
