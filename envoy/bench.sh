@@ -9,7 +9,8 @@
 # Everything binds 127.0.0.1 / 127.0.33-36.x on ports 33000-34999. Targets alternate A B A B
 # (REPS rounds of every target in turn) so machine drift spreads over all of them.
 # Environment: BENCH_DIR (target/bench), CARGO_TARGET_DIR, REPS, SECONDS_PER_RUN, CLIENTS_MAX,
-# POLICY_SECONDS, POLICY_PAIRS ("prefill:decode ..."), VENV (.venv).
+# BODIES ("2048 32768 262144"), OVERHEAD_TARGETS (names from the table in docs/BENCHMARKS.md),
+# POLICY_SECONDS, POLICY_PAIRS ("prefill:decode ..."), POLICY_LOADS ("60 90"), VENV (.venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-full}
@@ -82,11 +83,28 @@ start() { # name command... ; sets $LAST_PID
   PIDS+=("$LAST_PID")
 }
 
-wait_for() { # seconds description command...
-  local deadline=$((SECONDS + $1)) what=$2; shift 2
-  until "$@" >/dev/null 2>&1; do
-    [ $SECONDS -lt $deadline ] || { echo "bench: $what did not come up (see $RUN)" >&2; exit 1; }
-    sleep 0.1
+# Ports 33000-34999 lie in Linux's ephemeral range, so an outgoing connection can hold one for
+# a moment (or, as the local end of a closed connection, for the 60 s of TIME_WAIT): a server
+# that fails to bind is started again, every 5 s for up to 80 s.
+start_server() { # seconds name ready-command -- command...
+  local secs=$1 name=$2 ready=() attempt deadline
+  shift 2
+  while [ "$1" != -- ]; do ready+=("$1"); shift; done
+  shift
+  for attempt in $(seq 16); do
+    start "$name" "$@"
+    deadline=$((SECONDS + secs))
+    until "${ready[@]}" >/dev/null 2>&1; do
+      if ! kill -0 "$LAST_PID" 2>/dev/null || [ $SECONDS -ge $deadline ]; then
+        stop "$LAST_PID"
+        if grep -q -i "address already in use" "$RUN/$name.log" "$RUN/$name.out" 2>/dev/null && [ "$attempt" -lt 16 ]; then
+          log "$name: port taken, retrying"; sleep 5; continue 2
+        fi
+        echo "bench: $name did not come up (see $RUN)" >&2; exit 1
+      fi
+      sleep 0.1
+    done
+    return 0
   done
 }
 
@@ -135,14 +153,14 @@ ZERO="--prefill-base-ms 0 --prefill-us-per-token 0 --decode-ms-per-token 0 --kv-
 
 start_sim() { # name fleet admin-port args...
   local name=$1 fleet=$2 admin=$3; shift 3
-  start "$name" "$BIN/pd-sim" --fleet "$fleet" --admin "127.0.0.1:$admin" --side-channel-host pod "$@"
+  start_server 30 "$name" grep -q "pd-sim: serving" "$RUN/$name.out" -- \
+    "$BIN/pd-sim" --fleet "$fleet" --admin "127.0.0.1:$admin" --side-channel-host pod "$@"
   SIM_PID=$LAST_PID
-  wait_for 30 "$name" grep -q "pd-sim: serving" "$RUN/$name.out"
 }
 
 start_control() { # name fleet port
-  start "$1" "$BIN/pd-control" --fleet "$2" --listen "127.0.0.1:$3" --refresh-interval 50ms
-  wait_for 30 "$1" grep -q "pd-control: listening" "$RUN/$1.out"
+  start_server 30 "$1" grep -q "pd-control: listening" "$RUN/$1.out" -- \
+    "$BIN/pd-control" --fleet "$2" --listen "127.0.0.1:$3" --refresh-interval 50ms
 }
 
 loaded_vms() { # admin-port concurrency
@@ -156,17 +174,16 @@ start_envoy_pd() { # name listen admin control-port [env...]
   sed -e "s#@LISTEN_ADDR@#127.0.0.1#; s#@LISTEN_PORT@#$port#; s#@ADMIN_PORT@#$admin#" \
       -e "s#@WASM_PATH@#$WASM#; s#@CONTROL_ADDR@#127.0.0.1#; s#@CONTROL_PORT@#$control#" \
       -e "s#@REFRESH_MS@#50#; s#@ACCESS_LOG@#/dev/null#" envoy/envoy.yaml.tmpl > "$RUN/$name.yaml"
-  start "$name" env "$@" "$ENVOY" -c "$RUN/$name.yaml" --concurrency 2 --disable-hot-restart \
-    --base-id "$admin" -l warn
+  start_server 30 "$name" loaded_vms "$admin" 2 -- env "$@" "$ENVOY" -c "$RUN/$name.yaml" \
+    --concurrency 2 --disable-hot-restart -l warn
   ENVOY_PID=$LAST_PID
-  wait_for 30 "$name" loaded_vms "$admin" 2
 }
 
 start_envoy_plain() { # name listen admin upstream-ip
   sed -e "s#@LISTEN_PORT@#$2#; s#@ADMIN_PORT@#$3#; s#@UPSTREAM_ADDR@#$4#; s#@UPSTREAM_PORT@#$POD_PORT#" \
     envoy/envoy-passthrough.yaml.tmpl > "$RUN/$1.yaml"
-  start "$1" "$ENVOY" -c "$RUN/$1.yaml" --concurrency 2 --disable-hot-restart --base-id "$3" -l warn
-  wait_for 30 "$1" curl -sf "127.0.0.1:$3/ready"
+  start_server 30 "$1" curl -sf "127.0.0.1:$3/ready" -- "$ENVOY" -c "$RUN/$1.yaml" --concurrency 2 \
+    --disable-hot-restart -l warn
 }
 
 # A local tokenizer directory so neither peer ever looks a model up on the network.
@@ -188,24 +205,24 @@ serves() { # url
 start_sglang() { # name port net count prefill-policy decode-policy
   local name=$1 port=$2 net=$3 n=$4
   # shellcheck disable=SC2046 # urls expands to flag/value pairs
-  start "$name" env HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$VENV/bin/sglang-router" launch \
+  start_server 60 "$name" serves "http://127.0.0.1:$port" -- \
+    env HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$VENV/bin/sglang-router" launch \
     --host 127.0.0.1 --port "$port" --prometheus-host 127.0.0.1 --prometheus-port $((port + 1)) \
     --pd-disaggregation $(urls "$n" "$net" prefill "$BOOT_PORT") $(urls "$n" "$net" decode) \
     --prefill-policy "$5" --decode-policy "$6" --model-path "$RUN/tok" --tokenizer-path "$RUN/tok" \
     --worker-startup-timeout-secs 30 --worker-startup-check-interval 1 --log-level warn
   PEER_PID=$LAST_PID
-  wait_for 60 "$name" serves "http://127.0.0.1:$port"
 }
 
 start_vllm() { # name port net count policy
   local name=$1 port=$2 net=$3 n=$4
   # shellcheck disable=SC2046
-  start "$name" env HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$VENV/bin/vllm-router" \
+  start_server 60 "$name" serves "http://127.0.0.1:$port" -- \
+    env HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$VENV/bin/vllm-router" \
     --host 127.0.0.1 --port "$port" --prometheus-host 127.0.0.1 --prometheus-port $((port + 1)) \
     --vllm-pd-disaggregation $(urls "$n" "$net" prefill) $(urls "$n" "$net" decode) \
     --policy "$5" --log-level warning
   PEER_PID=$LAST_PID
-  wait_for 60 "$name" serves "http://127.0.0.1:$port"
 }
 
 pids_of() { tree "$1" | sed 's/^/--cpu-pid /' | tr '\n' ' '; }
@@ -233,15 +250,27 @@ overhead() {
   start_control control-4p4d "$RUN/fleet-4p4d.yaml" 33111
   start_envoy_pd envoy-1p1d 33100 33102 33101; local e1=$ENVOY_PID
   start_envoy_pd envoy-4p4d 33110 33112 33111; local e4=$ENVOY_PID
+  # The same 1P1D stack with policies that never hash the prompt: what the prefix index costs.
+  start_envoy_pd envoy-1p1d-lr 33105 33107 33101 \
+    AIBRIX_PREFILL_SCORE_POLICY=least_request AIBRIX_DECODE_SCORE_POLICY=least_request
+  local elr=$ENVOY_PID
   start_envoy_plain envoy-plain 33120 33122 127.0.33.9; local ep=$LAST_PID
   tokenizer
   start_sglang sglang-1p1d 33130 34 1 round_robin round_robin; local sg=$PEER_PID
   start_vllm vllm-1p1d 33140 33 1 round_robin; local vl=$PEER_PID
   # target name, URL, process whose CPU counts
   local targets=("direct http://127.0.33.9:$POD_PORT -" "envoy-plain http://127.0.0.1:33120 $ep"
-    "pd-router-1p1d http://127.0.0.1:33100 $e1" "pd-router-4p4d http://127.0.0.1:33110 $e4"
+    "pd-router-1p1d http://127.0.0.1:33100 $e1" "pd-router-1p1d-lr http://127.0.0.1:33105 $elr"
+    "pd-router-4p4d http://127.0.0.1:33110 $e4"
     "sglang-router http://127.0.0.1:33130 $sg" "vllm-router http://127.0.0.1:33140 $vl")
   local t name url cpu rep bytes common
+  if [ -n "${OVERHEAD_TARGETS:-}" ]; then # e.g. "direct pd-router-1p1d sglang-router"
+    local keep=()
+    for t in "${targets[@]}"; do
+      [[ " $OVERHEAD_TARGETS " == *" ${t%% *} "* ]] && keep+=("$t")
+    done
+    targets=("${keep[@]}")
+  fi
   for t in "${targets[@]}"; do # warm-up: connections, VMs, JIT
     read -r name url cpu <<< "$t"
     "$BIN/pd-load" --url "$url" --model "$MODEL" --rps 0 --clients 4 --requests 400 \
@@ -268,7 +297,7 @@ overhead() {
     done
   done
   local p
-  for p in "$sg" "$vl" "$ep" "$e4" "$e1"; do stop "$p"; done
+  for p in "$sg" "$vl" "$ep" "$e4" "$elr" "$e1"; do stop "$p"; done
   cleanup; PIDS=()
 }
 

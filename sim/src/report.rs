@@ -183,10 +183,11 @@ pub fn load(dir: &Path) -> Result<Results, String> {
 }
 
 /// Targets in the order the tables list them.
-const OVERHEAD_ORDER: [&str; 6] = [
+const OVERHEAD_ORDER: [&str; 7] = [
     "direct",
     "envoy-plain",
     "pd-router-1p1d",
+    "pd-router-1p1d-lr",
     "pd-router-4p4d",
     "sglang-router",
     "vllm-router",
