@@ -177,7 +177,9 @@ mod tests {
         )
         .unwrap();
         let text = std::fs::read_to_string(&cdf).unwrap();
-        assert!(text.starts_with("<svg") && text.contains(">a<") && text.contains(">b<"));
+        // plotters writes each label on its own line inside <text>.
+        let label = |l: &str| text.contains(&format!("\n{l}\n</text>"));
+        assert!(text.starts_with("<svg") && label("a") && label("b") && label("t"));
         let bar = dir.join("bars.svg");
         bars(
             &bar,

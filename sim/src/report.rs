@@ -202,7 +202,7 @@ fn num(v: f64, digits: usize) -> String {
     }
 }
 
-fn ordered<'a>(cells: &'a BTreeMap<String, Cell>) -> Vec<(&'a str, &'a Cell)> {
+fn ordered(cells: &BTreeMap<String, Cell>) -> Vec<(&str, &Cell)> {
     let mut v: Vec<(&str, &Cell)> = OVERHEAD_ORDER
         .iter()
         .filter_map(|t| cells.get_key_value(*t).map(|(k, c)| (k.as_str(), c)))

@@ -252,7 +252,7 @@ impl Default for MixedShape {
 /// sessions whose conversations start with one of a few system prompts and grow by each
 /// turn's question and reply, carrying `x-aibrix-session-key`.
 pub fn mixed(shape: &MixedShape, seed: u64) -> Vec<TraceEntry> {
-    let mut rng = fastrand::Rng::with_seed(seed ^ 0x6d69_7865_64);
+    let mut rng = fastrand::Rng::with_seed(seed ^ 0x6d_6978_6564);
     let systems: Vec<String> = (0..shape.system_prompts.max(1))
         .map(|i| filler(seed ^ 0x5157 ^ i.wrapping_mul(0x9e37), shape.system_tokens))
         .collect();
@@ -285,7 +285,7 @@ pub fn mixed(shape: &MixedShape, seed: u64) -> Vec<TraceEntry> {
             } else {
                 let s = rng.usize(0..histories.len());
                 let history = &mut histories[s];
-                if history.len() as u64 >= 2 * shape.max_turns + 1 {
+                if history.len() as u64 > 2 * shape.max_turns {
                     history.clear();
                 }
                 if history.is_empty() {
