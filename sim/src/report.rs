@@ -457,7 +457,7 @@ fn chart_policy_target(t: &str) -> bool {
     about = "Tables and SVG charts of make bench results"
 )]
 pub struct ReportArgs {
-    /// Directory holding <scenario>/<target>.<rep>.json.
+    /// Directory holding `<scenario>/<target>.<rep>.json`.
     #[arg(long, default_value = "target/bench")]
     pub dir: PathBuf,
     /// Where to draw the charts (default: --dir).
