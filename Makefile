@@ -182,3 +182,36 @@ BENCH_V8_PODS ?= 16 256 1024
 .PHONY: bench-v8
 bench-v8: build-native
 	envoy/bench-v8.sh $(BENCH_V8_PODS)
+
+# ---- make bench: overhead against plain Envoy and the Rust peers, policy quality --------------
+# envoy/bench.sh starts pd-sim pods, Envoy (plain and with pd-router), sglang-router and
+# vllm-router on 127.0.0.1 / 127.0.33-36.x ports 33000-34999, runs pd-load against each in turn
+# (A B A B) and ends with pd-bench-report (Markdown tables + SVG charts in BENCH_DIR).
+# bench-setup puts the two peers in the project venv: their wheels without dependencies, then
+# only the runtime dependencies they import.
+BENCH_DIR   ?= target/bench
+PEER_WHEELS := sglang-router==0.3.2 vllm-router==0.1.17
+PEER_DEPS   := setproctitle aiohttp orjson uvicorn fastapi requests
+.PHONY: bench bench-quick bench-setup bench-report
+
+bench-setup: $(ENVOY)
+	@$(VENV)/bin/pip show -q sglang-router vllm-router >/dev/null 2>&1 || { \
+	  mkdir -p target/bench-wheels && \
+	  $(VENV)/bin/pip download --quiet --no-deps -d target/bench-wheels $(PEER_WHEELS) && \
+	  $(VENV)/bin/pip install --quiet --no-deps target/bench-wheels/*.whl && \
+	  $(VENV)/bin/pip install --quiet $(PEER_DEPS); }
+	@$(VENV)/bin/sglang-router --version 2>/dev/null | head -1; $(VENV)/bin/pip show vllm-router | grep -i ^version
+
+bench: bench-setup wasm
+	cargo build --profile native -p pd-control -p pd-sim
+	BENCH_DIR=$(BENCH_DIR) envoy/bench.sh full all
+
+# A smoke run (< 5 min): one round, short runs, four policy pairs at one load.
+bench-quick: bench-setup wasm
+	cargo build --profile native -p pd-control -p pd-sim
+	BENCH_DIR=$(BENCH_DIR) envoy/bench.sh quick all
+
+# Tables and charts again from the JSON results of an earlier run.
+bench-report:
+	cargo build --profile native -p pd-sim
+	$(or $(CARGO_TARGET_DIR),target)/native/pd-bench-report --dir $(BENCH_DIR)

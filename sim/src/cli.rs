@@ -5,15 +5,17 @@ use std::io::Write as _;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
 
 use crate::engine::TimingModel;
-use crate::load::{self, Arrival, LoadConfig};
+use crate::load::{self, Arrival, LoadConfig, Workload};
 use crate::pod::SimConfig;
 use crate::sim::{serve_admin, FleetWatcher, Sim};
 use crate::stats;
+use crate::trace::{self, MixedShape, TraceEntry};
 
 /// Simulated vLLM engine pods for every loopback pod of a fleet file.
 #[derive(Debug, Parser)]
@@ -79,6 +81,10 @@ pub struct SimArgs {
     /// default) or `nixl` (vLLM on Neuron: the decode leg carries `disagg_prefill_resp`).
     #[arg(long, default_value = "shfs", value_parser = ["shfs", "nixl"])]
     pub vllm_connector: String,
+    /// `remote_host` a vLLM prefill answers: `localhost` (vLLM's default, which a router must
+    /// overwrite) or `pod` (its own IP, as with `VLLM_NIXL_SIDE_CHANNEL_HOST` set).
+    #[arg(long, default_value = "localhost", value_parser = ["localhost", "pod"])]
+    pub side_channel_host: String,
 }
 
 impl SimArgs {
@@ -104,6 +110,7 @@ impl SimArgs {
                 .unwrap_or(Duration::from_secs(300)),
             trtllm_python_transceiver: self.trtllm_transceiver == "python",
             vllm_neuron: self.vllm_connector == "nixl",
+            side_channel_host_is_pod_ip: self.side_channel_host == "pod",
         }
     }
 }
@@ -270,8 +277,33 @@ pub struct LoadArgs {
     /// decode leg to --url (the no-router baseline of a PD exchange).
     #[arg(long)]
     pub direct_prefill: Option<String>,
-    /// Write the config, summary and every result as JSON to this file.
+    /// What to send: random (--prompt-tokens, --chat-ratio), fixed (chat bodies of exactly
+    /// --body-bytes), mixed (short chat, long RAG, multi-turn sessions) or replay (--trace).
+    #[arg(long, default_value = "random", value_parser = ["random", "fixed", "mixed", "replay"])]
+    pub workload: String,
+    /// Body size of --workload fixed, bytes.
+    #[arg(long, default_value_t = 2048)]
+    pub body_bytes: usize,
+    /// JSONL trace of --workload replay (format: the `trace` module's doc, docs/BENCHMARKS.md).
     #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Send trace entries at their offset_ms instead of at --rps / with --clients.
+    #[arg(long)]
+    pub trace_timing: bool,
+    /// Entries of the --workload mixed trace (the run cycles through them).
+    #[arg(long, default_value_t = 2000)]
+    pub mixed_entries: usize,
+    /// Write the mixed or replayed trace as JSONL to this file.
+    #[arg(long)]
+    pub write_trace: Option<PathBuf>,
+    /// pd-sim's admin URL: report the prefix-cache hit rate and per-pod prompt tokens.
+    #[arg(long)]
+    pub sim_admin: Option<String>,
+    /// Report the CPU time these processes used during the run (repeatable).
+    #[arg(long = "cpu-pid")]
+    pub cpu_pids: Vec<u32>,
+    /// Write the config, summary and every result as JSON to this file.
+    #[arg(long, visible_alias = "out")]
     pub json: Option<PathBuf>,
     /// Exit 1 when any request failed.
     #[arg(long)]
@@ -299,6 +331,10 @@ impl LoadArgs {
         if !(self.rps.is_finite() && self.rps >= 0.0) {
             return Err(format!("--rps must be >= 0, got {}", self.rps));
         }
+        let (workload, trace) = self.workload()?;
+        if self.trace_timing && trace.is_empty() {
+            return Err("--trace-timing needs --workload replay".into());
+        }
         let (rps, requests) = if self.once {
             (0.0, Some(1))
         } else {
@@ -324,6 +360,46 @@ impl LoadArgs {
             include_usage: self.include_usage,
             seed: self.seed,
             direct_prefill: self.direct_prefill.clone(),
+            workload,
+            trace: Arc::new(trace),
+            trace_timing: self.trace_timing,
+            sim_admin: self.sim_admin.clone(),
+            cpu_pids: self.cpu_pids.clone(),
+        })
+    }
+
+    fn workload(&self) -> Result<(Workload, Vec<TraceEntry>), String> {
+        Ok(match self.workload.as_str() {
+            "fixed" => (
+                Workload::Fixed {
+                    body_bytes: self.body_bytes,
+                },
+                Vec::new(),
+            ),
+            "mixed" => {
+                let shape = MixedShape {
+                    entries: self.mixed_entries.max(1),
+                    ..MixedShape::default()
+                };
+                (Workload::Mixed, trace::mixed(&shape, self.seed))
+            }
+            "replay" => {
+                let path = self
+                    .trace
+                    .as_ref()
+                    .ok_or("--workload replay needs --trace FILE")?;
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+                let entries =
+                    trace::parse(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+                (
+                    Workload::Replay {
+                        trace: path.display().to_string(),
+                    },
+                    entries,
+                )
+            }
+            _ => (Workload::Random, Vec::new()),
         })
     }
 }
@@ -382,6 +458,12 @@ pub fn load_main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if let Some(path) = &args.write_trace {
+        if let Err(e) = std::fs::write(path, trace::to_jsonl(&cfg.trace)) {
+            eprintln!("pd-load: cannot write {}: {e}", path.display());
+            return ExitCode::FAILURE;
+        }
+    }
     let report = match runtime().and_then(|rt| rt.block_on(load::run(cfg))) {
         Ok(r) => r,
         Err(err) => {
@@ -390,6 +472,7 @@ pub fn load_main() -> ExitCode {
         }
     };
     print!("{}", stats::render(&report.summary));
+    print!("{}", stats::render_probes(&report));
     let _ = std::io::stdout().flush();
     if let Some(path) = &args.json {
         let written = serde_json::to_vec_pretty(&report)

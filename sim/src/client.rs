@@ -77,6 +77,7 @@ impl Sender {
         url: String,
         body: &Value,
         x_request_id: Option<&str>,
+        session: Option<&str>,
     ) -> reqwest::RequestBuilder {
         let mut req = self
             .client
@@ -91,6 +92,9 @@ impl Sender {
         }
         if let Some(id) = x_request_id {
             req = req.header("x-request-id", id);
+        }
+        if let Some(key) = session {
+            req = req.header("x-aibrix-session-key", key);
         }
         req
     }
@@ -136,7 +140,8 @@ impl Sender {
         let url = format!("{}{}", self.base, p.path);
         let sent = timeout_at(
             deadline,
-            self.request(url, &body, x_request_id.as_deref()).send(),
+            self.request(url, &body, x_request_id.as_deref(), p.session.as_deref())
+                .send(),
         )
         .await;
         let mut resp = match sent {
@@ -173,6 +178,7 @@ impl Sender {
             format!("{prefill_url}{path}"),
             &prefill_body(body),
             Some(id),
+            None,
         );
         let resp = match timeout_at(deadline, req.send()).await {
             Ok(Ok(resp)) => resp,

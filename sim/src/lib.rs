@@ -12,9 +12,13 @@
 //! shapes and PD rules), [`sglang`] and [`trtllm`] (their PD rules), [`rendezvous`] (legs that
 //! meet by key), [`abort`] (`/abort_request`), [`metrics`] (exposition), [`pod`] (per-pod state and request jobs),
 //! [`log`] (request log), [`faults`] (fault injection), [`server`] (HTTP), [`sim`] (fleet → served pods), [`load`] and
-//! [`stats`] (load generator and its summary), [`cli`] (both command lines).
+//! [`stats`] (load generator and its summary), [`trace`] (JSONL traces, the mixed and
+//! fixed-size workloads), [`probe`] (pd-sim counters and router CPU around a run), [`report`]
+//! and [`charts`] (`pd-bench-report`: tables and SVG charts of `make bench`), [`cli`] (the
+//! command lines).
 
 pub mod abort;
+pub mod charts;
 pub mod cli;
 pub mod client;
 pub mod engine;
@@ -25,11 +29,14 @@ pub mod metrics;
 pub mod neuron;
 pub mod pod;
 pub mod prefix;
+pub mod probe;
 pub mod rendezvous;
+pub mod report;
 pub mod server;
 pub mod sglang;
 pub mod sim;
 pub mod stats;
+pub mod trace;
 pub mod trtllm;
 pub mod vllm;
 pub mod workload;

@@ -15,7 +15,9 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
 use crate::client::Sender;
+use crate::probe::{self, CpuReport, PrefixReport};
 use crate::stats::{summarize, Summary};
+use crate::trace::TraceEntry;
 use crate::workload::plan;
 
 /// How arrivals are spaced.
@@ -26,6 +28,20 @@ pub enum Arrival {
     Poisson,
     /// Equal gaps.
     Fixed,
+}
+
+/// What requests look like.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase", tag = "kind")]
+pub enum Workload {
+    /// `--prompt-tokens`, `--chat-ratio`, `--shared-prefix-tokens`.
+    Random,
+    /// Chat bodies of exactly this many bytes.
+    Fixed { body_bytes: usize },
+    /// The synthetic mixed trace ([`crate::trace::mixed`]).
+    Mixed,
+    /// A JSONL trace file ([`crate::trace`]).
+    Replay { trace: String },
 }
 
 /// A run's settings (from the command line).
@@ -59,6 +75,16 @@ pub struct LoadConfig {
     /// Base URL of a prefill pod: pd-load runs the vLLM prefill leg itself, then sends the
     /// decode leg to `url`. The "no router" baseline of a PD exchange.
     pub direct_prefill: Option<String>,
+    pub workload: Workload,
+    /// The entries of a `mixed` or `replay` workload, sent in order (cycling).
+    #[serde(skip)]
+    pub trace: Arc<Vec<TraceEntry>>,
+    /// Arrivals at the trace's `offset_ms` instead of `rps`/`clients`.
+    pub trace_timing: bool,
+    /// pd-sim's admin URL: read the pods' prefix-cache counters before and after the run.
+    pub sim_admin: Option<String>,
+    /// Processes whose CPU time (from /proc) the run reports, e.g. the router's.
+    pub cpu_pids: Vec<u32>,
 }
 
 impl Default for LoadConfig {
@@ -83,6 +109,11 @@ impl Default for LoadConfig {
             include_usage: true,
             seed: 1,
             direct_prefill: None,
+            workload: Workload::Random,
+            trace: Arc::default(),
+            trace_timing: false,
+            sim_admin: None,
+            cpu_pids: Vec::new(),
         }
     }
 }
@@ -133,20 +164,42 @@ impl RequestResult {
 pub struct RunReport {
     pub config: LoadConfig,
     pub summary: Summary,
+    /// With `sim_admin`: the prefix cache and prompt tokens per pod over the run.
+    pub prefix: Option<PrefixReport>,
+    /// With `cpu_pids`: their CPU time over the run.
+    pub cpu: Option<CpuReport>,
     pub results: Vec<RequestResult>,
 }
 
 /// Runs a load test and returns every result plus the summary.
 pub async fn run(cfg: LoadConfig) -> Result<RunReport, String> {
+    let probe = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .map_err(|e| format!("cannot build HTTP client: {e}"))?;
+    let sim_before = match &cfg.sim_admin {
+        Some(admin) => Some(probe::read_sim(&probe, admin).await?),
+        None => None,
+    };
+    let cpu_before = if cfg.cpu_pids.is_empty() {
+        None
+    } else {
+        Some(
+            probe::cpu_seconds(&cfg.cpu_pids)
+                .ok_or_else(|| format!("cannot read /proc/<pid>/stat of {:?}", cfg.cpu_pids))?,
+        )
+    };
     let sender = Arc::new(Sender::new(cfg.clone())?);
     let mut rng = fastrand::Rng::with_seed(cfg.seed);
     let run_start = sender.run_start;
-    let (mut results, send_window, delayed) = if cfg.rps > 0.0 {
+    let (mut results, send_window, delayed) = if cfg.rps > 0.0 || cfg.trace_timing {
         open_loop(&cfg, &sender, &mut rng).await
     } else {
         closed_loop(&cfg, &sender, rng).await
     };
     let elapsed = run_start.elapsed().as_secs_f64();
+    let cpu_after = cpu_before.and(probe::cpu_seconds(&cfg.cpu_pids));
     results.sort_by_key(|r| r.seq);
     let target = reqwest::Url::parse(&cfg.url)
         .ok()
@@ -159,9 +212,22 @@ pub async fn run(cfg: LoadConfig) -> Result<RunReport, String> {
         delayed,
         &target,
     );
+    let prefix = match (&cfg.sim_admin, sim_before) {
+        (Some(admin), Some(before)) => {
+            let after = probe::read_sim(&probe, admin).await?;
+            Some(probe::prefix_report(&before, &after))
+        }
+        _ => None,
+    };
+    let cpu = match (cpu_before, cpu_after) {
+        (Some(b), Some(a)) => Some(probe::cpu_report(&cfg.cpu_pids, b, a, summary.ok)),
+        _ => None,
+    };
     Ok(RunReport {
         config: cfg,
         summary,
+        prefix,
+        cpu,
         results,
     })
 }
@@ -177,7 +243,14 @@ async fn open_loop(
     let mut next = start;
     let mut delayed = 0;
     let mut seq = 0u64;
-    while cfg.requests.is_none_or(|n| seq < n) && next - start < cfg.duration {
+    let trace_len = cfg.trace.len() as u64;
+    if cfg.trace_timing {
+        next = start + trace_offset(cfg, 0);
+    }
+    while cfg.requests.is_none_or(|n| seq < n)
+        && next - start < cfg.duration
+        && (!cfg.trace_timing || seq < trace_len)
+    {
         tokio::time::sleep_until(next).await;
         let permit = match slots.clone().try_acquire_owned() {
             Ok(p) => p,
@@ -197,6 +270,10 @@ async fn open_loop(
             result
         });
         seq += 1;
+        if cfg.trace_timing {
+            next = start + trace_offset(cfg, seq);
+            continue;
+        }
         let gap = match cfg.arrival {
             Arrival::Fixed => 1.0 / cfg.rps,
             Arrival::Poisson => -(1.0 - rng.f64()).ln() / cfg.rps,
@@ -213,6 +290,16 @@ async fn open_loop(
         }
     }
     (results, window, delayed)
+}
+
+/// Arrival time of trace entry `seq` (the last offset seen when an entry has none); past the
+/// end of the trace, a time after any duration so the sending loop stops.
+fn trace_offset(cfg: &LoadConfig, seq: u64) -> Duration {
+    let Some(upto) = cfg.trace.get(..=seq as usize) else {
+        return Duration::from_secs(86_400 * 365);
+    };
+    let ms = upto.iter().rev().find_map(|e| e.offset_ms).unwrap_or(0.0);
+    Duration::from_secs_f64((ms / 1000.0).clamp(0.0, 86_400.0 * 30.0))
 }
 
 async fn closed_loop(

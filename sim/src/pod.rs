@@ -50,6 +50,10 @@ pub struct SimConfig {
     /// vLLM pods speak the Neuron NIXL contract (`disagg_prefill_resp`) instead of upstream
     /// vLLM's `kv_transfer_params` exchange (`crate::neuron`).
     pub vllm_neuron: bool,
+    /// vLLM prefill pods answer `remote_host` = their own IP, as vLLM does when
+    /// `VLLM_NIXL_SIDE_CHANNEL_HOST` is set to the pod IP: what routers that copy
+    /// `kv_transfer_params` verbatim (vllm-router) need.
+    pub side_channel_host_is_pod_ip: bool,
 }
 
 impl Default for SimConfig {
@@ -66,6 +70,7 @@ impl Default for SimConfig {
             transfer_timeout: Duration::from_secs(300),
             trtllm_python_transceiver: true,
             vllm_neuron: false,
+            side_channel_host_is_pod_ip: false,
         }
     }
 }

@@ -502,7 +502,7 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
     let kv_out = (req.leg == Leg::Prefill && engine == Engine::Vllm).then(|| {
         let blocks = pod.allocate_blocks(engine::blocks_for(req.prompt_tokens));
         let mut params = vllm::prefill_kv_params(&pod.engine_id, &id, &blocks);
-        if neuron {
+        if neuron || pod.config.side_channel_host_is_pod_ip {
             // No gateway rewrites `remote_host` in this contract: the pod names itself.
             params["remote_host"] = Value::String(record.ip.clone());
         }

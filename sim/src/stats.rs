@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use crate::load::RequestResult;
+use crate::load::{RequestResult, RunReport};
 
 /// Percentile `p` (0..=100) of ascending `sorted` values, interpolating linearly between the
 /// two nearest ranks (numpy's default), so small samples still give sensible p99s.
@@ -251,6 +251,36 @@ pub fn render(s: &Summary) -> String {
         for (k, v) in &s.errors_by {
             let _ = writeln!(out, "  {v:>6}  {k}");
         }
+    }
+    out
+}
+
+/// The prefix-cache and CPU lines of a run, when it measured them.
+pub fn render_probes(report: &RunReport) -> String {
+    let mut out = String::new();
+    if let Some(p) = &report.prefix {
+        let rate = p
+            .hit_rate
+            .map_or_else(|| "-".to_string(), |r| format!("{:.1} %", r * 100.0));
+        let _ = writeln!(
+            out,
+            "prefix cache (pd-sim): hit rate {rate} ({:.0} of {:.0} prompt tokens)",
+            p.hit_tokens, p.queried_tokens
+        );
+        for pod in &p.pods {
+            let _ = writeln!(
+                out,
+                "  {:<8} {:<24} prompt tokens {:>10.0}  cached {:>10.0}",
+                pod.role, pod.pod, pod.prompt_tokens, pod.hit_tokens
+            );
+        }
+    }
+    if let Some(c) = &report.cpu {
+        let _ = writeln!(
+            out,
+            "router CPU (pids {:?}): {:.2} s, {:.1} us per request, {:.3} s per 1000 requests",
+            c.pids, c.seconds, c.us_per_request, c.per_1000_requests
+        );
     }
     out
 }

@@ -3,7 +3,8 @@
 
 use serde_json::{json, Value};
 
-use crate::load::LoadConfig;
+use crate::load::{LoadConfig, Workload};
+use crate::trace::{body_input, fixed_body, words};
 
 /// One request to send, decided up front so runs are reproducible from `--seed`.
 #[derive(Debug, Clone, PartialEq)]
@@ -13,21 +14,65 @@ pub struct Planned {
     pub stream: bool,
     pub prompt_tokens: u64,
     pub body: Value,
-}
-
-/// Random filler "tokens" of exactly four characters, so prompt size in tokens is exact
-/// under the ceil(chars/4) rule engines and the simulator use.
-fn words(rng: &mut fastrand::Rng, count: u64, out: &mut String) {
-    for _ in 0..count {
-        for _ in 0..3 {
-            out.push(rng.lowercase());
-        }
-        out.push(' ');
-    }
+    /// Sent as `x-aibrix-session-key` (multi-turn sessions of a trace).
+    pub session: Option<String>,
 }
 
 /// Decides request `seq`: endpoint, stream flag, prompt and body.
 pub fn plan(cfg: &LoadConfig, rng: &mut fastrand::Rng, seq: u64) -> Planned {
+    match &cfg.workload {
+        Workload::Random => plan_random(cfg, rng, seq),
+        Workload::Fixed { body_bytes } => {
+            let stream = rng.f64() < cfg.stream_ratio;
+            let mut body = fixed_body(&cfg.model, cfg.max_tokens, stream, *body_bytes, rng.u64(..));
+            add_stream_options(cfg, stream, &mut body);
+            Planned {
+                seq,
+                path: "/v1/chat/completions",
+                stream,
+                prompt_tokens: (*body_bytes as u64).div_ceil(4),
+                body,
+                session: None,
+            }
+        }
+        Workload::Mixed | Workload::Replay { .. } => plan_trace(cfg, rng, seq),
+    }
+}
+
+fn add_stream_options(cfg: &LoadConfig, stream: bool, body: &mut Value) {
+    if let Some(map) = body.as_object_mut() {
+        if stream && cfg.include_usage {
+            map.insert("stream_options".into(), json!({"include_usage": true}));
+        }
+    }
+}
+
+/// Entry `seq` of the trace (cycling when the run outlasts it).
+fn plan_trace(cfg: &LoadConfig, rng: &mut fastrand::Rng, seq: u64) -> Planned {
+    let len = cfg.trace.len().max(1) as u64;
+    let Some(entry) = cfg.trace.get((seq % len) as usize) else {
+        return plan_random(cfg, rng, seq);
+    };
+    let draw = rng.f64() < cfg.stream_ratio;
+    let stream = entry.stream.unwrap_or(draw);
+    let (path, key, input) = body_input(entry, seq % len, cfg.seed);
+    let mut body = json!({"model": cfg.model, "max_tokens": entry.max_tokens.unwrap_or(cfg.max_tokens),
+                          "stream": stream});
+    if let Some(map) = body.as_object_mut() {
+        map.insert(key, input);
+    }
+    add_stream_options(cfg, stream, &mut body);
+    Planned {
+        seq,
+        path,
+        stream,
+        prompt_tokens: entry.size_tokens(),
+        body,
+        session: entry.session.clone(),
+    }
+}
+
+fn plan_random(cfg: &LoadConfig, rng: &mut fastrand::Rng, seq: u64) -> Planned {
     let chat = rng.f64() < cfg.chat_ratio;
     let stream = rng.f64() < cfg.stream_ratio;
     let (lo, hi) = (
@@ -67,6 +112,7 @@ pub fn plan(cfg: &LoadConfig, rng: &mut fastrand::Rng, seq: u64) -> Planned {
         stream,
         prompt_tokens: tokens,
         body,
+        session: None,
     }
 }
 
@@ -148,6 +194,50 @@ mod tests {
             a.iter().any(|p| p.path == "/v1/completions")
                 && a.iter().any(|p| p.path == "/v1/chat/completions")
         );
+    }
+
+    #[test]
+    fn trace_and_fixed_workloads_plan_their_bodies() {
+        let trace = crate::trace::parse(
+            "{\"messages\":[{\"role\":\"user\",\"content\":\"abcd\"}],\"session\":\"s1\",\"max_tokens\":3,\"stream\":true}\n\
+             {\"prompt_tokens\":20}\n",
+        )
+        .unwrap();
+        let cfg = LoadConfig {
+            model: "m".into(),
+            workload: Workload::Replay { trace: "t".into() },
+            trace: std::sync::Arc::new(trace),
+            ..LoadConfig::default()
+        };
+        let mut rng = fastrand::Rng::with_seed(1);
+        let a = plan(&cfg, &mut rng, 0);
+        assert_eq!(
+            (a.path, a.stream, a.session.as_deref()),
+            ("/v1/chat/completions", true, Some("s1"))
+        );
+        assert_eq!(a.body["max_tokens"], json!(3));
+        assert_eq!(a.body["messages"][0]["content"], json!("abcd"));
+        let b = plan(&cfg, &mut rng, 1);
+        assert_eq!(
+            (b.path, b.prompt_tokens, b.session),
+            ("/v1/completions", 20, None)
+        );
+        assert_eq!(b.body["max_tokens"], json!(cfg.max_tokens));
+        let c = plan(&cfg, &mut rng, 2);
+        assert_eq!(
+            c.body["messages"], a.body["messages"],
+            "the run cycles through the trace"
+        );
+
+        let fixed = LoadConfig {
+            model: "m".into(),
+            stream_ratio: 0.0,
+            workload: Workload::Fixed { body_bytes: 32768 },
+            ..LoadConfig::default()
+        };
+        let f = plan(&fixed, &mut rng, 0);
+        assert_eq!(f.body.to_string().len(), 32768);
+        assert_eq!(f.path, "/v1/chat/completions");
     }
 
     #[test]

@@ -276,3 +276,36 @@ async fn trtllm_generation_first_legs_meet_at_the_ctx_endpoint() {
         assert_eq!(leg["kv_pull"], "ok", "{leg}");
     }
 }
+
+/// `--side-channel-host pod`: the vLLM prefill names its own IP in `remote_host`, so a router
+/// that copies `kv_transfer_params` verbatim (vllm-router) gets a real KV pull; by default
+/// vLLM's `localhost` is answered and the decode pod, reached unchanged, recomputes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_side_channel_host_names_the_prefill_pod() {
+    for (pod_ip, want_host, want_pull) in [
+        (true, "127.0.0.1", "ok"),
+        (false, "localhost", "host_mismatch"),
+    ] {
+        let config = SimConfig {
+            side_channel_host_is_pod_ip: pod_ip,
+            ..fast()
+        };
+        let (sim, prefill, decode, _f) = serve("vllm", config).await;
+        let body = json!({"model": MODEL, "prompt": "one two three four", "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false}});
+        let (status, text) = post(&format!("{prefill}/v1/completions"), &body).await;
+        assert_eq!(status, 200, "{text}");
+        let kv = serde_json::from_str::<Value>(&text).expect("json")["kv_transfer_params"].clone();
+        assert_eq!(kv["remote_host"], json!(want_host));
+        let decode_body = json!({"model": MODEL, "prompt": "one two three four", "max_tokens": 2,
+            "kv_transfer_params": kv});
+        let (status, text) = post(&format!("{decode}/v1/completions"), &decode_body).await;
+        assert_eq!(status, 200, "{text}");
+        let pulls: Vec<Value> = log_of(&sim, "/v1/completions")
+            .into_iter()
+            .filter_map(|e| e.get("kv_pull").cloned())
+            .filter(|p| !p.is_null())
+            .collect();
+        assert_eq!(pulls, vec![json!(want_pull)]);
+    }
+}

@@ -1,0 +1,359 @@
+#!/usr/bin/env bash
+# make bench / make bench-quick: pd-router against a direct request, plain Envoy and the two Rust
+# PD routers (sglang-router, vllm-router) on the same pd-sim pods, then routing-policy quality
+# on a simulated cluster. Results: $BENCH_DIR/<scenario>/<target>.<rep>.json (pd-load reports),
+# then pd-bench-report prints the tables and draws the SVG charts into $BENCH_DIR.
+#
+#   envoy/bench.sh [full|quick] [overhead|policy|all]
+#
+# Everything binds 127.0.0.1 / 127.0.33-36.x on ports 33000-34999. Targets alternate A B A B
+# (REPS rounds of every target in turn) so machine drift spreads over all of them.
+# Environment: BENCH_DIR (target/bench), CARGO_TARGET_DIR, REPS, SECONDS_PER_RUN, CLIENTS_MAX,
+# BODIES ("2048 32768 262144"), OVERHEAD_TARGETS (names from the table in docs/BENCHMARKS.md),
+# POLICY_SECONDS, POLICY_PAIRS ("prefill:decode ..."), POLICY_LOADS ("60 90"), VENV (.venv).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MODE=${1:-full}
+PHASES=${2:-all}
+TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
+BIN=$TARGET_DIR/native
+WASM=$(realpath "$TARGET_DIR/wasm32-wasip1/release/pd_router_filter.wasm")
+VENV=${VENV:-.venv}
+OUT=${BENCH_DIR:-target/bench}
+RUN=$OUT/run
+ENVOY=$VENV/envoy
+MODEL=bench-llm
+POD_PORT=33001
+BOOT_PORT=33998
+
+if [ "$MODE" = quick ]; then
+  REPS=${REPS:-1} SECS=${SECONDS_PER_RUN:-3} POLICY_SECS=${POLICY_SECONDS:-8}
+  BODIES=${BODIES:-"2048 32768"}
+  PAIRS=${POLICY_PAIRS:-"least_request:least_request token_load:least_request prefix_cache:load_balancing hybrid_cache_load:load_balancing"}
+  LOADS=${POLICY_LOADS:-"90"}
+else
+  REPS=${REPS:-2} SECS=${SECONDS_PER_RUN:-6} POLICY_SECS=${POLICY_SECONDS:-15}
+  BODIES=${BODIES:-"2048 32768 262144"}
+  PAIRS=${POLICY_PAIRS:-}
+  if [ -z "$PAIRS" ]; then
+    for p in prefix_cache least_request conductor token_load hybrid_cache_load; do
+      for d in load_balancing least_request conductor token_load; do PAIRS="$PAIRS $p:$d"; done
+    done
+  fi
+  LOADS=${POLICY_LOADS:-"60 90"}
+fi
+CLIENTS_MAX=${CLIENTS_MAX:-32}
+
+for f in "$BIN/pd-sim" "$BIN/pd-control" "$BIN/pd-load" "$BIN/pd-bench-report" "$WASM" "$ENVOY" \
+         "$VENV/bin/sglang-router" "$VENV/bin/vllm-router"; do
+  [ -e "$f" ] || { echo "bench: $f missing (make bench-setup build-native)" >&2; exit 1; }
+done
+mkdir -p "$RUN"
+PIDS=()
+
+log() { echo "[bench $(date +%T) load $(cut -d' ' -f1 /proc/loadavg)] $*"; }
+
+# Every descendant of a pid, then the pid (the sglang launcher forks the router).
+tree() { # pid
+  local c
+  for c in $(ps -o pid= --ppid "$1" 2>/dev/null); do tree "$c"; done
+  echo "$1"
+}
+
+stop() { # pid: the process and its descendants, each waited for (ports free again)
+  local p all
+  all=$(tree "$1")
+  for p in $all; do kill "$p" 2>/dev/null || true; done
+  for p in $all; do
+    for _ in $(seq 100); do kill -0 "$p" 2>/dev/null || break; sleep 0.05; done
+    kill -9 "$p" 2>/dev/null || true
+  done
+}
+
+cleanup() {
+  local p
+  for p in "${PIDS[@]}"; do stop "$p"; done
+}
+trap cleanup EXIT
+
+start() { # name command... ; sets $LAST_PID
+  local name=$1; shift
+  "$@" > "$RUN/$name.out" 2> "$RUN/$name.log" &
+  LAST_PID=$!
+  PIDS+=("$LAST_PID")
+}
+
+# Ports 33000-34999 lie in Linux's ephemeral range, so an outgoing connection can hold one for
+# a moment (or, as the local end of a closed connection, for the 60 s of TIME_WAIT): a server
+# that fails to bind is started again, every 5 s for up to 80 s.
+start_server() { # seconds name ready-command -- command...
+  local secs=$1 name=$2 ready=() attempt deadline
+  shift 2
+  while [ "$1" != -- ]; do ready+=("$1"); shift; done
+  shift
+  for attempt in $(seq 16); do
+    start "$name" "$@"
+    deadline=$((SECONDS + secs))
+    until "${ready[@]}" >/dev/null 2>&1; do
+      if ! kill -0 "$LAST_PID" 2>/dev/null || [ $SECONDS -ge $deadline ]; then
+        stop "$LAST_PID"
+        if grep -q -i "address already in use" "$RUN/$name.log" "$RUN/$name.out" 2>/dev/null && [ "$attempt" -lt 16 ]; then
+          log "$name: port taken, retrying"; sleep 5; continue 2
+        fi
+        echo "bench: $name did not come up (see $RUN)" >&2; exit 1
+      fi
+      sleep 0.1
+    done
+    return 0
+  done
+}
+
+# --- fleets -----------------------------------------------------------------------------------
+pod() { # name ip role roleset engine [config-json]
+  cat <<EOF
+- apiVersion: v1
+  kind: Pod
+  metadata:
+    name: $1
+    namespace: bench
+    labels: {model.aibrix.ai/name: $MODEL, model.aibrix.ai/port: "$POD_PORT", model.aibrix.ai/engine: $5, role-name: $3, roleset-name: $4}
+    annotations:
+      model.aibrix.ai/sglang-bootstrap-port: "$BOOT_PORT"
+      model.aibrix.ai/config: '${6:-{"profiles": {"default": {"routingStrategy": "pd"}}}}'
+  status:
+    podIP: $2
+    conditions: [{type: Ready, status: "True"}]
+EOF
+}
+fleet_head() { printf 'apiVersion: v1\nkind: List\nitems:\n'; }
+rolesets() { # count net engine prefix
+  local i
+  for ((i = 0; i < $1; i++)); do
+    pod "$4-prefill-$i" "127.0.$2.$((2 * i + 1))" prefill "$4-rs-$i" "$3"
+    pod "$4-decode-$i" "127.0.$2.$((2 * i + 2))" decode "$4-rs-$i" "$3"
+  done
+}
+combined() { # count net engine prefix first-host
+  local i
+  for ((i = 0; i < $1; i++)); do
+    pod "$4-standard-$i" "127.0.$2.$(($5 + i))" standard standard "$3" \
+      '{"profiles": {"default": {"routingStrategy": "pd", "routingConfig": {"combined": true}}}}'
+  done
+}
+urls() { # count net role(prefill|decode) [bootstrap]
+  local i off
+  off=$([ "$3" = prefill ] && echo 1 || echo 2)
+  for ((i = 0; i < $1; i++)); do
+    echo -n " --$3 http://127.0.$2.$((2 * i + off)):$POD_PORT${4:+ $4}"
+  done
+}
+
+# --- components -------------------------------------------------------------------------------
+ZERO="--prefill-base-ms 0 --prefill-us-per-token 0 --decode-ms-per-token 0 --kv-pull-base-ms 0 --kv-pull-us-per-token 0 --prefill-concurrency 0 --batch-slowdown 0"
+
+start_sim() { # name fleet admin-port args...
+  local name=$1 fleet=$2 admin=$3; shift 3
+  start_server 30 "$name" grep -q "pd-sim: serving" "$RUN/$name.out" -- \
+    "$BIN/pd-sim" --fleet "$fleet" --admin "127.0.0.1:$admin" --side-channel-host pod "$@"
+  SIM_PID=$LAST_PID
+}
+
+start_control() { # name fleet port
+  start_server 30 "$1" grep -q "pd-control: listening" "$RUN/$1.out" -- \
+    "$BIN/pd-control" --fleet "$2" --listen "127.0.0.1:$3" --refresh-interval 50ms
+}
+
+loaded_vms() { # admin-port concurrency
+  local n
+  n=$(curl -s "127.0.0.1:$1/stats?filter=^wasmcustom.pd_router_fleet_loaded_vms$" | awk '{print $2}')
+  [ "${n:-0}" -ge $(($2 + 1)) ]
+}
+
+start_envoy_pd() { # name listen admin control-port [env...]
+  local name=$1 port=$2 admin=$3 control=$4; shift 4
+  sed -e "s#@LISTEN_ADDR@#127.0.0.1#; s#@LISTEN_PORT@#$port#; s#@ADMIN_PORT@#$admin#" \
+      -e "s#@WASM_PATH@#$WASM#; s#@CONTROL_ADDR@#127.0.0.1#; s#@CONTROL_PORT@#$control#" \
+      -e "s#@REFRESH_MS@#50#; s#@ACCESS_LOG@#/dev/null#" envoy/envoy.yaml.tmpl > "$RUN/$name.yaml"
+  start_server 30 "$name" loaded_vms "$admin" 2 -- env "$@" "$ENVOY" -c "$RUN/$name.yaml" \
+    --concurrency 2 --disable-hot-restart -l warn
+  ENVOY_PID=$LAST_PID
+}
+
+start_envoy_plain() { # name listen admin upstream-ip
+  sed -e "s#@LISTEN_PORT@#$2#; s#@ADMIN_PORT@#$3#; s#@UPSTREAM_ADDR@#$4#; s#@UPSTREAM_PORT@#$POD_PORT#" \
+    envoy/envoy-passthrough.yaml.tmpl > "$RUN/$1.yaml"
+  start_server 30 "$1" curl -sf "127.0.0.1:$3/ready" -- "$ENVOY" -c "$RUN/$1.yaml" --concurrency 2 \
+    --disable-hot-restart -l warn
+}
+
+# A local tokenizer directory so neither peer ever looks a model up on the network.
+tokenizer() {
+  mkdir -p "$RUN/tok"
+  cat > "$RUN/tok/tokenizer.json" <<'EOF'
+{"version":"1.0","truncation":null,"padding":null,"added_tokens":[{"id":0,"content":"[UNK]","single_word":false,"lstrip":false,"rstrip":false,"normalized":false,"special":true}],"normalizer":null,"pre_tokenizer":{"type":"Whitespace"},"post_processor":null,"decoder":null,"model":{"type":"WordLevel","vocab":{"[UNK]":0,"hello":1},"unk_token":"[UNK]"}}
+EOF
+  echo '{"model_type":"llama","architectures":["LlamaForCausalLM"]}' > "$RUN/tok/config.json"
+  echo '{"model_max_length":1000000,"unk_token":"[UNK]"}' > "$RUN/tok/tokenizer_config.json"
+}
+
+serves() { # url
+  curl -sf -m 5 -H 'content-type: application/json' \
+    -d "{\"model\":\"$MODEL\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"max_tokens\":1}" \
+    "$1/v1/chat/completions"
+}
+
+start_sglang() { # name port net count prefill-policy decode-policy
+  local name=$1 port=$2 net=$3 n=$4
+  # shellcheck disable=SC2046 # urls expands to flag/value pairs
+  start_server 60 "$name" serves "http://127.0.0.1:$port" -- \
+    env HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$VENV/bin/sglang-router" launch \
+    --host 127.0.0.1 --port "$port" --prometheus-host 127.0.0.1 --prometheus-port $((port + 1)) \
+    --pd-disaggregation $(urls "$n" "$net" prefill "$BOOT_PORT") $(urls "$n" "$net" decode) \
+    --prefill-policy "$5" --decode-policy "$6" --model-path "$RUN/tok" --tokenizer-path "$RUN/tok" \
+    --worker-startup-timeout-secs 30 --worker-startup-check-interval 1 --log-level warn
+  PEER_PID=$LAST_PID
+}
+
+start_vllm() { # name port net count policy
+  local name=$1 port=$2 net=$3 n=$4
+  # shellcheck disable=SC2046
+  start_server 60 "$name" serves "http://127.0.0.1:$port" -- \
+    env HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$VENV/bin/vllm-router" \
+    --host 127.0.0.1 --port "$port" --prometheus-host 127.0.0.1 --prometheus-port $((port + 1)) \
+    --vllm-pd-disaggregation $(urls "$n" "$net" prefill) $(urls "$n" "$net" decode) \
+    --policy "$5" --log-level warning
+  PEER_PID=$LAST_PID
+}
+
+pids_of() { tree "$1" | sed 's/^/--cpu-pid /' | tr '\n' ' '; }
+
+load() { # scenario target rep url cpu-pid args...
+  local scenario=$1 target=$2 rep=$3 url=$4 cpu=$5; shift 5
+  mkdir -p "$OUT/$scenario"
+  # shellcheck disable=SC2046
+  "$BIN/pd-load" --url "$url" --model "$MODEL" --seed "$rep" $([ -n "$cpu" ] && pids_of "$cpu") \
+    --json "$OUT/$scenario/$target.$rep.json" "$@" > "$RUN/last-load.txt" 2>&1 || true
+  log "$scenario $target #$rep: $(grep -E '^pd-load:' "$RUN/last-load.txt" | head -1)"
+}
+
+# --- 1. overhead ------------------------------------------------------------------------------
+overhead() {
+  log "overhead: pods, Envoy (plain, pd-router 1P1D and 4P4D), sglang-router, vllm-router"
+  # The direct and plain-Envoy baselines go to a standard (combined) pod: a vLLM decode pod
+  # refuses a request that carries no kv_transfer_params.
+  { fleet_head; rolesets 4 33 vllm v; combined 1 33 vllm v 9; rolesets 4 34 sglang s; } > "$RUN/pods-overhead.yaml"
+  { fleet_head; rolesets 1 33 vllm v; } > "$RUN/fleet-1p1d.yaml"
+  { fleet_head; rolesets 4 33 vllm v; } > "$RUN/fleet-4p4d.yaml"
+  # shellcheck disable=SC2086
+  start_sim sim-overhead "$RUN/pods-overhead.yaml" 33090 $ZERO
+  start_control control-1p1d "$RUN/fleet-1p1d.yaml" 33101
+  start_control control-4p4d "$RUN/fleet-4p4d.yaml" 33111
+  start_envoy_pd envoy-1p1d 33100 33102 33101; local e1=$ENVOY_PID
+  start_envoy_pd envoy-4p4d 33110 33112 33111; local e4=$ENVOY_PID
+  # The same 1P1D stack with policies that never hash the prompt: what the prefix index costs.
+  start_envoy_pd envoy-1p1d-lr 33105 33107 33101 \
+    AIBRIX_PREFILL_SCORE_POLICY=least_request AIBRIX_DECODE_SCORE_POLICY=least_request
+  local elr=$ENVOY_PID
+  start_envoy_plain envoy-plain 33120 33122 127.0.33.9; local ep=$LAST_PID
+  tokenizer
+  start_sglang sglang-1p1d 33130 34 1 round_robin round_robin; local sg=$PEER_PID
+  start_vllm vllm-1p1d 33140 33 1 round_robin; local vl=$PEER_PID
+  # target name, URL, process whose CPU counts
+  local targets=("direct http://127.0.33.9:$POD_PORT -" "envoy-plain http://127.0.0.1:33120 $ep"
+    "pd-router-1p1d http://127.0.0.1:33100 $e1" "pd-router-1p1d-lr http://127.0.0.1:33105 $elr"
+    "pd-router-4p4d http://127.0.0.1:33110 $e4"
+    "sglang-router http://127.0.0.1:33130 $sg" "vllm-router http://127.0.0.1:33140 $vl")
+  local t name url cpu rep bytes common
+  if [ -n "${OVERHEAD_TARGETS:-}" ]; then # e.g. "direct pd-router-1p1d sglang-router"
+    local keep=()
+    for t in "${targets[@]}"; do
+      [[ " $OVERHEAD_TARGETS " == *" ${t%% *} "* ]] && keep+=("$t")
+    done
+    targets=("${keep[@]}")
+  fi
+  for t in "${targets[@]}"; do # warm-up: connections, VMs, JIT
+    read -r name url cpu <<< "$t"
+    "$BIN/pd-load" --url "$url" --model "$MODEL" --rps 0 --clients 4 --requests 400 \
+      --workload fixed --body-bytes 2048 --stream-ratio 0 > /dev/null 2>&1 || true
+  done
+  common="--workload fixed --stream-ratio 0 --max-tokens 4 --duration ${SECS}s --timeout 20s"
+  for ((rep = 1; rep <= REPS; rep++)); do
+    for t in "${targets[@]}"; do
+      read -r name url cpu <<< "$t"
+      [ "$cpu" = - ] && cpu=
+      # shellcheck disable=SC2086
+      load lat1-2k "$name" "$rep" "$url" "$cpu" $common --body-bytes 2048 --rps 200 --arrival fixed --concurrency-limit 1
+      # shellcheck disable=SC2086
+      load lat16-2k "$name" "$rep" "$url" "$cpu" $common --body-bytes 2048 --rps 500 --concurrency-limit 16
+      # shellcheck disable=SC2086
+      load stream16-2k "$name" "$rep" "$url" "$cpu" --workload fixed --stream-ratio 1 --max-tokens 32 \
+        --duration ${SECS}s --timeout 20s --body-bytes 2048 --rps 200 --concurrency-limit 16
+      for bytes in $BODIES; do
+        local clients=$CLIENTS_MAX
+        [ "$bytes" -gt 100000 ] && clients=8
+        # shellcheck disable=SC2086
+        load "max-$((bytes / 1024))k" "$name" "$rep" "$url" "$cpu" $common --body-bytes "$bytes" --rps 0 --clients "$clients"
+      done
+    done
+  done
+  local p
+  for p in "$sg" "$vl" "$ep" "$e4" "$elr" "$e1"; do stop "$p"; done
+  cleanup; PIDS=()
+}
+
+# --- 3. policy quality ------------------------------------------------------------------------
+# 4 rolesets + 2 combined pods with pd-sim's default timing (prefill 2 ms + 20 us/token, one
+# prefill at a time per pod, decode 2 ms/token with batch slowdown) under the mixed trace.
+# Every run starts from cold caches: pd-sim and the router are restarted for each.
+POLICY_SIM="--kv-capacity-tokens 30000"
+MIXED="--workload mixed --mixed-entries 4000 --stream-ratio 1 --max-tokens 16 --timeout 30s"
+
+policy_run() { # scenario target rps url-kind policy-args...
+  local scenario=$1 target=$2 rps=$3 kind=$4; shift 4
+  # shellcheck disable=SC2086
+  start_sim sim-policy "$RUN/pods-policy.yaml" 33091 $POLICY_SIM
+  local sim=$SIM_PID router url
+  case $kind in
+    pd) start_envoy_pd envoy-policy 33150 33152 33151 \
+          "AIBRIX_PREFILL_SCORE_POLICY=$1" "AIBRIX_DECODE_SCORE_POLICY=$2"
+        router=$ENVOY_PID url=http://127.0.0.1:33150 ;;
+    sglang) start_sglang sglang-policy 33160 36 4 "$1" "$2"; router=$PEER_PID url=http://127.0.0.1:33160 ;;
+    vllm) start_vllm vllm-policy 33170 35 4 "$1"; router=$PEER_PID url=http://127.0.0.1:33170 ;;
+  esac
+  local args=(--rps "$rps" --concurrency-limit 2048 --duration "${POLICY_SECS}s" --sim-admin http://127.0.0.1:33091)
+  [ "$rps" = 0 ] && args=(--rps 0 --clients 48 --duration "${POLICY_SECS}s" --sim-admin http://127.0.0.1:33091)
+  # shellcheck disable=SC2086
+  load "$scenario" "$target" 1 "$url" "$router" $MIXED "${args[@]}"
+  stop "$router"; stop "$sim"
+}
+
+policy() {
+  log "policy: 4 rolesets + 2 combined pods (vLLM) and 4 rolesets (SGLang), mixed trace"
+  { fleet_head; rolesets 4 35 vllm pv; combined 2 35 vllm pv 9; rolesets 4 36 sglang ps; } > "$RUN/pods-policy.yaml"
+  { fleet_head; rolesets 4 35 vllm pv; combined 2 35 vllm pv 9; } > "$RUN/fleet-policy.yaml"
+  start_control control-policy "$RUN/fleet-policy.yaml" 33151
+  tokenizer
+  policy_run policy-capacity pd-router 0 pd prefix_cache load_balancing
+  local cap
+  cap=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['summary']['completed_rps'])" \
+    "$OUT/policy-capacity/pd-router.1.json")
+  log "capacity (closed loop, 48 clients, prefix_cache + load_balancing): $cap rps"
+  local load rps pair
+  for load in $LOADS; do
+    rps=$(python3 -c "print(round($cap * $load / 100, 1))")
+    for pair in $PAIRS; do
+      policy_run "policy-$load" "${pair/:/+}" "$rps" pd "${pair%%:*}" "${pair##*:}"
+    done
+    policy_run "policy-$load" sglang-cache_aware "$rps" sglang cache_aware power_of_two
+    policy_run "policy-$load" vllm-router "$rps" vllm round_robin
+  done
+  cleanup; PIDS=()
+}
+
+case $PHASES in
+  overhead) overhead ;;
+  policy) policy ;;
+  all) overhead; policy ;;
+  *) echo "usage: bench.sh [full|quick] [overhead|policy|all]" >&2; exit 2 ;;
+esac
+"$BIN/pd-bench-report" --dir "$OUT" --charts "$OUT"

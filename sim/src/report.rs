@@ -1,0 +1,582 @@
+//! `pd-bench-report`: reads the pd-load results `envoy/bench.sh` leaves in
+//! `<dir>/<scenario>/<target>.<rep>.json`, prints the comparison tables (medians over the
+//! repetitions, ratios against the best peer) as Markdown, writes them to `<dir>/summary.md`
+//! and draws the SVG charts.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use crate::charts;
+
+/// One pd-load result file, reduced to what the tables need.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Run {
+    pub e2e_p50: f64,
+    pub e2e_p99: f64,
+    pub ttft_p50: f64,
+    pub ttft_p99: f64,
+    pub tpot_p99: f64,
+    pub completed_rps: f64,
+    pub errors: u64,
+    pub requests: u64,
+    pub cpu_us_per_request: Option<f64>,
+    pub hit_rate: Option<f64>,
+    /// Per pod (`role pod`): prompt tokens from pd-sim's counters, else requests by header.
+    pub pods: Vec<(String, f64)>,
+    pub e2e_ms: Vec<f64>,
+    pub ttft_ms: Vec<f64>,
+}
+
+fn f(v: &Value, ptr: &str) -> f64 {
+    v.pointer(ptr).and_then(Value::as_f64).unwrap_or(f64::NAN)
+}
+
+impl Run {
+    /// Reads the fields of a pd-load `--json` report.
+    pub fn from_json(v: &Value) -> Run {
+        let results = v
+            .get("results")
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default();
+        let ok = |r: &&Value| {
+            r.get("status").and_then(Value::as_u64) == Some(200)
+                && r.get("error").is_none_or(Value::is_null)
+        };
+        let pick = |key: &str| -> Vec<f64> {
+            results
+                .iter()
+                .filter(ok)
+                .filter_map(|r| r.get(key).and_then(Value::as_f64))
+                .collect()
+        };
+        let mut pods: Vec<(String, f64)> = v
+            .pointer("/prefix/pods")
+            .and_then(Value::as_array)
+            .map(|pods| {
+                pods.iter()
+                    .filter_map(|p| {
+                        let name = p.get("pod")?.as_str()?;
+                        let role = p.get("role")?.as_str()?;
+                        let tokens = p.get("prompt_tokens")?.as_f64()?;
+                        (role != "decode").then(|| (format!("{role} {name}"), tokens))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        if pods.is_empty() {
+            pods = v
+                .pointer("/summary/pods")
+                .and_then(Value::as_array)
+                .map(|rows| {
+                    rows.iter()
+                        .filter_map(|p| {
+                            Some((
+                                format!("{} {}", p.get("role")?.as_str()?, p.get("pod")?.as_str()?),
+                                p.get("requests")?.as_f64()?,
+                            ))
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+        }
+        Run {
+            e2e_p50: f(v, "/summary/e2e_ms/p50"),
+            e2e_p99: f(v, "/summary/e2e_ms/p99"),
+            ttft_p50: f(v, "/summary/ttft_ms/p50"),
+            ttft_p99: f(v, "/summary/ttft_ms/p99"),
+            tpot_p99: f(v, "/summary/tpot_ms/p99"),
+            completed_rps: f(v, "/summary/completed_rps"),
+            errors: v
+                .pointer("/summary/errors")
+                .and_then(Value::as_u64)
+                .unwrap_or(0),
+            requests: v
+                .pointer("/summary/requests")
+                .and_then(Value::as_u64)
+                .unwrap_or(0),
+            cpu_us_per_request: v.pointer("/cpu/us_per_request").and_then(Value::as_f64),
+            hit_rate: v.pointer("/prefix/hit_rate").and_then(Value::as_f64),
+            pods,
+            e2e_ms: pick("e2e_ms"),
+            ttft_ms: pick("ttft_ms"),
+        }
+    }
+}
+
+/// Median of the finite values, `NaN` when there are none.
+pub fn median(values: impl IntoIterator<Item = f64>) -> f64 {
+    let mut v: Vec<f64> = values.into_iter().filter(|x| x.is_finite()).collect();
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// Every run of one target in one scenario, with the medians the tables show.
+#[derive(Debug, Clone, Default)]
+pub struct Cell {
+    pub runs: Vec<Run>,
+}
+
+impl Cell {
+    pub fn med(&self, f: impl Fn(&Run) -> f64) -> f64 {
+        median(self.runs.iter().map(f))
+    }
+    pub fn med_opt(&self, f: impl Fn(&Run) -> Option<f64>) -> f64 {
+        median(self.runs.iter().filter_map(f))
+    }
+    pub fn errors(&self) -> u64 {
+        self.runs.iter().map(|r| r.errors).sum()
+    }
+    pub fn requests(&self) -> u64 {
+        self.runs.iter().map(|r| r.requests).sum()
+    }
+}
+
+/// scenario → target → cell.
+pub type Results = BTreeMap<String, BTreeMap<String, Cell>>;
+
+/// Loads `<dir>/<scenario>/<target>.<rep>.json`.
+pub fn load(dir: &Path) -> Result<Results, String> {
+    let mut out: Results = BTreeMap::new();
+    let entries = std::fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    for scenario in entries.flatten() {
+        let path = scenario.path();
+        if !path.is_dir() {
+            continue;
+        }
+        let name = scenario.file_name().to_string_lossy().into_owned();
+        let Ok(files) = std::fs::read_dir(&path) else {
+            continue;
+        };
+        for file in files.flatten() {
+            let fname = file.file_name().to_string_lossy().into_owned();
+            let Some(stem) = fname.strip_suffix(".json") else {
+                continue;
+            };
+            let target = stem.rsplit_once('.').map_or(stem, |(t, _)| t).to_string();
+            let Ok(text) = std::fs::read_to_string(file.path()) else {
+                continue;
+            };
+            let Ok(v) = serde_json::from_str::<Value>(&text) else {
+                continue;
+            };
+            out.entry(name.clone())
+                .or_default()
+                .entry(target)
+                .or_default()
+                .runs
+                .push(Run::from_json(&v));
+        }
+    }
+    Ok(out)
+}
+
+/// Targets in the order the tables list them.
+const OVERHEAD_ORDER: [&str; 7] = [
+    "direct",
+    "envoy-plain",
+    "pd-router-1p1d",
+    "pd-router-1p1d-lr",
+    "pd-router-4p4d",
+    "sglang-router",
+    "vllm-router",
+];
+const PEERS: [&str; 2] = ["sglang-router", "vllm-router"];
+
+fn num(v: f64, digits: usize) -> String {
+    if v.is_finite() {
+        format!("{v:.digits$}")
+    } else {
+        "–".into()
+    }
+}
+
+fn ordered(cells: &BTreeMap<String, Cell>) -> Vec<(&str, &Cell)> {
+    let mut v: Vec<(&str, &Cell)> = OVERHEAD_ORDER
+        .iter()
+        .filter_map(|t| cells.get_key_value(*t).map(|(k, c)| (k.as_str(), c)))
+        .collect();
+    for (k, c) in cells {
+        if !OVERHEAD_ORDER.contains(&k.as_str()) {
+            v.push((k.as_str(), c));
+        }
+    }
+    v
+}
+
+/// The lowest (or highest, for throughput) peer figure.
+fn best_peer(cells: &BTreeMap<String, Cell>, f: impl Fn(&Cell) -> f64, lowest: bool) -> f64 {
+    let vals = PEERS
+        .iter()
+        .filter_map(|p| cells.get(*p))
+        .map(f)
+        .filter(|v| v.is_finite());
+    if lowest {
+        vals.fold(f64::NAN, |a, b| if a.is_nan() { b } else { a.min(b) })
+    } else {
+        vals.fold(f64::NAN, |a, b| if a.is_nan() { b } else { a.max(b) })
+    }
+}
+
+/// The overhead tables (latency, throughput, CPU) and ratios against the best peer.
+pub fn overhead_tables(results: &Results) -> String {
+    let mut out = String::new();
+    for (scenario, cells) in results.iter().filter(|(s, _)| !s.starts_with("policy")) {
+        let direct_p50 = cells
+            .get("direct")
+            .map_or(f64::NAN, |c| c.med(|r| r.e2e_p50));
+        let stream = scenario.starts_with("stream");
+        let _ = writeln!(out, "\n#### {scenario}\n");
+        if stream {
+            let _ = writeln!(out, "| target | TTFT p50 ms | TTFT p99 ms | TPOT p99 ms | E2E p50 ms | E2E p99 ms | rps | CPU µs/req | errors |");
+            let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|");
+        } else {
+            let _ = writeln!(
+                out,
+                "| target | E2E p50 ms | added p50 ms | E2E p99 ms | rps | CPU µs/req | errors |"
+            );
+            let _ = writeln!(out, "|---|---|---|---|---|---|---|");
+        }
+        for (t, c) in ordered(cells) {
+            let cpu = c.med_opt(|r| r.cpu_us_per_request);
+            let errors = format!("{}/{}", c.errors(), c.requests());
+            if stream {
+                let _ = writeln!(
+                    out,
+                    "| {t} | {} | {} | {} | {} | {} | {} | {} | {errors} |",
+                    num(c.med(|r| r.ttft_p50), 2),
+                    num(c.med(|r| r.ttft_p99), 2),
+                    num(c.med(|r| r.tpot_p99), 3),
+                    num(c.med(|r| r.e2e_p50), 2),
+                    num(c.med(|r| r.e2e_p99), 2),
+                    num(c.med(|r| r.completed_rps), 0),
+                    num(cpu, 0),
+                );
+            } else {
+                let p50 = c.med(|r| r.e2e_p50);
+                let _ = writeln!(
+                    out,
+                    "| {t} | {} | {} | {} | {} | {} | {errors} |",
+                    num(p50, 3),
+                    num(p50 - direct_p50, 3),
+                    num(c.med(|r| r.e2e_p99), 3),
+                    num(c.med(|r| r.completed_rps), 0),
+                    num(cpu, 0),
+                );
+            }
+        }
+        let ours = cells.get("pd-router-1p1d");
+        if let Some(ours) = ours {
+            let ratio = |a: f64, b: f64| num(a / b, 2);
+            let peer_cpu = best_peer(cells, |c| c.med_opt(|r| r.cpu_us_per_request), true);
+            let peer_rps = best_peer(cells, |c| c.med(|r| r.completed_rps), false);
+            let peer_add = best_peer(cells, |c| c.med(|r| r.e2e_p50) - direct_p50, true);
+            let peer_p99 = best_peer(cells, |c| c.med(|r| r.e2e_p99), true);
+            let _ = writeln!(
+                out,
+                "\npd-router 1P1D ÷ best peer: CPU per request {}, throughput {}, added p50 {}, p99 {}",
+                ratio(ours.med_opt(|r| r.cpu_us_per_request), peer_cpu),
+                ratio(ours.med(|r| r.completed_rps), peer_rps),
+                ratio(ours.med(|r| r.e2e_p50) - direct_p50, peer_add),
+                ratio(ours.med(|r| r.e2e_p99), peer_p99),
+            );
+        }
+    }
+    out
+}
+
+/// Policy-quality tables, one per load, plus the two comparisons the issue sets targets for.
+pub fn policy_tables(results: &Results) -> String {
+    let mut out = String::new();
+    for (scenario, cells) in results.iter().filter(|(s, _)| s.starts_with("policy")) {
+        let _ = writeln!(out, "\n#### {scenario}\n");
+        let _ = writeln!(out, "| prefill + decode policy | TTFT p50 ms | TTFT p99 ms | E2E p99 ms | rps | hit rate | errors |");
+        let _ = writeln!(out, "|---|---|---|---|---|---|---|");
+        for (t, c) in cells {
+            let _ = writeln!(
+                out,
+                "| {t} | {} | {} | {} | {} | {} | {}/{} |",
+                num(c.med(|r| r.ttft_p50), 1),
+                num(c.med(|r| r.ttft_p99), 1),
+                num(c.med(|r| r.e2e_p99), 1),
+                num(c.med(|r| r.completed_rps), 1),
+                num(c.med_opt(|r| r.hit_rate) * 100.0, 1) + " %",
+                c.errors(),
+                c.requests(),
+            );
+        }
+        let p99 = |t: &str| cells.get(t).map_or(f64::NAN, |c| c.med(|r| r.ttft_p99));
+        let hit = |t: &str| cells.get(t).map_or(f64::NAN, |c| c.med_opt(|r| r.hit_rate));
+        for decode in ["least_request", "load_balancing", "token_load"] {
+            let (tl, lr) = (
+                format!("token_load+{decode}"),
+                format!("least_request+{decode}"),
+            );
+            if cells.contains_key(&tl) && cells.contains_key(&lr) {
+                let _ = writeln!(
+                    out,
+                    "\n{tl} ÷ {lr} TTFT p99: {} (target ≤ 0.7 at 90 %)",
+                    num(p99(&tl) / p99(&lr), 2)
+                );
+            }
+        }
+        for decode in ["load_balancing", "least_request"] {
+            let (h, p) = (
+                format!("hybrid_cache_load+{decode}"),
+                format!("prefix_cache+{decode}"),
+            );
+            if cells.contains_key(&h) && cells.contains_key(&p) {
+                let _ = writeln!(
+                    out,
+                    "\n{h} ÷ {p} TTFT p99: {} at hit rate {} vs {} (target ≤ 1 at equal or better hit rate)",
+                    num(p99(&h) / p99(&p), 2),
+                    num(hit(&h) * 100.0, 1) + " %",
+                    num(hit(&p) * 100.0, 1) + " %",
+                );
+            }
+        }
+    }
+    out
+}
+
+/// Draws every chart into `dir`; returns the files written and the failures.
+pub fn draw(results: &Results, dir: &Path) -> (Vec<PathBuf>, Vec<String>) {
+    let mut written = Vec::new();
+    let mut failed = Vec::new();
+    let mut keep = |path: PathBuf, r: charts::ChartResult| match r {
+        Ok(()) => written.push(path),
+        Err(e) => failed.push(format!("{}: {e}", path.display())),
+    };
+    for (scenario, cells) in results {
+        let policy = scenario.starts_with("policy");
+        let stream = scenario.starts_with("stream") || policy;
+        let series: Vec<(String, Vec<f64>)> = ordered(cells)
+            .into_iter()
+            .filter(|(t, _)| !policy || chart_policy_target(t))
+            .map(|(t, c)| {
+                let v = c
+                    .runs
+                    .iter()
+                    .flat_map(|r| {
+                        if stream {
+                            r.ttft_ms.clone()
+                        } else {
+                            r.e2e_ms.clone()
+                        }
+                    })
+                    .collect();
+                (t.to_string(), v)
+            })
+            .collect();
+        let what = if stream { "TTFT" } else { "E2E latency" };
+        let path = dir.join(format!("{scenario}-cdf.svg"));
+        keep(
+            path.clone(),
+            charts::latency_cdf(&path, &format!("{scenario}: {what} CDF"), &series),
+        );
+        if scenario.starts_with("max") {
+            let rows: Vec<(String, f64)> = ordered(cells)
+                .into_iter()
+                .map(|(t, c)| (t.to_string(), c.med_opt(|r| r.cpu_us_per_request)))
+                .filter(|(_, v)| v.is_finite())
+                .collect();
+            let path = dir.join(format!("{scenario}-cpu.svg"));
+            keep(
+                path.clone(),
+                charts::bars(
+                    &path,
+                    &format!("{scenario}: router CPU per request"),
+                    "CPU µs per request (all threads)",
+                    &rows,
+                ),
+            );
+            let rows: Vec<(String, f64)> = ordered(cells)
+                .into_iter()
+                .map(|(t, c)| (t.to_string(), c.med(|r| r.completed_rps)))
+                .collect();
+            let path = dir.join(format!("{scenario}-rps.svg"));
+            keep(
+                path.clone(),
+                charts::bars(
+                    &path,
+                    &format!("{scenario}: throughput"),
+                    "requests per second",
+                    &rows,
+                ),
+            );
+        }
+        if policy {
+            for (t, c) in cells.iter().filter(|(t, _)| chart_policy_target(t)) {
+                let Some(run) = c.runs.first() else { continue };
+                let path = dir.join(format!("{scenario}-pods-{t}.svg"));
+                keep(
+                    path.clone(),
+                    charts::bars(
+                        &path,
+                        &format!("{scenario} {t}: prompt tokens per prefill/combined pod"),
+                        "prompt tokens (pd-sim counters)",
+                        &run.pods,
+                    ),
+                );
+            }
+        }
+    }
+    (written, failed)
+}
+
+/// The policy targets drawn (all pairs would make unreadable charts).
+fn chart_policy_target(t: &str) -> bool {
+    matches!(
+        t,
+        "prefix_cache+load_balancing"
+            | "least_request+least_request"
+            | "token_load+least_request"
+            | "token_load+token_load"
+            | "hybrid_cache_load+load_balancing"
+            | "sglang-cache_aware"
+            | "vllm-router"
+            | "pd-router"
+    )
+}
+
+/// `pd-bench-report`'s command line.
+#[derive(Debug, clap::Parser)]
+#[command(
+    name = "pd-bench-report",
+    about = "Tables and SVG charts of make bench results"
+)]
+pub struct ReportArgs {
+    /// Directory holding `<scenario>/<target>.<rep>.json`.
+    #[arg(long, default_value = "target/bench")]
+    pub dir: PathBuf,
+    /// Where to draw the charts (default: --dir).
+    #[arg(long)]
+    pub charts: Option<PathBuf>,
+}
+
+/// `pd-bench-report`'s main.
+pub fn report_main() -> std::process::ExitCode {
+    use clap::Parser as _;
+    let args = ReportArgs::parse();
+    let results = match load(&args.dir) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("pd-bench-report: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let mut text = format!(
+        "### Results ({} scenarios; load average at report time: {})\n",
+        results.len(),
+        load.split_whitespace()
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    text.push_str(&overhead_tables(&results));
+    text.push_str(&policy_tables(&results));
+    print!("{text}");
+    if let Err(e) = std::fs::write(args.dir.join("summary.md"), &text) {
+        eprintln!("pd-bench-report: cannot write summary.md: {e}");
+    }
+    let charts_dir = args.charts.unwrap_or(args.dir);
+    let (written, failed) = draw(&results, &charts_dir);
+    println!(
+        "\ncharts: {} written to {}",
+        written.len(),
+        charts_dir.display()
+    );
+    for f in &failed {
+        eprintln!("pd-bench-report: chart not drawn: {f}");
+    }
+    std::process::ExitCode::SUCCESS
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn report(p50: f64, cpu: f64, rps: f64) -> Value {
+        json!({"summary": {"e2e_ms": {"p50": p50, "p99": p50 * 2.0}, "ttft_ms": {"p50": p50, "p99": p50},
+                           "completed_rps": rps, "errors": 0, "requests": 10,
+                           "pods": [{"role": "unrouted", "pod": "x", "requests": 10}]},
+               "cpu": {"us_per_request": cpu},
+               "results": [{"status": 200, "e2e_ms": p50, "ttft_ms": p50, "error": null},
+                           {"status": 503, "e2e_ms": 99.0, "error": "x"}]})
+    }
+
+    #[test]
+    fn runs_read_the_report_and_medians_skip_gaps() {
+        let r = Run::from_json(&report(1.0, 50.0, 900.0));
+        assert_eq!((r.e2e_p50, r.e2e_p99, r.completed_rps), (1.0, 2.0, 900.0));
+        assert_eq!(r.cpu_us_per_request, Some(50.0));
+        assert_eq!(r.e2e_ms, vec![1.0], "failed requests left out");
+        assert_eq!(r.pods, vec![("unrouted x".to_string(), 10.0)]);
+        assert_eq!(median([3.0, f64::NAN, 1.0, 2.0]), 2.0);
+        assert_eq!(median([4.0, 1.0]), 2.5);
+        assert!(median([]).is_nan());
+    }
+
+    #[test]
+    fn tables_compare_with_the_best_peer() {
+        let mut results: Results = BTreeMap::new();
+        let s = results.entry("max-2k".into()).or_default();
+        for (t, p50, cpu, rps) in [
+            ("direct", 0.5, f64::NAN, 2000.0),
+            ("pd-router-1p1d", 1.0, 50.0, 1800.0),
+            ("sglang-router", 1.5, 150.0, 900.0),
+            ("vllm-router", 1.7, 100.0, 800.0),
+        ] {
+            let mut v = report(p50, cpu, rps);
+            if cpu.is_nan() {
+                v["cpu"] = Value::Null;
+            }
+            s.entry(t.into()).or_default().runs.push(Run::from_json(&v));
+        }
+        let text = overhead_tables(&results);
+        assert!(
+            text.contains("| pd-router-1p1d | 1.000 | 0.500 | 2.000 | 1800 | 50 | 0/10 |"),
+            "{text}"
+        );
+        // CPU 50 / 100, rps 1800 / 900, added 0.5 / 1.0, p99 2.0 / 3.0
+        assert!(
+            text.contains("CPU per request 0.50, throughput 2.00, added p50 0.50, p99 0.67"),
+            "{text}"
+        );
+        assert!(text.find("| direct").unwrap() < text.find("| envoy").unwrap_or(usize::MAX));
+    }
+
+    #[test]
+    fn policy_tables_state_the_targets() {
+        let mut results: Results = BTreeMap::new();
+        let s = results.entry("policy-90".into()).or_default();
+        for (t, p99) in [
+            ("token_load+least_request", 70.0),
+            ("least_request+least_request", 200.0),
+        ] {
+            let mut v = report(10.0, 1.0, 50.0);
+            v["summary"]["ttft_ms"]["p99"] = json!(p99);
+            v["prefix"] = json!({"hit_rate": 0.25, "pods": []});
+            s.entry(t.into()).or_default().runs.push(Run::from_json(&v));
+        }
+        let text = policy_tables(&results);
+        assert!(
+            text.contains("token_load+least_request ÷ least_request+least_request TTFT p99: 0.35"),
+            "{text}"
+        );
+        assert!(text.contains("| 25.0 % |"), "{text}");
+    }
+}
