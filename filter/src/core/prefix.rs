@@ -144,6 +144,31 @@ pub fn apply_min_match(pct: u32, min_match_pct: u32) -> u32 {
 /// End of a slab list.
 const NIL: u32 = u32::MAX;
 
+/// Hashes the index's keys, which are XXH64 outputs already: one multiply spreads them over
+/// the table's bucket and tag bits (a general-purpose hasher would hash a hash again, and the
+/// index does three map operations per block of every prompt).
+#[derive(Debug, Clone, Copy, Default)]
+struct BlockKeyHasher(u64);
+
+impl std::hash::Hasher for BlockKeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        // Only u64 keys are hashed; keep any other input well defined all the same.
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+
+    fn write_u64(&mut self, key: u64) {
+        self.0 = (key ^ (key >> 29)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+type BlockKeys = std::hash::BuildHasherDefault<BlockKeyHasher>;
+
 #[derive(Debug, Clone, Copy)]
 struct Holder {
     model: u32,
@@ -231,7 +256,7 @@ impl Names {
 #[derive(Debug)]
 pub struct PrefixIndex {
     capacity: usize,
-    slots: HashMap<u64, u32>,
+    slots: HashMap<u64, u32, BlockKeys>,
     nodes: Vec<Node>,
     free: Vec<u32>,
     /// Most recently added block.
@@ -247,7 +272,7 @@ impl PrefixIndex {
         PrefixIndex {
             // Slab indices are u32 with one value reserved for NIL.
             capacity: capacity.min(NIL as usize - 1),
-            slots: HashMap::new(),
+            slots: HashMap::default(),
             nodes: Vec::new(),
             free: Vec::new(),
             head: NIL,
@@ -433,20 +458,28 @@ impl PrefixIndex {
         }
     }
 
+    /// A node for a new block; a freed slot keeps its holder list's allocation, so a full
+    /// index (the steady state: every new block evicts one) allocates nothing per block.
     fn alloc(&mut self, hash: u64, now_ms: u64, holder: Holder) -> u32 {
-        let node = Node {
-            hash,
-            prev: NIL,
-            next: NIL,
-            touched_ms: now_ms,
-            holders: vec![holder],
-        };
         match self.free.pop() {
             Some(idx) => {
-                self.nodes[idx as usize] = node;
+                let node = &mut self.nodes[idx as usize];
+                node.hash = hash;
+                node.prev = NIL;
+                node.next = NIL;
+                node.touched_ms = now_ms;
+                node.holders.clear();
+                node.holders.push(holder);
                 idx
             }
             None => {
+                let node = Node {
+                    hash,
+                    prev: NIL,
+                    next: NIL,
+                    touched_ms: now_ms,
+                    holders: vec![holder],
+                };
                 // Below NIL: the slab never exceeds capacity + 1 nodes, and capacity < NIL - 1.
                 let idx = self.nodes.len() as u32;
                 self.nodes.push(node);
@@ -463,8 +496,8 @@ impl PrefixIndex {
         self.unlink(idx);
         let node = &mut self.nodes[idx as usize];
         let hash = node.hash;
-        let holders = std::mem::take(&mut node.holders);
-        for h in holders {
+        // Drained in place: the slot's list keeps its capacity for the next block.
+        for h in node.holders.drain(..) {
             self.names.release(h.model);
             self.names.release(h.pod);
         }
