@@ -493,6 +493,29 @@ impl Stack {
     /// Like [`Stack::add_gateway`], polling the pd-control at `control` (see
     /// [`Stack::add_control`]).
     pub fn add_gateway_via(&mut self, control: &str, envoy_env: &[(&str, &str)]) -> Gateway {
+        let (gateway, log) = self.spawn_gateway(control.to_string(), envoy_env, "");
+        let expected = (self.concurrency + 1) as u64;
+        eventually(Duration::from_secs(30), || {
+            (gateway.stat("pd_router_fleet_loaded_vms") >= expected)
+                .then_some(())
+                .ok_or_else(|| {
+                    format!(
+                        "the second Envoy never loaded the fleet; log in {}",
+                        log.display()
+                    )
+                })
+        });
+        gateway
+    }
+
+    /// Starts one more Envoy (`--concurrency` as the stack's) polling pd-control at
+    /// `control`, with `envoy_env` and `plugin_extra`; returns it and its log path.
+    fn spawn_gateway(
+        &mut self,
+        control: String,
+        envoy_env: &[(&str, &str)],
+        plugin_extra: &str,
+    ) -> (Gateway, PathBuf) {
         let (listen_port, admin_port) = (free_port(), free_port());
         let n = self.children.len();
         let control_port: u16 = control
@@ -501,17 +524,14 @@ impl Stack {
             .and_then(|p| p.parse().ok())
             .expect("control port");
         let config = self.dir.join(format!("envoy-{n}.yaml"));
-        std::fs::write(
-            &config,
-            render_envoy(
-                listen_port,
-                admin_port,
-                control_port,
-                50,
-                &self.dir.join(format!("access-{n}.log")),
-            ),
-        )
-        .expect("envoy config");
+        let rendered = render_envoy(
+            listen_port,
+            admin_port,
+            control_port,
+            50,
+            &self.dir.join(format!("access-{n}.log")),
+        );
+        std::fs::write(&config, with_plugin_extra(rendered, plugin_extra)).expect("envoy config");
         let log = self.dir.join(format!("envoy-{n}.log"));
         let child = Command::new(envoy_bin())
             .arg("-c")
@@ -530,24 +550,13 @@ impl Stack {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .expect("cannot start the second envoy");
+            .expect("cannot start another envoy");
         self.children.push((format!("envoy-{n}"), child));
         let gateway = Gateway {
             gateway: format!("127.0.0.1:{listen_port}"),
             admin: format!("127.0.0.1:{admin_port}"),
         };
-        let expected = (self.concurrency + 1) as u64;
-        eventually(Duration::from_secs(30), || {
-            (gateway.stat("pd_router_fleet_loaded_vms") >= expected)
-                .then_some(())
-                .ok_or_else(|| {
-                    format!(
-                        "the second Envoy never loaded the fleet; log in {}",
-                        log.display()
-                    )
-                })
-        });
-        gateway
+        (gateway, log)
     }
 
     /// Rewrites the ECDS resource (atomically) with new VM `key_values`; Envoy picks it up
@@ -1022,45 +1031,8 @@ impl Stack {
     /// Starts one more Envoy like [`Stack::add_gateway`] with `plugin_extra` members in its
     /// plugin configuration, and does not wait for it to load a snapshot (it may never).
     pub fn add_gateway_with_plugin(&mut self, plugin_extra: &str) -> Gateway {
-        let (listen_port, admin_port) = (free_port(), free_port());
         let n = self.children.len();
-        let control_port: u16 = self
-            .control
-            .rsplit(':')
-            .next()
-            .and_then(|p| p.parse().ok())
-            .expect("control port");
-        let config = self.dir.join(format!("envoy-{n}.yaml"));
-        let rendered = render_envoy(
-            listen_port,
-            admin_port,
-            control_port,
-            50,
-            &self.dir.join(format!("access-{n}.log")),
-        );
-        std::fs::write(&config, with_plugin_extra(rendered, plugin_extra)).expect("envoy config");
-        let child = Command::new(envoy_bin())
-            .arg("-c")
-            .arg(&config)
-            .arg("--concurrency")
-            .arg(self.concurrency.to_string())
-            .arg("--disable-hot-restart")
-            .arg("--base-id")
-            .arg(fastrand::u32(1..1_000_000).to_string())
-            .arg("-l")
-            .arg("info")
-            .arg("--log-path")
-            .arg(self.dir.join(format!("envoy-{n}.log")))
-            .env_clear()
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("cannot start the second envoy");
-        self.children.push((format!("envoy-{n}"), child));
-        let gateway = Gateway {
-            gateway: format!("127.0.0.1:{listen_port}"),
-            admin: format!("127.0.0.1:{admin_port}"),
-        };
+        let (gateway, _) = self.spawn_gateway(self.control.clone(), &[], plugin_extra);
         eventually(Duration::from_secs(30), || {
             http::get(&gateway.admin, "/ready")
                 .ok()

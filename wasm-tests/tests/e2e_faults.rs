@@ -336,6 +336,41 @@ fn a_roleset_losing_its_decode_pod_in_flight_routes_new_requests_to_complete_rol
     assert_clean_end(&stack, &fleet_pods(&fleet));
 }
 
+/// Two clients sending requests back to back (one streaming, one not) until stopped.
+struct Load {
+    stop: Arc<AtomicBool>,
+    clients: Vec<JoinHandle<Vec<Response>>>,
+}
+
+impl Load {
+    fn start(gateway: &str) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let clients = (0..2)
+            .map(|i| {
+                let (addr, stop) = (gateway.to_string(), stop.clone());
+                std::thread::spawn(move || {
+                    let mut answers = Vec::new();
+                    while !stop.load(Ordering::Relaxed) {
+                        let body = chat(i == 0, 3);
+                        answers.push(http::post_json(&addr, "/v1/chat/completions", &PD, &body));
+                    }
+                    answers
+                })
+            })
+            .collect();
+        Load { stop, clients }
+    }
+
+    /// Stops the clients and returns every answer they got.
+    fn stop(self) -> Vec<Response> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.clients
+            .into_iter()
+            .flat_map(|h| h.join().expect("load thread"))
+            .collect()
+    }
+}
+
 #[test]
 fn pods_churning_under_load_never_fail_a_request() {
     let full = two_rolesets()
@@ -350,20 +385,7 @@ fn pods_churning_under_load_never_fail_a_request() {
         full.without("d-0").without("p-1"),
         full.clone(),
     ];
-    let stop = Arc::new(AtomicBool::new(false));
-    let load: Vec<JoinHandle<Vec<Response>>> = (0..2)
-        .map(|i| {
-            let (addr, stop) = (stack.gateway.clone(), stop.clone());
-            std::thread::spawn(move || {
-                let mut answers = Vec::new();
-                while !stop.load(Ordering::Relaxed) {
-                    let body = chat(i == 0, 3);
-                    answers.push(http::post_json(&addr, "/v1/chat/completions", &PD, &body));
-                }
-                answers
-            })
-        })
-        .collect();
+    let load = Load::start(&stack.gateway);
     // The churn itself: a new fleet every 500 ms, each adopted by Envoy before the next.
     for shape in shapes.iter().cycle().take(10) {
         let version = stack.stat("pd_router_fleet_version");
@@ -375,11 +397,7 @@ fn pods_churning_under_load_never_fail_a_request() {
         });
         std::thread::sleep(Duration::from_millis(500));
     }
-    stop.store(true, Ordering::Relaxed);
-    let answers: Vec<Response> = load
-        .into_iter()
-        .flat_map(|h| h.join().expect("load thread"))
-        .collect();
+    let answers = load.stop();
     assert!(answers.len() >= 10, "too little load: {}", answers.len());
     for r in &answers {
         assert_success(r);
@@ -395,20 +413,7 @@ fn an_ecds_reload_under_load_fails_no_request_and_keeps_the_ledger_exact() {
         fleet.clone(),
         &[("AIBRIX_PREFILL_SCORE_POLICY", "token_load")],
     );
-    let stop = Arc::new(AtomicBool::new(false));
-    let load: Vec<JoinHandle<Vec<Response>>> = (0..2)
-        .map(|i| {
-            let (addr, stop) = (stack.gateway.clone(), stop.clone());
-            std::thread::spawn(move || {
-                let mut answers = Vec::new();
-                while !stop.load(Ordering::Relaxed) {
-                    let body = chat(i == 0, 3);
-                    answers.push(http::post_json(&addr, "/v1/chat/completions", &PD, &body));
-                }
-                answers
-            })
-        })
-        .collect();
+    let load = Load::start(&stack.gateway);
     for policy in policies {
         let loaded = stack.stat("pd_router_fleet_loaded_vms");
         let served = stack.stat("pd_router_requests_total");
@@ -421,11 +426,7 @@ fn an_ecds_reload_under_load_fails_no_request_and_keeps_the_ledger_exact() {
                 .ok_or_else(|| format!("no reload seen for {policy}"))
         });
     }
-    stop.store(true, Ordering::Relaxed);
-    let answers: Vec<Response> = load
-        .into_iter()
-        .flat_map(|h| h.join().expect("load thread"))
-        .collect();
+    let answers = load.stop();
     for r in &answers {
         assert_success(r);
     }

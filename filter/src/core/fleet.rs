@@ -133,44 +133,35 @@ impl FleetView {
     /// into a data-plane one), but their load figures describe the past, so selection treats
     /// them as it treats any stale scrape. A new view: per-view caches keyed on `uid` reset.
     pub fn with_stale_metrics(&self) -> FleetView {
-        let models = self
-            .models
-            .iter()
-            .map(|(name, model)| {
-                let mut model = model.clone();
-                for pod in &mut model.pods {
-                    if let Some(m) = pod.metrics.as_mut() {
-                        m.stale = true;
-                    }
+        self.map_models(|model| {
+            let mut model = model.clone();
+            for pod in &mut model.pods {
+                if let Some(m) = pod.metrics.as_mut() {
+                    m.stale = true;
                 }
-                model.columns =
-                    crate::core::pd::columns::Columns::build(&model.pods, &model.rolesets);
-                model.uid = NEXT_UID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                (name.clone(), model)
-            })
-            .collect();
-        FleetView {
-            version: self.version,
-            models,
-            addresses: self.addresses.clone(),
-        }
+            }
+            model.columns = crate::core::pd::columns::Columns::build(&model.pods, &model.rolesets);
+            model.uid = NEXT_UID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            model
+        })
     }
 
     /// The routing view without the pods `leaves` names (ejected ones, see
     /// `core::ejection`); a model that would be left with no route keeps all its pods. The
     /// addresses stay: requests already routed to a leaving pod finish their legs there.
     pub fn without_pods(&self, leaves: impl Fn(&str) -> bool) -> FleetView {
-        let models = self
-            .models
-            .iter()
-            .map(|(name, model)| {
-                let model = model.without(&leaves).unwrap_or_else(|| model.clone());
-                (name.clone(), model)
-            })
-            .collect();
+        self.map_models(|model| model.without(&leaves).unwrap_or_else(|| model.clone()))
+    }
+
+    /// The same snapshot (version, routable addresses) with every model view replaced.
+    fn map_models(&self, f: impl Fn(&ModelView) -> ModelView) -> FleetView {
         FleetView {
             version: self.version,
-            models,
+            models: self
+                .models
+                .iter()
+                .map(|(name, model)| (name.clone(), f(model)))
+                .collect(),
             addresses: self.addresses.clone(),
         }
     }
