@@ -414,10 +414,16 @@ fn an_ecds_reload_under_load_fails_no_request_and_keeps_the_ledger_exact() {
         &[("AIBRIX_PREFILL_SCORE_POLICY", "token_load")],
     );
     let load = Load::start(&stack.gateway);
-    for policy in policies {
+    for (generation, policy) in policies.into_iter().enumerate() {
         let loaded = stack.stat("pd_router_fleet_loaded_vms");
         let served = stack.stat("pd_router_requests_total");
-        stack.update_ecds(&[("AIBRIX_PREFILL_SCORE_POLICY", policy)]);
+        // A VM configuration never used before, so Envoy starts new VMs rather than reusing
+        // a cached one with the same environment (token_load comes back in the list).
+        let generation = generation.to_string();
+        stack.update_ecds(&[
+            ("AIBRIX_PREFILL_SCORE_POLICY", policy),
+            ("PD_TEST_CONFIG_GENERATION", &generation),
+        ]);
         // New VMs load the fleet, and the load keeps flowing through them.
         eventually(Duration::from_secs(20), || {
             (stack.stat("pd_router_fleet_loaded_vms") > loaded
@@ -542,8 +548,9 @@ fn failing_pod_is_ejected_then_readmitted(fault: Value, failed_status: u16, head
         fleet.clone(),
         simulated,
         &Options {
-            // Long enough for the 40 requests below to fit in one ejection period.
-            plugin_extra: r#""eject_base_ms": 4000"#,
+            // Longer than the requests below take even on a loaded box, so no ejection ends
+            // (and lets a failure in again) before the test looks.
+            plugin_extra: r#""eject_base_ms": 8000"#,
             // Count-based scores: idle rolesets tie and each request picks one at random
             // (engine-metric policies would prefer one roleset for every request).
             envoy_env: &[
@@ -554,13 +561,23 @@ fn failing_pod_is_ejected_then_readmitted(fault: Value, failed_status: u16, head
         },
     );
     stack.arm_fault(fault);
-    let mut failed = 0;
-    let mut answers = Vec::new();
-    for i in 0..40 {
+    let ask = |i: usize| {
         // Distinct prompts: no prefix affinity holds the requests on one roleset.
         let body = json!({"model": MODEL, "max_tokens": 2,
                           "messages": [{"role": "user", "content": format!("question {i}")}]});
-        let r = stack.chat(&PD, &body);
+        stack.chat(&PD, &body)
+    };
+    // Until every worker has ejected the pod (each after 3 failures it saw itself).
+    let workers = stack.concurrency as u64;
+    let mut failed = 0;
+    let mut sent = 0;
+    while stack.stat("pd_router_ejections_total") < workers {
+        assert!(
+            sent < 200,
+            "{sent} requests and not every worker ejected the pod"
+        );
+        let r = ask(sent);
+        sent += 1;
         if r.status == 200 {
             assert_success(&r);
         } else {
@@ -571,19 +588,20 @@ fn failing_pod_is_ejected_then_readmitted(fault: Value, failed_status: u16, head
             }
             failed += 1;
         }
-        answers.push(r);
     }
     assert!(
-        (1..=3 * stack.concurrency).contains(&failed),
+        failed <= 3 * stack.concurrency,
         "{failed} requests failed; ejection allows at most 3 per worker"
     );
-    for r in &answers[answers.len() - 10..] {
-        assert_success(r);
+    // From now on no request reaches the failing roleset.
+    for i in 0..10 {
+        let r = ask(1000 + i);
+        assert_success(&r);
         assert_eq!(
             r.header("prefill-target-pod"),
             Some("p-1"),
             "{}",
-            describe(r)
+            describe(&r)
         );
     }
     assert!(stack.stat("pd_router_ejections_total") >= 1);

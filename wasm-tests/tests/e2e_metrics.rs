@@ -92,6 +92,7 @@ const FAMILIES: &[&str] = &[
     "pd_router_fleet_version",
     "pd_router_fleet_loaded_vms",
     "pd_router_snapshot_fetch_errors_total",
+    "pd_router_ejections_total",
     "pd_router_snapshot_stale",
     "pd_router_snapshot_age_ms",
     "pd_router_selection_us",

@@ -256,6 +256,19 @@ impl Metrics {
         }
     }
 
+    /// Rewrites the gauges of every pod that has them from `ledger` (local rows).
+    pub fn sync_ledger_gauges(&mut self, ledger: &crate::core::ledger::Ledger) {
+        let rows: Vec<(String, crate::core::ledger::Row)> = self
+            .token_gauges
+            .keys()
+            .map(|key| {
+                let row = ledger.row(crate::core::ledger::PodId::of(key));
+                (key.clone(), row)
+            })
+            .collect();
+        self.token_gauges(&rows);
+    }
+
     /// Counts one PD selection of `pod` (`pd_selected_prefill_pod_total` or
     /// `pd_selected_decode_pod_total`, labelled namespace, pod, model, roleset, role).
     pub fn selected(&mut self, pod: &PodView, model: &str) {

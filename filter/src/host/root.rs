@@ -46,6 +46,8 @@ pub struct Root {
     fetch_failures: u64,
     next_housekeeping: u64,
     next_ledger_prune: u64,
+    /// When the per-pod ledger gauges are next rewritten from the ledger itself.
+    next_gauge_sync: u64,
     /// This Envoy process's id among gateway replicas (shared by its VMs).
     replica: u64,
     report_in_flight: Option<u32>,
@@ -54,6 +56,9 @@ pub struct Root {
     /// Publishes this VM's outstanding charges and reclaims those of dead VMs.
     journal: crate::host::journal::JournalWriter,
 }
+
+/// Period of [`Root::sync_ledger_gauges`].
+const GAUGE_SYNC_MS: u64 = 1_000;
 
 impl Root {
     pub fn new(context_id: u32) -> Root {
@@ -96,6 +101,7 @@ impl Root {
             fetch_failures: 0,
             next_housekeeping: 0,
             next_ledger_prune: 0,
+            next_gauge_sync: 0,
             replica: 0,
             report_in_flight: None,
             report_failures: 0,
@@ -213,6 +219,10 @@ impl Root {
         vm.sessions.prune(now);
         drop(vm);
         crate::host::holds::expire(&self.vm, now);
+        if now >= self.next_gauge_sync {
+            self.next_gauge_sync = now + GAUGE_SYNC_MS;
+            self.sync_ledger_gauges();
+        }
         if now >= self.next_ledger_prune {
             // Pods that left (autoscaling, rollouts) must not accumulate in the shared ledger.
             self.next_ledger_prune = now + crate::core::tokens::IDLE_PRUNE_MS;
@@ -224,6 +234,20 @@ impl Root {
                 Ok(_) => {}
                 Err(e) => log::warn!("ledger janitor: {e}"),
             }
+        }
+    }
+
+    /// Rewrites every per-pod ledger gauge from the shared ledger. Workers set them after
+    /// each charge or release, but two workers can finish in either order, so the value
+    /// written last may be the older one; this bounds how long a gauge can lag (an idle
+    /// gateway reads exactly 0 within a second).
+    fn sync_ledger_gauges(&mut self) {
+        if !self.vm.borrow().metrics.has_pod_series() {
+            return;
+        }
+        match crate::core::ledger::read(&SharedData) {
+            Ok(ledger) => self.vm.borrow_mut().metrics.sync_ledger_gauges(&ledger),
+            Err(e) => log::warn!("cannot read the ledger for its gauges: {e}"),
         }
     }
 
