@@ -5,7 +5,7 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use pd_wasm_tests::http::Response;
-use pd_wasm_tests::stack::{Fleet, Stack};
+use pd_wasm_tests::stack::{Fleet, Options, Stack};
 use serde_json::{json, Value};
 
 const MODEL: &str = "llama-pd";
@@ -352,9 +352,18 @@ fn a_failed_prefill_leg_answers_x_error_pd_prefill_and_releases_its_charges() {
         .pod("vllm-d-0", "decode", "group-0")
         .pod("vllm-p-1", "prefill", "group-1")
         .pod("vllm-d-1", "decode", "group-1");
-    // pd-sim does not serve dead-p-0: its address refuses connections.
+    // pd-sim does not serve dead-p-0: its address refuses connections. Passive ejection is
+    // off: this test is about the charges of failed legs, so the dead pod must stay chosen.
     let simulated = fleet.without("dead-p-0");
-    let stack = Stack::start_full(fleet, simulated, 2, LEAST_REQUEST, &[]);
+    let stack = Stack::start_opts(
+        fleet,
+        simulated,
+        &Options {
+            envoy_env: LEAST_REQUEST,
+            plugin_extra: r#""eject_after_failures": 0"#,
+            ..Options::default()
+        },
+    );
     let mut failures = 0;
     for _ in 0..40 {
         let r = stack.chat(&[("routing-strategy", "pd")], &chat_body(false, 1));

@@ -219,8 +219,10 @@ impl Metrics {
     /// Sets the ledger gauges of these pods to the shared ledger's local rows: tokens
     /// (`pd_token_load_active_tokens`, `_kv_tokens`, `_decode_tokens`) and request counters
     /// (`pd_router_prefill_inflight`, `pd_router_running_requests`), each labelled
-    /// `namespace` and `pod_name`. Absolute values, so whichever worker writes last is right;
-    /// operators (and the fault tests) read "all back to exactly 0" from them after a load.
+    /// `namespace` and `pod_name`. Absolute values read in the CAS round that changed them;
+    /// two workers may write theirs in either order, so the root context rewrites them all
+    /// from the ledger every second (`sync_ledger_gauges`). Operators (and the fault tests)
+    /// read "all back to exactly 0" from them after a load.
     pub fn token_gauges(&mut self, pods: &[(String, crate::core::ledger::Row)]) {
         for (key, row) in pods {
             let ids = self
