@@ -72,6 +72,17 @@ struct PodSpec<'a> {
     port: Option<u16>,
 }
 
+/// A decode pod of model `m` that has no IP yet: a fleet pd-control can serve without
+/// scraping anything.
+fn pending() -> PodSpec<'static> {
+    PodSpec {
+        name: "pending",
+        model: "m",
+        role: "decode",
+        port: None,
+    }
+}
+
 fn fleet_yaml(pods: &[PodSpec]) -> String {
     let mut out = String::from("apiVersion: v1\nkind: List\nitems:\n");
     for p in pods {
@@ -385,13 +396,7 @@ async fn quiet_fleet_keeps_its_version_and_dead_pods_go_stale() {
     };
     let dir = tempfile::tempdir().unwrap();
     let fleet_path = dir.path().join("fleet.yaml");
-    let pending = PodSpec {
-        name: "pending",
-        model: "m",
-        role: "decode",
-        port: None,
-    };
-    write_atomically(&fleet_path, &fleet_yaml(&[pending]));
+    write_atomically(&fleet_path, &fleet_yaml(&[pending()]));
     let config = pd_control::Config::new(&fleet_path, "127.0.0.1:0".parse().unwrap());
     let service = pd_control::start(config).await.unwrap();
     let base = format!("http://{}", service.local_addr());
@@ -410,19 +415,13 @@ async fn quiet_fleet_keeps_its_version_and_dead_pods_go_stale() {
         (304, Some(v), 0)
     );
 
-    let pending = PodSpec {
-        name: "pending",
-        model: "m",
-        role: "decode",
-        port: None,
-    };
     let dead = PodSpec {
         name: "dead",
         model: "m",
         role: "decode",
         port: Some(closed_port),
     };
-    write_atomically(&fleet_path, &fleet_yaml(&[pending, dead]));
+    write_atomically(&fleet_path, &fleet_yaml(&[pending(), dead]));
     let dead_errors = "pd_control_scrape_errors_total{namespace=\"test\",pod=\"dead\"}";
     eventually("scrape errors for the dead pod", || async {
         (try_counter(&client, &base, dead_errors).await.0? > 0.0).then_some(())
@@ -465,13 +464,7 @@ async fn quiet_fleet_keeps_its_version_and_dead_pods_go_stale() {
     assert!((0.0..20.0).contains(&snapshot_age), "{snapshot_age}");
 
     // The dead pod leaves: its error series goes with it.
-    let pending = PodSpec {
-        name: "pending",
-        model: "m",
-        role: "decode",
-        port: None,
-    };
-    write_atomically(&fleet_path, &fleet_yaml(&[pending]));
+    write_atomically(&fleet_path, &fleet_yaml(&[pending()]));
     eventually("the dead pod's error series to go", || async {
         let f = fetch(&client, &format!("{base}/metrics")).await;
         let text = String::from_utf8(f.body).unwrap();
@@ -508,13 +501,7 @@ fn binary_announces_its_address_and_rejects_a_bad_fleet() {
     );
 
     let fleet = dir.path().join("fleet.yaml");
-    let pending = PodSpec {
-        name: "pending",
-        model: "m",
-        role: "decode",
-        port: None,
-    };
-    write_atomically(&fleet, &fleet_yaml(&[pending]));
+    write_atomically(&fleet, &fleet_yaml(&[pending()]));
     let mut child = Command::new(exe)
         .args([
             "--fleet",
@@ -558,13 +545,7 @@ fn binary_announces_its_address_and_rejects_a_bad_fleet() {
 async fn snapshot_routes_require_the_token_when_one_is_configured() {
     let dir = tempfile::tempdir().unwrap();
     let fleet_path = dir.path().join("fleet.yaml");
-    let pending = PodSpec {
-        name: "pending",
-        model: "m",
-        role: "decode",
-        port: None,
-    };
-    write_atomically(&fleet_path, &fleet_yaml(&[pending]));
+    write_atomically(&fleet_path, &fleet_yaml(&[pending()]));
     let token_path = dir.path().join("token");
     std::fs::write(&token_path, "t0ken-Abc_123\n").unwrap();
     let mut config = pd_control::Config::new(&fleet_path, "127.0.0.1:0".parse().unwrap());

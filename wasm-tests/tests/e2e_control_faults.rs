@@ -61,6 +61,21 @@ fn pods_reached(stack: &Stack) -> BTreeSet<String> {
         .collect()
 }
 
+/// Waits until no VM routes to roleset g1 (p1, d1) any more, by routing requests and looking
+/// at where they went.
+fn wait_until_g1_unrouted(stack: &Stack) {
+    eventually(Duration::from_secs(10), || {
+        stack.clear_sim_requests();
+        for _ in 0..4 {
+            routed(stack);
+        }
+        let reached = pods_reached(stack);
+        (!reached.contains("p1") && !reached.contains("d1"))
+            .then_some(())
+            .ok_or_else(|| format!("a VM still routes to the departed pair: {reached:?}"))
+    });
+}
+
 fn fetch_errors(stack: &Stack, reason: &str) -> f64 {
     stack.metric(
         "pd_router_snapshot_fetch_errors_total",
@@ -131,16 +146,7 @@ fn pd_control_down_routes_on_the_last_snapshot_marks_it_stale_and_recovers() {
     });
     stack.wait_for_log("is fresh again");
     // Every VM adopts the restarted pd-control's snapshot: g1 is gone from routing.
-    eventually(Duration::from_secs(10), || {
-        stack.clear_sim_requests();
-        for _ in 0..4 {
-            routed(&stack);
-        }
-        let reached = pods_reached(&stack);
-        (!reached.contains("p1") && !reached.contains("d1"))
-            .then_some(())
-            .ok_or_else(|| format!("a VM still routes to the departed pair: {reached:?}"))
-    });
+    wait_until_g1_unrouted(&stack);
     stack.clear_sim_requests();
     for _ in 0..12 {
         routed(&stack);
@@ -365,16 +371,7 @@ fn pd_control_answering_garbage_keeps_the_last_good_snapshot_and_counts_each_fai
             .then_some(())
             .ok_or_else(|| format!("version {v} not adopted (was {version_held})"))
     });
-    eventually(Duration::from_secs(10), || {
-        stack.clear_sim_requests();
-        for _ in 0..4 {
-            routed(&stack);
-        }
-        let reached = pods_reached(&stack);
-        (!reached.contains("p1") && !reached.contains("d1"))
-            .then_some(())
-            .ok_or_else(|| format!("a VM still routes to the departed pair: {reached:?}"))
-    });
+    wait_until_g1_unrouted(&stack);
     stack.wait_ledger_zero();
     eprintln!("garbage served for {garbage_for:?}");
 }

@@ -41,7 +41,7 @@ impl CutBy {
     /// `upstream_reset_after_response_started{connection_termination}`): anything not naming
     /// the downstream is the upstream's doing, the conservative reading for an operator.
     pub fn from_code_details(details: &str) -> CutBy {
-        if details.starts_with("downstream") || details.contains("downstream_remote") {
+        if details.contains("downstream") {
             CutBy::Client
         } else {
             CutBy::Upstream
