@@ -118,8 +118,10 @@ impl Ejections {
         }
         if any {
             self.changed = true;
-            self.pods
-                .retain(|_, h| h.ejected_until_ms != 0 || h.ejections > 0);
+            // Keep a pod's running failure count and backoff; only fully healthy rows go.
+            self.pods.retain(|_, h| {
+                h.ejected_until_ms != 0 || h.ejections > 0 || h.consecutive_failures > 0
+            });
         }
         any
     }
@@ -216,5 +218,13 @@ mod tests {
             e.success("ns/b");
         }
         assert!(e.is_ejected("ns/a") && !e.is_ejected("ns/b"));
+        // Another pod's ejection ending does not reset a pod's failures in a row.
+        e.failure("ns/c", 3);
+        e.failure("ns/c", 3);
+        assert!(e.expire(10_000));
+        assert_eq!(
+            e.failure("ns/c", 10_001),
+            Verdict::Ejected { for_ms: 1_000 }
+        );
     }
 }
