@@ -846,10 +846,49 @@ impl Stack {
                 .flat_map(|m| m["pods"].as_array().into_iter().flatten())
                 .any(|p| p["metrics"]["waiting"].as_f64().unwrap_or(0.0) > 0.0);
             let version = snap["version"].as_u64().unwrap_or(u64::MAX);
-            if !busy && self.stat("pd_router_fleet_version") >= version {
+            let all_vms = self.stat("pd_router_fleet_vms_on_latest") > self.concurrency as u64;
+            if !busy && self.stat("pd_router_fleet_version") >= version && all_vms {
                 Ok(())
             } else {
                 Err(format!("the fleet never looked idle: {snap}"))
+            }
+        })
+    }
+
+    /// Waits until pd-control serves exactly the pods of the fleet last written and every
+    /// ticking VM of Envoy (each worker plus the main thread) routes on that snapshot or a
+    /// newer one. `pd_router_fleet_version` alone is not enough: it shows the VM that wrote
+    /// last, and a worker that has not caught up yet still routes on the old fleet.
+    pub fn wait_fleet_adopted(&self) {
+        let mut wanted: Vec<&str> = self.fleet.pods.iter().map(|p| p.name.as_str()).collect();
+        wanted.sort_unstable();
+        let vms = (self.concurrency + 1) as u64;
+        eventually(Duration::from_secs(15), || {
+            let snap = self.control_snapshot();
+            let mut served: Vec<&str> = snap["models"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .flat_map(|m| m["pods"].as_array().into_iter().flatten())
+                .filter_map(|p| p["name"].as_str())
+                .collect();
+            served.sort_unstable();
+            served.dedup();
+            if served != wanted {
+                return Err(format!("pd-control serves {served:?}, not {wanted:?}"));
+            }
+            let version = snap["version"].as_u64().unwrap_or(u64::MAX);
+            let (adopted, on_latest) = (
+                self.stat("pd_router_fleet_version"),
+                self.stat("pd_router_fleet_vms_on_latest"),
+            );
+            if adopted >= version && on_latest >= vms {
+                Ok(())
+            } else {
+                Err(format!(
+                    "Envoy is on snapshot {adopted} with {on_latest} of {vms} VMs; \
+                     pd-control serves {version}"
+                ))
             }
         })
     }

@@ -298,15 +298,7 @@ fn a_roleset_losing_its_decode_pod_in_flight_routes_new_requests_to_complete_rol
 
     // d-0 leaves the fleet while its streams are open; group-0 is now incomplete.
     stack.write_fleet(fleet.without("d-0"));
-    let version = stack.control_snapshot()["version"].as_u64().unwrap_or(0);
-    eventually(Duration::from_secs(15), || {
-        let pods = stack.control_snapshot()["models"][0]["pods"]
-            .as_array()
-            .map_or(0, Vec::len);
-        (pods == 3 && stack.stat("pd_router_fleet_version") > version)
-            .then_some(())
-            .ok_or_else(|| "Envoy has not adopted the fleet without d-0".to_string())
-    });
+    stack.wait_fleet_adopted();
     stack.clear_faults_of("d-1");
     for _ in 0..4 {
         let r = stack.chat(&PD, &chat(false, 2));
@@ -388,13 +380,8 @@ fn pods_churning_under_load_never_fail_a_request() {
     let load = Load::start(&stack.gateway);
     // The churn itself: a new fleet every 500 ms, each adopted by Envoy before the next.
     for shape in shapes.iter().cycle().take(10) {
-        let version = stack.stat("pd_router_fleet_version");
         stack.write_fleet(shape.clone());
-        eventually(Duration::from_secs(15), || {
-            (stack.stat("pd_router_fleet_version") > version)
-                .then_some(())
-                .ok_or_else(|| "Envoy never adopted the new fleet".to_string())
-        });
+        stack.wait_fleet_adopted();
         std::thread::sleep(Duration::from_millis(500));
     }
     let answers = load.stop();

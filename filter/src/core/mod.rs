@@ -1,5 +1,6 @@
 //! The routing core: pure Rust, no proxy-wasm imports, testable natively and on wasm32.
 
+pub mod adoption;
 pub mod charges;
 pub mod config;
 pub mod ejection;

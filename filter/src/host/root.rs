@@ -199,6 +199,10 @@ impl Root {
             (vm.metrics.fleet_version, vm.metrics.fleet_loaded_vms)
         };
         Metrics::set(version_gauge, version);
+        match snapshot::record_adoption(version) {
+            Ok(tally) => self.show_adoption(tally),
+            Err(e) => log::warn!("cannot count the adoption of snapshot {version}: {e}"),
+        }
         if !self.loaded_once {
             self.loaded_once = true;
             Metrics::gauge_add(loaded_gauge, 1);
@@ -222,6 +226,9 @@ impl Root {
         if now >= self.next_gauge_sync {
             self.next_gauge_sync = now + GAUGE_SYNC_MS;
             self.sync_ledger_gauges();
+            if let Some(tally) = snapshot::adoption_tally() {
+                self.show_adoption(tally);
+            }
         }
         if now >= self.next_ledger_prune {
             // Pods that left (autoscaling, rollouts) must not accumulate in the shared ledger.
@@ -235,6 +242,14 @@ impl Root {
                 Err(e) => log::warn!("ledger janitor: {e}"),
             }
         }
+    }
+
+    /// Shows the newest snapshot and how many VMs route on it. Called after each adoption
+    /// and every second: two VMs' writes can land out of order, the resync bounds the lag.
+    fn show_adoption(&self, tally: crate::core::adoption::Tally) {
+        let vm = self.vm.borrow();
+        Metrics::set(vm.metrics.fleet_version, tally.version);
+        Metrics::set(vm.metrics.fleet_vms_on_latest, u64::from(tally.vms));
     }
 
     /// Rewrites every per-pod ledger gauge from the shared ledger. Workers set them after

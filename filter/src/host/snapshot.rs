@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use proxy_wasm::hostcalls;
 
+use crate::core::adoption::Tally;
 use crate::core::fleet::FleetView;
 use crate::core::ledger::{Store, StoreError};
 use crate::host::store::SharedData;
@@ -26,6 +27,8 @@ pub const QUEUES_KEY: &str = "pd/queues";
 /// little-endian milliseconds: every VM judges the snapshot's freshness from it, not only
 /// the lease holder that polls.
 pub const CONFIRMED_KEY: &str = "pd/snapshot/confirmed";
+/// [`Tally`] of the VMs routing on the newest snapshot.
+pub const ADOPTED_KEY: &str = "pd/snapshot/adopted";
 
 /// How long a VM's queue entry lives without a heartbeat; dead VMs (reloads) drop out.
 const QUEUE_TTL_MS: u64 = 5_000;
@@ -66,6 +69,30 @@ pub fn status_reason(status: &str, from_control: bool) -> &'static str {
         "503" | "504" if !from_control => "unreachable",
         "401" | "403" => "unauthorized",
         _ => "status",
+    }
+}
+
+/// Counts this VM's adoption of `version`; returns the tally after it.
+pub fn record_adoption(version: u64) -> Result<Tally, StoreError> {
+    for _ in 0..16 {
+        let (current, cas) = SharedData.get(ADOPTED_KEY)?;
+        let tally = current
+            .as_deref()
+            .and_then(Tally::decode)
+            .unwrap_or_default()
+            .adopted(version);
+        if SharedData.set(ADOPTED_KEY, &tally.encode(), cas)? {
+            return Ok(tally);
+        }
+    }
+    Err(StoreError::Contention(16))
+}
+
+/// The current tally of adoptions (none before the first adoption).
+pub fn adoption_tally() -> Option<Tally> {
+    match SharedData.get(ADOPTED_KEY) {
+        Ok((Some(bytes), _)) => Tally::decode(&bytes),
+        _ => None,
     }
 }
 
