@@ -164,15 +164,22 @@ impl Fleet {
     }
 }
 
-/// A free TCP port on loopback (the OS picks; a race with another process is possible but
-/// shows up as a clear bind error, not a wrong result).
 /// A port that is free now, chosen below Linux's ephemeral range (32768+): a port the kernel
 /// hands out for `bind(0)` is also what it hands to outgoing connections, so between this
 /// check and the child process binding it, another test's connection could take it.
+///
+/// A port is handed out at most once per test process: the check releases it at once, so
+/// two calls in a row (a stack's listener and admin ports, or two tests starting together)
+/// could otherwise both get it and one child fail with "address already in use".
 pub fn free_port() -> u16 {
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     for _ in 0..1000 {
         let port = fastrand::u16(20_000..32_000);
-        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+        if !given.contains(&port) && TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            given.push(port);
             return port;
         }
     }
