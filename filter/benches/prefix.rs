@@ -1,10 +1,11 @@
 //! The prefix-cache work of one request with the default `character` tokenizer and 4-byte
-//! blocks: hashing the prompt, the lookup, the local insert, and the broadcast event that
-//! the other workers decode and insert again. Run: `cargo bench -p pd-router-filter --bench prefix`.
+//! blocks: the lookup, the local insert, and the broadcast event that the other workers
+//! decode and insert again. Run: `cargo bench -p pd-router-filter --bench prefix`.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use pd_router_filter::core::prefix::{block_hashes, PrefixEvent, PrefixIndex};
+use pd_router_filter::core::prefix::{PrefixEvent, PrefixIndex};
 
+/// `bytes` of text; prompts with different salts differ from their 9th byte on.
 fn prompt(bytes: usize, salt: usize) -> Vec<u8> {
     let mut s = format!("request {salt}: ").into_bytes();
     while s.len() < bytes {
@@ -14,35 +15,46 @@ fn prompt(bytes: usize, salt: usize) -> Vec<u8> {
     s
 }
 
+/// A shared document of `bytes` followed by a question of its own: a RAG prompt.
+fn rag(bytes: usize, salt: usize) -> Vec<u8> {
+    let mut s = prompt(bytes, 0);
+    s.extend_from_slice(format!("question {salt}: what does it say?").as_bytes());
+    s
+}
+
 fn prefix(c: &mut Criterion) {
     let mut group = c.benchmark_group("prefix");
-    for bytes in [2_048usize, 32_768] {
-        let stream = prompt(bytes, 0);
-        group.bench_function(BenchmarkId::new("block_hashes", bytes), |b| {
-            b.iter(|| block_hashes(&stream, 4, 7))
-        });
+    for bytes in [2_048usize, 32_768, 262_144] {
         // A full index (the default 200 000 blocks), as after some traffic: every new block
         // evicts the least recent one, the steady state.
-        let mut index = PrefixIndex::new(200_000);
+        let mut index = PrefixIndex::new(200_000, 4);
         for salt in 1..(200_000 / (bytes / 4) + 2) {
-            index.add_prefix(&block_hashes(&prompt(bytes, salt), 4, 7), "m", "ns/p0", 0);
+            index.add_prefix(&prompt(bytes, salt), "m", "ns/p0", 0);
         }
         let pods = ["ns/p0", "ns/p1"];
-        let mut salt = 1_000;
+        let mut salt = 1_000_000;
         group.bench_function(BenchmarkId::new("match_then_add_new_prompt", bytes), |b| {
             b.iter(|| {
                 salt += 1;
-                let hashes = block_hashes(&prompt(bytes, salt), 4, 7);
-                let found = index.match_prefix(&hashes, "m", &pods);
-                index.add_prefix(&hashes, "m", "ns/p1", salt as u64);
+                let stream = prompt(bytes, salt);
+                let found = index.match_prefix(&stream, "m", &pods);
+                index.add_prefix(&stream, "m", "ns/p1", salt as u64);
                 found
             })
         });
-        let hashes = block_hashes(&stream, 4, 7);
+        group.bench_function(BenchmarkId::new("match_then_add_rag_prompt", bytes), |b| {
+            b.iter(|| {
+                salt += 1;
+                let stream = rag(bytes, salt);
+                let found = index.match_prefix(&stream, "m", &pods);
+                index.add_prefix(&stream, "m", "ns/p1", salt as u64);
+                found
+            })
+        });
         let event = PrefixEvent {
             model: "m".into(),
             pod: "ns/p1".into(),
-            hashes,
+            stream: prompt(bytes, 0),
             at_ms: 1,
         };
         group.bench_function(BenchmarkId::new("event_encode_decode", bytes), |b| {

@@ -20,7 +20,7 @@ use crate::core::obs::outcome::{self, CutBy, Outcome};
 use crate::core::obs::timing::Instants;
 use crate::core::obs::{usage, Explain};
 use crate::core::pd::{self, candidates, PairInput, PdSettings, Step0Input, Target};
-use crate::core::prefix::{self, PrefixEvent};
+use crate::core::prefix::PrefixEvent;
 use crate::core::profile::Strategy;
 use crate::core::request::{self, Endpoint, RoutingRequest};
 use crate::core::route::{self, Decision};
@@ -353,10 +353,12 @@ impl PdHttp {
             prompt_len: decision.prompt_len,
         };
         // Prefix lookup (local to this worker; other workers' insertions arrive as events).
-        let (hashes, match_pct, token_bytes) = if settings.prefill_policy.uses_prefix_index() {
+        let (stream, match_pct, token_bytes) = if settings.prefill_policy.uses_prefix_index() {
             let p = vm.prefix_settings;
-            let stream = tokenize::token_stream(p.tokenizer, &req.prompt_text);
-            let hashes = prefix::block_hashes(&stream, p.block_size, vm.prefix_seed);
+            let mut stream = tokenize::token_stream(p.tokenizer, &req.prompt_text);
+            let token_bytes = stream.len();
+            // Whole blocks only: the index ignores a trailing partial block, and so do peers.
+            stream.truncate(token_bytes - token_bytes % vm.prefix.block_size());
             let prefill_pods: Vec<usize> = model
                 .rolesets
                 .iter()
@@ -366,12 +368,12 @@ impl PdHttp {
                 .iter()
                 .map(|&i| model.pods[i].key.as_str())
                 .collect();
-            let found = vm.prefix.match_prefix(&hashes, &req.model, &keys);
+            let found = vm.prefix.match_prefix(&stream, &req.model, &keys);
             let mut pct = vec![0.0; model.pods.len()];
             for (&i, &m) in prefill_pods.iter().zip(&found) {
                 pct[i] = f64::from(m);
             }
-            (hashes, pct, stream.len())
+            (stream, pct, token_bytes)
         } else {
             (Vec::new(), Vec::new(), req.prompt_bytes)
         };
@@ -424,16 +426,16 @@ impl PdHttp {
         }
         vm.metrics.token_gauges(&tokens);
         self.hold(vm, held, now, settings.tokens.ttl_s);
-        if let (Target::Pair { prefill, .. }, false) = (selected.target, hashes.is_empty()) {
+        if let (Target::Pair { prefill, .. }, false) = (selected.target, stream.is_empty()) {
             // Warm the index with the chosen prefill pod, here and on every other worker.
             let event = PrefixEvent {
                 model: req.model.clone(),
                 pod: model.pods[prefill].key.clone(),
-                hashes,
+                stream,
                 at_ms: now,
             };
             vm.prefix
-                .add_prefix(&event.hashes, &event.model, &event.pod, now);
+                .add_prefix(&event.stream, &event.model, &event.pod, now);
             snapshot::broadcast(&vm.peers, snapshot::MSG_PREFIX, &event.encode());
         }
         Ok(selected.target)

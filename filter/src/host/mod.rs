@@ -36,7 +36,6 @@ pub struct VmState {
     /// Where each prompt prefix was last sent (per worker; insertions are broadcast).
     pub prefix: PrefixIndex,
     pub prefix_settings: PrefixSettings,
-    pub prefix_seed: u64,
     /// Notice queues of the other live VMs, refreshed about once a second.
     pub peers: Vec<u32>,
     /// Charges of this VM's in-flight requests, by HTTP context id.

@@ -69,9 +69,8 @@ impl Root {
                 defaults: PdDefaults::default(),
                 sessions: SessionTable::from_settings(&TokenLoadSettings::default()),
                 planner: Planner::new(),
-                prefix: PrefixIndex::new(1),
+                prefix: PrefixIndex::new(1, 1),
                 prefix_settings: PrefixSettings::default(),
-                prefix_seed: 0,
                 peers: Vec::new(),
                 holds: hashbrown::HashMap::new(),
                 fleet: None,
@@ -478,11 +477,6 @@ impl RootContext for Root {
         for w in warnings {
             log::warn!("{w}");
         }
-        let seed = snapshot::shared_prefix_seed(
-            prefix_settings.seed,
-            prefix_settings.statesync,
-            random_seed(),
-        );
         if defaults.env.pd.prompt_length_bucketing {
             // The first exact count would otherwise cost a request a few hundred ms in V8.
             crate::core::tokenize::warm_up();
@@ -511,9 +505,8 @@ impl RootContext for Root {
         vm.engines = EngineState::new(engines);
         vm.sessions = SessionTable::from_settings(&defaults.tokens);
         vm.defaults = defaults;
-        vm.prefix = PrefixIndex::new(prefix_settings.capacity);
+        vm.prefix = PrefixIndex::new(prefix_settings.capacity, prefix_settings.block_size);
         vm.prefix_settings = prefix_settings;
-        vm.prefix_seed = seed;
         drop(vm);
         self.replica = crate::host::replicas::replica_id(random_seed());
         if let Err(e) = ledger::ensure_table(&SharedData) {
@@ -593,7 +586,7 @@ impl RootContext for Root {
                         .vm
                         .borrow_mut()
                         .prefix
-                        .add_prefix(&e.hashes, &e.model, &e.pod, e.at_ms),
+                        .add_prefix(&e.stream, &e.model, &e.pod, e.at_ms),
                     Err(err) => log::warn!("dropping a malformed prefix event: {err}"),
                 },
                 _ => log::warn!("dropping an unknown queue message"),

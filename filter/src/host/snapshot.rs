@@ -280,32 +280,6 @@ pub fn broadcast(queues: &[u32], tag: u8, payload: &[u8]) {
     }
 }
 
-/// The prefix hash seed every VM must share (hashes learned on one worker are looked up on
-/// the others): the configured one, or a random one stored once in shared data.
-pub fn shared_prefix_seed(configured: Option<u64>, statesync: bool, random: u64) -> u64 {
-    const KEY: &str = "pd/prefix/seed";
-    if let Some(seed) = configured {
-        return seed;
-    }
-    if statesync {
-        return 0;
-    }
-    let read = || match SharedData.get(KEY) {
-        Ok((Some(v), _)) => v
-            .get(..8)
-            .and_then(|b| b.try_into().ok())
-            .map(u64::from_le_bytes),
-        _ => None,
-    };
-    if let Some(seed) = read() {
-        return seed;
-    }
-    // The key is absent, so the CAS is not checked: whoever wrote last wins, and everyone
-    // reads the winner back.
-    let _ = SharedData.set(KEY, &random.to_le_bytes(), None);
-    read().unwrap_or(random)
-}
-
 /// Request headers of a snapshot poll; the version we hold lets pd-control answer 304.
 pub fn fetch_request(
     cluster: &str,

@@ -1,0 +1,250 @@
+//! The prefix event: how one worker's index update reaches the others.
+
+/// Why a [`PrefixEvent`] could not be decoded.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum EventError {
+    #[error("prefix event is truncated")]
+    Truncated,
+    #[error("prefix event has unknown version {0}")]
+    Version(u8),
+    #[error("prefix event has a malformed length")]
+    Varint,
+    #[error("prefix event names are not UTF-8")]
+    Utf8,
+    #[error("prefix event has {0} trailing bytes")]
+    Trailing(usize),
+}
+
+/// "`pod` served the prompt `stream` for `model` at `at_ms`": what a worker broadcasts to the
+/// others after a selection, so every worker's index learns the prefix (applied with
+/// [`PrefixIndex::add_prefix`](super::PrefixIndex::add_prefix)). The stream is the prompt's token stream cut to whole blocks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefixEvent {
+    pub model: String,
+    pub pod: String,
+    pub stream: Vec<u8>,
+    pub at_ms: u64,
+}
+
+/// Wire format version, the first byte of an encoded event.
+const EVENT_VERSION: u8 = 2;
+
+impl PrefixEvent {
+    /// `version u8 ‖ varint at_ms ‖ varint len ‖ model ‖ varint len ‖ pod ‖ varint len ‖
+    /// stream`. Varints are LEB128.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out =
+            Vec::with_capacity(1 + 10 * 4 + self.model.len() + self.pod.len() + self.stream.len());
+        out.push(EVENT_VERSION);
+        put_varint(&mut out, self.at_ms);
+        put_varint(&mut out, self.model.len() as u64);
+        out.extend_from_slice(self.model.as_bytes());
+        put_varint(&mut out, self.pod.len() as u64);
+        out.extend_from_slice(self.pod.as_bytes());
+        put_varint(&mut out, self.stream.len() as u64);
+        out.extend_from_slice(&self.stream);
+        out
+    }
+
+    /// Parses an encoded event; any corruption is an error, never a panic or a huge allocation
+    /// (lengths are checked against the remaining bytes before anything is allocated).
+    pub fn decode(bytes: &[u8]) -> Result<PrefixEvent, EventError> {
+        let mut r = Reader { bytes, pos: 0 };
+        let version = r.take(1)?[0];
+        if version != EVENT_VERSION {
+            return Err(EventError::Version(version));
+        }
+        let at_ms = r.varint()?;
+        let model = r.string()?;
+        let pod = r.string()?;
+        let len = r.len()?;
+        let stream = r.take(len)?.to_vec();
+        let rest = bytes.len() - r.pos;
+        if rest != 0 {
+            return Err(EventError::Trailing(rest));
+        }
+        Ok(PrefixEvent {
+            model,
+            pod,
+            stream,
+            at_ms,
+        })
+    }
+}
+
+fn put_varint(out: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        out.push((v as u8) | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+struct Reader<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], EventError> {
+        let end = self.pos.checked_add(n).ok_or(EventError::Truncated)?;
+        let s = self.bytes.get(self.pos..end).ok_or(EventError::Truncated)?;
+        self.pos = end;
+        Ok(s)
+    }
+
+    fn varint(&mut self) -> Result<u64, EventError> {
+        let mut v = 0u64;
+        for shift in (0..64).step_by(7) {
+            let b = self.take(1)?[0];
+            let bits = u64::from(b & 0x7f);
+            if shift == 63 && bits > 1 {
+                return Err(EventError::Varint);
+            }
+            v |= bits << shift;
+            if b & 0x80 == 0 {
+                return Ok(v);
+            }
+        }
+        Err(EventError::Varint)
+    }
+
+    /// A length, which must fit in what is left of the input.
+    fn len(&mut self) -> Result<usize, EventError> {
+        let v = self.varint()?;
+        let n = usize::try_from(v).map_err(|_| EventError::Truncated)?;
+        if n > self.bytes.len() - self.pos {
+            return Err(EventError::Truncated);
+        }
+        Ok(n)
+    }
+
+    fn string(&mut self) -> Result<String, EventError> {
+        let n = self.len()?;
+        let raw = self.take(n)?;
+        std::str::from_utf8(raw)
+            .map(str::to_owned)
+            .map_err(|_| EventError::Utf8)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::PrefixIndex;
+    use super::*;
+
+    #[test]
+    fn event_round_trip() {
+        let events = [
+            PrefixEvent {
+                model: "llama-3-8b".into(),
+                pod: "default/prefill-0".into(),
+                stream: b"You are a helpful assistant.".to_vec(),
+                at_ms: 1_767_225_600_123,
+            },
+            PrefixEvent {
+                model: String::new(),
+                pod: "数据🚀".into(),
+                stream: vec![],
+                at_ms: 0,
+            },
+            PrefixEvent {
+                model: "m".repeat(300),
+                pod: "p".into(),
+                stream: (0..4000u32).map(|i| i as u8).collect(),
+                at_ms: u64::MAX,
+            },
+        ];
+        for e in events {
+            let bytes = e.encode();
+            assert_eq!(PrefixEvent::decode(&bytes), Ok(e.clone()));
+            // Applying a decoded event is the same as adding the prefix directly.
+            let mut index = PrefixIndex::new(10_000, 4);
+            let back = PrefixEvent::decode(&bytes).expect("round trip");
+            index.add_prefix(&back.stream, &back.model, &back.pod, back.at_ms);
+            if e.stream.len() >= 4 {
+                assert_eq!(
+                    index.match_prefix(&e.stream, &e.model, &[&e.pod]),
+                    vec![100]
+                );
+            }
+        }
+        // Compact: the stream itself plus a few bytes of names and lengths.
+        let small = PrefixEvent {
+            model: "m".into(),
+            pod: "p".into(),
+            stream: b"abcd".to_vec(),
+            at_ms: 1_767_225_600_123,
+        };
+        assert_eq!(small.encode().len(), 1 + 6 + 2 + 2 + 1 + 4);
+    }
+
+    #[test]
+    fn corrupt_events_are_errors() {
+        let good = PrefixEvent {
+            model: "m".into(),
+            pod: "pod".into(),
+            stream: vec![1, 2],
+            at_ms: 300,
+        }
+        .encode();
+        // Every truncation fails cleanly.
+        for cut in 0..good.len() {
+            assert_eq!(
+                PrefixEvent::decode(&good[..cut]),
+                Err(EventError::Truncated),
+                "cut at {cut}"
+            );
+        }
+        let mut trailing = good.clone();
+        trailing.push(0);
+        let mut version = good.clone();
+        version[0] = 9;
+        let cases: Vec<(Vec<u8>, EventError)> = vec![
+            (trailing, EventError::Trailing(1)),
+            (version, EventError::Version(9)),
+            // The hashed format of earlier builds is refused, not misread.
+            (vec![1, 0, 0, 0, 0], EventError::Version(1)),
+            // Model length 1, then an invalid UTF-8 byte.
+            (vec![2, 0, 1, 0xff, 0, 0], EventError::Utf8),
+            // An 11-byte varint.
+            (
+                vec![
+                    2, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x01,
+                ],
+                EventError::Varint,
+            ),
+            // A tenth varint byte that overflows 64 bits.
+            (
+                vec![
+                    2, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x02,
+                ],
+                EventError::Varint,
+            ),
+            // A string length far beyond the input.
+            (
+                vec![2, 0, 0xff, 0xff, 0xff, 0xff, 0x0f, b'm'],
+                EventError::Truncated,
+            ),
+            // A stream length far beyond the input: must not allocate.
+            (
+                vec![
+                    2, 0, 0, 0, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01,
+                ],
+                EventError::Truncated,
+            ),
+            (vec![2, 0, 0, 0, 5, 1, 2, 3], EventError::Truncated),
+        ];
+        for (bytes, want) in cases {
+            assert_eq!(PrefixEvent::decode(&bytes), Err(want), "{bytes:?}");
+        }
+        // A maximal u64 varint still decodes.
+        let e = PrefixEvent {
+            model: String::new(),
+            pod: String::new(),
+            stream: vec![],
+            at_ms: u64::MAX,
+        };
+        assert_eq!(PrefixEvent::decode(&e.encode()), Ok(e));
+    }
+}
