@@ -175,11 +175,23 @@ fn cases() -> Vec<Case> {
             200,
         ),
         case("nesting 100 deep is fine", nested(100), 200),
+        // The router splices members it does not read without parsing into them, so how
+        // deep they nest is the engine's call (pd-sim, like vLLM, refuses this one).
         case(
-            "nesting 10000 deep is refused, not a crash",
+            "nesting 10000 deep in a member the router does not read: the engine refuses it",
             nested(10_000),
             400,
+        ),
+        case(
+            "chat content nested 10000 deep is refused by the router, not a crash",
+            format!(
+                r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":{}{}}}]}}"#,
+                "[".repeat(10_000),
+                "]".repeat(10_000)
+            ),
+            400,
         )
+        .path("/v1/chat/completions")
         .expect_header(bad, Some("true"))
         .error(invalid),
         case(

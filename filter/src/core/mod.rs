@@ -11,6 +11,7 @@ pub mod fleet;
 pub mod freshness;
 pub mod guard;
 pub mod journal;
+pub mod json_object;
 pub mod ledger;
 pub mod obs;
 pub mod pd;

@@ -1,12 +1,22 @@
-//! OpenAI request body → the fields routing needs, parsed once.
+//! OpenAI request body → the fields routing needs.
 //!
-//! The parsed object is kept (`body`) so the engine adapters edit it instead of parsing again;
-//! `serde_json` runs with `preserve_order` and `arbitrary_precision`, so key order and numbers
-//! such as 63-bit ids survive the round trip unchanged.
+//! Only the members routing reads are parsed (see `core::json_object`); the engine adapters
+//! splice the raw body, so members the router never reads reach the engine byte for byte.
+//! Where a whole `serde_json::Value` is still wanted (TRT-LLM's legs), [`body_map`] parses
+//! one with `preserve_order` and `arbitrary_precision`, so key order and numbers such as
+//! 63-bit ids survive the round trip.
 
+use std::borrow::Cow;
+use std::fmt;
+
+use serde::de::value::{MapAccessDeserializer, SeqAccessDeserializer};
+use serde::de::{Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::Deserialize;
+use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 use super::errors::RouteError;
+use super::json_object::{Members, Spans};
 
 /// The OpenAI endpoints the router understands. Matched on the exact path, as AIBrix does,
 /// so a query string makes a path unknown.
@@ -49,36 +59,42 @@ pub struct RoutingRequest {
     pub max_tokens: Option<i64>,
     /// Raw body length; token-load charges estimate tokens from it.
     pub body_len: usize,
-    /// The parsed body, edited by the engine adapters.
-    pub body: Map<String, Value>,
+    /// `stream_options.include_usage`: the stream ends with a usage chunk worth scanning.
+    pub include_usage: bool,
+    /// Where the body's members lie, for splicing the engine legs from the raw body.
+    pub members: Spans,
 }
 
 impl RoutingRequest {
     pub fn parse(endpoint: Endpoint, raw: &[u8]) -> Result<RoutingRequest, RouteError> {
-        let body = match serde_json::from_slice::<Value>(raw) {
-            Ok(Value::Object(map)) => map,
-            _ => return Err(RouteError::BadBody),
-        };
+        let body = Members::parse(raw).map_err(|_| RouteError::BadBody)?;
         let model = match body.get("model") {
-            Some(Value::String(m)) => m.clone(),
-            None | Some(Value::Null) => String::new(),
-            Some(_) => return Err(RouteError::BadBody),
+            None => String::new(),
+            Some(v) => field::<Option<String>>(v)?.unwrap_or_default(),
         };
         let stream = match body.get("stream") {
-            None | Some(Value::Null) => false,
-            Some(Value::Bool(b)) => *b,
-            Some(_) => return Err(RouteError::BadBody),
+            None => false,
+            Some(v) => field::<Option<bool>>(v)?.unwrap_or(false),
         };
         let prompt_text = match endpoint {
             Endpoint::Completions => match body.get("prompt") {
-                Some(Value::String(p)) => p.clone(),
-                _ => return Err(RouteError::BadBody),
+                Some(v) => field::<String>(v)?,
+                None => return Err(RouteError::BadBody),
             },
-            Endpoint::ChatCompletions => chat_prompt_text(&body)?,
+            Endpoint::ChatCompletions => chat_prompt_text(body.get("messages"))?,
         };
         let max_tokens = ["max_tokens", "max_completion_tokens"]
             .iter()
-            .find_map(|k| body.get(*k).and_then(Value::as_i64));
+            .find_map(|k| {
+                body.get(k)
+                    .and_then(|v| serde_json::from_str::<i64>(v.get()).ok())
+            });
+        let include_usage = body
+            .get("stream_options")
+            .and_then(|v| Members::of(v).ok())
+            .and_then(|o| o.get("include_usage"))
+            .and_then(|v| serde_json::from_str::<bool>(v.get()).ok())
+            .unwrap_or(false);
         Ok(RoutingRequest {
             endpoint,
             model,
@@ -87,35 +103,182 @@ impl RoutingRequest {
             prompt_text,
             max_tokens,
             body_len: raw.len(),
-            body,
+            include_usage,
+            members: body.spans(raw),
         })
     }
 }
 
-/// The message contents joined by one space: strings unescaped, anything else (content
-/// parts, null) as its JSON text, which is what AIBrix feeds its tokenizer.
-fn chat_prompt_text(body: &Map<String, Value>) -> Result<String, RouteError> {
-    let messages = match body.get("messages") {
-        Some(Value::Array(messages)) if !messages.is_empty() => messages,
-        Some(Value::Array(_)) | None | Some(Value::Null) => return Err(RouteError::NoMessages),
-        Some(_) => return Err(RouteError::BadBody),
-    };
-    let mut text = String::new();
-    for (i, message) in messages.iter().enumerate() {
-        let Value::Object(message) = message else {
-            return Err(RouteError::BadBody);
-        };
-        if i > 0 {
-            text.push(' ');
-        }
-        match message.get("content") {
-            Some(Value::String(s)) => text.push_str(s),
-            Some(other) => text.push_str(&other.to_string()),
-            None => text.push_str("null"),
-        }
+/// The whole body as a JSON object, for the adapters that edit it as one (TRT-LLM).
+pub fn body_map(raw: &[u8]) -> Result<Map<String, Value>, RouteError> {
+    match serde_json::from_slice::<Value>(raw) {
+        Ok(Value::Object(map)) => Ok(map),
+        _ => Err(RouteError::BadBody),
     }
-    Ok(text)
 }
+
+/// One member the router reads, of the type it must have.
+fn field<'a, T: Deserialize<'a>>(value: &'a RawValue) -> Result<T, RouteError> {
+    serde_json::from_str(value.get()).map_err(|_| RouteError::BadBody)
+}
+
+/// The message contents joined by one space: strings unescaped, anything else (content
+/// parts, null) as its compact JSON text, which is what AIBrix feeds its tokenizer. Parsed in
+/// one pass over the messages; other members of a message are skipped unparsed.
+fn chat_prompt_text(messages: Option<&RawValue>) -> Result<String, RouteError> {
+    let Some(messages) = messages else {
+        return Err(RouteError::NoMessages);
+    };
+    let mut de = serde_json::Deserializer::from_str(messages.get());
+    let joined = de
+        .deserialize_option(JoinedVisitor)
+        .map_err(|_| RouteError::BadBody)?;
+    match joined {
+        Some(Joined { text, count }) if count > 0 => Ok(text),
+        _ => Err(RouteError::NoMessages),
+    }
+}
+
+struct Joined {
+    text: String,
+    count: usize,
+}
+
+/// `null` or an array of message objects.
+struct JoinedVisitor;
+
+impl<'de> Visitor<'de> for JoinedVisitor {
+    type Value = Option<Joined>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("an array of messages")
+    }
+
+    fn visit_none<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_seq(self)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut joined = Joined {
+            text: String::new(),
+            count: 0,
+        };
+        while let Some(Message(content)) = seq.next_element::<Message<'de>>()? {
+            if joined.count > 0 {
+                joined.text.push(' ');
+            }
+            match content {
+                Some(Content::Text(t)) => joined.text.push_str(&t),
+                Some(Content::Json(v)) => joined.text.push_str(&v.to_string()),
+                None => joined.text.push_str("null"),
+            }
+            joined.count += 1;
+        }
+        Ok(Some(joined))
+    }
+}
+
+/// One message: only its `content` is read (the last one, if duplicated).
+struct Message<'a>(Option<Content<'a>>);
+
+impl<'de> Deserialize<'de> for Message<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_map(MessageVisitor)
+    }
+}
+
+struct MessageVisitor;
+
+impl<'de> Visitor<'de> for MessageVisitor {
+    type Value = Message<'de>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a message object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Message<'de>, A::Error> {
+        let mut content = None;
+        while let Some(Text(key)) = map.next_key::<Text<'de>>()? {
+            if key == "content" {
+                content = map.next_value::<Option<Content<'de>>>()?;
+            } else {
+                map.next_value::<IgnoredAny>()?;
+            }
+        }
+        Ok(Message(content))
+    }
+}
+
+/// A message's content: text (borrowed unless escaped), or any other JSON value.
+enum Content<'a> {
+    Text(Cow<'a, str>),
+    Json(Value),
+}
+
+impl<'de> Deserialize<'de> for Content<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(ContentVisitor)
+    }
+}
+
+struct ContentVisitor;
+
+impl<'de> Visitor<'de> for ContentVisitor {
+    type Value = Content<'de>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("message content")
+    }
+
+    fn visit_borrowed_str<E: serde::de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+        Ok(Content::Text(Cow::Borrowed(v)))
+    }
+
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(Content::Text(Cow::Owned(v.to_string())))
+    }
+
+    fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Self::Value, E> {
+        Ok(Content::Text(Cow::Owned(v)))
+    }
+
+    fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<Self::Value, E> {
+        Ok(Content::Json(Value::Bool(v)))
+    }
+
+    fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Self::Value, E> {
+        Ok(Content::Json(Value::from(v)))
+    }
+
+    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Self::Value, E> {
+        Ok(Content::Json(Value::from(v)))
+    }
+
+    fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Self::Value, E> {
+        Ok(Content::Json(Value::from(v)))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
+        Value::deserialize(SeqAccessDeserializer::new(seq)).map(Content::Json)
+    }
+
+    // Objects, and numbers under `arbitrary_precision` (which arrive as a one-entry map).
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+        Value::deserialize(MapAccessDeserializer::new(map)).map(Content::Json)
+    }
+}
+
+/// A string, borrowed from the body unless it has escapes.
+#[derive(Deserialize)]
+struct Text<'a>(#[serde(borrow)] Cow<'a, str>);
 
 /// The request id: the trace id of a W3C `traceparent` when one is present (so gateway logs
 /// join the caller's trace), else a fresh UUID-shaped id from `random`.
@@ -205,6 +368,56 @@ mod tests {
             RouteError::BadBody
         );
         assert_eq!(chat(r#"{"messages":[{"content":"a"}]}"#).unwrap().model, "");
+    }
+
+    #[test]
+    fn message_contents_join_as_aibrix_tokenizes_them() {
+        let cases = [
+            (
+                r#"[{"content":"a"},{"role":"x","content":"b\"c"}]"#,
+                r#"a b"c"#,
+            ),
+            (
+                r#"[{"content":null},{"content":5},{"content":1.5e3}]"#,
+                "null 5 1.5e+3",
+            ),
+            (r#"[{"role":"user"}]"#, "null"),
+            (r#"[{"content":"x","content":"last wins"}]"#, "last wins"),
+            (
+                r#"[{"content":[ {"type":"text", "text":"x"} ],"name":{"deep":[[1]]}}]"#,
+                r#"[{"type":"text","text":"x"}]"#,
+            ),
+            (r#"[{"content":"\u00e9t\u00e9"}]"#, "été"),
+        ];
+        for (messages, want) in cases {
+            let raw = format!(r#"{{"model":"m","messages":{messages}}}"#);
+            assert_eq!(chat(&raw).unwrap().prompt_text, want, "{messages}");
+        }
+        for (messages, err) in [
+            ("null", RouteError::NoMessages),
+            ("[]", RouteError::NoMessages),
+            (r#""hi""#, RouteError::BadBody),
+            (r#"["hi"]"#, RouteError::BadBody),
+            (r#"[{"content":"a"},7]"#, RouteError::BadBody),
+            (r#"{"content":"a"}"#, RouteError::BadBody),
+        ] {
+            let raw = format!(r#"{{"model":"m","messages":{messages}}}"#);
+            assert_eq!(chat(&raw).unwrap_err(), err, "{messages}");
+        }
+        // Content nested past serde_json's limit is refused; elsewhere it is the engine's call.
+        let deep = format!(r#"[{{"content":{}{}}}]"#, "[".repeat(200), "]".repeat(200));
+        let raw = format!(r#"{{"model":"m","messages":{deep}}}"#);
+        assert_eq!(chat(&raw).unwrap_err(), RouteError::BadBody);
+    }
+
+    #[test]
+    fn usage_and_token_fields() {
+        let r = chat(r#"{"model":"m","stream":true,"stream_options":{"include_usage":true},"max_tokens":"ten","max_completion_tokens":7,"messages":[{"content":"a"}]}"#).unwrap();
+        assert!(r.include_usage);
+        assert_eq!(r.max_tokens, Some(7));
+        let r = chat(r#"{"model":"m","stream_options":{"include_usage":"yes"},"max_tokens":1e30,"messages":[{"content":"a"}]}"#).unwrap();
+        assert!(!r.include_usage);
+        assert_eq!(r.max_tokens, None);
     }
 
     #[test]

@@ -7,7 +7,6 @@ use std::time::Duration;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
-use serde_json::{Map, Value};
 
 mod pair;
 
@@ -77,7 +76,9 @@ struct Served {
 /// A prefill leg in flight and what the decode request needs once it answers.
 struct PendingDecode {
     token: u32,
-    body: Map<String, Value>,
+    /// The client's raw body and its members, which the decode leg is spliced from.
+    body: Vec<u8>,
+    members: crate::core::json_object::Spans,
     prefill_ip: String,
     decode_address: String,
     merge: pair::Merge,
@@ -218,7 +219,7 @@ impl PdHttp {
         self.routed_on = Some(fleet.clone());
         let req = RoutingRequest::parse(endpoint, raw)?;
         self.obs.times.stream = req.stream;
-        self.obs.scan_usage = req.stream && wants_usage(&req.body);
+        self.obs.scan_usage = req.stream && req.include_usage;
         let model = fleet
             .models
             .get(&req.model)
@@ -623,11 +624,15 @@ impl PdHttp {
             return Err(RouteError::prefill_answer(status, response, "http_error"));
         }
         let decode_body = match pending.merge {
-            pair::Merge::Vllm(connector) => {
-                vllm::decode_body(&pending.body, response, &pending.prefill_ip, connector)?
-            }
+            pair::Merge::Vllm(connector) => vllm::decode_body(
+                &pending.body,
+                &pending.members,
+                response,
+                &pending.prefill_ip,
+                connector,
+            )?,
             pair::Merge::Trtllm(endpoint) => {
-                trtllm::generation_body(&pending.body, endpoint, response)?
+                trtllm::generation_body(&request::body_map(&pending.body)?, endpoint, response)?
             }
             pair::Merge::Unchanged => None,
         };
@@ -807,12 +812,4 @@ impl HttpContext for PdHttp {
         self.release_all();
         self.observe_end();
     }
-}
-
-/// Whether a streaming body asked for the final usage chunk (`stream_options.include_usage`).
-fn wants_usage(body: &Map<String, Value>) -> bool {
-    body.get("stream_options")
-        .and_then(|o| o.get("include_usage"))
-        .and_then(Value::as_bool)
-        == Some(true)
 }

@@ -5,45 +5,48 @@
 //! `kv_transfer_params` the prefill returned, with `remote_host` set to the prefill pod's IP
 //! (vLLM reports its side-channel host, which defaults to `localhost`).
 
-use serde_json::{json, Map, Value};
+use serde_json::{Map, Value};
 
 use crate::core::config::KvConnector;
 use crate::core::errors::RouteError;
+use crate::core::json_object::{Members, Spans};
 
-/// The prefill request body, built from the parsed client body.
-pub fn prefill_body(client: &Map<String, Value>, connector: KvConnector) -> Vec<u8> {
-    let mut body = client.clone();
+/// Members the prefill leg replaces: one token, no streaming (vLLM rejects `stream_options`
+/// without `stream`), and no `min_tokens` a one-token leg cannot honour.
+const PREFILL_REPLACED: [&str; 6] = [
+    "max_tokens",
+    "max_completion_tokens",
+    "stream",
+    "stream_options",
+    "min_tokens",
+    "kv_transfer_params",
+];
+const ONE_TOKEN: [(&str, &str); 3] = [
+    ("max_tokens", "1"),
+    ("max_completion_tokens", "1"),
+    ("stream", "false"),
+];
+/// What marks a prefill leg for the `shfs` connector.
+const REMOTE_DECODE: &str = r#"{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}"#;
+
+/// The prefill request body, spliced from the client's raw body and its member spans (see
+/// `core::json_object`). Only `shfs` marks the leg (its marker replaces any
+/// `kv_transfer_params` of the client).
+pub fn prefill_body(client: &[u8], members: &Spans, connector: KvConnector) -> Vec<u8> {
     if connector == KvConnector::Shfs {
-        body.insert(
-            "kv_transfer_params".into(),
-            json!({
-                "do_remote_decode": true,
-                "do_remote_prefill": false,
-                "remote_engine_id": null,
-                "remote_block_ids": null,
-                "remote_host": null,
-                "remote_port": null,
-            }),
-        );
+        let mut extra = ONE_TOKEN.to_vec();
+        extra.push(("kv_transfer_params", REMOTE_DECODE));
+        members.write(client, &PREFILL_REPLACED, &extra)
+    } else {
+        members.write(client, &PREFILL_REPLACED[..5], &ONE_TOKEN)
     }
-    cap_to_one_token(&mut body);
-    Value::Object(body).to_string().into_bytes()
 }
 
-/// What every engine's prefill leg shares: one token, no streaming (vLLM rejects
-/// `stream_options` without `stream`), and no `min_tokens` a one-token leg cannot honour.
-fn cap_to_one_token(body: &mut Map<String, Value>) {
-    body.insert("max_tokens".into(), json!(1));
-    body.insert("max_completion_tokens".into(), json!(1));
-    body.insert("stream".into(), json!(false));
-    body.remove("stream_options");
-    body.remove("min_tokens");
-}
-
-/// The decode request body from the client body and the prefill's response bytes.
+/// The decode request body from the client's raw body and the prefill's response bytes.
 /// `None` means "forward the client's body unchanged".
 pub fn decode_body(
-    client: &Map<String, Value>,
+    client: &[u8],
+    members: &Spans,
     prefill_response: &[u8],
     prefill_ip: &str,
     connector: KvConnector,
@@ -51,30 +54,29 @@ pub fn decode_body(
     if connector == KvConnector::Mooncake {
         return Ok(None);
     }
-    let response = match serde_json::from_slice::<Value>(prefill_response) {
-        Ok(Value::Object(map)) => map,
-        _ => return Err(bad_response("the prefill response is not a JSON object")),
-    };
-    let mut body = client.clone();
+    let not_object = || bad_response("the prefill response is not a JSON object");
+    let response = Members::parse(prefill_response).map_err(|_| not_object())?;
     match connector {
         KvConnector::Nixl => {
-            body.insert("disagg_prefill_resp".into(), Value::Object(response));
+            let raw = std::str::from_utf8(prefill_response).map_err(|_| not_object())?;
+            let key = "disagg_prefill_resp";
+            Ok(Some(members.write(client, &[key], &[(key, raw.trim())])))
         }
         _ => match response.get("kv_transfer_params") {
-            None | Some(Value::Null) => return Ok(None),
-            Some(Value::Object(params)) => {
-                let mut params = params.clone();
+            None => Ok(None),
+            Some(v) if v.get() == "null" => Ok(None),
+            Some(v) => {
+                let mut params: Map<String, Value> =
+                    serde_json::from_str(v.get()).map_err(|_| {
+                        bad_response("kv_transfer_params in the prefill response is not an object")
+                    })?;
                 params.insert("remote_host".into(), Value::String(prefill_ip.to_string()));
-                body.insert("kv_transfer_params".into(), Value::Object(params));
-            }
-            Some(_) => {
-                return Err(bad_response(
-                    "kv_transfer_params in the prefill response is not an object",
-                ))
+                let params = Value::Object(params).to_string();
+                let key = "kv_transfer_params";
+                Ok(Some(members.write(client, &[key], &[(key, &params)])))
             }
         },
     }
-    Ok(Some(Value::Object(body).to_string().into_bytes()))
 }
 
 fn bad_response(detail: &str) -> RouteError {
@@ -88,31 +90,35 @@ fn bad_response(detail: &str) -> RouteError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
-    fn client() -> Map<String, Value> {
-        match serde_json::from_str(
-            r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,
-                "stream_options":{"include_usage":true},"min_tokens":3,"max_tokens":64,"seed":9007199254740993}"#,
-        )
-        .unwrap()
-        {
-            Value::Object(m) => m,
-            _ => unreachable!(),
-        }
+    fn spans() -> Spans {
+        Members::parse(client()).unwrap().spans(client())
+    }
+
+    fn client() -> &'static [u8] {
+        br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,
+            "stream_options":{"include_usage":true},"min_tokens":3,"max_tokens":64,
+            "seed":9007199254740993}"#
     }
 
     #[test]
     fn prefill_leg_is_capped_and_marked() {
         let body: Value =
-            serde_json::from_slice(&prefill_body(&client(), KvConnector::Shfs)).unwrap();
+            serde_json::from_slice(&prefill_body(client(), &spans(), KvConnector::Shfs)).unwrap();
         assert_eq!(body["max_tokens"], 1);
         assert_eq!(body["max_completion_tokens"], 1);
         assert_eq!(body["stream"], false);
         assert!(body.get("stream_options").is_none() && body.get("min_tokens").is_none());
         assert_eq!(body["kv_transfer_params"]["do_remote_decode"], true);
         assert_eq!(body["kv_transfer_params"]["do_remote_prefill"], false);
-        let raw = String::from_utf8(prefill_body(&client(), KvConnector::Nixl)).unwrap();
+        let raw = String::from_utf8(prefill_body(client(), &spans(), KvConnector::Nixl)).unwrap();
         assert!(!raw.contains("kv_transfer_params"));
+        let body: Value = serde_json::from_str(&raw).unwrap();
+        assert_eq!(
+            (&body["max_tokens"], &body["stream"]),
+            (&json!(1), &json!(false))
+        );
         assert!(
             raw.contains("9007199254740993"),
             "large integers keep their exact digits"
@@ -122,7 +128,7 @@ mod tests {
     #[test]
     fn decode_leg_carries_params_with_prefill_ip() {
         let resp = br#"{"id":"x","kv_transfer_params":{"do_remote_prefill":true,"remote_host":"localhost","remote_port":5600,"remote_block_ids":[1,2]}}"#;
-        let out = decode_body(&client(), resp, "10.0.0.7", KvConnector::Shfs)
+        let out = decode_body(client(), &spans(), resp, "10.0.0.7", KvConnector::Shfs)
             .unwrap()
             .unwrap();
         let body: Value = serde_json::from_slice(&out).unwrap();
@@ -143,24 +149,38 @@ mod tests {
     #[test]
     fn decode_leg_edge_cases() {
         assert_eq!(
-            decode_body(&client(), br#"{"id":"x"}"#, "ip", KvConnector::Shfs).unwrap(),
+            decode_body(
+                client(),
+                &spans(),
+                br#"{"id":"x"}"#,
+                "ip",
+                KvConnector::Shfs
+            )
+            .unwrap(),
             None
         );
-        assert!(decode_body(&client(), b"oops", "ip", KvConnector::Shfs).is_err());
+        assert!(decode_body(client(), &spans(), b"oops", "ip", KvConnector::Shfs).is_err());
         assert!(decode_body(
-            &client(),
+            client(),
+            &spans(),
             br#"{"kv_transfer_params":3}"#,
             "ip",
             KvConnector::Shfs
         )
         .is_err());
-        let nixl = decode_body(&client(), br#"{"id":"x"}"#, "ip", KvConnector::Nixl)
-            .unwrap()
-            .unwrap();
+        let nixl = decode_body(
+            client(),
+            &spans(),
+            br#"{"id":"x"}"#,
+            "ip",
+            KvConnector::Nixl,
+        )
+        .unwrap()
+        .unwrap();
         let body: Value = serde_json::from_slice(&nixl).unwrap();
         assert_eq!(body["disagg_prefill_resp"]["id"], "x");
         assert_eq!(
-            decode_body(&client(), b"{}", "ip", KvConnector::Mooncake).unwrap(),
+            decode_body(client(), &spans(), b"{}", "ip", KvConnector::Mooncake).unwrap(),
             None
         );
     }

@@ -16,7 +16,7 @@ use crate::core::engine::trtllm::{self, ScheduleStyle, ServerInfo};
 use crate::core::engine::{vllm, Engine};
 use crate::core::errors::RouteError;
 use crate::core::fleet::PodView;
-use crate::core::request::{Endpoint, RoutingRequest};
+use crate::core::request::{self, Endpoint, RoutingRequest};
 use crate::core::watchdog::{Watchdog, WatchdogSettings};
 use crate::host::legs::{self, SERVER_INFO_TIMEOUT};
 use crate::host::metrics::Metrics;
@@ -106,10 +106,11 @@ impl PdHttp {
                     .borrow()
                     .engines
                     .server_info(&prefill.address, now_ms());
+                let client = request::body_map(raw)?;
                 if let Some(info) = cached {
                     self.send_generation_first(
                         endpoint,
-                        &req.body,
+                        &client,
                         id,
                         &prefill.address,
                         &decode.address,
@@ -121,7 +122,7 @@ impl PdHttp {
                 self.legs.server_info = Some(ServerInfoCall {
                     token,
                     id,
-                    body: req.body,
+                    body: client,
                     endpoint,
                     prefill_address: prefill.address.clone(),
                     decode_address: decode.address.clone(),
@@ -134,7 +135,11 @@ impl PdHttp {
                         let machine = self.vm.borrow().engines.defaults.trt_machine_id;
                         let id = legs::disagg_request_id(machine);
                         (
-                            trtllm::context_body(&req.body, id, ScheduleStyle::ContextFirst),
+                            trtllm::context_body(
+                                &request::body_map(raw)?,
+                                id,
+                                ScheduleStyle::ContextFirst,
+                            ),
                             Merge::Trtllm(endpoint),
                         )
                     }
@@ -143,12 +148,12 @@ impl PdHttp {
                             .kv_connector
                             .unwrap_or(self.vm.borrow().defaults.env.kv_connector);
                         (
-                            vllm::prefill_body(&req.body, connector),
+                            vllm::prefill_body(raw, &req.members, connector),
                             Merge::Vllm(connector),
                         )
                     }
                     _ => (
-                        vllm::prefill_body(&req.body, KvConnector::Mooncake),
+                        vllm::prefill_body(raw, &req.members, KvConnector::Mooncake),
                         Merge::Unchanged,
                     ),
                 };
@@ -156,7 +161,8 @@ impl PdHttp {
                 self.watch(decode, None, req.stream);
                 self.pending = Some(PendingDecode {
                     token,
-                    body: req.body,
+                    body: raw.to_vec(),
+                    members: req.members,
                     prefill_ip: prefill.ip.clone(),
                     decode_address: decode.address.clone(),
                     merge,

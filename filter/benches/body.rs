@@ -1,0 +1,75 @@
+//! The body work of one vLLM PD request outside selection: parsing the client's JSON, the
+//! prefill leg's body, and the decode body merged with the prefill's `kv_transfer_params`,
+//! both spliced from the raw body (`core::json_object`).
+//! Run: `cargo bench -p pd-router-filter --bench body`.
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use pd_router_filter::core::config::KvConnector;
+use pd_router_filter::core::engine::vllm;
+use pd_router_filter::core::request::{Endpoint, RoutingRequest};
+
+/// A chat body of about `bytes`: a system prompt and one user turn.
+fn chat(bytes: usize) -> Vec<u8> {
+    let mut text = String::new();
+    while text.len() < bytes {
+        text.push_str("the quick brown fox jumps over the lazy dog. \"quoted\" ");
+    }
+    text.truncate(bytes.saturating_sub(160));
+    serde_json::json!({
+        "model": "demo-llm",
+        "max_tokens": 64,
+        "stream": false,
+        "messages": [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": text},
+        ],
+    })
+    .to_string()
+    .into_bytes()
+}
+
+const PREFILL_ANSWER: &[u8] = br#"{"id":"cmpl-1","object":"chat.completion","created":1,"model":"demo-llm","choices":[{"index":0,"message":{"role":"assistant","content":"x"},"finish_reason":"length"}],"usage":{"prompt_tokens":512,"completion_tokens":1,"total_tokens":513},"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_engine_id":"engine-1","remote_block_ids":[1,2,3,4,5,6,7,8],"remote_host":"10.0.0.1","remote_port":5600}}"#;
+
+fn body(c: &mut Criterion) {
+    let mut group = c.benchmark_group("body");
+    for bytes in [2_048usize, 32_768] {
+        let raw = chat(bytes);
+        group.bench_function(BenchmarkId::new("parse", bytes), |b| {
+            b.iter(|| RoutingRequest::parse(Endpoint::ChatCompletions, &raw))
+        });
+        let req = RoutingRequest::parse(Endpoint::ChatCompletions, &raw).expect("valid body");
+        group.bench_function(BenchmarkId::new("members", bytes), |b| {
+            b.iter(|| {
+                pd_router_filter::core::json_object::Members::parse(&raw)
+                    .map(|m| m.get("model").is_some())
+            })
+        });
+        group.bench_function(BenchmarkId::new("value", bytes), |b| {
+            b.iter(|| serde_json::from_slice::<serde_json::Value>(&raw).map(|v| v.is_object()))
+        });
+        group.bench_function(BenchmarkId::new("answer_members", bytes), |b| {
+            b.iter(|| {
+                pd_router_filter::core::json_object::Members::parse(PREFILL_ANSWER)
+                    .map(|m| m.get("model").is_some())
+            })
+        });
+        group.bench_function(BenchmarkId::new("prefill_body", bytes), |b| {
+            b.iter(|| vllm::prefill_body(&raw, &req.members, KvConnector::Shfs))
+        });
+        group.bench_function(BenchmarkId::new("decode_body", bytes), |b| {
+            b.iter(|| {
+                vllm::decode_body(
+                    &raw,
+                    &req.members,
+                    PREFILL_ANSWER,
+                    "10.0.0.1",
+                    KvConnector::Shfs,
+                )
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, body);
+criterion_main!(benches);
