@@ -900,6 +900,28 @@ impl Stack {
         })
     }
 
+    /// Calls `request` over and over until [`Stack::wait_fleet_adopted`] returns: traffic
+    /// that keeps flowing while a fleet edit reaches every worker.
+    pub fn load_until_adopted(&self, mut request: impl FnMut()) {
+        /// Ends the load even when the wait fails (its panic then fails the test).
+        struct Done<'a>(&'a std::sync::atomic::AtomicBool);
+        impl Drop for Done<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        let done = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                let _done = Done(&done);
+                self.wait_fleet_adopted();
+            });
+            while !done.load(std::sync::atomic::Ordering::SeqCst) {
+                request();
+            }
+        });
+    }
+
     /// The snapshot pd-control currently serves, as JSON.
     pub fn control_snapshot(&self) -> serde_json::Value {
         http::get(&self.control, "/v1/snapshot.json")

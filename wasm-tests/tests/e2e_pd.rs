@@ -166,16 +166,9 @@ fn a_roleset_whose_decode_pod_is_removed_stops_being_chosen_once_every_worker_ad
     let edited = stack.fleet.without("vllm-d-1");
     stack.write_fleet(edited);
     // Traffic keeps flowing during the switch-over; nothing may fail.
-    let switched = std::sync::atomic::AtomicBool::new(false);
-    std::thread::scope(|scope| {
-        scope.spawn(|| {
-            stack.wait_fleet_adopted();
-            switched.store(true, std::sync::atomic::Ordering::SeqCst);
-        });
-        while !switched.load(std::sync::atomic::Ordering::SeqCst) {
-            let r = stack.chat(&[("routing-strategy", "pd")], &body);
-            assert_eq!(r.status, 200, "{}", r.text());
-        }
+    stack.load_until_adopted(|| {
+        let r = stack.chat(&[("routing-strategy", "pd")], &body);
+        assert_eq!(r.status, 200, "{}", r.text());
     });
     // From now on every worker must route around group-1. Fresh connections spread the
     // requests over both workers (40 requests all on one worker: probability 2^-39).

@@ -249,20 +249,13 @@ fn prompt_length_buckets_choose_the_roleset_or_the_standard_pod() {
     // the short pair.
     let edited = stack.fleet.without("medium-d");
     stack.write_fleet(edited);
-    let switched = std::sync::atomic::AtomicBool::new(false);
-    std::thread::scope(|scope| {
-        scope.spawn(|| {
-            stack.wait_fleet_adopted();
-            switched.store(true, std::sync::atomic::Ordering::SeqCst);
-        });
-        while !switched.load(std::sync::atomic::Ordering::SeqCst) {
-            let r = completion(&stack, &tokens(20));
-            assert!(
-                matches!(r.header("target-pod"), Some("medium-d" | "standard")),
-                "only the old pair or the standard pod: {:?}",
-                r.header("target-pod")
-            );
-        }
+    stack.load_until_adopted(|| {
+        let r = completion(&stack, &tokens(20));
+        assert!(
+            matches!(r.header("target-pod"), Some("medium-d" | "standard")),
+            "only the old pair or the standard pod: {:?}",
+            r.header("target-pod")
+        );
     });
     for _ in 0..10 {
         let r = completion(&stack, &tokens(20));
