@@ -389,6 +389,27 @@ mod tests {
     }
 
     #[test]
+    fn huge_prompts_leave_no_huge_buffers_behind() {
+        // The default capacity (200 000 blocks of 4 bytes) against 8 MiB prompts.
+        let mut index = PrefixIndex::new(DEFAULT_BLOCK_NUMBER, DEFAULT_BLOCK_SIZE);
+        for salt in 0..6u8 {
+            let mut huge = vec![b'x'; 8 << 20];
+            huge[0] = salt;
+            index.add_prefix(&huge, "m", "a", u64::from(salt));
+            for i in 0..100u32 {
+                index.add_prefix(format!("short prompt {salt} {i}").as_bytes(), "m", "a", 9);
+            }
+        }
+        index.check();
+        let held = index.len() * DEFAULT_BLOCK_SIZE;
+        assert!(
+            index.edge_capacity() < held + 64 * 16 * 1024,
+            "{} bytes of buffers for {held} bytes held",
+            index.edge_capacity()
+        );
+    }
+
+    #[test]
     fn add_refreshes_times() {
         let mut index = bytes_index(10);
         index.add_prefix(b"xy", "m", "a", 100);

@@ -19,6 +19,9 @@ use super::MAX_HOLDERS_PER_BLOCK;
 
 /// End of a list, and the parent of top-level edges.
 pub(super) const NIL: u32 = u32::MAX;
+/// A freed or trimmed edge keeps at most this much buffer capacity for reuse: one huge
+/// prompt must not leave megabytes pinned in a slot that later holds a short run.
+const KEPT_EDGE_CAPACITY: usize = 16 * 1024;
 
 #[derive(Debug, Clone, Copy)]
 struct Holder {
@@ -392,6 +395,9 @@ impl PrefixIndex {
             let excess = self.blocks - self.capacity;
             if excess < edge_blocks {
                 node.edge.truncate((edge_blocks - excess) * self.block_size);
+                if node.edge.capacity() > node.edge.len() + KEPT_EDGE_CAPACITY {
+                    node.edge.shrink_to_fit();
+                }
                 self.blocks -= excess;
             } else {
                 self.drop_leaf(idx);
@@ -406,6 +412,9 @@ impl PrefixIndex {
         let (parent, key) = (node.parent, node.key);
         self.blocks -= node.edge.len() / self.block_size;
         node.edge.clear();
+        if node.edge.capacity() > KEPT_EDGE_CAPACITY {
+            node.edge = Vec::new();
+        }
         // Drained in place: the slot's buffers keep their capacity for the next edge.
         for h in node.holders.drain(..) {
             self.names.release(h.model);
@@ -503,6 +512,12 @@ impl PrefixIndex {
     #[cfg(test)]
     pub(super) fn nodes_allocated(&self) -> usize {
         self.nodes.len()
+    }
+
+    /// Bytes of edge buffers held, free slots included (a memory check for tests).
+    #[cfg(test)]
+    pub(super) fn edge_capacity(&self) -> usize {
+        self.nodes.iter().map(|n| n.edge.capacity()).sum()
     }
 
     /// Checks every structural invariant; tests call it after each operation.
