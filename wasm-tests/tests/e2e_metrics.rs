@@ -525,9 +525,16 @@ fn a_pod_that_leaves_the_fleet_has_its_gauges_zeroed_and_its_counters_frozen() {
     } else {
         "vllm-p-1"
     };
-    let frozen = charged
-        .value("pd_selected_decode_pod_total", &[("pod", decode.as_str())])
-        .expect("the busy pod was selected");
+    // The gauge can show the charge before the selection counter moves (another worker's
+    // 1 s gauge sync may run between the charge and the count): wait for the count.
+    let selected =
+        |s: &Scrape| s.value("pd_selected_decode_pod_total", &[("pod", decode.as_str())]);
+    let frozen = selected(&scrape_until(
+        &stack,
+        "the busy pod's selection counted",
+        |s| selected(s).is_some(),
+    ))
+    .expect("the busy pod was selected");
 
     // Its roleset leaves the router's fleet (pd-sim keeps serving it, so the stream goes on).
     let remaining = stack.fleet.without(prefill).without(&decode);
