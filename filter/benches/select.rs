@@ -4,76 +4,18 @@
 //! Run with `cargo bench -p pd-router-filter --bench select`.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use pd_router_filter::core::fleet::{FleetView, ModelView};
-use pd_router_filter::core::ledger::{Counter, Ledger};
+use pd_router_filter::core::ledger::Ledger;
 use pd_router_filter::core::pd::{self, PairInput, PdDefaults, PdSettings, Step0Input};
 use pd_router_filter::core::score::{DecodePolicy, PrefillPolicy};
-use pd_router_filter::proto;
 
-/// `pods` pods in rolesets of one prefill and one decode pod, with engine metrics and a
-/// ledger that has load on every pod, so no branch is skipped for lack of data.
-fn fleet(pods: usize) -> (ModelView, Ledger) {
-    fleet_with(pods, true)
-}
-
-fn fleet_with(pods: usize, scraped: bool) -> (ModelView, Ledger) {
-    let mut rng = fastrand::Rng::with_seed(1);
-    let mut list = Vec::with_capacity(pods);
-    for i in 0..pods {
-        let role = if i % 2 == 0 { "prefill" } else { "decode" };
-        list.push(proto::Pod {
-            namespace: "bench".into(),
-            name: format!("pod-{i}"),
-            ip: format!("10.0.{}.{}", i / 250, i % 250),
-            port: 8000,
-            engine: "vllm".into(),
-            role: role.into(),
-            roleset: format!("rs-{}", i / 2),
-            ready: true,
-            serves_http: true,
-            metrics: scraped.then(|| proto::PodMetrics {
-                present: true,
-                running: rng.f64() * 20.0,
-                kv_cache_usage: rng.f64(),
-                generation_throughput: 500.0 + rng.f64() * 1000.0,
-                drain_rate: 1.0 + rng.f64() * 5.0,
-                ttft_avg_seconds: 0.05,
-                ..Default::default()
-            }),
-            ..Default::default()
-        });
-    }
-    let snapshot = proto::Snapshot {
-        version: 1,
-        generated_unix_ms: 0,
-        models: vec![proto::Model {
-            name: "m".into(),
-            pods: list,
-        }],
-    };
-    let model = FleetView::from_snapshot(&snapshot).models["m"].clone();
-    let mut ledger = Ledger::default();
-    if !scraped {
-        return (model, ledger);
-    }
-    for p in &model.pods {
-        for _ in 0..rng.usize(0..4) {
-            let counter = if p.name.ends_with(['0', '2', '4', '6', '8']) {
-                Counter::PrefillInflight
-            } else {
-                Counter::Running
-            };
-            ledger.add(&p.key, counter, 0);
-        }
-        ledger.charge_prefill(&p.key, rng.f64() * 10_000.0, 0);
-    }
-    (model, ledger)
-}
+#[path = "support/fleet.rs"]
+mod fleet;
+use fleet::fleet_with;
 
 fn selection(c: &mut Criterion) {
     let mut group = c.benchmark_group("select_pd");
     for pods in [16usize, 256, 1024] {
-        let (model, ledger) = fleet(pods);
+        let (model, ledger) = fleet_with(pods, true);
         let match_pct: Vec<f64> = (0..model.pods.len())
             .map(|i| (i % 7) as f64 * 10.0)
             .collect();
