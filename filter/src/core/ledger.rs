@@ -191,6 +191,22 @@ impl Ledger {
         u64_at(&self.bytes, Ledger::row_offset(i))
     }
 
+    /// The sequence of row ids folded into one number: equal layouts mean every row sits
+    /// where it sat (an accidental match of two different sequences is a 2^-64 event; pod
+    /// names come from the operator, not from clients). Rows only move when a pod gets its
+    /// first charge or is pruned, so under load the layout stays put for long stretches and
+    /// one pass over the ids replaces a check per hint.
+    fn layout(&self) -> u64 {
+        const K: u64 = 0x9e37_79b9_7f4a_7c15;
+        let rows = self.bytes.get(MAGIC.len()..).unwrap_or_default();
+        let mut h = (rows.len() as u64).wrapping_mul(K);
+        for row in rows.chunks_exact(ROW) {
+            h = (h ^ u64_at(row, 0)).wrapping_mul(K);
+            h ^= h >> 29;
+        }
+        h
+    }
+
     /// Binary search by id: `Ok(index)` when present, `Err(insertion point)` otherwise.
     fn find(&self, id: PodId) -> Result<usize, usize> {
         let (mut lo, mut hi) = (0usize, self.len());
@@ -320,28 +336,6 @@ impl Ledger {
             if let Some(h) = out.get_mut(slot) {
                 *h = hint;
             }
-        }
-    }
-
-    /// What `hint` says about the row of `id`, checked against this ledger: `Ok(Some(i))`
-    /// the row is at `i`, `Ok(None)` the pod has no row, `Err` the hint is out of date.
-    fn resolve(&self, hint: u32, id: PodId) -> Result<Option<usize>, StaleHint> {
-        let at = (hint & !ABSENT) as usize;
-        let n = self.len();
-        if hint & ABSENT == 0 {
-            return if at < n && self.id_at(at) == id.0 {
-                Ok(Some(at))
-            } else {
-                Err(StaleHint)
-            };
-        }
-        // Absent: the neighbours of the insertion point bracket the id (rows are sorted).
-        let after_prev = at == 0 || (at <= n && self.id_at(at - 1) < id.0);
-        let before_next = at >= n || self.id_at(at) > id.0;
-        if at <= n && after_prev && before_next {
-            Ok(None)
-        } else {
-            Err(StaleHint)
         }
     }
 
@@ -492,91 +486,93 @@ const ABSENT: u32 = 1 << 31;
 /// [`RowHints::read_counts`]'s row index of a pod without a row.
 pub const NO_ROW: u32 = u32::MAX;
 
-/// Where each pod of one model had its ledger row at the last selection, so a selection
-/// reads rows by index instead of merging the model's ids against the ledger every time.
+/// Where each pod of one model has its ledger row, so a selection reads rows by index
+/// instead of merging the model's ids against the ledger every time.
 ///
-/// Rows move when another pod's row is inserted or pruned, so every hint is checked as it is
-/// read (the row at the hinted index must carry the pod's id; for a pod without a row, its
-/// neighbours must bracket the id) and all hints are rebuilt in one merge pass when any
-/// check fails. A check costs one or two id comparisons on rows the selection reads anyway.
+/// Rows move when another pod's row is inserted or pruned. [`RowHints::prepare`] compares
+/// the ledger's layout (its id sequence folded into one number, one pass over the ids) with
+/// the one the hints were built for and rebuilds them in one merge pass when it changed; the
+/// [`PreparedRows`] it returns then reads any pod's row without a per-pod check.
 #[derive(Debug, Clone, Default)]
 pub struct RowHints {
     /// `ModelView::uid` the hints were built for (0: none yet).
     model: u64,
+    /// [`Ledger::layout`] of the ledger they were built from.
+    layout: u64,
     hints: Vec<u32>,
+    /// How many times the hints were rebuilt (for tests and the curious).
+    rebuilds: u64,
 }
 
-/// A hint was out of date; [`RowHints::rebuild`] and read again.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct StaleHint;
+/// Hints checked against one ledger: reads rows of that ledger by index.
+#[derive(Debug, Clone, Copy)]
+pub struct PreparedRows<'a> {
+    hints: &'a [u32],
+    ledger: &'a Ledger,
+}
 
 impl RowHints {
-    /// Hints for `model` (`ModelView::uid`), rebuilt from `ledger` when they were made for
-    /// another model. `order` is the model's `(id, slot)` list sorted by id.
-    pub fn prepare(&mut self, model: u64, ledger: &Ledger, order: &[(PodId, usize)]) {
-        if self.model != model || self.hints.len() != order.len() {
-            self.rebuild(model, ledger, order);
+    /// Hints valid for `ledger`, rebuilt when they were made for another model or another
+    /// layout of the ledger. `order` is the model's `(id, slot)` list sorted by id.
+    pub fn prepare<'a>(
+        &'a mut self,
+        model: u64,
+        ledger: &'a Ledger,
+        order: &[(PodId, usize)],
+    ) -> PreparedRows<'a> {
+        let layout = ledger.layout();
+        if self.model != model || self.layout != layout || self.hints.len() != order.len() {
+            ledger.locate(order, &mut self.hints);
+            self.model = model;
+            self.layout = layout;
+            self.rebuilds += 1;
+        }
+        PreparedRows {
+            hints: &self.hints,
+            ledger,
         }
     }
 
-    pub fn rebuild(&mut self, model: u64, ledger: &Ledger, order: &[(PodId, usize)]) {
-        ledger.locate(order, &mut self.hints);
-        self.model = model;
+    pub fn rebuilds(&self) -> u64 {
+        self.rebuilds
     }
+}
 
-    /// One counter of many pods: for the pod in `slots[k]` (ledger id `ids[k]`), `counts[k]`
-    /// gets its `counter` (0 without a row) and `rows[k]` its row index ([`NO_ROW`] without
-    /// one). `Err` as soon as a hint is out of date. The four slices are as long as `slots`.
+impl PreparedRows<'_> {
+    /// One counter of many pods: for the pod in `slots[k]`, `counts[k]` gets its `counter`
+    /// (0 without a row) and `rows[k]` its row index ([`NO_ROW`] without one). The three
+    /// slices are as long as `slots`; a slot outside the model reads as a pod without a row.
     pub fn read_counts(
         &self,
-        ledger: &Ledger,
         counter: Counter,
         slots: &[usize],
-        ids: &[PodId],
         counts: &mut [u32],
         rows: &mut [u32],
-    ) -> Result<(), StaleHint> {
+    ) {
         let field = match counter {
             Counter::PrefillInflight => 8,
             Counter::Running => 12,
         };
-        let bytes = ledger.bytes.as_slice();
-        let len = ledger.len();
-        let id_at = |i: usize| u64_at(bytes, Ledger::row_offset(i));
-        let pods = slots.iter().zip(ids);
-        for ((&slot, &id), (count, row)) in pods.zip(counts.iter_mut().zip(rows.iter_mut())) {
-            let hint = *self.hints.get(slot).ok_or(StaleHint)?;
-            let at = (hint & !ABSENT) as usize;
-            if hint & ABSENT == 0 {
-                let start = Ledger::row_offset(at);
-                let row_bytes: &[u8; ROW] = bytes
-                    .get(start..start + ROW)
-                    .and_then(|b| b.try_into().ok())
-                    .ok_or(StaleHint)?;
-                if u64_at(row_bytes, 0) != id.0 {
-                    return Err(StaleHint);
-                }
-                *count = u32_at(row_bytes, field);
-                *row = hint;
+        let bytes = self.ledger.bytes.as_slice();
+        for (&slot, (count, row)) in slots.iter().zip(counts.iter_mut().zip(rows.iter_mut())) {
+            let hint = self.hints.get(slot).copied().unwrap_or(ABSENT);
+            let value = if hint & ABSENT == 0 {
+                let at = Ledger::row_offset(hint as usize) + field;
+                bytes.get(at..at + 4)
             } else {
-                // No row: the neighbours of the insertion point bracket the id.
-                let after_prev = at == 0 || (at <= len && id_at(at - 1) < id.0);
-                let before_next = at >= len || id_at(at) > id.0;
-                if !(after_prev && before_next) {
-                    return Err(StaleHint);
-                }
-                *count = 0;
-                *row = NO_ROW;
-            }
+                None
+            };
+            (*count, *row) = match value {
+                Some(b) => (u32_at(b, 0), hint),
+                None => (0, NO_ROW),
+            };
         }
-        Ok(())
     }
 
-    /// The row of the pod in `slot` (with ledger id `id`): `Ok(Some(index))`, `Ok(None)`
-    /// when it has no row, `Err` when the hint is out of date.
-    pub fn row(&self, ledger: &Ledger, slot: usize, id: PodId) -> Result<Option<usize>, StaleHint> {
-        let hint = self.hints.get(slot).copied().ok_or(StaleHint)?;
-        ledger.resolve(hint, id)
+    /// The row index of the pod in `slot`, if it has a row.
+    pub fn row(&self, slot: usize) -> Option<usize> {
+        let hint = self.hints.get(slot).copied()?;
+        (hint & ABSENT == 0 && (hint as usize) < self.ledger.len()).then_some(hint as usize)
     }
 }
 

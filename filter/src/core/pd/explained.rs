@@ -12,7 +12,8 @@ use crate::core::pd::select::{FastPaths, PairChoice, PairInput};
 use crate::core::pd::{candidates, MinPicker, Selected, Step0, Step0Input};
 use crate::core::score::decode::{DecodeBatch, DecodeInput};
 use crate::core::score::{
-    prefill, DecodePolicy, PrefillPolicy, DECODE_MAX_SCORE_FLOOR, PREFILL_MAX_SCORE_FLOOR,
+    prefill, DecodePolicy, Normaliser, PrefillPolicy, DECODE_MAX_SCORE_FLOOR,
+    PREFILL_MAX_SCORE_FLOOR,
 };
 use crate::core::tokens;
 
@@ -222,9 +223,10 @@ pub fn select_pair_explained(
 
     // Step 5: the roleset with the lowest normalised sum.
     let mut best = MinPicker::new();
+    let norm = Normaliser::new(max_prefill, max_decode);
     for r in 0..rolesets {
         if let (Some((ps, p)), Some((ds, d))) = (prefill_best[r].best, decode_best[r].best) {
-            let total = ps / max_prefill + ds / max_decode;
+            let total = norm.sum(ps, ds);
             if let Some(x) = explain.as_deref_mut() {
                 x.pairs.push(PairScore {
                     prefill: p,

@@ -15,13 +15,14 @@
 
 use crate::core::errors::RouteError;
 use crate::core::fleet::{ModelView, Role};
-use crate::core::ledger::{Counter, Ledger, PodId, RowHints, StaleHint, NO_ROW};
+use crate::core::ledger::{Counter, Ledger, PodId, PreparedRows, RowHints, NO_ROW};
 use crate::core::pd::columns::{one_to_one, reported, DecodeSet, MinMax, PrefillSet, Run};
 use crate::core::pd::settings::PdSettings;
 use crate::core::pd::MinPicker;
 use crate::core::score::decode::{self, cold_start, FastPathCheck};
 use crate::core::score::{
-    prefill, DecodePolicy, PrefillPolicy, DECODE_MAX_SCORE_FLOOR, PREFILL_MAX_SCORE_FLOOR,
+    prefill, DecodePolicy, Normaliser, PrefillPolicy, DECODE_MAX_SCORE_FLOOR,
+    PREFILL_MAX_SCORE_FLOOR,
 };
 use crate::core::tokens::{self, PodTokens};
 
@@ -155,30 +156,19 @@ pub struct Scratch {
     conductor_memo: PctMemo<prefill::ConductorParts>,
 }
 
-/// Reads one ledger counter of each candidate (and where its row is), rebuilding the row
-/// hints once if they are out of date.
-#[allow(clippy::too_many_arguments)]
+/// Reads one ledger counter of each candidate and where its row is.
 fn gather(
-    model: &ModelView,
     ledger: &Ledger,
-    hints: &mut RowHints,
+    rows_of: PreparedRows<'_>,
     counter: Counter,
     slots: &[usize],
     ids: &[PodId],
     counts: &mut Vec<u32>,
     rows: &mut Vec<u32>,
-) -> Result<(), RouteError> {
+) {
     counts.resize(slots.len(), 0);
     rows.resize(slots.len(), NO_ROW);
-    if hints
-        .read_counts(ledger, counter, slots, ids, counts, rows)
-        .is_err()
-    {
-        hints.rebuild(model.uid, ledger, &model.id_order);
-        hints
-            .read_counts(ledger, counter, slots, ids, counts, rows)
-            .map_err(|StaleHint| RouteError::Internal("ledger row hints out of date".into()))?;
-    }
+    rows_of.read_counts(counter, slots, counts, rows);
     // Other gateway replicas' running requests count like this one's (`core::remote`).
     if let (Counter::Running, Some(remote)) = (counter, ledger.remote()) {
         for (count, id) in counts.iter_mut().zip(ids) {
@@ -187,7 +177,6 @@ fn gather(
             }
         }
     }
-    Ok(())
 }
 
 fn tokens_of(ledger: &Ledger, row: u32) -> PodTokens {
@@ -279,6 +268,78 @@ fn decode_fast_path(
     None
 }
 
+/// Step 3's inputs per prefill candidate, scored by one loop per policy (the caller passes
+/// the policy's formula as a closure), so the per-pod work carries no policy dispatch.
+struct PrefillPods<'a> {
+    counts: &'a [u32],
+    slots: &'a [usize],
+    rows: &'a [u32],
+    /// Pods with more in-flight prefills than this are skipped (the σ filter).
+    bound: f64,
+}
+
+impl PrefillPods<'_> {
+    /// Fills `scores` with `score_of(position, count, slot, row)`, NaN for skipped pods, and
+    /// returns the highest score, at least the prefill floor.
+    fn score(
+        &self,
+        scores: &mut Vec<f64>,
+        mut score_of: impl FnMut(usize, u32, usize, u32) -> f64,
+    ) -> f64 {
+        scores.clear();
+        scores.resize(self.counts.len(), f64::NAN);
+        let mut max = PREFILL_MAX_SCORE_FLOOR;
+        let pods = self.counts.iter().zip(self.slots).zip(self.rows);
+        for (k, (((&cnt, &slot), &row), score)) in pods.zip(scores.iter_mut()).enumerate() {
+            if f64::from(cnt) > self.bound {
+                continue; // stays NaN: skipped
+            }
+            *score = score_of(k, cnt, slot, row);
+            // Above the floor, so never a ±0 question: `>` keeps what `f64::max` would.
+            if *score > max {
+                max = *score;
+            }
+        }
+        max
+    }
+}
+
+/// Step 4's inputs per decode candidate, scored by one loop per policy like [`PrefillPods`].
+struct DecodePods<'a> {
+    counts: &'a [u32],
+    fresh: &'a [bool],
+    rows: &'a [u32],
+    /// Pods without any signal get cold-start scores instead of the policy's.
+    cold_starts: bool,
+}
+
+impl DecodePods<'_> {
+    /// Fills `scores` with `score_of(position, count, row)` or a cold-start score and returns
+    /// the highest, at least the decode floor.
+    fn score(
+        &self,
+        scores: &mut Vec<f64>,
+        mut score_of: impl FnMut(usize, f64, u32) -> f64,
+    ) -> f64 {
+        scores.clear();
+        scores.resize(self.counts.len(), f64::NAN);
+        let mut max = DECODE_MAX_SCORE_FLOOR;
+        let pods = self.counts.iter().zip(self.fresh).zip(self.rows);
+        for (k, (((&count, &fresh), &row), score)) in pods.zip(scores.iter_mut()).enumerate() {
+            *score = if self.cold_starts && !(fresh || count > 0) {
+                cold_start(count)
+            } else {
+                score_of(k, f64::from(count), row)
+            };
+            // Above the floor, so never a ±0 question: `>` keeps what `f64::max` would.
+            if *score > max {
+                max = *score;
+            }
+        }
+        max
+    }
+}
+
 /// The lowest score of each run (one roleset's candidates), ties broken at random in
 /// candidate order; NaN scores (skipped pods) never win. Runs come in roleset order, so the
 /// bests do too.
@@ -341,7 +402,7 @@ pub fn select_pair(
         miss_memo,
         conductor_memo,
     } = scratch;
-    hints.prepare(model.uid, ledger, &model.id_order);
+    let rows_of = hints.prepare(model.uid, ledger, &model.id_order);
     let (mut pset, mut dset): (&PrefillSet, &DecodeSet) = match candidates {
         Candidates::All => (&cols.all_prefill, &cols.all_decode),
         Candidates::Listed { prefill, decode } => {
@@ -353,15 +414,14 @@ pub fn select_pair(
 
     // Step 1: prefill imbalance, on in-flight prefill counts.
     gather(
-        model,
         ledger,
-        hints,
+        rows_of,
         Counter::PrefillInflight,
         &pset.slot,
         &pset.id,
         prefill_counts,
         prefill_rows,
-    )?;
+    );
     let mut count_stats = prefill::CountStats::of(prefill_counts);
     let spread = s.prefill_spread.min(u32::MAX as f64) as u32;
     if let Some(k) = prefill::prefill_fast_path_with(prefill_counts, count_stats, spread, rng) {
@@ -385,15 +445,14 @@ pub fn select_pair(
     // The decode candidates' counts; their batch figures are recomputed below only if a later
     // step narrows them, since maxima are relative to the candidates still in play.
     gather(
-        model,
         ledger,
-        hints,
+        rows_of,
         Counter::Running,
         &dset.slot,
         &dset.id,
         dcounts,
         decode_rows,
-    )?;
+    );
     let (mut any_ready, mut max_count, ready) = decode_counts(dset, dcounts);
     let mut narrowed = false;
 
@@ -448,59 +507,54 @@ pub fn select_pair(
     if fast.prefill || fast.decode.is_some() || fast.banded {
         count_stats = prefill::CountStats::of(prefill_counts);
     }
-    let max_req = count_stats.max.max(1);
+    let inv_max_req = prefill::reciprocal(count_stats.max);
     let (mean, std) = prefill::mean_std_with(prefill_counts, count_stats);
     let bound = prefill::skip_bound(mean, std, s.std_dev_factor);
     let tk = &s.tokens;
-    let mut max_prefill = PREFILL_MAX_SCORE_FLOOR;
     // Terms that depend only on a pod's match percentage, computed once per distinct match.
     miss_memo.clear();
     conductor_memo.clear();
-    prefill_scores.clear();
-    prefill_scores.resize(pset.len(), f64::NAN);
-    let pods = prefill_counts
-        .iter()
-        .zip(&pset.slot)
-        .zip(prefill_rows.iter());
-    for (k, (((&cnt, &slot), &row), score)) in pods.zip(prefill_scores.iter_mut()).enumerate() {
-        if f64::from(cnt) > bound {
-            continue; // stays NaN: skipped
+    let pct_of = |slot: usize| input.match_pct.get(slot).copied().unwrap_or(0.0);
+    let prefill_pods = PrefillPods {
+        counts: prefill_counts,
+        slots: &pset.slot,
+        rows: prefill_rows,
+        bound,
+    };
+    let max_prefill = match s.prefill_policy {
+        PrefillPolicy::PrefixCache => prefill_pods.score(prefill_scores, |_, cnt, slot, _| {
+            let pct = pct_of(slot);
+            let miss = miss_memo.get(pct, || {
+                prefill::prefix_cache_miss(prefill::effective_match_pct(pct, tk.min_match_pct))
+            });
+            prefill::prefix_cache_with(miss, cnt, inv_max_req)
+        }),
+        PrefillPolicy::LeastRequest => {
+            prefill_pods.score(prefill_scores, |_, cnt, _, _| prefill::least_request(cnt))
         }
-        let pct = input.match_pct.get(slot).copied().unwrap_or(0.0);
-        *score = match s.prefill_policy {
-            PrefillPolicy::PrefixCache => {
-                let miss = miss_memo.get(pct, || {
-                    prefill::prefix_cache_miss(prefill::effective_match_pct(pct, tk.min_match_pct))
-                });
-                prefill::prefix_cache_with(miss, cnt, max_req)
-            }
-            PrefillPolicy::LeastRequest => prefill::least_request(cnt),
-            PrefillPolicy::Conductor => {
-                let parts =
-                    conductor_memo.get(pct, || prefill::conductor_parts(input.token_bytes, pct));
-                prefill::conductor_with(parts, cnt, reported(pset.prefill_ms[k]))
-            }
-            PrefillPolicy::TokenLoad => {
-                let t = tokens_of(ledger, row);
-                prefill::token_load(t.active, t.kv, tk.kv_weight)
-            }
-            PrefillPolicy::HybridCacheLoad => {
-                let t = tokens_of(ledger, row);
-                prefill::hybrid(
-                    t.active,
-                    t.kv,
-                    tk.kv_weight,
-                    pct,
-                    tk.min_match_pct,
-                    tk.hybrid_factor,
-                )
-            }
-        };
-        // Above the floor, so never a ±0 question: `>` keeps what `f64::max` would.
-        if *score > max_prefill {
-            max_prefill = *score;
-        }
-    }
+        PrefillPolicy::Conductor => prefill_pods.score(prefill_scores, |k, cnt, slot, _| {
+            let pct = pct_of(slot);
+            let parts =
+                conductor_memo.get(pct, || prefill::conductor_parts(input.token_bytes, pct));
+            prefill::conductor_with(parts, cnt, reported(pset.prefill_ms[k]))
+        }),
+        PrefillPolicy::TokenLoad => prefill_pods.score(prefill_scores, |_, _, _, row| {
+            let t = tokens_of(ledger, row);
+            prefill::token_load(t.active, t.kv, tk.kv_weight)
+        }),
+        PrefillPolicy::HybridCacheLoad => prefill_pods.score(prefill_scores, |_, _, slot, row| {
+            let t = tokens_of(ledger, row);
+            let pct = pct_of(slot);
+            prefill::hybrid(
+                t.active,
+                t.kv,
+                tk.kv_weight,
+                pct,
+                tk.min_match_pct,
+                tk.hybrid_factor,
+            )
+        }),
+    };
     let prefill_singles = pset.runs.len() == pset.len();
     if !prefill_singles {
         pick_per_roleset(&pset.runs, prefill_scores, &pset.slot, prefill_best, rng);
@@ -513,46 +567,47 @@ pub fn select_pair(
     }
     let policy = s.decode_policy;
     let cold_starts = policy.uses_cold_start() && any_ready;
-    let mut max_decode = DECODE_MAX_SCORE_FLOOR;
-    decode_scores.clear();
-    decode_scores.resize(dset.len(), f64::NAN);
-    let pods = dcounts.iter().zip(&dset.fresh).zip(decode_rows.iter());
-    for (k, (((&count, &fresh), &row), score)) in pods.zip(decode_scores.iter_mut()).enumerate() {
-        let count_f = f64::from(count);
-        *score = if cold_starts && !(fresh || count > 0) {
-            cold_start(count)
+    let inv_max_count = decode::inv_max_count(max_count);
+    let decode_pods = DecodePods {
+        counts: dcounts,
+        fresh: &dset.fresh,
+        rows: decode_rows,
+        cold_starts,
+    };
+    let lb =
+        |k: usize, count: f64| decode::load_balancing_with(count, inv_max_count, dset.lb[k], s.lb);
+    // A NaN from another policy falls back to load_balancing; a NaN after that skips.
+    let or_lb = |value: f64, k: usize, count: f64| {
+        if value.is_nan() {
+            lb(k, count)
         } else {
-            let lb = || decode::load_balancing_with(count_f, max_count, dset.lb[k], s.lb);
-            let value = match policy {
-                DecodePolicy::LoadBalancing => lb(),
-                DecodePolicy::LeastRequest => count_f,
-                DecodePolicy::Conductor => decode::conductor_with(dset.conductor[k], count_f),
-                DecodePolicy::TokenLoad => {
-                    // Pods without their own rate borrow the mean of the candidates' rates.
-                    let rate = reported(dset.own_rate[k])
-                        .or(dset.fixed.own_rate_mean)
-                        .unwrap_or(0.0);
-                    decode_tokens_of(ledger, row, dset.id[k]).decode_load(
-                        rate,
-                        input.now_ms,
-                        tk.output_growth,
-                    )
-                }
-            };
-            // A NaN from another policy falls back to load_balancing; a NaN after that skips.
-            if value.is_nan() && policy != DecodePolicy::LoadBalancing {
-                lb()
-            } else {
-                value
-            }
-        };
-        // Above the floor, so never a ±0 question: `>` keeps what `f64::max` would.
-        if *score > max_decode {
-            max_decode = *score;
+            value
         }
-    }
+    };
+    let max_decode = match policy {
+        DecodePolicy::LoadBalancing => decode_pods.score(decode_scores, |k, count, _| lb(k, count)),
+        DecodePolicy::LeastRequest => {
+            decode_pods.score(decode_scores, |k, count, _| or_lb(count, k, count))
+        }
+        DecodePolicy::Conductor => decode_pods.score(decode_scores, |k, count, _| {
+            or_lb(decode::conductor_with(dset.conductor[k], count), k, count)
+        }),
+        DecodePolicy::TokenLoad => decode_pods.score(decode_scores, |k, count, row| {
+            // Pods without their own rate borrow the mean of the candidates' rates.
+            let rate = reported(dset.own_rate[k])
+                .or(dset.fixed.own_rate_mean)
+                .unwrap_or(0.0);
+            let load = decode_tokens_of(ledger, row, dset.id[k]).decode_load(
+                rate,
+                input.now_ms,
+                tk.output_growth,
+            );
+            or_lb(load, k, count)
+        }),
+    };
 
     // Step 5: the roleset with the lowest normalised sum.
+    let norm = Normaliser::new(max_prefill, max_decode);
     let whole = std::ptr::eq(pset, &cols.all_prefill) && std::ptr::eq(dset, &cols.all_decode);
     let paired = if whole {
         cols.all_one_to_one
@@ -565,7 +620,7 @@ pub fn select_pair(
         let mut best = MinPicker::new();
         for (k, (&p, &d)) in prefill_scores.iter().zip(decode_scores.iter()).enumerate() {
             if !p.is_nan() && !d.is_nan() {
-                best.offer(p / max_prefill + d / max_decode, k, rng);
+                best.offer(norm.sum(p, d), k, rng);
             }
         }
         match best.item() {
@@ -594,7 +649,7 @@ pub fn select_pair(
                 j += 1;
             }
             if let Some(d) = decode_best.get(j).filter(|d| d.roleset == p.roleset) {
-                best.offer(p.score / max_prefill + d.score / max_decode, i, rng);
+                best.offer(norm.sum(p.score, d.score), i, rng);
             }
         }
         let Some(i) = best.item() else {

@@ -196,7 +196,7 @@ pub struct DecodeScore {
 /// Busy, slow and KV-full pods score high; a full cache (free 0.1) multiplies the numerator
 /// by up to 1000 against an empty one.
 pub fn load_balancing(s: &DecodeStats, m: &DecodeMaxima, w: LbWeights) -> f64 {
-    load_balancing_with(s.count, m.count, lb_parts(s, m), w)
+    load_balancing_with(s.count, inv_max_count(m.count), lb_parts(s, m), w)
 }
 
 /// The terms of [`load_balancing`] that do not depend on the request counts: for a fixed set
@@ -205,21 +205,28 @@ pub fn load_balancing(s: &DecodeStats, m: &DecodeMaxima, w: LbWeights) -> f64 {
 pub struct LbParts {
     /// `1 − thr/maxThr`.
     pub slowness: f64,
-    /// `free/maxFree`.
-    pub free: f64,
+    /// `maxFree/free`: the reciprocal of the denominator, so a score multiplies instead of
+    /// dividing (a division per pod costs several multiplications' time over 1000 pods).
+    pub inv_free: f64,
 }
 
 pub fn lb_parts(s: &DecodeStats, m: &DecodeMaxima) -> LbParts {
     LbParts {
         slowness: 1.0 - s.throughput / m.throughput.max(1.0),
-        free: s.free / m.free.max(1.0),
+        inv_free: m.free.max(1.0) / s.free,
     }
 }
 
-/// [`load_balancing`] from the pod's count, the batch's maximum count and the fixed parts.
-pub fn load_balancing_with(count: f64, max_count: f64, parts: LbParts, w: LbWeights) -> f64 {
-    let running = count / max_count.max(1.0);
-    (w.running * running + w.throughput * parts.slowness) / parts.free
+/// `1 / max(1, maxCnt)`, computed once per selection for [`load_balancing_with`].
+pub fn inv_max_count(max_count: f64) -> f64 {
+    1.0 / max_count.max(1.0)
+}
+
+/// [`load_balancing`] from the pod's count, [`inv_max_count`] of the batch's maximum count
+/// and the fixed parts.
+pub fn load_balancing_with(count: f64, inv_max_count: f64, parts: LbParts, w: LbWeights) -> f64 {
+    let running = count * inv_max_count;
+    (w.running * running + w.throughput * parts.slowness) * parts.inv_free
 }
 
 /// `least_request`: pending + running decode requests.

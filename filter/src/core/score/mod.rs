@@ -21,6 +21,30 @@ pub const PREFILL_MAX_SCORE_FLOOR: f64 = 1.0;
 /// can be legitimately small (a TBT in ms, a fraction) and must still be comparable.
 pub const DECODE_MAX_SCORE_FLOOR: f64 = 0.01;
 
+/// Step 5's normalised sum `prefill / maxPrefill + decode / maxDecode`, with both maxima
+/// inverted once per selection: the sum is taken for every roleset, and a division in that
+/// loop costs several multiplications' time. Every implementation of Step 5 uses this, so
+/// they agree to the last bit.
+#[derive(Debug, Clone, Copy)]
+pub struct Normaliser {
+    inv_prefill: f64,
+    inv_decode: f64,
+}
+
+impl Normaliser {
+    /// From the two maxima (each at least its floor, so neither is 0).
+    pub fn new(max_prefill: f64, max_decode: f64) -> Normaliser {
+        Normaliser {
+            inv_prefill: 1.0 / max_prefill,
+            inv_decode: 1.0 / max_decode,
+        }
+    }
+
+    pub fn sum(&self, prefill: f64, decode: f64) -> f64 {
+        prefill * self.inv_prefill + decode * self.inv_decode
+    }
+}
+
 /// How prefill pods are scored (`prefillScorePolicy`, `AIBRIX_PREFILL_SCORE_POLICY`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PrefillPolicy {

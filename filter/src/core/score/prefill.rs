@@ -38,7 +38,13 @@ pub fn effective_match_pct(match_pct: f64, min_match_pct: f64) -> f64 {
 /// to this policy too (the spec only found it for hybrid); pass a pct already filtered by
 /// [`effective_match_pct`]. `max_req` is `max(1, counts)`, so a 0 here is treated as 1.
 pub fn prefix_cache(match_pct: f64, cnt: u32, max_req: u32) -> f64 {
-    prefix_cache_with(prefix_cache_miss(match_pct), cnt, max_req)
+    prefix_cache_with(prefix_cache_miss(match_pct), cnt, reciprocal(max_req))
+}
+
+/// `1 / max(1, max_req)`: a selection divides by it once and multiplies per pod (a division
+/// per pod costs several multiplications' time in a wasm loop over 1000 pods).
+pub fn reciprocal(max_req: u32) -> f64 {
+    1.0 / f64::from(max_req.max(1))
 }
 
 /// The cache term of [`prefix_cache`], `(100 − match) × 0.1`: most pods of one request share
@@ -47,9 +53,9 @@ pub fn prefix_cache_miss(match_pct: f64) -> f64 {
     (100.0 - effective_match_pct(match_pct, 0.0)) * PREFIX_CACHE_MATCH_WEIGHT
 }
 
-/// [`prefix_cache`] from its cache term.
-pub fn prefix_cache_with(miss: f64, cnt: u32, max_req: u32) -> f64 {
-    miss + f64::from(cnt) / f64::from(max_req.max(1))
+/// [`prefix_cache`] from its cache term and [`reciprocal`]`(max_req)`.
+pub fn prefix_cache_with(miss: f64, cnt: u32, inv_max_req: f64) -> f64 {
+    miss + f64::from(cnt) * inv_max_req
 }
 
 /// `least_request`: the raw in-flight prefill count.
