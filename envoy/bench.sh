@@ -10,7 +10,8 @@
 # (REPS rounds of every target in turn) so machine drift spreads over all of them.
 # Environment: BENCH_DIR (target/bench), CARGO_TARGET_DIR, REPS, SECONDS_PER_RUN, CLIENTS_MAX,
 # BODIES ("2048 32768 262144"), OVERHEAD_TARGETS (names from the table in docs/BENCHMARKS.md),
-# POLICY_SECONDS, POLICY_PAIRS ("prefill:decode ..."), POLICY_LOADS ("60 90"), VENV (.venv).
+# POLICY_SECONDS, POLICY_PAIRS ("prefill:decode ..."), POLICY_LOADS ("60 90"), POLICY_PEERS (1:
+# also run sglang-router and vllm-router in the policy phase, 0: pd-router pairs only), VENV (.venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-full}
@@ -43,6 +44,7 @@ else
   LOADS=${POLICY_LOADS:-"60 90"}
 fi
 CLIENTS_MAX=${CLIENTS_MAX:-32}
+POLICY_PEERS=${POLICY_PEERS:-1}
 
 for f in "$BIN/pd-sim" "$BIN/pd-control" "$BIN/pd-load" "$BIN/pd-bench-report" "$WASM" "$ENVOY" \
          "$VENV/bin/sglang-router" "$VENV/bin/vllm-router"; do
@@ -344,8 +346,10 @@ policy() {
     for pair in $PAIRS; do
       policy_run "policy-$load" "${pair/:/+}" "$rps" pd "${pair%%:*}" "${pair##*:}"
     done
-    policy_run "policy-$load" sglang-cache_aware "$rps" sglang cache_aware power_of_two
-    policy_run "policy-$load" vllm-router "$rps" vllm round_robin
+    if [ "$POLICY_PEERS" = 1 ]; then
+      policy_run "policy-$load" sglang-cache_aware "$rps" sglang cache_aware power_of_two
+      policy_run "policy-$load" vllm-router "$rps" vllm round_robin
+    fi
   done
   cleanup; PIDS=()
 }

@@ -2,9 +2,13 @@
 //! Envoy), in a loop, for timing the routing core as wasm under Node's V8 without Envoy:
 //! `cargo build --release --target wasm32-wasip1 --example select_loop -p pd-router-filter`,
 //! then `node --no-liftoff wasm-tests/run-wasi target/wasm32-wasip1/release/examples/select_loop.wasm 1024 3000`.
-//! Prints the median and p90 of per-selection times over batches of 100.
+//! A third argument `prefill:decode` (policy names) selects on the scraped, loaded fleet of
+//! `cargo bench --bench select` with those policies instead. Natively, under callgrind, it
+//! counts the instructions of one selection. Prints the median and p90 of per-selection
+//! times over batches of 100.
 
 use pd_router_filter::core::pd::{self, PairInput, PdDefaults, PdSettings, Step0Input};
+use pd_router_filter::core::score::{DecodePolicy, PrefillPolicy};
 #[path = "../benches/support/fleet.rs"]
 mod fleet;
 use fleet::fleet_with;
@@ -13,14 +17,27 @@ fn main() {
     let mut args = std::env::args().skip(1);
     let pods: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(1024);
     let n: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(3000);
-    let (unscraped, empty) = fleet_with(pods, false);
-    let settings = PdSettings::resolve(&PdDefaults::default(), None).expect("defaults");
+    let policies = args.next();
+    let mut settings = PdSettings::resolve(&PdDefaults::default(), None).expect("defaults");
+    let (model, ledger) = fleet_with(pods, policies.is_some());
+    let match_pct: Vec<f64> = match &policies {
+        Some(pair) => {
+            let (p, d) = pair.split_once(':').expect("prefill:decode");
+            settings.prefill_policy = PrefillPolicy::parse(p).expect("a prefill policy");
+            settings.decode_policy = DecodePolicy::parse(d).expect("a decode policy");
+            // As in benches/select.rs.
+            (0..model.pods.len())
+                .map(|i| (i % 7) as f64 * 10.0)
+                .collect()
+        }
+        None => Vec::new(),
+    };
     let input = PairInput {
         settings: &settings,
-        match_pct: &[],
-        token_bytes: 64,
+        match_pct: &match_pct,
+        token_bytes: if policies.is_some() { 4096 } else { 64 },
         banded_roleset: None,
-        prompt_tokens: 16,
+        prompt_tokens: if policies.is_some() { 1024 } else { 16 },
         session_delta: None,
         now_ms: 1_000,
     };
@@ -36,7 +53,7 @@ fn main() {
     for _ in 0..n / 100 {
         let t = std::time::Instant::now();
         for _ in 0..100 {
-            let s = pd::select_pd_with(&unscraped, step0, &empty, input, &mut rng, &mut scratch)
+            let s = pd::select_pd_with(&model, step0, &ledger, input, &mut rng, &mut scratch)
                 .expect("a pair");
             picked ^= s.target.pod();
         }
