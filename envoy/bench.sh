@@ -246,16 +246,20 @@ overhead() {
   { fleet_head; rolesets 4 33 vllm v; combined 1 33 vllm v 9; rolesets 4 34 sglang s; } > "$RUN/pods-overhead.yaml"
   { fleet_head; rolesets 1 33 vllm v; } > "$RUN/fleet-1p1d.yaml"
   { fleet_head; rolesets 4 33 vllm v; } > "$RUN/fleet-4p4d.yaml"
+  # The SGLang roleset sglang-router uses: the same protocol (both legs at once) for both.
+  { fleet_head; rolesets 1 34 sglang s; } > "$RUN/fleet-1p1d-sglang.yaml"
   # shellcheck disable=SC2086
   start_sim sim-overhead "$RUN/pods-overhead.yaml" 33090 $ZERO
   start_control control-1p1d "$RUN/fleet-1p1d.yaml" 33101
   start_control control-4p4d "$RUN/fleet-4p4d.yaml" 33111
+  start_control control-1p1d-sglang "$RUN/fleet-1p1d-sglang.yaml" 33116
   start_envoy_pd envoy-1p1d 33100 33102 33101; local e1=$ENVOY_PID
   start_envoy_pd envoy-4p4d 33110 33112 33111; local e4=$ENVOY_PID
   # The same 1P1D stack with policies that never hash the prompt: what the prefix index costs.
   start_envoy_pd envoy-1p1d-lr 33105 33107 33101 \
     AIBRIX_PREFILL_SCORE_POLICY=least_request AIBRIX_DECODE_SCORE_POLICY=least_request
   local elr=$ENVOY_PID
+  start_envoy_pd envoy-1p1d-sglang 33115 33117 33116; local esg=$ENVOY_PID
   start_envoy_plain envoy-plain 33120 33122 127.0.33.9; local ep=$LAST_PID
   tokenizer
   start_sglang sglang-1p1d 33130 34 1 round_robin round_robin; local sg=$PEER_PID
@@ -263,7 +267,7 @@ overhead() {
   # target name, URL, process whose CPU counts
   local targets=("direct http://127.0.33.9:$POD_PORT -" "envoy-plain http://127.0.0.1:33120 $ep"
     "pd-router-1p1d http://127.0.0.1:33100 $e1" "pd-router-1p1d-lr http://127.0.0.1:33105 $elr"
-    "pd-router-4p4d http://127.0.0.1:33110 $e4"
+    "pd-router-4p4d http://127.0.0.1:33110 $e4" "pd-router-1p1d-sglang http://127.0.0.1:33115 $esg"
     "sglang-router http://127.0.0.1:33130 $sg" "vllm-router http://127.0.0.1:33140 $vl")
   local t name url cpu rep bytes common
   if [ -n "${OVERHEAD_TARGETS:-}" ]; then # e.g. "direct pd-router-1p1d sglang-router"
@@ -299,7 +303,7 @@ overhead() {
     done
   done
   local p
-  for p in "$sg" "$vl" "$ep" "$e4" "$elr" "$e1"; do stop "$p"; done
+  for p in "$sg" "$vl" "$ep" "$e4" "$elr" "$esg" "$e1"; do stop "$p"; done
   cleanup; PIDS=()
 }
 

@@ -183,12 +183,13 @@ pub fn load(dir: &Path) -> Result<Results, String> {
 }
 
 /// Targets in the order the tables list them.
-const OVERHEAD_ORDER: [&str; 7] = [
+const OVERHEAD_ORDER: [&str; 8] = [
     "direct",
     "envoy-plain",
     "pd-router-1p1d",
     "pd-router-1p1d-lr",
     "pd-router-4p4d",
+    "pd-router-1p1d-sglang",
     "sglang-router",
     "vllm-router",
 ];
@@ -290,6 +291,26 @@ pub fn overhead_tables(results: &Results) -> String {
                 ratio(ours.med(|r| r.completed_rps), peer_rps),
                 ratio(ours.med(|r| r.e2e_p50) - direct_p50, peer_add),
                 ratio(ours.med(|r| r.e2e_p99), peer_p99),
+            );
+        }
+        // Each protocol against the peer speaking it: vLLM waits for the prefill answer before
+        // the decode leg, SGLang sends both legs at once, so their latencies differ by design.
+        for (ours, peer) in [
+            ("pd-router-1p1d", "vllm-router"),
+            ("pd-router-1p1d-sglang", "sglang-router"),
+        ] {
+            let (Some(o), Some(p)) = (cells.get(ours), cells.get(peer)) else {
+                continue;
+            };
+            let ratio = |f: &dyn Fn(&Cell) -> f64| num(f(o) / f(p), 2);
+            let _ = writeln!(
+                out,
+                "
+{ours} ÷ {peer} (same protocol): CPU per request {}, throughput {}, added p50 {}, p99 {}",
+                ratio(&|c: &Cell| c.med_opt(|r| r.cpu_us_per_request)),
+                ratio(&|c: &Cell| c.med(|r| r.completed_rps)),
+                ratio(&|c: &Cell| c.med(|r| r.e2e_p50) - direct_p50),
+                ratio(&|c: &Cell| c.med(|r| r.e2e_p99)),
             );
         }
     }
