@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use pd_wasm_tests::http::Response;
-use pd_wasm_tests::stack::{Fleet, Stack};
+use pd_wasm_tests::stack::{eventually, Fleet, Stack};
 use serde_json::{json, Value};
 
 const MODEL: &str = "wd-model";
@@ -48,6 +48,18 @@ fn decode_rid(stack: &Stack, request_id: &str) -> String {
         .find(|e| e["x_request_id"] == request_id && e["leg"] == "decode")
         .and_then(|e| e["body"]["rid"].as_str().map(str::to_string))
         .unwrap_or_else(|| panic!("no decode leg for {request_id}"))
+}
+
+/// Waits until `gateway_pd_decode_abort_total{result, prefill_failure_class}` reaches 1 (the
+/// abort's answer is counted after the pod logged it).
+fn wait_abort_counted(stack: &Stack, result: &str, class: &str) {
+    let labels = [("result", result), ("prefill_failure_class", class)];
+    eventually(Duration::from_secs(10), || {
+        match stack.metric("gateway_pd_decode_abort_total", &labels) {
+            1.0 => Ok(()),
+            n => Err(format!("abort {result}/{class} counted {n} times")),
+        }
+    });
 }
 
 /// Polls until the decode pod logged an `/abort_request` for `rid`.
@@ -102,6 +114,7 @@ fn decode_silent_before_its_first_token_gets_504_and_an_abort() {
     let abort = wait_for_abort(&stack, &rid);
     assert_eq!(abort["pod"], "sg-d-0");
     assert_eq!(abort["status"], 200);
+    wait_abort_counted(&stack, "ok", "watchdog_first_response");
     assert_eq!(
         stack.metric(
             "gateway_request_model_fail_total",
@@ -152,6 +165,7 @@ fn decode_stalling_mid_stream_is_cut_and_aborted() {
     );
     let rid = decode_rid(&stack, header(&r, "request-id"));
     wait_for_abort(&stack, &rid);
+    wait_abort_counted(&stack, "ok", "watchdog_stream_idle");
     assert_eq!(
         stack.metric(
             "gateway_pd_decode_watchdog_total",
@@ -191,6 +205,7 @@ fn failed_sglang_prefill_answers_x_error_pd_prefill_and_aborts_the_decode() {
     let prefix = format!("{}-", header(&r, "request-id"));
     let abort = wait_for_abort_where(&stack, &prefix, |rid| rid.starts_with(&prefix));
     assert_eq!(abort["pod"], "sg-d-0");
+    wait_abort_counted(&stack, "ok", "http_status");
     assert_eq!(
         stack.metric(
             "gateway_pd_decode_watchdog_total",
@@ -203,5 +218,41 @@ fn failed_sglang_prefill_answers_x_error_pd_prefill_and_aborts_the_decode() {
     // The gateway keeps serving once the pod recovers.
     let ok = stack.chat(&[("routing-strategy", "pd")], &chat(false, 2));
     assert_eq!(ok.status, 200, "{}", ok.text());
+    stack.wait_ledger_zero();
+}
+
+#[test]
+fn no_abort_goes_to_a_decode_pod_that_left_the_fleet() {
+    let fleet = fleet();
+    let mut stack = Stack::start_with(
+        fleet.clone(),
+        2,
+        &env(&[("AIBRIX_DECODE_FIRST_RESPONSE_TIMEOUT", "4")]),
+    );
+    stack.arm_fault(json!({"pod": "sg-d-0", "kind": "hang_before_headers", "leg": "decode"}));
+    let gateway = stack.gateway.clone();
+    let client = std::thread::spawn(move || {
+        pd_wasm_tests::http::post_json(
+            &gateway,
+            "/v1/chat/completions",
+            &[("routing-strategy", "pd")],
+            &chat(true, 4),
+        )
+    });
+    stack.wait_for_legs("decode", 1);
+    // The pod is deleted while its request hangs; its address may soon be someone else's.
+    stack.write_fleet(fleet.without("sg-d-0"));
+    stack.wait_fleet_adopted();
+    let r = client.join().expect("client thread");
+    assert_eq!(r.status, 504, "the watchdog still fails the request: {}", r.text());
+    wait_abort_counted(&stack, "skipped_no_target", "watchdog_first_response");
+    assert!(
+        !stack
+            .sim_requests()
+            .iter()
+            .any(|e| e["path"] == "/abort_request"),
+        "an abort reached a pod outside the fleet"
+    );
+    stack.clear_faults();
     stack.wait_ledger_zero();
 }

@@ -50,6 +50,8 @@ pub enum RouteError {
 /// How Envoy's own answer to a callout it could not deliver (connection refused, reset
 /// before any header) begins; Envoy answers it as a 503.
 const ENVOY_UNDELIVERED: &[u8] = b"upstream connect error or disconnect/reset before headers";
+/// How Envoy's own 504 for a callout that outlived its timeout begins.
+const ENVOY_TIMED_OUT: &[u8] = b"upstream request timeout";
 
 impl RouteError {
     /// The refusal for a prefill leg that answered `status` (not 200) with `body`. The pod's
@@ -74,6 +76,18 @@ impl RouteError {
             status,
             class,
             detail,
+        }
+    }
+
+    /// AIBrix's class of a failed SGLang prefill leg, as `gateway_pd_decode_abort_total`
+    /// labels the abort it causes: `transport` (no answer: refused, reset before headers),
+    /// `timeout` (Envoy gave up waiting), `http_status` (the pod answered an error).
+    pub fn prefill_failure_class(status: &str, body: &[u8]) -> &'static str {
+        match status {
+            "" => "transport",
+            "503" if body.starts_with(ENVOY_UNDELIVERED) => "transport",
+            "504" if body.starts_with(ENVOY_TIMED_OUT) => "timeout",
+            _ => "http_status",
         }
     }
 
@@ -234,6 +248,27 @@ mod tests {
                 } => assert_eq!((s, c), (code, class), "{status}"),
                 other => panic!("{other:?}"),
             }
+        }
+    }
+
+    #[test]
+    fn prefill_failures_get_aibrix_classes() {
+        let undelivered = b"upstream connect error or disconnect/reset before headers. reset reason: remote connection failure";
+        let cases: [(&str, &[u8], &str); 7] = [
+            ("", b"", "transport"),
+            ("503", undelivered, "transport"),
+            ("504", b"upstream request timeout", "timeout"),
+            ("504", b"{\"error\":\"slow\"}", "http_status"),
+            ("503", b"busy", "http_status"),
+            ("500", b"", "http_status"),
+            ("404", b"upstream request timeout", "http_status"),
+        ];
+        for (status, body, class) in cases {
+            assert_eq!(
+                RouteError::prefill_failure_class(status, body),
+                class,
+                "{status}"
+            );
         }
     }
 

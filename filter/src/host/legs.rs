@@ -24,9 +24,48 @@ pub struct PendingAbort {
     pub address: String,
     pub rid: String,
     pub timeout: Duration,
+    /// 0: one attempt only.
     pub retry_delay_ms: u64,
     pub attempt: u32,
     pub due_ms: u64,
+    /// Why the decode request is aborted ([`AbortCause::class`]), the metric's
+    /// `prefill_failure_class`.
+    pub class: &'static str,
+}
+
+/// Why a decode request is aborted, as AIBrix labels it in
+/// `gateway_pd_decode_abort_total{prefill_failure_class}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AbortCause {
+    /// The prefill leg failed terminally; the class of its failure (`transport`, `timeout`,
+    /// `http_status`).
+    PrefillFailed(&'static str),
+    /// The decode watchdog fired in this phase (`first_response` or `stream_idle`).
+    Watchdog(&'static str),
+}
+
+impl AbortCause {
+    pub fn class(self) -> &'static str {
+        match self {
+            AbortCause::PrefillFailed(class) => class,
+            AbortCause::Watchdog("first_response") => "watchdog_first_response",
+            AbortCause::Watchdog(_) => "watchdog_stream_idle",
+        }
+    }
+}
+
+/// The abort of one decode request: where, which `rid`, and the per-request knobs.
+#[derive(Debug, Clone, Copy)]
+pub struct AbortOrder<'a> {
+    pub address: &'a str,
+    pub rid: Option<&'a str>,
+    pub timeout_s: f64,
+    /// Delay before the second attempt; 0 = one attempt.
+    pub retry_s: f64,
+    pub cause: AbortCause,
+    /// The decode pod already sent response bytes: AIBrix skips the abort then
+    /// (`skipped_streaming`), since the engine is producing.
+    pub streaming: bool,
 }
 
 /// Per-VM state of the engine protocols.
@@ -37,9 +76,8 @@ pub struct EngineState {
     abort_calls: hashbrown::HashMap<u32, PendingAbort>,
     rid_random: u32,
     rid_counter: u32,
-    abort_ok: Option<u32>,
-    abort_error: Option<u32>,
-    abort_skipped: Option<u32>,
+    /// `gateway_pd_decode_abort_total{result, prefill_failure_class}`, defined on first use.
+    abort_counters: hashbrown::HashMap<(&'static str, &'static str), Option<u32>>,
 }
 
 impl EngineState {
@@ -51,27 +89,26 @@ impl EngineState {
             abort_calls: hashbrown::HashMap::new(),
             rid_random: random_seed() as u32,
             rid_counter: 0,
-            abort_ok: None,
-            abort_error: None,
-            abort_skipped: None,
+            abort_counters: hashbrown::HashMap::new(),
         }
     }
 
-    /// Defines this VM's metric ids (`gateway_pd_decode_abort_total{result}`).
-    pub fn define_metrics(&mut self) {
-        let define = |r: &str| {
-            hostcalls::define_metric(
-                MetricType::Counter,
-                &crate::core::obs::labels::tagged(
-                    "gateway_pd_decode_abort_total",
-                    &[("result", r)],
-                ),
-            )
-            .ok()
-        };
-        self.abort_ok = define("ok");
-        self.abort_error = define("error");
-        self.abort_skipped = define("skipped_no_rid");
+    /// Counts one abort outcome: `ok`, `error`, or why none was sent (`skipped_*`).
+    fn count_abort(&mut self, result: &'static str, class: &'static str) {
+        let id = *self
+            .abort_counters
+            .entry((result, class))
+            .or_insert_with(|| {
+                hostcalls::define_metric(
+                    MetricType::Counter,
+                    &crate::core::obs::labels::tagged(
+                        "gateway_pd_decode_abort_total",
+                        &[("result", result), ("prefill_failure_class", class)],
+                    ),
+                )
+                .ok()
+            });
+        Metrics::inc(id);
     }
 
     /// The SGLang `rid` of a request.
@@ -94,31 +131,53 @@ impl EngineState {
             .insert(address.to_string(), (info, now + SERVER_INFO_TTL_MS));
     }
 
-    /// Queues an abort of `rid` on the decode pod at `address` (sent on the next tick by
-    /// the root context, whose calls outlive the request's own context).
-    pub fn queue_abort(&mut self, address: &str, rid: Option<&str>, timeout_s: f64, retry_s: f64) {
-        let Some(rid) = rid else {
-            Metrics::inc(self.abort_skipped);
-            return;
+    /// Queues an abort of a decode request (sent on the next tick by the root context, whose
+    /// calls outlive the request's own context), or counts why none is sent.
+    pub fn queue_abort(&mut self, order: AbortOrder<'_>) {
+        let class = order.cause.class();
+        let Some(rid) = order.rid else {
+            return self.count_abort("skipped_no_rid", class);
         };
-        if timeout_s <= 0.0 {
+        if order.streaming {
+            return self.count_abort("skipped_streaming", class);
+        }
+        if order.timeout_s <= 0.0 {
             return; // AIBRIX_DECODE_ABORT_TIMEOUT=0 turns aborts off
         }
         self.aborts.push(PendingAbort {
-            address: address.to_string(),
+            address: order.address.to_string(),
             rid: rid.to_string(),
-            timeout: Duration::from_secs_f64(timeout_s),
-            retry_delay_ms: (retry_s * 1000.0) as u64,
+            timeout: Duration::from_secs_f64(order.timeout_s),
+            retry_delay_ms: (order.retry_s.max(0.0) * 1000.0) as u64,
             attempt: 0,
             due_ms: 0,
+            class,
         });
     }
 
-    /// Sends the aborts that are due; called from the root context.
-    pub fn send_due_aborts(&mut self, cluster: &str, dst_header: &str, now: u64) {
+    /// Sends the aborts that are due to pods that `in_fleet` still knows; called from the
+    /// root context. An abort for a pod that left the fleet is dropped (`skipped_no_target`):
+    /// its address may already belong to another workload, and nothing else is ever sent
+    /// outside the fleet.
+    pub fn send_due_aborts(
+        &mut self,
+        cluster: &str,
+        dst_header: &str,
+        now: u64,
+        in_fleet: impl Fn(&str) -> bool,
+    ) {
         let (due, later): (Vec<_>, Vec<_>) = self.aborts.drain(..).partition(|a| a.due_ms <= now);
         self.aborts = later;
         for mut a in due {
+            if !in_fleet(&a.address) {
+                log::warn!(
+                    "not sending /abort_request of rid {} to {}: no longer a pod of the fleet",
+                    a.rid,
+                    a.address
+                );
+                self.count_abort("skipped_no_target", a.class);
+                continue;
+            }
             a.attempt += 1;
             let body = serde_json::json!({"rid": a.rid}).to_string();
             let mut headers = vec![
@@ -155,7 +214,7 @@ impl EngineState {
             return false;
         };
         if status == "200" {
-            Metrics::inc(self.abort_ok);
+            self.count_abort("ok", a.class);
             log::info!("aborted rid {} on {}", a.rid, a.address);
         } else {
             log::warn!(
@@ -173,7 +232,7 @@ impl EngineState {
             a.due_ms = now + a.retry_delay_ms;
             self.aborts.push(a);
         } else {
-            Metrics::inc(self.abort_error);
+            self.count_abort("error", a.class);
         }
     }
 }

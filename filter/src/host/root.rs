@@ -535,7 +535,6 @@ impl RootContext for Root {
             vm.ejections = crate::core::ejection::Ejections::new(plugin.ejection());
             vm.plugin = plugin;
             vm.metrics = Metrics::define();
-            vm.engines.define_metrics();
             vm.watchdog_metrics = WatchdogMetrics::define();
         }
         self.set_tick_period(period);
@@ -570,7 +569,10 @@ impl RootContext for Root {
         crate::host::watchdog::tick(&self.vm, self.context_id, now);
         let mut vm = self.vm.borrow_mut();
         let (cluster, dst) = (vm.plugin.pods_cluster.clone(), vm.plugin.dst_header.clone());
-        vm.engines.send_due_aborts(&cluster, &dst, now);
+        let fleet = vm.fleet.clone();
+        let in_fleet =
+            |address: &str| crate::core::guard::check_target(fleet.as_deref(), address).is_ok();
+        vm.engines.send_due_aborts(&cluster, &dst, now, in_fleet);
     }
 
     fn on_queue_ready(&mut self, queue_id: u32) {

@@ -11,6 +11,7 @@ use proxy_wasm::types::MetricType;
 
 use crate::core::errors::RouteError;
 use crate::core::watchdog::{self, Fire, Watchdog, WatchdogSettings};
+use crate::host::legs::{AbortCause, AbortOrder};
 use crate::host::metrics::Metrics;
 use crate::host::SharedVm;
 
@@ -128,11 +129,14 @@ pub fn tick(vm: &SharedVm, root_id: u32, now: u64) {
             }
         }
         let _ = hostcalls::set_effective_context(root_id);
-        vm.borrow_mut().engines.queue_abort(
-            &address,
-            rid.as_deref(),
-            settings.abort_timeout_s,
-            settings.abort_retry_delay_s,
-        );
+        // One attempt, as AIBrix makes on a watchdog fire: the pod is already unresponsive.
+        vm.borrow_mut().engines.queue_abort(AbortOrder {
+            address: &address,
+            rid: rid.as_deref(),
+            timeout_s: settings.abort_timeout_s,
+            retry_s: 0.0,
+            cause: AbortCause::Watchdog(fire.phase.name()),
+            streaming: false,
+        });
     }
 }

@@ -18,7 +18,7 @@ use crate::core::errors::RouteError;
 use crate::core::fleet::PodView;
 use crate::core::request::{self, Endpoint, RoutingRequest};
 use crate::core::watchdog::{Watchdog, WatchdogSettings};
-use crate::host::legs::{self, SERVER_INFO_TIMEOUT};
+use crate::host::legs::{self, AbortCause, AbortOrder, SERVER_INFO_TIMEOUT};
 use crate::host::metrics::Metrics;
 use crate::host::now_ms;
 use crate::host::watchdog::Watched;
@@ -269,12 +269,14 @@ impl PdHttp {
         // The decode pod will never get its KV: stop the watchdog, ask the pod to drop it.
         self.vm.borrow_mut().watched.remove(&self.id);
         let settings = self.legs.watch_settings;
-        self.vm.borrow_mut().engines.queue_abort(
-            &leg.decode_address,
-            leg.rid.as_deref(),
-            settings.abort_timeout_s,
-            settings.abort_retry_delay_s,
-        );
+        self.vm.borrow_mut().engines.queue_abort(AbortOrder {
+            address: &leg.decode_address,
+            rid: leg.rid.as_deref(),
+            timeout_s: settings.abort_timeout_s,
+            retry_s: settings.abort_retry_delay_s,
+            cause: AbortCause::PrefillFailed(RouteError::prefill_failure_class(status, body)),
+            streaming: self.legs.response_started,
+        });
         if !self.legs.response_started {
             self.routed = None;
             self.reject(error); // counts the failed leg
