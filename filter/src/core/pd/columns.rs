@@ -209,7 +209,10 @@ impl MinMax {
             self.min_at = at;
             self.min = v;
         }
-        self.max = self.max.max(v);
+        // Finite values: a comparison, not `f64::max` (whose NaN rule costs extra in wasm).
+        if v > self.max {
+            self.max = v;
+        }
     }
 
     /// `((position of the minimum, minimum), maximum)`, `None` for an empty stream.

@@ -226,7 +226,11 @@ fn decode_counts(set: &DecodeSet, counts: &[u32]) -> (bool, f64, MinMax) {
     let (mut any_ready, mut max_count, mut ready) = (false, 1.0f64, MinMax::default());
     for (k, (&count, &fresh)) in counts.iter().zip(&set.fresh).enumerate() {
         let count_f = f64::from(count);
-        max_count = max_count.max(count_f);
+        // Counts are never NaN: a comparison, not `f64::max` (whose NaN rule costs extra
+        // instructions in wasm).
+        if count_f > max_count {
+            max_count = count_f;
+        }
         // "Metrics ready": the engine has been scraped, or this gateway has routed to it.
         if fresh || count > 0 {
             any_ready = true;
@@ -619,9 +623,8 @@ pub fn select_pair(
         // roleset of a 1P1D fleet): a roleset's best pods are its pods.
         let mut best = MinPicker::new();
         for (k, (&p, &d)) in prefill_scores.iter().zip(decode_scores.iter()).enumerate() {
-            if !p.is_nan() && !d.is_nan() {
-                best.offer(norm.sum(p, d), k, rng);
-            }
+            // A skipped pod's NaN makes the sum NaN, which the picker passes over.
+            best.offer(norm.sum(p, d), k, rng);
         }
         match best.item() {
             Some(k) => (pset.slot[k], dset.slot[k]),
