@@ -244,7 +244,12 @@ fn no_abort_goes_to_a_decode_pod_that_left_the_fleet() {
     stack.write_fleet(fleet.without("sg-d-0"));
     stack.wait_fleet_adopted();
     let r = client.join().expect("client thread");
-    assert_eq!(r.status, 504, "the watchdog still fails the request: {}", r.text());
+    assert_eq!(
+        r.status,
+        504,
+        "the watchdog still fails the request: {}",
+        r.text()
+    );
     wait_abort_counted(&stack, "skipped_no_target", "watchdog_first_response");
     assert!(
         !stack
