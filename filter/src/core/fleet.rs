@@ -90,6 +90,9 @@ pub struct ModelView {
     /// Distinct for every view built (0 for a default one): per-view caches outside the view
     /// (ledger row hints) key on it.
     pub uid: u64,
+    /// Pod key → index of the prefill pods of complete rolesets (the prefix lookup's
+    /// candidates), so a lookup touches only the pods that hold the prompt's prefix.
+    prefill_by_key: HashMap<String, usize>,
 }
 
 /// Source of [`ModelView::uid`].
@@ -270,8 +273,19 @@ impl ModelView {
                 view.pods[i].roleset_idx = Some(r);
             }
         }
+        view.prefill_by_key = view
+            .rolesets
+            .iter()
+            .flat_map(|r| r.prefill.iter().copied())
+            .map(|i| (view.pods[i].key.clone(), i))
+            .collect();
         view.columns = crate::core::pd::columns::Columns::build(&view.pods, &view.rolesets);
         view.uid = NEXT_UID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The index of the prefill pod `key` of a complete roleset, if it is one.
+    pub fn prefill_slot(&self, key: &str) -> Option<usize> {
+        self.prefill_by_key.get(key).copied()
     }
 
     /// Whether a request could be routed at all: a complete roleset or a standard pod.

@@ -312,6 +312,36 @@ mod tests {
         }
     }
 
+    /// A lookup reports only the candidates holding a prefix, at the slots the caller
+    /// gives, each once; holders that are not candidates (a pod that left the fleet) are
+    /// passed over, and another model's holders do not count.
+    #[test]
+    fn a_lookup_reports_only_candidates_holding_the_prefix() {
+        let mut index = PrefixIndex::new(1000, DEFAULT_BLOCK_SIZE);
+        let shared = b"system prompt: be brief. ";
+        let long = b"system prompt: be brief. tell me more about it";
+        index.add_prefix(long, "m", "ns/a", 0);
+        index.add_prefix(shared, "m", "ns/b", 1);
+        index.add_prefix(long, "m", "ns/gone", 2);
+        index.add_prefix(long, "other", "ns/c", 3);
+        let slots = |key: &str| match key {
+            "ns/a" => Some(7),
+            "ns/b" => Some(3),
+            "ns/c" => Some(5),
+            _ => None,
+        };
+        let mut found = Vec::new();
+        index.match_candidates(long, "m", slots, |slot, pct| found.push((slot, pct)));
+        found.sort_unstable();
+        // 46 bytes → 11 blocks; "ns/b" holds the first 6 (24 bytes).
+        assert_eq!(found, vec![(3, 54), (7, 100)]);
+        let mut none = Vec::new();
+        index.match_candidates(b"unrelated prompt text", "m", slots, |s, p| {
+            none.push((s, p))
+        });
+        assert_eq!(none, vec![]);
+    }
+
     #[test]
     fn four_byte_blocks_ignore_a_trailing_partial_block() {
         let a = b"system prompt: be brief. question one";

@@ -360,20 +360,18 @@ impl PdHttp {
             let token_bytes = stream.len();
             // Whole blocks only: the index ignores a trailing partial block, and so do peers.
             stream.truncate(token_bytes - token_bytes % vm.prefix.block_size());
-            let prefill_pods: Vec<usize> = model
-                .rolesets
-                .iter()
-                .flat_map(|r| r.prefill.iter().copied())
-                .collect();
-            let keys: Vec<&str> = prefill_pods
-                .iter()
-                .map(|&i| model.pods[i].key.as_str())
-                .collect();
-            let found = vm.prefix.match_prefix(&stream, &req.model, &keys);
+            // Only the pods holding the prompt's prefix are touched, not every prefill pod.
             let mut pct = vec![0.0; model.pods.len()];
-            for (&i, &m) in prefill_pods.iter().zip(&found) {
-                pct[i] = f64::from(m);
-            }
+            vm.prefix.match_candidates(
+                &stream,
+                &req.model,
+                |key| model.prefill_slot(key),
+                |slot, m| {
+                    if let Some(p) = pct.get_mut(slot) {
+                        *p = f64::from(m);
+                    }
+                },
+            );
             (stream, pct, token_bytes)
         } else {
             (Vec::new(), Vec::new(), req.prompt_bytes)

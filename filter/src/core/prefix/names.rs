@@ -18,6 +18,11 @@ impl Names {
         self.ids.get(name).copied()
     }
 
+    /// The name behind a live id.
+    pub(super) fn name(&self, id: u32) -> Option<&str> {
+        self.slots.get(id as usize).map(|(name, _)| &**name)
+    }
+
     /// The id of `name`, with one more reference.
     pub(super) fn acquire(&mut self, name: &str) -> u32 {
         if let Some(id) = self.get(name) {

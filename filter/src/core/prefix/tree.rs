@@ -190,30 +190,57 @@ impl PrefixIndex {
     }
 
     /// Consecutive-prefix match percentage of each candidate, in the order given (0 for a pod
-    /// that holds no prefix).
+    /// that holds no prefix): [`PrefixIndex::match_candidates`] with the candidates named by
+    /// position (a name listed twice gets the same value at both places).
+    pub fn match_prefix(&self, stream: &[u8], model: &str, candidates: &[&str]) -> Vec<u32> {
+        let mut pct = vec![0u32; candidates.len()];
+        let mut first: HashMap<&str, usize> = HashMap::with_capacity(candidates.len());
+        for (i, c) in candidates.iter().enumerate() {
+            first.entry(*c).or_insert(i);
+        }
+        self.match_candidates(
+            stream,
+            model,
+            |name| first.get(name).copied(),
+            |slot, p| pct[slot] = p,
+        );
+        for (i, c) in candidates.iter().enumerate() {
+            if let Some(&j) = first.get(c) {
+                pct[i] = pct[j];
+            }
+        }
+        pct
+    }
+
+    /// The candidates that hold a prefix of `stream` for `model`, each reported once as
+    /// `found(slot, pct)`; `slot_of` says which pod names are candidates (and where).
     ///
     /// Walks the blocks from the start and stops at the first block that is missing, has no
     /// holder for `model`, or is held by none of the candidates still in the walk. At block
     /// `i` (0-based) of `n`, each remaining candidate holding it gets `(i+1)·100/n` (integer
     /// division); one that does not hold it leaves the walk for good, keeping its last value.
     /// Lookups do not refresh blocks. All blocks of an edge share their holders, so the walk
-    /// decides once per edge.
-    pub fn match_prefix(&self, stream: &[u8], model: &str, candidates: &[&str]) -> Vec<u32> {
-        let mut pct = vec![0u32; candidates.len()];
+    /// decides once per edge. The candidates come from the first edge's holders, so the cost
+    /// is the path and its holders, not the number of candidates: on a 1000-pod fleet a
+    /// lookup touches the few pods that served the prefix, not every prefill pod.
+    pub fn match_candidates(
+        &self,
+        stream: &[u8],
+        model: &str,
+        slot_of: impl Fn(&str) -> Option<usize>,
+        mut found: impl FnMut(usize, u32),
+    ) {
         let stream = self.whole_blocks(stream);
         let bs = self.block_size;
         let n = (stream.len() / bs) as u64;
-        if n == 0 || candidates.is_empty() {
-            return pct;
+        if n == 0 {
+            return;
         }
         let Some(model_id) = self.names.get(model) else {
-            return pct;
+            return;
         };
-        // Candidates still in the walk; NIL once dropped (or never indexed).
-        let mut walking: Vec<u32> = candidates
-            .iter()
-            .map(|c| self.names.get(c).unwrap_or(NIL))
-            .collect();
+        // Candidates that held the first edge: (pod id, slot, pct, still walking).
+        let mut walking: Vec<(u32, usize, u32, bool)> = Vec::new();
         let (mut parent, mut pos) = (NIL, 0);
         while pos < stream.len() {
             let rest = &stream[pos..];
@@ -227,19 +254,28 @@ impl PrefixIndex {
             }
             let edge_pct = (((pos + common) / bs) as u64 * 100 / n) as u32;
             let mut any = false;
-            for (slot, pod) in walking.iter_mut().enumerate() {
-                if *pod == NIL {
-                    continue;
+            if parent == NIL {
+                for h in node.holders.iter().filter(|h| h.model == model_id) {
+                    if walking.iter().any(|w| w.0 == h.pod) {
+                        continue;
+                    }
+                    if let Some(slot) = self.names.name(h.pod).and_then(&slot_of) {
+                        walking.push((h.pod, slot, edge_pct, true));
+                        any = true;
+                    }
                 }
-                if node
-                    .holders
-                    .iter()
-                    .any(|h| h.model == model_id && h.pod == *pod)
-                {
-                    pct[slot] = edge_pct;
-                    any = true;
-                } else {
-                    *pod = NIL;
+            } else {
+                for w in walking.iter_mut().filter(|w| w.3) {
+                    if node
+                        .holders
+                        .iter()
+                        .any(|h| h.model == model_id && h.pod == w.0)
+                    {
+                        w.2 = edge_pct;
+                        any = true;
+                    } else {
+                        w.3 = false;
+                    }
                 }
             }
             if !any || common < node.edge.len() {
@@ -248,7 +284,9 @@ impl PrefixIndex {
             pos += common;
             parent = idx;
         }
-        pct
+        for (_, slot, pct, _) in walking {
+            found(slot, pct);
+        }
     }
 
     /// Removes blocks not touched by an add for more than `max_age_ms` (strictly, as AIBrix)
