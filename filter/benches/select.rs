@@ -5,20 +5,18 @@
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use pd_router_filter::core::ledger::Ledger;
-use pd_router_filter::core::pd::{self, PairInput, PdDefaults, PdSettings, Step0Input};
+use pd_router_filter::core::pd::{self, PdDefaults, PdSettings};
 use pd_router_filter::core::score::{DecodePolicy, PrefillPolicy};
 
 #[path = "support/fleet.rs"]
 mod fleet;
-use fleet::fleet_with;
+use fleet::{fleet_with, match_pcts, request, STEP0};
 
 fn selection(c: &mut Criterion) {
     let mut group = c.benchmark_group("select_pd");
     for pods in [16usize, 256, 1024] {
         let (model, ledger) = fleet_with(pods, true);
-        let match_pct: Vec<f64> = (0..model.pods.len())
-            .map(|i| (i % 7) as f64 * 10.0)
-            .collect();
+        let match_pct = match_pcts(&model);
         for (p, d) in [
             (PrefillPolicy::PrefixCache, DecodePolicy::LoadBalancing),
             (PrefillPolicy::LeastRequest, DecodePolicy::LeastRequest),
@@ -29,27 +27,14 @@ fn selection(c: &mut Criterion) {
             let mut settings = PdSettings::resolve(&PdDefaults::default(), None).expect("defaults");
             settings.prefill_policy = p;
             settings.decode_policy = d;
-            let step0 = Step0Input {
-                profile: None,
-                bucketing: false,
-                prompt_len: 0,
-            };
-            let input = PairInput {
-                settings: &settings,
-                match_pct: &match_pct,
-                token_bytes: 4096,
-                banded_roleset: None,
-                prompt_tokens: 1024,
-                session_delta: None,
-                now_ms: 1_000,
-            };
+            let input = request(&settings, &match_pct, true);
             let mut rng = fastrand::Rng::with_seed(7);
             let mut scratch = pd::Scratch::default();
             group.bench_function(
                 BenchmarkId::new(format!("{}+{}", p.name(), d.name()), pods),
                 |b| {
                     b.iter(|| {
-                        pd::select_pd_with(&model, step0, &ledger, input, &mut rng, &mut scratch)
+                        pd::select_pd_with(&model, STEP0, &ledger, input, &mut rng, &mut scratch)
                             .expect("a pair")
                     })
                 },
@@ -57,25 +42,12 @@ fn selection(c: &mut Criterion) {
         }
         let (unscraped, empty) = fleet_with(pods, false);
         let settings = PdSettings::resolve(&PdDefaults::default(), None).expect("defaults");
-        let input = PairInput {
-            settings: &settings,
-            match_pct: &[],
-            token_bytes: 64,
-            banded_roleset: None,
-            prompt_tokens: 16,
-            session_delta: None,
-            now_ms: 1_000,
-        };
+        let input = request(&settings, &[], false);
         let mut rng = fastrand::Rng::with_seed(7);
         let mut scratch = pd::Scratch::default();
-        let step0 = Step0Input {
-            profile: None,
-            bucketing: false,
-            prompt_len: 0,
-        };
         group.bench_function(BenchmarkId::new("unscraped_idle", pods), |b| {
             b.iter(|| {
-                pd::select_pd_with(&unscraped, step0, &empty, input, &mut rng, &mut scratch)
+                pd::select_pd_with(&unscraped, STEP0, &empty, input, &mut rng, &mut scratch)
                     .expect("a pair")
             })
         });

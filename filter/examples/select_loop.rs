@@ -7,11 +7,11 @@
 //! counts the instructions of one selection. Prints the median and p90 of per-selection
 //! times over batches of 100.
 
-use pd_router_filter::core::pd::{self, PairInput, PdDefaults, PdSettings, Step0Input};
+use pd_router_filter::core::pd::{self, PdDefaults, PdSettings};
 use pd_router_filter::core::score::{DecodePolicy, PrefillPolicy};
 #[path = "../benches/support/fleet.rs"]
 mod fleet;
-use fleet::fleet_with;
+use fleet::{fleet_with, match_pcts, request, STEP0};
 
 fn main() {
     let mut args = std::env::args().skip(1);
@@ -25,35 +25,19 @@ fn main() {
             let (p, d) = pair.split_once(':').expect("prefill:decode");
             settings.prefill_policy = PrefillPolicy::parse(p).expect("a prefill policy");
             settings.decode_policy = DecodePolicy::parse(d).expect("a decode policy");
-            // As in benches/select.rs.
-            (0..model.pods.len())
-                .map(|i| (i % 7) as f64 * 10.0)
-                .collect()
+            match_pcts(&model)
         }
         None => Vec::new(),
     };
-    let input = PairInput {
-        settings: &settings,
-        match_pct: &match_pct,
-        token_bytes: if policies.is_some() { 4096 } else { 64 },
-        banded_roleset: None,
-        prompt_tokens: if policies.is_some() { 1024 } else { 16 },
-        session_delta: None,
-        now_ms: 1_000,
-    };
+    let input = request(&settings, &match_pct, policies.is_some());
     let mut rng = fastrand::Rng::with_seed(7);
     let mut scratch = pd::Scratch::default();
-    let step0 = Step0Input {
-        profile: None,
-        bucketing: false,
-        prompt_len: 0,
-    };
     let mut batches = Vec::new();
     let mut picked = 0usize;
     for _ in 0..n / 100 {
         let t = std::time::Instant::now();
         for _ in 0..100 {
-            let s = pd::select_pd_with(&model, step0, &ledger, input, &mut rng, &mut scratch)
+            let s = pd::select_pd_with(&model, STEP0, &ledger, input, &mut rng, &mut scratch)
                 .expect("a pair");
             picked ^= s.target.pod();
         }

@@ -1,8 +1,37 @@
-//! The bench fleet shared by `benches/select.rs` and `examples/select_loop.rs`.
+//! The bench fleet and request shared by `benches/select.rs` and `examples/select_loop.rs`.
 
 use pd_router_filter::core::fleet::{FleetView, ModelView};
 use pd_router_filter::core::ledger::{Counter, Ledger};
+use pd_router_filter::core::pd::{PairInput, PdSettings, Step0Input};
 use pd_router_filter::proto;
+
+/// Step 0 without a profile or bucketing.
+pub const STEP0: Step0Input<'static> = Step0Input {
+    profile: None,
+    bucketing: false,
+    prompt_len: 0,
+};
+
+/// Prefix matches of 0–60 % spread over the pods, for the loaded fleet.
+pub fn match_pcts(model: &ModelView) -> Vec<f64> {
+    (0..model.pods.len())
+        .map(|i| (i % 7) as f64 * 10.0)
+        .collect()
+}
+
+/// The benched request: a 1024-token prompt against the loaded fleet (`match_pct` from
+/// [`match_pcts`]), or a 16-token one against the idle fleet (`match_pct` empty).
+pub fn request<'a>(settings: &'a PdSettings, match_pct: &'a [f64], loaded: bool) -> PairInput<'a> {
+    PairInput {
+        settings,
+        match_pct,
+        token_bytes: if loaded { 4096 } else { 64 },
+        banded_roleset: None,
+        prompt_tokens: if loaded { 1024 } else { 16 },
+        session_delta: None,
+        now_ms: 1_000,
+    }
+}
 
 /// `pods` pods in rolesets of one prefill and one decode pod, with engine metrics and a
 /// ledger that has load on every pod, so no branch is skipped for lack of data; unscraped and
