@@ -339,7 +339,7 @@ impl Ledger {
         }
     }
 
-    /// In-flight prefill calls of the row at `i` (an index [`RowHints::row`] gave).
+    /// In-flight prefill calls of the row at `i` (an index [`PreparedRows::row`] gave).
     pub fn prefill_inflight_at(&self, i: usize) -> u32 {
         u32_at(&self.bytes, Ledger::row_offset(i) + 8)
     }
@@ -483,7 +483,7 @@ impl Ledger {
 
 /// Marks a hint of a pod without a row; the low bits keep its insertion point.
 const ABSENT: u32 = 1 << 31;
-/// [`RowHints::read_counts`]'s row index of a pod without a row.
+/// [`PreparedRows::read_counts`]'s row index of a pod without a row.
 pub const NO_ROW: u32 = u32::MAX;
 
 /// Where each pod of one model has its ledger row, so a selection reads rows by index

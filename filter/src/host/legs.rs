@@ -9,6 +9,7 @@ use proxy_wasm::types::{MetricType, Status};
 
 use crate::core::engine::trtllm::{self, ServerInfo};
 use crate::core::engine::{sglang, EngineDefaults};
+use crate::core::watchdog::Phase;
 use crate::host::metrics::Metrics;
 use crate::host::{now_ms, random_seed};
 
@@ -40,16 +41,16 @@ pub enum AbortCause {
     /// The prefill leg failed terminally; the class of its failure (`transport`, `timeout`,
     /// `http_status`).
     PrefillFailed(&'static str),
-    /// The decode watchdog fired in this phase (`first_response` or `stream_idle`).
-    Watchdog(&'static str),
+    /// The decode watchdog fired in this phase.
+    Watchdog(Phase),
 }
 
 impl AbortCause {
     pub fn class(self) -> &'static str {
         match self {
             AbortCause::PrefillFailed(class) => class,
-            AbortCause::Watchdog("first_response") => "watchdog_first_response",
-            AbortCause::Watchdog(_) => "watchdog_stream_idle",
+            AbortCause::Watchdog(Phase::FirstResponse) => "watchdog_first_response",
+            AbortCause::Watchdog(Phase::StreamIdle) => "watchdog_stream_idle",
         }
     }
 }

@@ -135,7 +135,7 @@ pub fn tick(vm: &SharedVm, root_id: u32, now: u64) {
             rid: rid.as_deref(),
             timeout_s: settings.abort_timeout_s,
             retry_s: 0.0,
-            cause: AbortCause::Watchdog(fire.phase.name()),
+            cause: AbortCause::Watchdog(fire.phase),
             streaming: false,
         });
     }
