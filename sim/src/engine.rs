@@ -61,6 +61,18 @@ impl TimingModel {
     }
 }
 
+/// Spends `d` of simulated engine time. Zero takes no time at all: tokio rounds every timer
+/// up to its next 1 ms tick, so `sleep(ZERO)` would cost up to a millisecond per call and a
+/// "zero compute" pod (the overhead benchmarks' engine) would add 1–3 ms to every request.
+/// Zero still yields, so a long zero-time stream cannot hold a runtime thread.
+pub async fn spend(d: Duration) {
+    if d.is_zero() {
+        tokio::task::yield_now().await;
+    } else {
+        tokio::time::sleep(d).await;
+    }
+}
+
 /// Converts a non-negative millisecond count to a `Duration`; negative or NaN inputs
 /// (a mistyped flag) become zero rather than a panic.
 fn millis(ms: f64) -> Duration {

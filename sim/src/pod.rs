@@ -569,17 +569,17 @@ impl Job {
                     };
                     self.ticket.start(self.spec.prompt_tokens);
                     let scheduled = Instant::now();
-                    tokio::time::sleep(timing.prefill_time(self.spec.new_tokens)).await;
+                    engine::spend(timing.prefill_time(self.spec.new_tokens)).await;
                     scheduled
                 }
                 Leg::Decode => {
                     // vLLM counts a request as waiting while its KV is being pulled.
                     let transfer = QueueSlot::new(self.pod.clone(), Queue::KvTransfer);
-                    tokio::time::sleep(timing.kv_pull_time(self.spec.prompt_tokens)).await;
+                    engine::spend(timing.kv_pull_time(self.spec.prompt_tokens)).await;
                     drop(transfer);
                     self.ticket.start(self.spec.prompt_tokens);
                     let scheduled = Instant::now();
-                    tokio::time::sleep(timing.decode_step(self.pod.running())).await;
+                    engine::spend(timing.decode_step(self.pod.running())).await;
                     scheduled
                 }
             };
@@ -594,7 +594,7 @@ impl Job {
                 .ttft
                 .observe((now - self.received).as_secs_f64());
         } else {
-            tokio::time::sleep(timing.decode_step(self.pod.running())).await;
+            engine::spend(timing.decode_step(self.pod.running())).await;
             if let Some(last) = self.last_token_at {
                 self.pod
                     .lock()
@@ -693,6 +693,27 @@ mod tests {
             (0, 3, 1, 1)
         );
         assert_eq!(m.kv_usage, 0.0);
+    }
+
+    /// The overhead benchmarks' "zero compute" engine must really take no time. tokio rounds
+    /// every timer up to its next 1 ms tick, so the proof is that no timer is armed at all:
+    /// the jobs run on a runtime without a time driver, where arming one panics.
+    #[test]
+    fn zero_timing_arms_no_timer() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("a runtime without timers");
+        let pod = Arc::new(PodState::new(record("d", "decode", "127.0.0.2"), fast_config()));
+        rt.block_on(async {
+            for leg in [Leg::Full, Leg::Prefill, Leg::Decode] {
+                let mut job = Job::new(pod.clone(), spec(leg, None), Instant::now());
+                let mut tokens = 0;
+                while job.next_token().await.is_some() {
+                    tokens += 1;
+                }
+                assert_eq!(tokens, 3);
+            }
+        });
     }
 
     #[tokio::test]
