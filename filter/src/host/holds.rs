@@ -4,7 +4,7 @@
 //! and a leaked entry cannot pin load on a pod for ever.
 
 use crate::core::charges::HeldCharges;
-use crate::core::ledger::{self, Ledger, PodId, Row, StoreError};
+use crate::core::ledger::{self, Ledger, StoreError};
 use crate::host::store::SharedData;
 use crate::host::SharedVm;
 
@@ -32,16 +32,13 @@ impl Hold {
     }
 }
 
-/// The token rows of the pods a request holds charges on, for the ledger gauges.
-pub fn pod_tokens(ledger: &Ledger, held: &HeldCharges) -> Vec<(String, Row)> {
-    let mut keys: Vec<&str> = held.counters.iter().map(|(k, _)| k.as_str()).collect();
-    keys.extend(held.prefill_tokens.as_ref().map(|c| c.pod.as_str()));
-    keys.extend(held.decode_tokens.as_ref().map(|c| c.pod.as_str()));
-    keys.sort_unstable();
-    keys.dedup();
-    keys.into_iter()
-        .map(|k| (k.to_string(), ledger.row(PodId::of(k))))
-        .collect()
+/// The pods a request holds charges on (keys `namespace/name`, possibly repeated).
+pub fn charged_pods(held: &HeldCharges) -> impl Iterator<Item = &str> {
+    held.counters
+        .iter()
+        .map(|(k, _)| k.as_str())
+        .chain(held.prefill_tokens.as_ref().map(|c| c.pod.as_str()))
+        .chain(held.decode_tokens.as_ref().map(|c| c.pod.as_str()))
 }
 
 /// Runs one release stage for request `id` in a CAS round, and keeps the result only once
@@ -59,14 +56,10 @@ pub fn release(
         vm.borrow_mut().holds.remove(&id);
         return;
     }
-    let result = ledger::update(&SharedData, |l| {
-        let next = stage(&held, l, now);
-        Ok::<_, StoreError>((next, pod_tokens(l, &held)))
-    });
+    let result = ledger::update(&SharedData, |l| Ok::<_, StoreError>(stage(&held, l, now)));
     let mut vm = vm.borrow_mut();
     match result {
-        Ok((next, tokens)) => {
-            vm.metrics.token_gauges(&tokens);
+        Ok(next) => {
             if next.is_empty() {
                 vm.holds.remove(&id);
             } else if let Some(h) = vm.holds.get_mut(&id) {

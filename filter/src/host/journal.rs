@@ -6,7 +6,7 @@
 
 use crate::core::journal::{self, Journal};
 use crate::core::ledger::{self, Store, StoreError};
-use crate::host::holds::pod_tokens;
+use crate::host::holds::charged_pods;
 use crate::host::metrics::Metrics;
 use crate::host::store::SharedData;
 use crate::host::{SharedVm, VmState};
@@ -156,17 +156,11 @@ fn reclaim_dead(own: u64, vm: &SharedVm, now: u64) -> Result<(), StoreError> {
     }
     for (token, journal) in dead {
         let Some(journal) = journal else { continue };
-        let tokens = ledger::update(&SharedData, |l| {
-            let n = journal::reclaim(&journal, l, now);
-            let gauges: Vec<_> = journal
-                .holds
-                .iter()
-                .flat_map(|h| pod_tokens(l, h))
-                .collect();
-            Ok::<_, StoreError>((n, gauges))
+        let reclaimed = ledger::update(&SharedData, |l| {
+            Ok::<_, StoreError>(journal::reclaim(&journal, l, now))
         });
-        match tokens {
-            Ok((n, gauges)) => {
+        match reclaimed {
+            Ok(n) => {
                 if n > 0 {
                     log::warn!(
                         "released the charges of {n} requests held by a VM silent for {} s (it trapped or stopped)",
@@ -174,7 +168,10 @@ fn reclaim_dead(own: u64, vm: &SharedVm, now: u64) -> Result<(), StoreError> {
                     );
                 }
                 let mut state = vm.borrow_mut();
-                state.metrics.token_gauges(&gauges);
+                // The dead VM's pods may be new to this one: the next sync shows them at 0.
+                state
+                    .metrics
+                    .track_pods(journal.holds.iter().flat_map(charged_pods));
                 let legs = journal.prefill_legs_in_flight() as i64;
                 Metrics::gauge_add(state.metrics.prefill_outstanding, -legs);
                 drop(state);

@@ -15,8 +15,11 @@ use crate::core::obs::labels::tagged;
 use crate::core::obs::outcome::{self, Outcome};
 use crate::core::obs::timing::{self, Durations, DURATION_BUCKETS, TOTAL_BUCKETS};
 
-/// Ids of the three token-ledger gauges of one pod.
-type TokenGaugeIds = [Option<u32>; 5];
+/// The five ledger gauges of one pod and the values last written to them.
+struct TokenGauges {
+    ids: [Option<u32>; 5],
+    last: Option<[u64; 5]>,
+}
 
 /// Per-pod series a VM defines before new pods share one `pod="_other"` series. Envoy cannot
 /// delete a stat and a counter cannot be zeroed, so series of pods that left stay (flat) until
@@ -50,8 +53,8 @@ type OutcomeIds = HashMap<(&'static str, u32), Option<u32>>;
 
 #[derive(Default)]
 pub struct Metrics {
-    /// Per-pod token-ledger gauges, defined on first use.
-    token_gauges: HashMap<String, TokenGaugeIds>,
+    /// Per-pod ledger gauges, defined when this VM first charges the pod.
+    token_gauges: HashMap<String, TokenGauges>,
     /// `pd_selected_{prefill,decode}_pod_total` per pod key.
     selected: HashMap<String, Option<u32>>,
     /// The shared `pod="_other"` series past [`MAX_POD_SERIES`], per side, once defined.
@@ -219,34 +222,44 @@ impl Metrics {
         }
     }
 
-    /// Sets the ledger gauges of these pods to the shared ledger's local rows: tokens
-    /// (`pd_token_load_active_tokens`, `_kv_tokens`, `_decode_tokens`) and request counters
-    /// (`pd_router_prefill_inflight`, `pd_router_running_requests`), each labelled
-    /// `namespace` and `pod_name`. Absolute values read in the CAS round that changed them;
-    /// two workers may write theirs in either order, so the root context rewrites them all
-    /// from the ledger every second (`sync_ledger_gauges`). Operators (and the fault tests)
-    /// read "all back to exactly 0" from them after a load.
-    pub fn token_gauges(&mut self, pods: &[(String, crate::core::ledger::Row)]) {
-        for (key, row) in pods {
-            let ids = self
-                .token_gauges
-                .entry_ref(key.as_str())
-                .or_insert_with(|| {
-                    let (ns, name) = key.split_once('/').unwrap_or(("", key.as_str()));
-                    let gauge = |metric: &str| {
-                        define(
-                            MetricType::Gauge,
-                            &tagged(metric, &[("namespace", ns), ("pod_name", name)]),
-                        )
-                    };
-                    [
-                        gauge("pd_token_load_active_tokens"),
-                        gauge("pd_token_load_kv_tokens"),
-                        gauge("pd_token_load_decode_tokens"),
-                        gauge("pd_router_prefill_inflight"),
-                        gauge("pd_router_running_requests"),
-                    ]
-                });
+    /// Defines the ledger gauges of these pods (keys `namespace/name`) if this VM has not
+    /// yet: tokens (`pd_token_load_active_tokens`, `_kv_tokens`, `_decode_tokens`) and
+    /// request counters (`pd_router_prefill_inflight`, `pd_router_running_requests`), each
+    /// labelled `namespace` and `pod_name`. Their values are written by
+    /// [`Metrics::sync_ledger_gauges`] on the root tick, not in the request path: ten gauge
+    /// writes per CAS round (three rounds a request) cost more than the round's own work in
+    /// V8, and with two workers writing in either order a per-request value was no more exact
+    /// than a periodic read of the ledger.
+    pub fn track_pods<'k>(&mut self, keys: impl Iterator<Item = &'k str>) {
+        for key in keys {
+            if self.token_gauges.contains_key(key) {
+                continue;
+            }
+            let (ns, name) = key.split_once('/').unwrap_or(("", key));
+            let gauge = |metric: &str| {
+                define(
+                    MetricType::Gauge,
+                    &tagged(metric, &[("namespace", ns), ("pod_name", name)]),
+                )
+            };
+            let ids = [
+                gauge("pd_token_load_active_tokens"),
+                gauge("pd_token_load_kv_tokens"),
+                gauge("pd_token_load_decode_tokens"),
+                gauge("pd_router_prefill_inflight"),
+                gauge("pd_router_running_requests"),
+            ];
+            self.token_gauges
+                .insert(key.to_string(), TokenGauges { ids, last: None });
+        }
+    }
+
+    /// Writes the gauges of every tracked pod from `ledger` (local rows), skipping the pods
+    /// whose values did not change since the last sync. Operators (and the fault tests) read
+    /// "all back to exactly 0" from them once a load is over.
+    pub fn sync_ledger_gauges(&mut self, ledger: &crate::core::ledger::Ledger) {
+        for (key, gauges) in self.token_gauges.iter_mut() {
+            let row = ledger.row(crate::core::ledger::PodId::of(key));
             let t = &row.tokens;
             let values = [
                 t.active.max(0.0).round() as u64,
@@ -255,23 +268,14 @@ impl Metrics {
                 u64::from(row.counts.prefill_inflight),
                 u64::from(row.counts.running),
             ];
-            for (id, value) in ids.iter().zip(values) {
+            if gauges.last == Some(values) {
+                continue;
+            }
+            gauges.last = Some(values);
+            for (id, value) in gauges.ids.iter().zip(values) {
                 Metrics::set(*id, value);
             }
         }
-    }
-
-    /// Rewrites the gauges of every pod that has them from `ledger` (local rows).
-    pub fn sync_ledger_gauges(&mut self, ledger: &crate::core::ledger::Ledger) {
-        let rows: Vec<(String, crate::core::ledger::Row)> = self
-            .token_gauges
-            .keys()
-            .map(|key| {
-                let row = ledger.row(crate::core::ledger::PodId::of(key));
-                (key.clone(), row)
-            })
-            .collect();
-        self.token_gauges(&rows);
     }
 
     /// Counts one PD selection of `pod` (`pd_selected_prefill_pod_total` or
@@ -311,11 +315,11 @@ impl Metrics {
     /// such pods stay at their last value: Envoy offers no way to delete a stat, and a
     /// Prometheus counter must not go down, so they are simply never updated again.
     pub fn retain_pods(&mut self, live: impl Fn(&str) -> bool) {
-        self.token_gauges.retain(|key, ids| {
+        self.token_gauges.retain(|key, gauges| {
             let keep = live(key);
             if !keep {
-                for id in ids.iter() {
-                    Metrics::set(*id, 0);
+                for id in gauges.ids {
+                    Metrics::set(id, 0);
                 }
             }
             keep

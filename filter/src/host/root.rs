@@ -48,6 +48,8 @@ pub struct Root {
     next_ledger_prune: u64,
     /// When the per-pod ledger gauges are next rewritten from the ledger itself.
     next_gauge_sync: u64,
+    /// When the adoption gauges are next rewritten (see [`Root::show_adoption`]).
+    next_adoption_show: u64,
     /// This Envoy process's id among gateway replicas (shared by its VMs).
     replica: u64,
     report_in_flight: Option<u32>,
@@ -57,8 +59,11 @@ pub struct Root {
     journal: crate::host::journal::JournalWriter,
 }
 
-/// Period of [`Root::sync_ledger_gauges`].
-const GAUGE_SYNC_MS: u64 = 1_000;
+/// Period of [`Root::sync_ledger_gauges`], the only writer of the per-pod ledger gauges:
+/// one ledger read per worker, and only changed values are written.
+const GAUGE_SYNC_MS: u64 = 200;
+/// Period of the adoption gauges' resync.
+const ADOPTION_SHOW_MS: u64 = 1_000;
 
 impl Root {
     pub fn new(context_id: u32) -> Root {
@@ -101,6 +106,7 @@ impl Root {
             next_housekeeping: 0,
             next_ledger_prune: 0,
             next_gauge_sync: 0,
+            next_adoption_show: 0,
             replica: 0,
             report_in_flight: None,
             report_failures: 0,
@@ -222,9 +228,8 @@ impl Root {
         vm.sessions.prune(now);
         drop(vm);
         crate::host::holds::expire(&self.vm, now);
-        if now >= self.next_gauge_sync {
-            self.next_gauge_sync = now + GAUGE_SYNC_MS;
-            self.sync_ledger_gauges();
+        if now >= self.next_adoption_show {
+            self.next_adoption_show = now + ADOPTION_SHOW_MS;
             if let Some(tally) = snapshot::adoption_tally() {
                 self.show_adoption(tally);
             }
@@ -251,10 +256,10 @@ impl Root {
         Metrics::set(vm.metrics.fleet_vms_on_latest, u64::from(tally.vms));
     }
 
-    /// Rewrites every per-pod ledger gauge from the shared ledger. Workers set them after
-    /// each charge or release, but two workers can finish in either order, so the value
-    /// written last may be the older one; this bounds how long a gauge can lag (an idle
-    /// gateway reads exactly 0 within a second).
+    /// Writes the per-pod ledger gauges from the shared ledger (the request path only
+    /// defines them). Every worker does, from the same ledger, so whichever writes last
+    /// writes a value at most one period old: an idle gateway reads exactly 0 within
+    /// [`GAUGE_SYNC_MS`] plus one tick.
     fn sync_ledger_gauges(&mut self) {
         if !self.vm.borrow().metrics.has_pod_series() {
             return;
@@ -564,6 +569,10 @@ impl RootContext for Root {
         self.check_freshness(now);
         crate::host::replicas::refresh(&mut self.vm.borrow_mut(), now);
         self.housekeeping(now);
+        if now >= self.next_gauge_sync {
+            self.next_gauge_sync = now + GAUGE_SYNC_MS;
+            self.sync_ledger_gauges();
+        }
         self.apply_ejections(now);
         self.journal.tick(&self.vm, now);
         crate::host::watchdog::tick(&self.vm, self.context_id, now);
