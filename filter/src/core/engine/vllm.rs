@@ -5,8 +5,6 @@
 //! `kv_transfer_params` the prefill returned, with `remote_host` set to the prefill pod's IP
 //! (vLLM reports its side-channel host, which defaults to `localhost`).
 
-use serde_json::{Map, Value};
-
 use crate::core::config::KvConnector;
 use crate::core::errors::RouteError;
 use crate::core::json_object::{Members, Spans};
@@ -66,12 +64,20 @@ pub fn decode_body(
             None => Ok(None),
             Some(v) if v.get() == "null" => Ok(None),
             Some(v) => {
-                let mut params: Map<String, Value> =
-                    serde_json::from_str(v.get()).map_err(|_| {
-                        bad_response("kv_transfer_params in the prefill response is not an object")
-                    })?;
-                params.insert("remote_host".into(), Value::String(prefill_ip.to_string()));
-                let params = Value::Object(params).to_string();
+                // Spliced like the body: the engine's own bytes, only `remote_host` replaced
+                // (a serde map round trip cost 5 µs natively, 25 µs in V8, per request).
+                let raw = v.get().as_bytes();
+                let params = Members::parse(raw).map_err(|_| {
+                    bad_response("kv_transfer_params in the prefill response is not an object")
+                })?;
+                let host = serde_json::to_string(prefill_ip)
+                    .map_err(|_| bad_response("the prefill pod's address is not text"))?;
+                let params =
+                    params
+                        .spans(raw)
+                        .write(raw, &["remote_host"], &[("remote_host", &host)]);
+                let params = String::from_utf8(params)
+                    .map_err(|_| bad_response("kv_transfer_params is not UTF-8"))?;
                 let key = "kv_transfer_params";
                 Ok(Some(members.write(client, &[key], &[(key, &params)])))
             }
@@ -90,7 +96,7 @@ fn bad_response(detail: &str) -> RouteError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
+    use serde_json::{json, Value};
 
     fn spans() -> Spans {
         Members::parse(client()).unwrap().spans(client())
@@ -144,6 +150,24 @@ mod tests {
             raw.starts_with(r#"{"model":"m","messages""#),
             "key order is kept: {raw}"
         );
+    }
+
+    /// The engine's parameters reach the decode pod as it wrote them (an opaque engine id,
+    /// exact float and integer digits, its key order); only `remote_host` is replaced, also
+    /// when the engine sent it twice.
+    #[test]
+    fn decode_leg_keeps_the_engines_params_byte_for_byte() {
+        let resp = br#"{"kv_transfer_params":{"remote_engine_id":"e\u00e9","remote_host":"a","remote_block_ids":[18446744073709551615,2],"tp":1.50,"remote_host":"b"}}"#;
+        let out = decode_body(client(), &spans(), resp, "10.0.0.7", KvConnector::Shfs)
+            .unwrap()
+            .unwrap();
+        let raw = String::from_utf8(out).unwrap();
+        assert!(
+            raw.contains(r#""kv_transfer_params":{"remote_engine_id":"e\u00e9","remote_block_ids":[18446744073709551615,2],"tp":1.50,"remote_host":"10.0.0.7"}"#),
+            "{raw}"
+        );
+        let body: Value = serde_json::from_str(&raw).unwrap();
+        assert_eq!(body["kv_transfer_params"]["remote_host"], "10.0.0.7");
     }
 
     #[test]
