@@ -703,7 +703,10 @@ mod tests {
         let rt = tokio::runtime::Builder::new_current_thread()
             .build()
             .expect("a runtime without timers");
-        let pod = Arc::new(PodState::new(record("d", "decode", "127.0.0.2"), fast_config()));
+        let pod = Arc::new(PodState::new(
+            record("d", "decode", "127.0.0.2"),
+            fast_config(),
+        ));
         rt.block_on(async {
             for leg in [Leg::Full, Leg::Prefill, Leg::Decode] {
                 let mut job = Job::new(pod.clone(), spec(leg, None), Instant::now());

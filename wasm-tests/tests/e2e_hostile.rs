@@ -407,6 +407,63 @@ fn hostile_inputs_get_their_exact_answers_and_break_nothing() {
         "{head}"
     );
 
+    // Header values that are not UTF-8 (RFC 9110 obs-text; Envoy passes them on). Reading one
+    // with the SDK's text getters panicked the VM. A PD request refuses one it must forward
+    // to the prefill pod (the callout takes text); any other is left alone.
+    let raw_status = |strategy: &str, header: &[u8]| -> (String, String) {
+        let mut raw = TcpStream::connect(&stack.gateway).expect("connect");
+        raw.set_read_timeout(Some(Duration::from_secs(10))).ok();
+        let body = ok("x").to_string();
+        let mut request = format!(
+            "POST /v1/completions HTTP/1.1\r\nhost: pd\r\ncontent-type: application/json\r\n\
+             routing-strategy: {strategy}\r\nconnection: close\r\ncontent-length: {}\r\n",
+            body.len()
+        )
+        .into_bytes();
+        request.extend_from_slice(header);
+        request.extend_from_slice(b"\r\n\r\n");
+        request.extend_from_slice(body.as_bytes());
+        raw.write_all(&request).expect("send");
+        let mut answer = Vec::new();
+        let _ = raw.read_to_end(&mut answer);
+        let answer = String::from_utf8_lossy(&answer).into_owned();
+        let status = answer.get(9..12).unwrap_or_default().to_string();
+        (status, answer)
+    };
+    for (strategy, header, want) in [
+        ("pd", &b"authorization: Bearer \xe9t\xe9"[..], "400"),
+        ("pd", b"x-session-id: \xff\xfe", "400"),
+        ("pd", b"x-aibrix-session-key: k\xff", "400"),
+        ("pd", b"traceparent: \xff", "400"),
+        ("pd", b"x-unrelated: \xff", "200"),
+    ] {
+        let (status, answer) = raw_status(strategy, header);
+        assert_eq!(
+            status,
+            want,
+            "{strategy} with {:?}: {answer:.400}",
+            String::from_utf8_lossy(header)
+        );
+        if want == "400" {
+            assert!(
+                answer.contains("x-error-routing: true")
+                    && answer.contains("invalid_request_error")
+                    && answer.contains("not UTF-8"),
+                "{answer:.600}"
+            );
+        }
+    }
+    // A strategy that forwards nothing answers as it would without the header.
+    let (clean, _) = raw_status("random", b"x-a: b");
+    let (status, answer) = raw_status("random", b"authorization: Bearer \xe9t\xe9");
+    assert_eq!(status, clean, "{answer:.400}");
+    assert!(!answer.contains("not UTF-8"), "{answer:.400}");
+    let (status, answer) = raw_status("pd", b"routing-strategy: \xff");
+    assert_eq!(
+        status, "200",
+        "the first routing-strategy counts: {answer:.300}"
+    );
+
     assert!(
         !stack.envoy_log().contains("panicked at"),
         "an input panicked the filter"

@@ -10,6 +10,7 @@ pub mod errors;
 pub mod fleet;
 pub mod freshness;
 pub mod guard;
+pub mod inbound;
 pub mod journal;
 pub mod json_object;
 pub mod ledger;

@@ -14,6 +14,9 @@ use crate::core::charges::HeldCharges;
 use crate::core::engine::{self, trtllm, vllm, Engine};
 use crate::core::errors::RouteError;
 use crate::core::fleet::{FleetView, ModelView};
+// Envoy's ORIGINAL_DST header is removed even when the cluster reads another one, so a
+// client can never pick an upstream through either.
+use crate::core::inbound::{Inbound, ENVOY_DST_HEADER};
 use crate::core::ledger::{self, Ledger};
 use crate::core::obs::outcome::{self, CutBy, Outcome};
 use crate::core::obs::timing::Instants;
@@ -25,21 +28,12 @@ use crate::core::request::{self, Endpoint, RoutingRequest};
 use crate::core::route::{self, Decision};
 use crate::core::tokenize;
 use crate::core::tokens;
-use crate::host::holds::{self, pod_tokens, Hold};
+use crate::host::holds::{self, Hold};
 use crate::host::metrics::Metrics;
 use crate::host::snapshot;
 use crate::host::store::SharedData;
 use crate::host::{now_ms, now_ns, now_us, SharedVm, VmState};
 
-/// Request headers forwarded on the prefill leg, as AIBrix does.
-const FORWARDED: [&str; 6] = [
-    "authorization",
-    "external-filter",
-    "routing-strategy",
-    "x-session-id",
-    "x-aibrix-session-key",
-    "traceparent",
-];
 /// Request header asking for a routing explanation (honoured when the plugin enables it).
 const EXPLAIN_HEADER: &str = "x-pd-explain";
 /// Filter-state keys (Envoy prefixes `wasm.`), printable with `%FILTER_STATE(wasm.<key>:PLAIN)%`.
@@ -53,9 +47,6 @@ const STATE_EXPLAIN: &str = "pd_explain";
 /// Model label of requests whose model the fleet does not know: client-chosen names never
 /// become labels, so a client cannot grow Envoy's stats without bound.
 const UNKNOWN_MODEL: &str = "unknown";
-/// ORIGINAL_DST's default header; removed even when the cluster reads another one, so a
-/// client can never pick an upstream through either.
-const ENVOY_DST_HEADER: &str = "x-envoy-original-dst-host";
 
 /// Where the routed request went, for the response headers.
 struct Routed {
@@ -110,6 +101,8 @@ pub struct PdHttp {
     request_id: String,
     endpoint: Option<Endpoint>,
     forwarded: Vec<(&'static str, String)>,
+    /// A forwarded header that is not UTF-8 (see `Inbound::unforwardable`).
+    unforwardable: Option<&'static str>,
     strategy_header: Option<String>,
     profile_header: Option<String>,
     /// The profile `config-profile: auto` picked, echoed as `x-aibrix-config-profile`.
@@ -140,6 +133,7 @@ impl PdHttp {
             request_id: String::new(),
             endpoint: None,
             forwarded: Vec::new(),
+            unforwardable: None,
             strategy_header: None,
             profile_header: None,
             auto_profile: None,
@@ -253,6 +247,11 @@ impl PdHttp {
             // The engine check and SGLang's body validation come before any selection, so
             // a refused request changes no load counter.
             engine = engine::agreed_engine(model)?;
+            if let Some(name) = self.unforwardable {
+                return Err(RouteError::InvalidRequest(format!(
+                    "the {name} header is not UTF-8 text, and a PD request must forward it to the prefill pod"
+                )));
+            }
             if engine == Engine::Sglang {
                 engine::sglang::validate(raw)?;
             }
@@ -404,8 +403,7 @@ impl PdHttp {
             };
             core_ns = now_ns().saturating_sub(t0);
             let held = selected.charge(model, l, now);
-            let tokens = pod_tokens(l, &held);
-            Ok::<_, RouteError>((selected, held, tokens))
+            Ok::<_, RouteError>((selected, held))
         });
         if let Some(x) = &explain {
             self.obs.explain_header = Some(x.header(model));
@@ -414,7 +412,7 @@ impl PdHttp {
         if let Err(e @ RouteError::Selection { .. }) = &result {
             vm.metrics.prefill_failed(e);
         }
-        let (selected, held, tokens) = result?;
+        let (selected, held) = result?;
         let elapsed_us = (now_ns().saturating_sub(started) / 1_000) as u64;
         self.obs.selection_us = Some(elapsed_us);
         if let Some(id) = vm.metrics.selection_us {
@@ -423,7 +421,7 @@ impl PdHttp {
         if let Some(id) = vm.metrics.selection_core_us {
             let _ = hostcalls::record_metric(id, (core_ns / 1_000) as u64);
         }
-        vm.metrics.token_gauges(&tokens);
+        vm.metrics.track_pods(holds::charged_pods(&held));
         self.hold(vm, held, now, settings.tokens.ttl_s);
         if let (Target::Pair { prefill, .. }, false) = (selected.target, stream.is_empty()) {
             // Warm the index with the chosen prefill pod, here and on every other worker.
@@ -468,6 +466,7 @@ impl PdHttp {
             ));
         }
         let (target, held) = result?;
+        vm.metrics.track_pods(holds::charged_pods(&held));
         let ttl_s = vm.defaults.tokens.ttl_s;
         self.hold(&mut vm, held, now, ttl_s);
         Ok(target)
@@ -692,36 +691,48 @@ impl Context for PdHttp {
 
 impl HttpContext for PdHttp {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
-        let dst_header = self.vm.borrow().plugin.dst_header.clone();
-        self.set_http_request_header(ENVOY_DST_HEADER, None);
-        self.set_http_request_header(&dst_header, None);
         Metrics::inc(self.vm.borrow().metrics.requests);
-        let trap = self.vm.borrow().debug_trap_header.clone();
-        self.trap_at_prefill_answer =
-            trap.is_some_and(|h| self.get_http_request_header(&h).is_some());
         self.obs.times.request_us = now_us();
-        if self.vm.borrow().plugin.explain {
-            if self.get_http_request_header(EXPLAIN_HEADER).as_deref() == Some("1") {
+        let (dst_header, explain_enabled, trap) = {
+            let vm = self.vm.borrow();
+            (
+                vm.plugin.dst_header.clone(),
+                vm.plugin.explain,
+                vm.debug_trap_header.clone(),
+            )
+        };
+        let pairs = self.get_http_request_headers_bytes();
+        let h = Inbound::read(
+            pairs.iter().map(|(n, v)| (n.as_str(), v.as_slice())),
+            &dst_header,
+            EXPLAIN_HEADER,
+            trap.as_deref(),
+        );
+        drop(pairs);
+        if h.dst_present {
+            self.set_http_request_header(ENVOY_DST_HEADER, None);
+            self.set_http_request_header(&dst_header, None);
+        }
+        self.trap_at_prefill_answer = h.trap;
+        if explain_enabled {
+            if h.explain {
                 self.obs.explain = Some(Box::default());
             }
-            self.set_http_request_header(EXPLAIN_HEADER, None);
-        }
-
-        let traceparent = self.get_http_request_header("traceparent");
-        let random = self.vm.borrow_mut().rng.u128(..);
-        self.request_id = request::request_id(traceparent.as_deref(), random);
-        for name in FORWARDED {
-            if let Some(value) = self.get_http_request_header(name) {
-                self.forwarded.push((name, value));
+            if h.explain_present {
+                self.set_http_request_header(EXPLAIN_HEADER, None);
             }
         }
-        self.strategy_header = self.get_http_request_header("routing-strategy");
-        self.profile_header = self.get_http_request_header("config-profile");
-        self.session_key = self
-            .get_http_request_header("x-aibrix-session-key")
+        let random = self.vm.borrow_mut().rng.u128(..);
+        self.request_id = request::request_id(h.traceparent.as_deref(), random);
+        self.forwarded = h.forwarded;
+        self.unforwardable = h.unforwardable;
+        self.strategy_header = h.strategy;
+        self.profile_header = h.profile;
+        self.session_key = h
+            .session_key
             .filter(|k| !k.is_empty() && k.len() <= tokens::MAX_SESSION_KEY_BYTES);
 
-        let path = self.get_http_request_header(":path").unwrap_or_default();
+        let path = h.path.unwrap_or_default();
         match Endpoint::from_path(&path) {
             Ok(endpoint) => self.endpoint = Some(endpoint),
             Err(e) => return self.reject(e),
