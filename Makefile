@@ -184,6 +184,12 @@ BENCH_V8_PODS ?= 16 256 1024
 bench-v8: build-native
 	envoy/bench-v8.sh $(BENCH_V8_PODS)
 
+# Where a PD request's time goes inside the filter in Envoy: the `sections` build of the .wasm
+# on the demo fleet, zero-time pd-sim, 1 and 32 clients (envoy/profile-sections.sh).
+.PHONY: profile-sections
+profile-sections: build-native
+	envoy/profile-sections.sh $(PROFILE_CLIENTS)
+
 # The same selection as wasm in Node's V8 (TurboFan only, as Envoy runs it), without Envoy.
 bench-v8-node: setup
 	cargo build --release --target wasm32-wasip1 --example select_loop -p pd-router-filter

@@ -6,7 +6,8 @@
 # State (pids, logs, rendered config) lives in .run/; `down` stops exactly what `up` started.
 # Environment: ADMIN_PORT CONTROL_PORT SIM_ADMIN_PORT CONCURRENCY REFRESH_MS, SIM_ARGS (extra
 # pd-sim flags, e.g. its timing model), CARGO_TARGET_DIR (where the binaries and the .wasm are;
-# default ./target), and any AIBRIX_* variable for the filter.
+# default ./target), PD_WASM (another build of the filter, e.g. the `sections` one), and any
+# AIBRIX_* variable for the filter.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=.run
@@ -37,7 +38,7 @@ up() {
   [ -f "$fleet" ] || die "no fleet file $fleet"
   [ ! -f "$RUN/envoy.pid" ] || die "a stack is already up (make down first)"
   local target=${CARGO_TARGET_DIR:-$PWD/target}
-  local bin=$target/$profile wasm=$target/wasm32-wasip1/release/pd_router_filter.wasm envoy=.venv/envoy
+  local bin=$target/$profile wasm=${PD_WASM:-$target/wasm32-wasip1/release/pd_router_filter.wasm} envoy=.venv/envoy
   for f in "$bin/pd-control" "$bin/pd-sim" "$wasm" "$envoy"; do [ -e "$f" ] || die "$f missing (make build)"; done
   mkdir -p "$RUN"
   if [ "$sim" = 1 ]; then

@@ -211,7 +211,7 @@ impl PdHttp {
             .clone()
             .ok_or(RouteError::NoSnapshot)?;
         self.routed_on = Some(fleet.clone());
-        let req = RoutingRequest::parse(endpoint, raw)?;
+        let req = crate::section!("request_body.parse", RoutingRequest::parse(endpoint, raw))?;
         self.obs.times.stream = req.stream;
         self.obs.scan_usage = req.stream && req.include_usage;
         let model = fleet
@@ -275,7 +275,10 @@ impl PdHttp {
                 model.pods[target.pod()].name
             ));
         }
-        self.log_state(model, target, &strategy, decision.profile.as_deref());
+        crate::section!(
+            "request_body.filter_state",
+            self.log_state(model, target, &strategy, decision.profile.as_deref())
+        );
         match target {
             Target::Single { pod } => {
                 let pod = &model.pods[pod];
@@ -354,6 +357,7 @@ impl PdHttp {
         };
         // Prefix lookup (local to this worker; other workers' insertions arrive as events).
         let (stream, match_pct, token_bytes) = if settings.prefill_policy.uses_prefix_index() {
+            crate::section_scope!("select.prefix_lookup");
             let p = vm.prefix_settings;
             let mut stream = tokenize::token_stream(p.tokenizer, &req.prompt_text);
             let token_bytes = stream.len();
@@ -390,21 +394,25 @@ impl PdHttp {
         let started = now_ns();
         let mut core_ns = 0u128;
         let mut explain = self.obs.explain.take();
-        let result = ledger::update(&SharedData, |l| {
-            l.set_remote(remote.clone());
-            if let Some(x) = explain.as_deref_mut() {
-                // A CAS retry selects again: explain the attempt that lands.
-                *x = Explain::default();
-            }
-            let t0 = now_ns();
-            let selected = match explain.as_deref_mut() {
-                Some(x) => pd::select_pd_explained(model, step0, l, pair, rng, Some(x))?,
-                None => pd::select_pd_with(model, step0, l, pair, rng, scratch)?,
-            };
-            core_ns = now_ns().saturating_sub(t0);
-            let held = selected.charge(model, l, now);
-            Ok::<_, RouteError>((selected, held))
-        });
+        crate::section_scope!("request_body.select_charge_hold");
+        let result = crate::section!(
+            "select.cas",
+            ledger::update(&SharedData, |l| {
+                l.set_remote(remote.clone());
+                if let Some(x) = explain.as_deref_mut() {
+                    // A CAS retry selects again: explain the attempt that lands.
+                    *x = Explain::default();
+                }
+                let t0 = now_ns();
+                let selected = match explain.as_deref_mut() {
+                    Some(x) => pd::select_pd_explained(model, step0, l, pair, rng, Some(x))?,
+                    None => pd::select_pd_with(model, step0, l, pair, rng, scratch)?,
+                };
+                core_ns = now_ns().saturating_sub(t0);
+                let held = selected.charge(model, l, now);
+                Ok::<_, RouteError>((selected, held))
+            })
+        );
         if let Some(x) = &explain {
             self.obs.explain_header = Some(x.header(model));
         }
@@ -422,7 +430,10 @@ impl PdHttp {
             let _ = hostcalls::record_metric(id, (core_ns / 1_000) as u64);
         }
         vm.metrics.track_pods(holds::charged_pods(&held));
-        self.hold(vm, held, now, settings.tokens.ttl_s);
+        crate::section!(
+            "select.hold",
+            self.hold(vm, held, now, settings.tokens.ttl_s)
+        );
         if let (Target::Pair { prefill, .. }, false) = (selected.target, stream.is_empty()) {
             // Warm the index with the chosen prefill pod, here and on every other worker.
             let event = PrefixEvent {
@@ -431,9 +442,15 @@ impl PdHttp {
                 stream,
                 at_ms: now,
             };
-            vm.prefix
-                .add_prefix(&event.stream, &event.model, &event.pod, now);
-            snapshot::broadcast(&vm.peers, snapshot::MSG_PREFIX, &event.encode());
+            crate::section!(
+                "select.prefix_event",
+                vm.prefix
+                    .add_prefix(&event.stream, &event.model, &event.pod, now)
+            );
+            crate::section!(
+                "select.prefix_broadcast",
+                snapshot::broadcast(&vm.peers, snapshot::MSG_PREFIX, &event.encode())
+            );
         }
         Ok(selected.target)
     }
@@ -501,12 +518,15 @@ impl PdHttp {
         for (name, value) in &self.forwarded {
             headers.push((name, value));
         }
-        hostcalls::dispatch_http_call(
-            &cluster,
-            headers,
-            Some(body),
-            vec![],
-            Duration::from_secs_f64(timeout_s),
+        crate::section!(
+            "request_body.prefill_callout",
+            hostcalls::dispatch_http_call(
+                &cluster,
+                headers,
+                Some(body),
+                vec![],
+                Duration::from_secs_f64(timeout_s),
+            )
         )
         .map_err(|e| RouteError::Prefill {
             status: 503,
@@ -620,13 +640,17 @@ impl PdHttp {
         if status != "200" {
             return Err(RouteError::prefill_answer(status, response, "http_error"));
         }
+        crate::section_scope!("prefill_answer.decode_leg");
         let decode_body = match pending.merge {
-            pair::Merge::Vllm(connector) => vllm::decode_body(
-                &pending.body,
-                &pending.members,
-                response,
-                &pending.prefill_ip,
-                connector,
+            pair::Merge::Vllm(connector) => crate::section!(
+                "decode_leg.body",
+                vllm::decode_body(
+                    &pending.body,
+                    &pending.members,
+                    response,
+                    &pending.prefill_ip,
+                    connector,
+                )
             )?,
             pair::Merge::Trtllm(endpoint) => {
                 trtllm::generation_body(&request::body_map(&pending.body)?, endpoint, response)?
@@ -634,14 +658,17 @@ impl PdHttp {
             pair::Merge::Unchanged => None,
         };
         if let Some(body) = decode_body {
-            self.replace_body(&body)?;
+            crate::section!("decode_leg.replace_body", self.replace_body(&body))?;
         }
         let strategy = self
             .routed
             .as_ref()
             .map(|r| r.strategy.clone())
             .unwrap_or_default();
-        self.set_destination(&pending.decode_address, &strategy)?;
+        crate::section!(
+            "decode_leg.destination",
+            self.set_destination(&pending.decode_address, &strategy)
+        )?;
         Ok(())
     }
 }
@@ -654,6 +681,7 @@ impl Context for PdHttp {
         body_size: usize,
         _trailers: usize,
     ) {
+        crate::section_scope!("prefill_answer");
         if self.pending.as_ref().map(|p| p.token) != Some(token) {
             self.on_leg_response(token, body_size);
             return;
@@ -664,7 +692,10 @@ impl Context for PdHttp {
             !self.trap_at_prefill_answer,
             "trap requested by PD_ROUTER_DEBUG_TRAP_HEADER"
         );
-        self.release_stage(HeldCharges::release_prefill_leg);
+        crate::section!(
+            "prefill_answer.release",
+            self.release_stage(HeldCharges::release_prefill_leg)
+        );
         self.prefill_returned();
         let status = self
             .get_http_call_response_header(":status")
@@ -691,6 +722,7 @@ impl Context for PdHttp {
 
 impl HttpContext for PdHttp {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        crate::section_scope!("request_headers");
         Metrics::inc(self.vm.borrow().metrics.requests);
         self.obs.times.request_us = now_us();
         let (dst_header, explain_enabled, trap) = {
@@ -701,7 +733,7 @@ impl HttpContext for PdHttp {
                 vm.debug_trap_header.clone(),
             )
         };
-        let pairs = self.get_http_request_headers_bytes();
+        let pairs = crate::section!("headers.read", self.get_http_request_headers_bytes());
         let h = Inbound::read(
             pairs.iter().map(|(n, v)| (n.as_str(), v.as_slice())),
             &dst_header,
@@ -744,10 +776,14 @@ impl HttpContext for PdHttp {
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        crate::section_scope!("request_body");
         if !end_of_stream {
             return Action::Pause;
         }
-        let raw = self.get_http_request_body(0, body_size).unwrap_or_default();
+        let raw = crate::section!(
+            "request_body.read",
+            self.get_http_request_body(0, body_size).unwrap_or_default()
+        );
         match self.route(&raw) {
             Ok(action) => action,
             Err(e) => self.reject(e),
@@ -755,6 +791,7 @@ impl HttpContext for PdHttp {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        crate::section_scope!("response_headers");
         self.watch_headers();
         self.obs.response_status = self
             .get_http_response_header(":status")
@@ -784,6 +821,7 @@ impl HttpContext for PdHttp {
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        crate::section_scope!("response_body");
         self.watch_chunk(body_size, end_of_stream);
         let t = &mut self.obs.times;
         if body_size > 0 && t.first_token_us.is_none() {
@@ -810,6 +848,9 @@ impl HttpContext for PdHttp {
     }
 
     fn on_log(&mut self) {
+        crate::section_scope!("log");
+        #[cfg(feature = "sections")]
+        crate::host::sections::request_done();
         let fired = {
             let mut vm = self.vm.borrow_mut();
             vm.watched.remove(&self.id);
@@ -818,7 +859,7 @@ impl HttpContext for PdHttp {
         if fired {
             self.obs.outcome = Some(Outcome::DecodeWatchdog);
         }
-        self.release_all();
-        self.observe_end();
+        crate::section!("log.release", self.release_all());
+        crate::section!("log.count", self.observe_end());
     }
 }

@@ -8,11 +8,37 @@ pub mod legs;
 pub mod metrics;
 pub mod replicas;
 pub mod root;
+#[cfg(feature = "sections")]
+pub mod sections;
 pub mod snapshot;
 pub mod store;
 pub mod watchdog;
 
 use std::cell::RefCell;
+
+/// `section!("name", expr)`: `expr`, timed under `name` in builds with the `sections`
+/// feature (see `host::sections`), nothing more otherwise.
+#[macro_export]
+macro_rules! section {
+    ($name:literal, $e:expr) => {{
+        #[cfg(feature = "sections")]
+        let started = $crate::host::sections::start();
+        let value = $e;
+        #[cfg(feature = "sections")]
+        $crate::host::sections::record($name, started);
+        value
+    }};
+}
+
+/// `section_scope!("name");`: the rest of the enclosing block, timed under `name` in
+/// `sections` builds (early returns included), nothing otherwise.
+#[macro_export]
+macro_rules! section_scope {
+    ($name:literal) => {
+        #[cfg(feature = "sections")]
+        let _section = $crate::host::sections::Scope::new($name);
+    };
+}
 use std::rc::Rc;
 
 use crate::core::config::PluginConfig;
