@@ -179,20 +179,26 @@ fn a_prefix_learned_on_one_worker_steers_requests_on_every_worker() {
     }
     assert_eq!(spread.len(), 2, "{spread:?}");
 
-    let shared = "You are a careful assistant. Answer in one line. ".repeat(40);
-    let first = completion(&stack, &shared);
-    let owner = first
-        .header("prefill-target-pod")
-        .unwrap_or_default()
-        .to_string();
-    // Fresh connections land on both workers; each must already know where the prefix went.
-    for _ in 0..30 {
-        let r = completion(&stack, &shared);
-        assert_eq!(
-            r.header("prefill-target-pod"),
-            Some(owner.as_str()),
-            "prefix affinity lost on a worker"
-        );
+    // Each prompt's first request teaches one worker; the next ones, sent the moment its
+    // answer is in, on fresh connections that land on both workers, must all follow it. A
+    // worker that learned of the prefix any later (say on its next tick) would pick by load
+    // among idle pods for some of them, half the time the other pod.
+    for topic in 0..8 {
+        let shared =
+            format!("Topic {topic}: you are a careful assistant. Answer in one line. ").repeat(40);
+        let first = completion(&stack, &shared);
+        let owner = first
+            .header("prefill-target-pod")
+            .unwrap_or_default()
+            .to_string();
+        for _ in 0..6 {
+            let r = completion(&stack, &shared);
+            assert_eq!(
+                r.header("prefill-target-pod"),
+                Some(owner.as_str()),
+                "prefix affinity lost on a worker (topic {topic})"
+            );
+        }
     }
 }
 

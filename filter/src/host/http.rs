@@ -103,6 +103,8 @@ pub struct PdHttp {
     forwarded: Vec<(&'static str, String)>,
     /// A forwarded header that is not UTF-8 (see `Inbound::unforwardable`).
     unforwardable: Option<&'static str>,
+    /// The prefix-event batch this request's event joined, until it is sent.
+    prefix_batch: Option<u64>,
     strategy_header: Option<String>,
     profile_header: Option<String>,
     /// The profile `config-profile: auto` picked, echoed as `x-aibrix-config-profile`.
@@ -134,6 +136,7 @@ impl PdHttp {
             endpoint: None,
             forwarded: Vec::new(),
             unforwardable: None,
+            prefix_batch: None,
             strategy_header: None,
             profile_header: None,
             auto_profile: None,
@@ -196,6 +199,19 @@ impl PdHttp {
         );
         vm.holds.insert(self.id, hold);
         crate::host::journal::write(vm, now);
+    }
+
+    /// Sends the prefix-event batch this request's event joined, unless another request
+    /// already did. Called when the response starts (and at the end, for requests whose
+    /// response never started), so a client that has this request's answer finds its prefix
+    /// known on every worker, as when each selection broadcast its own event.
+    fn send_prefix_batch(&mut self) {
+        if let Some(batch) = self.prefix_batch.take() {
+            let mut vm = self.vm.borrow_mut();
+            if vm.prefix_batches_sent == batch {
+                crate::section!("prefix_batch.send", snapshot::send_prefix_batch(&mut vm));
+            }
+        }
     }
 
     fn release_all(&mut self) {
@@ -447,10 +463,15 @@ impl PdHttp {
                 vm.prefix
                     .add_prefix(&event.stream, &event.model, &event.pod, now)
             );
-            crate::section!(
-                "select.prefix_broadcast",
-                snapshot::broadcast(&vm.peers, snapshot::MSG_PREFIX, &event.encode())
-            );
+            // Sent to the peers with the other events gathered until this request's response
+            // starts (see `send_prefix_batch`): one cross-thread wake-up for many selections.
+            if !vm.peers.is_empty() {
+                vm.prefix_outbox.push(&event);
+                self.prefix_batch = Some(vm.prefix_batches_sent);
+                if vm.prefix_outbox.bytes() >= snapshot::PREFIX_BATCH_MAX_BYTES {
+                    snapshot::send_prefix_batch(vm);
+                }
+            }
         }
         Ok(selected.target)
     }
@@ -792,6 +813,7 @@ impl HttpContext for PdHttp {
 
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         crate::section_scope!("response_headers");
+        self.send_prefix_batch();
         self.watch_headers();
         self.obs.response_status = self
             .get_http_response_header(":status")
@@ -859,6 +881,7 @@ impl HttpContext for PdHttp {
         if fired {
             self.obs.outcome = Some(Outcome::DecodeWatchdog);
         }
+        self.send_prefix_batch();
         crate::section!("log.release", self.release_all());
         crate::section!("log.count", self.observe_end());
     }

@@ -64,6 +64,11 @@ pub struct VmState {
     pub prefix_settings: PrefixSettings,
     /// Notice queues of the other live VMs, refreshed about once a second.
     pub peers: Vec<u32>,
+    /// Prefix events for the peers not sent yet, and how many batches this VM has sent: a
+    /// request remembers the batch its event joined and sends it, if still pending, when
+    /// its response starts (see `host::http`).
+    pub prefix_outbox: crate::core::prefix::EventBatch,
+    pub prefix_batches_sent: u64,
     /// Charges of this VM's in-flight requests, by HTTP context id.
     pub holds: hashbrown::HashMap<u32, holds::Hold>,
     /// The fleet view of the newest snapshot this VM has decoded.

@@ -15,7 +15,7 @@ use crate::core::freshness::{Freshness, Transition};
 use crate::core::ledger;
 use crate::core::pd::bucket_serve::Planner;
 use crate::core::pd::PdDefaults;
-use crate::core::prefix::{PrefixEvent, PrefixIndex, PrefixSettings};
+use crate::core::prefix::{EventBatch, PrefixEvent, PrefixIndex, PrefixSettings};
 use crate::core::tokens::{SessionTable, TokenLoadSettings};
 use crate::host::http::PdHttp;
 use crate::host::legs::EngineState;
@@ -77,6 +77,8 @@ impl Root {
                 prefix: PrefixIndex::new(1, 1),
                 prefix_settings: PrefixSettings::default(),
                 peers: Vec::new(),
+                prefix_outbox: Default::default(),
+                prefix_batches_sent: 0,
                 holds: hashbrown::HashMap::new(),
                 fleet: None,
                 rng: fastrand::Rng::with_seed(seed),
@@ -563,6 +565,9 @@ impl RootContext for Root {
             let peers = snapshot::live_queues(&self.vm_id, now, Some(&q.name));
             self.vm.borrow_mut().peers = peers;
         }
+        // A request that ended without sending its batch (none does) cannot hold events back
+        // for longer than a tick.
+        snapshot::send_prefix_batch(&mut self.vm.borrow_mut());
         self.maybe_fetch(now);
         self.maybe_report(now);
         self.reload();
@@ -599,6 +604,15 @@ impl RootContext for Root {
                         .prefix
                         .add_prefix(&e.stream, &e.model, &e.pod, e.at_ms),
                     Err(err) => log::warn!("dropping a malformed prefix event: {err}"),
+                },
+                Some((&snapshot::MSG_PREFIX_BATCH, batch)) => match EventBatch::decode(batch) {
+                    Ok(events) => {
+                        let mut vm = self.vm.borrow_mut();
+                        for e in events {
+                            vm.prefix.add_prefix(&e.stream, &e.model, &e.pod, e.at_ms);
+                        }
+                    }
+                    Err(err) => log::warn!("dropping a malformed prefix event batch: {err}"),
                 },
                 _ => log::warn!("dropping an unknown queue message"),
             }

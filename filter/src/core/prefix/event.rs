@@ -72,6 +72,53 @@ impl PrefixEvent {
     }
 }
 
+/// Events waiting to go to the other workers in one queue message: `varint len ‖ event`
+/// each, in selection order. Envoy wakes the receiving worker once per message (a
+/// cross-thread post), ≈ 35 µs of the sender's time per message under load, so a worker sends
+/// what it gathered when a request that added to it reaches its response headers (see
+/// `host::http`), not one message per selection.
+#[derive(Debug, Default)]
+pub struct EventBatch {
+    bytes: Vec<u8>,
+    events: usize,
+}
+
+impl EventBatch {
+    pub fn push(&mut self, event: &PrefixEvent) {
+        let encoded = event.encode();
+        put_varint(&mut self.bytes, encoded.len() as u64);
+        self.bytes.extend_from_slice(&encoded);
+        self.events += 1;
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.events == 0
+    }
+
+    /// Encoded size so far.
+    pub fn bytes(&self) -> usize {
+        self.bytes.len()
+    }
+
+    /// The batch as one message, leaving this one empty.
+    pub fn take(&mut self) -> Vec<u8> {
+        self.events = 0;
+        std::mem::take(&mut self.bytes)
+    }
+
+    /// The events of a message made by [`EventBatch::take`], in order; an error for the
+    /// first malformed one (the events before it are lost with it: a peer's bug, not input).
+    pub fn decode(bytes: &[u8]) -> Result<Vec<PrefixEvent>, EventError> {
+        let mut r = Reader { bytes, pos: 0 };
+        let mut events = Vec::new();
+        while r.pos < bytes.len() {
+            let len = r.len()?;
+            events.push(PrefixEvent::decode(r.take(len)?)?);
+        }
+        Ok(events)
+    }
+}
+
 fn put_varint(out: &mut Vec<u8>, mut v: u64) {
     while v >= 0x80 {
         out.push((v as u8) | 0x80);
@@ -177,6 +224,34 @@ mod tests {
             at_ms: 1_767_225_600_123,
         };
         assert_eq!(small.encode().len(), 1 + 6 + 2 + 2 + 1 + 4);
+    }
+
+    #[test]
+    fn a_batch_carries_its_events_in_order() {
+        let events: Vec<PrefixEvent> = (0..5u8)
+            .map(|i| PrefixEvent {
+                model: format!("m{i}"),
+                pod: "p".repeat(usize::from(i) * 70),
+                stream: vec![i; usize::from(i) * 50],
+                at_ms: u64::from(i) << 40,
+            })
+            .collect();
+        let mut batch = EventBatch::default();
+        assert!(batch.is_empty());
+        assert_eq!(EventBatch::decode(&batch.take()), Ok(vec![]));
+        for e in &events {
+            batch.push(e);
+        }
+        assert!(!batch.is_empty() && batch.bytes() > 0);
+        let message = batch.take();
+        assert!(batch.is_empty() && batch.bytes() == 0);
+        assert_eq!(EventBatch::decode(&message), Ok(events.clone()));
+        // A cut message is an error, or (cut between events) the events before the cut.
+        for cut in 1..message.len() {
+            if let Ok(got) = EventBatch::decode(&message[..cut]) {
+                assert!(got.len() < events.len() && got[..] == events[..got.len()]);
+            }
+        }
     }
 
     #[test]
