@@ -20,6 +20,7 @@ help:
 	@echo "make bench-scrape [BENCH_PODS=1000 BENCH_SECONDS=30 BENCH_INTERVAL=100ms] - pd-control scrape scale benchmark"
 	@echo "make bench-v8 [BENCH_V8_PODS='16 256 1024'] - selection cost inside Envoy's V8 (envoy/bench-v8.sh)"
 	@echo "make bench-v8-node [BENCH_V8_PODS=...] - the same selection as wasm in Node's V8, no Envoy"
+	@echo "make profile-sections [PROFILE_CLIENTS='1 32'] - where a PD request's time goes inside the filter in Envoy"
 	@echo "make build | lint | clean"
 
 # Toolchain pieces: the wasm target, a project venv holding the Envoy wheel, and Node (whose
