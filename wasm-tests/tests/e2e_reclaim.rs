@@ -58,13 +58,16 @@ fn a_trapped_vms_charges_are_released_and_the_worker_recovers() {
     );
     std::io::Write::write_all(&mut trapped, request.as_bytes()).expect("send");
     stack.wait_for_log("trap requested by PD_ROUTER_DEBUG_TRAP_HEADER");
-    let charged = ledger_samples(&stack);
-    assert!(
+    // The gauges are written from the ledger by every live VM's sync (every 200 ms), so the
+    // dead VM's charge shows although the VM that made it is gone.
+    pd_wasm_tests::stack::eventually(Duration::from_secs(10), || {
+        let charged = ledger_samples(&stack);
         charged
             .iter()
-            .any(|(s, v)| s.contains("pod_name=\"d0\"") && *v > 0.0),
-        "the dead VM's charge is on the ledger: {charged:?}"
-    );
+            .any(|(s, v)| s.contains("pod_name=\"d0\"") && *v > 0.0)
+            .then_some(())
+            .ok_or_else(|| format!("the dead VM's charge is not on the ledger: {charged:?}"))
+    });
 
     // A live VM finds the silent journal and releases it: exactly 0, not "mostly drained".
     pd_wasm_tests::stack::wait_ledger_zero(&stack.admin, Duration::from_secs(40));
@@ -82,7 +85,7 @@ fn a_trapped_vms_charges_are_released_and_the_worker_recovers() {
         }
         assert!(Instant::now() < deadline, "the gateway did not recover");
     }
-    let after = ledger_samples(&stack);
-    assert!(after.iter().all(|(_, v)| *v == 0.0), "{after:?}");
+    // Nothing of the dead VM's charge came back (the gauges lag the ledger by ≤ 200 ms).
+    pd_wasm_tests::stack::wait_ledger_zero(&stack.admin, Duration::from_secs(10));
     drop(trapped);
 }

@@ -4,7 +4,7 @@
 //! and a leaked entry cannot pin load on a pod for ever.
 
 use crate::core::charges::HeldCharges;
-use crate::core::ledger::{self, Ledger, StoreError};
+use crate::core::ledger::{self, Ledger, PodId, Row, StoreError};
 use crate::host::store::SharedData;
 use crate::host::SharedVm;
 
@@ -39,6 +39,16 @@ pub fn charged_pods(held: &HeldCharges) -> impl Iterator<Item = &str> {
         .map(|(k, _)| k.as_str())
         .chain(held.prefill_tokens.as_ref().map(|c| c.pod.as_str()))
         .chain(held.decode_tokens.as_ref().map(|c| c.pod.as_str()))
+}
+
+/// The ledger rows of the pods a request was just charged on, read in the charging CAS round.
+pub fn charged_rows(ledger: &Ledger, held: &HeldCharges) -> Vec<(String, Row)> {
+    let mut keys: Vec<&str> = charged_pods(held).collect();
+    keys.sort_unstable();
+    keys.dedup();
+    keys.into_iter()
+        .map(|k| (k.to_string(), ledger.row(PodId::of(k))))
+        .collect()
 }
 
 /// Runs one release stage for request `id` in a CAS round, and keeps the result only once

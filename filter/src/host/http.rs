@@ -426,7 +426,8 @@ impl PdHttp {
                 };
                 core_ns = now_ns().saturating_sub(t0);
                 let held = selected.charge(model, l, now);
-                Ok::<_, RouteError>((selected, held))
+                let rows = holds::charged_rows(l, &held);
+                Ok::<_, RouteError>((selected, held, rows))
             })
         );
         if let Some(x) = &explain {
@@ -436,7 +437,7 @@ impl PdHttp {
         if let Err(e @ RouteError::Selection { .. }) = &result {
             vm.metrics.prefill_failed(e);
         }
-        let (selected, held) = result?;
+        let (selected, held, rows) = result?;
         let elapsed_us = (now_ns().saturating_sub(started) / 1_000) as u64;
         self.obs.selection_us = Some(elapsed_us);
         if let Some(id) = vm.metrics.selection_us {
@@ -446,6 +447,8 @@ impl PdHttp {
             let _ = hostcalls::record_metric(id, (core_ns / 1_000) as u64);
         }
         vm.metrics.track_pods(holds::charged_pods(&held));
+        vm.metrics
+            .charged_gauges(rows.iter().map(|(k, r)| (k.as_str(), *r)));
         crate::section!(
             "select.hold",
             self.hold(vm, held, now, settings.tokens.ttl_s)
@@ -491,7 +494,8 @@ impl PdHttp {
             l.set_remote(remote.clone());
             let target = pd::select_single(model, strategy, l, rng)?;
             let held = pd::Selected::single(target.pod()).charge(model, l, now);
-            Ok::<_, RouteError>((target, held))
+            let rows = holds::charged_rows(l, &held);
+            Ok::<_, RouteError>((target, held, rows))
         });
         if let (Some(_), Err(e)) = (&self.obs.explain, &result) {
             let detail = match e {
@@ -503,8 +507,10 @@ impl PdHttp {
                 crate::core::obs::explain::MAX_LEN,
             ));
         }
-        let (target, held) = result?;
+        let (target, held, rows) = result?;
         vm.metrics.track_pods(holds::charged_pods(&held));
+        vm.metrics
+            .charged_gauges(rows.iter().map(|(k, r)| (k.as_str(), *r)));
         let ttl_s = vm.defaults.tokens.ttl_s;
         self.hold(&mut vm, held, now, ttl_s);
         Ok(target)

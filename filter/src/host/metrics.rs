@@ -21,6 +21,27 @@ struct TokenGauges {
     last: Option<[u64; 5]>,
 }
 
+impl TokenGauges {
+    /// Sets the gauges to `row`'s values unless they already show them.
+    fn write(&mut self, row: &crate::core::ledger::Row) {
+        let t = &row.tokens;
+        let values = [
+            t.active.max(0.0).round() as u64,
+            t.kv.max(0.0).round() as u64,
+            t.decode.max(0.0).round() as u64,
+            u64::from(row.counts.prefill_inflight),
+            u64::from(row.counts.running),
+        ];
+        if self.last == Some(values) {
+            return;
+        }
+        self.last = Some(values);
+        for (id, value) in self.ids.iter().zip(values) {
+            Metrics::set(*id, value);
+        }
+    }
+}
+
 /// Per-pod series a VM defines before new pods share one `pod="_other"` series. Envoy cannot
 /// delete a stat and a counter cannot be zeroed, so series of pods that left stay (flat) until
 /// Envoy restarts; the cap bounds that growth under heavy pod churn.
@@ -222,14 +243,14 @@ impl Metrics {
         }
     }
 
-    /// Defines the ledger gauges of these pods (keys `namespace/name`) if this VM has not
-    /// yet: tokens (`pd_token_load_active_tokens`, `_kv_tokens`, `_decode_tokens`) and
-    /// request counters (`pd_router_prefill_inflight`, `pd_router_running_requests`), each
-    /// labelled `namespace` and `pod_name`. Their values are written by
-    /// [`Metrics::sync_ledger_gauges`] on the root tick, not in the request path: ten gauge
-    /// writes per CAS round (three rounds a request) cost more than the round's own work in
-    /// V8, and with two workers writing in either order a per-request value was no more exact
-    /// than a periodic read of the ledger.
+    /// Defines the ledger gauges of these pods (keys `namespace/name`: every pod of each
+    /// adopted snapshot, and any pod a request charges) if this VM has not yet: tokens
+    /// (`pd_token_load_active_tokens`, `_kv_tokens`, `_decode_tokens`) and request counters
+    /// (`pd_router_prefill_inflight`, `pd_router_running_requests`), each labelled
+    /// `namespace` and `pod_name`. A charge writes the charged pods' values from its CAS round
+    /// ([`Metrics::charged_gauges`]); everything else, releases included, shows at the root
+    /// tick's [`Metrics::sync_ledger_gauges`] (every 200 ms): writing ten gauges in each of a
+    /// request's three rounds cost more than the rounds' own work in V8.
     pub fn track_pods<'k>(&mut self, keys: impl Iterator<Item = &'k str>) {
         for key in keys {
             if self.token_gauges.contains_key(key) {
@@ -255,25 +276,24 @@ impl Metrics {
     }
 
     /// Writes the gauges of every tracked pod from `ledger` (local rows), skipping the pods
-    /// whose values did not change since the last sync. Operators (and the fault tests) read
-    /// "all back to exactly 0" from them once a load is over.
+    /// whose values did not change since they were last written. Operators (and the fault
+    /// tests) read "all back to exactly 0" from them once a load is over.
     pub fn sync_ledger_gauges(&mut self, ledger: &crate::core::ledger::Ledger) {
         for (key, gauges) in self.token_gauges.iter_mut() {
-            let row = ledger.row(crate::core::ledger::PodId::of(key));
-            let t = &row.tokens;
-            let values = [
-                t.active.max(0.0).round() as u64,
-                t.kv.max(0.0).round() as u64,
-                t.decode.max(0.0).round() as u64,
-                u64::from(row.counts.prefill_inflight),
-                u64::from(row.counts.running),
-            ];
-            if gauges.last == Some(values) {
-                continue;
-            }
-            gauges.last = Some(values);
-            for (id, value) in gauges.ids.iter().zip(values) {
-                Metrics::set(*id, value);
+            gauges.write(&ledger.row(crate::core::ledger::PodId::of(key)));
+        }
+    }
+
+    /// Writes the gauges of pods a selection just charged, from the rows its CAS round
+    /// wrote: a charge shows at once (a replica waiting for another's load reads them), while
+    /// releases show at the next sync.
+    pub fn charged_gauges<'k>(
+        &mut self,
+        rows: impl Iterator<Item = (&'k str, crate::core::ledger::Row)>,
+    ) {
+        for (key, row) in rows {
+            if let Some(gauges) = self.token_gauges.get_mut(key) {
+                gauges.write(&row);
             }
         }
     }

@@ -195,6 +195,13 @@ impl Root {
                     .collect();
                 vm.metrics.retain_pods(|key| live.contains(key));
             }
+            // Every VM shows every pod's ledger gauges (written by `sync_ledger_gauges`), so a
+            // charge shows even when the VM that made it died before its next sync.
+            vm.metrics.track_pods(
+                view.models
+                    .values()
+                    .flat_map(|m| m.pods.iter().map(|p| p.key.as_str())),
+            );
             let view = Rc::new(view);
             vm.fleet = Some(routing_view(
                 &view,
