@@ -37,8 +37,9 @@ pub struct Inbound {
     pub dst_present: bool,
     /// [`FORWARDED`] headers present, in that order, first value of each.
     pub forwarded: Vec<(&'static str, String)>,
-    /// The first forwarded header (in the client's order) whose value is not UTF-8: it cannot be put on the prefill
-    /// leg (the SDK's callout takes text), so a PD request carrying it is refused.
+    /// The first forwarded header (in the client's order) whose value is not UTF-8: it
+    /// cannot be put on the prefill leg (the SDK's callout takes text), so a PD request
+    /// carrying it is refused.
     pub unforwardable: Option<&'static str>,
 }
 

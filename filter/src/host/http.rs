@@ -446,7 +446,6 @@ impl PdHttp {
         if let Some(id) = vm.metrics.selection_core_us {
             let _ = hostcalls::record_metric(id, (core_ns / 1_000) as u64);
         }
-        vm.metrics.track_pods(holds::charged_pods(&held));
         vm.metrics
             .charged_gauges(rows.iter().map(|(k, r)| (k.as_str(), *r)));
         crate::section!(
@@ -508,7 +507,6 @@ impl PdHttp {
             ));
         }
         let (target, held, rows) = result?;
-        vm.metrics.track_pods(holds::charged_pods(&held));
         vm.metrics
             .charged_gauges(rows.iter().map(|(k, r)| (k.as_str(), *r)));
         let ttl_s = vm.defaults.tokens.ttl_s;

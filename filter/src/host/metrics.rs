@@ -74,7 +74,7 @@ type OutcomeIds = HashMap<(&'static str, u32), Option<u32>>;
 
 #[derive(Default)]
 pub struct Metrics {
-    /// Per-pod ledger gauges, defined when this VM first charges the pod.
+    /// Per-pod ledger gauges, defined for every pod of each adopted snapshot.
     token_gauges: HashMap<String, TokenGauges>,
     /// `pd_selected_{prefill,decode}_pod_total` per pod key.
     selected: HashMap<String, Option<u32>>,
@@ -253,9 +253,13 @@ impl Metrics {
     /// request's three rounds cost more than the rounds' own work in V8.
     pub fn track_pods<'k>(&mut self, keys: impl Iterator<Item = &'k str>) {
         for key in keys {
-            if self.token_gauges.contains_key(key) {
-                continue;
-            }
+            self.pod_gauges(key);
+        }
+    }
+
+    /// The ledger gauges of `key`, defined on first use.
+    fn pod_gauges(&mut self, key: &str) -> &mut TokenGauges {
+        self.token_gauges.entry_ref(key).or_insert_with(|| {
             let (ns, name) = key.split_once('/').unwrap_or(("", key));
             let gauge = |metric: &str| {
                 define(
@@ -270,9 +274,8 @@ impl Metrics {
                 gauge("pd_router_prefill_inflight"),
                 gauge("pd_router_running_requests"),
             ];
-            self.token_gauges
-                .insert(key.to_string(), TokenGauges { ids, last: None });
-        }
+            TokenGauges { ids, last: None }
+        })
     }
 
     /// Writes the gauges of every tracked pod from `ledger` (local rows), skipping the pods
@@ -292,9 +295,7 @@ impl Metrics {
         rows: impl Iterator<Item = (&'k str, crate::core::ledger::Row)>,
     ) {
         for (key, row) in rows {
-            if let Some(gauges) = self.token_gauges.get_mut(key) {
-                gauges.write(&row);
-            }
+            self.pod_gauges(key).write(&row);
         }
     }
 

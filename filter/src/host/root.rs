@@ -59,8 +59,8 @@ pub struct Root {
     journal: crate::host::journal::JournalWriter,
 }
 
-/// Period of [`Root::sync_ledger_gauges`], the only writer of the per-pod ledger gauges:
-/// one ledger read per worker, and only changed values are written.
+/// Period of [`Root::sync_ledger_gauges`], which writes every per-pod ledger gauge (a charge
+/// also writes its own pods'): one ledger read per worker, and only changed values are written.
 const GAUGE_SYNC_MS: u64 = 200;
 /// Period of the adoption gauges' resync.
 const ADOPTION_SHOW_MS: u64 = 1_000;
@@ -265,8 +265,8 @@ impl Root {
         Metrics::set(vm.metrics.fleet_vms_on_latest, u64::from(tally.vms));
     }
 
-    /// Writes the per-pod ledger gauges from the shared ledger (the request path only
-    /// defines them). Every worker does, from the same ledger, so whichever writes last
+    /// Writes the per-pod ledger gauges from the shared ledger (the request path writes only
+    /// a charge's pods). Every worker does, from the same ledger, so whichever writes last
     /// writes a value at most one period old: an idle gateway reads exactly 0 within
     /// [`GAUGE_SYNC_MS`] plus one tick.
     fn sync_ledger_gauges(&mut self) {
