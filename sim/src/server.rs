@@ -875,6 +875,8 @@ pub struct ServeHandle {
     pub addr: SocketAddr,
     task: JoinHandle<()>,
     accepting: watch::Sender<bool>,
+    /// Set by the accept loop once it has closed the listening socket.
+    closed: watch::Receiver<bool>,
 }
 
 impl ServeHandle {
@@ -885,9 +887,12 @@ impl ServeHandle {
     }
 
     /// Closes the listening socket (new connections are refused) while open connections
-    /// finish what they are doing.
-    pub fn stop_accepting(&self) {
+    /// finish what they are doing. Returns once the socket is closed: a connect made after
+    /// the `refuse` fault is armed must be refused, not queued on a socket about to close.
+    pub async fn stop_accepting(&self) {
         let _ = self.accepting.send(false);
+        let mut closed = self.closed.clone();
+        let _ = closed.wait_for(|c| *c).await;
     }
 }
 
@@ -901,15 +906,22 @@ impl Drop for ServeHandle {
 pub fn serve(listener: TcpListener, router: Router) -> std::io::Result<ServeHandle> {
     let addr = listener.local_addr()?;
     let (accepting, accepting_rx) = watch::channel(true);
-    let task = tokio::spawn(accept_loop(listener, router, accepting_rx));
+    let (closed_tx, closed) = watch::channel(false);
+    let task = tokio::spawn(accept_loop(listener, router, accepting_rx, closed_tx));
     Ok(ServeHandle {
         addr,
         task,
         accepting,
+        closed,
     })
 }
 
-async fn accept_loop(listener: TcpListener, router: Router, mut accepting: watch::Receiver<bool>) {
+async fn accept_loop(
+    listener: TcpListener,
+    router: Router,
+    mut accepting: watch::Receiver<bool>,
+    closed: watch::Sender<bool>,
+) {
     // Connection tasks live in the JoinSet, so aborting this task (dropping the set) aborts
     // them all: that is what makes a removed pod go away completely.
     let mut connections = JoinSet::new();
@@ -941,6 +953,7 @@ async fn accept_loop(listener: TcpListener, router: Router, mut accepting: watch
                 if changed.is_err() || !*accepting.borrow() {
                     // Dropping the listener closes the socket: connects are refused from now.
                     listener = None;
+                    let _ = closed.send(true);
                 }
             }
             Some(_) = connections.join_next(), if !connections.is_empty() => {}

@@ -237,7 +237,7 @@ impl Sim {
             }
             FaultKind::Refuse => {
                 for server in &pod.servers {
-                    server.stop_accepting();
+                    server.stop_accepting().await;
                 }
                 pod.listener_fault.get_or_insert(FaultKind::Refuse);
                 tracing::info!(pod = %pod.record.key(), "fault: refusing connections");
