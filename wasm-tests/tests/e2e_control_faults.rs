@@ -99,7 +99,6 @@ fn pd_control_down_routes_on_the_last_snapshot_marks_it_stale_and_recovers() {
         routed(&stack);
     }
     assert_eq!(stack.stat("pd_router_snapshot_stale"), 0);
-    let version_before = stack.stat("pd_router_fleet_version");
 
     // pd-control goes away; requests keep coming until every VM calls the snapshot stale.
     stack.kill("pd-control");
@@ -112,6 +111,10 @@ fn pd_control_down_routes_on_the_last_snapshot_marks_it_stale_and_recovers() {
             .ok_or_else(|| "the snapshot never went stale".to_string())
     });
     stack.wait_for_log("is stale: pd-control has not confirmed it");
+    // The last snapshot is whichever a poll brought before the kill (pd-control publishes a
+    // new version whenever scraped load changes, so one may land just before it goes); from
+    // here on it must stay the one routed on.
+    let version_before = stack.stat("pd_router_fleet_version");
     assert!(stack.stat("pd_router_snapshot_age_ms") > 1000);
     assert!(fetch_errors(&stack, "unreachable") > 0.0);
     // Stale, and still routing on the last snapshot's pods.
