@@ -4,7 +4,8 @@
 #   envoy/stack.sh down
 # `up` returns once Envoy is ready and every worker has loaded the first fleet snapshot.
 # State (pids, logs, rendered config) lives in .run/; `down` stops exactly what `up` started.
-# Environment: ADMIN_PORT CONTROL_PORT SIM_ADMIN_PORT CONCURRENCY REFRESH_MS, SIM_ARGS (extra
+# Environment: ADMIN_PORT CONTROL_PORT SIM_ADMIN_PORT CONCURRENCY REFRESH_MS (the filter's poll
+# period; pd-control's scrape period too unless CONTROL_REFRESH_MS is set), SIM_ARGS (extra
 # pd-sim flags, e.g. its timing model), CARGO_TARGET_DIR (where the binaries and the .wasm are;
 # default ./target), PD_WASM (another build of the filter, e.g. the `sections` one), and any
 # AIBRIX_* variable for the filter.
@@ -46,7 +47,7 @@ up() {
     start pd-sim "$bin/pd-sim" --fleet "$fleet" --admin "127.0.0.1:$SIM_ADMIN_PORT" ${SIM_ARGS:-}
     wait_for_line "$RUN/pd-sim.out" "pd-sim: serving" 30 pd-sim
   fi
-  start pd-control "$bin/pd-control" --fleet "$fleet" --listen "127.0.0.1:$CONTROL_PORT" --refresh-interval "${REFRESH_MS}ms"
+  start pd-control "$bin/pd-control" --fleet "$fleet" --listen "127.0.0.1:$CONTROL_PORT" --refresh-interval "${CONTROL_REFRESH_MS:-$REFRESH_MS}ms"
   wait_for_line "$RUN/pd-control.out" "pd-control: listening" 30 pd-control
   sed -e "s#@LISTEN_ADDR@#127.0.0.1#; s#@LISTEN_PORT@#$port#; s#@ADMIN_PORT@#$ADMIN_PORT#" \
       -e "s#@WASM_PATH@#$(realpath "$wasm")#; s#@CONTROL_ADDR@#127.0.0.1#; s#@CONTROL_PORT@#$CONTROL_PORT#" \

@@ -3,7 +3,6 @@
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 use std::sync::Arc;
-#[cfg(test)]
 use std::time::Duration;
 
 use axum::body::Body;
@@ -19,7 +18,7 @@ use tokio::sync::watch;
 use crate::auth::SnapshotToken;
 use crate::replicas::ReplicaBook;
 use crate::snapshot::Published;
-use crate::stats::Stats;
+use crate::stats::{PollAnswer, Stats};
 
 /// Carries the served version on every snapshot response, including 304s, so a poller can log
 /// or compare it without decoding.
@@ -90,27 +89,42 @@ fn respond(
     response
 }
 
-/// `GET /v1/snapshot[?version=N]`: 304 when the caller already holds the current version.
+/// Longest a snapshot poll is held (`wait_ms` above it is cut to it): a bound on what one
+/// idle poll keeps open, far below any proxy's idle-connection timeout.
+pub const MAX_POLL_WAIT: Duration = Duration::from_secs(30);
+
+/// An optional unsigned query parameter; `Err` is the 400 answer.
+fn query_u64(query: &HashMap<String, String>, name: &str) -> Result<Option<u64>, Response> {
+    match query.get(name).map(|v| v.trim()).filter(|v| !v.is_empty()) {
+        None => Ok(None),
+        Some(text) => text.parse::<u64>().map(Some).map_err(|_| {
+            let message = format!("{name} must be an unsigned integer, got {text:?}\n");
+            (StatusCode::BAD_REQUEST, message).into_response()
+        }),
+    }
+}
+
+/// `GET /v1/snapshot[?version=N[&wait_ms=W]]`: 304 when the caller already holds the current
+/// version. With `wait_ms` that answer is held until a newer version is published (answered
+/// at once, 200) or W ms pass (304): a long poll. An idle fleet then costs a gateway one poll
+/// per W instead of one per refresh period, and a new snapshot reaches it as soon as it is
+/// built instead of at its next poll.
 async fn snapshot(
     State(state): State<AppState>,
     Query(query): Query<HashMap<String, String>>,
 ) -> Response {
-    let published = current(&state);
-    let held = match query
-        .get("version")
-        .map(|v| v.trim())
-        .filter(|v| !v.is_empty())
-    {
-        None => None,
-        Some(text) => match text.parse::<u64>() {
-            Ok(v) => Some(v),
-            Err(_) => {
-                let message = format!("version must be an unsigned integer, got {text:?}\n");
-                return (StatusCode::BAD_REQUEST, message).into_response();
-            }
-        },
+    let (held, wait_ms) = match (query_u64(&query, "version"), query_u64(&query, "wait_ms")) {
+        (Ok(held), Ok(wait_ms)) => (held, wait_ms.unwrap_or(0)),
+        (Err(answer), _) | (_, Err(answer)) => return answer,
     };
+    let mut published = current(&state);
+    if held == Some(published.version) && wait_ms > 0 {
+        let wait = Duration::from_millis(wait_ms).min(MAX_POLL_WAIT);
+        let _waiting = state.stats.poll_waiting();
+        published = newer_than(&state, published.version, wait).await;
+    }
     if held == Some(published.version) {
+        state.stats.poll_answered(PollAnswer::NotModified);
         return respond(
             StatusCode::NOT_MODIFIED,
             published.version,
@@ -118,6 +132,7 @@ async fn snapshot(
             Body::empty(),
         );
     }
+    state.stats.poll_answered(PollAnswer::Snapshot);
     respond(
         StatusCode::OK,
         published.version,
@@ -137,6 +152,18 @@ async fn replica_report(State(state): State<AppState>, body: Bytes) -> Response 
             .into_response(),
         Err(e) => (StatusCode::BAD_REQUEST, format!("{e}\n")).into_response(),
     }
+}
+
+/// The first snapshot newer than `version`, or the current one after `wait`. Returns early
+/// when pd-control shuts down (its control loop drops the sender), so a held poll never
+/// delays a graceful stop.
+async fn newer_than(state: &AppState, version: u64, wait: Duration) -> Arc<Published> {
+    let mut snapshots = state.snapshots.clone();
+    let newer = snapshots.wait_for(|p| p.version != version);
+    if let Ok(Ok(published)) = tokio::time::timeout(wait, newer).await {
+        return published.clone();
+    }
+    current(state)
 }
 
 async fn snapshot_json(State(state): State<AppState>) -> Response {
@@ -327,6 +354,29 @@ pub fn render_metrics(
         "counter",
         "Snapshot API requests refused for a missing or wrong token (--snapshot-token-file).",
         &plain(stats.unauthorized_total().to_string()),
+    );
+    family(
+        &mut out,
+        "pd_control_snapshot_polls_waiting",
+        "gauge",
+        "Snapshot polls held until a newer version is published (wait_ms); about one per connected gateway.",
+        &plain(stats.polls_waiting().to_string()),
+    );
+    family(
+        &mut out,
+        "pd_control_snapshot_polls_total",
+        "counter",
+        "Snapshot polls answered, by answer: snapshot (200) or not_modified (304).",
+        &[
+            (
+                "{answer=\"snapshot\"}".to_string(),
+                stats.polls_answered(PollAnswer::Snapshot).to_string(),
+            ),
+            (
+                "{answer=\"not_modified\"}".to_string(),
+                stats.polls_answered(PollAnswer::NotModified).to_string(),
+            ),
+        ],
     );
     family(
         &mut out,

@@ -74,6 +74,19 @@ pub struct Stats {
     last_fleet_event_ms: AtomicI64,
     fleet_loaded: AtomicBool,
     first_round_done: AtomicBool,
+    /// Snapshot polls being held for a newer version right now (about one per gateway).
+    polls_waiting: AtomicI64,
+    /// Snapshot polls answered, by answer: `[snapshot, not_modified]`.
+    polls_answered: [AtomicU64; 2],
+}
+
+/// What a snapshot poll was answered with.
+#[derive(Debug, Clone, Copy)]
+pub enum PollAnswer {
+    /// 200 with a snapshot.
+    Snapshot = 0,
+    /// 304: the caller holds the current version.
+    NotModified = 1,
 }
 
 impl Stats {
@@ -127,6 +140,24 @@ impl Stats {
 
     pub fn unauthorized(&self) {
         self.unauthorized_total.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A poll starts waiting; the guard counts it until dropped (answered or cancelled).
+    pub fn poll_waiting(&self) -> PollWaiting<'_> {
+        self.polls_waiting.fetch_add(1, Ordering::Relaxed);
+        PollWaiting(self)
+    }
+
+    pub fn polls_waiting(&self) -> i64 {
+        self.polls_waiting.load(Ordering::Relaxed)
+    }
+
+    pub fn poll_answered(&self, answer: PollAnswer) {
+        self.polls_answered[answer as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn polls_answered(&self, answer: PollAnswer) -> u64 {
+        self.polls_answered[answer as usize].load(Ordering::Relaxed)
     }
 
     pub fn unauthorized_total(&self) -> u64 {
@@ -201,5 +232,15 @@ mod tests {
         assert_eq!(s.scrape_errors_of("ns/a"), 0);
         assert_eq!(s.scrape_errors_of("ns/b"), 1);
         assert_eq!(s.scrape_errors_total(), 3, "the total never goes down");
+    }
+}
+
+/// Counts one held poll in [`Stats::polls_waiting`] for as long as it lives, so a poll whose
+/// caller hangs up mid-wait (its future dropped) is not counted forever.
+pub struct PollWaiting<'a>(&'a Stats);
+
+impl Drop for PollWaiting<'_> {
+    fn drop(&mut self) {
+        self.0.polls_waiting.fetch_sub(1, Ordering::Relaxed);
     }
 }

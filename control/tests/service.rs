@@ -650,3 +650,95 @@ async fn snapshot_routes_require_the_token_when_one_is_configured() {
         "{err}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_poll_answers_as_soon_as_a_newer_snapshot_is_published() {
+    let dir = tempfile::tempdir().unwrap();
+    let fleet_path = dir.path().join("fleet.yaml");
+    write_atomically(&fleet_path, &fleet_yaml(&[pending()]));
+    let config = pd_control::Config::new(&fleet_path, "127.0.0.1:0".parse().unwrap());
+    let service = pd_control::start(config).await.unwrap();
+    let base = format!("http://{}", service.local_addr());
+    let client = client();
+    let v = snapshot(&client, &base).await.version;
+
+    // Nothing changes: a short wait ends in a 304 for the held version.
+    let f = fetch(
+        &client,
+        &format!("{base}/v1/snapshot?version={v}&wait_ms=50"),
+    )
+    .await;
+    assert_eq!((f.status, f.version_header), (304, Some(v)));
+
+    // A poll held for up to 30 s (the server's cap) while the fleet changes: it must come
+    // back with the new snapshot, not a 304 half a minute later.
+    let held = tokio::spawn({
+        let (client, base) = (client.clone(), base.clone());
+        async move {
+            fetch(
+                &client,
+                &format!("{base}/v1/snapshot?version={v}&wait_ms=60000"),
+            )
+            .await
+        }
+    });
+    eventually("the poll to be held", || async {
+        (counter(&client, &base, "pd_control_snapshot_polls_waiting").await == 1.0).then_some(())
+    })
+    .await;
+    let other = PodSpec {
+        name: "other",
+        model: "m",
+        role: "prefill",
+        port: None,
+    };
+    write_atomically(&fleet_path, &fleet_yaml(&[pending(), other]));
+    let f = held.await.unwrap();
+    assert_eq!(f.status, 200, "the held poll ends with the new snapshot");
+    let snap = proto::Snapshot::decode(f.body.as_slice()).unwrap();
+    assert!(snap.version > v && find(&snap, "other").is_some());
+    assert_eq!(f.version_header, Some(snap.version));
+    assert_eq!(
+        counter(&client, &base, "pd_control_snapshot_polls_waiting").await,
+        0.0
+    );
+    assert!(
+        counter(
+            &client,
+            &base,
+            "pd_control_snapshot_polls_total{answer=\"not_modified\"}"
+        )
+        .await
+            >= 1.0
+    );
+    assert_eq!(
+        fetch(&client, &format!("{base}/v1/snapshot?version=1&wait_ms=-5"))
+            .await
+            .status,
+        400
+    );
+
+    // A poll held at shutdown does not hold the shutdown: it is answered (304) at once.
+    let v = snap.version;
+    let held = tokio::spawn({
+        let (client, base) = (client.clone(), base.clone());
+        async move {
+            fetch(
+                &client,
+                &format!("{base}/v1/snapshot?version={v}&wait_ms=60000"),
+            )
+            .await
+        }
+    });
+    eventually("the second poll to be held", || async {
+        (counter(&client, &base, "pd_control_snapshot_polls_waiting").await == 1.0).then_some(())
+    })
+    .await;
+    // Bounded well below the server's 30 s cap on the wait, which a hung shutdown would reach.
+    tokio::time::timeout(std::time::Duration::from_secs(20), service.shutdown())
+        .await
+        .expect("the held poll does not hold the shutdown")
+        .expect("clean shutdown");
+    let f = held.await.unwrap();
+    assert_eq!((f.status, f.version_header), (304, Some(v)));
+}

@@ -26,8 +26,14 @@ pub struct PluginConfig {
     pub snapshot_path: String,
     /// How often the snapshot is polled, and the period of the filter's timer.
     pub refresh_ms: u64,
-    /// Timeout of one snapshot fetch.
+    /// Timeout of one snapshot fetch (on top of the poll's wait, see `snapshot_wait_ms`).
     pub fetch_timeout_ms: u64,
+    /// Long poll: how long pd-control may hold a poll for a version we already have before
+    /// answering 304 (it answers at once when a newer one is published). An idle fleet then
+    /// costs one poll per wait instead of one per `refresh_ms`, and a new snapshot arrives as
+    /// soon as pd-control builds it. Capped at a third of `snapshot_stale_after_ms` (a held
+    /// poll confirms the snapshot only when it ends); 0 polls every `refresh_ms` instead.
+    pub snapshot_wait_ms: u64,
     /// ORIGINAL_DST cluster whose `http_header_name` picks the pod.
     pub pods_cluster: String,
     /// The header that cluster reads (`original_dst_lb_config.http_header_name`).
@@ -54,6 +60,13 @@ pub struct PluginConfig {
 }
 
 impl PluginConfig {
+    /// The wait sent with each poll: `snapshot_wait_ms`, at most a third of the stale bound,
+    /// so a healthy pd-control confirms the snapshot (wait + one tick + a round trip) well
+    /// before it would count as stale.
+    pub fn poll_wait_ms(&self) -> u64 {
+        self.snapshot_wait_ms.min(self.snapshot_stale_after_ms / 3)
+    }
+
     pub fn ejection(&self) -> crate::core::ejection::EjectionPolicy {
         crate::core::ejection::EjectionPolicy {
             after_failures: self.eject_after_failures,
@@ -71,6 +84,7 @@ impl Default for PluginConfig {
             snapshot_path: "/v1/snapshot".into(),
             refresh_ms: 100,
             fetch_timeout_ms: 2000,
+            snapshot_wait_ms: 3000,
             pods_cluster: "pd_pods".into(),
             dst_header: "target-pod".into(),
             explain: false,
@@ -312,6 +326,15 @@ mod tests {
     fn empty_config_gives_defaults() {
         assert_eq!(PluginConfig::parse(b"").unwrap(), PluginConfig::default());
         assert_eq!(PluginConfig::parse(b"{}").unwrap(), PluginConfig::default());
+    }
+
+    #[test]
+    fn the_poll_wait_stays_within_a_third_of_the_stale_bound() {
+        assert_eq!(PluginConfig::default().poll_wait_ms(), 3000);
+        let short = PluginConfig::parse(br#"{"refresh_ms":50,"snapshot_stale_after_ms":900}"#);
+        assert_eq!(short.unwrap().poll_wait_ms(), 300);
+        let off = PluginConfig::parse(br#"{"snapshot_wait_ms":0}"#).unwrap();
+        assert_eq!(off.poll_wait_ms(), 0);
     }
 
     #[test]

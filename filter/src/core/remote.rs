@@ -90,18 +90,19 @@ pub fn add(row: &mut Row, decode_tokens: f64, running: u32) {
 
 /// This replica's report: every pod it holds decode tokens or running requests on.
 pub fn report(ledger: &Ledger, replica: u64) -> ReplicaReport {
-    ReplicaReport {
-        replica,
-        shares: ledger
-            .iter()
-            .filter(|(_, row)| row.tokens.decode > 0.0 || row.counts.running > 0)
-            .map(|(id, row)| DecodeShare {
-                pod_id: id.0,
-                decode_tokens: row.tokens.decode.max(0.0),
-                running: row.counts.running,
-            })
-            .collect(),
-    }
+    let mut shares: Vec<DecodeShare> = ledger
+        .iter()
+        .filter(|(_, row)| row.tokens.decode > 0.0 || row.counts.running > 0)
+        .map(|(id, row)| DecodeShare {
+            pod_id: id.0,
+            decode_tokens: row.tokens.decode.max(0.0),
+            running: row.counts.running,
+        })
+        .collect();
+    // In pod order, whatever the ledger's iteration order: an unchanged ledger must encode
+    // to the same bytes (the reporter skips reports that would say nothing new).
+    shares.sort_unstable_by_key(|s| s.pod_id);
+    ReplicaReport { replica, shares }
 }
 
 #[cfg(test)]
@@ -173,6 +174,26 @@ mod tests {
                 running: 1
             }]
         );
+    }
+
+    #[test]
+    fn the_same_load_reports_the_same_bytes_whatever_the_insertion_order() {
+        let pods = ["ns/d0", "ns/d1", "ns/d2", "ns/d3", "ns/d4", "ns/d5"];
+        let mut forward = Ledger::default();
+        for (i, pod) in pods.iter().enumerate() {
+            forward.add(pod, Counter::Running, 0);
+            forward.charge_decode(pod, 100 * (i as u64 + 1), 0);
+        }
+        let mut backward = Ledger::default();
+        for (i, pod) in pods.iter().enumerate().rev() {
+            backward.add(pod, Counter::Running, 0);
+            backward.charge_decode(pod, 100 * (i as u64 + 1), 0);
+        }
+        let r = report(&forward, 7);
+        assert!(r.shares.windows(2).all(|w| w[0].pod_id < w[1].pod_id));
+        assert_eq!(r.encode_to_vec(), report(&backward, 7).encode_to_vec());
+        let decoded = Ledger::decode(&forward.encode()).unwrap();
+        assert_eq!(report(&decoded, 7).encode_to_vec(), r.encode_to_vec());
     }
 
     #[test]

@@ -40,16 +40,21 @@ pub fn replica_id(random: u64) -> u64 {
     read().unwrap_or(random | 1)
 }
 
-/// Sends this process's decode ledger to pd-control; returns the call's token.
+/// This process's decode ledger as a report body (`ReplicaReport` protobuf); the same ledger
+/// always encodes to the same bytes, so unchanged load can be recognised by them.
+pub fn report_body(replica: u64) -> Result<Vec<u8>, String> {
+    let ledger = ledger::read(&SharedData).map_err(|e| e.to_string())?;
+    Ok(remote::report(&ledger, replica).encode_to_vec())
+}
+
+/// Sends a report body to pd-control; returns the call's token.
 pub fn send_report(
     cluster: &str,
     authority: &str,
-    replica: u64,
+    body: &[u8],
     token: &str,
     timeout: Duration,
 ) -> Result<u32, String> {
-    let ledger = ledger::read(&SharedData).map_err(|e| e.to_string())?;
-    let body = remote::report(&ledger, replica).encode_to_vec();
     let authorization = crate::host::snapshot::bearer(token);
     let mut headers = vec![
         (":method", "POST"),
@@ -60,7 +65,7 @@ pub fn send_report(
     if let Some(value) = authorization.as_deref() {
         headers.push(("authorization", value));
     }
-    hostcalls::dispatch_http_call(cluster, headers, Some(&body), vec![], timeout)
+    hostcalls::dispatch_http_call(cluster, headers, Some(body), vec![], timeout)
         .map_err(|e| format!("{e:?}"))
 }
 

@@ -53,6 +53,9 @@ pub struct Root {
     /// This Envoy process's id among gateway replicas (shared by its VMs).
     replica: u64,
     report_in_flight: Option<u32>,
+    /// The last report sent and when: an unchanged ledger is reported again only after
+    /// [`REPORT_HEARTBEAT_MS`].
+    last_report: Option<(Vec<u8>, u64)>,
     /// Consecutive failed replica reports, logged at powers of two.
     report_failures: u64,
     /// Publishes this VM's outstanding charges and reclaims those of dead VMs.
@@ -64,6 +67,14 @@ pub struct Root {
 const GAUGE_SYNC_MS: u64 = 200;
 /// Period of the adoption gauges' resync.
 const ADOPTION_SHOW_MS: u64 = 1_000;
+/// Longest gap between two replica reports while this process's decode ledger does not
+/// change. Well inside pd-control's replica TTL and [`replicas::REMOTE_STALE_MS`] (5 s each),
+/// so neither side ages out; an idle replica (whose ledger is what does not change) routes
+/// nothing on the others' shares it then refreshes less often, and its first charge is
+/// reported at the next tick.
+///
+/// [`replicas::REMOTE_STALE_MS`]: crate::host::replicas::REMOTE_STALE_MS
+const REPORT_HEARTBEAT_MS: u64 = 1_000;
 
 impl Root {
     pub fn new(context_id: u32) -> Root {
@@ -111,6 +122,7 @@ impl Root {
             next_adoption_show: 0,
             replica: 0,
             report_in_flight: None,
+            last_report: None,
             report_failures: 0,
             journal: crate::host::journal::JournalWriter::new(seed | 1),
         }
@@ -127,19 +139,34 @@ impl Root {
         if !snapshot::hold_lease(self.token, now, lease_ms) {
             return;
         }
+        let body = match crate::host::replicas::report_body(self.replica) {
+            Ok(body) => body,
+            Err(e) => return self.report_failed(format!("cannot read the ledger to report: {e}")),
+        };
+        let unchanged = self.last_report.as_ref().is_some_and(|(last, at)| {
+            *last == body && now < at.saturating_add(REPORT_HEARTBEAT_MS)
+        });
+        if unchanged {
+            return;
+        }
         match crate::host::replicas::send_report(
             &plugin.control_cluster,
             &plugin.control_authority,
-            self.replica,
+            &body,
             &plugin.snapshot_token,
             Duration::from_millis(plugin.fetch_timeout_ms),
         ) {
-            Ok(token) => self.report_in_flight = Some(token),
+            Ok(token) => {
+                self.report_in_flight = Some(token);
+                self.last_report = Some((body, now));
+            }
             Err(e) => self.report_failed(format!("cannot send the replica report: {e}")),
         }
     }
 
     fn report_failed(&mut self, why: String) {
+        // Not delivered: the next tick sends it again, changed or not.
+        self.last_report = None;
         self.report_failures += 1;
         if self.report_failures.is_power_of_two() {
             log::warn!(
@@ -302,11 +329,15 @@ impl Root {
     }
 
     fn maybe_fetch(&mut self, now: u64) {
-        if self.fetch_in_flight.is_some() {
-            return;
-        }
         let plugin = self.vm.borrow().plugin.clone();
         let lease_ms = (plugin.refresh_ms * 5).max(1_000);
+        if self.fetch_in_flight.is_some() {
+            // A long poll may be held for seconds: keep the lease meanwhile, or another VM
+            // would take it and poll too. A VM that dies mid-poll stops renewing, and the
+            // next takes over within `lease_ms`.
+            snapshot::hold_lease(self.token, now, lease_ms);
+            return;
+        }
         if !snapshot::hold_lease(self.token, now, lease_ms) {
             return;
         }
@@ -316,6 +347,7 @@ impl Root {
             &plugin.control_authority,
             &plugin.snapshot_path,
             have,
+            plugin.poll_wait_ms(),
             &plugin.snapshot_token,
             Duration::from_millis(plugin.fetch_timeout_ms),
         ) {

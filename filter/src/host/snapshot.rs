@@ -295,16 +295,24 @@ pub fn send_prefix_batch(vm: &mut crate::host::VmState) {
     vm.prefix_batches_sent += 1;
 }
 
-/// Request headers of a snapshot poll; the version we hold lets pd-control answer 304.
+/// Sends a snapshot poll. The version we hold lets pd-control answer 304, and `wait_ms`
+/// lets it hold that answer until a newer version exists (a long poll; an older pd-control
+/// ignores the parameter and answers at once). `timeout` covers one answer, on top of the wait.
 pub fn fetch_request(
     cluster: &str,
     authority: &str,
     path: &str,
     have: u64,
+    wait_ms: u64,
     token: &str,
     timeout: Duration,
 ) -> Result<u32, proxy_wasm::types::Status> {
-    let path = format!("{path}?version={have}");
+    let path = if wait_ms > 0 && have > 0 {
+        format!("{path}?version={have}&wait_ms={wait_ms}")
+    } else {
+        format!("{path}?version={have}")
+    };
+    let timeout = timeout + Duration::from_millis(wait_ms);
     let authorization = bearer(token);
     let mut headers = vec![
         (":method", "GET"),
