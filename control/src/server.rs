@@ -93,14 +93,14 @@ fn respond(
 /// idle poll keeps open, far below any proxy's idle-connection timeout.
 pub const MAX_POLL_WAIT: Duration = Duration::from_secs(30);
 
-/// An optional unsigned query parameter; `Err` is the 400 answer.
-fn query_u64(query: &HashMap<String, String>, name: &str) -> Result<Option<u64>, Response> {
+/// An optional unsigned query parameter; `Err` is the message of the 400 answer.
+fn query_u64(query: &HashMap<String, String>, name: &str) -> Result<Option<u64>, String> {
     match query.get(name).map(|v| v.trim()).filter(|v| !v.is_empty()) {
         None => Ok(None),
-        Some(text) => text.parse::<u64>().map(Some).map_err(|_| {
-            let message = format!("{name} must be an unsigned integer, got {text:?}\n");
-            (StatusCode::BAD_REQUEST, message).into_response()
-        }),
+        Some(text) => text
+            .parse::<u64>()
+            .map(Some)
+            .map_err(|_| format!("{name} must be an unsigned integer, got {text:?}\n")),
     }
 }
 
@@ -115,7 +115,9 @@ async fn snapshot(
 ) -> Response {
     let (held, wait_ms) = match (query_u64(&query, "version"), query_u64(&query, "wait_ms")) {
         (Ok(held), Ok(wait_ms)) => (held, wait_ms.unwrap_or(0)),
-        (Err(answer), _) | (_, Err(answer)) => return answer,
+        (Err(message), _) | (_, Err(message)) => {
+            return (StatusCode::BAD_REQUEST, message).into_response()
+        }
     };
     let mut published = current(&state);
     if held == Some(published.version) && wait_ms > 0 {

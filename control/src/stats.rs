@@ -200,6 +200,16 @@ impl Stats {
     }
 }
 
+/// Counts one held poll in [`Stats::polls_waiting`] for as long as it lives, so a poll whose
+/// caller hangs up mid-wait (its future dropped) is not counted forever.
+pub struct PollWaiting<'a>(&'a Stats);
+
+impl Drop for PollWaiting<'_> {
+    fn drop(&mut self) {
+        self.0.polls_waiting.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -232,15 +242,5 @@ mod tests {
         assert_eq!(s.scrape_errors_of("ns/a"), 0);
         assert_eq!(s.scrape_errors_of("ns/b"), 1);
         assert_eq!(s.scrape_errors_total(), 3, "the total never goes down");
-    }
-}
-
-/// Counts one held poll in [`Stats::polls_waiting`] for as long as it lives, so a poll whose
-/// caller hangs up mid-wait (its future dropped) is not counted forever.
-pub struct PollWaiting<'a>(&'a Stats);
-
-impl Drop for PollWaiting<'_> {
-    fn drop(&mut self) {
-        self.0.polls_waiting.fetch_sub(1, Ordering::Relaxed);
     }
 }

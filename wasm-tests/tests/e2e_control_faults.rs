@@ -496,3 +496,83 @@ fn the_snapshot_token_gates_the_fetch_and_the_api_is_not_on_the_data_listener() 
     }
     stack.wait_ledger_zero();
 }
+
+/// A pd-control gauge or counter (0 when absent).
+fn control_metric(stack: &Stack, name: &str) -> f64 {
+    let text = http::get(&stack.control, "/metrics")
+        .expect("pd-control")
+        .text();
+    pd_wasm_tests::prom::Scrape::parse(&text).sum(name, &[])
+}
+
+#[test]
+fn an_idle_gateway_holds_one_long_poll_and_slows_its_timers_until_work_arrives() {
+    // Decode at 50 ms a token: a 60-token stream stays open for about 3 s.
+    let fleet = two_pairs();
+    let stack = Stack::start_opts(
+        fleet.clone(),
+        fleet,
+        &Options {
+            sim_args: &["--decode-ms-per-token", "50"],
+            ..Options::default()
+        },
+    );
+    let vms = (stack.concurrency + 1) as u64;
+    // One VM (the lease holder) polls, and pd-control holds its poll: the filter sends the
+    // wait and keeps its lease while waiting, so no other VM polls meanwhile.
+    eventually(Duration::from_secs(10), || {
+        let waiting = control_metric(&stack, "pd_control_snapshot_polls_waiting");
+        (waiting == 1.0)
+            .then_some(())
+            .ok_or(format!("{waiting} polls held"))
+    });
+    // Nothing to do: every VM's timer slows down (two seconds after its last work).
+    eventually(Duration::from_secs(15), || {
+        let idle = stack.stat("pd_router_idle_vms");
+        (idle == vms)
+            .then_some(())
+            .ok_or(format!("{idle} of {vms} VMs idle"))
+    });
+
+    // A long stream: the worker serving it goes back to the fast period while it lasts ...
+    let gateway = stack.gateway.clone();
+    let stream = std::thread::spawn(move || {
+        let body = json!({"model": MODEL, "prompt": "wake up ".repeat(20), "max_tokens": 60,
+            "stream": true});
+        http::post_json(
+            &gateway,
+            "/v1/completions",
+            &[("routing-strategy", "pd")],
+            &body,
+        )
+    });
+    eventually(Duration::from_secs(10), || {
+        let idle = stack.stat("pd_router_idle_vms");
+        (idle < vms)
+            .then_some(())
+            .ok_or(format!("{idle} of {vms} VMs still idle during a request"))
+    });
+    assert!(
+        !stream.is_finished(),
+        "the VM must wake for the request, not after it"
+    );
+    let r = stream.join().expect("stream thread");
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(r.text().contains("[DONE]"), "{}", r.text());
+    // ... and everything settles again: timers slow, charges released, one poll held.
+    eventually(Duration::from_secs(15), || {
+        let idle = stack.stat("pd_router_idle_vms");
+        (idle == vms)
+            .then_some(())
+            .ok_or(format!("{idle} of {vms} VMs idle after the request"))
+    });
+    stack.wait_ledger_zero();
+    // Between a held poll's 304 and the next poll (one tick) none is held: wait for it.
+    eventually(Duration::from_secs(10), || {
+        let waiting = control_metric(&stack, "pd_control_snapshot_polls_waiting");
+        (waiting == 1.0)
+            .then_some(())
+            .ok_or(format!("{waiting} polls held"))
+    });
+    routed(&stack);
+}

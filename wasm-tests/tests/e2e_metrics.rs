@@ -91,6 +91,7 @@ const FAMILIES: &[&str] = &[
     "pd_router_rejected_total",
     "pd_router_fleet_version",
     "pd_router_fleet_loaded_vms",
+    "pd_router_idle_vms",
     "pd_router_fleet_vms_on_latest",
     "pd_router_snapshot_fetch_errors_total",
     "pd_router_ejections_total",

@@ -15,6 +15,7 @@ pub mod journal;
 pub mod json_object;
 pub mod ledger;
 pub mod obs;
+pub mod pace;
 pub mod pd;
 pub mod prefix;
 pub mod profile;

@@ -105,6 +105,42 @@ pub fn report(ledger: &Ledger, replica: u64) -> ReplicaReport {
     ReplicaReport { replica, shares }
 }
 
+/// Whether the lease holder sends its report at this tick.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReportDue {
+    No,
+    /// The ledger changed and other replicas read it: send now, and keep ticking fast.
+    News,
+    /// Unchanged, or nobody to tell: the heartbeat that keeps this replica (and its view of
+    /// the others) from ageing out.
+    Heartbeat,
+}
+
+/// Decides on a report from the last one sent (`(body, at_ms)`) and the report `body` the
+/// ledger gives now. Changes go out at once while pd-control counts `other_replicas`; an
+/// idle replica (its ledger does not change) routes nothing on the others' shares it then
+/// refreshes less often, and a lone one (the usual single gateway) has nobody to tell, so
+/// both report only every `heartbeat_ms`. A replica that appears sees the lone one's load
+/// within a heartbeat, and the lone one learns of it from its next answer.
+pub fn report_due(
+    last: Option<(&[u8], u64)>,
+    body: &[u8],
+    other_replicas: u32,
+    now_ms: u64,
+    heartbeat_ms: u64,
+) -> ReportDue {
+    let Some((last, at_ms)) = last else {
+        return ReportDue::Heartbeat;
+    };
+    if last != body && other_replicas > 0 {
+        ReportDue::News
+    } else if now_ms >= at_ms.saturating_add(heartbeat_ms) {
+        ReportDue::Heartbeat
+    } else {
+        ReportDue::No
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -173,6 +209,28 @@ mod tests {
                 decode_tokens: 700.0,
                 running: 1
             }]
+        );
+    }
+
+    #[test]
+    fn changes_are_reported_at_once_only_when_another_replica_reads_them() {
+        let (a, b) = (&b"load a"[..], &b"load b"[..]);
+        assert_eq!(report_due(None, a, 0, 5, 1_000), ReportDue::Heartbeat);
+        // Alone: a changed ledger waits for the heartbeat.
+        assert_eq!(report_due(Some((a, 100)), b, 0, 600, 1_000), ReportDue::No);
+        assert_eq!(
+            report_due(Some((a, 100)), b, 0, 1_100, 1_000),
+            ReportDue::Heartbeat
+        );
+        // With others: changes go out at once, unchanged load on the heartbeat.
+        assert_eq!(
+            report_due(Some((a, 100)), b, 2, 101, 1_000),
+            ReportDue::News
+        );
+        assert_eq!(report_due(Some((a, 100)), a, 2, 600, 1_000), ReportDue::No);
+        assert_eq!(
+            report_due(Some((a, 100)), a, 2, 1_100, 1_000),
+            ReportDue::Heartbeat
         );
     }
 

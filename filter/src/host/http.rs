@@ -748,7 +748,11 @@ impl Context for PdHttp {
 impl HttpContext for PdHttp {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         crate::section_scope!("request_headers");
-        Metrics::inc(self.vm.borrow().metrics.requests);
+        {
+            let mut vm = self.vm.borrow_mut();
+            vm.wake();
+            Metrics::inc(vm.metrics.requests);
+        }
         self.obs.times.request_us = now_us();
         let (dst_header, explain_enabled, trap) = {
             let vm = self.vm.borrow();

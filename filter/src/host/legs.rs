@@ -82,6 +82,11 @@ pub struct EngineState {
 }
 
 impl EngineState {
+    /// Aborts waiting for their due time (the root tick sends them).
+    pub fn has_queued_aborts(&self) -> bool {
+        !self.aborts.is_empty()
+    }
+
     pub fn new(defaults: EngineDefaults) -> EngineState {
         EngineState {
             defaults,

@@ -94,6 +94,8 @@ pub struct Metrics {
     pub first_token_delay: Option<u32>,
     pub fleet_version: Option<u32>,
     pub fleet_loaded_vms: Option<u32>,
+    /// VMs whose timer runs at the idle period (`core::pace`).
+    pub idle_vms: Option<u32>,
     /// VMs that adopted the newest snapshot (`core::adoption`).
     pub fleet_vms_on_latest: Option<u32>,
     /// `pd_router_snapshot_fetch_errors_total` by `reason` (`host::snapshot::FETCH_ERRORS`).
@@ -186,6 +188,7 @@ impl Metrics {
             first_token_delay: define(c, "gateway_first_token_delay_over_1s_total"),
             fleet_version: define(g, "pd_router_fleet_version"),
             fleet_loaded_vms: define(g, "pd_router_fleet_loaded_vms"),
+            idle_vms: define(g, "pd_router_idle_vms"),
             fleet_vms_on_latest: define(g, "pd_router_fleet_vms_on_latest"),
             snapshot_fetch_errors: crate::host::snapshot::FETCH_ERRORS
                 .iter()

@@ -95,9 +95,36 @@ pub struct VmState {
     pub watchdog_fired: hashbrown::HashSet<u32>,
     /// Pods this VM took out of its routing view after repeated failures.
     pub ejections: crate::core::ejection::Ejections,
+    /// The root timer's period: slow while the VM has nothing to do.
+    pub pace: crate::core::pace::TickPace,
 }
 
 impl VmState {
+    /// Work arrived: the timer goes back to its fast period if it had slowed down. Any
+    /// context may call it (the host sets the period of the VM's root context).
+    pub fn wake(&mut self) {
+        if let Some(period) = self.pace.wake() {
+            self.set_pace(period);
+        }
+    }
+
+    /// Applies a period [`crate::core::pace::TickPace`] chose and counts the VM in or out
+    /// of `pd_router_idle_vms`.
+    pub fn set_pace(&self, period_ms: u64) {
+        set_tick_period(period_ms);
+        let delta = if self.pace.is_slow() { 1 } else { -1 };
+        metrics::Metrics::gauge_add(self.metrics.idle_vms, delta);
+    }
+
+    /// Whether anything outstanding needs the timer: charges to release or journal,
+    /// streams under the watchdog, queued aborts, prefix events not sent yet.
+    pub fn has_outstanding_work(&self) -> bool {
+        !self.holds.is_empty()
+            || !self.watched.is_empty()
+            || self.engines.has_queued_aborts()
+            || !self.prefix_outbox.is_empty()
+    }
+
     /// Records how a pod served a request (`ok`) for passive ejection, logging and counting
     /// an ejection; the routing view is rebuilt on the next tick.
     pub fn pod_outcome(&mut self, pod: &str, ok: bool, now_ms: u64) {
@@ -124,6 +151,14 @@ impl VmState {
 }
 
 pub type SharedVm = Rc<RefCell<VmState>>;
+
+/// Sets the period of the calling VM's root timer.
+pub fn set_tick_period(period_ms: u64) {
+    let period = std::time::Duration::from_millis(period_ms);
+    if let Err(e) = proxy_wasm::hostcalls::set_tick_period(period) {
+        log::warn!("cannot set the timer period to {period_ms} ms: {e:?}");
+    }
+}
 
 /// Milliseconds since the Unix epoch from the host clock.
 pub fn now_ms() -> u64 {

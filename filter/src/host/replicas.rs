@@ -69,15 +69,18 @@ pub fn send_report(
         .map_err(|e| format!("{e:?}"))
 }
 
-/// Keeps pd-control's answer for every VM of this process, after checking it decodes.
-pub fn store_answer(now_ms: u64, body: &[u8]) -> Result<(), String> {
-    RemoteLoad::decode(body).map_err(|e| format!("replica shares do not decode: {e}"))?;
+/// Keeps pd-control's answer for every VM of this process, after checking it decodes;
+/// returns how many other live replicas it counts.
+pub fn store_answer(now_ms: u64, body: &[u8]) -> Result<u32, String> {
+    let others = RemoteLoad::decode(body)
+        .map_err(|e| format!("replica shares do not decode: {e}"))?
+        .replicas;
     let mut value = Vec::with_capacity(8 + body.len());
     value.extend_from_slice(&now_ms.to_le_bytes());
     value.extend_from_slice(body);
     SharedData
         .set(REMOTE_KEY, &value, None)
-        .map(|_| ())
+        .map(|_| others)
         .map_err(|e| e.to_string())
 }
 

@@ -16,6 +16,7 @@ use crate::core::ledger;
 use crate::core::pd::bucket_serve::Planner;
 use crate::core::pd::PdDefaults;
 use crate::core::prefix::{EventBatch, PrefixEvent, PrefixIndex, PrefixSettings};
+use crate::core::remote::ReportDue;
 use crate::core::tokens::{SessionTable, TokenLoadSettings};
 use crate::host::http::PdHttp;
 use crate::host::legs::EngineState;
@@ -56,6 +57,8 @@ pub struct Root {
     /// The last report sent and when: an unchanged ledger is reported again only after
     /// [`REPORT_HEARTBEAT_MS`].
     last_report: Option<(Vec<u8>, u64)>,
+    /// Other live gateway replicas, as pd-control's last answer counted them.
+    other_replicas: u32,
     /// Consecutive failed replica reports, logged at powers of two.
     report_failures: u64,
     /// Publishes this VM's outstanding charges and reclaims those of dead VMs.
@@ -67,11 +70,9 @@ pub struct Root {
 const GAUGE_SYNC_MS: u64 = 200;
 /// Period of the adoption gauges' resync.
 const ADOPTION_SHOW_MS: u64 = 1_000;
-/// Longest gap between two replica reports while this process's decode ledger does not
-/// change. Well inside pd-control's replica TTL and [`replicas::REMOTE_STALE_MS`] (5 s each),
-/// so neither side ages out; an idle replica (whose ledger is what does not change) routes
-/// nothing on the others' shares it then refreshes less often, and its first charge is
-/// reported at the next tick.
+/// Longest gap between two replica reports (see [`crate::core::remote::report_due`]). Well
+/// inside pd-control's replica TTL and [`replicas::REMOTE_STALE_MS`] (5 s each), so neither
+/// side ages out.
 ///
 /// [`replicas::REMOTE_STALE_MS`]: crate::host::replicas::REMOTE_STALE_MS
 const REPORT_HEARTBEAT_MS: u64 = 1_000;
@@ -105,6 +106,7 @@ impl Root {
                 watchdog_metrics: WatchdogMetrics::default(),
                 watchdog_fired: hashbrown::HashSet::new(),
                 ejections: crate::core::ejection::Ejections::default(),
+                pace: crate::core::pace::TickPace::new(100, 10_000),
             })),
             context_id,
             token: seed | 1,
@@ -123,13 +125,14 @@ impl Root {
             replica: 0,
             report_in_flight: None,
             last_report: None,
+            other_replicas: 0,
             report_failures: 0,
             journal: crate::host::journal::JournalWriter::new(seed | 1),
         }
     }
 
-    /// The lease holder reports this process's decode ledger to pd-control once per refresh
-    /// interval and keeps the other replicas' shares it answers.
+    /// The lease holder reports this process's decode ledger to pd-control (see
+    /// [`REPORT_HEARTBEAT_MS`] for how often) and keeps the other replicas' shares it answers.
     fn maybe_report(&mut self, now: u64) {
         if self.report_in_flight.is_some() || !self.vm.borrow().defaults.tokens.shared_ledger {
             return;
@@ -143,12 +146,19 @@ impl Root {
             Ok(body) => body,
             Err(e) => return self.report_failed(format!("cannot read the ledger to report: {e}")),
         };
-        let unchanged = self.last_report.as_ref().is_some_and(|(last, at)| {
-            *last == body && now < at.saturating_add(REPORT_HEARTBEAT_MS)
-        });
-        if unchanged {
-            return;
-        }
+        let last = self.last_report.as_ref().map(|(b, at)| (b.as_slice(), *at));
+        let due = crate::core::remote::report_due(
+            last,
+            &body,
+            self.other_replicas,
+            now,
+            REPORT_HEARTBEAT_MS,
+        );
+        let news = match due {
+            ReportDue::No => return,
+            ReportDue::News => true,
+            ReportDue::Heartbeat => false,
+        };
         match crate::host::replicas::send_report(
             &plugin.control_cluster,
             &plugin.control_authority,
@@ -158,6 +168,10 @@ impl Root {
         ) {
             Ok(token) => {
                 self.report_in_flight = Some(token);
+                if news {
+                    // The process is routing and others read its load: report every tick.
+                    self.vm.borrow_mut().wake();
+                }
                 self.last_report = Some((body, now));
             }
             Err(e) => self.report_failed(format!("cannot send the replica report: {e}")),
@@ -188,7 +202,10 @@ impl Root {
             .get_http_call_response_body(0, body_size)
             .unwrap_or_default();
         match crate::host::replicas::store_answer(now_ms(), &body) {
-            Ok(()) => self.report_failures = 0,
+            Ok(others) => {
+                self.report_failures = 0;
+                self.other_replicas = others;
+            }
             Err(e) => self.report_failed(e),
         }
     }
@@ -502,6 +519,8 @@ impl Context for Root {
             }
         };
         self.fetch_succeeded();
+        // Versions move with load: more may follow soon, poll again at the fast period.
+        self.vm.borrow_mut().wake();
         match snapshot::publish(version, &body) {
             Ok(true) => {
                 snapshot::notify_all(&self.vm_id, version, now_ms());
@@ -578,6 +597,8 @@ impl RootContext for Root {
         let period = Duration::from_millis(plugin.refresh_ms);
         {
             let mut vm = self.vm.borrow_mut();
+            vm.pace =
+                crate::core::pace::TickPace::new(plugin.refresh_ms, plugin.snapshot_stale_after_ms);
             vm.ejections = crate::core::ejection::Ejections::new(plugin.ejection());
             vm.plugin = plugin;
             vm.metrics = Metrics::define();
@@ -626,6 +647,10 @@ impl RootContext for Root {
         let in_fleet =
             |address: &str| crate::core::guard::check_target(fleet.as_deref(), address).is_ok();
         vm.engines.send_due_aborts(&cluster, &dst, now, in_fleet);
+        let busy = vm.has_outstanding_work();
+        if let Some(period) = vm.pace.tick(now, busy) {
+            vm.set_pace(period);
+        }
     }
 
     fn on_queue_ready(&mut self, queue_id: u32) {
