@@ -464,6 +464,16 @@ fn routing_view(
 }
 
 impl Context for Root {
+    /// The plugin is going away (a configuration update replaced it): this VM no longer
+    /// counts among the idle ones.
+    fn on_done(&mut self) -> bool {
+        let vm = self.vm.borrow();
+        if vm.pace.is_slow() {
+            Metrics::gauge_add(vm.metrics.idle_vms, -1);
+        }
+        true
+    }
+
     fn on_http_call_response(
         &mut self,
         token: u32,
@@ -597,6 +607,10 @@ impl RootContext for Root {
         let period = Duration::from_millis(plugin.refresh_ms);
         {
             let mut vm = self.vm.borrow_mut();
+            if vm.pace.is_slow() {
+                // Reconfigured while idle: it starts over at the fast period.
+                Metrics::gauge_add(vm.metrics.idle_vms, -1);
+            }
             vm.pace =
                 crate::core::pace::TickPace::new(plugin.refresh_ms, plugin.snapshot_stale_after_ms);
             vm.ejections = crate::core::ejection::Ejections::new(plugin.ejection());
