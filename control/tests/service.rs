@@ -279,8 +279,9 @@ async fn serves_scraped_fleet_and_follows_fleet_edits() {
         "unscraped pods carry empty metrics"
     );
 
-    // The version the caller holds → 304 with the header and no body. Scrapes keep moving the
-    // version (last_scrape_unix_ms), so retry until two requests land on the same one.
+    // The version the caller holds → 304 with the header and no body. Early scrape rounds may
+    // still move the version (load, then rates, filled in), so retry until two requests land
+    // on the same one. (Scrape timestamps alone never move it.)
     eventually("a 304 for the current version", || async {
         let s = snapshot(&client, &base).await;
         let f = fetch(
@@ -651,6 +652,25 @@ async fn snapshot_routes_require_the_token_when_one_is_configured() {
     );
 }
 
+/// Sends a poll for version `v` that may wait up to a minute (the server cuts it to 30 s) and
+/// returns once pd-control holds it.
+async fn held_poll(
+    client: &reqwest::Client,
+    base: &str,
+    v: u64,
+) -> tokio::task::JoinHandle<Fetched> {
+    let url = format!("{base}/v1/snapshot?version={v}&wait_ms=60000");
+    let held = tokio::spawn({
+        let client = client.clone();
+        async move { fetch(&client, &url).await }
+    });
+    eventually("the poll to be held", || async {
+        (counter(client, base, "pd_control_snapshot_polls_waiting").await == 1.0).then_some(())
+    })
+    .await;
+    held
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_held_poll_answers_as_soon_as_a_newer_snapshot_is_published() {
     let dir = tempfile::tempdir().unwrap();
@@ -672,20 +692,7 @@ async fn a_held_poll_answers_as_soon_as_a_newer_snapshot_is_published() {
 
     // A poll held for up to 30 s (the server's cap) while the fleet changes: it must come
     // back with the new snapshot, not a 304 half a minute later.
-    let held = tokio::spawn({
-        let (client, base) = (client.clone(), base.clone());
-        async move {
-            fetch(
-                &client,
-                &format!("{base}/v1/snapshot?version={v}&wait_ms=60000"),
-            )
-            .await
-        }
-    });
-    eventually("the poll to be held", || async {
-        (counter(&client, &base, "pd_control_snapshot_polls_waiting").await == 1.0).then_some(())
-    })
-    .await;
+    let held = held_poll(&client, &base, v).await;
     let other = PodSpec {
         name: "other",
         model: "m",
@@ -720,20 +727,7 @@ async fn a_held_poll_answers_as_soon_as_a_newer_snapshot_is_published() {
 
     // A poll held at shutdown does not hold the shutdown: it is answered (304) at once.
     let v = snap.version;
-    let held = tokio::spawn({
-        let (client, base) = (client.clone(), base.clone());
-        async move {
-            fetch(
-                &client,
-                &format!("{base}/v1/snapshot?version={v}&wait_ms=60000"),
-            )
-            .await
-        }
-    });
-    eventually("the second poll to be held", || async {
-        (counter(&client, &base, "pd_control_snapshot_polls_waiting").await == 1.0).then_some(())
-    })
-    .await;
+    let held = held_poll(&client, &base, v).await;
     // Bounded well below the server's 30 s cap on the wait, which a hung shutdown would reach.
     tokio::time::timeout(std::time::Duration::from_secs(20), service.shutdown())
         .await
