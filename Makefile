@@ -206,7 +206,11 @@ bench-v8-node: setup
 BENCH_DIR   ?= target/bench
 PEER_WHEELS := sglang-router==0.3.2 vllm-router==0.1.17
 PEER_DEPS   := setproctitle aiohttp orjson uvicorn fastapi requests
-.PHONY: bench bench-quick bench-setup bench-report
+.PHONY: bench bench-quick bench-setup bench-report floor-wasm
+
+# The PD-hop floor filter (filter/examples/pd_floor.rs), the bench's pd-floor-1p1d target.
+floor-wasm: setup
+	cargo build --release --target wasm32-wasip1 -p pd-router-filter --example pd_floor
 
 bench-setup: $(ENVOY)
 	@$(VENV)/bin/pip show -q sglang-router vllm-router >/dev/null 2>&1 || { \
@@ -216,12 +220,12 @@ bench-setup: $(ENVOY)
 	  $(VENV)/bin/pip install --quiet $(PEER_DEPS); }
 	@$(VENV)/bin/sglang-router --version 2>/dev/null | head -1; $(VENV)/bin/pip show vllm-router | grep -i ^version
 
-bench: bench-setup wasm
+bench: bench-setup wasm floor-wasm
 	cargo build --profile native -p pd-control -p pd-sim
 	BENCH_DIR=$(BENCH_DIR) envoy/bench.sh full all
 
 # A smoke run (< 5 min): one round, short runs, four policy pairs at one load.
-bench-quick: bench-setup wasm
+bench-quick: bench-setup wasm floor-wasm
 	cargo build --profile native -p pd-control -p pd-sim
 	BENCH_DIR=$(BENCH_DIR) envoy/bench.sh quick all
 

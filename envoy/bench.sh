@@ -19,6 +19,9 @@ PHASES=${2:-all}
 TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
 BIN=$TARGET_DIR/native
 WASM=$(realpath "$TARGET_DIR/wasm32-wasip1/release/pd_router_filter.wasm")
+# The PD-hop floor: a filter that sends each request through one fixed prefill and decode pod
+# with no routing work (filter/examples/pd_floor.rs).
+FLOOR_WASM=$TARGET_DIR/wasm32-wasip1/release/examples/pd_floor.wasm
 VENV=${VENV:-.venv}
 OUT=${BENCH_DIR:-target/bench}
 RUN=$OUT/run
@@ -46,7 +49,7 @@ fi
 CLIENTS_MAX=${CLIENTS_MAX:-32}
 POLICY_PEERS=${POLICY_PEERS:-1}
 
-for f in "$BIN/pd-sim" "$BIN/pd-control" "$BIN/pd-load" "$BIN/pd-bench-report" "$WASM" "$ENVOY" \
+for f in "$BIN/pd-sim" "$BIN/pd-control" "$BIN/pd-load" "$BIN/pd-bench-report" "$WASM" "$FLOOR_WASM" "$ENVOY" \
          "$VENV/bin/sglang-router" "$VENV/bin/vllm-router"; do
   [ -e "$f" ] || { echo "bench: $f missing (make bench-setup build-native)" >&2; exit 1; }
 done
@@ -181,6 +184,17 @@ start_envoy_pd() { # name listen admin control-port [env...]
   ENVOY_PID=$LAST_PID
 }
 
+start_envoy_floor() { # name listen admin prefill-ip decode-ip
+  local config="{\"prefill\":\"$4:$POD_PORT\",\"decode\":\"$5:$POD_PORT\",\"cluster\":\"pd_pods\",\"dst_header\":\"target-pod\"}"
+  sed -e "s#@LISTEN_ADDR@#127.0.0.1#; s#@LISTEN_PORT@#$2#; s#@ADMIN_PORT@#$3#" \
+      -e "s#@WASM_PATH@#$(realpath "$FLOOR_WASM")#; s#@CONTROL_ADDR@#127.0.0.1#; s#@CONTROL_PORT@#1#" \
+      -e "s#@REFRESH_MS@#50#; s#@ACCESS_LOG@#/dev/null#" \
+      -e "s#value: '{\"control_cluster.*#value: '$config'#" envoy/envoy.yaml.tmpl > "$RUN/$1.yaml"
+  grep -q '"prefill"' "$RUN/$1.yaml" || { echo "bench: cannot configure the floor filter" >&2; exit 1; }
+  start_server 30 "$1" curl -sf "127.0.0.1:$3/ready" -- "$ENVOY" -c "$RUN/$1.yaml" --concurrency 2 \
+    --disable-hot-restart -l warn
+}
+
 start_envoy_plain() { # name listen admin upstream-ip
   sed -e "s#@LISTEN_PORT@#$2#; s#@ADMIN_PORT@#$3#; s#@UPSTREAM_ADDR@#$4#; s#@UPSTREAM_PORT@#$POD_PORT#" \
     envoy/envoy-passthrough.yaml.tmpl > "$RUN/$1.yaml"
@@ -261,11 +275,13 @@ overhead() {
   local elr=$ENVOY_PID
   start_envoy_pd envoy-1p1d-sglang 33115 33117 33116; local esg=$ENVOY_PID
   start_envoy_plain envoy-plain 33120 33122 127.0.33.9; local ep=$LAST_PID
+  start_envoy_floor envoy-floor 33125 33127 127.0.33.1 127.0.33.2; local ef=$LAST_PID
   tokenizer
   start_sglang sglang-1p1d 33130 34 1 round_robin round_robin; local sg=$PEER_PID
   start_vllm vllm-1p1d 33140 33 1 round_robin; local vl=$PEER_PID
   # target name, URL, process whose CPU counts
   local targets=("direct http://127.0.33.9:$POD_PORT -" "envoy-plain http://127.0.0.1:33120 $ep"
+    "pd-floor-1p1d http://127.0.0.1:33125 $ef"
     "pd-router-1p1d http://127.0.0.1:33100 $e1" "pd-router-1p1d-lr http://127.0.0.1:33105 $elr"
     "pd-router-4p4d http://127.0.0.1:33110 $e4" "pd-router-1p1d-sglang http://127.0.0.1:33115 $esg"
     "sglang-router http://127.0.0.1:33130 $sg" "vllm-router http://127.0.0.1:33140 $vl")

@@ -183,9 +183,10 @@ pub fn load(dir: &Path) -> Result<Results, String> {
 }
 
 /// Targets in the order the tables list them.
-const OVERHEAD_ORDER: [&str; 8] = [
+const OVERHEAD_ORDER: [&str; 9] = [
     "direct",
     "envoy-plain",
+    "pd-floor-1p1d",
     "pd-router-1p1d",
     "pd-router-1p1d-lr",
     "pd-router-4p4d",
@@ -311,6 +312,24 @@ pub fn overhead_tables(results: &Results) -> String {
                 ratio(&|c: &Cell| c.med(|r| r.completed_rps)),
                 ratio(&|c: &Cell| c.med(|r| r.e2e_p50) - direct_p50),
                 ratio(&|c: &Cell| c.med(|r| r.e2e_p99)),
+            );
+        }
+        // The floor filter does a PD hop with no routing work: what is left above it is ours,
+        // what it costs itself is the architecture's (a wasm VM and a second exchange).
+        if let (Some(o), Some(f)) = (cells.get("pd-router-1p1d"), cells.get("pd-floor-1p1d")) {
+            let (o_cpu, f_cpu) = (
+                o.med_opt(|r| r.cpu_us_per_request),
+                f.med_opt(|r| r.cpu_us_per_request),
+            );
+            let peer_cpu = best_peer(cells, |c| c.med_opt(|r| r.cpu_us_per_request), true);
+            let _ = writeln!(
+                out,
+                "\npd-router-1p1d over the PD-hop floor (pd-floor-1p1d): CPU per request +{} µs, \
+                 throughput {}, added p50 +{} ms; the floor's CPU per request is {} of the best peer's",
+                num(o_cpu - f_cpu, 0),
+                num(o.med(|r| r.completed_rps) / f.med(|r| r.completed_rps), 2),
+                num(o.med(|r| r.e2e_p50) - f.med(|r| r.e2e_p50), 3),
+                num(f_cpu / peer_cpu, 2),
             );
         }
     }
@@ -558,6 +577,7 @@ mod tests {
         for (t, p50, cpu, rps) in [
             ("direct", 0.5, f64::NAN, 2000.0),
             ("pd-router-1p1d", 1.0, 50.0, 1800.0),
+            ("pd-floor-1p1d", 0.75, 30.0, 2400.0),
             ("sglang-router", 1.5, 150.0, 900.0),
             ("vllm-router", 1.7, 100.0, 800.0),
         ] {
@@ -578,6 +598,12 @@ mod tests {
             "{text}"
         );
         assert!(text.find("| direct").unwrap() < text.find("| envoy").unwrap_or(usize::MAX));
+        // 50 - 30 µs, 1800 / 2400 rps, 1.0 - 0.75 ms, 30 / 100 µs
+        assert!(
+            text.contains("CPU per request +20 µs, throughput 0.75, added p50 +0.250 ms; the floor's CPU per request is 0.30 of the best peer's"),
+            "{text}"
+        );
+        assert!(text.find("| pd-floor").unwrap() < text.find("| pd-router-1p1d |").unwrap());
     }
 
     #[test]

@@ -627,6 +627,7 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
+        crate::section_scope!("root.tick");
         let now = now_ms();
         // Registered lazily: only VMs that tick (workers and the main thread) get a queue.
         if self.queue.is_none() {
@@ -671,6 +672,7 @@ impl RootContext for Root {
         if self.queue.as_ref().map(|q| q.id) != Some(queue_id) {
             return;
         }
+        crate::section_scope!("root.queue");
         let mut snapshot_notice = false;
         while let Ok(Some(msg)) = proxy_wasm::hostcalls::dequeue_shared_queue(queue_id) {
             match msg.split_first() {
