@@ -29,6 +29,8 @@ const PROMETHEUS_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
 #[derive(Clone)]
 pub struct AppState {
     pub snapshots: watch::Receiver<Arc<Published>>,
+    /// The JSON view (`crate::snapshot::Update::live`): the served version, current scrape times.
+    pub live: watch::Receiver<Arc<crate::proto::Snapshot>>,
     pub stats: Arc<Stats>,
     pub replicas: Arc<ReplicaBook>,
     /// `FleetSource::kind` of the running source.
@@ -169,11 +171,11 @@ async fn newer_than(state: &AppState, version: u64, wait: Duration) -> Arc<Publi
 }
 
 async fn snapshot_json(State(state): State<AppState>) -> Response {
-    let published = current(&state);
-    match serde_json::to_vec_pretty(&published.snapshot) {
+    let live = state.live.borrow().clone();
+    match serde_json::to_vec_pretty(&*live) {
         Ok(json) => respond(
             StatusCode::OK,
-            published.version,
+            live.version,
             Some("application/json"),
             Body::from(json),
         ),
@@ -433,7 +435,7 @@ mod tests {
         };
         Published {
             version: 4,
-            snapshot,
+            snapshot: Arc::new(snapshot),
             bytes: Default::default(),
         }
     }

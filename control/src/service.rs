@@ -160,11 +160,12 @@ pub async fn start_with_source<S: FleetSource>(
     let book = ScrapeBook::new(config.stale_bound());
     let mut builder = SnapshotBuilder::default();
     let now = Instant::now();
-    let (first, _) = builder.update(
+    let first = builder.update(
         snapshot::models(&fleet, |p| book.metrics(p, now)),
         crate::unix_ms_now(),
     );
-    let (snapshots_tx, snapshots_rx) = watch::channel(first);
+    let (snapshots_tx, snapshots_rx) = watch::channel(first.published);
+    let (live_tx, live_rx) = watch::channel(first.live);
 
     let publisher = FleetPublisher::new(fleet_tx, stats.clone());
     let control = ControlLoop {
@@ -174,6 +175,7 @@ pub async fn start_with_source<S: FleetSource>(
         outcomes,
         builder,
         snapshots: snapshots_tx,
+        live: live_tx,
         stats: stats.clone(),
         interval: config.refresh_interval,
     };
@@ -185,6 +187,7 @@ pub async fn start_with_source<S: FleetSource>(
     let guarded = token.is_some();
     let app = server::router(AppState {
         snapshots: snapshots_rx.clone(),
+        live: live_rx,
         stats: stats.clone(),
         replicas,
         source_kind,
@@ -254,6 +257,8 @@ struct ControlLoop {
     outcomes: mpsc::UnboundedReceiver<Outcome>,
     builder: SnapshotBuilder,
     snapshots: watch::Sender<Arc<Published>>,
+    /// The JSON view: the served version with every round's scrape times.
+    live: watch::Sender<Arc<crate::proto::Snapshot>>,
     stats: Arc<Stats>,
     interval: Duration,
 }
@@ -319,10 +324,12 @@ impl ControlLoop {
         }
         let now = Instant::now();
         let models = snapshot::models(&fleet, |pod| self.book.metrics(pod, now));
-        let (published, changed) = self.builder.update(models, crate::unix_ms_now());
-        if changed {
-            tracing::debug!(version = published.version, "snapshot updated");
-            self.snapshots.send_replace(published);
+        let update = self.builder.update(models, crate::unix_ms_now());
+        if update.changed {
+            tracing::debug!(version = update.published.version, "snapshot updated");
+            self.snapshots.send_replace(update.published);
         }
+        // Nobody waits on this one: replacing it every round wakes no poller.
+        self.live.send_replace(update.live);
     }
 }

@@ -369,6 +369,23 @@ async fn serves_scraped_fleet_and_follows_fleet_edits() {
     assert_eq!(m_pods[0]["metrics"]["present"], true);
     assert_eq!(m_pods[0]["metrics"]["running"], 3.0);
     assert_eq!(m_pods[0]["role"], "prefill");
+    // The view keeps showing each round's scrape time while p0's figures, and so the version,
+    // stand still (the protobuf a version names keeps the times of its build).
+    let view = |f: Fetched| {
+        let v: serde_json::Value = serde_json::from_slice(&f.body).unwrap();
+        let scraped = v["models"][1]["pods"][0]["metrics"]["last_scrape_unix_ms"].as_i64();
+        (f.version_header, scraped)
+    };
+    eventually("a newer scrape time under an unchanged version", || async {
+        let (v1, t1) = view(fetch(&client, &format!("{base}/v1/snapshot.json")).await);
+        let (v2, t2) = eventually("the next scrape round", || async {
+            let later = view(fetch(&client, &format!("{base}/v1/snapshot.json")).await);
+            (later.1 != t1).then_some(later)
+        })
+        .await;
+        (v1 == v2 && t2 > t1).then_some(())
+    })
+    .await;
     let text = String::from_utf8(fetch(&client, &format!("{base}/metrics")).await.body).unwrap();
     for family in [
         "pd_control_snapshot_version ",

@@ -13,12 +13,24 @@ use prost::Message;
 use crate::fleet::PodRecord;
 use crate::proto;
 
-/// A built snapshot: the message (for the JSON view and counts) and its encoding.
+/// A built snapshot: the message (for counts) and its encoding.
 #[derive(Debug)]
 pub struct Published {
     pub version: u64,
-    pub snapshot: proto::Snapshot,
+    pub snapshot: Arc<proto::Snapshot>,
     pub bytes: Bytes,
+}
+
+/// What one [`SnapshotBuilder::update`] produced.
+pub struct Update {
+    /// The version to serve (the previous one when nothing but scrape times moved).
+    pub published: Arc<Published>,
+    /// Whether `published` is a new version.
+    pub changed: bool,
+    /// `published`'s version and build time with the metrics as of this update, scrape times
+    /// included: the JSON view for people, which must show that a pod is being scraped even
+    /// while its figures (and so the version) stand still.
+    pub live: Arc<proto::Snapshot>,
 }
 
 impl Published {
@@ -86,12 +98,9 @@ pub struct SnapshotBuilder {
 }
 
 impl SnapshotBuilder {
-    /// Offers new content; returns the snapshot to serve and whether it is a new version.
-    pub fn update(
-        &mut self,
-        models: Vec<proto::Model>,
-        now_unix_ms: i64,
-    ) -> (Arc<Published>, bool) {
+    /// Offers new content; returns the snapshot to serve, whether it is a new version, and the
+    /// live view.
+    pub fn update(&mut self, models: Vec<proto::Model>, now_unix_ms: i64) -> Update {
         let mut snapshot = proto::Snapshot {
             version: 0,
             generated_unix_ms: 0,
@@ -113,7 +122,13 @@ impl SnapshotBuilder {
             .as_ref()
             .filter(|_| self.content == fingerprint)
         {
-            return (current.clone(), false);
+            snapshot.version = current.version;
+            snapshot.generated_unix_ms = current.snapshot.generated_unix_ms;
+            return Update {
+                published: current.clone(),
+                changed: false,
+                live: Arc::new(snapshot),
+            };
         }
         // With version and time at their defaults, prost encodes only the models field.
         let content = Bytes::from(snapshot.encode_to_vec());
@@ -135,14 +150,19 @@ impl SnapshotBuilder {
         let mut bytes = BytesMut::with_capacity(header.encoded_len() + content.len());
         header.encode_raw(&mut bytes);
         bytes.put_slice(&content);
+        let snapshot = Arc::new(snapshot);
         let published = Arc::new(Published {
             version: self.version,
-            snapshot,
+            snapshot: snapshot.clone(),
             bytes: bytes.freeze(),
         });
         self.content = fingerprint;
         self.current = Some(published.clone());
-        (published, true)
+        Update {
+            published,
+            changed: true,
+            live: snapshot,
+        }
     }
 
     pub fn current(&self) -> Option<&Arc<Published>> {
@@ -214,14 +234,22 @@ mod tests {
     fn version_moves_only_with_content() {
         let fleet = vec![pod("a", "m"), pod("b", "m")];
         let mut builder = SnapshotBuilder::default();
-        let (v1, new) = builder.update(models(&fleet, |_| metrics(1.0)), 1_000);
+        let Update {
+            published: v1,
+            changed: new,
+            ..
+        } = builder.update(models(&fleet, |_| metrics(1.0)), 1_000);
         assert!(new);
         assert_eq!(
             v1.version, 1_000,
             "the first version is the build time in ms; 0 is never served"
         );
 
-        let (same, new) = builder.update(models(&fleet, |_| metrics(1.0)), 2_000);
+        let Update {
+            published: same,
+            changed: new,
+            ..
+        } = builder.update(models(&fleet, |_| metrics(1.0)), 2_000);
         assert!(!new);
         assert_eq!(same.version, 1_000);
         assert!(
@@ -237,20 +265,46 @@ mod tests {
             last_scrape_unix_ms: 1_950,
             ..metrics(1.0)
         };
-        let (same, new) = builder.update(models(&fleet, rescraped), 2_500);
+        let Update {
+            published: same,
+            changed: new,
+            live,
+        } = builder.update(models(&fleet, rescraped), 2_500);
         assert!(
             !new && same.version == 1_000,
             "a new scrape time alone is no change"
         );
+        assert!(Arc::ptr_eq(&v1, &same), "nor new bytes");
+        let scraped = |s: &proto::Snapshot| -> Vec<i64> {
+            let pods = s.models.iter().flat_map(|m| &m.pods);
+            pods.map(|p| p.metrics.as_ref().map_or(0, |m| m.last_scrape_unix_ms))
+                .collect()
+        };
+        assert_eq!(
+            (live.version, live.generated_unix_ms, scraped(&live)),
+            (1_000, 1_000, vec![1_950, 1_950]),
+            "the live view shows the new scrape time under the served version"
+        );
+        assert_eq!(scraped(&same.snapshot), vec![0, 0]);
 
-        let (v2, new) = builder.update(
+        let Update {
+            published: v2,
+            changed: new,
+            live,
+        } = builder.update(
             models(&fleet, |p| metrics(if p.name == "b" { 2.0 } else { 1.0 })),
             3_000,
         );
         assert!(new);
+        assert!(
+            Arc::ptr_eq(&live, &v2.snapshot),
+            "a new version is its own live view"
+        );
         assert_eq!(v2.version, 3_000, "a metric change bumps (to the clock)");
 
-        let (v3, _) = builder.update(models(&fleet[..1], |_| metrics(1.0)), 3_000);
+        let v3 = builder
+            .update(models(&fleet[..1], |_| metrics(1.0)), 3_000)
+            .published;
         assert_eq!(
             v3.version, 3_001,
             "a fleet change bumps, in the same ms too"
@@ -261,13 +315,15 @@ mod tests {
     #[test]
     fn concatenated_encoding_equals_prost_encoding() {
         let mut builder = SnapshotBuilder::default();
-        let (p, _) = builder.update(
-            models(&[pod("a", "m")], |_| metrics(3.5)),
-            1_700_000_000_123,
-        );
+        let p = builder
+            .update(
+                models(&[pod("a", "m")], |_| metrics(3.5)),
+                1_700_000_000_123,
+            )
+            .published;
         assert_eq!(p.bytes.as_ref(), p.snapshot.encode_to_vec().as_slice());
         let decoded = proto::Snapshot::decode(p.bytes.as_ref()).unwrap();
-        assert_eq!(decoded, p.snapshot);
+        assert_eq!(decoded, *p.snapshot);
         assert_eq!(
             (decoded.version, decoded.generated_unix_ms),
             (1_700_000_000_123, 1_700_000_000_123)
@@ -280,14 +336,19 @@ mod tests {
         let mut before = SnapshotBuilder::default();
         let mut last = 0;
         for (i, now) in (10_000..10_050).enumerate() {
-            let (p, _) = before.update(models(&fleet, |_| metrics(i as f64)), now);
-            last = p.version;
+            last = before
+                .update(models(&fleet, |_| metrics(i as f64)), now)
+                .published
+                .version;
         }
         let mut after = SnapshotBuilder::default();
-        let (first, _) = after.update(models(&fleet, |_| metrics(0.0)), 10_051);
+        let first = after
+            .update(models(&fleet, |_| metrics(0.0)), 10_051)
+            .published;
         assert!(first.version > last, "{} after {last}", first.version);
-        let (clock_behind, _) =
-            SnapshotBuilder::default().update(models(&fleet, |_| metrics(0.0)), -5);
+        let clock_behind = SnapshotBuilder::default()
+            .update(models(&fleet, |_| metrics(0.0)), -5)
+            .published;
         assert_eq!(
             clock_behind.version, 1,
             "a clock before the epoch still serves 1"

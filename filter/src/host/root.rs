@@ -634,6 +634,7 @@ impl RootContext for Root {
             self.queue = NoticeQueue::register(self.token);
         }
         if let Some(q) = self.queue.as_mut() {
+            crate::section_scope!("tick.queues");
             q.heartbeat(now);
             // Every tick: a VM that registers later must start receiving prefix events at
             // once, not after the next heartbeat. Reading the small registry is cheap.
@@ -643,19 +644,25 @@ impl RootContext for Root {
         // A request that ended without sending its batch (none does) cannot hold events back
         // for longer than a tick.
         snapshot::send_prefix_batch(&mut self.vm.borrow_mut());
-        self.maybe_fetch(now);
-        self.maybe_report(now);
-        self.reload();
-        self.check_freshness(now);
-        crate::host::replicas::refresh(&mut self.vm.borrow_mut(), now);
-        self.housekeeping(now);
+        crate::section!("tick.fetch", self.maybe_fetch(now));
+        crate::section!("tick.report", self.maybe_report(now));
+        crate::section!("tick.reload", self.reload());
+        crate::section!("tick.freshness", self.check_freshness(now));
+        crate::section!(
+            "tick.replicas",
+            crate::host::replicas::refresh(&mut self.vm.borrow_mut(), now)
+        );
+        crate::section!("tick.housekeeping", self.housekeeping(now));
         if now >= self.next_gauge_sync {
             self.next_gauge_sync = now + GAUGE_SYNC_MS;
-            self.sync_ledger_gauges();
+            crate::section!("tick.gauges", self.sync_ledger_gauges());
         }
-        self.apply_ejections(now);
-        self.journal.tick(&self.vm, now);
-        crate::host::watchdog::tick(&self.vm, self.context_id, now);
+        crate::section!("tick.ejections", self.apply_ejections(now));
+        crate::section!("tick.journal", self.journal.tick(&self.vm, now));
+        crate::section!(
+            "tick.watchdog",
+            crate::host::watchdog::tick(&self.vm, self.context_id, now)
+        );
         let mut vm = self.vm.borrow_mut();
         let (cluster, dst) = (vm.plugin.pods_cluster.clone(), vm.plugin.dst_header.clone());
         let fleet = vm.fleet.clone();
