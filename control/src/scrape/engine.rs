@@ -4,7 +4,8 @@
 //! cumulative totals. Turning two readings into rates is [`super::rates`]' job, so this half stays
 //! a pure function of the text.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::LazyLock;
 
 use prometheus_parse::{Labels, Scrape, Value};
 
@@ -142,19 +143,36 @@ impl Names {
         ]
     }
 
-    /// Whether a sample name is one this engine's mapping reads.
-    fn wants(&self, sample: &str) -> bool {
-        if self
-            .scalar_lists()
-            .iter()
-            .any(|list| list.contains(&sample))
-        {
-            return true;
-        }
-        let base = sample
-            .strip_suffix("_sum")
-            .or_else(|| sample.strip_suffix("_count"));
-        base.is_some_and(|base| self.ttft.contains(&base) || self.tpot.contains(&base))
+    /// Every sample name this engine's mapping reads: the scalar families and the `_sum` and
+    /// `_count` of each histogram.
+    fn sample_names(&self) -> HashSet<String> {
+        let scalars = self.scalar_lists().into_iter().flatten();
+        let histograms = self.ttft.iter().chain(self.tpot);
+        scalars
+            .map(|name| name.to_string())
+            .chain(histograms.flat_map(|base| [format!("{base}_sum"), format!("{base}_count")]))
+            .collect()
+    }
+}
+
+/// [`Names::sample_names`] of each engine, built once: the scrape loop asks for every line of
+/// every pod's exposition.
+static WANTED: LazyLock<[HashSet<String>; 3]> = LazyLock::new(|| {
+    [
+        VLLM_NAMES.sample_names(),
+        SGLANG_NAMES.sample_names(),
+        TRTLLM_NAMES.sample_names(),
+    ]
+});
+
+impl Engine {
+    fn wanted(self) -> &'static HashSet<String> {
+        let i = match self {
+            Engine::Vllm => 0,
+            Engine::Sglang => 1,
+            Engine::Trtllm => 2,
+        };
+        &WANTED[i]
     }
 }
 
@@ -189,30 +207,41 @@ pub struct ParseError(#[from] std::io::Error);
 const COLON: &str = "__pdcolon__";
 
 /// Extracts the sample name of an exposition line, or `None` for comments and blank lines.
-fn sample_name(line: &str) -> Option<&str> {
-    let line = line.trim_start();
-    if line.is_empty() || line.starts_with('#') {
+fn sample_name(line: &[u8]) -> Option<&[u8]> {
+    let start = line.iter().position(|b| !b.is_ascii_whitespace())?;
+    let line = &line[start..];
+    if line[0] == b'#' {
         return None;
     }
     let end = line
-        .find(|c: char| c == '{' || c.is_whitespace())
+        .iter()
+        .position(|&b| b == b'{' || b.is_ascii_whitespace())
         .unwrap_or(line.len());
     Some(&line[..end])
 }
 
-/// Parses an engine's `/metrics` text into the readings for `model`.
+/// Parses an engine's `/metrics` body into the readings for `model`.
 ///
 /// Only lines the mapping reads reach the Prometheus parser: vLLM exposes over a thousand lines,
 /// mostly histogram buckets, and at a 50 ms interval across a fleet the regex parser would
-/// otherwise dominate the service's CPU.
-pub fn parse_reading(text: &str, engine: Engine, model: &str) -> Result<Reading, ParseError> {
+/// otherwise dominate the service's CPU. The body is filtered as bytes and only the kept lines
+/// are checked as UTF-8, so a scrape never copies or validates the whole exposition; a kept
+/// line that is not UTF-8 is dropped like any line the parser cannot read.
+pub fn parse_reading(
+    body: impl AsRef<[u8]>,
+    engine: Engine,
+    model: &str,
+) -> Result<Reading, ParseError> {
     let names = engine.names();
-    let lines = text.lines().filter_map(|line| {
-        let name = sample_name(line)?;
-        if !names.wants(name) {
+    let wanted = engine.wanted();
+    let lines = body.as_ref().split(|&b| b == b'\n').filter_map(|line| {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        let name = std::str::from_utf8(sample_name(line)?).ok()?;
+        if !wanted.contains(name) {
             return None;
         }
-        let rest = &line.trim_start()[name.len()..];
+        let line = std::str::from_utf8(line).ok()?.trim_start();
+        let rest = &line[name.len()..];
         Some(Ok(format!("{}{rest}", name.replace(':', COLON))))
     });
     let scrape = Scrape::parse(lines)?;
@@ -602,5 +631,19 @@ mod tests {
         let nan = "vllm:num_requests_running{model_name=\"m\"} NaN\nvllm:num_requests_waiting 2\n";
         let r = parse_reading(nan, Engine::Vllm, "m").unwrap();
         assert_eq!((r.running, r.waiting), (None, Some(2.0)));
+    }
+
+    #[test]
+    fn bytes_that_are_not_utf8_cost_only_their_own_line() {
+        let mut body = b"# HELP vllm:num_requests_running caf\xe9 \xff\r\n".to_vec();
+        body.extend_from_slice(b"vllm:num_requests_running{model_name=\"m\"} 3\r\n");
+        body.extend_from_slice(b"vllm:num_requests_waiting{model_name=\"m\",x=\"\xe9\"} 9\n");
+        body.extend_from_slice(b"  vllm:kv_cache_usage_perc{model_name=\"m\"} 0.5");
+        let r = parse_reading(&body, Engine::Vllm, "m").unwrap();
+        assert_eq!(
+            (r.running, r.waiting, r.kv_cache_usage),
+            (Some(3.0), None, Some(0.5)),
+            "CRLF ends a line, a kept line that is not UTF-8 is dropped, indentation is allowed"
+        );
     }
 }

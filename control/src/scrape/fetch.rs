@@ -90,18 +90,19 @@ pub async fn scrape_timed(
         return (Err(ScrapeError::Closed), Duration::ZERO);
     };
     let started = std::time::Instant::now();
-    let text = tokio::time::timeout(timeout, fetch_text(client, url))
+    let body = tokio::time::timeout(timeout, fetch_body(client, url))
         .await
         .map_err(|_| ScrapeError::Timeout(timeout));
     let elapsed = started.elapsed();
-    let result = match text {
-        Ok(Ok(text)) => parse_reading(&text, engine, model).map_err(ScrapeError::from),
+    let result = match body {
+        Ok(Ok(body)) => parse_reading(&body, engine, model).map_err(ScrapeError::from),
         Ok(Err(e)) | Err(e) => Err(e),
     };
     (result, elapsed)
 }
 
-async fn fetch_text(client: &reqwest::Client, url: &str) -> Result<String, ScrapeError> {
+/// The body as sent: [`parse_reading`] reads bytes, so it is neither validated nor copied here.
+async fn fetch_body(client: &reqwest::Client, url: &str) -> Result<Vec<u8>, ScrapeError> {
     // Plain text, not OpenMetrics: prometheus_client switches formats on Accept.
     let mut response = client.get(url).header(ACCEPT, "text/plain").send().await?;
     if !response.status().is_success() {
@@ -114,7 +115,7 @@ async fn fetch_text(client: &reqwest::Client, url: &str) -> Result<String, Scrap
         }
         body.extend_from_slice(&chunk);
     }
-    Ok(String::from_utf8_lossy(&body).into_owned())
+    Ok(body)
 }
 
 #[cfg(test)]
