@@ -123,6 +123,22 @@ fn write_atomically(path: &Path, text: &str) {
     std::fs::rename(&tmp, path).unwrap();
 }
 
+/// A fresh directory with a fleet file holding `pods`.
+fn fleet_dir(pods: &[PodSpec]) -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("fleet.yaml");
+    write_atomically(&path, &fleet_yaml(pods));
+    (dir, path)
+}
+
+/// pd-control on the fleet file at `path` (default flags), and its base URL.
+async fn start_on(path: &Path) -> (pd_control::Service, String) {
+    let config = pd_control::Config::new(path, "127.0.0.1:0".parse().unwrap());
+    let service = pd_control::start(config).await.unwrap();
+    let base = format!("http://{}", service.local_addr());
+    (service, base)
+}
+
 fn client() -> reqwest::Client {
     reqwest::Client::builder().no_proxy().build().unwrap()
 }
@@ -412,12 +428,8 @@ async fn quiet_fleet_keeps_its_version_and_dead_pods_go_stale() {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().port()
     };
-    let dir = tempfile::tempdir().unwrap();
-    let fleet_path = dir.path().join("fleet.yaml");
-    write_atomically(&fleet_path, &fleet_yaml(&[pending()]));
-    let config = pd_control::Config::new(&fleet_path, "127.0.0.1:0".parse().unwrap());
-    let service = pd_control::start(config).await.unwrap();
-    let base = format!("http://{}", service.local_addr());
+    let (_dir, fleet_path) = fleet_dir(&[pending()]);
+    let (service, base) = start_on(&fleet_path).await;
     let client = client();
     let first = snapshot(&client, &base).await.version;
 
@@ -690,12 +702,8 @@ async fn held_poll(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_held_poll_answers_as_soon_as_a_newer_snapshot_is_published() {
-    let dir = tempfile::tempdir().unwrap();
-    let fleet_path = dir.path().join("fleet.yaml");
-    write_atomically(&fleet_path, &fleet_yaml(&[pending()]));
-    let config = pd_control::Config::new(&fleet_path, "127.0.0.1:0".parse().unwrap());
-    let service = pd_control::start(config).await.unwrap();
-    let base = format!("http://{}", service.local_addr());
+    let (_dir, fleet_path) = fleet_dir(&[pending()]);
+    let (service, base) = start_on(&fleet_path).await;
     let client = client();
     let v = snapshot(&client, &base).await.version;
 
