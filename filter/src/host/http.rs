@@ -750,7 +750,7 @@ impl HttpContext for PdHttp {
         crate::section_scope!("request_headers");
         {
             let mut vm = self.vm.borrow_mut();
-            vm.wake();
+            vm.wake_for_request();
             Metrics::inc(vm.metrics.requests);
         }
         self.obs.times.request_us = now_us();

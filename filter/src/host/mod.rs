@@ -108,6 +108,17 @@ impl VmState {
         }
     }
 
+    /// [`VmState::wake`] for a request. When this VM was idle it wakes the other VMs too
+    /// (one message on each peer's queue, only on that edge): whichever holds the snapshot
+    /// lease reports the replica's load, and asleep it would send the first report of a burst
+    /// on its idle tick, up to a second late for the other gateway replicas.
+    pub fn wake_for_request(&mut self) {
+        if let Some(period) = self.pace.wake() {
+            self.set_pace(period);
+            snapshot::broadcast(&self.peers, snapshot::MSG_WAKE, &[]);
+        }
+    }
+
     /// Applies a period [`crate::core::pace::TickPace`] chose and counts the VM in or out
     /// of `pd_router_idle_vms`.
     pub fn set_pace(&self, period_ms: u64) {

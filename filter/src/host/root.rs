@@ -701,6 +701,9 @@ impl RootContext for Root {
                     }
                     Err(err) => log::warn!("dropping a malformed prefix event batch: {err}"),
                 },
+                // Another VM got a request after an idle spell: tick at the fast period (no
+                // message back, so a wake-up never echoes).
+                Some((&snapshot::MSG_WAKE, _)) => self.vm.borrow_mut().wake(),
                 _ => log::warn!("dropping an unknown queue message"),
             }
         }
