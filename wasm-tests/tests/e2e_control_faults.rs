@@ -534,8 +534,8 @@ fn an_idle_gateway_holds_one_long_poll_and_slows_its_timers_until_work_arrives()
             .ok_or(format!("{idle} of {vms} VMs idle"))
     });
 
-    // A long stream: the worker serving it goes back to the fast period while it lasts, and
-    // wakes the other VMs (one of them holds the lease and reports this replica's load) ...
+    // A long stream: the worker serving it goes back to the fast period while it lasts (a
+    // lone gateway leaves its other VMs asleep; e2e_replicas checks a replica wakes them) ...
     let gateway = stack.gateway.clone();
     let stream = std::thread::spawn(move || {
         let body = json!({"model": MODEL, "prompt": "wake up ".repeat(20), "max_tokens": 60,
@@ -549,7 +549,7 @@ fn an_idle_gateway_holds_one_long_poll_and_slows_its_timers_until_work_arrives()
     });
     eventually(Duration::from_secs(10), || {
         let idle = stack.stat("pd_router_idle_vms");
-        (idle == 0)
+        (idle < vms)
             .then_some(())
             .ok_or(format!("{idle} of {vms} VMs still idle during a request"))
     });

@@ -176,6 +176,44 @@ fn two_pd_controls_share_through_redis_one_gateway_each() {
 }
 
 /// Sum of a gateway's own `pd_token_load_decode_tokens` gauges.
+/// A request reaching an idle gateway that has other replicas wakes all of its VMs, so the
+/// one holding the snapshot lease reports the new load at the fast tick, not on its idle one.
+#[test]
+fn a_request_wakes_every_vm_of_an_idle_gateway_with_other_replicas() {
+    let env_a = env("true");
+    let env_a: Vec<(&str, &str)> = env_a.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let fleet = fleet();
+    let mut stack = Stack::start_full(fleet.clone(), fleet, 2, &env_a, &[]);
+    let _b = stack.add_gateway(&env_a);
+    let vms = (stack.concurrency + 1) as u64;
+    eventually(Duration::from_secs(30), || {
+        let (replicas, idle) = (
+            stack.stat("pd_router_remote_replicas"),
+            stack.stat("pd_router_idle_vms"),
+        );
+        (replicas >= 1 && idle == vms).then_some(()).ok_or(format!(
+            "A sees {replicas} other replicas, {idle} of {vms} VMs idle"
+        ))
+    });
+    for pod in ["d0", "d1"] {
+        stack.arm_fault(json!({"pod": pod, "kind": "hang_before_headers", "leg": "decode"}));
+    }
+    let prompt = "wake everyone ".repeat(8);
+    let client = send(&stack.gateway, prompt.clone());
+    decode_pod_of(&stack, &prompt, 1);
+    // Held at the decode pod: the worker serving it is awake, and so is every other VM.
+    eventually(Duration::from_secs(10), || {
+        let idle = stack.stat("pd_router_idle_vms");
+        (idle == 0)
+            .then_some(())
+            .ok_or(format!("{idle} of {vms} VMs of gateway A still idle"))
+    });
+    stack.clear_faults();
+    let r = client.join().expect("client");
+    assert_eq!(r.status, 200, "{}", r.text());
+    stack.wait_ledger_zero();
+}
+
 fn local_decode_total(admin: &str) -> u64 {
     http::get(admin, "/stats?filter=pd_token_load_decode_tokens")
         .expect("admin")

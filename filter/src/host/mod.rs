@@ -82,6 +82,9 @@ pub struct VmState {
     /// Shared-data CAS of the answer `remote` was decoded from, to skip unchanged ones.
     pub remote_cas: Option<u32>,
     pub remote_at_ms: u64,
+    /// Live gateway replicas other than this one, as pd-control last counted them (0 when
+    /// the ledger is not shared or the count went stale).
+    pub other_replicas: u32,
     /// `PD_ROUTER_DEBUG_TRAP_HEADER`: testing only, a request carrying it traps the VM.
     pub debug_trap_header: Option<String>,
     /// Shared-data key of this VM's hold journal (`host::journal`).
@@ -108,14 +111,17 @@ impl VmState {
         }
     }
 
-    /// [`VmState::wake`] for a request. When this VM was idle it wakes the other VMs too
-    /// (one message on each peer's queue, only on that edge): whichever holds the snapshot
-    /// lease reports the replica's load, and asleep it would send the first report of a burst
-    /// on its idle tick, up to a second late for the other gateway replicas.
+    /// [`VmState::wake`] for a request. When this VM was idle and other gateway replicas
+    /// read this one's load, it wakes the other VMs too (one message on each peer's queue,
+    /// only on that edge): whichever holds the snapshot lease reports the load, and asleep it
+    /// would send the first report of a burst on its idle tick, up to a second late. A lone
+    /// gateway has nobody to report to and keeps its other VMs asleep.
     pub fn wake_for_request(&mut self) {
         if let Some(period) = self.pace.wake() {
             self.set_pace(period);
-            snapshot::broadcast(&self.peers, snapshot::MSG_WAKE, &[]);
+            if self.other_replicas > 0 {
+                snapshot::broadcast(&self.peers, snapshot::MSG_WAKE, &[]);
+            }
         }
     }
 

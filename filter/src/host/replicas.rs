@@ -89,6 +89,7 @@ pub fn store_answer(now_ms: u64, body: &[u8]) -> Result<u32, String> {
 pub fn refresh(vm: &mut VmState, now_ms: u64) {
     if !vm.defaults.tokens.shared_ledger {
         vm.remote = None;
+        vm.other_replicas = 0;
         return;
     }
     let Ok((Some(value), cas)) = SharedData.get(REMOTE_KEY) else {
@@ -102,24 +103,22 @@ pub fn refresh(vm: &mut VmState, now_ms: u64) {
             .map(u64::from_le_bytes)
             .unwrap_or(0);
         vm.remote_at_ms = at;
-        vm.remote = value
-            .get(8..)
-            .and_then(|b| RemoteLoad::decode(b).ok())
-            .filter(|r| !r.is_empty())
-            .map(Arc::new);
+        let load = value.get(8..).and_then(|b| RemoteLoad::decode(b).ok());
+        // Replicas count even while idle: they read this one's load.
+        vm.other_replicas = load.as_ref().map_or(0, |r| r.replicas);
+        vm.remote = load.filter(|r| !r.is_empty()).map(Arc::new);
     }
-    if vm.remote.is_some() && now_ms.saturating_sub(vm.remote_at_ms) > REMOTE_STALE_MS {
-        log::warn!(
-            "other replicas' decode shares are {} s old (pd-control unreachable?); scoring local load only",
-            now_ms.saturating_sub(vm.remote_at_ms) / 1000
-        );
+    if now_ms.saturating_sub(vm.remote_at_ms) > REMOTE_STALE_MS {
+        if vm.remote.is_some() {
+            log::warn!(
+                "other replicas' decode shares are {} s old (pd-control unreachable?); scoring local load only",
+                now_ms.saturating_sub(vm.remote_at_ms) / 1000
+            );
+        }
         vm.remote = None;
+        vm.other_replicas = 0;
     }
-    let (tokens, replicas) = vm
-        .remote
-        .as_ref()
-        .map(|r| (r.total_decode_tokens(), r.replicas))
-        .unwrap_or((0.0, 0));
+    let tokens = vm.remote.as_ref().map_or(0.0, |r| r.total_decode_tokens());
     Metrics::set(vm.metrics.remote_decode_tokens, tokens.round() as u64);
-    Metrics::set(vm.metrics.remote_replicas, u64::from(replicas));
+    Metrics::set(vm.metrics.remote_replicas, u64::from(vm.other_replicas));
 }

@@ -99,6 +99,7 @@ impl Root {
                 remote: None,
                 remote_cas: None,
                 remote_at_ms: 0,
+                other_replicas: 0,
                 debug_trap_header: None,
                 journal_key: crate::host::journal::key_of(seed | 1),
                 engines: EngineState::new(EngineDefaults::default()),
