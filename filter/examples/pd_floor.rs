@@ -10,6 +10,7 @@
 //! and a second upstream exchange through Envoy's async HTTP client). Not a product: it skips
 //! every check pd-router makes.
 
+use std::rc::Rc;
 use std::time::Duration;
 
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -20,7 +21,7 @@ proxy_wasm::main! {{
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(FloorRoot::default()) });
 }}
 
-#[derive(Clone, Default, serde::Deserialize)]
+#[derive(Default, serde::Deserialize)]
 #[serde(default)]
 struct FloorConfig {
     prefill: String,
@@ -31,7 +32,8 @@ struct FloorConfig {
 
 #[derive(Default)]
 struct FloorRoot {
-    config: FloorConfig,
+    /// Shared with every request, not copied into it: the floor allocates as little as it can.
+    config: Rc<FloorConfig>,
 }
 
 impl Context for FloorRoot {}
@@ -43,7 +45,7 @@ impl RootContext for FloorRoot {
         };
         match serde_json::from_slice::<FloorConfig>(&raw) {
             Ok(config) if !config.prefill.is_empty() && !config.decode.is_empty() => {
-                self.config = config;
+                self.config = Rc::new(config);
                 true
             }
             _ => {
@@ -67,7 +69,7 @@ impl RootContext for FloorRoot {
 }
 
 struct FloorHttp {
-    config: FloorConfig,
+    config: Rc<FloorConfig>,
     path: String,
     body: Vec<u8>,
 }

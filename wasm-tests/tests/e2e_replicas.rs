@@ -53,14 +53,20 @@ fn decode_pod_of(stack: &Stack, prompt: &str, legs_so_far: usize) -> String {
         .to_string()
 }
 
-/// Routes one long prompt through gateway A and five short ones through gateway B, one at a
-/// time, with every decode leg held; returns A's decode pod and B's five.
-fn run(shared: &str) -> (String, Vec<String>, Stack, Gateway) {
+/// Gateway A (the stack's) and gateway B on one pd-control, both with `env(shared)`.
+fn two_gateways(shared: &str) -> (Stack, Gateway) {
     let env_a = env(shared);
     let env_a: Vec<(&str, &str)> = env_a.iter().map(|(k, v)| (*k, v.as_str())).collect();
     let fleet = fleet();
     let mut stack = Stack::start_full(fleet.clone(), fleet, 2, &env_a, &[]);
     let b = stack.add_gateway(&env_a);
+    (stack, b)
+}
+
+/// Routes one long prompt through gateway A and five short ones through gateway B, one at a
+/// time, with every decode leg held; returns A's decode pod and B's five.
+fn run(shared: &str) -> (String, Vec<String>, Stack, Gateway) {
+    let (stack, b) = two_gateways(shared);
     let (a_pod, b_pods) = steer(&stack, &b, shared == "true");
     (a_pod, b_pods, stack, b)
 }
@@ -124,11 +130,7 @@ fn without_the_shared_ledger_each_gateway_scores_only_its_own() {
 
 #[test]
 fn a_killed_gateways_share_expires_and_the_survivor_scores_its_own_load() {
-    let env_a = env("true");
-    let env_a: Vec<(&str, &str)> = env_a.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let fleet = fleet();
-    let mut stack = Stack::start_full(fleet.clone(), fleet, 2, &env_a, &[]);
-    let b = stack.add_gateway(&env_a);
+    let (mut stack, b) = two_gateways("true");
     for pod in ["d0", "d1"] {
         stack.arm_fault(json!({"pod": pod, "kind": "hang_before_headers", "leg": "decode"}));
     }
@@ -180,11 +182,7 @@ fn two_pd_controls_share_through_redis_one_gateway_each() {
 /// one holding the snapshot lease reports the new load at the fast tick, not on its idle one.
 #[test]
 fn a_request_wakes_every_vm_of_an_idle_gateway_with_other_replicas() {
-    let env_a = env("true");
-    let env_a: Vec<(&str, &str)> = env_a.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let fleet = fleet();
-    let mut stack = Stack::start_full(fleet.clone(), fleet, 2, &env_a, &[]);
-    let _b = stack.add_gateway(&env_a);
+    let (stack, _b) = two_gateways("true");
     let vms = (stack.concurrency + 1) as u64;
     eventually(Duration::from_secs(30), || {
         let (replicas, idle) = (

@@ -79,7 +79,8 @@ pub struct VmState {
     pub metrics: metrics::Metrics,
     /// The other gateway replicas' decode load, added to the ledger rows selection reads.
     pub remote: Option<std::sync::Arc<crate::core::remote::RemoteLoad>>,
-    /// Shared-data CAS of the answer `remote` was decoded from, to skip unchanged ones.
+    /// Shared-data CAS of the answer sequence key when `remote` was read, to skip unchanged
+    /// answers (`host::replicas::adopt_newer`).
     pub remote_cas: Option<u32>,
     pub remote_at_ms: u64,
     /// Live gateway replicas other than this one, as pd-control last counted them (0 when
@@ -119,6 +120,9 @@ impl VmState {
     pub fn wake_for_request(&mut self) {
         if let Some(period) = self.pace.wake() {
             self.set_pace(period);
+            // The replica count as this process knows it now, not as of this VM's last
+            // (idle, up to a second old) tick.
+            replicas::adopt_newer(self);
             if self.other_replicas > 0 {
                 snapshot::broadcast(&self.peers, snapshot::MSG_WAKE, &[]);
             }

@@ -17,6 +17,10 @@ use crate::host::VmState;
 /// The other replicas' shares as pd-control last answered: `at_ms` (u64 LE) then the
 /// `RemoteShares` protobuf.
 const REMOTE_KEY: &str = "pd/remote";
+/// Rewritten after every answer, after [`REMOTE_KEY`]: its CAS tells a VM whether a newer
+/// answer is there for the price of reading 8 bytes, not the whole answer. Requests check it,
+/// so none routes on an answer older than the one this process holds.
+const REMOTE_SEQ_KEY: &str = "pd/remote/seq";
 /// This Envoy process's replica id, chosen by the first VM that starts.
 const REPLICA_KEY: &str = "pd/replica";
 pub const REPORT_PATH: &str = "/v1/replicas/report";
@@ -80,34 +84,49 @@ pub fn store_answer(now_ms: u64, body: &[u8]) -> Result<u32, String> {
     value.extend_from_slice(body);
     SharedData
         .set(REMOTE_KEY, &value, None)
+        .and_then(|_| SharedData.set(REMOTE_SEQ_KEY, &now_ms.to_le_bytes(), None))
         .map(|_| others)
         .map_err(|e| e.to_string())
 }
 
-/// Brings the VM's view of the other replicas up to date: adopts a newer answer, drops a
-/// stale one. Cheap when nothing changed (one small shared-data read).
+/// Adopts the answer in shared data when it is newer than the VM's view. Cheap when nothing
+/// changed (one 8-byte shared-data read), so the request path calls it before every
+/// selection: a VM ticking slowly while idle must not score its first requests on an answer
+/// up to a tick old.
+pub fn adopt_newer(vm: &mut VmState) {
+    if !vm.defaults.tokens.shared_ledger {
+        return;
+    }
+    let Ok((Some(_), cas)) = SharedData.get(REMOTE_SEQ_KEY) else {
+        return;
+    };
+    if cas.is_some() && cas == vm.remote_cas {
+        return;
+    }
+    let Ok((Some(value), _)) = SharedData.get(REMOTE_KEY) else {
+        return;
+    };
+    vm.remote_cas = cas;
+    vm.remote_at_ms = value
+        .get(..8)
+        .and_then(|b| b.try_into().ok())
+        .map(u64::from_le_bytes)
+        .unwrap_or(0);
+    let load = value.get(8..).and_then(|b| RemoteLoad::decode(b).ok());
+    // Replicas count even while idle: they read this one's load.
+    vm.other_replicas = load.as_ref().map_or(0, |r| r.replicas);
+    vm.remote = load.filter(|r| !r.is_empty()).map(Arc::new);
+}
+
+/// Brings the VM's view of the other replicas up to date on its tick: adopts a newer answer,
+/// drops a stale one, and shows the view in the gauges.
 pub fn refresh(vm: &mut VmState, now_ms: u64) {
     if !vm.defaults.tokens.shared_ledger {
         vm.remote = None;
         vm.other_replicas = 0;
         return;
     }
-    let Ok((Some(value), cas)) = SharedData.get(REMOTE_KEY) else {
-        return;
-    };
-    if cas.is_none() || cas != vm.remote_cas {
-        vm.remote_cas = cas;
-        let at = value
-            .get(..8)
-            .and_then(|b| b.try_into().ok())
-            .map(u64::from_le_bytes)
-            .unwrap_or(0);
-        vm.remote_at_ms = at;
-        let load = value.get(8..).and_then(|b| RemoteLoad::decode(b).ok());
-        // Replicas count even while idle: they read this one's load.
-        vm.other_replicas = load.as_ref().map_or(0, |r| r.replicas);
-        vm.remote = load.filter(|r| !r.is_empty()).map(Arc::new);
-    }
+    adopt_newer(vm);
     if now_ms.saturating_sub(vm.remote_at_ms) > REMOTE_STALE_MS {
         if vm.remote.is_some() {
             log::warn!(
