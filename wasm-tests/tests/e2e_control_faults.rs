@@ -148,7 +148,9 @@ fn pd_control_down_routes_on_the_last_snapshot_marks_it_stale_and_recovers() {
         })
     });
     stack.wait_for_log("is fresh again");
-    // Every VM adopts the restarted pd-control's snapshot: g1 is gone from routing.
+    // Every VM adopts the restarted pd-control's snapshot: g1 is gone from routing. (The
+    // gauges above show one VM's view; the requests below may reach another.)
+    stack.wait_fleet_adopted();
     wait_until_g1_unrouted(&stack);
     stack.clear_sim_requests();
     for _ in 0..12 {

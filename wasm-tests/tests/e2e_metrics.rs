@@ -558,7 +558,9 @@ fn a_pod_that_leaves_the_fleet_has_its_gauges_zeroed_and_its_counters_frozen() {
     let r = long.join().expect("stream thread");
     assert_eq!(r.status, 200, "{}", r.text());
 
-    // New requests go elsewhere; the left pod's counter no longer moves.
+    // New requests go elsewhere; the left pod's counter no longer moves. (The gauge showed
+    // one VM's adoption; the loop's requests may reach another.)
+    stack.wait_fleet_adopted();
     for _ in 0..6 {
         let r = stack.chat(PD, &chat(false, 1));
         assert_eq!(r.status, 200, "{}", r.text());

@@ -404,7 +404,7 @@ impl PdHttp {
             session_delta,
             now_ms: now,
         };
-        crate::host::replicas::adopt_newer(vm);
+        crate::section!("select.remote", crate::host::replicas::adopt_newer(vm));
         let remote = vm.remote.clone();
         let rng = &mut vm.rng;
         let scratch = &mut vm.select_scratch;
