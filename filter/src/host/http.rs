@@ -404,7 +404,6 @@ impl PdHttp {
             session_delta,
             now_ms: now,
         };
-        crate::section!("select.remote", crate::host::replicas::adopt_newer(vm));
         let remote = vm.remote.clone();
         let rng = &mut vm.rng;
         let scratch = &mut vm.select_scratch;
@@ -488,7 +487,6 @@ impl PdHttp {
     ) -> Result<Target, RouteError> {
         let vm = self.vm.clone();
         let mut vm = vm.borrow_mut();
-        crate::host::replicas::adopt_newer(&mut vm);
         let remote = vm.remote.clone();
         let rng = &mut vm.rng;
         let result = ledger::update(&SharedData, |l| {

@@ -79,9 +79,9 @@ pub struct VmState {
     pub metrics: metrics::Metrics,
     /// The other gateway replicas' decode load, added to the ledger rows selection reads.
     pub remote: Option<std::sync::Arc<crate::core::remote::RemoteLoad>>,
-    /// Shared-data CAS of the answer sequence key when `remote` was read, to skip unchanged
-    /// answers (`host::replicas::adopt_newer`).
-    pub remote_cas: Option<u32>,
+    /// Content generation of the answer `remote` was read from, to skip unchanged answers
+    /// (`host::replicas::adopt_newer`); `None` after a stale answer was dropped.
+    pub remote_gen: Option<u64>,
     pub remote_at_ms: u64,
     /// Live gateway replicas other than this one, as pd-control last counted them (0 when
     /// the ledger is not shared or the count went stale).
@@ -122,7 +122,7 @@ impl VmState {
             self.set_pace(period);
             // The replica count as this process knows it now, not as of this VM's last
             // (idle, up to a second old) tick.
-            replicas::adopt_newer(self);
+            replicas::adopt_newer(self, now_ms());
             if self.other_replicas > 0 {
                 snapshot::broadcast(&self.peers, snapshot::MSG_WAKE, &[]);
             }

@@ -1,6 +1,7 @@
 //! Several gateway replicas: the lease-holding VM of each Envoy process reports the process's
 //! decode ledger to pd-control and keeps the answer (the other replicas' shares) in shared
-//! data, where every worker VM picks it up on its tick. See `crate::core::remote`.
+//! data, where every worker VM picks it up: at once when the answer changed (a `MSG_REMOTE`
+//! notice), else on its tick or when it wakes. See `crate::core::remote`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,10 +18,10 @@ use crate::host::VmState;
 /// The other replicas' shares as pd-control last answered: `at_ms` (u64 LE) then the
 /// `RemoteShares` protobuf.
 const REMOTE_KEY: &str = "pd/remote";
-/// Rewritten after every answer, after [`REMOTE_KEY`]: its CAS tells a VM whether a newer
-/// answer is there for the price of reading 8 bytes, not the whole answer. Requests check it,
-/// so none routes on an answer older than the one this process holds.
-const REMOTE_SEQ_KEY: &str = "pd/remote/seq";
+/// When the last answer came (u64 LE ms) and the generation of its content (u64 LE), bumped
+/// only when an answer differs from the one before. VMs read these 16 bytes on their tick,
+/// the whole answer only when the generation moved.
+const REMOTE_GEN_KEY: &str = "pd/remote/gen";
 /// This Envoy process's replica id, chosen by the first VM that starts.
 const REPLICA_KEY: &str = "pd/replica";
 pub const REPORT_PATH: &str = "/v1/replicas/report";
@@ -73,45 +74,66 @@ pub fn send_report(
         .map_err(|e| format!("{e:?}"))
 }
 
-/// Keeps pd-control's answer for every VM of this process, after checking it decodes;
-/// returns how many other live replicas it counts.
-pub fn store_answer(now_ms: u64, body: &[u8]) -> Result<u32, String> {
+/// pd-control's answer as stored: how many other live replicas it counts, and whether it
+/// differs from the previous answer (then the other VMs should re-read it now).
+pub struct Stored {
+    pub others: u32,
+    pub changed: bool,
+}
+
+/// Keeps pd-control's answer for every VM of this process, after checking it decodes.
+pub fn store_answer(now_ms: u64, body: &[u8]) -> Result<Stored, String> {
     let others = RemoteLoad::decode(body)
         .map_err(|e| format!("replica shares do not decode: {e}"))?
         .replicas;
+    let changed = match SharedData.get(REMOTE_KEY) {
+        Ok((Some(old), _)) => old.get(8..) != Some(body),
+        _ => true,
+    };
+    let generation = read_gen().map_or(0, |(_, g)| g) + u64::from(changed);
     let mut value = Vec::with_capacity(8 + body.len());
     value.extend_from_slice(&now_ms.to_le_bytes());
     value.extend_from_slice(body);
+    let mut gen_value = [0u8; 16];
+    gen_value[..8].copy_from_slice(&now_ms.to_le_bytes());
+    gen_value[8..].copy_from_slice(&generation.to_le_bytes());
     SharedData
         .set(REMOTE_KEY, &value, None)
-        .and_then(|_| SharedData.set(REMOTE_SEQ_KEY, &now_ms.to_le_bytes(), None))
-        .map(|_| others)
+        .and_then(|_| SharedData.set(REMOTE_GEN_KEY, &gen_value, None))
+        .map(|_| Stored { others, changed })
         .map_err(|e| e.to_string())
 }
 
-/// Adopts the answer in shared data when it is newer than the VM's view. Cheap when nothing
-/// changed (one 8-byte shared-data read), so the request path calls it before every
-/// selection: a VM ticking slowly while idle must not score its first requests on an answer
-/// up to a tick old.
-pub fn adopt_newer(vm: &mut VmState) {
+/// (answered at ms, content generation) of the stored answer.
+fn read_gen() -> Option<(u64, u64)> {
+    let (value, _) = SharedData.get(REMOTE_GEN_KEY).ok()?;
+    let value = value?;
+    let at = u64::from_le_bytes(value.get(..8)?.try_into().ok()?);
+    let generation = u64::from_le_bytes(value.get(8..16)?.try_into().ok()?);
+    Some((at, generation))
+}
+
+/// Adopts the stored answer when its content is newer than the VM's view. Cheap when nothing
+/// changed (one 16-byte shared-data read): called on each tick, when an idle VM wakes, and
+/// when the lease holder announces a changed answer (`MSG_REMOTE`), so no VM scores
+/// requests on an answer older than the one this process holds.
+pub fn adopt_newer(vm: &mut VmState, now_ms: u64) {
     if !vm.defaults.tokens.shared_ledger {
         return;
     }
-    let Ok((Some(_), cas)) = SharedData.get(REMOTE_SEQ_KEY) else {
+    let Some((at, generation)) = read_gen() else {
         return;
     };
-    if cas.is_some() && cas == vm.remote_cas {
+    vm.remote_at_ms = at;
+    // A stale answer is not adopted ([`refresh`] drops it); a fresh one, even unchanged, is
+    // adopted again once pd-control answers.
+    if vm.remote_gen == Some(generation) || now_ms.saturating_sub(at) > REMOTE_STALE_MS {
         return;
     }
     let Ok((Some(value), _)) = SharedData.get(REMOTE_KEY) else {
         return;
     };
-    vm.remote_cas = cas;
-    vm.remote_at_ms = value
-        .get(..8)
-        .and_then(|b| b.try_into().ok())
-        .map(u64::from_le_bytes)
-        .unwrap_or(0);
+    vm.remote_gen = Some(generation);
     let load = value.get(8..).and_then(|b| RemoteLoad::decode(b).ok());
     // Replicas count even while idle: they read this one's load.
     vm.other_replicas = load.as_ref().map_or(0, |r| r.replicas);
@@ -126,7 +148,7 @@ pub fn refresh(vm: &mut VmState, now_ms: u64) {
         vm.other_replicas = 0;
         return;
     }
-    adopt_newer(vm);
+    adopt_newer(vm, now_ms);
     if now_ms.saturating_sub(vm.remote_at_ms) > REMOTE_STALE_MS {
         if vm.remote.is_some() {
             log::warn!(
@@ -135,6 +157,7 @@ pub fn refresh(vm: &mut VmState, now_ms: u64) {
             );
         }
         vm.remote = None;
+        vm.remote_gen = None;
         vm.other_replicas = 0;
     }
     let tokens = vm.remote.as_ref().map_or(0.0, |r| r.total_decode_tokens());

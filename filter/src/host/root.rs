@@ -97,7 +97,7 @@ impl Root {
                 select_scratch: crate::core::pd::Scratch::default(),
                 metrics: Metrics::default(),
                 remote: None,
-                remote_cas: None,
+                remote_gen: None,
                 remote_at_ms: 0,
                 other_replicas: 0,
                 debug_trap_header: None,
@@ -202,10 +202,17 @@ impl Root {
         let body = self
             .get_http_call_response_body(0, body_size)
             .unwrap_or_default();
-        match crate::host::replicas::store_answer(now_ms(), &body) {
-            Ok(others) => {
+        let now = now_ms();
+        match crate::host::replicas::store_answer(now, &body) {
+            Ok(stored) => {
                 self.report_failures = 0;
-                self.other_replicas = others;
+                self.other_replicas = stored.others;
+                if stored.changed {
+                    // Every VM scores on the new shares now, not at its next (maybe idle) tick.
+                    let mut vm = self.vm.borrow_mut();
+                    snapshot::broadcast(&vm.peers, snapshot::MSG_REMOTE, &[]);
+                    crate::host::replicas::refresh(&mut vm, now);
+                }
             }
             Err(e) => self.report_failed(e),
         }
@@ -705,6 +712,9 @@ impl RootContext for Root {
                 // Another VM got a request after an idle spell: tick at the fast period (no
                 // message back, so a wake-up never echoes).
                 Some((&snapshot::MSG_WAKE, _)) => self.vm.borrow_mut().wake(),
+                Some((&snapshot::MSG_REMOTE, _)) => {
+                    crate::host::replicas::refresh(&mut self.vm.borrow_mut(), now_ms())
+                }
                 _ => log::warn!("dropping an unknown queue message"),
             }
         }

@@ -242,12 +242,14 @@ impl NoticeQueue {
 
 /// Queue message tags: a snapshot notice (then the 8-byte version), a prefix event (sent by
 /// VMs of earlier builds, still understood while an ECDS update runs both), a batch of
-/// them (`EventBatch`), or a wake-up (no payload: an idle VM got a request, see
-/// `VmState::wake_for_request`).
+/// them (`EventBatch`), a wake-up (no payload: an idle VM got a request, see
+/// `VmState::wake_for_request`), or news of the other replicas (no payload: the lease
+/// holder stored a changed answer, see `host::replicas::adopt_newer`).
 pub const MSG_SNAPSHOT: u8 = 1;
 pub const MSG_PREFIX: u8 = 2;
 pub const MSG_PREFIX_BATCH: u8 = 3;
 pub const MSG_WAKE: u8 = 4;
+pub const MSG_REMOTE: u8 = 5;
 /// A batch this large goes at once rather than waiting for a response to start.
 pub const PREFIX_BATCH_MAX_BYTES: usize = 256 << 10;
 
