@@ -199,7 +199,7 @@ bench-v8-node: setup
 
 # ---- make bench: overhead against plain Envoy and the Rust peers, policy quality --------------
 # envoy/bench.sh starts pd-sim pods, Envoy (plain and with pd-router), sglang-router and
-# vllm-router on 127.0.0.1 / 127.0.33-36.x ports 33000-34999, runs pd-load against each in turn
+# vllm-router on 127.0.0.1 / 127.0.33-36.x ports 23000-24999, runs pd-load against each in turn
 # (A B A B) and ends with pd-bench-report (Markdown tables + SVG charts in BENCH_DIR).
 # bench-setup puts the two peers in the project venv: their wheels without dependencies, then
 # only the runtime dependencies they import.

@@ -6,7 +6,7 @@
 #
 #   envoy/bench.sh [full|quick] [overhead|policy|all]
 #
-# Everything binds 127.0.0.1 / 127.0.33-36.x on ports 33000-34999. Targets alternate A B A B
+# Everything binds 127.0.0.1 / 127.0.33-36.x on ports 23000-24999. Targets alternate A B A B
 # (REPS rounds of every target in turn) so machine drift spreads over all of them.
 # Environment: BENCH_DIR (target/bench), CARGO_TARGET_DIR, REPS, SECONDS_PER_RUN, CLIENTS_MAX,
 # BODIES ("2048 32768 262144"), OVERHEAD_TARGETS (names from the table in docs/BENCHMARKS.md),
@@ -27,8 +27,8 @@ OUT=${BENCH_DIR:-target/bench}
 RUN=$OUT/run
 ENVOY=$VENV/envoy
 MODEL=bench-llm
-POD_PORT=33001
-BOOT_PORT=33998
+POD_PORT=23001
+BOOT_PORT=23998
 
 if [ "$MODE" = quick ]; then
   REPS=${REPS:-1} SECS=${SECONDS_PER_RUN:-3} POLICY_SECS=${POLICY_SECONDS:-8}
@@ -88,9 +88,10 @@ start() { # name command... ; sets $LAST_PID
   PIDS+=("$LAST_PID")
 }
 
-# Ports 33000-34999 lie in Linux's ephemeral range, so an outgoing connection can hold one for
-# a moment (or, as the local end of a closed connection, for the 60 s of TIME_WAIT): a server
-# that fails to bind is started again, every 5 s for up to 80 s.
+# Ports 23000-24999 lie below Linux's ephemeral range (32768+), so no outgoing connection holds
+# one (a long-lived scrape or pooled connection did, for whole runs, when the bench used 33xxx).
+# A server that still fails to bind (a previous run's socket in TIME_WAIT) is started again,
+# every 5 s for up to 80 s.
 start_server() { # seconds name ready-command -- command...
   local secs=$1 name=$2 ready=() attempt deadline
   shift 2
@@ -253,8 +254,16 @@ load() { # scenario target rep url cpu-pid args...
 }
 
 # --- 1. overhead ------------------------------------------------------------------------------
+# A phase's run replaces that phase's results (and charts): the report reads every result file
+# under $OUT, so an earlier run's targets, reps or bodies would otherwise show beside this one's.
+clear_results() { # name patterns...
+  local p
+  for p in "$@"; do find "$OUT" -maxdepth 1 -name "$p" -exec rm -rf {} +; done
+}
+
 overhead() {
   log "overhead: pods, Envoy (plain, pd-router 1P1D and 4P4D), sglang-router, vllm-router"
+  clear_results 'lat1-*' 'lat16-*' 'stream16-*' 'max-*'
   # The direct and plain-Envoy baselines go to a standard (combined) pod: a vLLM decode pod
   # refuses a request that carries no kv_transfer_params.
   { fleet_head; rolesets 4 33 vllm v; combined 1 33 vllm v 9; rolesets 4 34 sglang s; } > "$RUN/pods-overhead.yaml"
@@ -263,28 +272,28 @@ overhead() {
   # The SGLang roleset sglang-router uses: the same protocol (both legs at once) for both.
   { fleet_head; rolesets 1 34 sglang s; } > "$RUN/fleet-1p1d-sglang.yaml"
   # shellcheck disable=SC2086
-  start_sim sim-overhead "$RUN/pods-overhead.yaml" 33090 $ZERO
-  start_control control-1p1d "$RUN/fleet-1p1d.yaml" 33101
-  start_control control-4p4d "$RUN/fleet-4p4d.yaml" 33111
-  start_control control-1p1d-sglang "$RUN/fleet-1p1d-sglang.yaml" 33116
-  start_envoy_pd envoy-1p1d 33100 33102 33101; local e1=$ENVOY_PID
-  start_envoy_pd envoy-4p4d 33110 33112 33111; local e4=$ENVOY_PID
+  start_sim sim-overhead "$RUN/pods-overhead.yaml" 23090 $ZERO
+  start_control control-1p1d "$RUN/fleet-1p1d.yaml" 23101
+  start_control control-4p4d "$RUN/fleet-4p4d.yaml" 23111
+  start_control control-1p1d-sglang "$RUN/fleet-1p1d-sglang.yaml" 23116
+  start_envoy_pd envoy-1p1d 23100 23102 23101; local e1=$ENVOY_PID
+  start_envoy_pd envoy-4p4d 23110 23112 23111; local e4=$ENVOY_PID
   # The same 1P1D stack with policies that never hash the prompt: what the prefix index costs.
-  start_envoy_pd envoy-1p1d-lr 33105 33107 33101 \
+  start_envoy_pd envoy-1p1d-lr 23105 23107 23101 \
     AIBRIX_PREFILL_SCORE_POLICY=least_request AIBRIX_DECODE_SCORE_POLICY=least_request
   local elr=$ENVOY_PID
-  start_envoy_pd envoy-1p1d-sglang 33115 33117 33116; local esg=$ENVOY_PID
-  start_envoy_plain envoy-plain 33120 33122 127.0.33.9; local ep=$LAST_PID
-  start_envoy_floor envoy-floor 33125 33127 127.0.33.1 127.0.33.2; local ef=$LAST_PID
+  start_envoy_pd envoy-1p1d-sglang 23115 23117 23116; local esg=$ENVOY_PID
+  start_envoy_plain envoy-plain 23120 23122 127.0.33.9; local ep=$LAST_PID
+  start_envoy_floor envoy-floor 23125 23127 127.0.33.1 127.0.33.2; local ef=$LAST_PID
   tokenizer
-  start_sglang sglang-1p1d 33130 34 1 round_robin round_robin; local sg=$PEER_PID
-  start_vllm vllm-1p1d 33140 33 1 round_robin; local vl=$PEER_PID
+  start_sglang sglang-1p1d 23130 34 1 round_robin round_robin; local sg=$PEER_PID
+  start_vllm vllm-1p1d 23140 33 1 round_robin; local vl=$PEER_PID
   # target name, URL, process whose CPU counts
-  local targets=("direct http://127.0.33.9:$POD_PORT -" "envoy-plain http://127.0.0.1:33120 $ep"
-    "pd-floor-1p1d http://127.0.0.1:33125 $ef"
-    "pd-router-1p1d http://127.0.0.1:33100 $e1" "pd-router-1p1d-lr http://127.0.0.1:33105 $elr"
-    "pd-router-4p4d http://127.0.0.1:33110 $e4" "pd-router-1p1d-sglang http://127.0.0.1:33115 $esg"
-    "sglang-router http://127.0.0.1:33130 $sg" "vllm-router http://127.0.0.1:33140 $vl")
+  local targets=("direct http://127.0.33.9:$POD_PORT -" "envoy-plain http://127.0.0.1:23120 $ep"
+    "pd-floor-1p1d http://127.0.0.1:23125 $ef"
+    "pd-router-1p1d http://127.0.0.1:23100 $e1" "pd-router-1p1d-lr http://127.0.0.1:23105 $elr"
+    "pd-router-4p4d http://127.0.0.1:23110 $e4" "pd-router-1p1d-sglang http://127.0.0.1:23115 $esg"
+    "sglang-router http://127.0.0.1:23130 $sg" "vllm-router http://127.0.0.1:23140 $vl")
   local t name url cpu rep bytes common
   if [ -n "${OVERHEAD_TARGETS:-}" ]; then # e.g. "direct pd-router-1p1d sglang-router"
     local keep=()
@@ -307,9 +316,12 @@ overhead() {
       load lat1-2k "$name" "$rep" "$url" "$cpu" $common --body-bytes 2048 --rps 200 --arrival fixed --concurrency-limit 1
       # shellcheck disable=SC2086
       load lat16-2k "$name" "$rep" "$url" "$cpu" $common --body-bytes 2048 --rps 500 --concurrency-limit 16
+      # The floor sends the client's body as the prefill leg unchanged, and a streamed prefill
+      # leg carries no kv_transfer_params to copy: it has no figure for streams.
       # shellcheck disable=SC2086
-      load stream16-2k "$name" "$rep" "$url" "$cpu" --workload fixed --stream-ratio 1 --max-tokens 32 \
-        --duration ${SECS}s --timeout 20s --body-bytes 2048 --rps 200 --concurrency-limit 16
+      [ "$name" = pd-floor-1p1d ] ||
+        load stream16-2k "$name" "$rep" "$url" "$cpu" --workload fixed --stream-ratio 1 --max-tokens 32 \
+          --duration ${SECS}s --timeout 20s --body-bytes 2048 --rps 200 --concurrency-limit 16
       for bytes in $BODIES; do
         local clients=$CLIENTS_MAX
         [ "$bytes" -gt 100000 ] && clients=8
@@ -319,7 +331,7 @@ overhead() {
     done
   done
   local p
-  for p in "$sg" "$vl" "$ep" "$e4" "$elr" "$esg" "$e1"; do stop "$p"; done
+  for p in "$sg" "$vl" "$ep" "$ef" "$e4" "$elr" "$esg" "$e1"; do stop "$p"; done
   cleanup; PIDS=()
 }
 
@@ -333,17 +345,17 @@ MIXED="--workload mixed --mixed-entries 4000 --stream-ratio 1 --max-tokens 16 --
 policy_run() { # scenario target rps url-kind policy-args...
   local scenario=$1 target=$2 rps=$3 kind=$4; shift 4
   # shellcheck disable=SC2086
-  start_sim sim-policy "$RUN/pods-policy.yaml" 33091 $POLICY_SIM
+  start_sim sim-policy "$RUN/pods-policy.yaml" 23091 $POLICY_SIM
   local sim=$SIM_PID router url
   case $kind in
-    pd) start_envoy_pd envoy-policy 33150 33152 33151 \
+    pd) start_envoy_pd envoy-policy 23150 23152 23151 \
           "AIBRIX_PREFILL_SCORE_POLICY=$1" "AIBRIX_DECODE_SCORE_POLICY=$2"
-        router=$ENVOY_PID url=http://127.0.0.1:33150 ;;
-    sglang) start_sglang sglang-policy 33160 36 4 "$1" "$2"; router=$PEER_PID url=http://127.0.0.1:33160 ;;
-    vllm) start_vllm vllm-policy 33170 35 4 "$1"; router=$PEER_PID url=http://127.0.0.1:33170 ;;
+        router=$ENVOY_PID url=http://127.0.0.1:23150 ;;
+    sglang) start_sglang sglang-policy 23160 36 4 "$1" "$2"; router=$PEER_PID url=http://127.0.0.1:23160 ;;
+    vllm) start_vllm vllm-policy 23170 35 4 "$1"; router=$PEER_PID url=http://127.0.0.1:23170 ;;
   esac
-  local args=(--rps "$rps" --concurrency-limit 2048 --duration "${POLICY_SECS}s" --sim-admin http://127.0.0.1:33091)
-  [ "$rps" = 0 ] && args=(--rps 0 --clients 48 --duration "${POLICY_SECS}s" --sim-admin http://127.0.0.1:33091)
+  local args=(--rps "$rps" --concurrency-limit 2048 --duration "${POLICY_SECS}s" --sim-admin http://127.0.0.1:23091)
+  [ "$rps" = 0 ] && args=(--rps 0 --clients 48 --duration "${POLICY_SECS}s" --sim-admin http://127.0.0.1:23091)
   # shellcheck disable=SC2086
   load "$scenario" "$target" 1 "$url" "$router" $MIXED "${args[@]}"
   stop "$router"; stop "$sim"
@@ -351,9 +363,10 @@ policy_run() { # scenario target rps url-kind policy-args...
 
 policy() {
   log "policy: 4 rolesets + 2 combined pods (vLLM) and 4 rolesets (SGLang), mixed trace"
+  clear_results 'policy-*'
   { fleet_head; rolesets 4 35 vllm pv; combined 2 35 vllm pv 9; rolesets 4 36 sglang ps; } > "$RUN/pods-policy.yaml"
   { fleet_head; rolesets 4 35 vllm pv; combined 2 35 vllm pv 9; } > "$RUN/fleet-policy.yaml"
-  start_control control-policy "$RUN/fleet-policy.yaml" 33151
+  start_control control-policy "$RUN/fleet-policy.yaml" 23151
   tokenizer
   policy_run policy-capacity pd-router 0 pd prefix_cache load_balancing
   local cap
