@@ -88,10 +88,9 @@ start() { # name command... ; sets $LAST_PID
   PIDS+=("$LAST_PID")
 }
 
-# Ports 23000-24999 lie below Linux's ephemeral range (32768+), so no outgoing connection holds
-# one (a long-lived scrape or pooled connection did, for whole runs, when the bench used 33xxx).
-# A server that still fails to bind (a previous run's socket in TIME_WAIT) is started again,
-# every 5 s for up to 80 s.
+# Ports 23000-24999 lie below Linux's ephemeral range (32768+), so no outgoing connection takes
+# one (with 33xxx, vllm-router once failed to bind for a whole retry window). A server that
+# still fails to bind (say, a previous run's socket) is started again, every 5 s for up to 80 s.
 start_server() { # seconds name ready-command -- command...
   local secs=$1 name=$2 ready=() attempt deadline
   shift 2
