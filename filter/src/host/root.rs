@@ -264,10 +264,12 @@ impl Root {
             self.adopted_at = now_ms();
             (vm.metrics.fleet_version, vm.metrics.fleet_loaded_vms)
         };
-        Metrics::set(version_gauge, version);
         match snapshot::record_adoption(version) {
             Ok(tally) => self.show_adoption(tally),
-            Err(e) => log::warn!("cannot count the adoption of snapshot {version}: {e}"),
+            Err(e) => {
+                Metrics::set(version_gauge, version);
+                log::warn!("cannot count the adoption of snapshot {version}: {e}");
+            }
         }
         if !self.loaded_once {
             self.loaded_once = true;
@@ -311,10 +313,12 @@ impl Root {
 
     /// Shows the newest snapshot and how many VMs route on it. Called after each adoption
     /// and every second: two VMs' writes can land out of order, the resync bounds the lag.
+    /// The count goes first: whoever reads the version and then the count (as tests waiting
+    /// for every VM do) never pairs a new version with the old version's count from this VM.
     fn show_adoption(&self, tally: crate::core::adoption::Tally) {
         let vm = self.vm.borrow();
-        Metrics::set(vm.metrics.fleet_version, tally.version);
         Metrics::set(vm.metrics.fleet_vms_on_latest, u64::from(tally.vms));
+        Metrics::set(vm.metrics.fleet_version, tally.version);
     }
 
     /// Writes the per-pod ledger gauges from the shared ledger (the request path writes only
