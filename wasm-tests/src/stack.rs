@@ -885,11 +885,13 @@ impl Stack {
                 return Err(format!("pd-control serves {served:?}, not {wanted:?}"));
             }
             let version = snap["version"].as_u64().unwrap_or(u64::MAX);
-            let (adopted, on_latest) = (
-                self.stat("pd_router_fleet_version"),
-                self.stat("pd_router_fleet_vms_on_latest"),
-            );
-            if adopted >= version && on_latest >= vms {
+            // The count is read between two equal version reads. A VM writes the count before
+            // the version, so a count written for another version shows as a version change
+            // (unless its writer stalls between its two writes for a whole admin round trip).
+            let adopted = self.stat("pd_router_fleet_version");
+            let on_latest = self.stat("pd_router_fleet_vms_on_latest");
+            let adopted_after = self.stat("pd_router_fleet_version");
+            if adopted >= version && adopted_after == adopted && on_latest >= vms {
                 Ok(())
             } else {
                 Err(format!(
