@@ -3,7 +3,7 @@
 //! the answer are kept, so tests can check chunked-stream termination. [`KeepAlive`] is the
 //! opposite: several requests over one connection, each answer framed by its headers.
 
-use std::io::{Read, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
@@ -61,12 +61,24 @@ pub fn request(
     }
     head.push_str("\r\n");
     stream.write_all(head.as_bytes())?;
-    stream.write_all(body)?;
+    // A server may answer before it has read the whole body and close the connection (Envoy's
+    // 413 for a body over its buffer limit): the write then fails, but the answer that came
+    // before the close is still there to read, as any HTTP client would.
+    let write_error = match stream.write_all(body) {
+        Ok(()) => None,
+        Err(e) if matches!(e.kind(), ErrorKind::BrokenPipe | ErrorKind::ConnectionReset) => Some(e),
+        Err(e) => return Err(e),
+    };
     let mut raw = Vec::new();
     if let Err(e) = stream.read_to_end(&mut raw) {
         // A reset after part of the answer still shows what the client got (a cut stream
         // parses as incomplete); a timeout or a reset before any byte is the error itself.
-        if raw.is_empty() || e.kind() != std::io::ErrorKind::ConnectionReset {
+        if raw.is_empty() || e.kind() != ErrorKind::ConnectionReset {
+            return Err(write_error.unwrap_or(e));
+        }
+    }
+    if raw.is_empty() {
+        if let Some(e) = write_error {
             return Err(e);
         }
     }
@@ -356,6 +368,30 @@ mod tests {
             (201, &b"yo"[..], true)
         );
         drop(c);
+        server.join().unwrap();
+    }
+
+    /// A server that answers after the head and closes with the body unread resets the
+    /// connection: the client's write fails, and the answer must still reach the caller.
+    #[test]
+    fn an_answer_sent_before_the_body_was_read_is_returned() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let mut seen = Vec::new();
+            while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                let mut b = [0u8; 1024];
+                let n = s.read(&mut b).unwrap();
+                seen.extend_from_slice(&b[..n]);
+            }
+            s.write_all(b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 0\r\n\r\n")
+                .unwrap();
+            // Closing with unread bytes queued sends a reset.
+        });
+        let body = vec![b'x'; 64 << 20];
+        let r = request(&addr, "POST", "/", &[], &body).unwrap();
+        assert_eq!(r.status, 413);
         server.join().unwrap();
     }
 }
