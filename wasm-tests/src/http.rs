@@ -336,23 +336,35 @@ mod tests {
         assert_eq!(chunked_len(b"3\r\nab"), None);
     }
 
-    #[test]
-    fn keep_alive_reads_consecutive_answers_on_one_connection() {
+    /// Reads a request up to the end of its head (the test servers' side).
+    fn read_head(s: &mut TcpStream) {
+        let mut seen = Vec::new();
+        while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+            let mut b = [0u8; 1024];
+            let n = s.read(&mut b).unwrap();
+            seen.extend_from_slice(&b[..n]);
+        }
+    }
+
+    /// A one-connection server on a free port running `serve`; its address and thread.
+    fn serve_one(
+        serve: impl FnOnce(TcpStream) + Send + 'static,
+    ) -> (String, std::thread::JoinHandle<()>) {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap().to_string();
-        let server = std::thread::spawn(move || {
-            let (mut s, _) = listener.accept().unwrap();
+        let server = std::thread::spawn(move || serve(listener.accept().unwrap().0));
+        (addr, server)
+    }
+
+    #[test]
+    fn keep_alive_reads_consecutive_answers_on_one_connection() {
+        let (addr, server) = serve_one(|mut s| {
             let answers: [&[u8]; 2] = [
                 b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nhi",
                 b"HTTP/1.1 201 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nyo\r\n0\r\n\r\n",
             ];
             for answer in answers {
-                let mut seen = Vec::new();
-                while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
-                    let mut b = [0u8; 1024];
-                    let n = s.read(&mut b).unwrap();
-                    seen.extend_from_slice(&b[..n]);
-                }
+                read_head(&mut s);
                 s.write_all(answer).unwrap();
             }
             // Keep the socket open until the client is done: no EOF framing.
@@ -375,16 +387,8 @@ mod tests {
     /// connection: the client's write fails, and the answer must still reach the caller.
     #[test]
     fn an_answer_sent_before_the_body_was_read_is_returned() {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
-        let server = std::thread::spawn(move || {
-            let (mut s, _) = listener.accept().unwrap();
-            let mut seen = Vec::new();
-            while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
-                let mut b = [0u8; 1024];
-                let n = s.read(&mut b).unwrap();
-                seen.extend_from_slice(&b[..n]);
-            }
+        let (addr, server) = serve_one(|mut s| {
+            read_head(&mut s);
             s.write_all(b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 0\r\n\r\n")
                 .unwrap();
             // Closing with unread bytes queued sends a reset.
