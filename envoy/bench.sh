@@ -252,7 +252,6 @@ load() { # scenario target rep url cpu-pid args...
   log "$scenario $target #$rep: $(grep -E '^pd-load:' "$RUN/last-load.txt" | head -1)"
 }
 
-# --- 1. overhead ------------------------------------------------------------------------------
 # A phase's run replaces that phase's results (and charts): the report reads every result file
 # under $OUT, so an earlier run's targets, reps or bodies would otherwise show beside this one's.
 clear_results() { # name patterns...
@@ -260,6 +259,7 @@ clear_results() { # name patterns...
   for p in "$@"; do find "$OUT" -maxdepth 1 -name "$p" -exec rm -rf {} +; done
 }
 
+# --- 1. overhead ------------------------------------------------------------------------------
 overhead() {
   log "overhead: pods, Envoy (plain, pd-router 1P1D and 4P4D), sglang-router, vllm-router"
   clear_results 'lat1-*' 'lat16-*' 'stream16-*' 'max-*'
