@@ -5,7 +5,7 @@
 # callback and of the steps inside it, as every worker last logged it.
 #
 #   envoy/profile-sections.sh [CLIENTS...]      default: 1 32
-# Environment: SECONDS_PER_RUN (20), BODY_BYTES (2048), RPS (400 with one client, else 0 =
+# Environment: FLEET (envoy/fleets/demo.yaml), SECONDS_PER_RUN (20), BODY_BYTES (2048), RPS (400 with one client, else 0 =
 # closed loop), PROFILE (native), PORT (10731), ADMIN_PORT (9951), plus AIBRIX_* for the
 # filter (policies). Wall time includes preemption on a loaded box: compare sections, and
 # builds, in one sitting.
@@ -28,7 +28,7 @@ trap 'envoy/stack.sh down >/dev/null 2>&1 || true' EXIT
 
 for clients in ${@:-1 32}; do
   rps=${RPS:-$([ "$clients" = 1 ] && echo 400 || echo 0)}
-  envoy/stack.sh up envoy/fleets/demo.yaml 1 "$PORT" "$PROFILE" >/dev/null
+  envoy/stack.sh up "${FLEET:-envoy/fleets/demo.yaml}" 1 "$PORT" "$PROFILE" >/dev/null
   "$TARGET/$PROFILE/pd-load" --url "http://127.0.0.1:$PORT" --model demo-llm --rps "$rps" \
     --clients "$clients" --duration "${SECONDS_PER_RUN}s" --workload fixed \
     --body-bytes "$BODY_BYTES" --stream-ratio 0 --max-tokens 1 --routing-strategy pd |

@@ -1,7 +1,15 @@
 //! The fleet view: a snapshot decoded once per version into per-model indexes, so the
 //! request path never touches protobuf and finds rolesets without scanning the fleet.
 
+use std::rc::Rc;
+
 use hashbrown::HashMap;
+
+#[cfg(test)]
+mod refresh_tests;
+pub mod scan;
+
+use scan::Scan;
 
 use super::config::KvConnector;
 use super::profile::{ModelConfig, RoutingConfig};
@@ -15,9 +23,20 @@ pub enum Role {
     Other,
 }
 
-/// One pod, with everything the request path needs precomputed.
+/// One pod as one view routes on it: what a snapshot says about it (shared by every view
+/// built from that snapshot's topology), its roleset in this view, and its engine metrics.
 #[derive(Debug, Clone)]
 pub struct PodView {
+    info: Rc<PodInfo>,
+    /// Index into `ModelView::rolesets` when the pod belongs to a complete roleset.
+    pub roleset_idx: Option<usize>,
+    pub metrics: Option<proto::PodMetrics>,
+}
+
+/// Everything about a pod but its metrics, precomputed once per topology: a snapshot that
+/// only brings new metrics reuses it (see [`FleetView::decode_after`]).
+#[derive(Debug)]
+pub struct PodInfo {
     /// `namespace/name`: the key of every load counter.
     pub key: String,
     /// The ledger row of the pod, hashed from `key` once per snapshot.
@@ -29,8 +48,6 @@ pub struct PodView {
     pub engine: String,
     pub role: Role,
     pub roleset: String,
-    /// Index into `ModelView::rolesets` when the pod belongs to a complete roleset.
-    pub roleset_idx: Option<usize>,
     /// The pod's own `model.aibrix.ai/config`: bucket ranges and `combined` are read per pod,
     /// from the profile the request resolved to (or the pod's default profile).
     pub config: Option<ModelConfig>,
@@ -38,7 +55,17 @@ pub struct PodView {
     pub kv_connector: Option<KvConnector>,
     /// `model.aibrix.ai/sglang-bootstrap-port` (8998 when absent).
     pub sglang_bootstrap_port: u16,
-    pub metrics: Option<proto::PodMetrics>,
+    /// The pod's position in its model's pod list in the snapshot, routable or not: where
+    /// its metrics are in a later snapshot of the same topology.
+    pub slot: usize,
+}
+
+impl std::ops::Deref for PodView {
+    type Target = PodInfo;
+
+    fn deref(&self) -> &PodInfo {
+        &self.info
+    }
 }
 
 impl PodView {
@@ -74,8 +101,9 @@ pub struct Roleset {
 pub struct ModelView {
     /// Routable pods only (ready, with an IP, serving HTTP).
     pub pods: Vec<PodView>,
-    /// Complete rolesets only: an incomplete one contributes nothing.
-    pub rolesets: Vec<Roleset>,
+    /// Complete rolesets only: an incomplete one contributes nothing. Shared with the views
+    /// that differ from this one only in metrics.
+    pub rolesets: Rc<[Roleset]>,
     /// Pods that run whole requests (any role but prefill/decode). Which of them are
     /// `combined: true` standard pods depends on the request's profile.
     pub others: Vec<usize>,
@@ -92,7 +120,7 @@ pub struct ModelView {
     pub uid: u64,
     /// Pod key → index of the prefill pods of complete rolesets (the prefix lookup's
     /// candidates), so a lookup touches only the pods that hold the prompt's prefix.
-    prefill_by_key: HashMap<String, usize>,
+    prefill_by_key: Rc<HashMap<String, usize>>,
 }
 
 /// Source of [`ModelView::uid`].
@@ -104,7 +132,11 @@ pub struct FleetView {
     pub models: HashMap<String, ModelView>,
     /// `ip:port` of every routable pod of every model: the only values the filter ever
     /// writes into the destination header or sends a side call to (see `core::guard`).
-    addresses: hashbrown::HashSet<String>,
+    addresses: Rc<hashbrown::HashSet<String>>,
+    /// The snapshot's bytes but its version and metrics ([`Scan::topology`]); empty for a
+    /// view not decoded from bytes. A later snapshot with the same topology is adopted by
+    /// replacing metrics only.
+    topology: Rc<[u8]>,
 }
 
 impl FleetView {
@@ -121,8 +153,17 @@ impl FleetView {
         FleetView {
             version: snapshot.version,
             models,
-            addresses,
+            addresses: Rc::new(addresses),
+            topology: Rc::from(&[][..]),
         }
+    }
+
+    /// Whether `other` was decoded from a snapshot of the same topology: the same pods with
+    /// the same labels and config, metrics aside. Per-pod state kept outside the view (metric
+    /// series) then needs no revisit.
+    pub fn same_topology(&self, other: &FleetView) -> bool {
+        !self.topology.is_empty()
+            && (Rc::ptr_eq(&self.topology, &other.topology) || self.topology == other.topology)
     }
 
     /// Whether `address` (`ip:port`) is a routable pod of this snapshot.
@@ -166,13 +207,65 @@ impl FleetView {
                 .map(|(name, model)| (name.clone(), f(model)))
                 .collect(),
             addresses: self.addresses.clone(),
+            // A derived view (stale, ejections) is not what any snapshot decodes to: never
+            // refresh metrics onto it.
+            topology: Rc::from(&[][..]),
         }
     }
 
     pub fn decode(bytes: &[u8]) -> Result<FleetView, prost::DecodeError> {
-        let snapshot: proto::Snapshot = prost::Message::decode(bytes)?;
-        Ok(FleetView::from_snapshot(&snapshot))
+        FleetView::decode_after(bytes, None)
     }
+
+    /// Decodes a snapshot that follows `previous` (the last view decoded; a stale or ejection
+    /// copy of it has no topology and is never refreshed). When the two differ only in engine metrics, as nearly every
+    /// snapshot does under traffic, the new view shares `previous`'s pods, rolesets and
+    /// addresses and only its metrics and selection columns are new: the walk plus one
+    /// column build, instead of a decode that allocates per pod and parses every pod's config.
+    pub fn decode_after(
+        bytes: &[u8],
+        previous: Option<&FleetView>,
+    ) -> Result<FleetView, prost::DecodeError> {
+        let scan = Scan::of(bytes).ok();
+        if let (Some(scan), Some(previous)) = (&scan, previous) {
+            if !previous.topology.is_empty() && *previous.topology == *scan.topology {
+                if let Some(view) = previous.with_metrics(scan) {
+                    return Ok(view);
+                }
+            }
+        }
+        let snapshot: proto::Snapshot = prost::Message::decode(bytes)?;
+        let mut view = FleetView::from_snapshot(&snapshot);
+        if let Some(scan) = scan {
+            view.topology = scan.topology.into();
+        }
+        Ok(view)
+    }
+
+    /// This fleet with the metrics of `scan`, a snapshot of the same topology; `None` if
+    /// `scan` does not fit (then the caller decodes in full).
+    fn with_metrics(&self, scan: &Scan) -> Option<FleetView> {
+        let mut models = HashMap::with_capacity(self.models.len());
+        // A model named twice: the last one is the fleet's, as when the map was built.
+        for m in scan.models.iter().rev() {
+            if models.contains_key(m.name.as_str()) {
+                continue;
+            }
+            let model = self.models.get(m.name.as_str())?.with_metrics(&m.pods)?;
+            models.insert(m.name.clone(), model);
+        }
+        (models.len() == self.models.len()).then(|| FleetView {
+            version: scan.version,
+            models,
+            addresses: self.addresses.clone(),
+            topology: self.topology.clone(),
+        })
+    }
+}
+
+/// A pod's metrics as the view keeps them: none when pd-control has no scrape of it.
+fn usable_metrics(metrics: Option<proto::PodMetrics>) -> Option<proto::PodMetrics> {
+    metrics.filter(|m| m.present)
 }
 
 impl ModelView {
@@ -181,7 +274,7 @@ impl ModelView {
             total_pods: pods.len(),
             ..ModelView::default()
         };
-        for pod in pods {
+        for (slot, pod) in pods.iter().enumerate() {
             let parsed = ModelConfig::parse(&pod.config);
             if view.config.is_none() {
                 view.config = parsed.clone();
@@ -195,7 +288,7 @@ impl ModelView {
                 _ => Role::Other,
             };
             let key = format!("{}/{}", pod.namespace, pod.name);
-            view.pods.push(PodView {
+            let info = PodInfo {
                 id: crate::core::ledger::PodId::of(&key),
                 key,
                 name: pod.name.clone(),
@@ -208,18 +301,45 @@ impl ModelView {
                 },
                 role,
                 roleset: pod.roleset.clone(),
-                roleset_idx: None,
                 config: parsed,
                 kv_connector: KvConnector::parse(&pod.kv_connector_type),
                 sglang_bootstrap_port: u16::try_from(pod.sglang_bootstrap_port)
                     .ok()
                     .filter(|p| *p != 0)
                     .unwrap_or(crate::core::engine::sglang::DEFAULT_BOOTSTRAP_PORT),
-                metrics: pod.metrics.filter(|m| m.present),
+                slot,
+            };
+            view.pods.push(PodView {
+                info: Rc::new(info),
+                roleset_idx: None,
+                metrics: usable_metrics(pod.metrics),
             });
         }
         view.assemble();
         view
+    }
+
+    /// The same model with the metrics of `metrics` (the model's pods in snapshot order).
+    fn with_metrics(&self, metrics: &[Option<proto::PodMetrics>]) -> Option<ModelView> {
+        if metrics.len() != self.total_pods {
+            return None;
+        }
+        let mut pods = self.pods.clone();
+        for pod in &mut pods {
+            pod.metrics = usable_metrics(*metrics.get(pod.slot)?);
+        }
+        let columns = crate::core::pd::columns::Columns::build(&pods, &self.rolesets);
+        Some(ModelView {
+            pods,
+            rolesets: self.rolesets.clone(),
+            others: self.others.clone(),
+            config: self.config.clone(),
+            total_pods: self.total_pods,
+            id_order: self.id_order.clone(),
+            columns,
+            uid: NEXT_UID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            prefill_by_key: self.prefill_by_key.clone(),
+        })
     }
 
     /// Everything derived from `pods`: rolesets (in order of first appearance), standard
@@ -260,7 +380,8 @@ impl ModelView {
         view.rolesets = groups
             .into_iter()
             .filter(|g| !g.prefill.is_empty() && !g.decode.is_empty())
-            .collect();
+            .collect::<Vec<_>>()
+            .into();
         view.id_order = view
             .pods
             .iter()
@@ -273,12 +394,13 @@ impl ModelView {
                 view.pods[i].roleset_idx = Some(r);
             }
         }
-        view.prefill_by_key = view
-            .rolesets
-            .iter()
-            .flat_map(|r| r.prefill.iter().copied())
-            .map(|i| (view.pods[i].key.clone(), i))
-            .collect();
+        view.prefill_by_key = Rc::new(
+            view.rolesets
+                .iter()
+                .flat_map(|r| r.prefill.iter().copied())
+                .map(|i| (view.pods[i].key.clone(), i))
+                .collect(),
+        );
         view.columns = crate::core::pd::columns::Columns::build(&view.pods, &view.rolesets);
         view.uid = NEXT_UID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }

@@ -227,7 +227,7 @@ impl Root {
             .as_ref()
             .map(|f| f.version)
             .unwrap_or(0);
-        match snapshot::load_newer(have) {
+        match snapshot::load_newer(have, self.latest.as_deref()) {
             Ok(Some(view)) => self.adopt(view),
             Ok(None) => {}
             Err(e) => log::warn!("{e}"),
@@ -238,22 +238,29 @@ impl Root {
         let version = view.version;
         let (version_gauge, loaded_gauge) = {
             let mut vm = self.vm.borrow_mut();
-            if vm.metrics.has_pod_series() {
-                // Pods that left the fleet: zero their gauges, stop updating their counters.
-                let live: hashbrown::HashSet<&str> = view
-                    .models
-                    .values()
-                    .flat_map(|m| m.pods.iter().map(|p| p.key.as_str()))
-                    .collect();
-                vm.metrics.retain_pods(|key| live.contains(key));
+            // Nearly every snapshot only brings new metrics: the pod set is the one in hand.
+            let same_pods = self
+                .latest
+                .as_ref()
+                .is_some_and(|latest| latest.same_topology(&view));
+            if !same_pods {
+                if vm.metrics.has_pod_series() {
+                    // Pods that left the fleet: zero their gauges, stop updating their counters.
+                    let live: hashbrown::HashSet<&str> = view
+                        .models
+                        .values()
+                        .flat_map(|m| m.pods.iter().map(|p| p.key.as_str()))
+                        .collect();
+                    vm.metrics.retain_pods(|key| live.contains(key));
+                }
+                // Every VM shows every pod's ledger gauges (written by `sync_ledger_gauges`),
+                // so a charge shows even when the VM that made it died before its next sync.
+                vm.metrics.track_pods(
+                    view.models
+                        .values()
+                        .flat_map(|m| m.pods.iter().map(|p| p.key.as_str())),
+                );
             }
-            // Every VM shows every pod's ledger gauges (written by `sync_ledger_gauges`), so a
-            // charge shows even when the VM that made it died before its next sync.
-            vm.metrics.track_pods(
-                view.models
-                    .values()
-                    .flat_map(|m| m.pods.iter().map(|p| p.key.as_str())),
-            );
             let view = Rc::new(view);
             vm.fleet = Some(routing_view(
                 &view,
@@ -531,7 +538,7 @@ impl Context for Root {
             );
         };
         // Refuse what we could not decode ourselves: a bad snapshot must not reach the workers.
-        let view = match FleetView::decode(&body) {
+        let view = match FleetView::decode_after(&body, self.latest.as_deref()) {
             Ok(view) => view,
             Err(e) => {
                 return self.fetch_failed(

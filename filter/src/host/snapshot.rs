@@ -119,8 +119,9 @@ pub fn bearer(token: &str) -> Option<String> {
     (!token.is_empty()).then(|| format!("Bearer {token}"))
 }
 
-/// Decodes the published snapshot when it is newer than `have`.
-pub fn load_newer(have: u64) -> Result<Option<FleetView>, String> {
+/// Decodes the published snapshot when it is newer than `have`; `previous` (the VM's last
+/// decoded view) spares the full decode when only metrics changed.
+pub fn load_newer(have: u64, previous: Option<&FleetView>) -> Result<Option<FleetView>, String> {
     if published_version() <= have {
         return Ok(None);
     }
@@ -129,8 +130,8 @@ pub fn load_newer(have: u64) -> Result<Option<FleetView>, String> {
     if bytes.len() < 8 {
         return Err("published snapshot is truncated".into());
     }
-    let view =
-        FleetView::decode(&bytes[8..]).map_err(|e| format!("cannot decode snapshot: {e}"))?;
+    let view = FleetView::decode_after(&bytes[8..], previous)
+        .map_err(|e| format!("cannot decode snapshot: {e}"))?;
     Ok((view.version > have).then_some(view))
 }
 

@@ -53,7 +53,7 @@ pub fn collect(
     let mut decode = Vec::new();
     let mut bucket_prefill = Vec::new();
     let mut bucket_decode = Vec::new();
-    for roleset in &model.rolesets {
+    for roleset in model.rolesets.iter() {
         prefill.extend_from_slice(&roleset.prefill);
         decode.extend_from_slice(&roleset.decode);
         if input.bucketing {
