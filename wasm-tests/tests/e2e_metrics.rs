@@ -94,6 +94,7 @@ const FAMILIES: &[&str] = &[
     "pd_router_idle_vms",
     "pd_router_fleet_vms_on_latest",
     "pd_router_snapshot_fetch_errors_total",
+    "pd_router_snapshot_adoptions_total",
     "pd_router_ejections_total",
     "pd_router_snapshot_stale",
     "pd_router_snapshot_age_ms",
@@ -579,4 +580,50 @@ fn a_pod_that_leaves_the_fleet_has_its_gauges_zeroed_and_its_counters_frozen() {
         Some(0.0)
     );
     assert!(after.sum("pd_selected_decode_pod_total", &[]) >= frozen + 6.0);
+}
+
+#[test]
+fn snapshots_that_only_move_metrics_reuse_the_view_and_a_fleet_change_decodes_in_full() {
+    let mut stack = Stack::start(fleet());
+    let vms = (stack.concurrency + 1) as f64;
+    let adoptions = |s: &Scrape, kind: &str| {
+        s.value("pd_router_snapshot_adoptions_total", &[("kind", kind)])
+            .unwrap_or(0.0)
+    };
+    // Every VM decoded its first snapshot in full.
+    let start = scrape_until(&stack, "every VM's first adoption", |s| {
+        adoptions(s, "full") >= vms
+    });
+    let full = adoptions(&start, "full");
+    assert_eq!(full, vms, "one full decode per VM, nothing else yet");
+
+    // Traffic moves the pods' metrics: pd-control publishes new snapshots of the same pods,
+    // and every VM adopts them without decoding the fleet again.
+    let metrics_only = scrape_until(&stack, "metrics-only adoptions", |s| {
+        let r = stack.chat(PD, &chat(false, 4));
+        assert_eq!(r.status, 200, "{}", r.text());
+        adoptions(s, "metrics") >= 2.0 * vms
+    });
+    assert_eq!(
+        adoptions(&metrics_only, "full"),
+        full,
+        "no fleet change, no full decode"
+    );
+
+    // A pod leaves: the next snapshot is another fleet, decoded in full by every VM, and
+    // routing follows it.
+    let remaining = stack.fleet.without("vllm-d-1").without("vllm-p-1");
+    stack.write_fleet(remaining);
+    stack.wait_fleet_adopted();
+    let after = stack.scrape();
+    assert!(
+        adoptions(&after, "full") >= full + vms,
+        "full decodes {} after the change, {full} before",
+        adoptions(&after, "full")
+    );
+    for _ in 0..4 {
+        let r = stack.chat(PD, &chat(false, 1));
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(header(&r, "target-pod"), "vllm-d-0");
+    }
 }

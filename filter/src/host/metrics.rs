@@ -104,6 +104,9 @@ pub struct Metrics {
     /// every VM computes alike from the shared confirmation time.
     pub snapshot_stale: Option<u32>,
     pub snapshot_age_ms: Option<u32>,
+    /// `pd_router_snapshot_adoptions_total{kind}`: `full` (the fleet changed, or the VM's
+    /// first) and `metrics` (only engine metrics changed; the VM's view was reused).
+    snapshot_adoptions: [Option<u32>; 2],
     /// `pd_router_ejections_total`: pods taken out of a worker's routing view by passive
     /// ejection (`core::ejection`).
     pub ejections: Option<u32>,
@@ -197,6 +200,8 @@ impl Metrics {
                         .map(|id| (*r, id))
                 })
                 .collect(),
+            snapshot_adoptions: ["full", "metrics"]
+                .map(|kind| counter("pd_router_snapshot_adoptions_total", &[("kind", kind)])),
             snapshot_stale: define(g, "pd_router_snapshot_stale"),
             snapshot_age_ms: define(g, "pd_router_snapshot_age_ms"),
             ejections: define(c, "pd_router_ejections_total"),
@@ -215,6 +220,12 @@ impl Metrics {
             histograms,
             ..Metrics::default()
         }
+    }
+
+    /// Counts one adopted snapshot: `metrics_only` when it differed from the VM's view only
+    /// in engine metrics.
+    pub fn snapshot_adopted(&self, metrics_only: bool) {
+        Metrics::inc(self.snapshot_adoptions[usize::from(metrics_only)]);
     }
 
     /// Counts one failed snapshot poll under `reason` (one of `FETCH_ERRORS`).

@@ -243,6 +243,7 @@ impl Root {
                 .latest
                 .as_ref()
                 .is_some_and(|latest| latest.same_topology(&view));
+            vm.metrics.snapshot_adopted(same_pods);
             if !same_pods {
                 if vm.metrics.has_pod_series() {
                     // Pods that left the fleet: zero their gauges, stop updating their counters.
