@@ -6,6 +6,9 @@
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use pd_router_filter::core::fleet::FleetView;
 
+#[allow(dead_code)] // only its pods are used here
+#[path = "support/fleet.rs"]
+mod fleet;
 #[path = "support/snapshot.rs"]
 mod support;
 use support::snapshot_bytes;

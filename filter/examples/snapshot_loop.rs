@@ -6,6 +6,9 @@
 //! Prints the median time of each over batches.
 
 use pd_router_filter::core::fleet::FleetView;
+#[allow(dead_code)] // only its pods are used here
+#[path = "../benches/support/fleet.rs"]
+mod fleet;
 #[path = "../benches/support/snapshot.rs"]
 mod support;
 use support::snapshot_bytes;

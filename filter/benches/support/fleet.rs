@@ -33,6 +33,28 @@ pub fn request<'a>(settings: &'a PdSettings, match_pct: &'a [f64], loaded: bool)
     }
 }
 
+/// Pod `i` of a bench fleet: even ones prefill, odd ones decode, two per roleset, ready,
+/// without config or metrics.
+pub fn pd_pod(i: usize, name: &str) -> proto::Pod {
+    let role = if i.is_multiple_of(2) {
+        "prefill"
+    } else {
+        "decode"
+    };
+    proto::Pod {
+        namespace: "bench".into(),
+        name: format!("{name}-{i}"),
+        ip: format!("10.0.{}.{}", i / 250, i % 250),
+        port: 8000,
+        engine: "vllm".into(),
+        role: role.into(),
+        roleset: format!("rs-{}", i / 2),
+        ready: true,
+        serves_http: true,
+        ..Default::default()
+    }
+}
+
 /// `pods` pods in rolesets of one prefill and one decode pod, with engine metrics and a
 /// ledger that has load on every pod, so no branch is skipped for lack of data; unscraped and
 /// idle when `scraped` is false.
@@ -40,17 +62,7 @@ pub fn fleet_with(pods: usize, scraped: bool) -> (ModelView, Ledger) {
     let mut rng = fastrand::Rng::with_seed(1);
     let mut list = Vec::with_capacity(pods);
     for i in 0..pods {
-        let role = if i % 2 == 0 { "prefill" } else { "decode" };
         list.push(proto::Pod {
-            namespace: "bench".into(),
-            name: format!("pod-{i}"),
-            ip: format!("10.0.{}.{}", i / 250, i % 250),
-            port: 8000,
-            engine: "vllm".into(),
-            role: role.into(),
-            roleset: format!("rs-{}", i / 2),
-            ready: true,
-            serves_http: true,
             metrics: scraped.then(|| proto::PodMetrics {
                 present: true,
                 running: rng.f64() * 20.0,
@@ -60,7 +72,7 @@ pub fn fleet_with(pods: usize, scraped: bool) -> (ModelView, Ledger) {
                 ttft_avg_seconds: 0.05,
                 ..Default::default()
             }),
-            ..Default::default()
+            ..pd_pod(i, "pod")
         });
     }
     let snapshot = proto::Snapshot {
