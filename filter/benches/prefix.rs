@@ -3,7 +3,7 @@
 //! decode and insert again. Run: `cargo bench -p pd-router-filter --bench prefix`.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use pd_router_filter::core::prefix::{PrefixEvent, PrefixIndex};
+use pd_router_filter::core::prefix::{EventBatch, PrefixEvent, PrefixIndex};
 
 /// `bytes` of text; prompts with different salts differ from their 9th byte on.
 fn prompt(bytes: usize, salt: usize) -> Vec<u8> {
@@ -57,8 +57,17 @@ fn prefix(c: &mut Criterion) {
             stream: prompt(bytes, 0),
             at_ms: 1,
         };
-        group.bench_function(BenchmarkId::new("event_encode_decode", bytes), |b| {
-            b.iter(|| PrefixEvent::decode(&event.encode()))
+        // What a selection and a receiving worker do with an event: push it into the batch,
+        // read it back from the message (borrowed).
+        group.bench_function(BenchmarkId::new("event_batch_round_trip", bytes), |b| {
+            b.iter(|| {
+                let mut batch = EventBatch::default();
+                batch.push(event.as_ref());
+                let message = batch.take();
+                EventBatch::events(&message)
+                    .map(|e| e.map(|e| e.stream.len()).unwrap_or(0))
+                    .sum::<usize>()
+            })
         });
     }
     group.finish();

@@ -22,7 +22,7 @@ use crate::core::obs::outcome::{self, CutBy, Outcome};
 use crate::core::obs::timing::Instants;
 use crate::core::obs::{usage, Explain};
 use crate::core::pd::{self, candidates, PairInput, PdSettings, Step0Input, Target};
-use crate::core::prefix::PrefixEvent;
+use crate::core::prefix::EventRef;
 use crate::core::profile::Strategy;
 use crate::core::request::{self, Endpoint, RoutingRequest};
 use crate::core::route::{self, Decision};
@@ -454,21 +454,21 @@ impl PdHttp {
         );
         if let (Target::Pair { prefill, .. }, false) = (selected.target, stream.is_empty()) {
             // Warm the index with the chosen prefill pod, here and on every other worker.
-            let event = PrefixEvent {
-                model: req.model.clone(),
-                pod: model.pods[prefill].key.clone(),
-                stream,
+            let event = EventRef {
+                model: &req.model,
+                pod: &model.pods[prefill].key,
+                stream: &stream,
                 at_ms: now,
             };
             crate::section!(
                 "select.prefix_event",
                 vm.prefix
-                    .add_prefix(&event.stream, &event.model, &event.pod, now)
+                    .add_prefix(event.stream, event.model, event.pod, now)
             );
             // Sent to the peers with the other events gathered until this request's response
             // starts (see `send_prefix_batch`): one cross-thread wake-up for many selections.
             if !vm.peers.is_empty() {
-                vm.prefix_outbox.push(&event);
+                vm.prefix_outbox.push(event);
                 self.prefix_batch = Some(vm.prefix_batches_sent);
                 if vm.prefix_outbox.bytes() >= snapshot::PREFIX_BATCH_MAX_BYTES {
                     snapshot::send_prefix_batch(vm);

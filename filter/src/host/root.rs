@@ -15,7 +15,7 @@ use crate::core::freshness::{Freshness, Transition};
 use crate::core::ledger;
 use crate::core::pd::bucket_serve::Planner;
 use crate::core::pd::PdDefaults;
-use crate::core::prefix::{EventBatch, PrefixEvent, PrefixIndex, PrefixSettings};
+use crate::core::prefix::{EventBatch, EventRef, PrefixIndex, PrefixSettings};
 use crate::core::remote::ReportDue;
 use crate::core::tokens::{SessionTable, TokenLoadSettings};
 use crate::host::http::PdHttp;
@@ -704,23 +704,25 @@ impl RootContext for Root {
         while let Ok(Some(msg)) = proxy_wasm::hostcalls::dequeue_shared_queue(queue_id) {
             match msg.split_first() {
                 Some((&snapshot::MSG_SNAPSHOT, _)) => snapshot_notice = true,
-                Some((&snapshot::MSG_PREFIX, event)) => match PrefixEvent::decode(event) {
+                Some((&snapshot::MSG_PREFIX, event)) => match EventRef::decode(event) {
                     Ok(e) => self
                         .vm
                         .borrow_mut()
                         .prefix
-                        .add_prefix(&e.stream, &e.model, &e.pod, e.at_ms),
+                        .add_prefix(e.stream, e.model, e.pod, e.at_ms),
                     Err(err) => log::warn!("dropping a malformed prefix event: {err}"),
                 },
-                Some((&snapshot::MSG_PREFIX_BATCH, batch)) => match EventBatch::decode(batch) {
-                    Ok(events) => {
-                        let mut vm = self.vm.borrow_mut();
-                        for e in events {
-                            vm.prefix.add_prefix(&e.stream, &e.model, &e.pod, e.at_ms);
+                Some((&snapshot::MSG_PREFIX_BATCH, batch)) => {
+                    let mut vm = self.vm.borrow_mut();
+                    for e in EventBatch::events(batch) {
+                        match e {
+                            Ok(e) => vm.prefix.add_prefix(e.stream, e.model, e.pod, e.at_ms),
+                            Err(err) => log::warn!(
+                                "dropping the rest of a malformed prefix event batch: {err}"
+                            ),
                         }
                     }
-                    Err(err) => log::warn!("dropping a malformed prefix event batch: {err}"),
-                },
+                }
                 // Another VM got a request after an idle spell: tick at the fast period (no
                 // message back, so a wake-up never echoes).
                 Some((&snapshot::MSG_WAKE, _)) => self.vm.borrow_mut().wake(),

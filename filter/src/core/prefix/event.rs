@@ -26,29 +26,79 @@ pub struct PrefixEvent {
     pub at_ms: u64,
 }
 
+/// A [`PrefixEvent`] borrowing its parts: what a selection pushes (the request's model,
+/// the pod's key, the prompt's stream) and what a receiving worker applies straight from the
+/// queue message, without copying a prompt per event on either side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EventRef<'a> {
+    pub model: &'a str,
+    pub pod: &'a str,
+    pub stream: &'a [u8],
+    pub at_ms: u64,
+}
+
 /// Wire format version, the first byte of an encoded event.
 const EVENT_VERSION: u8 = 2;
 
 impl PrefixEvent {
-    /// `version u8 ‖ varint at_ms ‖ varint len ‖ model ‖ varint len ‖ pod ‖ varint len ‖
-    /// stream`. Varints are LEB128.
+    pub fn as_ref(&self) -> EventRef<'_> {
+        EventRef {
+            model: &self.model,
+            pod: &self.pod,
+            stream: &self.stream,
+            at_ms: self.at_ms,
+        }
+    }
+
+    /// See [`EventRef::encode_into`].
     pub fn encode(&self) -> Vec<u8> {
-        let mut out =
-            Vec::with_capacity(1 + 10 * 4 + self.model.len() + self.pod.len() + self.stream.len());
-        out.push(EVENT_VERSION);
-        put_varint(&mut out, self.at_ms);
-        put_varint(&mut out, self.model.len() as u64);
-        out.extend_from_slice(self.model.as_bytes());
-        put_varint(&mut out, self.pod.len() as u64);
-        out.extend_from_slice(self.pod.as_bytes());
-        put_varint(&mut out, self.stream.len() as u64);
-        out.extend_from_slice(&self.stream);
+        let e = self.as_ref();
+        let mut out = Vec::with_capacity(e.encoded_len());
+        e.encode_into(&mut out);
         out
     }
 
-    /// Parses an encoded event; any corruption is an error, never a panic or a huge allocation
-    /// (lengths are checked against the remaining bytes before anything is allocated).
+    /// Parses an encoded event (see [`EventRef::decode`]).
     pub fn decode(bytes: &[u8]) -> Result<PrefixEvent, EventError> {
+        EventRef::decode(bytes).map(|e| e.to_owned())
+    }
+}
+
+impl<'a> EventRef<'a> {
+    pub fn to_owned(self) -> PrefixEvent {
+        PrefixEvent {
+            model: self.model.to_owned(),
+            pod: self.pod.to_owned(),
+            stream: self.stream.to_vec(),
+            at_ms: self.at_ms,
+        }
+    }
+
+    /// The exact size [`EventRef::encode_into`] writes.
+    fn encoded_len(&self) -> usize {
+        let field = |len: usize| varint_len(len as u64) + len;
+        1 + varint_len(self.at_ms)
+            + field(self.model.len())
+            + field(self.pod.len())
+            + field(self.stream.len())
+    }
+
+    /// `version u8 ‖ varint at_ms ‖ varint len ‖ model ‖ varint len ‖ pod ‖ varint len ‖
+    /// stream`. Varints are LEB128.
+    pub fn encode_into(&self, out: &mut Vec<u8>) {
+        out.push(EVENT_VERSION);
+        put_varint(out, self.at_ms);
+        put_varint(out, self.model.len() as u64);
+        out.extend_from_slice(self.model.as_bytes());
+        put_varint(out, self.pod.len() as u64);
+        out.extend_from_slice(self.pod.as_bytes());
+        put_varint(out, self.stream.len() as u64);
+        out.extend_from_slice(self.stream);
+    }
+
+    /// Parses an encoded event; any corruption is an error, never a panic or a huge allocation
+    /// (lengths are checked against the remaining bytes, and nothing is copied).
+    pub fn decode(bytes: &'a [u8]) -> Result<EventRef<'a>, EventError> {
         let mut r = Reader { bytes, pos: 0 };
         let version = r.take(1)?[0];
         if version != EVENT_VERSION {
@@ -58,12 +108,12 @@ impl PrefixEvent {
         let model = r.string()?;
         let pod = r.string()?;
         let len = r.len()?;
-        let stream = r.take(len)?.to_vec();
+        let stream = r.take(len)?;
         let rest = bytes.len() - r.pos;
         if rest != 0 {
             return Err(EventError::Trailing(rest));
         }
-        Ok(PrefixEvent {
+        Ok(EventRef {
             model,
             pod,
             stream,
@@ -84,10 +134,12 @@ pub struct EventBatch {
 }
 
 impl EventBatch {
-    pub fn push(&mut self, event: &PrefixEvent) {
-        let encoded = event.encode();
-        put_varint(&mut self.bytes, encoded.len() as u64);
-        self.bytes.extend_from_slice(&encoded);
+    /// Appends `event` after its length, encoded straight into the batch.
+    pub fn push(&mut self, event: EventRef<'_>) {
+        let len = event.encoded_len();
+        self.bytes.reserve(varint_len(len as u64) + len);
+        put_varint(&mut self.bytes, len as u64);
+        event.encode_into(&mut self.bytes);
         self.events += 1;
     }
 
@@ -106,17 +158,35 @@ impl EventBatch {
         std::mem::take(&mut self.bytes)
     }
 
-    /// The events of a message made by [`EventBatch::take`], in order; an error for the
-    /// first malformed one (the events before it are lost with it: a peer's bug, not input).
-    pub fn decode(bytes: &[u8]) -> Result<Vec<PrefixEvent>, EventError> {
+    /// The events of a message made by [`EventBatch::take`], in order, borrowed from it; the
+    /// first malformed one is an error and ends the iteration (a peer's bug, not input).
+    pub fn events(bytes: &[u8]) -> impl Iterator<Item = Result<EventRef<'_>, EventError>> {
         let mut r = Reader { bytes, pos: 0 };
-        let mut events = Vec::new();
-        while r.pos < bytes.len() {
-            let len = r.len()?;
-            events.push(PrefixEvent::decode(r.take(len)?)?);
-        }
-        Ok(events)
+        let mut failed = false;
+        std::iter::from_fn(move || {
+            if failed || r.pos >= r.bytes.len() {
+                return None;
+            }
+            let event = r
+                .len()
+                .and_then(|len| r.take(len))
+                .and_then(EventRef::decode);
+            failed = event.is_err();
+            Some(event)
+        })
     }
+
+    /// The events of a message, owned; an error for the first malformed one.
+    pub fn decode(bytes: &[u8]) -> Result<Vec<PrefixEvent>, EventError> {
+        EventBatch::events(bytes)
+            .map(|e| e.map(EventRef::to_owned))
+            .collect()
+    }
+}
+
+/// Bytes of `v` as a LEB128 varint.
+fn varint_len(v: u64) -> usize {
+    (64 - v.leading_zeros() as usize).max(1).div_ceil(7)
 }
 
 fn put_varint(out: &mut Vec<u8>, mut v: u64) {
@@ -166,12 +236,10 @@ impl<'a> Reader<'a> {
         Ok(n)
     }
 
-    fn string(&mut self) -> Result<String, EventError> {
+    fn string(&mut self) -> Result<&'a str, EventError> {
         let n = self.len()?;
         let raw = self.take(n)?;
-        std::str::from_utf8(raw)
-            .map(str::to_owned)
-            .map_err(|_| EventError::Utf8)
+        std::str::from_utf8(raw).map_err(|_| EventError::Utf8)
     }
 }
 
@@ -204,6 +272,7 @@ mod tests {
         ];
         for e in events {
             let bytes = e.encode();
+            assert_eq!(bytes.len(), e.as_ref().encoded_len());
             assert_eq!(PrefixEvent::decode(&bytes), Ok(e.clone()));
             // Applying a decoded event is the same as adding the prefix directly.
             let mut index = PrefixIndex::new(10_000, 4);
@@ -224,6 +293,20 @@ mod tests {
             at_ms: 1_767_225_600_123,
         };
         assert_eq!(small.encode().len(), 1 + 6 + 2 + 2 + 1 + 4);
+        for v in [
+            0,
+            1,
+            127,
+            128,
+            16_383,
+            16_384,
+            u64::from(u32::MAX),
+            u64::MAX,
+        ] {
+            let mut out = Vec::new();
+            put_varint(&mut out, v);
+            assert_eq!(varint_len(v), out.len(), "{v}");
+        }
     }
 
     #[test]
@@ -240,7 +323,7 @@ mod tests {
         assert!(batch.is_empty());
         assert_eq!(EventBatch::decode(&batch.take()), Ok(vec![]));
         for e in &events {
-            batch.push(e);
+            batch.push(e.as_ref());
         }
         assert!(!batch.is_empty() && batch.bytes() > 0);
         let message = batch.take();
