@@ -329,6 +329,22 @@ mod tests {
         let message = batch.take();
         assert!(batch.is_empty() && batch.bytes() == 0);
         assert_eq!(EventBatch::decode(&message), Ok(events.clone()));
+        // Read borrowed, event by event; a corrupt event ends the batch after the good ones.
+        let streams: Vec<&[u8]> = EventBatch::events(&message)
+            .map(|e| e.expect("a good event").stream)
+            .collect();
+        assert_eq!(
+            streams,
+            events.iter().map(|e| &e.stream[..]).collect::<Vec<_>>()
+        );
+        let mut corrupt = message.clone();
+        let (first, second) = (events[0].encode().len(), events[1].encode().len());
+        // Past the first event and the second's length: the second event's version byte.
+        corrupt[varint_len(first as u64) + first + varint_len(second as u64)] = 9;
+        let read: Vec<_> = EventBatch::events(&corrupt).collect();
+        assert_eq!(read.len(), 2, "{read:?}");
+        assert_eq!(read[0], Ok(events[0].as_ref()));
+        assert_eq!(read[1], Err(EventError::Version(9)));
         // A cut message is an error, or (cut between events) the events before the cut.
         for cut in 1..message.len() {
             if let Ok(got) = EventBatch::decode(&message[..cut]) {
