@@ -5,10 +5,10 @@
 # callback and of the steps inside it, as every worker last logged it.
 #
 #   envoy/profile-sections.sh [CLIENTS...]      default: 1 32
-# Environment: FLEET (envoy/fleets/demo.yaml), SECONDS_PER_RUN (20), BODY_BYTES (2048), RPS (400 with one client, else 0 =
-# closed loop), PROFILE (native), PORT (10731), ADMIN_PORT (9951), plus AIBRIX_* for the
-# filter (policies). Wall time includes preemption on a loaded box: compare sections, and
-# builds, in one sitting.
+# Environment: FLEET (envoy/fleets/demo.yaml; envoy/fleets/pd-fleet.sh writes bigger ones),
+# SECONDS_PER_RUN (20), BODY_BYTES (2048), RPS (400 with one client, else 0 = closed loop),
+# PROFILE (native), PORT (10731), ADMIN_PORT (9951), plus AIBRIX_* for the filter (policies).
+# Wall time includes preemption on a loaded box: compare sections, and builds, in one sitting.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export ADMIN_PORT=${ADMIN_PORT:-9951} CONTROL_PORT=${CONTROL_PORT:-18151}

@@ -162,8 +162,13 @@ impl FleetView {
     /// the same labels and config, metrics aside. Per-pod state kept outside the view (metric
     /// series) then needs no revisit.
     pub fn same_topology(&self, other: &FleetView) -> bool {
-        !self.topology.is_empty()
-            && (Rc::ptr_eq(&self.topology, &other.topology) || self.topology == other.topology)
+        (Rc::ptr_eq(&self.topology, &other.topology) && !self.topology.is_empty())
+            || self.has_topology(&other.topology)
+    }
+
+    /// Whether this view was decoded from a snapshot whose topology is `topology`.
+    fn has_topology(&self, topology: &[u8]) -> bool {
+        !self.topology.is_empty() && *self.topology == *topology
     }
 
     /// Whether `address` (`ip:port`) is a routable pod of this snapshot.
@@ -218,17 +223,18 @@ impl FleetView {
     }
 
     /// Decodes a snapshot that follows `previous` (the last view decoded; a stale or ejection
-    /// copy of it has no topology and is never refreshed). When the two differ only in engine metrics, as nearly every
-    /// snapshot does under traffic, the new view shares `previous`'s pods, rolesets and
-    /// addresses and only its metrics and selection columns are new: the walk plus one
-    /// column build, instead of a decode that allocates per pod and parses every pod's config.
+    /// copy of it has no topology and is never refreshed). When the two differ only in engine
+    /// metrics, as nearly every snapshot does under traffic, the new view shares `previous`'s
+    /// pods, rolesets and addresses and only its metrics and selection columns are new: the
+    /// walk plus one column build, instead of a decode that allocates per pod and parses every
+    /// pod's config.
     pub fn decode_after(
         bytes: &[u8],
         previous: Option<&FleetView>,
     ) -> Result<FleetView, prost::DecodeError> {
         let scan = Scan::of(bytes).ok();
         if let (Some(scan), Some(previous)) = (&scan, previous) {
-            if !previous.topology.is_empty() && *previous.topology == *scan.topology {
+            if previous.has_topology(&scan.topology) {
                 if let Some(view) = previous.with_metrics(scan) {
                     return Ok(view);
                 }
