@@ -33,14 +33,15 @@ for clients in ${@:-1 32}; do
     --clients "$clients" --duration "${SECONDS_PER_RUN}s" --workload fixed \
     --body-bytes "$BODY_BYTES" --stream-ratio 0 --max-tokens 1 --routing-strategy pd |
     grep -E '^pd-load:'
+  # Envoy flushes its log file every few seconds: stopping it writes out the last reports.
+  envoy/stack.sh down >/dev/null
   echo "µs of wall time per request, $clients client(s), ${BODY_BYTES}-byte bodies (xN: calls per request):"
   # The last report of each worker (Envoy's log line: [time][thread id][level][logger] ...).
-  grep 'sections over' .run/envoy.log |
+  { grep 'sections over' .run/envoy.log || echo "  (no sections report: fewer than one report's worth of requests)" >&2; } |
     sed -E 's/^[^]]*\]\[([0-9]+)\].*sections over ([0-9]+) requests: /\1 \2 /' |
     awk '{ last[$1] = $0 } END { for (t in last) print last[t] }' |
     while read -r _ n rest; do
       echo "  one worker, last $n requests:"
       for kv in $rest; do printf '    %-36s %s\n' "${kv%%=*}" "${kv#*=}"; done
     done
-  envoy/stack.sh down >/dev/null
 done

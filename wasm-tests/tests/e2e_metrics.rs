@@ -627,3 +627,58 @@ fn snapshots_that_only_move_metrics_reuse_the_view_and_a_fleet_change_decodes_in
         assert_eq!(header(&r, "target-pod"), "vllm-d-0");
     }
 }
+
+#[test]
+fn every_pod_of_a_large_fleet_gets_its_gauges_over_ticks_and_a_charged_pod_at_once() {
+    // Sixty more pods of another model: in the router's fleet, not served. Envoy takes
+    // ≈ 0.1 ms to define a stat, so a VM defines ledger gauges within a time budget per tick
+    // (a few pods each) instead of all of a large fleet's at once when it adopts it.
+    let served = fleet();
+    let mut large = served.clone();
+    for i in 0..60 {
+        let role = if i % 2 == 0 { "prefill" } else { "decode" };
+        large = large
+            .pod(&format!("big-{i}"), role, &format!("big-{}", i / 2))
+            .of_model("big-llm");
+    }
+    let stack = Stack::start_opts(large.clone(), served, &Options::default());
+
+    // A request's pods show their charge at once, whatever waits in the backlog.
+    let r = stack.chat(PD, &chat(false, 1));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let charged = [header(&r, "target-pod"), header(&r, "prefill-target-pod")];
+    let s = stack.scrape();
+    for pod in charged {
+        assert!(
+            s.value("pd_router_running_requests", &[("pod_name", pod)])
+                .is_some(),
+            "the gauges of {pod}, charged by the request, exist when its answer arrives"
+        );
+    }
+
+    // Every pod of the fleet, charged or not, gets all five gauges once the backlog drains.
+    let all: BTreeSet<&str> = large.pods.iter().map(|p| p.name.as_str()).collect();
+    const GAUGES: [&str; 5] = [
+        "pd_token_load_active_tokens",
+        "pd_token_load_kv_tokens",
+        "pd_token_load_decode_tokens",
+        "pd_router_prefill_inflight",
+        "pd_router_running_requests",
+    ];
+    let labelled = |s: &Scrape, family: &str| -> BTreeSet<String> {
+        s.series(family, &[])
+            .map(|g| g.labels["pod_name"].clone())
+            .collect()
+    };
+    let s = scrape_until(&stack, "every pod's five ledger gauges", |s| {
+        GAUGES.iter().all(|f| labelled(s, f).len() == all.len())
+    });
+    for family in GAUGES {
+        let names = labelled(&s, family);
+        assert_eq!(
+            names.iter().map(String::as_str).collect::<BTreeSet<_>>(),
+            all,
+            "{family}: one series per pod of the fleet"
+        );
+    }
+}

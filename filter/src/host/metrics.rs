@@ -11,6 +11,7 @@ use proxy_wasm::types::MetricType;
 
 use crate::core::errors::RouteError;
 use crate::core::fleet::{PodView, Role};
+use crate::core::obs::backlog::Backlog;
 use crate::core::obs::labels::tagged;
 use crate::core::obs::outcome::{self, Outcome};
 use crate::core::obs::timing::{self, Durations, DURATION_BUCKETS, TOTAL_BUCKETS};
@@ -76,6 +77,9 @@ type OutcomeIds = HashMap<(&'static str, u32), Option<u32>>;
 pub struct Metrics {
     /// Per-pod ledger gauges, defined for every pod of each adopted snapshot.
     token_gauges: HashMap<String, TokenGauges>,
+    /// Pods whose ledger gauges wait to be defined, a time budget per tick
+    /// ([`Metrics::define_waiting_gauges`]).
+    gauge_backlog: Backlog,
     /// `pd_selected_{prefill,decode}_pod_total` per pod key.
     selected: HashMap<String, Option<u32>>,
     /// The shared `pod="_other"` series past [`MAX_POD_SERIES`], per side, once defined.
@@ -132,6 +136,27 @@ fn define(kind: MetricType, name: &str) -> Option<u32> {
 
 fn counter(name: &str, tags: &[(&str, &str)]) -> Option<u32> {
     define(MetricType::Counter, &tagged(name, tags))
+}
+
+/// The ledger gauges of `key` in `gauges`, defined on first use.
+fn pod_gauges<'g>(gauges: &'g mut HashMap<String, TokenGauges>, key: &str) -> &'g mut TokenGauges {
+    gauges.entry_ref(key).or_insert_with(|| {
+        let (ns, name) = key.split_once('/').unwrap_or(("", key));
+        let gauge = |metric: &str| {
+            define(
+                MetricType::Gauge,
+                &tagged(metric, &[("namespace", ns), ("pod_name", name)]),
+            )
+        };
+        let ids = [
+            gauge("pd_token_load_active_tokens"),
+            gauge("pd_token_load_kv_tokens"),
+            gauge("pd_token_load_decode_tokens"),
+            gauge("pd_router_prefill_inflight"),
+            gauge("pd_router_running_requests"),
+        ];
+        TokenGauges { ids, last: None }
+    })
 }
 
 impl Metrics {
@@ -257,39 +282,39 @@ impl Metrics {
         }
     }
 
-    /// Defines the ledger gauges of these pods (keys `namespace/name`: every pod of each
-    /// adopted snapshot, and any pod a request charges) if this VM has not yet: tokens
-    /// (`pd_token_load_active_tokens`, `_kv_tokens`, `_decode_tokens`) and request counters
-    /// (`pd_router_prefill_inflight`, `pd_router_running_requests`), each labelled
-    /// `namespace` and `pod_name`. A charge writes the charged pods' values from its CAS round
-    /// ([`Metrics::charged_gauges`]); everything else, releases included, shows at the root
-    /// tick's [`Metrics::sync_ledger_gauges`] (every 200 ms): writing ten gauges in each of a
-    /// request's three rounds cost more than the rounds' own work in V8.
+    /// Queues the ledger gauges of these pods (keys `namespace/name`: every pod of each
+    /// adopted snapshot, and the pods of a dead VM's charges) for definition unless this VM
+    /// has them: tokens (`pd_token_load_active_tokens`, `_kv_tokens`, `_decode_tokens`) and
+    /// request counters (`pd_router_prefill_inflight`, `pd_router_running_requests`), each
+    /// labelled `namespace` and `pod_name`. They are defined a time budget per tick
+    /// ([`Metrics::define_waiting_gauges`], see `core::obs::backlog`), except a charged pod's,
+    /// which its charge defines at once. A charge writes the charged pods' values from its CAS
+    /// round ([`Metrics::charged_gauges`]); everything else, releases included, shows at the
+    /// root tick's [`Metrics::sync_ledger_gauges`] (every 200 ms): writing ten gauges in each
+    /// of a request's three rounds cost more than the rounds' own work in V8.
     pub fn track_pods<'k>(&mut self, keys: impl Iterator<Item = &'k str>) {
         for key in keys {
-            self.pod_gauges(key);
+            if !self.token_gauges.contains_key(key) {
+                self.gauge_backlog.push(key);
+            }
         }
     }
 
-    /// The ledger gauges of `key`, defined on first use.
-    fn pod_gauges(&mut self, key: &str) -> &mut TokenGauges {
-        self.token_gauges.entry_ref(key).or_insert_with(|| {
-            let (ns, name) = key.split_once('/').unwrap_or(("", key));
-            let gauge = |metric: &str| {
-                define(
-                    MetricType::Gauge,
-                    &tagged(metric, &[("namespace", ns), ("pod_name", name)]),
-                )
-            };
-            let ids = [
-                gauge("pd_token_load_active_tokens"),
-                gauge("pd_token_load_kv_tokens"),
-                gauge("pd_token_load_decode_tokens"),
-                gauge("pd_router_prefill_inflight"),
-                gauge("pd_router_running_requests"),
-            ];
-            TokenGauges { ids, last: None }
-        })
+    /// Defines waiting ledger gauges for up to `budget_us` of the VM's time (at least one
+    /// pod's). Returns how many pods got theirs and how many still wait.
+    pub fn define_waiting_gauges(&mut self, budget_us: u64) -> (usize, usize) {
+        let gauges = &mut self.token_gauges;
+        let defined = self
+            .gauge_backlog
+            .drain_within(budget_us, crate::host::now_us, |key| {
+                pod_gauges(gauges, key);
+            });
+        (defined, self.gauge_backlog.len())
+    }
+
+    /// Whether ledger gauges still wait to be defined (the timer keeps its fast pace).
+    pub fn has_waiting_gauges(&self) -> bool {
+        !self.gauge_backlog.is_empty()
     }
 
     /// Writes the gauges of every tracked pod from `ledger` (local rows), skipping the pods
@@ -309,7 +334,7 @@ impl Metrics {
         rows: impl Iterator<Item = (&'k str, crate::core::ledger::Row)>,
     ) {
         for (key, row) in rows {
-            self.pod_gauges(key).write(&row);
+            pod_gauges(&mut self.token_gauges, key).write(&row);
         }
     }
 
@@ -360,11 +385,12 @@ impl Metrics {
             keep
         });
         self.selected.retain(|key, _| live(key));
+        self.gauge_backlog.retain(live);
     }
 
     /// Whether any per-pod series is cached (so the caller can skip building the live set).
     pub fn has_pod_series(&self) -> bool {
-        !self.token_gauges.is_empty() || !self.selected.is_empty()
+        !self.token_gauges.is_empty() || !self.selected.is_empty() || !self.gauge_backlog.is_empty()
     }
 
     /// Counts a request's outcome in `gateway_request_model_{success,fail}_total`.

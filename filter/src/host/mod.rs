@@ -138,12 +138,14 @@ impl VmState {
     }
 
     /// Whether anything outstanding needs the timer: charges to release or journal,
-    /// streams under the watchdog, queued aborts, prefix events not sent yet.
+    /// streams under the watchdog, queued aborts, prefix events not sent yet, ledger gauges
+    /// not defined yet.
     pub fn has_outstanding_work(&self) -> bool {
         !self.holds.is_empty()
             || !self.watched.is_empty()
             || self.engines.has_queued_aborts()
             || !self.prefix_outbox.is_empty()
+            || self.metrics.has_waiting_gauges()
     }
 
     /// Records how a pod served a request (`ok`) for passive ejection, logging and counting

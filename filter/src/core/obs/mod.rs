@@ -1,7 +1,9 @@
 //! Observability, pure: metric names with labels, request outcomes, request timing and its
-//! AIBrix duration buckets, stream usage scanning, and routing explanations. The host only
+//! AIBrix duration buckets, stream usage scanning, routing explanations, and the backlog of
+//! series too many to define at once. The host only
 //! emits what these functions compute, so all of it is testable natively.
 
+pub mod backlog;
 pub mod explain;
 pub mod labels;
 pub mod outcome;
