@@ -1122,7 +1122,7 @@ mod tests {
     fn each_engine_exposition_parses_with_pd_controls_mapping() {
         use pd_control::scrape::engine::parse_reading;
         let m = busy_snapshot(Engine::Vllm);
-        let r = parse_reading(render("org/m", &m), Engine::Vllm, "org/m").unwrap();
+        let r = parse_reading(render("org/m", &m), Engine::Vllm, "org/m");
         assert_eq!(
             (r.running, r.waiting, r.kv_cache_usage),
             (Some(3.0), Some(5.0), Some(0.25))
@@ -1133,8 +1133,7 @@ mod tests {
             render_sglang("org/m", "decode", &m),
             Engine::Sglang,
             "org/m",
-        )
-        .unwrap();
+        );
         assert_eq!(
             (r.running, r.waiting, r.kv_cache_usage),
             (Some(3.0), Some(2.0), Some(0.25))
@@ -1144,7 +1143,7 @@ mod tests {
             (Some(120.5), Some(9.0), Some(700.0))
         );
         let m = busy_snapshot(Engine::Trtllm);
-        let r = parse_reading(render_trtllm("org/m", 1, &m), Engine::Trtllm, "org/m").unwrap();
+        let r = parse_reading(render_trtllm("org/m", 1, &m), Engine::Trtllm, "org/m");
         assert_eq!(
             (r.running, r.waiting, r.kv_cache_usage),
             (Some(3.0), Some(5.0), Some(0.25))

@@ -4,10 +4,11 @@
 //! cumulative totals. Turning two readings into rates is [`super::rates`]' job, so this half stays
 //! a pure function of the text.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::LazyLock;
 
-use prometheus_parse::{Labels, Scrape, Value};
+use super::exposition::Sample;
 
 /// Label carrying the served model on every engine's model-scoped metrics.
 const LABEL_MODEL_NAME: &str = "model_name";
@@ -198,14 +199,6 @@ pub struct Reading {
     pub tpot: Option<Histo>,
 }
 
-#[derive(Debug, thiserror::Error)]
-#[error("invalid Prometheus exposition: {0}")]
-pub struct ParseError(#[from] std::io::Error);
-
-/// Stands in for `:` in metric names while prometheus-parse reads them: its name pattern is
-/// `\w+`, so `vllm:…` and `sglang:…` lines would otherwise be dropped without an error.
-const COLON: &str = "__pdcolon__";
-
 /// Extracts the sample name of an exposition line, or `None` for comments and blank lines.
 fn sample_name(line: &[u8]) -> Option<&[u8]> {
     let start = line.iter().position(|b| !b.is_ascii_whitespace())?;
@@ -220,45 +213,32 @@ fn sample_name(line: &[u8]) -> Option<&[u8]> {
     Some(&line[..end])
 }
 
-/// Parses an engine's `/metrics` body into the readings for `model`.
+/// Parses an engine's `/metrics` body into the readings for `model`. A line it cannot read
+/// counts as absent, so a body that is not an exposition at all is an empty reading.
 ///
-/// Only lines the mapping reads reach the Prometheus parser: vLLM exposes over a thousand lines,
-/// mostly histogram buckets, and at a 50 ms interval across a fleet the regex parser would
-/// otherwise dominate the service's CPU. The body is filtered as bytes and only the kept lines
-/// are checked as UTF-8, so a scrape never copies or validates the whole exposition; a kept
-/// line that is not UTF-8 is dropped like any line the parser cannot read.
-pub fn parse_reading(
-    body: impl AsRef<[u8]>,
-    engine: Engine,
-    model: &str,
-) -> Result<Reading, ParseError> {
+/// Only lines the mapping reads are parsed: vLLM exposes over a thousand lines, mostly
+/// histogram buckets, and pd-control scrapes every pod every 50 ms. The body is filtered as
+/// bytes and only the kept lines are checked as UTF-8, so a scrape never copies or validates
+/// the whole exposition; a kept line that is not UTF-8 is dropped like any line that is not a
+/// sample. The kept lines are read in place ([`Sample`]), nothing copied.
+pub fn parse_reading(body: impl AsRef<[u8]>, engine: Engine, model: &str) -> Reading {
     let names = engine.names();
     let wanted = engine.wanted();
-    let lines = body.as_ref().split(|&b| b == b'\n').filter_map(|line| {
+    let mut families: HashMap<&str, Vec<Sample<'_>>> = HashMap::new();
+    for line in body.as_ref().split(|&b| b == b'\n') {
         let line = line.strip_suffix(b"\r").unwrap_or(line);
-        let name = std::str::from_utf8(sample_name(line)?).ok()?;
-        if !wanted.contains(name) {
-            return None;
-        }
-        let line = std::str::from_utf8(line).ok()?.trim_start();
-        let rest = &line[name.len()..];
-        Some(Ok(format!("{}{rest}", name.replace(':', COLON))))
-    });
-    let scrape = Scrape::parse(lines)?;
-
-    let mut families: HashMap<String, Vec<(Labels, f64)>> = HashMap::new();
-    for sample in scrape.samples {
-        let value = match sample.value {
-            Value::Counter(v) | Value::Gauge(v) | Value::Untyped(v) => v,
-            Value::Histogram(_) | Value::Summary(_) => continue,
+        let Some(name) = sample_name(line).and_then(|n| std::str::from_utf8(n).ok()) else {
+            continue;
         };
-        if !value.is_finite() {
+        if !wanted.contains(name) {
             continue;
         }
-        families
-            .entry(sample.metric.replace(COLON, ":"))
-            .or_default()
-            .push((sample.labels, value));
+        let Some(sample) = std::str::from_utf8(line).ok().and_then(Sample::parse) else {
+            continue;
+        };
+        if sample.value.is_finite() {
+            families.entry(sample.name).or_default().push(sample);
+        }
     }
 
     // A model_name that never matches the pod's label is the engine naming the same model
@@ -267,9 +247,9 @@ pub fn parse_reading(
     let strict = families
         .values()
         .flatten()
-        .any(|(labels, _)| labels.get(LABEL_MODEL_NAME) == Some(model));
+        .any(|s| s.label(LABEL_MODEL_NAME).as_deref() == Some(model));
     for series in families.values_mut() {
-        series.retain(|(labels, _)| match labels.get(LABEL_MODEL_NAME) {
+        series.retain(|s| match s.label(LABEL_MODEL_NAME).as_deref() {
             None => true,
             Some(name) => !strict || name == model || name == UNDEFINED_MODEL,
         });
@@ -279,15 +259,15 @@ pub fn parse_reading(
     let first = |list: &[&str]| list.iter().find_map(|name| families.get(*name));
     let histo = |bases: &[&str]| {
         bases.iter().find_map(|base| {
-            let sum = families.get(&format!("{base}_sum"))?;
-            let count = families.get(&format!("{base}_count"))?;
+            let sum = families.get(format!("{base}_sum").as_str())?;
+            let count = families.get(format!("{base}_count").as_str())?;
             Some(Histo {
                 sum: total(sum),
                 count: total(count),
             })
         })
     };
-    Ok(Reading {
+    Reading {
         running: first(names.running).map(|s| gauge(s, Combine::Sum)),
         waiting: first(names.waiting).map(|s| gauge(s, Combine::Sum)),
         kv_cache_usage: first(names.kv_cache_usage).map(|s| gauge(s, Combine::Mean)),
@@ -298,12 +278,12 @@ pub fn parse_reading(
         completed: first(names.completed).map(|s| total(s)),
         ttft: histo(names.ttft),
         tpot: histo(names.tpot),
-    })
+    }
 }
 
 /// Counters and histogram parts: every label set (finished reason, DP engine…) adds up.
-fn total(series: &[(Labels, f64)]) -> f64 {
-    series.iter().map(|(_, v)| v).sum()
+fn total(series: &[Sample<'_>]) -> f64 {
+    series.iter().map(|s| s.value).sum()
 }
 
 #[derive(Clone, Copy)]
@@ -316,12 +296,12 @@ enum Combine {
 
 /// Combines a gauge across DP replicas (see [`REPLICA_LABELS`]). Within one replica the series
 /// repeat one scheduler's value, so the largest is taken rather than a sum.
-fn gauge(series: &[(Labels, f64)], combine: Combine) -> f64 {
-    let mut replicas: BTreeMap<[Option<&str>; 2], f64> = BTreeMap::new();
-    for (labels, value) in series {
-        let key = REPLICA_LABELS.map(|l| labels.get(l));
-        let slot = replicas.entry(key).or_insert(*value);
-        *slot = slot.max(*value);
+fn gauge(series: &[Sample<'_>], combine: Combine) -> f64 {
+    let mut replicas: BTreeMap<[Option<Cow<'_, str>>; 2], f64> = BTreeMap::new();
+    for s in series {
+        let key = REPLICA_LABELS.map(|l| s.label(l));
+        let slot = replicas.entry(key).or_insert(s.value);
+        *slot = slot.max(s.value);
     }
     let sum: f64 = replicas.values().sum();
     match combine {
@@ -495,7 +475,7 @@ mod tests {
 
     #[test]
     fn vllm_v1_prefers_kv_cache_usage_perc_and_sums_counters_over_reasons() {
-        let r = parse_reading(VLLM_V1, Engine::Vllm, "meta-llama/Llama-3.1-8B-Instruct").unwrap();
+        let r = parse_reading(VLLM_V1, Engine::Vllm, "meta-llama/Llama-3.1-8B-Instruct");
         assert_eq!((r.running, r.waiting), (Some(4.0), Some(1.0)));
         assert!(
             close(r.kv_cache_usage, 0.0834),
@@ -525,7 +505,7 @@ mod tests {
 
     #[test]
     fn vllm_old_falls_back_to_gpu_cache_usage_and_sums_dp_engines() {
-        let r = parse_reading(VLLM_OLD_DP2, Engine::Vllm, "m").unwrap();
+        let r = parse_reading(VLLM_OLD_DP2, Engine::Vllm, "m");
         assert_eq!(
             r.running,
             Some(8.0),
@@ -551,17 +531,17 @@ mod tests {
 
     #[test]
     fn model_filter_applies_only_when_the_pods_model_is_present() {
-        let other = parse_reading(VLLM_OLD_DP2, Engine::Vllm, "other-model").unwrap();
+        let other = parse_reading(VLLM_OLD_DP2, Engine::Vllm, "other-model");
         assert_eq!(other.running, Some(9.0));
         assert_eq!(other.waiting, None, "m's series are not other-model's");
         // No series names the pod's model at all: the engine calls it something else.
-        let renamed = parse_reading(VLLM_V1, Engine::Vllm, "llama-8b").unwrap();
+        let renamed = parse_reading(VLLM_V1, Engine::Vllm, "llama-8b");
         assert_eq!(renamed.running, Some(4.0));
     }
 
     #[test]
     fn sglang_maps_its_names_and_does_not_add_tp_ranks() {
-        let r = parse_reading(SGLANG_DECODE, Engine::Sglang, "deepseek-ai/DeepSeek-V3").unwrap();
+        let r = parse_reading(SGLANG_DECODE, Engine::Sglang, "deepseek-ai/DeepSeek-V3");
         assert_eq!(
             r.running,
             Some(87.0),
@@ -586,8 +566,7 @@ mod tests {
                 count: 20000.0
             })
         );
-        let as_vllm =
-            parse_reading(SGLANG_DECODE, Engine::Vllm, "deepseek-ai/DeepSeek-V3").unwrap();
+        let as_vllm = parse_reading(SGLANG_DECODE, Engine::Vllm, "deepseek-ai/DeepSeek-V3");
         assert_eq!(
             as_vllm,
             Reading::default(),
@@ -597,7 +576,7 @@ mod tests {
 
     #[test]
     fn trtllm_maps_its_names_despite_basename_model_and_pid_label() {
-        let r = parse_reading(TRTLLM, Engine::Trtllm, "Qwen/Qwen3-8B").unwrap();
+        let r = parse_reading(TRTLLM, Engine::Trtllm, "Qwen/Qwen3-8B");
         assert!(close(r.kv_cache_usage, 0.23));
         assert_eq!((r.running, r.waiting), (Some(6.0), Some(2.0)));
         assert_eq!(r.completed, Some(150.0));
@@ -625,11 +604,10 @@ mod tests {
             "<html>nope</html>\n{}\nvllm:num_requests_running{ 1\n",
             Engine::Vllm,
             "m",
-        )
-        .unwrap();
+        );
         assert_eq!(r, Reading::default());
         let nan = "vllm:num_requests_running{model_name=\"m\"} NaN\nvllm:num_requests_waiting 2\n";
-        let r = parse_reading(nan, Engine::Vllm, "m").unwrap();
+        let r = parse_reading(nan, Engine::Vllm, "m");
         assert_eq!((r.running, r.waiting), (None, Some(2.0)));
     }
 
@@ -639,7 +617,7 @@ mod tests {
         body.extend_from_slice(b"vllm:num_requests_running{model_name=\"m\"} 3\r\n");
         body.extend_from_slice(b"vllm:num_requests_waiting{model_name=\"m\",x=\"\xe9\"} 9\n");
         body.extend_from_slice(b"  vllm:kv_cache_usage_perc{model_name=\"m\"} 0.5");
-        let r = parse_reading(&body, Engine::Vllm, "m").unwrap();
+        let r = parse_reading(&body, Engine::Vllm, "m");
         assert_eq!(
             (r.running, r.waiting, r.kv_cache_usage),
             (Some(3.0), None, Some(0.5)),

@@ -7,7 +7,7 @@ use std::time::Duration;
 use reqwest::header::ACCEPT;
 use tokio::sync::Semaphore;
 
-use super::engine::{parse_reading, Engine, ParseError, Reading};
+use super::engine::{parse_reading, Engine, Reading};
 
 /// vLLM's full exposition is a few hundred kilobytes; anything far beyond is not an engine.
 pub const MAX_BODY_BYTES: usize = 16 << 20;
@@ -22,8 +22,6 @@ pub enum ScrapeError {
     Status(reqwest::StatusCode),
     #[error("response exceeds {MAX_BODY_BYTES} bytes")]
     TooLarge,
-    #[error(transparent)]
-    Parse(#[from] ParseError),
     #[error("scraper is shutting down")]
     Closed,
 }
@@ -95,7 +93,7 @@ pub async fn scrape_timed(
         .map_err(|_| ScrapeError::Timeout(timeout));
     let elapsed = started.elapsed();
     let result = match body {
-        Ok(Ok(body)) => parse_reading(&body, engine, model).map_err(ScrapeError::from),
+        Ok(Ok(body)) => Ok(parse_reading(&body, engine, model)),
         Ok(Err(e)) | Err(e) => Err(e),
     };
     (result, elapsed)

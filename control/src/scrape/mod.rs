@@ -8,6 +8,7 @@
 //! [`ScrapeBook`] is the bookkeeping (no I/O, unit-tested); [`Scraper`] does the HTTP.
 
 pub mod engine;
+pub mod exposition;
 pub mod fetch;
 pub mod rates;
 

@@ -234,8 +234,7 @@ mod tests {
             fixtures::SGLANG_DECODE,
             Engine::Sglang,
             "deepseek-ai/DeepSeek-V3",
-        )
-        .unwrap();
+        );
         let mut b = a.clone();
         b.prompt_tokens = a.prompt_tokens.map(|v| v + 5000.0);
         b.completed = a.completed.map(|v| v + 20.0);
@@ -252,14 +251,14 @@ mod tests {
 
     #[test]
     fn trtllm_and_old_vllm_readings_derive() {
-        let t = parse_reading(fixtures::TRTLLM, Engine::Trtllm, "Qwen3-8B").unwrap();
+        let t = parse_reading(fixtures::TRTLLM, Engine::Trtllm, "Qwen3-8B");
         let m = derive(Engine::Trtllm, &t, None, None);
         assert_eq!((m.running, m.waiting), (6.0, 2.0));
         assert!((m.kv_cache_usage - 0.23).abs() < 1e-12);
         assert!((m.ttft_avg_seconds - 0.1).abs() < 1e-12);
         assert!((m.tpot_avg_seconds - 0.015).abs() < 1e-12);
 
-        let old = parse_reading(fixtures::VLLM_OLD_DP2, Engine::Vllm, "m").unwrap();
+        let old = parse_reading(fixtures::VLLM_OLD_DP2, Engine::Vllm, "m");
         let m = derive(Engine::Vllm, &old, None, None);
         assert!((m.kv_cache_usage - 0.4).abs() < 1e-12);
         assert!((m.tpot_avg_seconds - 0.04).abs() < 1e-12);
