@@ -85,7 +85,7 @@ impl Scan {
                     scan.model(model)?;
                 }
                 _ => {
-                    skip(wire, tag, &mut buf)?;
+                    skip_field(wire, tag, &mut buf, DecodeContext::default())?;
                     record(&mut scan.topology, REC_SNAPSHOT_FIELD, consumed(start, buf));
                 }
             }
@@ -116,7 +116,7 @@ impl Scan {
                     .map_err(|_| ScanError::Utf8)?
                     .to_owned();
             } else {
-                skip(wire, tag, &mut buf)?;
+                skip_field(wire, tag, &mut buf, DecodeContext::default())?;
             }
             record(&mut self.topology, REC_MODEL_FIELD, consumed(start, buf));
         }
@@ -139,7 +139,7 @@ impl Scan {
                     .get_or_insert_with(Default::default)
                     .merge(delimited(&mut buf)?)?;
             } else {
-                skip(wire, tag, &mut buf)?;
+                skip_field(wire, tag, &mut buf, DecodeContext::default())?;
                 self.topology.extend_from_slice(consumed(start, buf));
             }
         }
@@ -155,32 +155,6 @@ fn expect(got: WireType, want: WireType, tag: u32) -> Result<(), ScanError> {
     } else {
         Err(ScanError::WireType(tag))
     }
-}
-
-/// Skips the value of a field whose key was just read. prost's `skip_field` does the same but
-/// pays, on every field, for group support and a recursion budget: most of the walk's time at
-/// 1024 pods. Groups (no pd-control writes one) still go through it, so the walk and a full
-/// decode accept the same bytes.
-fn skip(wire: WireType, tag: u32, buf: &mut &[u8]) -> Result<(), ScanError> {
-    match wire {
-        WireType::Varint => {
-            decode_varint(buf)?;
-        }
-        WireType::LengthDelimited => {
-            delimited(buf)?;
-        }
-        WireType::ThirtyTwoBit => advance(buf, 4)?,
-        WireType::SixtyFourBit => advance(buf, 8)?,
-        WireType::StartGroup | WireType::EndGroup => {
-            skip_field(wire, tag, buf, DecodeContext::default())?
-        }
-    }
-    Ok(())
-}
-
-fn advance(buf: &mut &[u8], n: usize) -> Result<(), ScanError> {
-    *buf = buf.get(n..).ok_or(ScanError::Length)?;
-    Ok(())
 }
 
 /// The payload of a length-delimited field whose key was just read.
