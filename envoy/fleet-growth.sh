@@ -4,7 +4,7 @@
 # router's fleet, not served). What a fleet change costs the requests in flight shows as the
 # tail and the maximum; compare builds with PD_WASM.
 #
-#   envoy/fleet-growth.sh [N]        default 512 pods
+#   make build-native && envoy/fleet-growth.sh [N]        default 512 pods
 # Environment: PD_WASM (another build of the filter), RPS (200), SECONDS_PER_RUN (16),
 # GROW_AFTER_S (5), CONTROL_REFRESH_MS (1000: pd-control scraping hundreds of pods every 50 ms
 # would saturate a 2-core box by itself), PORT (10741), ADMIN_PORT (9961), PROFILE (native).
