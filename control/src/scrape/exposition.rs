@@ -43,10 +43,13 @@ impl<'a> Sample<'a> {
             labels = &after[..len];
             rest = &after[len + 1..];
         }
+        // An OpenMetrics exemplar (` # {trace_id="…"} 0.5`) may follow; it is not the sample's.
+        let rest = rest.split_once('#').map_or(rest, |(sample, _)| sample);
         let mut tokens = rest.split(BLANK).filter(|t| !t.is_empty());
         let value = parse_value(tokens.next()?)?;
         if let Some(timestamp) = tokens.next() {
-            timestamp.parse::<i64>().ok()?;
+            // Milliseconds in the text format, seconds with a fraction in OpenMetrics.
+            timestamp.parse::<f64>().ok()?;
         }
         if tokens.next().is_some() {
             return None;
@@ -216,6 +219,17 @@ mod tests {
         assert!(Sample::parse("x NaN").unwrap().value.is_nan());
         assert_eq!(Sample::parse("x -Inf").unwrap().value, f64::NEG_INFINITY);
         assert_eq!(Sample::parse("x{} 2").unwrap().value, 2.0);
+
+        // OpenMetrics: a fractional timestamp, an exemplar after the value.
+        let s = Sample::parse(
+            r#"vllm:request_success_total{model_name="m"} 7 1735000000.123 # {trace_id="ab"} 1"#,
+        )
+        .unwrap();
+        assert_eq!(
+            (s.value, s.label("model_name").as_deref()),
+            (7.0, Some("m"))
+        );
+        assert_eq!(Sample::parse(r#"x 3 # {a="b"} 0.5"#).unwrap().value, 3.0);
     }
 
     #[test]
@@ -249,7 +263,7 @@ mod tests {
             "x{a=\"\\q\"} 2",
             "x{a=\"1\"}",
             "x 1 2 3",
-            "x 1 12.5",
+            "x 1 later",
             "x one",
             "1x 2",
             "{a=\"1\"} 2",
