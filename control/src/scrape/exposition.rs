@@ -10,7 +10,9 @@
 //! The grammar (text format 0.0.4):
 //! `name [ "{" label "=" "\"" value "\"" { "," label "=" "\"" value "\"" } [ "," ] "}" ] value [ timestamp ]`,
 //! names `[a-zA-Z_:][a-zA-Z0-9_:]*`, label names without `:`, label values with `\\`, `\"` and
-//! `\n` escapes, blanks (spaces, tabs) between tokens. A line that breaks it is no sample.
+//! `\n` escapes, blanks (spaces, tabs) between tokens. A line that breaks it is no sample. What an
+//! engine answering in OpenMetrics would add is taken too: a fractional timestamp, and an
+//! exemplar (` # {…} value`) after the sample, ignored.
 
 use std::borrow::Cow;
 
@@ -46,7 +48,9 @@ impl<'a> Sample<'a> {
         // An OpenMetrics exemplar (` # {trace_id="…"} 0.5`) may follow; it is not the sample's.
         let rest = rest.split_once('#').map_or(rest, |(sample, _)| sample);
         let mut tokens = rest.split(BLANK).filter(|t| !t.is_empty());
-        let value = parse_value(tokens.next()?)?;
+        // Go's float syntax as exporters write it (decimal, exponent, `NaN`, `+Inf`, `-Inf`):
+        // Rust's parser reads all of it, case-insensitive about the words.
+        let value: f64 = tokens.next()?.parse().ok()?;
         if let Some(timestamp) = tokens.next() {
             // Milliseconds in the text format, seconds with a fraction in OpenMetrics.
             timestamp.parse::<f64>().ok()?;
@@ -66,11 +70,6 @@ impl<'a> Sample<'a> {
         Pairs { rest: self.labels }
             .find(|(name, _)| *name == key)
             .map(|(_, raw)| unescape(raw))
-    }
-
-    /// Every label as `(name, value)`, unescaped, in the line's order.
-    pub fn labels(&self) -> impl Iterator<Item = (&'a str, Cow<'a, str>)> {
-        Pairs { rest: self.labels }.map(|(name, raw)| (name, unescape(raw)))
     }
 }
 
@@ -130,12 +129,6 @@ fn label_block_len(block: &str) -> Option<usize> {
     }
 }
 
-/// Go's float syntax as exporters write it: decimal or exponent notation, `NaN`, `+Inf`,
-/// `-Inf`. Rust's parser reads all of these (and is case-insensitive about the words).
-fn parse_value(token: &str) -> Option<f64> {
-    token.parse().ok()
-}
-
 /// Walks a label block [`label_block_len`] accepted: `(name, raw value)` pairs.
 struct Pairs<'a> {
     rest: &'a str,
@@ -185,9 +178,10 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// Every label as `(name, value)`, unescaped, in the line's order.
     fn labels_of(s: &Sample<'_>) -> Vec<(String, String)> {
-        s.labels()
-            .map(|(k, v)| (k.to_string(), v.into_owned()))
+        Pairs { rest: s.labels }
+            .map(|(k, v)| (k.to_string(), unescape(v).into_owned()))
             .collect()
     }
 
@@ -208,7 +202,7 @@ mod tests {
 
         let s = Sample::parse("  sglang:prompt_tokens_total 1.07e+07 1735000000123").unwrap();
         assert_eq!((s.name, s.value), ("sglang:prompt_tokens_total", 1.07e7));
-        assert_eq!(s.labels().count(), 0);
+        assert!(labels_of(&s).is_empty());
 
         let s = Sample::parse("x{ a = \"1\" , b=\"2\", }\t+Inf").unwrap();
         assert_eq!(s.value, f64::INFINITY);

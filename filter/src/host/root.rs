@@ -24,7 +24,7 @@ use crate::host::metrics::Metrics;
 use crate::host::snapshot::{self, NoticeQueue};
 use crate::host::store::SharedData;
 use crate::host::watchdog::WatchdogMetrics;
-use crate::host::{now_ms, random_seed, SharedVm, VmState};
+use crate::host::{now_ms, now_us, random_seed, SharedVm, VmState};
 
 pub struct Root {
     vm: SharedVm,
@@ -72,12 +72,12 @@ const GAUGE_DEFINE_BUDGET_US: u64 = 2_000;
 
 /// Defines waiting ledger gauges within [`GAUGE_DEFINE_BUDGET_US`].
 fn define_waiting_gauges(vm: &mut VmState) {
-    let started = crate::host::now_us();
+    let started = now_us();
     let (defined, waiting) = vm.metrics.define_waiting_gauges(GAUGE_DEFINE_BUDGET_US);
     if defined > 0 {
         log::debug!(
             "defined the ledger gauges of {defined} pods in {} µs, {waiting} pods wait",
-            crate::host::now_us().saturating_sub(started)
+            now_us().saturating_sub(started)
         );
     }
 }
