@@ -10,6 +10,7 @@
 # (REPS rounds of every target in turn) so machine drift spreads over all of them.
 # Environment: BENCH_DIR (target/bench), CARGO_TARGET_DIR, REPS, SECONDS_PER_RUN, CLIENTS_MAX,
 # BODIES ("2048 32768 262144"), OVERHEAD_TARGETS (names from the table in docs/BENCHMARKS.md),
+# PD_WASM (another build of the filter, for A/B runs),
 # POLICY_SECONDS, POLICY_PAIRS ("prefill:decode ..."), POLICY_LOADS ("60 90"), POLICY_PEERS (1:
 # also run sglang-router and vllm-router in the policy phase, 0: pd-router pairs only), VENV (.venv).
 set -euo pipefail
@@ -18,7 +19,7 @@ MODE=${1:-full}
 PHASES=${2:-all}
 TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
 BIN=$TARGET_DIR/native
-WASM=$(realpath "$TARGET_DIR/wasm32-wasip1/release/pd_router_filter.wasm")
+WASM=$(realpath "${PD_WASM:-$TARGET_DIR/wasm32-wasip1/release/pd_router_filter.wasm}")
 # The PD-hop floor: a filter that sends each request through one fixed prefill and decode pod
 # with no routing work (filter/examples/pd_floor.rs).
 FLOOR_WASM=$TARGET_DIR/wasm32-wasip1/release/examples/pd_floor.wasm

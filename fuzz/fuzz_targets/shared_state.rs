@@ -1,10 +1,11 @@
 //! Everything the filter reads back from shared data another VM (or a crashed one) wrote:
-//! the ledger, hold journals and other replicas' shares. Corrupt bytes are refused, never
-//! trusted into a panic.
+//! the ledger, hold journals, other replicas' shares and the prefix-event rings. Corrupt bytes
+//! are refused, never trusted into a panic.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
 use pd_router_filter::core::journal;
-use pd_router_filter::core::ledger::{Ledger, PodId};
+use pd_router_filter::core::ledger::{Ledger, MemoryStore, PodId, Store};
+use pd_router_filter::core::prefix::log::{self, PrefixLog};
 use pd_router_filter::core::remote::RemoteLoad;
 
 fuzz_target!(|data: &[u8]| {
@@ -23,4 +24,17 @@ fuzz_target!(|data: &[u8]| {
         assert!(ledger.all_zero(), "releases never charge");
     }
     let _ = RemoteLoad::decode(data);
+
+    // The bytes as the heads, and after its number as the newest batch of each writer named.
+    let store = MemoryStore::default();
+    let _ = store.set(log::HEADS_KEY, data, None);
+    let mut key = String::new();
+    for head in log::heads(data).take(4) {
+        log::slot_key(&mut key, head.writer, head.seq);
+        let mut entry = head.seq.to_le_bytes().to_vec();
+        entry.extend_from_slice(data);
+        let _ = store.set(&key, &entry, None);
+    }
+    let mut events = 0usize;
+    let _ = PrefixLog::new(0).catch_up(&store, |e| events += e.stream.len().min(1));
 });

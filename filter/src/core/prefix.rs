@@ -8,9 +8,11 @@
 //! seed settings are accepted but change nothing.
 //!
 //! Each Envoy worker holds its own index. The worker that routed a request learns the prefix,
-//! applies it locally and broadcasts a [`PrefixEvent`] to the other workers, which apply it too.
+//! applies it locally and publishes a [`PrefixEvent`] in its ring in shared data; the other
+//! workers apply it when they next select with the index (see `log.rs`).
 
 mod event;
+pub mod log;
 mod names;
 #[cfg(test)]
 mod reference;

@@ -30,7 +30,6 @@ use crate::core::tokenize;
 use crate::core::tokens;
 use crate::host::holds::{self, Hold};
 use crate::host::metrics::Metrics;
-use crate::host::snapshot;
 use crate::host::store::SharedData;
 use crate::host::{now_ms, now_ns, now_us, SharedVm, VmState};
 
@@ -201,15 +200,18 @@ impl PdHttp {
         crate::host::journal::write(vm, now);
     }
 
-    /// Sends the prefix-event batch this request's event joined, unless another request
+    /// Publishes the prefix-event batch this request's event joined, unless another request
     /// already did. Called when the response starts (and at the end, for requests whose
     /// response never started), so a client that has this request's answer finds its prefix
-    /// known on every worker, as when each selection broadcast its own event.
+    /// known to every worker's next selection.
     fn send_prefix_batch(&mut self) {
         if let Some(batch) = self.prefix_batch.take() {
             let mut vm = self.vm.borrow_mut();
             if vm.prefix_batches_sent == batch {
-                crate::section!("prefix_batch.send", snapshot::send_prefix_batch(&mut vm));
+                crate::section!(
+                    "prefix_batch.send",
+                    crate::host::prefix_sharing::publish(&mut vm, now_ms())
+                );
             }
         }
     }
@@ -371,8 +373,12 @@ impl PdHttp {
             bucketing: decision.bucketing,
             prompt_len: decision.prompt_len,
         };
-        // Prefix lookup (local to this worker; other workers' insertions arrive as events).
+        // Prefix lookup in this worker's index, after reading what the others published.
         let (stream, match_pct, token_bytes) = if settings.prefill_policy.uses_prefix_index() {
+            crate::section!(
+                "select.prefix_catch_up",
+                crate::host::prefix_sharing::catch_up(vm)
+            );
             crate::section_scope!("select.prefix_lookup");
             let p = vm.prefix_settings;
             let mut stream = tokenize::token_stream(p.tokenizer, &req.prompt_text);
@@ -465,13 +471,14 @@ impl PdHttp {
                 vm.prefix
                     .add_prefix(event.stream, event.model, event.pod, now)
             );
-            // Sent to the peers with the other events gathered until this request's response
-            // starts (see `send_prefix_batch`): one cross-thread wake-up for many selections.
+            // Published for the other workers with the events gathered until this request's
+            // response starts (see `send_prefix_batch`): one shared-data write for many
+            // selections. A VM alone in the process has nobody to tell.
             if !vm.peers.is_empty() {
                 vm.prefix_outbox.push(event);
                 self.prefix_batch = Some(vm.prefix_batches_sent);
-                if vm.prefix_outbox.bytes() >= snapshot::PREFIX_BATCH_MAX_BYTES {
-                    snapshot::send_prefix_batch(vm);
+                if vm.prefix_outbox.bytes() >= crate::core::prefix::log::MAX_BATCH_BYTES {
+                    crate::host::prefix_sharing::publish(vm, now);
                 }
             }
         }

@@ -155,6 +155,7 @@ fn reclaim_dead(own: u64, vm: &SharedVm, now: u64) -> Result<(), StoreError> {
         return Ok(()); // another VM won this round; it reclaims
     }
     for (token, journal) in dead {
+        crate::host::prefix_sharing::forget(token);
         let Some(journal) = journal else { continue };
         let reclaimed = ledger::update(&SharedData, |l| {
             Ok::<_, StoreError>(journal::reclaim(&journal, l, now))

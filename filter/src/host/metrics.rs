@@ -114,6 +114,9 @@ pub struct Metrics {
     /// `pd_router_ejections_total`: pods taken out of a worker's routing view by passive
     /// ejection (`core::ejection`).
     pub ejections: Option<u32>,
+    /// `pd_router_prefix_batches_missed_total`: other workers' prefix-event batches a worker
+    /// could no longer read (their ring had moved on; `core::prefix::log`).
+    pub prefix_batches_missed: Option<u32>,
     /// Selection plus charge (one CAS round), microseconds, as measured inside the VM.
     pub selection_us: Option<u32>,
     /// The selection alone (Steps 0–5), without the shared-data round trip, microseconds.
@@ -230,6 +233,7 @@ impl Metrics {
             snapshot_stale: define(g, "pd_router_snapshot_stale"),
             snapshot_age_ms: define(g, "pd_router_snapshot_age_ms"),
             ejections: define(c, "pd_router_ejections_total"),
+            prefix_batches_missed: define(c, "pd_router_prefix_batches_missed_total"),
             selection_us: define(MetricType::Histogram, "pd_router_selection_us"),
             selection_core_us: define(MetricType::Histogram, "pd_router_selection_core_us"),
             remote_decode_tokens: define(g, "pd_router_remote_decode_tokens"),
@@ -265,8 +269,12 @@ impl Metrics {
     }
 
     pub fn inc(id: Option<u32>) {
+        Metrics::add(id, 1);
+    }
+
+    pub fn add(id: Option<u32>, n: u64) {
         if let Some(id) = id {
-            let _ = hostcalls::increment_metric(id, 1);
+            let _ = hostcalls::increment_metric(id, n as i64);
         }
     }
 

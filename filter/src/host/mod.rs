@@ -6,6 +6,7 @@ pub mod http;
 pub mod journal;
 pub mod legs;
 pub mod metrics;
+pub mod prefix_sharing;
 pub mod replicas;
 pub mod root;
 #[cfg(feature = "sections")]
@@ -59,16 +60,19 @@ pub struct VmState {
     /// Adaptive bucket serving's traffic picture and plans (per worker; the plan is advisory
     /// and each worker sees a fair sample of the traffic).
     pub planner: Planner,
-    /// Where each prompt prefix was last sent (per worker; insertions are broadcast).
+    /// Where each prompt prefix was last sent (per worker; the others' insertions are read
+    /// from their rings, `prefix_log`).
     pub prefix: PrefixIndex,
     pub prefix_settings: PrefixSettings,
     /// Notice queues of the other live VMs, refreshed about once a second.
     pub peers: Vec<u32>,
-    /// Prefix events for the peers not sent yet, and how many batches this VM has sent: a
-    /// request remembers the batch its event joined and sends it, if still pending, when
+    /// Prefix events not published yet, and how many batches this VM has published: a
+    /// request remembers the batch its event joined and publishes it, if still pending, when
     /// its response starts (see `host::http`).
     pub prefix_outbox: crate::core::prefix::EventBatch,
     pub prefix_batches_sent: u64,
+    /// This VM's prefix-event ring and how far it has read the others' (`host::prefix_sharing`).
+    pub prefix_log: crate::core::prefix::log::PrefixLog,
     /// Charges of this VM's in-flight requests, by HTTP context id.
     pub holds: hashbrown::HashMap<u32, holds::Hold>,
     /// The fleet view of the newest snapshot this VM has decoded.
@@ -138,7 +142,7 @@ impl VmState {
     }
 
     /// Whether anything outstanding needs the timer: charges to release or journal,
-    /// streams under the watchdog, queued aborts, prefix events not sent yet, ledger gauges
+    /// streams under the watchdog, queued aborts, prefix events not published yet, ledger gauges
     /// not defined yet.
     pub fn has_outstanding_work(&self) -> bool {
         !self.holds.is_empty()

@@ -108,6 +108,7 @@ impl Root {
                 peers: Vec::new(),
                 prefix_outbox: Default::default(),
                 prefix_batches_sent: 0,
+                prefix_log: crate::core::prefix::log::PrefixLog::new(seed | 1),
                 holds: hashbrown::HashMap::new(),
                 fleet: None,
                 rng: fastrand::Rng::with_seed(seed),
@@ -680,9 +681,18 @@ impl RootContext for Root {
             let peers = snapshot::live_queues(&self.vm_id, now, Some(&q.name));
             self.vm.borrow_mut().peers = peers;
         }
-        // A request that ended without sending its batch (none does) cannot hold events back
-        // for longer than a tick.
-        snapshot::send_prefix_batch(&mut self.vm.borrow_mut());
+        {
+            crate::section_scope!("tick.prefix");
+            let mut vm = self.vm.borrow_mut();
+            // A request that ended without publishing its batch (none does) cannot hold
+            // events back for longer than a tick.
+            crate::host::prefix_sharing::publish(&mut vm, now);
+            // A VM that selects with the prefix index keeps up between requests too, so the
+            // rings never lap it while it routes rarely; one that never does never reads.
+            if vm.prefix_log.is_following() {
+                crate::host::prefix_sharing::catch_up(&mut vm);
+            }
+        }
         crate::section!("tick.fetch", self.maybe_fetch(now));
         crate::section!("tick.report", self.maybe_report(now));
         crate::section!("tick.reload", self.reload());

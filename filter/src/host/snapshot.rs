@@ -241,9 +241,10 @@ impl NoticeQueue {
     }
 }
 
-/// Queue message tags: a snapshot notice (then the 8-byte version), a prefix event (sent by
-/// VMs of earlier builds, still understood while an ECDS update runs both), a batch of
-/// them (`EventBatch`), a wake-up (no payload: an idle VM got a request, see
+/// Queue message tags: a snapshot notice (then the 8-byte version), a prefix event or a
+/// batch of them (`EventBatch`; sent by VMs of earlier builds, which pushed their events
+/// where this one publishes them, `core::prefix::log`, still applied while an ECDS update
+/// runs both), a wake-up (no payload: an idle VM got a request, see
 /// `VmState::wake_for_request`), or news of the other replicas (no payload: the lease
 /// holder stored a changed answer, see `host::replicas::adopt_newer`).
 pub const MSG_SNAPSHOT: u8 = 1;
@@ -251,8 +252,6 @@ pub const MSG_PREFIX: u8 = 2;
 pub const MSG_PREFIX_BATCH: u8 = 3;
 pub const MSG_WAKE: u8 = 4;
 pub const MSG_REMOTE: u8 = 5;
-/// A batch this large goes at once rather than waiting for a response to start.
-pub const PREFIX_BATCH_MAX_BYTES: usize = 256 << 10;
 
 /// Queue ids of every live VM's notice queue except `exclude` (this VM's own queue name).
 pub fn live_queues(vm_id: &str, now: u64, exclude: Option<&str>) -> Vec<u32> {
@@ -288,16 +287,6 @@ pub fn broadcast(queues: &[u32], tag: u8, payload: &[u8]) {
     for &id in queues {
         let _ = hostcalls::enqueue_shared_queue(id, Some(&msg));
     }
-}
-
-/// Sends the VM's pending prefix events to every peer as one message, if there are any.
-pub fn send_prefix_batch(vm: &mut crate::host::VmState) {
-    if vm.prefix_outbox.is_empty() {
-        return;
-    }
-    let batch = vm.prefix_outbox.take();
-    broadcast(&vm.peers, MSG_PREFIX_BATCH, &batch);
-    vm.prefix_batches_sent += 1;
 }
 
 /// Sends a snapshot poll. The version we hold lets pd-control answer 304, and `wait_ms`

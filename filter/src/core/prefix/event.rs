@@ -15,7 +15,7 @@ pub enum EventError {
     Trailing(usize),
 }
 
-/// "`pod` served the prompt `stream` for `model` at `at_ms`": what a worker broadcasts to the
+/// "`pod` served the prompt `stream` for `model` at `at_ms`": what a worker publishes for the
 /// others after a selection, so every worker's index learns the prefix (applied with
 /// [`PrefixIndex::add_prefix`](super::PrefixIndex::add_prefix)). The stream is the prompt's token stream cut to whole blocks.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,8 +27,8 @@ pub struct PrefixEvent {
 }
 
 /// A [`PrefixEvent`] borrowing its parts: what a selection pushes (the request's model,
-/// the pod's key, the prompt's stream) and what a receiving worker applies straight from the
-/// queue message, without copying a prompt per event on either side.
+/// the pod's key, the prompt's stream) and what a reading worker applies straight from the
+/// batch it read, without copying a prompt per event on either side.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EventRef<'a> {
     pub model: &'a str,
@@ -122,11 +122,10 @@ impl<'a> EventRef<'a> {
     }
 }
 
-/// Events waiting to go to the other workers in one queue message: `varint len ‖ event`
-/// each, in selection order. Envoy wakes the receiving worker once per message (a
-/// cross-thread post), ≈ 35 µs of the sender's time per message under load, so a worker sends
-/// what it gathered when a request that added to it reaches its response headers (see
-/// `host::http`), not one message per selection.
+/// Events waiting to go to the other workers as one batch: `varint len ‖ event` each, in
+/// selection order. A worker publishes what it gathered when a request that added to it
+/// reaches its response headers (see `host::http`), one shared-data write for many
+/// selections at a high rate (`log.rs` says where batches go).
 #[derive(Debug, Default)]
 pub struct EventBatch {
     bytes: Vec<u8>,

@@ -1,0 +1,484 @@
+//! How the workers' prefix indexes learn from each other: each VM appends its batches of
+//! prefix events to a ring of its own in shared data, and a VM reads the others' rings just
+//! before a selection that consults its index (and on its ticks once it has).
+//!
+//! Why pull rather than push: a message on another VM's queue is a cross-thread post that
+//! wakes that thread, once per batch and per VM. At a low rate that was ≈ 100 µs of CPU per
+//! request in the threads that did not serve it, the main thread included, which never routes
+//! and so never needed the events. Pulled, the events cost nothing in VMs that do not route,
+//! a VM that starts routing late still finds the recent history in the rings, and a reader is
+//! as fresh as it can be at the moment it selects: it reads what was published up to then.
+//!
+//! Layout in shared data:
+//! - [`HEADS_KEY`]: for every writer, its token, its last sequence number and when it wrote
+//!   (one 24-byte record each, behind a version byte). One small read tells a reader whether
+//!   anything is new, from whom; writers update their record by compare-and-swap.
+//! - `pd/prefix/<token>/<slot>`: sequence number `seq` sits in slot `seq % RING`, stored as
+//!   `seq (u64 le) ‖ batch`. A writer stores the entry before it advances its head, so every
+//!   entry a head promises exists; a reader that fell more than [`RING`] batches behind finds
+//!   a slot holding a later number and counts the batch as missed.
+
+use crate::core::ledger::{Store, StoreError};
+
+use super::{EventBatch, EventError, EventRef};
+
+/// Key of the writers' heads.
+pub const HEADS_KEY: &str = "pd/prefix/heads";
+/// Batches each writer keeps. A batch is one or more selections' events (a request publishes
+/// what gathered until its response starts), so at 2 000 requests a second a reader that
+/// looks every 50 ms needs well under a hundred; the ring bounds each writer's memory to
+/// `RING ×` [`MAX_BATCH_BYTES`] at worst.
+pub const RING: u64 = 128;
+/// A batch this large is published at once instead of waiting for a response to start.
+pub const MAX_BATCH_BYTES: usize = 64 << 10;
+/// A writer silent this long drops out of the heads (whoever publishes next prunes it): its
+/// events are older than anything worth reading, and readers stop looking at its ring.
+pub const FORGET_AFTER_MS: u64 = 10 * 60 * 1000;
+
+const HEADS_VERSION: u8 = 1;
+const RECORD: usize = 24;
+const MAX_CAS_ATTEMPTS: usize = 16;
+
+/// One writer's entry in [`HEADS_KEY`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Head {
+    pub writer: u64,
+    /// Sequence number of its newest batch (the first is 1).
+    pub seq: u64,
+    /// When it published that batch, ms since the epoch.
+    pub at_ms: u64,
+}
+
+/// The records of a heads value; an unknown version or a torn record reads as no writers
+/// (the next publish rewrites the value whole).
+pub fn heads(bytes: &[u8]) -> impl Iterator<Item = Head> + '_ {
+    let records = match bytes.split_first() {
+        Some((&HEADS_VERSION, rest)) => rest,
+        _ => &[],
+    };
+    records.chunks_exact(RECORD).map(|r| {
+        let u = |i: usize| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&r[i..i + 8]);
+            u64::from_le_bytes(b)
+        };
+        Head {
+            writer: u(0),
+            seq: u(8),
+            at_ms: u(16),
+        }
+    })
+}
+
+/// `current` with `head` in place of its writer's record, and writers silent since before
+/// `forget_before` (other than `head`'s) left out.
+pub fn with_head(current: &[u8], head: Head, forget_before: u64) -> Vec<u8> {
+    let mut out = Vec::with_capacity(current.len().max(1) + RECORD);
+    out.push(HEADS_VERSION);
+    let others = heads(current).filter(|h| h.writer != head.writer && h.at_ms >= forget_before);
+    for h in others.chain(std::iter::once(head)) {
+        out.extend_from_slice(&h.writer.to_le_bytes());
+        out.extend_from_slice(&h.seq.to_le_bytes());
+        out.extend_from_slice(&h.at_ms.to_le_bytes());
+    }
+    out
+}
+
+/// `current` without `writer`'s record.
+pub fn without(current: &[u8], writer: u64) -> Vec<u8> {
+    let mut out = vec![HEADS_VERSION];
+    for h in heads(current).filter(|h| h.writer != writer) {
+        out.extend_from_slice(&h.writer.to_le_bytes());
+        out.extend_from_slice(&h.seq.to_le_bytes());
+        out.extend_from_slice(&h.at_ms.to_le_bytes());
+    }
+    out
+}
+
+/// Key of the slot `seq` goes to in `writer`'s ring, written into `out` (reused by the caller:
+/// a catch-up reads many).
+pub fn slot_key(out: &mut String, writer: u64, seq: u64) {
+    use std::fmt::Write;
+    out.clear();
+    let _ = write!(out, "pd/prefix/{writer:016x}/{}", seq % RING);
+}
+
+/// The sequence numbers a reader that has read up to `read` (0: nothing) should now read from
+/// a writer whose head is `head`, and how many it can no longer read because the ring has
+/// moved past them.
+pub fn to_read(read: u64, head: u64) -> (std::ops::RangeInclusive<u64>, u64) {
+    let oldest_kept = head.saturating_sub(RING - 1).max(1);
+    let from = (read + 1).max(oldest_kept);
+    (from..=head, from - (read + 1).min(from))
+}
+
+/// What a catch-up did: batches applied, batches lost to the ring, and the first event that
+/// did not decode (a peer's bug; the rest of its batch is skipped).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct CatchUp {
+    pub batches: u64,
+    pub missed: u64,
+    pub malformed: Option<EventError>,
+}
+
+/// One VM's side of the exchange: its own ring and how far it has read every other writer's.
+#[derive(Debug)]
+pub struct PrefixLog {
+    writer: u64,
+    /// Sequence number of the last batch this VM published.
+    seq: u64,
+    /// Per other writer, the last sequence number read.
+    read: Vec<(u64, u64)>,
+    /// Whether this VM reads the others' rings on its ticks: from its first catch-up on (a VM
+    /// that never selects with a prefix policy never reads).
+    following: bool,
+    key: String,
+}
+
+impl PrefixLog {
+    /// `writer`: this VM's token, unique in the process.
+    pub fn new(writer: u64) -> PrefixLog {
+        PrefixLog {
+            writer,
+            seq: 0,
+            read: Vec::new(),
+            following: false,
+            key: String::with_capacity(40),
+        }
+    }
+
+    pub fn is_following(&self) -> bool {
+        self.following
+    }
+
+    /// Appends `batch` (an [`EventBatch::take`]) to this VM's ring, then advances its head.
+    pub fn publish(
+        &mut self,
+        store: &dyn Store,
+        batch: &[u8],
+        now_ms: u64,
+    ) -> Result<(), StoreError> {
+        let seq = self.seq + 1;
+        let mut entry = Vec::with_capacity(8 + batch.len());
+        entry.extend_from_slice(&seq.to_le_bytes());
+        entry.extend_from_slice(batch);
+        slot_key(&mut self.key, self.writer, seq);
+        store.set(&self.key, &entry, None)?;
+        // The slot is written even if the head update fails below; the next publish takes
+        // the next number, and readers never look past a head.
+        self.seq = seq;
+        let head = Head {
+            writer: self.writer,
+            seq,
+            at_ms: now_ms,
+        };
+        let forget_before = now_ms.saturating_sub(FORGET_AFTER_MS);
+        for _ in 0..MAX_CAS_ATTEMPTS {
+            let (current, cas) = store.get(HEADS_KEY)?;
+            let Some(current) = current else {
+                // Envoy checks no CAS on a key it does not have: create the key empty and
+                // go round, so the record itself is always written under a CAS.
+                store.set(HEADS_KEY, &[HEADS_VERSION], None)?;
+                continue;
+            };
+            if store.set(HEADS_KEY, &with_head(&current, head, forget_before), cas)? {
+                return Ok(());
+            }
+        }
+        Err(StoreError::Contention(MAX_CAS_ATTEMPTS))
+    }
+
+    /// Applies, in order, every batch the other writers published since this VM last looked.
+    /// A writer seen for the first time is read from the oldest batch its ring still holds, so
+    /// a VM that starts routing late learns the recent history.
+    pub fn catch_up(
+        &mut self,
+        store: &dyn Store,
+        mut apply: impl FnMut(EventRef<'_>),
+    ) -> Result<CatchUp, StoreError> {
+        self.following = true;
+        let mut done = CatchUp::default();
+        let Some(bytes) = store.get(HEADS_KEY)?.0 else {
+            return Ok(done);
+        };
+        let mut seen = 0usize;
+        for head in heads(&bytes).filter(|h| h.writer != self.writer) {
+            seen += 1;
+            let at = match self.read.iter().position(|(w, _)| *w == head.writer) {
+                Some(i) => i,
+                None => {
+                    self.read.push((head.writer, 0));
+                    self.read.len() - 1
+                }
+            };
+            let read = self.read[at].1;
+            if head.seq <= read {
+                continue;
+            }
+            let (range, lost) = to_read(read, head.seq);
+            // A writer new to this VM: what its ring no longer holds was never this VM's to miss.
+            if read > 0 {
+                done.missed += lost;
+            }
+            for seq in range {
+                slot_key(&mut self.key, head.writer, seq);
+                let entry = store.get(&self.key)?.0.unwrap_or_default();
+                match entry.split_at_checked(8) {
+                    Some((n, batch)) if n == seq.to_le_bytes() => {
+                        done.batches += 1;
+                        for event in EventBatch::events(batch) {
+                            match event {
+                                Ok(e) => apply(e),
+                                Err(e) => done.malformed = Some(e),
+                            }
+                        }
+                    }
+                    // Overwritten by a later lap while this VM read the earlier slots.
+                    _ => done.missed += 1,
+                }
+            }
+            self.read[at].1 = head.seq;
+        }
+        // Writers gone from the heads (reclaimed or forgotten) are not read again.
+        if seen < self.read.len() {
+            self.read
+                .retain(|(w, _)| heads(&bytes).any(|h| h.writer == *w));
+        }
+        Ok(done)
+    }
+}
+
+/// Takes a dead VM's ring out of the heads and empties its slots (shared data has no delete):
+/// its events stop being read and its memory is returned.
+pub fn forget_writer(store: &dyn Store, writer: u64) -> Result<(), StoreError> {
+    let mut key = String::new();
+    for _ in 0..MAX_CAS_ATTEMPTS {
+        let (current, cas) = store.get(HEADS_KEY)?;
+        let Some(current) = current else {
+            return Ok(());
+        };
+        if !heads(&current).any(|h| h.writer == writer) {
+            return Ok(());
+        }
+        if store.set(HEADS_KEY, &without(&current, writer), cas)? {
+            for slot in 0..RING {
+                slot_key(&mut key, writer, slot);
+                if store.get(&key)?.0.is_some() {
+                    store.set(&key, &[], None)?;
+                }
+            }
+            return Ok(());
+        }
+    }
+    Err(StoreError::Contention(MAX_CAS_ATTEMPTS))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::ledger::MemoryStore;
+
+    fn batch_of(prompts: &[&str]) -> Vec<u8> {
+        let mut b = EventBatch::default();
+        for (i, p) in prompts.iter().enumerate() {
+            b.push(EventRef {
+                model: "m",
+                pod: "ns/p",
+                stream: p.as_bytes(),
+                at_ms: i as u64,
+            });
+        }
+        b.take()
+    }
+
+    fn read_all(log: &mut PrefixLog, store: &MemoryStore) -> (Vec<String>, CatchUp) {
+        let mut seen = Vec::new();
+        let done = log
+            .catch_up(store, |e| {
+                seen.push(String::from_utf8(e.stream.to_vec()).unwrap_or_default())
+            })
+            .expect("catch up");
+        (seen, done)
+    }
+
+    #[test]
+    fn a_reader_gets_every_other_writers_batches_in_order_and_once() {
+        let store = MemoryStore::default();
+        let (mut a, mut b, mut r) = (PrefixLog::new(1), PrefixLog::new(2), PrefixLog::new(3));
+        a.publish(&store, &batch_of(&["a1", "a2"]), 10).unwrap();
+        b.publish(&store, &batch_of(&["b1"]), 11).unwrap();
+        a.publish(&store, &batch_of(&["a3"]), 12).unwrap();
+        let (seen, done) = read_all(&mut r, &store);
+        let from = |w: char| -> Vec<&str> {
+            seen.iter()
+                .map(String::as_str)
+                .filter(|s| s.starts_with(w))
+                .collect()
+        };
+        assert_eq!((from('a'), from('b')), (vec!["a1", "a2", "a3"], vec!["b1"]));
+        assert_eq!((done.batches, done.missed), (3, 0));
+        assert_eq!(read_all(&mut r, &store).0, Vec::<String>::new());
+        b.publish(&store, &batch_of(&["b2"]), 13).unwrap();
+        assert_eq!(read_all(&mut r, &store).0, ["b2"]);
+    }
+
+    #[test]
+    fn a_writer_never_reads_its_own_batches() {
+        let store = MemoryStore::default();
+        let (mut a, mut b) = (PrefixLog::new(1), PrefixLog::new(2));
+        a.publish(&store, &batch_of(&["a1"]), 10).unwrap();
+        b.publish(&store, &batch_of(&["b1"]), 10).unwrap();
+        assert_eq!(read_all(&mut a, &store).0, ["b1"]);
+        assert_eq!(read_all(&mut b, &store).0, ["a1"]);
+    }
+
+    #[test]
+    fn a_reader_that_fell_a_lap_behind_reads_what_the_ring_holds_and_counts_the_rest() {
+        let store = MemoryStore::default();
+        let (mut a, mut r) = (PrefixLog::new(1), PrefixLog::new(2));
+        a.publish(&store, &batch_of(&["first"]), 1).unwrap();
+        assert_eq!(read_all(&mut r, &store).0, ["first"]);
+        let extra = 10;
+        for i in 0..RING + extra {
+            a.publish(&store, &batch_of(&[&format!("e{i}")]), 2)
+                .unwrap();
+        }
+        let (seen, done) = read_all(&mut r, &store);
+        assert_eq!(seen.len() as u64, RING);
+        assert_eq!(
+            seen.first().map(String::as_str),
+            Some(&*format!("e{extra}"))
+        );
+        assert_eq!(done.missed, extra);
+    }
+
+    #[test]
+    fn a_late_reader_learns_the_history_the_ring_still_holds_without_counting_a_loss() {
+        let store = MemoryStore::default();
+        let mut a = PrefixLog::new(1);
+        for i in 0..RING + 5 {
+            a.publish(&store, &batch_of(&[&format!("e{i}")]), 2)
+                .unwrap();
+        }
+        let (seen, done) = read_all(&mut PrefixLog::new(2), &store);
+        assert_eq!(seen.len() as u64, RING);
+        assert_eq!(
+            seen.last().map(String::as_str),
+            Some(&*format!("e{}", RING + 4))
+        );
+        assert_eq!(done.missed, 0);
+    }
+
+    #[test]
+    fn a_slot_overwritten_between_the_head_read_and_the_slot_read_counts_as_missed() {
+        let store = MemoryStore::default();
+        let (mut a, mut r) = (PrefixLog::new(1), PrefixLog::new(2));
+        a.publish(&store, &batch_of(&["x"]), 1).unwrap();
+        // The slot of seq 1 now holds a later lap, as if the writer wrapped in between.
+        let mut key = String::new();
+        slot_key(&mut key, 1, 1);
+        let mut lapped = (1 + RING).to_le_bytes().to_vec();
+        lapped.extend_from_slice(&batch_of(&["y"]));
+        store.set(&key, &lapped, None).unwrap();
+        let (seen, done) = read_all(&mut r, &store);
+        assert!(seen.is_empty());
+        assert_eq!((done.batches, done.missed), (0, 1));
+    }
+
+    #[test]
+    fn a_malformed_event_ends_its_batch_and_is_reported() {
+        let store = MemoryStore::default();
+        let (mut a, mut r) = (PrefixLog::new(1), PrefixLog::new(2));
+        let mut bad = batch_of(&["good"]);
+        bad.extend_from_slice(&[3, 9, 9, 9]);
+        a.publish(&store, &bad, 1).unwrap();
+        let (seen, done) = read_all(&mut r, &store);
+        assert_eq!(seen, ["good"]);
+        assert!(done.malformed.is_some());
+    }
+
+    #[test]
+    fn silent_writers_are_pruned_by_the_next_publish_and_forgotten_ones_are_not_read() {
+        let store = MemoryStore::default();
+        let (mut a, mut b, mut r) = (PrefixLog::new(1), PrefixLog::new(2), PrefixLog::new(3));
+        a.publish(&store, &batch_of(&["a"]), 1_000).unwrap();
+        b.publish(&store, &batch_of(&["b"]), 1_000 + FORGET_AFTER_MS + 1)
+            .unwrap();
+        let writers = |s: &MemoryStore| -> Vec<u64> {
+            heads(&s.get(HEADS_KEY).unwrap().0.unwrap())
+                .map(|h| h.writer)
+                .collect()
+        };
+        assert_eq!(writers(&store), [2]);
+        forget_writer(&store, 2).unwrap();
+        assert!(writers(&store).is_empty());
+        let mut key = String::new();
+        slot_key(&mut key, 2, 1);
+        assert_eq!(store.get(&key).unwrap().0.as_deref(), Some(&[][..]));
+        assert!(read_all(&mut r, &store).0.is_empty());
+    }
+
+    #[test]
+    fn heads_survive_concurrent_writers() {
+        // Two writers' CAS rounds interleave through a store that answers a stale token once.
+        struct Racing<'a> {
+            inner: &'a MemoryStore,
+            other: std::cell::RefCell<Option<(PrefixLog, Vec<u8>)>>,
+        }
+        impl Store for Racing<'_> {
+            fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), StoreError> {
+                let got = self.inner.get(key)?;
+                if key == HEADS_KEY {
+                    if let Some((mut log, batch)) = self.other.borrow_mut().take() {
+                        log.publish(self.inner, &batch, 5)?;
+                    }
+                }
+                Ok(got)
+            }
+            fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<bool, StoreError> {
+                self.inner.set(key, value, cas)
+            }
+        }
+        let store = MemoryStore::default();
+        // The key exists (an earlier publish made it), so both rounds are checked CAS.
+        store.set(HEADS_KEY, &[HEADS_VERSION], None).unwrap();
+        let racing = Racing {
+            inner: &store,
+            other: std::cell::RefCell::new(Some((PrefixLog::new(2), batch_of(&["b"])))),
+        };
+        PrefixLog::new(1)
+            .publish(&racing, &batch_of(&["a"]), 5)
+            .unwrap();
+        let mut seen = read_all(&mut PrefixLog::new(3), &store).0;
+        seen.sort();
+        assert_eq!(seen, ["a", "b"]);
+    }
+
+    #[test]
+    fn to_read_covers_the_window_the_ring_holds() {
+        assert_eq!(to_read(0, 3), (1..=3, 0));
+        assert_eq!(to_read(3, 5), (4..=5, 0));
+        assert_eq!(to_read(0, RING + 2), (3..=RING + 2, 2));
+        assert_eq!(to_read(1, RING + 2), (3..=RING + 2, 1));
+        assert_eq!(to_read(2, RING + 2), (3..=RING + 2, 0));
+    }
+
+    #[test]
+    fn garbage_heads_read_as_no_writers() {
+        assert_eq!(heads(&[]).count(), 0);
+        assert_eq!(heads(&[9, 1, 2, 3]).count(), 0);
+        let one = with_head(
+            &[],
+            Head {
+                writer: 7,
+                seq: 1,
+                at_ms: 2,
+            },
+            0,
+        );
+        let mut torn = one.clone();
+        torn.pop();
+        assert_eq!(heads(&one).count(), 1);
+        assert_eq!(heads(&torn).count(), 0);
+    }
+}

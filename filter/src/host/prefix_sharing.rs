@@ -1,0 +1,49 @@
+//! Host side of `core::prefix::log`: this VM publishes its prefix-event batches to its ring
+//! in shared data and reads the other VMs' rings before it consults its index.
+
+use crate::core::prefix::log as ring;
+use crate::host::metrics::Metrics;
+use crate::host::store::SharedData;
+use crate::host::VmState;
+
+/// Publishes the events this VM gathered since its last batch, if any.
+pub fn publish(vm: &mut VmState, now_ms: u64) {
+    if vm.prefix_outbox.is_empty() {
+        return;
+    }
+    let batch = vm.prefix_outbox.take();
+    if let Err(e) = vm.prefix_log.publish(&SharedData, &batch, now_ms) {
+        log::warn!("cannot publish prefix events to the other workers: {e}");
+    }
+    vm.prefix_batches_sent += 1;
+}
+
+/// Applies what the other VMs published since this one last looked.
+pub fn catch_up(vm: &mut VmState) {
+    let VmState {
+        prefix_log,
+        prefix,
+        metrics,
+        ..
+    } = vm;
+    match prefix_log.catch_up(&SharedData, |e| {
+        prefix.add_prefix(e.stream, e.model, e.pod, e.at_ms)
+    }) {
+        Ok(done) => {
+            if done.missed > 0 {
+                Metrics::add(metrics.prefix_batches_missed, done.missed);
+            }
+            if let Some(err) = done.malformed {
+                log::warn!("skipped the rest of a malformed prefix event batch: {err}");
+            }
+        }
+        Err(e) => log::warn!("cannot read the other workers' prefix events: {e}"),
+    }
+}
+
+/// A dead VM's ring is no longer read and its memory is returned.
+pub fn forget(writer: u64) {
+    if let Err(e) = ring::forget_writer(&SharedData, writer) {
+        log::warn!("cannot drop a dead VM's prefix events: {e}");
+    }
+}
