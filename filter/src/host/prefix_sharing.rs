@@ -12,7 +12,10 @@ pub fn publish(vm: &mut VmState, now_ms: u64) {
         return;
     }
     let batch = vm.prefix_outbox.take();
-    if let Err(e) = vm.prefix_log.publish(&SharedData, &batch, now_ms) {
+    // What a reader's index can hold: older prompts would be evicted as they were applied.
+    let p = vm.prefix_settings;
+    let budget = p.capacity.saturating_mul(p.block_size);
+    if let Err(e) = vm.prefix_log.publish(&SharedData, &batch, now_ms, budget) {
         log::warn!("cannot publish prefix events to the other workers: {e}");
     }
     vm.prefix_batches_sent += 1;

@@ -24,10 +24,10 @@ use super::{EventBatch, EventError, EventRef};
 
 /// Key of the writers' heads.
 pub const HEADS_KEY: &str = "pd/prefix/heads";
-/// Batches each writer keeps. A batch is one or more selections' events (a request publishes
-/// what gathered until its response starts), so at 2 000 requests a second a reader that
-/// looks every 50 ms needs well under a hundred; the ring bounds each writer's memory to
-/// `RING ×` [`MAX_BATCH_BYTES`] at worst.
+/// Batches each writer keeps at most. A batch is one or more selections' events (a request
+/// publishes what gathered until its response starts), so at 2 000 requests a second a reader
+/// that looks every 50 ms needs well under a hundred. The bytes kept are bounded too (see
+/// [`PrefixLog::publish`]).
 pub const RING: u64 = 128;
 /// A batch this large is published at once instead of waiting for a response to start.
 pub const MAX_BATCH_BYTES: usize = 64 << 10;
@@ -133,6 +133,11 @@ pub struct PrefixLog {
     /// that never selects with a prefix policy never reads).
     following: bool,
     key: String,
+    /// Bytes in each slot of this VM's ring, their sum, and the oldest sequence number whose
+    /// slot may still hold its batch.
+    sizes: Vec<usize>,
+    stored: usize,
+    oldest: u64,
 }
 
 impl PrefixLog {
@@ -144,6 +149,9 @@ impl PrefixLog {
             read: Vec::new(),
             following: false,
             key: String::with_capacity(40),
+            sizes: vec![0; RING as usize],
+            stored: 0,
+            oldest: 1,
         }
     }
 
@@ -152,11 +160,18 @@ impl PrefixLog {
     }
 
     /// Appends `batch` (an [`EventBatch::take`]) to this VM's ring, then advances its head.
+    ///
+    /// The ring keeps at most [`RING`] batches and, besides the newest one, at most
+    /// `budget_bytes`: older slots are emptied to make room. Give it what a reader's index can
+    /// hold (its capacity in blocks times the block size): prompts older than that would be
+    /// evicted from a reader's index as they were applied, and with long prompts [`RING`]
+    /// batches alone could pin tens of megabytes per worker.
     pub fn publish(
         &mut self,
         store: &dyn Store,
         batch: &[u8],
         now_ms: u64,
+        budget_bytes: usize,
     ) -> Result<(), StoreError> {
         let seq = self.seq + 1;
         let mut entry = Vec::with_capacity(8 + batch.len());
@@ -167,6 +182,7 @@ impl PrefixLog {
         // The slot is written even if the head update fails below; the next publish takes
         // the next number, and readers never look past a head.
         self.seq = seq;
+        self.account(store, seq, entry.len(), budget_bytes)?;
         let head = Head {
             writer: self.writer,
             seq,
@@ -186,6 +202,32 @@ impl PrefixLog {
             }
         }
         Err(StoreError::Contention(MAX_CAS_ATTEMPTS))
+    }
+
+    /// Books `len` bytes into `seq`'s slot (forgetting the lap it replaced) and empties the
+    /// oldest slots while those before `seq` hold more than `budget_bytes`.
+    fn account(
+        &mut self,
+        store: &dyn Store,
+        seq: u64,
+        len: usize,
+        budget_bytes: usize,
+    ) -> Result<(), StoreError> {
+        let slot = (seq % RING) as usize;
+        self.stored = self.stored - self.sizes[slot] + len;
+        self.sizes[slot] = len;
+        self.oldest = self.oldest.max(seq.saturating_sub(RING - 1));
+        while self.oldest < seq && self.stored - len > budget_bytes {
+            let old = (self.oldest % RING) as usize;
+            if self.sizes[old] > 0 {
+                slot_key(&mut self.key, self.writer, self.oldest);
+                store.set(&self.key, &[], None)?;
+                self.stored -= self.sizes[old];
+                self.sizes[old] = 0;
+            }
+            self.oldest += 1;
+        }
+        Ok(())
     }
 
     /// Applies, in order, every batch the other writers published since this VM last looked.
@@ -217,7 +259,8 @@ impl PrefixLog {
             }
             let (range, lost) = to_read(read, head.seq);
             // A writer new to this VM: what its ring no longer holds was never this VM's to miss.
-            if read > 0 {
+            let counts = read > 0;
+            if counts {
                 done.missed += lost;
             }
             for seq in range {
@@ -233,8 +276,9 @@ impl PrefixLog {
                             }
                         }
                     }
-                    // Overwritten by a later lap while this VM read the earlier slots.
-                    _ => done.missed += 1,
+                    // Emptied for room, or overwritten by a later lap while this VM read
+                    // the earlier slots.
+                    _ => done.missed += u64::from(counts),
                 }
             }
             self.read[at].1 = head.seq;
@@ -305,9 +349,12 @@ mod tests {
     fn a_reader_gets_every_other_writers_batches_in_order_and_once() {
         let store = MemoryStore::default();
         let (mut a, mut b, mut r) = (PrefixLog::new(1), PrefixLog::new(2), PrefixLog::new(3));
-        a.publish(&store, &batch_of(&["a1", "a2"]), 10).unwrap();
-        b.publish(&store, &batch_of(&["b1"]), 11).unwrap();
-        a.publish(&store, &batch_of(&["a3"]), 12).unwrap();
+        a.publish(&store, &batch_of(&["a1", "a2"]), 10, usize::MAX)
+            .unwrap();
+        b.publish(&store, &batch_of(&["b1"]), 11, usize::MAX)
+            .unwrap();
+        a.publish(&store, &batch_of(&["a3"]), 12, usize::MAX)
+            .unwrap();
         let (seen, done) = read_all(&mut r, &store);
         let from = |w: char| -> Vec<&str> {
             seen.iter()
@@ -318,7 +365,8 @@ mod tests {
         assert_eq!((from('a'), from('b')), (vec!["a1", "a2", "a3"], vec!["b1"]));
         assert_eq!((done.batches, done.missed), (3, 0));
         assert_eq!(read_all(&mut r, &store).0, Vec::<String>::new());
-        b.publish(&store, &batch_of(&["b2"]), 13).unwrap();
+        b.publish(&store, &batch_of(&["b2"]), 13, usize::MAX)
+            .unwrap();
         assert_eq!(read_all(&mut r, &store).0, ["b2"]);
     }
 
@@ -326,8 +374,10 @@ mod tests {
     fn a_writer_never_reads_its_own_batches() {
         let store = MemoryStore::default();
         let (mut a, mut b) = (PrefixLog::new(1), PrefixLog::new(2));
-        a.publish(&store, &batch_of(&["a1"]), 10).unwrap();
-        b.publish(&store, &batch_of(&["b1"]), 10).unwrap();
+        a.publish(&store, &batch_of(&["a1"]), 10, usize::MAX)
+            .unwrap();
+        b.publish(&store, &batch_of(&["b1"]), 10, usize::MAX)
+            .unwrap();
         assert_eq!(read_all(&mut a, &store).0, ["b1"]);
         assert_eq!(read_all(&mut b, &store).0, ["a1"]);
     }
@@ -336,11 +386,12 @@ mod tests {
     fn a_reader_that_fell_a_lap_behind_reads_what_the_ring_holds_and_counts_the_rest() {
         let store = MemoryStore::default();
         let (mut a, mut r) = (PrefixLog::new(1), PrefixLog::new(2));
-        a.publish(&store, &batch_of(&["first"]), 1).unwrap();
+        a.publish(&store, &batch_of(&["first"]), 1, usize::MAX)
+            .unwrap();
         assert_eq!(read_all(&mut r, &store).0, ["first"]);
         let extra = 10;
         for i in 0..RING + extra {
-            a.publish(&store, &batch_of(&[&format!("e{i}")]), 2)
+            a.publish(&store, &batch_of(&[&format!("e{i}")]), 2, usize::MAX)
                 .unwrap();
         }
         let (seen, done) = read_all(&mut r, &store);
@@ -357,7 +408,7 @@ mod tests {
         let store = MemoryStore::default();
         let mut a = PrefixLog::new(1);
         for i in 0..RING + 5 {
-            a.publish(&store, &batch_of(&[&format!("e{i}")]), 2)
+            a.publish(&store, &batch_of(&[&format!("e{i}")]), 2, usize::MAX)
                 .unwrap();
         }
         let (seen, done) = read_all(&mut PrefixLog::new(2), &store);
@@ -370,14 +421,46 @@ mod tests {
     }
 
     #[test]
+    fn the_ring_keeps_no_more_bytes_than_its_budget_beyond_the_newest_batch() {
+        let store = MemoryStore::default();
+        let (mut a, mut follower, mut laggard) =
+            (PrefixLog::new(1), PrefixLog::new(2), PrefixLog::new(3));
+        let big = "x".repeat(1000);
+        let stored = |s: &MemoryStore| -> usize {
+            let mut key = String::new();
+            (0..RING)
+                .map(|slot| {
+                    slot_key(&mut key, 1, slot);
+                    s.get(&key).unwrap().0.map_or(0, |v| v.len())
+                })
+                .sum()
+        };
+        a.publish(&store, &batch_of(&[&big]), 1, 3_100).unwrap();
+        assert_eq!(read_all(&mut laggard, &store).0.len(), 1);
+        assert_eq!(read_all(&mut follower, &store).0.len(), 1);
+        for _ in 0..10 {
+            a.publish(&store, &batch_of(&[&big]), 1, 3_100).unwrap();
+            // A reader that keeps up reads every batch before it is dropped.
+            let (seen, done) = read_all(&mut follower, &store);
+            assert_eq!((seen.len(), done.missed), (1, 0));
+            assert!(stored(&store) <= 3_100 + 1_100, "{}", stored(&store));
+        }
+        // Three older ones fit the budget besides the newest; the laggard missed the rest.
+        let (seen, done) = read_all(&mut laggard, &store);
+        assert_eq!((seen.len(), done.missed), (4, 6));
+    }
+
+    #[test]
     fn a_slot_overwritten_between_the_head_read_and_the_slot_read_counts_as_missed() {
         let store = MemoryStore::default();
         let (mut a, mut r) = (PrefixLog::new(1), PrefixLog::new(2));
-        a.publish(&store, &batch_of(&["x"]), 1).unwrap();
-        // The slot of seq 1 now holds a later lap, as if the writer wrapped in between.
+        a.publish(&store, &batch_of(&["w"]), 1, usize::MAX).unwrap();
+        assert_eq!(read_all(&mut r, &store).0, ["w"]);
+        a.publish(&store, &batch_of(&["x"]), 1, usize::MAX).unwrap();
+        // The slot of seq 2 now holds a later lap, as if the writer wrapped in between.
         let mut key = String::new();
-        slot_key(&mut key, 1, 1);
-        let mut lapped = (1 + RING).to_le_bytes().to_vec();
+        slot_key(&mut key, 1, 2);
+        let mut lapped = (2 + RING).to_le_bytes().to_vec();
         lapped.extend_from_slice(&batch_of(&["y"]));
         store.set(&key, &lapped, None).unwrap();
         let (seen, done) = read_all(&mut r, &store);
@@ -391,7 +474,7 @@ mod tests {
         let (mut a, mut r) = (PrefixLog::new(1), PrefixLog::new(2));
         let mut bad = batch_of(&["good"]);
         bad.extend_from_slice(&[3, 9, 9, 9]);
-        a.publish(&store, &bad, 1).unwrap();
+        a.publish(&store, &bad, 1, usize::MAX).unwrap();
         let (seen, done) = read_all(&mut r, &store);
         assert_eq!(seen, ["good"]);
         assert!(done.malformed.is_some());
@@ -401,9 +484,15 @@ mod tests {
     fn silent_writers_are_pruned_by_the_next_publish_and_forgotten_ones_are_not_read() {
         let store = MemoryStore::default();
         let (mut a, mut b, mut r) = (PrefixLog::new(1), PrefixLog::new(2), PrefixLog::new(3));
-        a.publish(&store, &batch_of(&["a"]), 1_000).unwrap();
-        b.publish(&store, &batch_of(&["b"]), 1_000 + FORGET_AFTER_MS + 1)
+        a.publish(&store, &batch_of(&["a"]), 1_000, usize::MAX)
             .unwrap();
+        b.publish(
+            &store,
+            &batch_of(&["b"]),
+            1_000 + FORGET_AFTER_MS + 1,
+            usize::MAX,
+        )
+        .unwrap();
         let writers = |s: &MemoryStore| -> Vec<u64> {
             heads(&s.get(HEADS_KEY).unwrap().0.unwrap())
                 .map(|h| h.writer)
@@ -430,7 +519,7 @@ mod tests {
                 let got = self.inner.get(key)?;
                 if key == HEADS_KEY {
                     if let Some((mut log, batch)) = self.other.borrow_mut().take() {
-                        log.publish(self.inner, &batch, 5)?;
+                        log.publish(self.inner, &batch, 5, usize::MAX)?;
                     }
                 }
                 Ok(got)
@@ -447,7 +536,7 @@ mod tests {
             other: std::cell::RefCell::new(Some((PrefixLog::new(2), batch_of(&["b"])))),
         };
         PrefixLog::new(1)
-            .publish(&racing, &batch_of(&["a"]), 5)
+            .publish(&racing, &batch_of(&["a"]), 5, usize::MAX)
             .unwrap();
         let mut seen = read_all(&mut PrefixLog::new(3), &store).0;
         seen.sort();
