@@ -274,7 +274,7 @@ impl Metrics {
 
     pub fn add(id: Option<u32>, n: u64) {
         if let Some(id) = id {
-            let _ = hostcalls::increment_metric(id, n as i64);
+            let _ = hostcalls::increment_metric(id, i64::try_from(n).unwrap_or(i64::MAX));
         }
     }
 

@@ -261,7 +261,7 @@ impl PrefixLog {
             // A writer new to this VM: what its ring no longer holds was never this VM's to miss.
             let counts = read > 0;
             if counts {
-                done.missed += lost;
+                done.missed = done.missed.saturating_add(lost);
             }
             for seq in range {
                 slot_key(&mut self.key, head.writer, seq);
@@ -278,7 +278,7 @@ impl PrefixLog {
                     }
                     // Emptied for room, or overwritten by a later lap while this VM read
                     // the earlier slots.
-                    _ => done.missed += u64::from(counts),
+                    _ => done.missed = done.missed.saturating_add(u64::from(counts)),
                 }
             }
             self.read[at].1 = head.seq;
@@ -550,6 +550,22 @@ mod tests {
         assert_eq!(to_read(0, RING + 2), (3..=RING + 2, 2));
         assert_eq!(to_read(1, RING + 2), (3..=RING + 2, 1));
         assert_eq!(to_read(2, RING + 2), (3..=RING + 2, 0));
+    }
+
+    #[test]
+    fn heads_naming_a_writer_twice_or_at_the_last_number_do_not_overflow_the_count() {
+        // Found by the shared_state fuzz target: corrupt heads, not something a writer makes.
+        let store = MemoryStore::default();
+        let mut bytes = vec![HEADS_VERSION];
+        for (writer, seq) in [(7, 3), (7, u64::MAX), (7, u64::MAX), (8, 3), (8, u64::MAX)] {
+            for field in [writer, seq, 0] {
+                bytes.extend_from_slice(&field.to_le_bytes());
+            }
+        }
+        store.set(HEADS_KEY, &bytes, None).unwrap();
+        let done = PrefixLog::new(1).catch_up(&store, |_| {}).unwrap();
+        assert_eq!(done.batches, 0);
+        assert!(done.missed > 0);
     }
 
     #[test]
