@@ -203,6 +203,56 @@ fn a_prefix_learned_on_one_worker_steers_requests_on_every_worker() {
 }
 
 #[test]
+fn a_worker_that_starts_routing_late_follows_the_prefixes_learned_before() {
+    let fleet = Fleet::new(MODEL)
+        .pod("p0", "prefill", "g0")
+        .pod("d0", "decode", "g0")
+        .pod("p1", "prefill", "g1")
+        .pod("d1", "decode", "g1");
+    let stack = Stack::start_with(fleet, 2, &[("AIBRIX_DECODE_SCORE_POLICY", "least_request")]);
+    let topic =
+        |t: usize| format!("Late topic {t}: you are a terse assistant. Cite nothing. ").repeat(40);
+
+    // One connection, so one worker routes every first request and learns every owner; the
+    // other worker has routed nothing yet and read nothing.
+    let mut conn = http::KeepAlive::connect(&stack.gateway).expect("connect");
+    let mut owners = Vec::new();
+    for t in 0..16 {
+        let body = json!({"model": MODEL, "prompt": topic(t), "max_tokens": 2});
+        let r = conn
+            .post_json("/v1/completions", &[("routing-strategy", "pd")], &body)
+            .expect("teach");
+        assert_eq!(r.status, 200, "{}", r.text());
+        owners.push(
+            r.header("prefill-target-pod")
+                .unwrap_or_default()
+                .to_string(),
+        );
+    }
+    let distinct: std::collections::BTreeSet<&String> = owners.iter().collect();
+    assert_eq!(
+        distinct.len(),
+        2,
+        "topics spread over both prefill pods: {owners:?}"
+    );
+    drop(conn);
+
+    // Fresh connections land on both workers. The one that never routed must find every
+    // owner in the other's ring at its first selection; starting from what was published
+    // after it arrived, it would pick among idle pods, half the time the other one.
+    for round in 0..4 {
+        for (t, owner) in owners.iter().enumerate() {
+            let r = completion(&stack, &topic(t));
+            assert_eq!(
+                r.header("prefill-target-pod"),
+                Some(owner.as_str()),
+                "prefix history lost on a worker (topic {t}, round {round})"
+            );
+        }
+    }
+}
+
+#[test]
 fn prompt_length_buckets_choose_the_roleset_or_the_standard_pod() {
     // The AIBrix bucketing scenario: short 0–15 and medium 16–32 tokens, a standard pod beyond.
     let range = |min: u32, max: u32| {

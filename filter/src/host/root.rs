@@ -687,8 +687,9 @@ impl RootContext for Root {
             // A request that ended without publishing its batch (none does) cannot hold
             // events back for longer than a tick.
             crate::host::prefix_sharing::publish(&mut vm, now);
-            // A VM that selects with the prefix index keeps up between requests too, so the
-            // rings never lap it while it routes rarely; one that never does never reads.
+            // A VM that selects with the prefix index keeps up between requests too: a ring
+            // laps it only if a writer publishes more than a ring's worth between two of its
+            // ticks. One that never selects with it (the main thread) never reads.
             if vm.prefix_log.is_following() {
                 crate::host::prefix_sharing::catch_up(&mut vm);
             }
