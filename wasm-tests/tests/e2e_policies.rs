@@ -155,15 +155,20 @@ fn completion(stack: &Stack, prompt: &str) -> http::Response {
     r
 }
 
-#[test]
-fn a_prefix_learned_on_one_worker_steers_requests_on_every_worker() {
+/// Two rolesets of one prefill and one decode pod each, scored with `prefix_cache` (the
+/// default prefill policy) against an idle, tied decode side, on two workers.
+fn two_rolesets_on_prefix_cache() -> Stack {
     let fleet = Fleet::new(MODEL)
         .pod("p0", "prefill", "g0")
         .pod("d0", "decode", "g0")
         .pod("p1", "prefill", "g1")
         .pod("d1", "decode", "g1");
-    // prefix_cache (the default prefill policy) against an idle, tied decode side.
-    let stack = Stack::start_with(fleet, 2, &[("AIBRIX_DECODE_SCORE_POLICY", "least_request")]);
+    Stack::start_with(fleet, 2, &[("AIBRIX_DECODE_SCORE_POLICY", "least_request")])
+}
+
+#[test]
+fn a_prefix_learned_on_one_worker_steers_requests_on_every_worker() {
+    let stack = two_rolesets_on_prefix_cache();
 
     // Prompts that differ from their first block spread over both prefill pods: nothing else
     // pins them. (Prompts sharing even a few leading blocks would not: under prefix_cache
@@ -204,12 +209,7 @@ fn a_prefix_learned_on_one_worker_steers_requests_on_every_worker() {
 
 #[test]
 fn a_worker_that_starts_routing_late_follows_the_prefixes_learned_before() {
-    let fleet = Fleet::new(MODEL)
-        .pod("p0", "prefill", "g0")
-        .pod("d0", "decode", "g0")
-        .pod("p1", "prefill", "g1")
-        .pod("d1", "decode", "g1");
-    let stack = Stack::start_with(fleet, 2, &[("AIBRIX_DECODE_SCORE_POLICY", "least_request")]);
+    let stack = two_rolesets_on_prefix_cache();
     let topic =
         |t: usize| format!("Late topic {t}: you are a terse assistant. Cite nothing. ").repeat(40);
 

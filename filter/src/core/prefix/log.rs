@@ -335,6 +335,11 @@ mod tests {
         b.take()
     }
 
+    fn put(log: &mut PrefixLog, store: &MemoryStore, prompts: &[&str], now_ms: u64) {
+        log.publish(store, &batch_of(prompts), now_ms, usize::MAX)
+            .expect("publish");
+    }
+
     fn read_all(log: &mut PrefixLog, store: &MemoryStore) -> (Vec<String>, CatchUp) {
         let mut seen = Vec::new();
         let done = log
@@ -349,12 +354,9 @@ mod tests {
     fn a_reader_gets_every_other_writers_batches_in_order_and_once() {
         let store = MemoryStore::default();
         let (mut a, mut b, mut r) = (PrefixLog::new(1), PrefixLog::new(2), PrefixLog::new(3));
-        a.publish(&store, &batch_of(&["a1", "a2"]), 10, usize::MAX)
-            .unwrap();
-        b.publish(&store, &batch_of(&["b1"]), 11, usize::MAX)
-            .unwrap();
-        a.publish(&store, &batch_of(&["a3"]), 12, usize::MAX)
-            .unwrap();
+        put(&mut a, &store, &["a1", "a2"], 10);
+        put(&mut b, &store, &["b1"], 11);
+        put(&mut a, &store, &["a3"], 12);
         let (seen, done) = read_all(&mut r, &store);
         let from = |w: char| -> Vec<&str> {
             seen.iter()
@@ -365,8 +367,7 @@ mod tests {
         assert_eq!((from('a'), from('b')), (vec!["a1", "a2", "a3"], vec!["b1"]));
         assert_eq!((done.batches, done.missed), (3, 0));
         assert_eq!(read_all(&mut r, &store).0, Vec::<String>::new());
-        b.publish(&store, &batch_of(&["b2"]), 13, usize::MAX)
-            .unwrap();
+        put(&mut b, &store, &["b2"], 13);
         assert_eq!(read_all(&mut r, &store).0, ["b2"]);
     }
 
@@ -374,10 +375,8 @@ mod tests {
     fn a_writer_never_reads_its_own_batches() {
         let store = MemoryStore::default();
         let (mut a, mut b) = (PrefixLog::new(1), PrefixLog::new(2));
-        a.publish(&store, &batch_of(&["a1"]), 10, usize::MAX)
-            .unwrap();
-        b.publish(&store, &batch_of(&["b1"]), 10, usize::MAX)
-            .unwrap();
+        put(&mut a, &store, &["a1"], 10);
+        put(&mut b, &store, &["b1"], 10);
         assert_eq!(read_all(&mut a, &store).0, ["b1"]);
         assert_eq!(read_all(&mut b, &store).0, ["a1"]);
     }
@@ -386,13 +385,11 @@ mod tests {
     fn a_reader_that_fell_a_lap_behind_reads_what_the_ring_holds_and_counts_the_rest() {
         let store = MemoryStore::default();
         let (mut a, mut r) = (PrefixLog::new(1), PrefixLog::new(2));
-        a.publish(&store, &batch_of(&["first"]), 1, usize::MAX)
-            .unwrap();
+        put(&mut a, &store, &["first"], 1);
         assert_eq!(read_all(&mut r, &store).0, ["first"]);
         let extra = 10;
         for i in 0..RING + extra {
-            a.publish(&store, &batch_of(&[&format!("e{i}")]), 2, usize::MAX)
-                .unwrap();
+            put(&mut a, &store, &[&format!("e{i}")], 2);
         }
         let (seen, done) = read_all(&mut r, &store);
         assert_eq!(seen.len() as u64, RING);
@@ -408,8 +405,7 @@ mod tests {
         let store = MemoryStore::default();
         let mut a = PrefixLog::new(1);
         for i in 0..RING + 5 {
-            a.publish(&store, &batch_of(&[&format!("e{i}")]), 2, usize::MAX)
-                .unwrap();
+            put(&mut a, &store, &[&format!("e{i}")], 2);
         }
         let (seen, done) = read_all(&mut PrefixLog::new(2), &store);
         assert_eq!(seen.len() as u64, RING);
@@ -454,9 +450,9 @@ mod tests {
     fn a_slot_overwritten_between_the_head_read_and_the_slot_read_counts_as_missed() {
         let store = MemoryStore::default();
         let (mut a, mut r) = (PrefixLog::new(1), PrefixLog::new(2));
-        a.publish(&store, &batch_of(&["w"]), 1, usize::MAX).unwrap();
+        put(&mut a, &store, &["w"], 1);
         assert_eq!(read_all(&mut r, &store).0, ["w"]);
-        a.publish(&store, &batch_of(&["x"]), 1, usize::MAX).unwrap();
+        put(&mut a, &store, &["x"], 1);
         // The slot of seq 2 now holds a later lap, as if the writer wrapped in between.
         let mut key = String::new();
         slot_key(&mut key, 1, 2);
@@ -484,8 +480,7 @@ mod tests {
     fn silent_writers_are_pruned_by_the_next_publish_and_forgotten_ones_are_not_read() {
         let store = MemoryStore::default();
         let (mut a, mut b, mut r) = (PrefixLog::new(1), PrefixLog::new(2), PrefixLog::new(3));
-        a.publish(&store, &batch_of(&["a"]), 1_000, usize::MAX)
-            .unwrap();
+        put(&mut a, &store, &["a"], 1_000);
         b.publish(
             &store,
             &batch_of(&["b"]),
