@@ -31,8 +31,9 @@ pub const HEADS_KEY: &str = "pd/prefix/heads";
 pub const RING: u64 = 128;
 /// A batch this large is published at once instead of waiting for a response to start.
 pub const MAX_BATCH_BYTES: usize = 64 << 10;
-/// A writer silent this long drops out of the heads (whoever publishes next prunes it): its
-/// events are older than anything worth reading, and readers stop looking at its ring.
+/// A writer silent this long drops out of the heads (whoever publishes next prunes it), so
+/// readers stop looking at its ring: readers that follow have its events already, and a
+/// worker that starts routing this much later does without them.
 pub const FORGET_AFTER_MS: u64 = 10 * 60 * 1000;
 
 const HEADS_VERSION: u8 = 1;
@@ -49,8 +50,8 @@ pub struct Head {
     pub at_ms: u64,
 }
 
-/// The records of a heads value; an unknown version or a torn record reads as no writers
-/// (the next publish rewrites the value whole).
+/// The records of a heads value; an unknown version reads as no writers and a torn last
+/// record is left out (the next publish rewrites the value whole).
 pub fn heads(bytes: &[u8]) -> impl Iterator<Item = Head> + '_ {
     let records = match bytes.split_first() {
         Some((&HEADS_VERSION, rest)) => rest,
