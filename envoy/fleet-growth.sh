@@ -13,8 +13,7 @@ cd "$(dirname "$0")/.."
 pods=${1:-512}
 export ADMIN_PORT=${ADMIN_PORT:-9961} CONTROL_PORT=${CONTROL_PORT:-18161}
 export SIM_ADMIN_PORT=${SIM_ADMIN_PORT:-18162} CONTROL_REFRESH_MS=${CONTROL_REFRESH_MS:-1000}
-export SIM_ARGS="--prefill-base-ms 0 --prefill-us-per-token 0 --decode-ms-per-token 0 \
---kv-pull-base-ms 0 --kv-pull-us-per-token 0 --prefill-concurrency 0 --batch-slowdown 0"
+export SIM_TIMING=zero
 PORT=${PORT:-10741}
 PROFILE=${PROFILE:-native}
 TARGET=${CARGO_TARGET_DIR:-$PWD/target}

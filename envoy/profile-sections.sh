@@ -19,8 +19,7 @@ SECONDS_PER_RUN=${SECONDS_PER_RUN:-20}
 BODY_BYTES=${BODY_BYTES:-2048}
 TARGET=${CARGO_TARGET_DIR:-$PWD/target}
 export PD_WASM=$TARGET/sections/wasm32-wasip1/release/pd_router_filter.wasm
-export SIM_ARGS="--prefill-base-ms 0 --prefill-us-per-token 0 --decode-ms-per-token 0 \
---kv-pull-base-ms 0 --kv-pull-us-per-token 0 --prefill-concurrency 0 --batch-slowdown 0"
+export SIM_TIMING=zero
 
 CARGO_TARGET_DIR=$TARGET/sections cargo build --release --target wasm32-wasip1 \
   -p pd-router-filter --features sections

@@ -6,7 +6,8 @@
 # State (pids, logs, rendered config) lives in .run/; `down` stops exactly what `up` started.
 # Environment: ADMIN_PORT CONTROL_PORT SIM_ADMIN_PORT CONCURRENCY REFRESH_MS (the filter's poll
 # period; pd-control's scrape period too unless CONTROL_REFRESH_MS is set), SIM_ARGS (extra
-# pd-sim flags, e.g. its timing model), CARGO_TARGET_DIR (where the binaries and the .wasm are;
+# pd-sim flags, e.g. its timing model), SIM_TIMING (`zero`: a pd-sim that answers at once, no
+# prefill, decode or KV-transfer time, so what is measured is the router), CARGO_TARGET_DIR (where the binaries and the .wasm are;
 # default ./target), PD_WASM (another build of the filter, e.g. the `sections` one), and any
 # AIBRIX_* variable for the filter.
 set -euo pipefail
@@ -43,8 +44,15 @@ up() {
   for f in "$bin/pd-control" "$bin/pd-sim" "$wasm" "$envoy"; do [ -e "$f" ] || die "$f missing (make build)"; done
   mkdir -p "$RUN"
   if [ "$sim" = 1 ]; then
+    local timing=
+    case ${SIM_TIMING:-} in
+      zero) timing="--prefill-base-ms 0 --prefill-us-per-token 0 --decode-ms-per-token 0
+              --kv-pull-base-ms 0 --kv-pull-us-per-token 0 --prefill-concurrency 0 --batch-slowdown 0" ;;
+      '') ;;
+      *) die "SIM_TIMING=$SIM_TIMING: only 'zero' is known" ;;
+    esac
     # shellcheck disable=SC2086 # SIM_ARGS is a list of pd-sim flags
-    start pd-sim "$bin/pd-sim" --fleet "$fleet" --admin "127.0.0.1:$SIM_ADMIN_PORT" ${SIM_ARGS:-}
+    start pd-sim "$bin/pd-sim" --fleet "$fleet" --admin "127.0.0.1:$SIM_ADMIN_PORT" $timing ${SIM_ARGS:-}
     wait_for_line "$RUN/pd-sim.out" "pd-sim: serving" 30 pd-sim
   fi
   start pd-control "$bin/pd-control" --fleet "$fleet" --listen "127.0.0.1:$CONTROL_PORT" --refresh-interval "${CONTROL_REFRESH_MS:-$REFRESH_MS}ms"

@@ -15,8 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export ADMIN_PORT=${ADMIN_PORT:-9971} CONTROL_PORT=${CONTROL_PORT:-18171}
 export SIM_ADMIN_PORT=${SIM_ADMIN_PORT:-18172}
-export SIM_ARGS="--prefill-base-ms 0 --prefill-us-per-token 0 --decode-ms-per-token 0 \
---kv-pull-base-ms 0 --kv-pull-us-per-token 0 --prefill-concurrency 0 --batch-slowdown 0"
+export SIM_TIMING=zero
 PORT=${PORT:-10751}
 PROFILE=${PROFILE:-native}
 TARGET=${CARGO_TARGET_DIR:-$PWD/target}
