@@ -7,8 +7,8 @@
 # Environment: ADMIN_PORT CONTROL_PORT SIM_ADMIN_PORT CONCURRENCY REFRESH_MS (the filter's poll
 # period; pd-control's scrape period too unless CONTROL_REFRESH_MS is set), SIM_ARGS (extra
 # pd-sim flags, e.g. its timing model), SIM_TIMING (`zero`: a pd-sim that answers at once, no
-# prefill, decode or KV-transfer time, so what is measured is the router), CARGO_TARGET_DIR (where the binaries and the .wasm are;
-# default ./target), PD_WASM (another build of the filter, e.g. the `sections` one), and any
+# prefill, decode or KV-transfer time, so what is measured is the router), CARGO_TARGET_DIR
+# (where the binaries and the .wasm are; default ./target), PD_WASM (another build of the filter, e.g. the `sections` one), and any
 # AIBRIX_* variable for the filter.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -71,13 +71,10 @@ pub fn heads(bytes: &[u8]) -> impl Iterator<Item = Head> + '_ {
     })
 }
 
-/// `current` with `head` in place of its writer's record, and writers silent since before
-/// `forget_before` (other than `head`'s) left out.
-pub fn with_head(current: &[u8], head: Head, forget_before: u64) -> Vec<u8> {
-    let mut out = Vec::with_capacity(current.len().max(1) + RECORD);
-    out.push(HEADS_VERSION);
-    let others = heads(current).filter(|h| h.writer != head.writer && h.at_ms >= forget_before);
-    for h in others.chain(std::iter::once(head)) {
+/// A heads value holding `records`, in order.
+fn encode_heads(records: impl Iterator<Item = Head>) -> Vec<u8> {
+    let mut out = vec![HEADS_VERSION];
+    for h in records {
         out.extend_from_slice(&h.writer.to_le_bytes());
         out.extend_from_slice(&h.seq.to_le_bytes());
         out.extend_from_slice(&h.at_ms.to_le_bytes());
@@ -85,15 +82,16 @@ pub fn with_head(current: &[u8], head: Head, forget_before: u64) -> Vec<u8> {
     out
 }
 
+/// `current` with `head` in place of its writer's record, and writers silent since before
+/// `forget_before` (other than `head`'s) left out.
+pub fn with_head(current: &[u8], head: Head, forget_before: u64) -> Vec<u8> {
+    let others = heads(current).filter(|h| h.writer != head.writer && h.at_ms >= forget_before);
+    encode_heads(others.chain(std::iter::once(head)))
+}
+
 /// `current` without `writer`'s record.
 pub fn without(current: &[u8], writer: u64) -> Vec<u8> {
-    let mut out = vec![HEADS_VERSION];
-    for h in heads(current).filter(|h| h.writer != writer) {
-        out.extend_from_slice(&h.writer.to_le_bytes());
-        out.extend_from_slice(&h.seq.to_le_bytes());
-        out.extend_from_slice(&h.at_ms.to_le_bytes());
-    }
-    out
+    encode_heads(heads(current).filter(|h| h.writer != writer))
 }
 
 /// Key of the slot `seq` goes to in `writer`'s ring, written into `out` (reused by the caller:
