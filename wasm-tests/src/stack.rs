@@ -330,6 +330,8 @@ pub struct Options<'a> {
     pub sim_args: &'a [&'a str],
     /// Plugin configuration `explain: true`.
     pub explain: bool,
+    /// Plugin configuration `refresh_ms`: the snapshot poll period and timer tick.
+    pub refresh_ms: u64,
     /// Further plugin configuration members, JSON without braces (e.g.
     /// `"snapshot_stale_after_ms":1000`); empty for none. No single quotes (the drop-in
     /// holds the JSON in a single-quoted YAML scalar).
@@ -343,6 +345,7 @@ impl Default for Options<'_> {
             envoy_env: &[],
             sim_args: &[],
             explain: false,
+            refresh_ms: 50,
             plugin_extra: "",
         }
     }
@@ -639,7 +642,13 @@ impl Stack {
 
         let config = dir.join("envoy.yaml");
         let rendered = match ecds {
-            None => render_envoy(listen_port, admin_port, control_port, 50, &stack.access_log),
+            None => render_envoy(
+                listen_port,
+                admin_port,
+                control_port,
+                options.refresh_ms,
+                &stack.access_log,
+            ),
             Some(key_values) => {
                 let ecds_dir = dir.join("ecds");
                 std::fs::create_dir_all(&ecds_dir).expect("ECDS dir");

@@ -507,6 +507,41 @@ fn control_metric(stack: &Stack, name: &str) -> f64 {
     pd_wasm_tests::prom::Scrape::parse(&text).sum(name, &[])
 }
 
+/// A poll answered with a new snapshot is followed by the next one at once (`core::poll`),
+/// so the lease holder is already waiting when pd-control builds the version after it. With
+/// ticks 10 s apart: the fleet is edited while no poll is held (between a held poll's 304 and
+/// the next tick), the tick's poll brings the edit, and a poll must be held again within 2 s
+/// of the adoption. Polling on the tick alone leaves none held for the next 10 s.
+#[test]
+fn a_new_snapshot_finds_the_next_poll_already_waiting_not_the_next_tick() {
+    let fleet = two_pairs();
+    let mut stack = Stack::start_opts(
+        fleet.clone(),
+        fleet.clone(),
+        &Options {
+            refresh_ms: 10_000,
+            plugin_extra: "\"snapshot_stale_after_ms\":30000",
+            ..Options::default()
+        },
+    );
+    let held = |stack: &Stack| control_metric(stack, "pd_control_snapshot_polls_waiting");
+    eventually(Duration::from_secs(10), || {
+        let waiting = held(&stack);
+        (waiting == 0.0).then_some(()).ok_or(format!(
+            "{waiting} polls held, waiting for the gap before a tick"
+        ))
+    });
+    stack.write_fleet(fleet.without("d1"));
+    stack.wait_fleet_adopted();
+    eventually(Duration::from_secs(2), || {
+        let waiting = held(&stack);
+        (waiting == 1.0)
+            .then_some(())
+            .ok_or(format!("{waiting} polls held after the adoption"))
+    });
+    assert_eq!(pd_request(&stack.gateway).status, 200);
+}
+
 #[test]
 fn an_idle_gateway_holds_one_long_poll_and_slows_its_timers_until_work_arrives() {
     // Decode at 50 ms a token: a 60-token stream stays open for about 3 s.

@@ -24,7 +24,9 @@ pub struct PluginConfig {
     pub control_authority: String,
     /// Path of the protobuf snapshot on pd-control.
     pub snapshot_path: String,
-    /// How often the snapshot is polled, and the period of the filter's timer.
+    /// How often the snapshot is polled, and the period of the filter's timer. A poll that
+    /// brings a new version is followed by the next at once, at most one such follow-up per
+    /// tick (`core::poll`).
     pub refresh_ms: u64,
     /// Timeout of one snapshot fetch (on top of the poll's wait, see `snapshot_wait_ms`).
     pub fetch_timeout_ms: u64,

@@ -17,6 +17,7 @@ pub mod ledger;
 pub mod obs;
 pub mod pace;
 pub mod pd;
+pub mod poll;
 pub mod prefix;
 pub mod profile;
 pub mod remote;

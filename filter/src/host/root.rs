@@ -15,6 +15,7 @@ use crate::core::freshness::{Freshness, Transition};
 use crate::core::ledger;
 use crate::core::pd::bucket_serve::Planner;
 use crate::core::pd::PdDefaults;
+use crate::core::poll::FollowUps;
 use crate::core::prefix::{EventBatch, EventRef, PrefixIndex, PrefixSettings};
 use crate::core::remote::ReportDue;
 use crate::core::tokens::{SessionTable, TokenLoadSettings};
@@ -35,6 +36,8 @@ pub struct Root {
     vm_id: String,
     queue: Option<NoticeQueue>,
     fetch_in_flight: Option<u32>,
+    /// Polls this VM may send as soon as an answer brings a new version (`core::poll`).
+    follow_ups: FollowUps,
     loaded_once: bool,
     /// The newest adopted view as decoded; the VM routes on a stale-flagged copy of it
     /// while pd-control has not confirmed it for `snapshot_stale_after_ms`.
@@ -132,6 +135,7 @@ impl Root {
             vm_id: String::new(),
             queue: None,
             fetch_in_flight: None,
+            follow_ups: FollowUps::default(),
             loaded_once: false,
             latest: None,
             adopted_at: 0,
@@ -575,6 +579,12 @@ impl Context for Root {
             Ok(true) => {
                 snapshot::notify_all(&self.vm_id, version, now_ms());
                 self.adopt(view);
+                // pd-control builds the next version on its own schedule: be waiting for it
+                // already rather than poll at the next tick, after it (see `core::poll`).
+                let wait_ms = self.vm.borrow().plugin.poll_wait_ms();
+                if self.follow_ups.poll_again_now(wait_ms) {
+                    self.maybe_fetch(now_ms());
+                }
             }
             Ok(false) => {}
             Err(e) => log::warn!("cannot publish snapshot {version}: {e}"),
@@ -694,6 +704,7 @@ impl RootContext for Root {
                 crate::host::prefix_sharing::catch_up(&mut vm);
             }
         }
+        self.follow_ups.tick();
         crate::section!("tick.fetch", self.maybe_fetch(now));
         crate::section!("tick.report", self.maybe_report(now));
         crate::section!("tick.reload", self.reload());
