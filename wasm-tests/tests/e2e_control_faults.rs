@@ -507,6 +507,16 @@ fn control_metric(stack: &Stack, name: &str) -> f64 {
     pd_wasm_tests::prom::Scrape::parse(&text).sum(name, &[])
 }
 
+/// Waits until pd-control holds exactly `want` snapshot polls (`when` explains the wait).
+fn wait_polls_held(stack: &Stack, want: f64, within: Duration, when: &str) {
+    eventually(within, || {
+        let waiting = control_metric(stack, "pd_control_snapshot_polls_waiting");
+        (waiting == want)
+            .then_some(())
+            .ok_or(format!("{waiting} polls held {when}"))
+    });
+}
+
 /// A poll answered with a new snapshot is followed by the next one at once (`core::poll`),
 /// so the lease holder is already waiting when pd-control builds the version after it. With
 /// ticks 10 s apart: the fleet is edited while no poll is held (between a held poll's 304 and
@@ -524,21 +534,15 @@ fn a_new_snapshot_finds_the_next_poll_already_waiting_not_the_next_tick() {
             ..Options::default()
         },
     );
-    let held = |stack: &Stack| control_metric(stack, "pd_control_snapshot_polls_waiting");
-    eventually(Duration::from_secs(10), || {
-        let waiting = held(&stack);
-        (waiting == 0.0).then_some(()).ok_or(format!(
-            "{waiting} polls held, waiting for the gap before a tick"
-        ))
-    });
+    wait_polls_held(
+        &stack,
+        0.0,
+        Duration::from_secs(10),
+        "while waiting for the gap before a tick",
+    );
     stack.write_fleet(fleet.without("d1"));
     stack.wait_fleet_adopted();
-    eventually(Duration::from_secs(2), || {
-        let waiting = held(&stack);
-        (waiting == 1.0)
-            .then_some(())
-            .ok_or(format!("{waiting} polls held after the adoption"))
-    });
+    wait_polls_held(&stack, 1.0, Duration::from_secs(2), "after the adoption");
     assert_eq!(pd_request(&stack.gateway).status, 200);
 }
 
@@ -557,12 +561,7 @@ fn an_idle_gateway_holds_one_long_poll_and_slows_its_timers_until_work_arrives()
     let vms = (stack.concurrency + 1) as u64;
     // One VM (the lease holder) polls, and pd-control holds its poll: the filter sends the
     // wait and keeps its lease while waiting, so no other VM polls meanwhile.
-    eventually(Duration::from_secs(10), || {
-        let waiting = control_metric(&stack, "pd_control_snapshot_polls_waiting");
-        (waiting == 1.0)
-            .then_some(())
-            .ok_or(format!("{waiting} polls held"))
-    });
+    wait_polls_held(&stack, 1.0, Duration::from_secs(10), "at start-up");
     // Nothing to do: every VM's timer slows down (two seconds after its last work).
     eventually(Duration::from_secs(15), || {
         let idle = stack.stat("pd_router_idle_vms");
@@ -606,11 +605,6 @@ fn an_idle_gateway_holds_one_long_poll_and_slows_its_timers_until_work_arrives()
     });
     stack.wait_ledger_zero();
     // Between a held poll's 304 and the next poll (one tick) none is held: wait for it.
-    eventually(Duration::from_secs(10), || {
-        let waiting = control_metric(&stack, "pd_control_snapshot_polls_waiting");
-        (waiting == 1.0)
-            .then_some(())
-            .ok_or(format!("{waiting} polls held"))
-    });
+    wait_polls_held(&stack, 1.0, Duration::from_secs(10), "after the request");
     routed(&stack);
 }
