@@ -15,6 +15,7 @@
 # also run sglang-router and vllm-router in the policy phase, 0: pd-router pairs only), VENV (.venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source envoy/render.sh
 MODE=${1:-full}
 PHASES=${2:-all}
 TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
@@ -186,19 +187,14 @@ start_envoy_pd() { # name listen admin control-port [env...]
 }
 
 start_envoy_floor() { # name listen admin prefill-ip decode-ip
-  local config="{\"prefill\":\"$4:$POD_PORT\",\"decode\":\"$5:$POD_PORT\",\"cluster\":\"pd_pods\",\"dst_header\":\"target-pod\"}"
-  sed -e "s#@LISTEN_ADDR@#127.0.0.1#; s#@LISTEN_PORT@#$2#; s#@ADMIN_PORT@#$3#" \
-      -e "s#@WASM_PATH@#$(realpath "$FLOOR_WASM")#; s#@CONTROL_ADDR@#127.0.0.1#; s#@CONTROL_PORT@#1#" \
-      -e "s#@REFRESH_MS@#50#; s#@ACCESS_LOG@#/dev/null#" \
-      -e "s#value: '{\"control_cluster.*#value: '$config'#" envoy/envoy.yaml.tmpl > "$RUN/$1.yaml"
+  render_floor "$2" "$3" "$4:$POD_PORT" "$5:$POD_PORT" "$FLOOR_WASM" > "$RUN/$1.yaml"
   grep -q '"prefill"' "$RUN/$1.yaml" || { echo "bench: cannot configure the floor filter" >&2; exit 1; }
   start_server 30 "$1" curl -sf "127.0.0.1:$3/ready" -- "$ENVOY" -c "$RUN/$1.yaml" --concurrency 2 \
     --disable-hot-restart -l warn
 }
 
 start_envoy_plain() { # name listen admin upstream-ip
-  sed -e "s#@LISTEN_PORT@#$2#; s#@ADMIN_PORT@#$3#; s#@UPSTREAM_ADDR@#$4#; s#@UPSTREAM_PORT@#$POD_PORT#" \
-    envoy/envoy-passthrough.yaml.tmpl > "$RUN/$1.yaml"
+  render_plain "$2" "$3" "$4" "$POD_PORT" > "$RUN/$1.yaml"
   start_server 30 "$1" curl -sf "127.0.0.1:$3/ready" -- "$ENVOY" -c "$RUN/$1.yaml" --concurrency 2 \
     --disable-hot-restart -l warn
 }
