@@ -4,15 +4,16 @@
 //! gap after each new version: the answer arrives when pd-control publishes, the next poll
 //! only at the next tick, and a version published in that gap waits for it. With pd-control
 //! and the filter both at 50 ms, snapshots reached the gateway 29 ms after pd-control built
-//! them on average. So a poll that pd-control held until it published is followed by the next
-//! one at once: the holder is already waiting when the version after that is built (6 ms on
-//! average, mostly pd-control's own time from building a snapshot to answering).
+//! them on average. So a poll answered with a new version is followed by the next one at once:
+//! the holder is already waiting when the version after that is built (4–7 ms on average,
+//! mostly pd-control's own time from building a snapshot to answering).
 //!
 //! `refresh_ms` still bounds the rate: each tick earns one follow-up (two at most banked), so
 //! a pd-control publishing faster than the filter's period, or one whose version changes on
 //! every answer, costs at most two polls a period, never a loop of polls. Without the long
 //! poll (a wait of 0: pd-control answers at once) the timer alone polls.
-//! Pure: the host reports ticks and answers and sends the poll.
+//!
+//! Pure: the host reports ticks and answers, and sends the poll.
 
 /// Follow-up polls a VM may still send at once, earned by its ticks.
 #[derive(Debug, Clone, Default)]
