@@ -27,7 +27,8 @@ PROFILE=${PROFILE:-native}
 TARGET=${CARGO_TARGET_DIR:-$PWD/target}
 ENVOY=.venv/envoy
 # envoy/fleets/demo.yaml: roleset group-0 and the standard pod, as pd-sim serves them.
-PREFILL=127.0.10.1:18000 DECODE=127.0.10.2:18000 STANDARD=127.0.10.5
+POD_PORT=18000 STANDARD=127.0.10.5
+PREFILL=127.0.10.1:$POD_PORT DECODE=127.0.10.2:$POD_PORT
 work=$(mktemp -d)
 baselines=()
 cleanup() {
@@ -62,7 +63,7 @@ if [ "${BASELINES:-0}" = 1 ]; then
   [ -e "$floor" ] || { echo "thread-cpu: $floor missing (make floor-wasm)" >&2; exit 1; }
   render_floor $((PORT + 10)) $((ADMIN_PORT + 10)) "$PREFILL" "$DECODE" "$floor" > "$work/floor.yaml"
   start_envoy floor $((PORT + 10)) $((ADMIN_PORT + 10)) "$work/floor.yaml"
-  render_plain $((PORT + 20)) $((ADMIN_PORT + 20)) "$STANDARD" 18000 > "$work/plain.yaml"
+  render_plain $((PORT + 20)) $((ADMIN_PORT + 20)) "$STANDARD" "$POD_PORT" > "$work/plain.yaml"
   start_envoy plain $((PORT + 20)) $((ADMIN_PORT + 20)) "$work/plain.yaml"
 fi
 
