@@ -186,8 +186,8 @@ start_envoy_pd() { # name listen admin control-port [env...]
   ENVOY_PID=$LAST_PID
 }
 
-start_envoy_floor() { # name listen admin prefill-ip decode-ip
-  render_floor "$2" "$3" "$4:$POD_PORT" "$5:$POD_PORT" "$FLOOR_WASM" > "$RUN/$1.yaml"
+start_envoy_floor() { # name listen admin prefill-ip decode-ip [sglang-bootstrap-port]
+  render_floor "$2" "$3" "$4:$POD_PORT" "$5:$POD_PORT" "$FLOOR_WASM" "${6:-}" > "$RUN/$1.yaml"
   grep -q '"prefill"' "$RUN/$1.yaml" || { echo "bench: cannot configure the floor filter" >&2; exit 1; }
   start_server 30 "$1" curl -sf "127.0.0.1:$3/ready" -- "$ENVOY" -c "$RUN/$1.yaml" --concurrency 2 \
     --disable-hot-restart -l warn
@@ -281,12 +281,14 @@ overhead() {
   start_envoy_pd envoy-1p1d-sglang 23115 23117 23116; local esg=$ENVOY_PID
   start_envoy_plain envoy-plain 23120 23122 127.0.33.9; local ep=$LAST_PID
   start_envoy_floor envoy-floor 23125 23127 127.0.33.1 127.0.33.2; local ef=$LAST_PID
+  start_envoy_floor envoy-floor-sglang 23128 23129 127.0.34.1 127.0.34.2 "$BOOT_PORT"
+  local efs=$LAST_PID
   tokenizer
   start_sglang sglang-1p1d 23130 34 1 round_robin round_robin; local sg=$PEER_PID
   start_vllm vllm-1p1d 23140 33 1 round_robin; local vl=$PEER_PID
   # target name, URL, process whose CPU counts
   local targets=("direct http://127.0.33.9:$POD_PORT -" "envoy-plain http://127.0.0.1:23120 $ep"
-    "pd-floor-1p1d http://127.0.0.1:23125 $ef"
+    "pd-floor-1p1d http://127.0.0.1:23125 $ef" "pd-floor-1p1d-sglang http://127.0.0.1:23128 $efs"
     "pd-router-1p1d http://127.0.0.1:23100 $e1" "pd-router-1p1d-lr http://127.0.0.1:23105 $elr"
     "pd-router-4p4d http://127.0.0.1:23110 $e4" "pd-router-1p1d-sglang http://127.0.0.1:23115 $esg"
     "sglang-router http://127.0.0.1:23130 $sg" "vllm-router http://127.0.0.1:23140 $vl")
@@ -312,10 +314,11 @@ overhead() {
       load lat1-2k "$name" "$rep" "$url" "$cpu" $common --body-bytes 2048 --rps 200 --arrival fixed --concurrency-limit 1
       # shellcheck disable=SC2086
       load lat16-2k "$name" "$rep" "$url" "$cpu" $common --body-bytes 2048 --rps 500 --concurrency-limit 16
-      # The floor sends the client's body as the prefill leg unchanged, and a streamed prefill
-      # leg carries no kv_transfer_params to copy: it has no figure for streams.
+      # The floors send the client's body as the prefill leg with only the protocol's fields
+      # added (no stream or max_tokens rewrite), and a streamed vLLM prefill answer carries no
+      # kv_transfer_params to copy: they have no figure for streams.
       # shellcheck disable=SC2086
-      [ "$name" = pd-floor-1p1d ] ||
+      [[ "$name" = pd-floor-* ]] ||
         load stream16-2k "$name" "$rep" "$url" "$cpu" --workload fixed --stream-ratio 1 --max-tokens 32 \
           --duration ${SECS}s --timeout 20s --body-bytes 2048 --rps 200 --concurrency-limit 16
       for bytes in $BODIES; do
@@ -327,7 +330,7 @@ overhead() {
     done
   done
   local p
-  for p in "$sg" "$vl" "$ep" "$ef" "$e4" "$elr" "$esg" "$e1"; do stop "$p"; done
+  for p in "$sg" "$vl" "$ep" "$ef" "$efs" "$e4" "$elr" "$esg" "$e1"; do stop "$p"; done
   cleanup; PIDS=()
 }
 

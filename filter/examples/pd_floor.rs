@@ -1,9 +1,15 @@
 //! The floor of a PD hop in Envoy with a Proxy-Wasm filter, for `make bench`: the least a
-//! filter can do to send a request through a prefill pod and then a decode pod (vLLM's order),
-//! with none of pd-router's work: no selection, no ledger, no metrics, no headers on the
-//! response, no checks. The prefill answer's `kv_transfer_params` is copied verbatim into the
-//! decode body (engines that name their own host in it, as pd-sim's `--side-channel-host pod`). Both pods are fixed by the plugin configuration,
-//! `{"prefill": "ip:port", "decode": "ip:port", "cluster": "pd_pods", "dst_header": "target-pod"}`.
+//! filter can do to send a request through a prefill pod and a decode pod, with none of
+//! pd-router's work: no selection, no ledger, no metrics, no headers on the response, no
+//! checks. Both pods are fixed by the plugin configuration,
+//! `{"prefill": "ip:port", "decode": "ip:port", "cluster": "pd_pods", "dst_header": "target-pod"}`,
+//! plus `"protocol": "sglang", "bootstrap_port": N` for SGLang's order.
+//!
+//! - vLLM (default): the prefill leg first; its answer's `kv_transfer_params` is copied
+//!   verbatim into the decode body (engines that name their own host in it, as pd-sim's
+//!   `--side-channel-host pod`), then the decode leg.
+//! - SGLang: both legs at once, carrying the same `bootstrap_host` / `bootstrap_port` /
+//!   `bootstrap_room`; the prefill answer is dropped (the decode pod waits for the KV itself).
 //!
 //! pd-router's Envoy CPU per request minus this filter's is what our own code costs; this
 //! filter's minus plain Envoy's is what the architecture costs (a wasm VM on the request path
@@ -28,12 +34,23 @@ struct FloorConfig {
     decode: String,
     cluster: String,
     dst_header: String,
+    protocol: String,
+    bootstrap_port: u16,
+}
+
+impl FloorConfig {
+    fn sglang(&self) -> bool {
+        self.protocol == "sglang"
+    }
 }
 
 #[derive(Default)]
 struct FloorRoot {
     /// Shared with every request, not copied into it: the floor allocates as little as it can.
     config: Rc<FloorConfig>,
+    /// SGLang bootstrap rooms: a random start (rooms must not repeat across the VMs of the
+    /// gateway) counted up per request, within SGLang's `[0, 2^63)`.
+    next_room: Rc<std::cell::Cell<u64>>,
 }
 
 impl Context for FloorRoot {}
@@ -46,6 +63,11 @@ impl RootContext for FloorRoot {
         match serde_json::from_slice::<FloorConfig>(&raw) {
             Ok(config) if !config.prefill.is_empty() && !config.decode.is_empty() => {
                 self.config = Rc::new(config);
+                let seed = std::hash::BuildHasher::hash_one(
+                    &std::collections::hash_map::RandomState::new(),
+                    0u8,
+                );
+                self.next_room.set(seed >> 1);
                 true
             }
             _ => {
@@ -58,6 +80,7 @@ impl RootContext for FloorRoot {
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
         Some(Box::new(FloorHttp {
             config: self.config.clone(),
+            next_room: self.next_room.clone(),
             path: String::new(),
             body: Vec::new(),
         }))
@@ -70,6 +93,7 @@ impl RootContext for FloorRoot {
 
 struct FloorHttp {
     config: Rc<FloorConfig>,
+    next_room: Rc<std::cell::Cell<u64>>,
     path: String,
     body: Vec<u8>,
 }
@@ -82,6 +106,9 @@ struct PrefillAnswer<'a> {
 
 impl Context for FloorHttp {
     fn on_http_call_response(&mut self, _token: u32, _headers: usize, size: usize, _: usize) {
+        if self.config.sglang() {
+            return;
+        }
         let answer = self
             .get_http_call_response_body(0, size)
             .unwrap_or_default();
@@ -119,15 +146,31 @@ impl HttpContext for FloorHttp {
             return Action::Pause;
         }
         self.body = self.get_http_request_body(0, size).unwrap_or_default();
-        // The prefill leg is the client's body asking for a remote decode (the load generator
-        // already sends `max_tokens` 1 and no stream, which the leg needs).
         let Some(end) = self.body.iter().rposition(|&b| b == b'}') else {
             self.send_http_response(400, vec![], None);
             return Action::Pause;
         };
-        let mut leg = Vec::with_capacity(self.body.len() + 48);
+        let mut leg = Vec::with_capacity(self.body.len() + 96);
         leg.extend_from_slice(&self.body[..end]);
-        leg.extend_from_slice(b",\"kv_transfer_params\":{\"do_remote_decode\":true}}");
+        if self.config.sglang() {
+            // Both legs carry the same bootstrap fields; the decode leg goes on at once.
+            let room = self.next_room.get();
+            self.next_room.set(room.wrapping_add(1) & (u64::MAX >> 1));
+            let host = self.config.prefill.rsplit_once(':').map_or("", |(h, _)| h);
+            let fields = format!(
+                ",\"bootstrap_host\":\"{host}\",\"bootstrap_port\":{},\"bootstrap_room\":{room}}}",
+                self.config.bootstrap_port
+            );
+            leg.extend_from_slice(fields.as_bytes());
+            self.set_http_request_body(0, self.body.len(), &leg);
+            self.set_http_request_header("content-length", Some(&leg.len().to_string()));
+            let (header, decode) = (&self.config.dst_header, &self.config.decode);
+            self.set_http_request_header(header, Some(decode));
+        } else {
+            // The prefill leg is the client's body asking for a remote decode (the load
+            // generator already sends `max_tokens` 1 and no stream, which the leg needs).
+            leg.extend_from_slice(b",\"kv_transfer_params\":{\"do_remote_decode\":true}}");
+        }
         let prefill = self.config.prefill.as_str();
         let headers = vec![
             (":method", "POST"),
@@ -143,6 +186,7 @@ impl HttpContext for FloorHttp {
             vec![],
             Duration::from_secs(120),
         ) {
+            Ok(_) if self.config.sglang() => Action::Continue,
             Ok(_) => Action::Pause,
             Err(e) => {
                 log::error!("pd_floor: prefill dispatch failed: {e:?}");

@@ -183,13 +183,14 @@ pub fn load(dir: &Path) -> Result<Results, String> {
 }
 
 /// Targets in the order the tables list them.
-const OVERHEAD_ORDER: [&str; 9] = [
+const OVERHEAD_ORDER: [&str; 10] = [
     "direct",
     "envoy-plain",
     "pd-floor-1p1d",
     "pd-router-1p1d",
     "pd-router-1p1d-lr",
     "pd-router-4p4d",
+    "pd-floor-1p1d-sglang",
     "pd-router-1p1d-sglang",
     "sglang-router",
     "vllm-router",
@@ -314,22 +315,40 @@ pub fn overhead_tables(results: &Results) -> String {
                 ratio(&|c: &Cell| c.med(|r| r.e2e_p99)),
             );
         }
-        // The floor filter does a PD hop with no routing work: what is left above it is ours,
-        // what it costs itself is the architecture's (a wasm VM and a second exchange).
-        if let (Some(o), Some(f)) = (cells.get("pd-router-1p1d"), cells.get("pd-floor-1p1d")) {
-            let (o_cpu, f_cpu) = (
-                o.med_opt(|r| r.cpu_us_per_request),
-                f.med_opt(|r| r.cpu_us_per_request),
-            );
-            let peer_cpu = best_peer(cells, |c| c.med_opt(|r| r.cpu_us_per_request), true);
+        // A floor filter does a PD hop with no routing work: what is left above it is ours,
+        // what it costs itself is the architecture's (a wasm VM and a second exchange). The
+        // SGLang floor is held against the peer speaking SGLang, the vLLM one against the best.
+        let cpu = |c: &Cell| c.med_opt(|r| r.cpu_us_per_request);
+        let added = |c: &Cell| c.med(|r| r.e2e_p50) - direct_p50;
+        for (ours, floor, peer) in [
+            ("pd-router-1p1d", "pd-floor-1p1d", None),
+            (
+                "pd-router-1p1d-sglang",
+                "pd-floor-1p1d-sglang",
+                Some("sglang-router"),
+            ),
+        ] {
+            let (Some(o), Some(f)) = (cells.get(ours), cells.get(floor)) else {
+                continue;
+            };
+            let (label, peer_cpu, peer_added) = match peer.and_then(|p| cells.get_key_value(p)) {
+                Some((p, c)) => (format!("{p}'s"), cpu(c), added(c)),
+                None => (
+                    "the best peer's".to_string(),
+                    best_peer(cells, cpu, true),
+                    best_peer(cells, added, true),
+                ),
+            };
             let _ = writeln!(
                 out,
-                "\npd-router-1p1d over the PD-hop floor (pd-floor-1p1d): CPU per request +{} µs, \
-                 throughput {}, added p50 +{} ms; the floor's CPU per request is {} of the best peer's",
-                num(o_cpu - f_cpu, 0),
+                "\n{ours} over the PD-hop floor ({floor}): CPU per request +{} µs, \
+                 throughput {}, added p50 +{} ms; the floor's CPU per request is {} of {label}, \
+                 its added p50 {}",
+                num(cpu(o) - cpu(f), 0),
                 num(o.med(|r| r.completed_rps) / f.med(|r| r.completed_rps), 2),
                 num(o.med(|r| r.e2e_p50) - f.med(|r| r.e2e_p50), 3),
-                num(f_cpu / peer_cpu, 2),
+                num(cpu(f) / peer_cpu, 2),
+                num(added(f) / peer_added, 2),
             );
         }
     }
@@ -578,6 +597,8 @@ mod tests {
             ("direct", 0.5, f64::NAN, 2000.0),
             ("pd-router-1p1d", 1.0, 50.0, 1800.0),
             ("pd-floor-1p1d", 0.75, 30.0, 2400.0),
+            ("pd-router-1p1d-sglang", 0.9, 60.0, 1500.0),
+            ("pd-floor-1p1d-sglang", 0.7, 45.0, 2000.0),
             ("sglang-router", 1.5, 150.0, 900.0),
             ("vllm-router", 1.7, 100.0, 800.0),
         ] {
@@ -598,12 +619,21 @@ mod tests {
             "{text}"
         );
         assert!(text.find("| direct").unwrap() < text.find("| envoy").unwrap_or(usize::MAX));
-        // 50 - 30 µs, 1800 / 2400 rps, 1.0 - 0.75 ms, 30 / 100 µs
+        // 50 - 30 µs, 1800 / 2400 rps, 1.0 - 0.75 ms, 30 / 100 µs, 0.25 / 1.0 ms
         assert!(
-            text.contains("CPU per request +20 µs, throughput 0.75, added p50 +0.250 ms; the floor's CPU per request is 0.30 of the best peer's"),
+            text.contains("pd-router-1p1d over the PD-hop floor (pd-floor-1p1d): CPU per request +20 µs, throughput 0.75, added p50 +0.250 ms; the floor's CPU per request is 0.30 of the best peer's, its added p50 0.25"),
             "{text}"
         );
-        assert!(text.find("| pd-floor").unwrap() < text.find("| pd-router-1p1d |").unwrap());
+        // The SGLang floor against sglang-router, not the best peer: 45 / 150 µs, 0.2 / 1.0 ms
+        assert!(
+            text.contains("pd-router-1p1d-sglang over the PD-hop floor (pd-floor-1p1d-sglang): CPU per request +15 µs, throughput 0.75, added p50 +0.200 ms; the floor's CPU per request is 0.30 of sglang-router's, its added p50 0.20"),
+            "{text}"
+        );
+        assert!(text.find("| pd-floor-1p1d |").unwrap() < text.find("| pd-router-1p1d |").unwrap());
+        assert!(
+            text.find("| pd-floor-1p1d-sglang").unwrap()
+                < text.find("| pd-router-1p1d-sglang").unwrap()
+        );
     }
 
     #[test]
