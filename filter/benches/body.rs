@@ -1,11 +1,11 @@
-//! The body work of one vLLM PD request outside selection: parsing the client's JSON, the
-//! prefill leg's body, and the decode body merged with the prefill's `kv_transfer_params`,
-//! both spliced from the raw body (`core::json_object`).
+//! The body work of one PD request outside selection: parsing the client's JSON, vLLM's
+//! prefill leg's body and decode body merged with the prefill's `kv_transfer_params`, and
+//! SGLang's check and two legs, all spliced from the raw body (`core::json_object`).
 //! Run: `cargo bench -p pd-router-filter --bench body`.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use pd_router_filter::core::config::KvConnector;
-use pd_router_filter::core::engine::vllm;
+use pd_router_filter::core::engine::{sglang, vllm};
 use pd_router_filter::core::request::{Endpoint, RoutingRequest};
 
 /// A chat body of about `bytes`: a system prompt and one user turn.
@@ -65,6 +65,18 @@ fn body(c: &mut Criterion) {
                     "10.0.0.1",
                     KvConnector::Shfs,
                 )
+            })
+        });
+        let bootstrap = sglang::Bootstrap {
+            host: "10.0.0.7".into(),
+            port: 8998,
+            room: 4_611_686_018_427_387_904,
+            rid: "req-1-0000abcd00000001".into(),
+        };
+        group.bench_function(BenchmarkId::new("sglang_legs", bytes), |b| {
+            b.iter(|| {
+                sglang::validate(&raw, &req.members)
+                    .map(|()| sglang::legs(&raw, &req.members, &bootstrap))
             })
         });
     }

@@ -82,18 +82,27 @@ impl<'a> Members<'a> {
         for (i, (k, _)) in self.entries.iter().enumerate() {
             last.insert(k.as_ref(), i);
         }
-        let entries = self
-            .entries
-            .iter()
-            .enumerate()
-            .filter(|(i, (k, _))| last.get(k.as_ref()) == Some(i))
-            .filter_map(|(_, (k, v))| {
-                let start = (v.get().as_ptr() as usize).checked_sub(base)?;
-                let end = start + v.get().len();
-                (end <= raw.len()).then(|| (k.as_ref().into(), start..end))
-            })
-            .collect();
-        Spans { entries }
+        let mut overridden: Vec<Box<str>> = Vec::new();
+        let mut entries = Vec::with_capacity(last.len());
+        for (i, (k, v)) in self.entries.iter().enumerate() {
+            if last.get(k.as_ref()) != Some(&i) {
+                // Once per overridden occurrence, not deduplicated: a body of many repeated
+                // keys stays linear.
+                overridden.push(k.as_ref().into());
+                continue;
+            }
+            let Some(start) = (v.get().as_ptr() as usize).checked_sub(base) else {
+                continue;
+            };
+            let end = start + v.get().len();
+            if end <= raw.len() {
+                entries.push((k.as_ref().into(), start..end));
+            }
+        }
+        Spans {
+            entries,
+            overridden,
+        }
     }
 }
 
@@ -101,9 +110,26 @@ impl<'a> Members<'a> {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Spans {
     entries: Vec<(Box<str>, std::ops::Range<usize>)>,
+    /// Names the object holds more than once (only the last of each is in `entries`): an
+    /// adapter that must refuse ambiguous members asks [`Spans::repeated`]. Empty, and
+    /// unallocated, for an ordinary body.
+    overridden: Vec<Box<str>>,
 }
 
 impl Spans {
+    /// Whether the object held `key` more than once.
+    pub fn repeated(&self, key: &str) -> bool {
+        self.overridden.iter().any(|k| k.as_ref() == key)
+    }
+
+    /// The raw value of `key` (the last one, if repeated) within `raw`.
+    pub fn value<'r>(&self, raw: &'r [u8], key: &str) -> Option<&'r [u8]> {
+        self.entries
+            .iter()
+            .find(|(k, _)| k.as_ref() == key)
+            .and_then(|(_, range)| raw.get(range.clone()))
+    }
+
     /// The object again from `raw`, without the members named in `drop` (a handful), followed
     /// by `extra` (`(name, raw JSON value)`).
     pub fn write(&self, raw: &[u8], drop: &[&str], extra: &[(&str, &str)]) -> Vec<u8> {
@@ -161,7 +187,11 @@ mod tests {
         assert_eq!(m.get("b").unwrap().get(), r#"{"x": [1, 2]}"#);
         assert_eq!(m.get("c\"d").unwrap().get(), r#""\u00e9""#);
         assert!(m.get("z").is_none());
-        let out = m.spans(raw).write(raw, &["b"], &[("e", "true")]);
+        let spans = m.spans(raw);
+        assert!(spans.repeated("a") && !spans.repeated("b") && !spans.repeated("z"));
+        assert_eq!(spans.value(raw, "a"), Some(&b"9223372036854775807"[..]));
+        assert_eq!(spans.value(raw, "z"), None);
+        let out = spans.write(raw, &["b"], &[("e", "true")]);
         assert_eq!(
             std::str::from_utf8(&out).unwrap(),
             r#"{"a":9223372036854775807,"c\"d":"\u00e9","e":true}"#

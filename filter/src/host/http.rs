@@ -271,7 +271,7 @@ impl PdHttp {
                 )));
             }
             if engine == Engine::Sglang {
-                engine::sglang::validate(raw)?;
+                engine::sglang::validate(raw, &req.members)?;
             }
             self.legs.watch_settings = self.vm.borrow().engines.defaults.watchdog.with_knobs(
                 &decision

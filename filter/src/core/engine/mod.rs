@@ -2,7 +2,6 @@
 //! decode request (`vllm`, `sglang`, `trtllm`), the engine a PD request runs on, and the
 //! gateway-wide engine settings.
 
-pub mod json_edit;
 pub mod sglang;
 pub mod trtllm;
 pub mod vllm;

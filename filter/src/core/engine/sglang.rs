@@ -1,27 +1,28 @@
 //! SGLang disaggregation: both legs carry the same `bootstrap_host` (the prefill pod's IP),
 //! `bootstrap_port` and `bootstrap_room`, and the same `rid` so the decode request can be
 //! aborted. The legs are sent concurrently; SGLang's prefill answers only once the decode
-//! pod has taken the KV. Bodies are edited byte-for-byte (see `json_edit`), so everything
-//! the client sent reaches the engine unchanged.
+//! pod has taken the KV. Both legs are spliced from the client's bytes with the request's
+//! [`Spans`] (one parse per request, shared with the routing), so everything the client sent
+//! reaches the engine unchanged.
 
-use super::json_edit::{self, JsonEditError, Member};
 use crate::core::errors::RouteError;
+use crate::core::json_object::Spans;
 
 /// `model.aibrix.ai/sglang-bootstrap-port` when the annotation is absent.
 pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
 
 /// Top-level keys the router writes; a client body holding one of them twice is ambiguous
-/// (which one would the engine read?) and is refused.
+/// (which one would the engine read?) and is refused. The first four are the decode leg's.
 const CONTROLLED: [&str; 9] = [
     "bootstrap_host",
     "bootstrap_port",
     "bootstrap_room",
+    "rid",
     "max_tokens",
     "max_completion_tokens",
     "stream",
     "stream_options",
     "min_tokens",
-    "rid",
 ];
 
 /// What pairs the two legs.
@@ -33,32 +34,19 @@ pub struct Bootstrap {
     pub rid: String,
 }
 
-fn invalid(e: JsonEditError) -> RouteError {
-    RouteError::InvalidRequest(match e {
-        JsonEditError::Invalid => "SGLang request body is not valid JSON".into(),
-        JsonEditError::NotObject => "SGLang request body is not a JSON object".into(),
-    })
-}
-
 /// Checks the body before any selection, so a refused request changes no load counter.
-pub fn validate(raw: &[u8]) -> Result<(), RouteError> {
-    let members = json_edit::members(raw).map_err(invalid)?;
-    check(&members)
-}
-
-fn check(members: &[Member<'_>]) -> Result<(), RouteError> {
-    for (i, m) in members.iter().enumerate() {
-        if CONTROLLED.contains(&m.key.as_str()) && members[..i].iter().any(|p| p.key == m.key) {
-            return Err(RouteError::InvalidRequest(format!(
-                "duplicate top-level key {:?} in SGLang request body",
-                m.key
-            )));
-        }
-        if m.key == "rid" && m.value == b"\"\"" {
-            return Err(RouteError::InvalidRequest(
-                "rid must not be empty in SGLang request body".into(),
-            ));
-        }
+/// `members` are the body's, from the request's parse (which refused anything but one
+/// JSON object).
+pub fn validate(raw: &[u8], members: &Spans) -> Result<(), RouteError> {
+    if let Some(key) = CONTROLLED.iter().find(|k| members.repeated(k)) {
+        return Err(RouteError::InvalidRequest(format!(
+            "duplicate top-level key {key:?} in SGLang request body"
+        )));
+    }
+    if members.value(raw, "rid") == Some(b"\"\"") {
+        return Err(RouteError::InvalidRequest(
+            "rid must not be empty in SGLang request body".into(),
+        ));
     }
     Ok(())
 }
@@ -79,34 +67,34 @@ pub fn room(random: u64) -> Option<u64> {
 
 /// The prefill and decode bodies. The decode body is the client's with the bootstrap fields
 /// and `rid` set; the prefill body additionally asks for one unstreamed token.
-pub fn legs(raw: &[u8], b: &Bootstrap) -> Result<(Vec<u8>, Vec<u8>), RouteError> {
-    let members = json_edit::members(raw).map_err(invalid)?;
-    check(&members)?;
+pub fn legs(raw: &[u8], members: &Spans, b: &Bootstrap) -> (Vec<u8>, Vec<u8>) {
     let host = serde_json::Value::String(b.host.clone()).to_string();
     let port = b.port.to_string();
     let room = b.room.to_string();
     let rid = serde_json::Value::String(b.rid.clone()).to_string();
-    let shared: [(&str, &[u8]); 4] = [
-        ("bootstrap_host", host.as_bytes()),
-        ("bootstrap_port", port.as_bytes()),
-        ("bootstrap_room", room.as_bytes()),
-        ("rid", rid.as_bytes()),
+    let set: [(&str, &str); 7] = [
+        ("bootstrap_host", &host),
+        ("bootstrap_port", &port),
+        ("bootstrap_room", &room),
+        ("rid", &rid),
+        ("max_tokens", "1"),
+        ("max_completion_tokens", "1"),
+        ("stream", "false"),
     ];
-    let decode = json_edit::rewrite(&members, &shared, &[]);
-    let mut prefill_set: Vec<(&str, &[u8])> = shared.to_vec();
-    prefill_set.extend([
-        ("max_tokens", b"1".as_slice()),
-        ("max_completion_tokens", b"1".as_slice()),
-        ("stream", b"false".as_slice()),
-    ]);
-    let prefill = json_edit::rewrite(&members, &prefill_set, &["stream_options", "min_tokens"]);
-    Ok((prefill, decode))
+    let decode = members.write(raw, &CONTROLLED[..4], &set[..4]);
+    let prefill = members.write(raw, &CONTROLLED, &set);
+    (prefill, decode)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::json_object::Members;
     use serde_json::Value;
+
+    fn spans(raw: &[u8]) -> Spans {
+        Members::parse(raw).expect("one JSON object").spans(raw)
+    }
 
     fn boot() -> Bootstrap {
         Bootstrap {
@@ -120,7 +108,7 @@ mod tests {
     #[test]
     fn both_legs_share_the_bootstrap_and_keep_the_client_bytes() {
         let raw = br#"{"model":"m","tools":[{"schema":{"x":1.50}}],"stream":true,"stream_options":{"include_usage":true},"min_tokens":3,"bootstrap_room":1,"seed":18446744073709551615}"#;
-        let (prefill, decode) = legs(raw, &boot()).unwrap();
+        let (prefill, decode) = legs(raw, &spans(raw), &boot());
         let d = String::from_utf8(decode.clone()).unwrap();
         assert!(d.contains(r#""tools":[{"schema":{"x":1.50}}]"#), "{d}");
         assert!(
@@ -161,13 +149,16 @@ mod tests {
                 br#"{"rid":"a","rid":"b"}"#,
                 Some("duplicate top-level key \"rid\""),
             ),
+            (
+                br#"{"bootstrap_room":1,"x":0,"bootstrap_room":2,"bootstrap_room":3}"#,
+                Some("duplicate top-level key \"bootstrap_room\""),
+            ),
             (br#"{"tools":1,"tools":2}"#, None),
             (br#"{"rid":""}"#, Some("rid must not be empty")),
-            (b"[1,2]", Some("is not a JSON object")),
-            (b"{oops", Some("is not valid JSON")),
+            (br#"{"rid":"","rid":"x"}"#, Some("duplicate top-level key")),
         ];
         for (raw, want) in cases {
-            match (validate(raw), want) {
+            match (validate(raw, &spans(raw)), want) {
                 (Ok(()), None) => {}
                 (Err(RouteError::InvalidRequest(m)), Some(w)) => assert!(m.contains(w), "{m}"),
                 (got, _) => panic!("{}: {got:?}", String::from_utf8_lossy(raw)),

@@ -74,14 +74,18 @@ impl PdHttp {
         let endpoint = req.endpoint;
         match engine {
             Engine::Sglang => {
-                let rid = self.vm.borrow_mut().engines.next_rid(&self.request_id);
+                let rid = crate::section!(
+                    "sglang.rid",
+                    self.vm.borrow_mut().engines.next_rid(&self.request_id)
+                );
                 let bootstrap = Bootstrap {
                     host: prefill.ip.clone(),
                     port: prefill.sglang_bootstrap_port,
-                    room: legs::bootstrap_room(),
+                    room: crate::section!("sglang.room", legs::bootstrap_room()),
                     rid: rid.clone(),
                 };
-                let (prefill_body, decode_body) = sglang::legs(raw, &bootstrap)?;
+                let (prefill_body, decode_body) =
+                    crate::section!("sglang.bodies", sglang::legs(raw, &req.members, &bootstrap));
                 let token = self.dispatch_prefill(endpoint, &prefill.address, &prefill_body)?;
                 self.legs.async_prefill = Some(AsyncPrefill {
                     token,
@@ -89,9 +93,9 @@ impl PdHttp {
                     rid: Some(rid.clone()),
                     decode_address: decode.address.clone(),
                 });
-                self.watch(decode, Some(rid), req.stream);
-                self.replace_body(&decode_body)?;
-                self.route_to(&decode.address)?;
+                crate::section!("sglang.watch", self.watch(decode, Some(rid), req.stream));
+                crate::section!("sglang.replace_body", self.replace_body(&decode_body))?;
+                crate::section!("sglang.destination", self.route_to(&decode.address))?;
                 Ok(Action::Continue)
             }
             Engine::Trtllm
