@@ -1,10 +1,13 @@
 //! The body work of one PD request outside selection: parsing the client's JSON, vLLM's
 //! prefill leg's body and decode body merged with the prefill's `kv_transfer_params`, and
-//! SGLang's check and two legs, all spliced from the raw body (`core::json_object`).
+//! SGLang's check and two legs, TRT-LLM's context leg and generation leg (from a context
+//! answer carrying the prompt's token ids), all spliced from the raw body
+//! (`core::json_object`).
 //! Run: `cargo bench -p pd-router-filter --bench body`.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use pd_router_filter::core::config::KvConnector;
+use pd_router_filter::core::engine::trtllm::{self, ScheduleStyle};
 use pd_router_filter::core::engine::{sglang, vllm};
 use pd_router_filter::core::request::{Endpoint, RoutingRequest};
 
@@ -29,6 +32,22 @@ fn chat(bytes: usize) -> Vec<u8> {
 }
 
 const PREFILL_ANSWER: &[u8] = br#"{"id":"cmpl-1","object":"chat.completion","created":1,"model":"demo-llm","choices":[{"index":0,"message":{"role":"assistant","content":"x"},"finish_reason":"length"}],"usage":{"prompt_tokens":512,"completion_tokens":1,"total_tokens":513},"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_engine_id":"engine-1","remote_block_ids":[1,2,3,4,5,6,7,8],"remote_host":"10.0.0.1","remote_port":5600}}"#;
+
+/// A TRT-LLM context answer for a prompt of `tokens` tokens (its ids ride along).
+fn trt_context_answer(tokens: usize) -> Vec<u8> {
+    let ids: Vec<u32> = (0..tokens as u32).map(|i| 1000 + i * 7 % 30_000).collect();
+    serde_json::json!({
+        "id": "cmpl-1", "object": "chat.completion", "model": "demo-llm",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "x"},
+            "finish_reason": "length",
+            "disaggregated_params": {"request_type": "context_only", "first_gen_tokens": [12366],
+                "ctx_request_id": 4_611_686_018_427_387_903u64, "encoded_opaque_state": "AAAA",
+                "disagg_request_id": 4_611_686_018_427_387_905u64}}],
+        "prompt_token_ids": ids,
+    })
+    .to_string()
+    .into_bytes()
+}
 
 fn body(c: &mut Criterion) {
     let mut group = c.benchmark_group("body");
@@ -77,6 +96,20 @@ fn body(c: &mut Criterion) {
             b.iter(|| {
                 sglang::validate(&raw, &req.members)
                     .map(|()| sglang::legs(&raw, &req.members, &bootstrap))
+            })
+        });
+        let ctx_answer = trt_context_answer(bytes / 4);
+        group.bench_function(BenchmarkId::new("trtllm_legs", bytes), |b| {
+            b.iter(|| {
+                let id = 4_611_686_018_427_387_905;
+                let ctx = trtllm::context_body(&raw, &req.members, id, ScheduleStyle::ContextFirst);
+                let generation = trtllm::generation_body(
+                    &raw,
+                    &req.members,
+                    Endpoint::ChatCompletions,
+                    &ctx_answer,
+                );
+                (ctx, generation)
             })
         });
     }

@@ -2,9 +2,6 @@
 //!
 //! Only the members routing reads are parsed (see `core::json_object`); the engine adapters
 //! splice the raw body, so members the router never reads reach the engine byte for byte.
-//! Where a whole `serde_json::Value` is still wanted (TRT-LLM's legs), [`body_map`] parses
-//! one with `preserve_order` and `arbitrary_precision`, so key order and numbers such as
-//! 63-bit ids survive the round trip.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -13,7 +10,7 @@ use serde::de::value::{MapAccessDeserializer, SeqAccessDeserializer};
 use serde::de::{Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 use serde_json::value::RawValue;
-use serde_json::{Map, Value};
+use serde_json::Value;
 
 use super::errors::RouteError;
 use super::json_object::{Members, Spans};
@@ -106,14 +103,6 @@ impl RoutingRequest {
             include_usage,
             members: body.spans(raw),
         })
-    }
-}
-
-/// The whole body as a JSON object, for the adapters that edit it as one (TRT-LLM).
-pub fn body_map(raw: &[u8]) -> Result<Map<String, Value>, RouteError> {
-    match serde_json::from_slice::<Value>(raw) {
-        Ok(Value::Object(map)) => Ok(map),
-        _ => Err(RouteError::BadBody),
     }
 }
 

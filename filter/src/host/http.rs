@@ -685,7 +685,7 @@ impl PdHttp {
                 )
             )?,
             pair::Merge::Trtllm(endpoint) => {
-                trtllm::generation_body(&request::body_map(&pending.body)?, endpoint, response)?
+                trtllm::generation_body(&pending.body, &pending.members, endpoint, response)?
             }
             pair::Merge::Unchanged => None,
         };

@@ -9,11 +9,15 @@
 //!   `/server_info`, and is forwarded without waiting for the context leg.
 //!
 //! Ids are 63-bit integers: they are built and written as `i64`/`u64` JSON numbers and
-//! never pass through an `f64`.
+//! never pass through an `f64`. Both legs are spliced from the client's bytes with the
+//! request's [`Spans`], and the context answer's `disaggregated_params` and
+//! `prompt_token_ids` are copied as the engine wrote them, so no value is re-encoded.
 
-use serde_json::{json, Map, Value};
+use serde_json::value::RawValue;
+use serde_json::{json, Value};
 
 use crate::core::errors::RouteError;
+use crate::core::json_object::{Members, Spans};
 use crate::core::request::Endpoint;
 
 /// 2023-01-01T00:00:00Z, the epoch of the id's timestamp.
@@ -87,26 +91,39 @@ pub fn parse_server_info(body: &[u8]) -> Result<ServerInfo, String> {
     })
 }
 
+/// Members of the client's body the context leg replaces or drops.
+const CONTEXT_REPLACED: [&str; 6] = [
+    "disaggregated_params",
+    "max_tokens",
+    "stream",
+    "max_completion_tokens",
+    "stream_options",
+    "min_tokens",
+];
+
 /// The context (prefill) leg: one unstreamed token; TRT-LLM aliases
 /// `max_completion_tokens` to `max_tokens`, so the former is dropped rather than capped.
 pub fn context_body(
-    client: &Map<String, Value>,
+    raw: &[u8],
+    members: &Spans,
     disagg_request_id: i64,
     style: ScheduleStyle,
 ) -> Vec<u8> {
-    let mut body = client.clone();
     let mut params =
         json!({"request_type": "context_only", "disagg_request_id": disagg_request_id});
     if style == ScheduleStyle::GenerationFirst {
         params["schedule_style"] = json!(1);
     }
-    body.insert("disaggregated_params".into(), params);
-    body.insert("max_tokens".into(), json!(1));
-    body.remove("max_completion_tokens");
-    body.insert("stream".into(), json!(false));
-    body.remove("stream_options");
-    body.remove("min_tokens");
-    Value::Object(body).to_string().into_bytes()
+    let params = params.to_string();
+    members.write(
+        raw,
+        &CONTEXT_REPLACED,
+        &[
+            ("disaggregated_params", &params),
+            ("max_tokens", "1"),
+            ("stream", "false"),
+        ],
+    )
 }
 
 fn bad_response(detail: &str) -> RouteError {
@@ -117,55 +134,62 @@ fn bad_response(detail: &str) -> RouteError {
     }
 }
 
+/// A member that is present and not `null`.
+fn present(value: Option<&RawValue>) -> Option<&RawValue> {
+    value.filter(|v| v.get() != "null")
+}
+
 /// The generation (decode) leg of `context_first`, from the context answer. `None` means
 /// "forward the client's body unchanged" (the answer carried no `disaggregated_params`).
 pub fn generation_body(
-    client: &Map<String, Value>,
+    raw: &[u8],
+    members: &Spans,
     endpoint: Endpoint,
     ctx_response: &[u8],
 ) -> Result<Option<Vec<u8>>, RouteError> {
-    let response = match serde_json::from_slice::<Value>(ctx_response) {
-        Ok(Value::Object(map)) => map,
-        _ => return Err(bad_response("the context response is not a JSON object")),
+    let response = Members::parse(ctx_response)
+        .map_err(|_| bad_response("the context response is not a JSON object"))?;
+    let first_choice = || {
+        let choices = present(response.get("choices"))?;
+        let list = serde_json::from_str::<Vec<&RawValue>>(choices.get()).ok()?;
+        let first = Members::of(list.first()?).ok()?;
+        present(first.get("disaggregated_params"))
     };
-    let params = response
-        .get("disaggregated_params")
-        .filter(|v| !v.is_null())
-        .or_else(|| {
-            response
-                .get("choices")
-                .and_then(|c| c.get(0))
-                .and_then(|c| c.get("disaggregated_params"))
-                .filter(|v| !v.is_null())
-        });
-    let mut params = match params {
-        None => return Ok(None),
-        Some(Value::Object(p)) => p.clone(),
-        Some(_) => {
-            return Err(bad_response(
-                "disaggregated_params in the context response is not an object",
-            ))
-        }
+    let Some(params) = present(response.get("disaggregated_params")).or_else(first_choice) else {
+        return Ok(None);
     };
-    params.insert("request_type".into(), json!("generation_only"));
-    let mut body = client.clone();
-    body.insert("disaggregated_params".into(), Value::Object(params));
-    if let Some(ids @ Value::Array(_)) = response.get("prompt_token_ids") {
-        match endpoint {
-            Endpoint::Completions => {
-                body.insert("prompt".into(), ids.clone());
-            }
-            Endpoint::ChatCompletions => {
-                body.insert("prompt_token_ids".into(), ids.clone());
-            }
+    let not_object =
+        || bad_response("disaggregated_params in the context response is not an object");
+    let params_members = Members::of(params).map_err(|_| not_object())?;
+    let params_raw = params.get().as_bytes();
+    let params = params_members.spans(params_raw).write(
+        params_raw,
+        &["request_type"],
+        &[("request_type", "\"generation_only\"")],
+    );
+    let params = String::from_utf8(params).map_err(|_| not_object())?;
+    let mut extra: Vec<(&str, &str)> = vec![("disaggregated_params", &params)];
+    let prompt_key = match endpoint {
+        Endpoint::Completions => "prompt",
+        Endpoint::ChatCompletions => "prompt_token_ids",
+    };
+    let ids = response
+        .get("prompt_token_ids")
+        .filter(|v| v.get().starts_with('['));
+    let drop: &[&str] = match ids {
+        Some(ids) => {
+            extra.push((prompt_key, ids.get()));
+            &["disaggregated_params", prompt_key]
         }
-    }
-    Ok(Some(Value::Object(body).to_string().into_bytes()))
+        None => &["disaggregated_params"],
+    };
+    Ok(Some(members.write(raw, drop, &extra)))
 }
 
 /// The generation (decode) leg of `generation_first`, sent without waiting for the context.
 pub fn generation_first_body(
-    client: &Map<String, Value>,
+    raw: &[u8],
+    members: &Spans,
     disagg_request_id: i64,
     info: &ServerInfo,
 ) -> Vec<u8> {
@@ -180,25 +204,35 @@ pub fn generation_first_body(
     if let Some(state) = &info.encoded_opaque_state {
         params["encoded_opaque_state"] = json!(state);
     }
-    let mut body = client.clone();
-    body.insert("disaggregated_params".into(), params);
-    Value::Object(body).to_string().into_bytes()
+    let params = params.to_string();
+    members.write(
+        raw,
+        &["disaggregated_params"],
+        &[("disaggregated_params", &params)],
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn client() -> Map<String, Value> {
-        match serde_json::from_str(
-            r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,
-                "stream_options":{"include_usage":true},"max_completion_tokens":9,"min_tokens":2}"#,
-        )
-        .unwrap()
-        {
-            Value::Object(m) => m,
-            _ => unreachable!(),
-        }
+    const CLIENT: &[u8] = br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,
+                "stream_options":{"include_usage":true},"max_completion_tokens":9,"min_tokens":2,"temperature":0.50}"#;
+
+    fn spans(raw: &[u8]) -> Spans {
+        Members::parse(raw).expect("one JSON object").spans(raw)
+    }
+
+    fn context(id: i64, style: ScheduleStyle) -> Vec<u8> {
+        context_body(CLIENT, &spans(CLIENT), id, style)
+    }
+
+    fn generation(
+        client: &[u8],
+        endpoint: Endpoint,
+        answer: &[u8],
+    ) -> Result<Option<Vec<u8>>, RouteError> {
+        generation_body(client, &spans(client), endpoint, answer)
     }
 
     #[test]
@@ -223,9 +257,13 @@ mod tests {
     #[test]
     fn context_leg_shape() {
         let id: i64 = 4_611_686_018_427_387_905;
-        let raw = context_body(&client(), id, ScheduleStyle::ContextFirst);
+        let raw = context(id, ScheduleStyle::ContextFirst);
         let text = String::from_utf8(raw.clone()).unwrap();
         assert!(text.contains("4611686018427387905"), "exact id: {text}");
+        assert!(
+            text.contains(r#""temperature":0.50"#),
+            "client bytes kept: {text}"
+        );
         let v: Value = serde_json::from_slice(&raw).unwrap();
         assert_eq!(
             v["disaggregated_params"],
@@ -239,8 +277,7 @@ mod tests {
             assert!(v.get(gone).is_none(), "{gone}");
         }
         let gf: Value =
-            serde_json::from_slice(&context_body(&client(), id, ScheduleStyle::GenerationFirst))
-                .unwrap();
+            serde_json::from_slice(&context(id, ScheduleStyle::GenerationFirst)).unwrap();
         assert_eq!(gf["disaggregated_params"]["schedule_style"], 1);
     }
 
@@ -249,13 +286,17 @@ mod tests {
         let answer = br#"{"choices":[{"index":0,"disaggregated_params":{"request_type":"context_only",
             "first_gen_tokens":[12366],"ctx_request_id":4611686018427387903,"encoded_opaque_state":"AAAA",
             "disagg_request_id":4611686018427387905}}],"prompt_token_ids":[1,2,3]}"#;
-        let chat = generation_body(&client(), Endpoint::ChatCompletions, answer)
+        let chat = generation(CLIENT, Endpoint::ChatCompletions, answer)
             .unwrap()
             .unwrap();
         let text = String::from_utf8(chat.clone()).unwrap();
         assert!(
             text.contains("4611686018427387903") && text.contains("4611686018427387905"),
             "{text}"
+        );
+        assert!(
+            text.contains(r#""temperature":0.50"#),
+            "client bytes kept: {text}"
         );
         let v: Value = serde_json::from_slice(&chat).unwrap();
         let p = &v["disaggregated_params"];
@@ -267,17 +308,25 @@ mod tests {
             v["stream"], true,
             "the client's own parameters go to generation"
         );
-        let mut completion = client();
-        completion.insert("prompt".into(), json!("hello"));
-        let c = generation_body(&completion, Endpoint::Completions, answer)
+        let completion = br#"{"model":"m","prompt":"hello","max_tokens":5}"#;
+        let c = generation(completion, Endpoint::Completions, answer)
             .unwrap()
             .unwrap();
         let v: Value = serde_json::from_slice(&c).unwrap();
         assert_eq!(v["prompt"], json!([1, 2, 3]));
+        assert_eq!(v["max_tokens"], 5);
+        let dup = br#"{"model":"m","disaggregated_params":{"request_type":"x"},"disaggregated_params":null}"#;
+        let v: Value = serde_json::from_slice(
+            &generation(dup, Endpoint::ChatCompletions, answer)
+                .unwrap()
+                .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(v["disaggregated_params"]["request_type"], "generation_only");
 
         let top = br#"{"disaggregated_params":{"ctx_request_id":7},"choices":[]}"#;
         let v: Value = serde_json::from_slice(
-            &generation_body(&client(), Endpoint::ChatCompletions, top)
+            &generation(CLIENT, Endpoint::ChatCompletions, top)
                 .unwrap()
                 .unwrap(),
         )
@@ -286,17 +335,27 @@ mod tests {
             v["disaggregated_params"]["ctx_request_id"], 7,
             "top level wins"
         );
-        assert_eq!(
-            generation_body(&client(), Endpoint::ChatCompletions, b"{}").unwrap(),
-            None
-        );
-        assert!(generation_body(&client(), Endpoint::ChatCompletions, b"nope").is_err());
-        assert!(generation_body(
-            &client(),
-            Endpoint::ChatCompletions,
-            br#"{"disaggregated_params":3}"#
-        )
-        .is_err());
+        for none in [
+            &b"{}"[..],
+            br#"{"disaggregated_params":null,"choices":[{"disaggregated_params":null}]}"#,
+            br#"{"choices":[]}"#,
+        ] {
+            assert_eq!(
+                generation(CLIENT, Endpoint::ChatCompletions, none).unwrap(),
+                None
+            );
+        }
+        for bad in [
+            &b"nope"[..],
+            br#"{"disaggregated_params":3}"#,
+            br#"{"choices":[{"disaggregated_params":[1]}]}"#,
+        ] {
+            assert!(
+                generation(CLIENT, Endpoint::ChatCompletions, bad).is_err(),
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
     }
 
     #[test]
@@ -319,7 +378,8 @@ mod tests {
         }
         let id: i64 = 4_398_046_511_105;
         let v: Value =
-            serde_json::from_slice(&generation_first_body(&client(), id, &info)).unwrap();
+            serde_json::from_slice(&generation_first_body(CLIENT, &spans(CLIENT), id, &info))
+                .unwrap();
         assert_eq!(
             v["disaggregated_params"],
             json!({"request_type": "generation_only", "disagg_request_id": id, "ctx_request_id": id,

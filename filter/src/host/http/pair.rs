@@ -3,10 +3,10 @@
 //! (SGLang, TRT-LLM generation_first), how a late prefill failure reaches the client, and
 //! the decode watchdog's view of the response.
 
+use crate::core::json_object::Spans;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType};
-use serde_json::{Map, Value};
 
 use super::{PdHttp, PendingDecode};
 use crate::core::charges::HeldCharges;
@@ -16,7 +16,7 @@ use crate::core::engine::trtllm::{self, ScheduleStyle, ServerInfo};
 use crate::core::engine::{vllm, Engine};
 use crate::core::errors::RouteError;
 use crate::core::fleet::PodView;
-use crate::core::request::{self, Endpoint, RoutingRequest};
+use crate::core::request::{Endpoint, RoutingRequest};
 use crate::core::watchdog::{Watchdog, WatchdogSettings};
 use crate::host::legs::{self, AbortCause, AbortOrder, SERVER_INFO_TIMEOUT};
 use crate::host::metrics::Metrics;
@@ -44,10 +44,23 @@ struct AsyncPrefill {
 struct ServerInfoCall {
     token: u32,
     id: i64,
-    body: Map<String, Value>,
+    /// The client's body and its members, to splice both legs from once the answer is in.
+    body: Vec<u8>,
+    members: Spans,
     endpoint: Endpoint,
     prefill_address: String,
     decode_address: String,
+}
+
+/// What generation_first's two legs are made of, once the context worker's `/server_info`
+/// is known.
+struct GenerationFirst<'a> {
+    endpoint: Endpoint,
+    raw: &'a [u8],
+    members: &'a Spans,
+    id: i64,
+    prefill_address: &'a str,
+    decode_address: &'a str,
 }
 
 /// The per-request state of this module.
@@ -110,23 +123,24 @@ impl PdHttp {
                     .borrow()
                     .engines
                     .server_info(&prefill.address, now_ms());
-                let client = request::body_map(raw)?;
                 if let Some(info) = cached {
-                    self.send_generation_first(
+                    let legs = GenerationFirst {
                         endpoint,
-                        &client,
+                        raw,
+                        members: &req.members,
                         id,
-                        &prefill.address,
-                        &decode.address,
-                        &info,
-                    )?;
+                        prefill_address: &prefill.address,
+                        decode_address: &decode.address,
+                    };
+                    self.send_generation_first(legs, &info)?;
                     return Ok(Action::Continue);
                 }
                 let token = self.dispatch_get(&prefill.address, "/server_info")?;
                 self.legs.server_info = Some(ServerInfoCall {
                     token,
                     id,
-                    body: client,
+                    body: raw.to_vec(),
+                    members: req.members,
                     endpoint,
                     prefill_address: prefill.address.clone(),
                     decode_address: decode.address.clone(),
@@ -140,7 +154,8 @@ impl PdHttp {
                         let id = legs::disagg_request_id(machine);
                         (
                             trtllm::context_body(
-                                &request::body_map(raw)?,
+                                raw,
+                                &req.members,
                                 id,
                                 ScheduleStyle::ContextFirst,
                             ),
@@ -179,14 +194,18 @@ impl PdHttp {
     /// CTX leg in the background, GEN leg forwarded now (generation_first).
     fn send_generation_first(
         &mut self,
-        endpoint: Endpoint,
-        client: &Map<String, Value>,
-        id: i64,
-        prefill_address: &str,
-        decode_address: &str,
+        legs: GenerationFirst<'_>,
         info: &ServerInfo,
     ) -> Result<(), RouteError> {
-        let ctx = trtllm::context_body(client, id, ScheduleStyle::GenerationFirst);
+        let GenerationFirst {
+            endpoint,
+            raw,
+            members,
+            id,
+            prefill_address,
+            decode_address,
+        } = legs;
+        let ctx = trtllm::context_body(raw, members, id, ScheduleStyle::GenerationFirst);
         let token = self.dispatch_prefill(endpoint, prefill_address, &ctx)?;
         self.legs.async_prefill = Some(AsyncPrefill {
             token,
@@ -194,7 +213,7 @@ impl PdHttp {
             rid: None,
             decode_address: decode_address.to_string(),
         });
-        self.replace_body(&trtllm::generation_first_body(client, id, info))?;
+        self.replace_body(&trtllm::generation_first_body(raw, members, id, info))?;
         self.route_to(decode_address)?;
         Ok(())
     }
@@ -236,14 +255,15 @@ impl PdHttp {
                     info.clone(),
                     now_ms(),
                 );
-                self.send_generation_first(
-                    call.endpoint,
-                    &call.body,
-                    call.id,
-                    &call.prefill_address,
-                    &call.decode_address,
-                    &info,
-                )
+                let legs = GenerationFirst {
+                    endpoint: call.endpoint,
+                    raw: &call.body,
+                    members: &call.members,
+                    id: call.id,
+                    prefill_address: &call.prefill_address,
+                    decode_address: &call.decode_address,
+                };
+                self.send_generation_first(legs, &info)
             });
         match result {
             Ok(()) => self.resume_http_request(),
