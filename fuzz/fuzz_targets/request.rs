@@ -1,13 +1,23 @@
 //! The request body parser and the legs spliced from it: any bytes, either endpoint, never a
-//! panic, and a body that parses always yields legs that are valid JSON objects with the
-//! prefill leg's one-token cap.
+//! panic, and a body that parses always yields legs (vLLM, SGLang, TRT-LLM) that are valid
+//! JSON objects with the prefill leg's one-token cap and the protocol's fields.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
 use pd_router_filter::core::config::KvConnector;
-use pd_router_filter::core::engine::vllm;
+use pd_router_filter::core::engine::trtllm::{self, ScheduleStyle};
+use pd_router_filter::core::engine::{sglang, vllm};
 use pd_router_filter::core::request::{Endpoint, RoutingRequest};
 
 const ANSWER: &[u8] = br#"{"kv_transfer_params":{"remote_block_ids":[1],"remote_host":"x"}}"#;
+const TRT_ANSWER: &[u8] =
+    br#"{"choices":[{"disaggregated_params":{"ctx_request_id":7}}],"prompt_token_ids":[1,2]}"#;
+
+fn object(leg: &[u8], what: &str) -> serde_json::Map<String, serde_json::Value> {
+    match serde_json::from_slice(leg) {
+        Ok(serde_json::Value::Object(map)) => map,
+        _ => panic!("the {what} is not a JSON object"),
+    }
+}
 
 fuzz_target!(|data: &[u8]| {
     for endpoint in [Endpoint::Completions, Endpoint::ChatCompletions] {
@@ -26,6 +36,35 @@ fuzz_target!(|data: &[u8]| {
                         serde_json::from_slice(&decode).expect("the decode leg is JSON");
                     assert!(leg.is_object());
                 }
+            }
+            if sglang::validate(data, &req.members).is_ok() {
+                let boot = sglang::Bootstrap {
+                    host: "10.0.0.1".into(),
+                    port: 8998,
+                    room: 7,
+                    rid: "r".into(),
+                };
+                let (prefill, decode) = sglang::legs(data, &req.members, &boot);
+                let (prefill, decode) = (
+                    object(&prefill, "prefill leg"),
+                    object(&decode, "decode leg"),
+                );
+                assert_eq!(prefill["max_tokens"], 1);
+                assert_eq!(
+                    (&prefill["bootstrap_room"], &decode["bootstrap_room"]),
+                    (&7.into(), &7.into())
+                );
+            }
+            let ctx = trtllm::context_body(data, &req.members, 9, ScheduleStyle::ContextFirst);
+            assert_eq!(object(&ctx, "context leg")["max_tokens"], 1);
+            if let Ok(Some(generation)) =
+                trtllm::generation_body(data, &req.members, endpoint, TRT_ANSWER)
+            {
+                let leg = object(&generation, "generation leg");
+                assert_eq!(
+                    leg["disaggregated_params"]["request_type"],
+                    "generation_only"
+                );
             }
         }
     }
