@@ -223,12 +223,18 @@ impl PdHttp {
         let status = self
             .get_http_call_response_header(":status")
             .unwrap_or_default();
-        let body = self
-            .get_http_call_response_body(0, body_size)
-            .unwrap_or_default();
+        let body = || {
+            hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+                .ok()
+                .flatten()
+                .unwrap_or_default()
+        };
         if self.legs.server_info.as_ref().map(|c| c.token) == Some(token) {
-            self.on_server_info(&status, &body);
+            self.on_server_info(&status, &body());
         } else if self.legs.async_prefill.as_ref().map(|p| p.token) == Some(token) {
+            // A prefill that answered 200 has nothing more to say: its body is read only
+            // to explain a failure.
+            let body = if status == "200" { Vec::new() } else { body() };
             self.on_async_prefill(&status, &body);
         }
     }
