@@ -110,6 +110,19 @@ mod tests {
         let raw = br#"{"model":"m","tools":[{"schema":{"x":1.50}}],"stream":true,"stream_options":{"include_usage":true},"min_tokens":3,"bootstrap_room":1,"seed":18446744073709551615}"#;
         let (prefill, decode) = legs(raw, &spans(raw), &boot());
         let d = String::from_utf8(decode.clone()).unwrap();
+        let p = String::from_utf8(prefill.clone()).unwrap();
+        // The client's own room and stream are replaced, not left beside the router's.
+        for (leg, key, n) in [
+            (&d, "bootstrap_room", 1),
+            (&p, "bootstrap_room", 1),
+            (&p, "stream", 1),
+        ] {
+            assert_eq!(
+                leg.matches(&format!("\"{key}\"")).count(),
+                n,
+                "{key}: {leg}"
+            );
+        }
         assert!(d.contains(r#""tools":[{"schema":{"x":1.50}}]"#), "{d}");
         assert!(
             d.contains(r#""bootstrap_room":9223372036854775806"#),

@@ -264,6 +264,11 @@ mod tests {
             text.contains(r#""temperature":0.50"#),
             "client bytes kept: {text}"
         );
+        assert_eq!(
+            text.matches("\"stream\"").count(),
+            1,
+            "replaced, not added: {text}"
+        );
         let v: Value = serde_json::from_slice(&raw).unwrap();
         assert_eq!(
             v["disaggregated_params"],
