@@ -17,7 +17,7 @@ use serde_json::value::RawValue;
 use serde_json::{json, Value};
 
 use crate::core::errors::RouteError;
-use crate::core::json_object::{Members, Spans};
+use crate::core::json_object::{with_member, Members, Spans};
 use crate::core::request::Endpoint;
 
 /// 2023-01-01T00:00:00Z, the epoch of the id's timestamp.
@@ -158,16 +158,10 @@ pub fn generation_body(
     let Some(params) = present(response.get("disaggregated_params")).or_else(first_choice) else {
         return Ok(None);
     };
-    let not_object =
-        || bad_response("disaggregated_params in the context response is not an object");
-    let params_members = Members::of(params).map_err(|_| not_object())?;
-    let params_raw = params.get().as_bytes();
-    let params = params_members.spans(params_raw).write(
-        params_raw,
-        &["request_type"],
-        &[("request_type", "\"generation_only\"")],
-    );
-    let params = String::from_utf8(params).map_err(|_| not_object())?;
+    let params =
+        with_member(params.get(), "request_type", "\"generation_only\"").ok_or_else(|| {
+            bad_response("disaggregated_params in the context response is not an object")
+        })?;
     let mut extra: Vec<(&str, &str)> = vec![("disaggregated_params", &params)];
     let prompt_key = match endpoint {
         Endpoint::Completions => "prompt",
