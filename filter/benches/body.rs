@@ -51,10 +51,14 @@ fn trt_context_answer(tokens: usize) -> Vec<u8> {
 
 fn body(c: &mut Criterion) {
     let mut group = c.benchmark_group("body");
-    for bytes in [2_048usize, 32_768] {
+    for bytes in [2_048usize, 32_768, 262_144] {
         let raw = chat(bytes);
         group.bench_function(BenchmarkId::new("parse", bytes), |b| {
             b.iter(|| RoutingRequest::parse(Endpoint::ChatCompletions, &raw))
+        });
+        // The reference parse the one pass falls back to (what `parse` cost before it).
+        group.bench_function(BenchmarkId::new("parse_two_pass", bytes), |b| {
+            b.iter(|| RoutingRequest::parse_two_pass(Endpoint::ChatCompletions, &raw))
         });
         let req = RoutingRequest::parse(Endpoint::ChatCompletions, &raw).expect("valid body");
         group.bench_function(BenchmarkId::new("members", bytes), |b| {

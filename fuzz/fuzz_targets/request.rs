@@ -1,5 +1,6 @@
 //! The request body parser and the legs spliced from it: any bytes, either endpoint, never a
-//! panic, and a body that parses always yields legs (vLLM, SGLang, TRT-LLM) that are valid
+//! panic, the one-pass parse answers exactly as the two-pass reference (request or error),
+//! and a body that parses always yields legs (vLLM, SGLang, TRT-LLM) that are valid
 //! JSON objects with the prefill leg's one-token cap and the protocol's fields.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
@@ -21,7 +22,13 @@ fn object(leg: &[u8], what: &str) -> serde_json::Map<String, serde_json::Value> 
 
 fuzz_target!(|data: &[u8]| {
     for endpoint in [Endpoint::Completions, Endpoint::ChatCompletions] {
-        if let Ok(req) = RoutingRequest::parse(endpoint, data) {
+        let parsed = RoutingRequest::parse(endpoint, data);
+        match (&parsed, &RoutingRequest::parse_two_pass(endpoint, data)) {
+            (Ok(a), Ok(b)) => assert_eq!(a, b, "the two parses disagree"),
+            (Err(a), Err(b)) => assert_eq!(a.to_string(), b.to_string()),
+            (a, b) => panic!("one parse failed, the other did not: {a:?} / {b:?}"),
+        }
+        if let Ok(req) = parsed {
             assert_eq!(req.body_len, data.len());
             assert_eq!(req.prompt_bytes, req.prompt_text.len());
             for connector in [KvConnector::Shfs, KvConnector::Nixl] {

@@ -73,36 +73,19 @@ impl<'a> Members<'a> {
 
     /// Where each member's value lies in `raw`, the bytes these members were parsed from:
     /// owned, so a request can keep it next to its body and splice legs later. A member that
-    /// a later duplicate overrides is left out (the engines keep the last one), found with one
-    /// map pass so a body of a million keys costs linear time, not quadratic.
+    /// a later duplicate overrides is left out (see [`Spans::from_ranges`]).
     pub fn spans(&self, raw: &[u8]) -> Spans {
         let base = raw.as_ptr() as usize;
-        let mut last: hashbrown::HashMap<&str, usize> =
-            hashbrown::HashMap::with_capacity(self.entries.len());
-        for (i, (k, _)) in self.entries.iter().enumerate() {
-            last.insert(k.as_ref(), i);
-        }
-        let mut overridden: Vec<Box<str>> = Vec::new();
-        let mut entries = Vec::with_capacity(last.len());
-        for (i, (k, v)) in self.entries.iter().enumerate() {
-            if last.get(k.as_ref()) != Some(&i) {
-                // Once per overridden occurrence, not deduplicated: a body of many repeated
-                // keys stays linear.
-                overridden.push(k.as_ref().into());
-                continue;
-            }
-            let Some(start) = (v.get().as_ptr() as usize).checked_sub(base) else {
-                continue;
-            };
-            let end = start + v.get().len();
-            if end <= raw.len() {
-                entries.push((k.as_ref().into(), start..end));
-            }
-        }
-        Spans {
-            entries,
-            overridden,
-        }
+        let ranges: Vec<(&str, std::ops::Range<usize>)> = self
+            .entries
+            .iter()
+            .filter_map(|(k, v)| {
+                let start = (v.get().as_ptr() as usize).checked_sub(base)?;
+                let end = start + v.get().len();
+                (end <= raw.len()).then_some((k.as_ref(), start..end))
+            })
+            .collect();
+        Spans::from_ranges(&ranges)
     }
 }
 
@@ -117,6 +100,33 @@ pub struct Spans {
 }
 
 impl Spans {
+    /// The spans of an object's members given in input order, duplicates included, as
+    /// `(name, value range)`. A member that a later duplicate overrides is left out (the
+    /// engines keep the last one), found with one map pass so a body of a million keys costs
+    /// linear time, not quadratic.
+    pub fn from_ranges(members: &[(&str, std::ops::Range<usize>)]) -> Spans {
+        let mut last: hashbrown::HashMap<&str, usize> =
+            hashbrown::HashMap::with_capacity(members.len());
+        for (i, (k, _)) in members.iter().enumerate() {
+            last.insert(k, i);
+        }
+        let mut overridden: Vec<Box<str>> = Vec::new();
+        let mut entries = Vec::with_capacity(last.len());
+        for (i, (k, range)) in members.iter().enumerate() {
+            if last.get(k) != Some(&i) {
+                // Once per overridden occurrence, not deduplicated: a body of many repeated
+                // keys stays linear.
+                overridden.push((*k).into());
+                continue;
+            }
+            entries.push(((*k).into(), range.clone()));
+        }
+        Spans {
+            entries,
+            overridden,
+        }
+    }
+
     /// Whether the object held `key` more than once.
     pub fn repeated(&self, key: &str) -> bool {
         self.overridden.iter().any(|k| k.as_ref() == key)

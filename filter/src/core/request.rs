@@ -7,13 +7,15 @@ use std::borrow::Cow;
 use std::fmt;
 
 use serde::de::value::{MapAccessDeserializer, SeqAccessDeserializer};
-use serde::de::{Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::Value;
 
 use super::errors::RouteError;
 use super::json_object::{Members, Spans};
+
+mod one_pass;
 
 /// The OpenAI endpoints the router understands. Matched on the exact path, as AIBrix does,
 /// so a query string makes a path unknown.
@@ -41,7 +43,7 @@ impl Endpoint {
 }
 
 /// What routing reads from a request body.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct RoutingRequest {
     pub endpoint: Endpoint,
     /// Empty when the body names none; the model lookup then fails with "model  does not exist".
@@ -64,6 +66,18 @@ pub struct RoutingRequest {
 
 impl RoutingRequest {
     pub fn parse(endpoint: Endpoint, raw: &[u8]) -> Result<RoutingRequest, RouteError> {
+        match one_pass::parse(endpoint, raw) {
+            Some(request) => Ok(request),
+            None => RoutingRequest::parse_two_pass(endpoint, raw),
+        }
+    }
+
+    /// The reference parse, which [`RoutingRequest::parse`] falls back to for the bodies its
+    /// one pass leaves alone (see `one_pass`): every member validated as a borrowed
+    /// `RawValue`, then the prompt member parsed again. Public for the fuzz target, which
+    /// checks that both give the same answer.
+    #[doc(hidden)]
+    pub fn parse_two_pass(endpoint: Endpoint, raw: &[u8]) -> Result<RoutingRequest, RouteError> {
         let body = Members::parse(raw).map_err(|_| RouteError::BadBody)?;
         let model = match body.get("model") {
             None => String::new(),
@@ -119,9 +133,16 @@ fn chat_prompt_text(messages: Option<&RawValue>) -> Result<String, RouteError> {
         return Err(RouteError::NoMessages);
     };
     let mut de = serde_json::Deserializer::from_str(messages.get());
-    let joined = de
-        .deserialize_option(JoinedVisitor)
-        .map_err(|_| RouteError::BadBody)?;
+    let joined = JoinedSeed {
+        capacity: messages.get().len(),
+    }
+    .deserialize(&mut de)
+    .map_err(|_| RouteError::BadBody)?;
+    joined_text(joined)
+}
+
+/// The prompt of a `messages` value read by [`JoinedSeed`]: `null`, or no message, has none.
+fn joined_text(joined: Option<Joined>) -> Result<String, RouteError> {
     match joined {
         Some(Joined { text, count }) if count > 0 => Ok(text),
         _ => Err(RouteError::NoMessages),
@@ -133,10 +154,22 @@ struct Joined {
     count: usize,
 }
 
-/// `null` or an array of message objects.
-struct JoinedVisitor;
+/// `null` or an array of message objects, joined into one text of at most about `capacity`
+/// bytes (the raw value's length: unescaping and compact JSON only shrink it), reserved once.
+#[derive(Clone, Copy)]
+struct JoinedSeed {
+    capacity: usize,
+}
 
-impl<'de> Visitor<'de> for JoinedVisitor {
+impl<'de> DeserializeSeed<'de> for JoinedSeed {
+    type Value = Option<Joined>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_option(self)
+    }
+}
+
+impl<'de> Visitor<'de> for JoinedSeed {
     type Value = Option<Joined>;
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
@@ -157,111 +190,134 @@ impl<'de> Visitor<'de> for JoinedVisitor {
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
         let mut joined = Joined {
-            text: String::new(),
+            text: String::with_capacity(self.capacity),
             count: 0,
         };
-        while let Some(Message(content)) = seq.next_element::<Message<'de>>()? {
+        loop {
             if joined.count > 0 {
                 joined.text.push(' ');
             }
-            match content {
-                Some(Content::Text(t)) => joined.text.push_str(&t),
-                Some(Content::Json(v)) => joined.text.push_str(&v.to_string()),
-                None => joined.text.push_str("null"),
+            let mark = joined.text.len();
+            let seed = MessageSeed {
+                text: &mut joined.text,
+                mark,
+            };
+            if seq.next_element_seed(seed)?.is_none() {
+                if joined.count > 0 {
+                    joined.text.pop(); // the separator pushed for a message that never came
+                }
+                return Ok(Some(joined));
             }
             joined.count += 1;
         }
-        Ok(Some(joined))
     }
 }
 
-/// One message: only its `content` is read (the last one, if duplicated).
-struct Message<'a>(Option<Content<'a>>);
+/// One message: only its `content` is read, written into the joined text from `mark` (the
+/// last one, if duplicated, as the engines read it; `null` when absent).
+struct MessageSeed<'t> {
+    text: &'t mut String,
+    mark: usize,
+}
 
-impl<'de> Deserialize<'de> for Message<'de> {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_map(MessageVisitor)
+impl<'de> DeserializeSeed<'de> for MessageSeed<'_> {
+    type Value = ();
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_map(self)
     }
 }
 
-struct MessageVisitor;
-
-impl<'de> Visitor<'de> for MessageVisitor {
-    type Value = Message<'de>;
+impl<'de> Visitor<'de> for MessageSeed<'_> {
+    type Value = ();
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str("a message object")
     }
 
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Message<'de>, A::Error> {
-        let mut content = None;
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let mut seen = false;
         while let Some(Text(key)) = map.next_key::<Text<'de>>()? {
             if key == "content" {
-                content = map.next_value::<Option<Content<'de>>>()?;
+                self.text.truncate(self.mark);
+                map.next_value_seed(ContentSeed(self.text))?;
+                seen = true;
             } else {
                 map.next_value::<IgnoredAny>()?;
             }
         }
-        Ok(Message(content))
+        if !seen {
+            self.text.push_str("null");
+        }
+        Ok(())
     }
 }
 
-/// A message's content: text (borrowed unless escaped), or any other JSON value.
-enum Content<'a> {
-    Text(Cow<'a, str>),
-    Json(Value),
-}
+/// A message's content appended to the joined text: a string unescaped (straight from the
+/// body, or from serde_json's scratch when escaped: one copy either way), any other JSON value
+/// as its compact text.
+struct ContentSeed<'t>(&'t mut String);
 
-impl<'de> Deserialize<'de> for Content<'de> {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_any(ContentVisitor)
+impl<'de> DeserializeSeed<'de> for ContentSeed<'_> {
+    type Value = ();
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
     }
 }
 
-struct ContentVisitor;
+impl ContentSeed<'_> {
+    fn json(self, v: Value) {
+        self.0.push_str(&v.to_string());
+    }
+}
 
-impl<'de> Visitor<'de> for ContentVisitor {
-    type Value = Content<'de>;
+impl<'de> Visitor<'de> for ContentSeed<'_> {
+    type Value = ();
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str("message content")
     }
 
-    fn visit_borrowed_str<E: serde::de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
-        Ok(Content::Text(Cow::Borrowed(v)))
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<(), E> {
+        self.0.push_str(v);
+        Ok(())
     }
 
-    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
-        Ok(Content::Text(Cow::Owned(v.to_string())))
+    fn visit_unit<E: serde::de::Error>(self) -> Result<(), E> {
+        self.0.push_str("null");
+        Ok(())
     }
 
-    fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Self::Value, E> {
-        Ok(Content::Text(Cow::Owned(v)))
+    fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<(), E> {
+        self.json(Value::Bool(v));
+        Ok(())
     }
 
-    fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<Self::Value, E> {
-        Ok(Content::Json(Value::Bool(v)))
+    fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<(), E> {
+        self.json(Value::from(v));
+        Ok(())
     }
 
-    fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Self::Value, E> {
-        Ok(Content::Json(Value::from(v)))
+    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<(), E> {
+        self.json(Value::from(v));
+        Ok(())
     }
 
-    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Self::Value, E> {
-        Ok(Content::Json(Value::from(v)))
+    fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<(), E> {
+        self.json(Value::from(v));
+        Ok(())
     }
 
-    fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Self::Value, E> {
-        Ok(Content::Json(Value::from(v)))
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
-        Value::deserialize(SeqAccessDeserializer::new(seq)).map(Content::Json)
+    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<(), A::Error> {
+        self.json(Value::deserialize(SeqAccessDeserializer::new(seq))?);
+        Ok(())
     }
 
     // Objects, and numbers under `arbitrary_precision` (which arrive as a one-entry map).
-    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
-        Value::deserialize(MapAccessDeserializer::new(map)).map(Content::Json)
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<(), A::Error> {
+        self.json(Value::deserialize(MapAccessDeserializer::new(map))?);
+        Ok(())
     }
 }
 
