@@ -1,6 +1,7 @@
 //! One HTTP stream: buffer the body, decide with the core, run the prefill leg, hand the
 //! request to the decode (or combined) pod, and release every charge exactly once.
 
+use std::borrow::Cow;
 use std::rc::Rc;
 use std::time::Duration;
 
@@ -220,7 +221,8 @@ impl PdHttp {
         self.release_stage(HeldCharges::release_rest);
     }
 
-    fn route(&mut self, raw: &[u8]) -> Result<Action, RouteError> {
+    /// Routes the request whose whole body is `raw`, kept by a PD request for its decode leg.
+    fn route(&mut self, raw: Vec<u8>) -> Result<Action, RouteError> {
         let endpoint = self.endpoint.ok_or(RouteError::UnknownPath)?;
         let fleet: Rc<FleetView> = self
             .vm
@@ -229,7 +231,7 @@ impl PdHttp {
             .clone()
             .ok_or(RouteError::NoSnapshot)?;
         self.routed_on = Some(fleet.clone());
-        let req = crate::section!("request_body.parse", RoutingRequest::parse(endpoint, raw))?;
+        let req = crate::section!("request_body.parse", RoutingRequest::parse(endpoint, &raw))?;
         self.obs.times.stream = req.stream;
         self.obs.scan_usage = req.stream && req.include_usage;
         let model = fleet
@@ -271,7 +273,7 @@ impl PdHttp {
                 )));
             }
             if engine == Engine::Sglang {
-                engine::sglang::validate(raw, &req.members)?;
+                engine::sglang::validate(&raw, &req.members)?;
             }
             self.legs.watch_settings = self.vm.borrow().engines.defaults.watchdog.with_knobs(
                 &decision
@@ -381,10 +383,18 @@ impl PdHttp {
             );
             crate::section_scope!("select.prefix_lookup");
             let p = vm.prefix_settings;
-            let mut stream = tokenize::token_stream(p.tokenizer, &req.prompt_text);
-            let token_bytes = stream.len();
+            let tokens = tokenize::token_stream(p.tokenizer, &req.prompt_text);
+            let token_bytes = tokens.len();
             // Whole blocks only: the index ignores a trailing partial block, and so do peers.
-            stream.truncate(token_bytes - token_bytes % vm.prefix.block_size());
+            let stream = match tokens {
+                Cow::Borrowed(t) => {
+                    Cow::Borrowed(&t[..token_bytes - token_bytes % vm.prefix.block_size()])
+                }
+                Cow::Owned(mut t) => {
+                    t.truncate(token_bytes - token_bytes % vm.prefix.block_size());
+                    Cow::Owned(t)
+                }
+            };
             // Only the pods holding the prompt's prefix are touched, not every prefill pod.
             let mut pct = vec![0.0; model.pods.len()];
             vm.prefix.match_candidates(
@@ -399,7 +409,7 @@ impl PdHttp {
             );
             (stream, pct, token_bytes)
         } else {
-            (Vec::new(), Vec::new(), req.prompt_bytes)
+            (Cow::Borrowed(&[][..]), Vec::new(), req.prompt_bytes)
         };
         let pair = PairInput {
             settings,
@@ -820,7 +830,7 @@ impl HttpContext for PdHttp {
             "request_body.read",
             self.get_http_request_body(0, body_size).unwrap_or_default()
         );
-        match self.route(&raw) {
+        match self.route(raw) {
             Ok(action) => action,
             Err(e) => self.reject(e),
         }

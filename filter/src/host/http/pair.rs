@@ -80,7 +80,7 @@ impl PdHttp {
         &mut self,
         engine: Engine,
         req: RoutingRequest,
-        raw: &[u8],
+        raw: Vec<u8>,
         prefill: &PodView,
         decode: &PodView,
     ) -> Result<Action, RouteError> {
@@ -97,8 +97,10 @@ impl PdHttp {
                     room: crate::section!("sglang.room", legs::bootstrap_room()),
                     rid: rid.clone(),
                 };
-                let (prefill_body, decode_body) =
-                    crate::section!("sglang.bodies", sglang::legs(raw, &req.members, &bootstrap));
+                let (prefill_body, decode_body) = crate::section!(
+                    "sglang.bodies",
+                    sglang::legs(&raw, &req.members, &bootstrap)
+                );
                 let token = self.dispatch_prefill(endpoint, &prefill.address, &prefill_body)?;
                 self.legs.async_prefill = Some(AsyncPrefill {
                     token,
@@ -126,7 +128,7 @@ impl PdHttp {
                 if let Some(info) = cached {
                     let legs = GenerationFirst {
                         endpoint,
-                        raw,
+                        raw: &raw,
                         members: &req.members,
                         id,
                         prefill_address: &prefill.address,
@@ -139,7 +141,7 @@ impl PdHttp {
                 self.legs.server_info = Some(ServerInfoCall {
                     token,
                     id,
-                    body: raw.to_vec(),
+                    body: raw,
                     members: req.members,
                     endpoint,
                     prefill_address: prefill.address.clone(),
@@ -154,7 +156,7 @@ impl PdHttp {
                         let id = legs::disagg_request_id(machine);
                         (
                             trtllm::context_body(
-                                raw,
+                                &raw,
                                 &req.members,
                                 id,
                                 ScheduleStyle::ContextFirst,
@@ -167,12 +169,12 @@ impl PdHttp {
                             .kv_connector
                             .unwrap_or(self.vm.borrow().defaults.env.kv_connector);
                         (
-                            vllm::prefill_body(raw, &req.members, connector),
+                            vllm::prefill_body(&raw, &req.members, connector),
                             Merge::Vllm(connector),
                         )
                     }
                     _ => (
-                        vllm::prefill_body(raw, &req.members, KvConnector::Mooncake),
+                        vllm::prefill_body(&raw, &req.members, KvConnector::Mooncake),
                         Merge::Unchanged,
                     ),
                 };
@@ -180,7 +182,7 @@ impl PdHttp {
                 self.watch(decode, None, req.stream);
                 self.pending = Some(PendingDecode {
                     token,
-                    body: raw.to_vec(),
+                    body: raw,
                     members: req.members,
                     prefill_ip: prefill.ip.clone(),
                     decode_address: decode.address.clone(),
