@@ -31,7 +31,22 @@ fn chat(bytes: usize) -> Vec<u8> {
     .into_bytes()
 }
 
-const PREFILL_ANSWER: &[u8] = br#"{"id":"cmpl-1","object":"chat.completion","created":1,"model":"demo-llm","choices":[{"index":0,"message":{"role":"assistant","content":"x"},"finish_reason":"length"}],"usage":{"prompt_tokens":512,"completion_tokens":1,"total_tokens":513},"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_engine_id":"engine-1","remote_block_ids":[1,2,3,4,5,6,7,8],"remote_host":"10.0.0.1","remote_port":5600}}"#;
+/// A vLLM prefill answer for a prompt of `bytes`: one KV block id per 16 tokens of 4 bytes
+/// (512 ids at 32 KB), as pd-sim sends.
+fn prefill_answer(bytes: usize) -> Vec<u8> {
+    let ids: Vec<usize> = (0..bytes.div_ceil(64)).map(|i| 1000 + i).collect();
+    serde_json::json!({
+        "id": "cmpl-1", "object": "chat.completion", "created": 1, "model": "demo-llm",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "x"},
+            "finish_reason": "length"}],
+        "usage": {"prompt_tokens": bytes / 4, "completion_tokens": 1, "total_tokens": bytes / 4 + 1},
+        "kv_transfer_params": {"do_remote_prefill": true, "do_remote_decode": false,
+            "remote_engine_id": "engine-1", "remote_block_ids": ids,
+            "remote_host": "10.0.0.1", "remote_port": 5600},
+    })
+    .to_string()
+    .into_bytes()
+}
 
 /// A TRT-LLM context answer for a prompt of `tokens` tokens (its ids ride along).
 fn trt_context_answer(tokens: usize) -> Vec<u8> {
@@ -53,6 +68,7 @@ fn body(c: &mut Criterion) {
     let mut group = c.benchmark_group("body");
     for bytes in [2_048usize, 32_768, 262_144] {
         let raw = chat(bytes);
+        let answer = prefill_answer(bytes);
         group.bench_function(BenchmarkId::new("parse", bytes), |b| {
             b.iter(|| RoutingRequest::parse(Endpoint::ChatCompletions, &raw))
         });
@@ -72,7 +88,7 @@ fn body(c: &mut Criterion) {
         });
         group.bench_function(BenchmarkId::new("answer_members", bytes), |b| {
             b.iter(|| {
-                pd_router_filter::core::json_object::Members::parse(PREFILL_ANSWER)
+                pd_router_filter::core::json_object::Members::parse(&answer)
                     .map(|m| m.get("model").is_some())
             })
         });
@@ -80,15 +96,7 @@ fn body(c: &mut Criterion) {
             b.iter(|| vllm::prefill_body(&raw, &req.members, KvConnector::Shfs))
         });
         group.bench_function(BenchmarkId::new("decode_body", bytes), |b| {
-            b.iter(|| {
-                vllm::decode_body(
-                    &raw,
-                    &req.members,
-                    PREFILL_ANSWER,
-                    "10.0.0.1",
-                    KvConnector::Shfs,
-                )
-            })
+            b.iter(|| vllm::decode_body(&raw, &req.members, &answer, "10.0.0.1", KvConnector::Shfs))
         });
         let bootstrap = sglang::Bootstrap {
             host: "10.0.0.7".into(),
