@@ -67,12 +67,20 @@ pub fn decode_body(
     }
     let host = serde_json::to_string(prefill_ip)
         .map_err(|_| bad_response("the prefill pod's address is not text"))?;
-    let params = match kv_params_one_pass(prefill_response) {
-        Some(params) => params_with_host(prefill_response, params, &host)?,
-        None => params_two_scan(prefill_response, &host)?,
-    };
+    let params = answer_params(prefill_response, &host)?;
     let key = "kv_transfer_params";
     Ok(params.map(|params| members.write(client, &[key], &[(key, &params)])))
+}
+
+/// The `kv_transfer_params` the decode leg carries (`None`: the answer has none), with
+/// `remote_host` set to `host` (JSON text). Public for the fuzz target, which holds it to
+/// [`params_two_scan`].
+#[doc(hidden)]
+pub fn answer_params(answer: &[u8], host: &str) -> Result<Option<String>, RouteError> {
+    match kv_params_one_pass(answer) {
+        Some(params) => params_with_host(answer, params, host),
+        None => params_two_scan(answer, host),
+    }
 }
 
 /// The `kv_transfer_params` the decode leg carries, from the members [`kv_params_one_pass`]
@@ -95,7 +103,8 @@ fn params_with_host(
 }
 
 /// The reference for [`params_with_host`]: the answer's members, then the parameters' own.
-fn params_two_scan(answer: &[u8], host: &str) -> Result<Option<String>, RouteError> {
+#[doc(hidden)]
+pub fn params_two_scan(answer: &[u8], host: &str) -> Result<Option<String>, RouteError> {
     let response = Members::parse(answer)
         .map_err(|_| bad_response("the prefill response is not a JSON object"))?;
     match response.get("kv_transfer_params") {
@@ -278,6 +287,22 @@ mod tests {
             }
         }
         assert_eq!(decided, 9, "answers the one pass read");
+    }
+
+    /// JSON's grammar allows an escaped lone surrogate; a body holding one in a member routing
+    /// never decodes is routed, and the legs carry it as the client wrote it.
+    #[test]
+    fn lone_surrogate_escapes_reach_the_engine_as_written() {
+        let raw = br#"{"model":"m","user":"\uD937","messages":[{"content":"hi"}]}"#;
+        let req = crate::core::request::RoutingRequest::parse(
+            crate::core::request::Endpoint::ChatCompletions,
+            raw,
+        )
+        .unwrap();
+        let leg = prefill_body(raw, &req.members, KvConnector::Shfs);
+        assert!(String::from_utf8(leg)
+            .unwrap()
+            .contains(r#""user":"\uD937""#));
     }
 
     #[test]
