@@ -79,14 +79,7 @@ impl RoutingRequest {
     #[doc(hidden)]
     pub fn parse_two_pass(endpoint: Endpoint, raw: &[u8]) -> Result<RoutingRequest, RouteError> {
         let body = Members::parse(raw).map_err(|_| RouteError::BadBody)?;
-        let model = match body.get("model") {
-            None => String::new(),
-            Some(v) => field::<Option<String>>(v)?.unwrap_or_default(),
-        };
-        let stream = match body.get("stream") {
-            None => false,
-            Some(v) => field::<Option<bool>>(v)?.unwrap_or(false),
-        };
+        let scalars = Scalars::read(|k| body.get(k))?;
         let prompt_text = match endpoint {
             Endpoint::Completions => match body.get("prompt") {
                 Some(v) => field::<String>(v)?,
@@ -94,19 +87,29 @@ impl RoutingRequest {
             },
             Endpoint::ChatCompletions => chat_prompt_text(body.get("messages"))?,
         };
-        let max_tokens = ["max_tokens", "max_completion_tokens"]
-            .iter()
-            .find_map(|k| {
-                body.get(k)
-                    .and_then(|v| serde_json::from_str::<i64>(v.get()).ok())
-            });
-        let include_usage = body
-            .get("stream_options")
-            .and_then(|v| Members::of(v).ok())
-            .and_then(|o| o.get("include_usage"))
-            .and_then(|v| serde_json::from_str::<bool>(v.get()).ok())
-            .unwrap_or(false);
-        Ok(RoutingRequest {
+        Ok(RoutingRequest::assemble(
+            endpoint,
+            raw,
+            scalars,
+            prompt_text,
+            body.spans(raw),
+        ))
+    }
+
+    fn assemble(
+        endpoint: Endpoint,
+        raw: &[u8],
+        scalars: Scalars,
+        prompt_text: String,
+        members: Spans,
+    ) -> RoutingRequest {
+        let Scalars {
+            model,
+            stream,
+            max_tokens,
+            include_usage,
+        } = scalars;
+        RoutingRequest {
             endpoint,
             model,
             stream,
@@ -115,7 +118,44 @@ impl RoutingRequest {
             max_tokens,
             body_len: raw.len(),
             include_usage,
-            members: body.spans(raw),
+            members,
+        }
+    }
+}
+
+/// The members routing reads besides the prompt.
+struct Scalars {
+    model: String,
+    stream: bool,
+    max_tokens: Option<i64>,
+    include_usage: bool,
+}
+
+impl Scalars {
+    /// From `get`, a member's value by name (the last one, if repeated). A `model` or `stream`
+    /// of the wrong type refuses the body; the token fields count only when well typed.
+    fn read<'a>(get: impl Fn(&str) -> Option<&'a RawValue>) -> Result<Scalars, RouteError> {
+        let model = match get("model") {
+            None => String::new(),
+            Some(v) => field::<Option<String>>(v)?.unwrap_or_default(),
+        };
+        let stream = match get("stream") {
+            None => false,
+            Some(v) => field::<Option<bool>>(v)?.unwrap_or(false),
+        };
+        let max_tokens = ["max_tokens", "max_completion_tokens"]
+            .iter()
+            .find_map(|k| get(k).and_then(|v| serde_json::from_str::<i64>(v.get()).ok()));
+        let include_usage = get("stream_options")
+            .and_then(|v| Members::of(v).ok())
+            .and_then(|o| o.get("include_usage"))
+            .and_then(|v| serde_json::from_str::<bool>(v.get()).ok())
+            .unwrap_or(false);
+        Ok(Scalars {
+            model,
+            stream,
+            max_tokens,
+            include_usage,
         })
     }
 }

@@ -20,7 +20,7 @@ use serde::de::{DeserializeSeed, Deserializer, Error as _, MapAccess, Visitor};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
-use super::{field, joined_text, Endpoint, Joined, JoinedSeed, RoutingRequest};
+use super::{joined_text, Endpoint, Joined, JoinedSeed, RoutingRequest, Scalars};
 use crate::core::json_object::Spans;
 
 /// JSON's insignificant whitespace.
@@ -79,37 +79,19 @@ pub(super) fn parse(endpoint: Endpoint, raw: &[u8]) -> Option<RoutingRequest> {
             .find(|(k, _)| k == key)
             .and_then(|(_, v)| *v)
     };
-    let model = match get("model") {
-        None => String::new(),
-        Some(v) => field::<Option<String>>(v).ok()?.unwrap_or_default(),
-    };
-    let stream = match get("stream") {
-        None => false,
-        Some(v) => field::<Option<bool>>(v).ok()?.unwrap_or(false),
-    };
+    let scalars = Scalars::read(get).ok()?;
     let prompt_text = match prompt.value {
         Prompt::Chat(joined) => joined_text(joined).ok()?,
         Prompt::Completion(text) => text,
     };
-    let max_tokens = ["max_tokens", "max_completion_tokens"]
-        .iter()
-        .find_map(|k| get(k).and_then(|v| serde_json::from_str::<i64>(v.get()).ok()));
-    let include_usage = get("stream_options")
-        .and_then(|v| crate::core::json_object::Members::of(v).ok())
-        .and_then(|o| o.get("include_usage"))
-        .and_then(|v| serde_json::from_str::<bool>(v.get()).ok())
-        .unwrap_or(false);
-    Some(RoutingRequest {
+    let members = Spans::from_ranges(&ranges);
+    Some(RoutingRequest::assemble(
         endpoint,
-        model,
-        stream,
-        prompt_bytes: prompt_text.len(),
+        raw,
+        scalars,
         prompt_text,
-        max_tokens,
-        body_len: raw.len(),
-        include_usage,
-        members: Spans::from_ranges(&ranges),
-    })
+        members,
+    ))
 }
 
 /// The offset in `text` just after the last non-whitespace byte before `at`.
