@@ -15,9 +15,10 @@ use serde::de::{Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
-/// A member name, borrowed from the input unless it contains escapes.
+/// A member name, borrowed from the input unless it contains escapes (the visitors that read
+/// an object's members one by one share it).
 #[derive(Deserialize)]
-struct Key<'a>(#[serde(borrow)] Cow<'a, str>);
+pub(crate) struct Key<'a>(#[serde(borrow)] pub(crate) Cow<'a, str>);
 
 /// The members of one JSON object, in input order, duplicates included.
 #[derive(Debug, Default)]

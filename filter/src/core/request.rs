@@ -3,7 +3,6 @@
 //! Only the members routing reads are parsed (see `core::json_object`); the engine adapters
 //! splice the raw body, so members the router never reads reach the engine byte for byte.
 
-use std::borrow::Cow;
 use std::fmt;
 
 use serde::de::value::{MapAccessDeserializer, SeqAccessDeserializer};
@@ -13,7 +12,7 @@ use serde_json::value::RawValue;
 use serde_json::Value;
 
 use super::errors::RouteError;
-use super::json_object::{Members, Spans};
+use super::json_object::{Key, Members, Spans};
 
 mod one_pass;
 
@@ -277,7 +276,7 @@ impl<'de> Visitor<'de> for MessageSeed<'_> {
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
         let mut seen = false;
-        while let Some(Text(key)) = map.next_key::<Text<'de>>()? {
+        while let Some(Key(key)) = map.next_key::<Key<'de>>()? {
             if key == "content" {
                 self.text.truncate(self.mark);
                 map.next_value_seed(ContentSeed(self.text))?;
@@ -360,10 +359,6 @@ impl<'de> Visitor<'de> for ContentSeed<'_> {
         Ok(())
     }
 }
-
-/// A string, borrowed from the body unless it has escapes.
-#[derive(Deserialize)]
-struct Text<'a>(#[serde(borrow)] Cow<'a, str>);
 
 /// The request id: the trace id of a W3C `traceparent` when one is present (so gateway logs
 /// join the caller's trace), else a fresh UUID-shaped id from `random`.

@@ -81,6 +81,19 @@ pub fn token_stream(kind: TokenizerKind, text: &str) -> Cow<'_, [u8]> {
     }
 }
 
+/// `stream` cut to its whole blocks of `block_size` bytes: the prefix index ignores a trailing
+/// partial block, and so do the other workers. A borrowed stream stays borrowed.
+pub fn whole_blocks(stream: Cow<'_, [u8]>, block_size: usize) -> Cow<'_, [u8]> {
+    let whole = stream.len() - stream.len() % block_size.max(1);
+    match stream {
+        Cow::Borrowed(s) => Cow::Borrowed(&s[..whole]),
+        Cow::Owned(mut s) => {
+            s.truncate(whole);
+            Cow::Owned(s)
+        }
+    }
+}
+
 /// The process-wide encoder, built on first use. `None` if the embedded vocabulary failed to
 /// load, which cannot happen with a good build; the spec counts a tokenizer error as 0 tokens.
 fn encoder() -> Option<&'static CoreBPE> {
@@ -211,6 +224,15 @@ mod tests {
         }
         assert_eq!(prompt_tokens(&"a".repeat(100)), 13);
         assert!(warm_up());
+    }
+
+    #[test]
+    fn streams_are_cut_to_whole_blocks() {
+        let text = "abcdefghij";
+        let cut = whole_blocks(token_stream(TokenizerKind::Character, text), 4);
+        assert!(matches!(cut, Cow::Borrowed(b"abcdefgh")));
+        let cut = whole_blocks(Cow::Owned(vec![1, 2, 3, 4, 5]), 2);
+        assert_eq!(*cut, [1, 2, 3, 4]);
     }
 
     #[test]

@@ -385,16 +385,7 @@ impl PdHttp {
             let p = vm.prefix_settings;
             let tokens = tokenize::token_stream(p.tokenizer, &req.prompt_text);
             let token_bytes = tokens.len();
-            // Whole blocks only: the index ignores a trailing partial block, and so do peers.
-            let stream = match tokens {
-                Cow::Borrowed(t) => {
-                    Cow::Borrowed(&t[..token_bytes - token_bytes % vm.prefix.block_size()])
-                }
-                Cow::Owned(mut t) => {
-                    t.truncate(token_bytes - token_bytes % vm.prefix.block_size());
-                    Cow::Owned(t)
-                }
-            };
+            let stream = tokenize::whole_blocks(tokens, vm.prefix.block_size());
             // Only the pods holding the prompt's prefix are touched, not every prefill pod.
             let mut pct = vec![0.0; model.pods.len()];
             vm.prefix.match_candidates(

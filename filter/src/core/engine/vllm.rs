@@ -5,15 +5,13 @@
 //! `kv_transfer_params` the prefill returned, with `remote_host` set to the prefill pod's IP
 //! (vLLM reports its side-channel host, which defaults to `localhost`).
 
-use std::borrow::Cow;
 use std::fmt;
 
 use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
-use serde::Deserialize;
 
 use crate::core::config::KvConnector;
 use crate::core::errors::RouteError;
-use crate::core::json_object::{with_member, Members, Spans};
+use crate::core::json_object::{with_member, Key, Members, Spans};
 
 /// Members the prefill leg replaces: one token, no streaming (vLLM rejects `stream_options`
 /// without `stream`), and no `min_tokens` a one-token leg cannot honour.
@@ -58,7 +56,6 @@ pub fn decode_body(
     if connector == KvConnector::Mooncake {
         return Ok(None);
     }
-    let not_object = || bad_response("the prefill response is not a JSON object");
     if connector == KvConnector::Nixl {
         Members::parse(prefill_response).map_err(|_| not_object())?;
         let raw = std::str::from_utf8(prefill_response).map_err(|_| not_object())?;
@@ -99,14 +96,13 @@ fn params_with_host(
         .write(answer, &["remote_host"], &[("remote_host", host)]);
     String::from_utf8(written)
         .map(Some)
-        .map_err(|_| bad_response("the prefill response is not a JSON object"))
+        .map_err(|_| not_object())
 }
 
 /// The reference for [`params_with_host`]: the answer's members, then the parameters' own.
 #[doc(hidden)]
 pub fn params_two_scan(answer: &[u8], host: &str) -> Result<Option<String>, RouteError> {
-    let response = Members::parse(answer)
-        .map_err(|_| bad_response("the prefill response is not a JSON object"))?;
+    let response = Members::parse(answer).map_err(|_| not_object())?;
     match response.get("kv_transfer_params") {
         None => Ok(None),
         Some(v) if v.get() == "null" => Ok(None),
@@ -148,9 +144,6 @@ fn kv_params_one_pass(answer: &[u8]) -> Option<Option<Members<'_>>> {
         }
     }
 
-    #[derive(Deserialize)]
-    struct Key<'a>(#[serde(borrow)] Cow<'a, str>);
-
     // Every byte of an answer the reference accepts is UTF-8 (it reads each member as a
     // borrowed `RawValue`); checked once, so the members skipped here are held to it too.
     let text = std::str::from_utf8(answer).ok()?;
@@ -158,6 +151,10 @@ fn kv_params_one_pass(answer: &[u8]) -> Option<Option<Members<'_>>> {
     let params = de.deserialize_map(AnswerVisitor).ok()?;
     de.end().ok()?;
     Some(params)
+}
+
+fn not_object() -> RouteError {
+    bad_response("the prefill response is not a JSON object")
 }
 
 fn bad_response(detail: &str) -> RouteError {

@@ -17,11 +17,10 @@ use std::fmt;
 use std::ops::Range;
 
 use serde::de::{DeserializeSeed, Deserializer, Error as _, MapAccess, Visitor};
-use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use super::{joined_text, Endpoint, Joined, JoinedSeed, RoutingRequest, Scalars};
-use crate::core::json_object::Spans;
+use crate::core::json_object::{Key, Spans};
 
 /// JSON's insignificant whitespace.
 fn is_space(b: u8) -> bool {
@@ -155,9 +154,6 @@ struct Body<'de> {
     members: Vec<(Cow<'de, str>, Option<&'de RawValue>)>,
     prompt: Option<PromptMember>,
 }
-
-#[derive(Deserialize)]
-struct Key<'a>(#[serde(borrow)] Cow<'a, str>);
 
 struct BodySeed<'t> {
     text: &'t str,
