@@ -248,14 +248,17 @@ impl PdHttp {
             let vm = &mut *vm;
             let rng = &mut vm.rng;
             let text = &req.prompt_text;
-            route::decide(
-                model,
-                &req,
-                self.strategy_header.as_deref(),
-                self.profile_header.as_deref(),
-                &vm.defaults.env,
-                &|boundaries| tokenize::prompt_tokens_if_needed(text, boundaries) as i64,
-                &mut |n| rng.u64(0..n.max(1)),
+            crate::section!(
+                "request_body.decide",
+                route::decide(
+                    model,
+                    &req,
+                    self.strategy_header.as_deref(),
+                    self.profile_header.as_deref(),
+                    &vm.defaults.env,
+                    &|boundaries| tokenize::prompt_tokens_if_needed(text, boundaries) as i64,
+                    &mut |n| rng.u64(0..n.max(1)),
+                )
             )?
         };
         self.auto_profile = decision.auto_profile.clone();
@@ -315,11 +318,11 @@ impl PdHttp {
             }
             Target::Pair { prefill, decode } => {
                 let (prefill, decode) = (&model.pods[prefill], &model.pods[decode]);
-                {
+                crate::section!("request_body.selected_metrics", {
                     let mut vm = self.vm.borrow_mut();
                     vm.metrics.selected(prefill, &req.model);
                     vm.metrics.selected(decode, &req.model);
-                }
+                });
                 self.served = Served {
                     target: Some(decode.key.clone()),
                     prefill: Some(prefill.key.clone()),
@@ -331,7 +334,10 @@ impl PdHttp {
                     prefill: Some((prefill.name.clone(), prefill.ip.clone())),
                 });
                 Metrics::inc(self.vm.borrow().metrics.routed_pair);
-                let action = self.start_pair(engine, req, raw, prefill, decode)?;
+                let action = crate::section!(
+                    "request_body.start_pair",
+                    self.start_pair(engine, req, raw, prefill, decode)
+                )?;
                 Metrics::gauge_add(self.vm.borrow().metrics.prefill_outstanding, 1);
                 self.obs.prefill_outstanding = true;
                 Ok(action)
@@ -453,8 +459,11 @@ impl PdHttp {
         if let Some(id) = vm.metrics.selection_core_us {
             let _ = hostcalls::record_metric(id, (core_ns / 1_000) as u64);
         }
-        vm.metrics
-            .charged_gauges(rows.iter().map(|(k, r)| (k.as_str(), *r)));
+        crate::section!(
+            "select.gauges",
+            vm.metrics
+                .charged_gauges(rows.iter().map(|(k, r)| (k.as_str(), *r)))
+        );
         crate::section!(
             "select.hold",
             self.hold(vm, held, now, settings.tokens.ttl_s)
@@ -729,19 +738,23 @@ impl Context for PdHttp {
             "prefill_answer.release",
             self.release_stage(HeldCharges::release_prefill_leg)
         );
-        self.prefill_returned();
-        let status = self
-            .get_http_call_response_header(":status")
-            .unwrap_or_default();
-        let body = self
-            .get_http_call_response_body(0, body_size)
-            .unwrap_or_default();
-        self.prefill_served(&status);
+        crate::section!("prefill_answer.returned", self.prefill_returned());
+        let status = crate::section!(
+            "prefill_answer.status",
+            self.get_http_call_response_header(":status")
+                .unwrap_or_default()
+        );
+        let body = crate::section!(
+            "prefill_answer.body",
+            self.get_http_call_response_body(0, body_size)
+                .unwrap_or_default()
+        );
+        crate::section!("prefill_answer.served", self.prefill_served(&status));
         let success = self.vm.borrow().metrics.prefill_success;
         match self.finish_prefill(&status, &body) {
             Ok(()) => {
                 Metrics::inc(success);
-                self.arm_watchdog();
+                crate::section!("prefill_answer.arm_watchdog", self.arm_watchdog());
                 self.obs.times.prefill_end_us = Some(now_us());
                 self.resume_http_request();
             }
@@ -756,11 +769,11 @@ impl Context for PdHttp {
 impl HttpContext for PdHttp {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         crate::section_scope!("request_headers");
-        {
+        crate::section!("headers.wake", {
             let mut vm = self.vm.borrow_mut();
             vm.wake_for_request();
             Metrics::inc(vm.metrics.requests);
-        }
+        });
         self.obs.times.request_us = now_us();
         let (dst_header, explain_enabled, trap) = {
             let vm = self.vm.borrow();
@@ -792,7 +805,10 @@ impl HttpContext for PdHttp {
             }
         }
         let random = self.vm.borrow_mut().rng.u128(..);
-        self.request_id = request::request_id(h.traceparent.as_deref(), random);
+        self.request_id = crate::section!(
+            "headers.request_id",
+            request::request_id(h.traceparent.as_deref(), random)
+        );
         self.forwarded = h.forwarded;
         self.unforwardable = h.unforwardable;
         self.strategy_header = h.strategy;
@@ -830,10 +846,12 @@ impl HttpContext for PdHttp {
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         crate::section_scope!("response_headers");
         self.send_prefix_batch();
-        self.watch_headers();
-        self.obs.response_status = self
-            .get_http_response_header(":status")
-            .and_then(|s| s.parse().ok());
+        crate::section!("response.watch_headers", self.watch_headers());
+        self.obs.response_status = crate::section!(
+            "response.status",
+            self.get_http_response_header(":status")
+                .and_then(|s| s.parse().ok())
+        );
         if end_of_stream {
             self.obs.times.end_us = Some(now_us());
         }

@@ -169,7 +169,10 @@ impl PdHttp {
                             .kv_connector
                             .unwrap_or(self.vm.borrow().defaults.env.kv_connector);
                         (
-                            vllm::prefill_body(&raw, &req.members, connector),
+                            crate::section!(
+                                "vllm.prefill_body",
+                                vllm::prefill_body(&raw, &req.members, connector)
+                            ),
                             Merge::Vllm(connector),
                         )
                     }
@@ -179,7 +182,7 @@ impl PdHttp {
                     ),
                 };
                 let token = self.dispatch_prefill(endpoint, &prefill.address, &body)?;
-                self.watch(decode, None, req.stream);
+                crate::section!("vllm.watch", self.watch(decode, None, req.stream));
                 self.pending = Some(PendingDecode {
                     token,
                     body: raw,
