@@ -21,6 +21,7 @@ help:
 	@echo "make bench-v8 [BENCH_V8_PODS='16 256 1024'] - selection cost inside Envoy's V8 (envoy/bench-v8.sh)"
 	@echo "make bench-v8-node [BENCH_V8_PODS=...] - selection and snapshot adoption as wasm in Node's V8, no Envoy"
 	@echo "make profile-sections [PROFILE_CLIENTS='1 32'] - where a PD request's time goes inside the filter in Envoy"
+	@echo "make profile-phases [ENGINE=sglang] - which phase of the exchange pd-router's added latency delays, against the floor"
 	@echo "make build | lint | clean"
 
 # Toolchain pieces: the wasm target, a project venv holding the Envoy wheel, and Node (whose
@@ -191,14 +192,23 @@ bench-v8: build-native
 profile-sections: build-native
 	envoy/profile-sections.sh $(PROFILE_CLIENTS)
 
+# Which part of the exchange pd-router's added latency delays, from Envoy's own timestamps
+# (access-log phase durations), against the PD-hop floor filter on one zero-time pd-sim, one
+# request in flight (envoy/phases.sh; ENGINE=sglang for SGLang's order).
+.PHONY: profile-phases
+profile-phases: build-native floor-wasm wasm
+	envoy/phases.sh
+
 # The same selection as wasm in Node's V8 (TurboFan only, as Envoy runs it), without Envoy; and
 # what adopting a snapshot costs there (full decode, and metrics only).
 bench-v8-node: setup
-	cargo build --release --target wasm32-wasip1 --example select_loop --example snapshot_loop -p pd-router-filter
+	cargo build --release --target wasm32-wasip1 --example select_loop --example snapshot_loop --example body_loop -p pd-router-filter
 	for pods in $(or $(BENCH_V8_PODS),16 256 1024); do node --no-liftoff --no-warnings wasm-tests/run-wasi \
 	  $(or $(CARGO_TARGET_DIR),target)/wasm32-wasip1/release/examples/select_loop.wasm $$pods 6000; done
 	for pods in $(or $(BENCH_V8_PODS),16 256 1024); do node --no-liftoff --no-warnings wasm-tests/run-wasi \
 	  $(or $(CARGO_TARGET_DIR),target)/wasm32-wasip1/release/examples/snapshot_loop.wasm $$pods; done
+	node --no-liftoff --no-warnings wasm-tests/run-wasi \
+	  $(or $(CARGO_TARGET_DIR),target)/wasm32-wasip1/release/examples/body_loop.wasm
 
 # ---- make bench: overhead against plain Envoy and the Rust peers, policy quality --------------
 # envoy/bench.sh starts pd-sim pods, Envoy (plain and with pd-router), sglang-router and
