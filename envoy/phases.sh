@@ -24,8 +24,7 @@ ENGINE=${ENGINE:-vllm}
 TARGET=${CARGO_TARGET_DIR:-$PWD/target}
 WASM=${PD_WASM:-$TARGET/wasm32-wasip1/release/pd_router_filter.wasm}
 FLOOR=$TARGET/wasm32-wasip1/release/examples/pd_floor.wasm
-ENVOY=.venv/envoy
-for f in "$WASM" "$FLOOR" "$TARGET/$PROFILE/pd-load"; do
+for f in "$WASM" "$FLOOR" "$TARGET/$PROFILE/pd-load" .venv/envoy; do
   [ -e "$f" ] || { echo "phases: $f missing (make build-native floor-wasm build)" >&2; exit 1; }
 done
 # envoy/fleets/demo.yaml: roleset group-0 as pd-sim serves it (SGLang: its default bootstrap
@@ -68,17 +67,8 @@ render_floor $((PORT + 10)) $((ADMIN_PORT + 10)) "$PREFILL" "$DECODE" "$FLOOR" $
 with_phase_log "$work/floor.tmpl.yaml" "$work/floor.log" > "$work/floor.yaml"
 
 start_envoy() { # name admin-port
-  "$ENVOY" -c "$work/$1.yaml" --concurrency 2 --disable-hot-restart -l warn \
-    > "$work/$1.envoy.log" 2>&1 &
-  pids+=("$!")
-  local i
-  for i in $(seq 300); do
-    curl -sf "127.0.0.1:$2/ready" > /dev/null && return
-    sleep 0.1
-  done
-  echo "phases: $1 did not start; its log:" >&2
-  cat "$work/$1.envoy.log" >&2
-  exit 1
+  start_envoy_beside "$work/$1.yaml" "$work/$1.envoy.log" "$2"
+  pids+=("$ENVOY_PID")
 }
 start_envoy pd-router $((ADMIN_PORT + 1))
 start_envoy floor $((ADMIN_PORT + 10))

@@ -1,5 +1,6 @@
-# Envoy configurations of the baselines the measuring scripts (bench.sh, thread-cpu.sh) run
-# beside pd-router; sourced, not run, from the repository root.
+# Envoy configurations of the baselines the measuring scripts (bench.sh, thread-cpu.sh,
+# phases.sh) run beside pd-router, and how they start one; sourced, not run, from the
+# repository root.
 
 # The PD-hop floor filter (filter/examples/pd_floor.rs) between one prefill and one decode pod:
 #   render_floor LISTEN_PORT ADMIN_PORT PREFILL_HOST:PORT DECODE_HOST:PORT FLOOR_WASM [BOOT_PORT]
@@ -19,4 +20,20 @@ render_floor() {
 render_plain() {
   sed -e "s#@LISTEN_PORT@#$1#; s#@ADMIN_PORT@#$2#; s#@UPSTREAM_ADDR@#$3#; s#@UPSTREAM_PORT@#$4#" \
     envoy/envoy-passthrough.yaml.tmpl
+}
+
+# Starts another Envoy (two workers) in the background and returns once its admin port says it
+# is ready; its pid is left in ENVOY_PID. On failure prints its log and returns 1.
+#   start_envoy_beside CONFIG LOG_FILE ADMIN_PORT
+start_envoy_beside() {
+  .venv/envoy -c "$1" --concurrency 2 --disable-hot-restart -l warn > "$2" 2>&1 &
+  ENVOY_PID=$!
+  local i
+  for i in $(seq 300); do
+    curl -sf "127.0.0.1:$3/ready" > /dev/null && return 0
+    sleep 0.1
+  done
+  echo "Envoy on $1 did not start; its log:" >&2
+  cat "$2" >&2
+  return 1
 }

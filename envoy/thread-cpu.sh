@@ -25,7 +25,6 @@ export SIM_TIMING=zero
 PORT=${PORT:-10751}
 PROFILE=${PROFILE:-native}
 TARGET=${CARGO_TARGET_DIR:-$PWD/target}
-ENVOY=.venv/envoy
 # envoy/fleets/demo.yaml: roleset group-0 and the standard pod, as pd-sim serves them.
 POD_PORT=18000 STANDARD=127.0.10.5
 PREFILL=127.0.10.1:$POD_PORT DECODE=127.0.10.2:$POD_PORT
@@ -44,18 +43,9 @@ targets=("pd-router $PORT $(cat .run/envoy.pid)")
 
 # An Envoy beside the stack's: name, listen port, admin port, config file.
 start_envoy() {
-  "$ENVOY" -c "$4" --concurrency 2 --disable-hot-restart -l warn \
-    > "$work/$1.log" 2>&1 &
-  baselines+=("$!")
-  targets+=("$1 $2 $!")
-  local i
-  for i in $(seq 100); do
-    curl -sf "127.0.0.1:$3/ready" > /dev/null && return
-    sleep 0.1
-  done
-  echo "thread-cpu: $1 did not start; its log:" >&2
-  cat "$work/$1.log" >&2
-  exit 1
+  start_envoy_beside "$4" "$work/$1.log" "$3"
+  baselines+=("$ENVOY_PID")
+  targets+=("$1 $2 $ENVOY_PID")
 }
 
 if [ "${BASELINES:-0}" = 1 ]; then
