@@ -846,9 +846,9 @@ impl HttpContext for PdHttp {
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         crate::section_scope!("response_headers");
         self.send_prefix_batch();
-        crate::section!("response.watch_headers", self.watch_headers());
+        crate::section!("response_headers.watch", self.watch_headers());
         self.obs.response_status = crate::section!(
-            "response.status",
+            "response_headers.status",
             self.get_http_response_header(":status")
                 .and_then(|s| s.parse().ok())
         );
