@@ -47,7 +47,7 @@ fn main() {
             black_box(vllm::prefill_body(
                 black_box(&raw),
                 &req.members,
-                KvConnector::Nixl,
+                KvConnector::Shfs,
             ));
         });
         let decode = mean_us(n, || {
@@ -57,7 +57,7 @@ fn main() {
                     &req.members,
                     black_box(&answer),
                     "10.0.0.2",
-                    KvConnector::Nixl,
+                    KvConnector::Shfs,
                 )
                 .ok(),
             );
