@@ -48,6 +48,9 @@ fn body(c: &mut Criterion) {
         group.bench_function(BenchmarkId::new("decode_body", bytes), |b| {
             b.iter(|| vllm::decode_body(&raw, &req.members, &answer, "10.0.0.1", KvConnector::Shfs))
         });
+        group.bench_function(BenchmarkId::new("decode_edit", bytes), |b| {
+            b.iter(|| vllm::decode_edit(&raw, &req.members, &answer, "10.0.0.1", KvConnector::Shfs))
+        });
         let bootstrap = sglang::Bootstrap {
             host: "10.0.0.7".into(),
             port: 8998,
@@ -58,6 +61,12 @@ fn body(c: &mut Criterion) {
             b.iter(|| {
                 sglang::validate(&raw, &req.members)
                     .map(|()| sglang::legs(&raw, &req.members, &bootstrap))
+            })
+        });
+        group.bench_function(BenchmarkId::new("sglang_legs_edited", bytes), |b| {
+            b.iter(|| {
+                sglang::validate(&raw, &req.members)
+                    .map(|()| sglang::legs_edited(&raw, &req.members, &bootstrap))
             })
         });
         let ctx_answer = trt_context_answer(bytes / 4);

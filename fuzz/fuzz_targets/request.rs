@@ -72,7 +72,13 @@ fuzz_target!(|data: &[u8]| {
                 if let Ok(Some(decode)) =
                     vllm::decode_body(data, &req.members, ANSWER, "10.0.0.1", connector)
                 {
-                    object(&decode, "decode leg", strict);
+                    let written = object(&decode, "decode leg", strict);
+                    // The edit the filter applies to the body Envoy holds reads the same.
+                    let edit = vllm::decode_edit(data, &req.members, ANSWER, "10.0.0.1", connector)
+                        .expect("decode_edit agrees with decode_body")
+                        .expect("decode_edit agrees with decode_body");
+                    let edited = object(&edit.apply(data), "edited decode leg", strict);
+                    assert_eq!(edited, written, "the edited decode leg differs");
                 }
             }
             if sglang::validate(data, &req.members).is_ok() {
@@ -83,6 +89,13 @@ fuzz_target!(|data: &[u8]| {
                     rid: "r".into(),
                 };
                 let (prefill, decode) = sglang::legs(data, &req.members, &boot);
+                let (edited_prefill, edit) = sglang::legs_edited(data, &req.members, &boot);
+                assert_eq!(edited_prefill, prefill);
+                assert_eq!(
+                    object(&edit.apply(data), "edited decode leg", strict),
+                    object(&decode, "decode leg", strict),
+                    "the edited decode leg differs"
+                );
                 let (prefill, decode) = (
                     object(&prefill, "prefill leg", strict),
                     object(&decode, "decode leg", strict),

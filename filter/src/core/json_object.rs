@@ -174,6 +174,80 @@ impl Spans {
     }
 }
 
+/// How a leg's body is made from the client's, which Envoy still holds: Envoy can replace the
+/// first bytes of a request body in place (`set_buffer` at offset 0 drains that many bytes and
+/// prepends the new ones), so a leg that only adds members need not copy a large body into
+/// the VM's memory and hand it back whole.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BodyEdit {
+    /// The first `replace` bytes (whitespace and the opening brace) give way to `with` (the
+    /// brace, the members set, a comma); the client's members follow as it wrote them.
+    Prefix { replace: usize, with: Vec<u8> },
+    /// A body written whole, by [`Spans::write`].
+    Whole(Vec<u8>),
+}
+
+impl BodyEdit {
+    /// The body the edit makes of `raw`, the client's body (what the engine receives).
+    pub fn apply(&self, raw: &[u8]) -> Vec<u8> {
+        match self {
+            BodyEdit::Prefix { replace, with } => {
+                let rest = raw.get(*replace..).unwrap_or_default();
+                let mut out = Vec::with_capacity(with.len() + rest.len());
+                out.extend_from_slice(with);
+                out.extend_from_slice(rest);
+                out
+            }
+            BodyEdit::Whole(body) => body.clone(),
+        }
+    }
+
+    /// The length of the body the edit makes of a client body of `raw_len` bytes.
+    pub fn len_from(&self, raw_len: usize) -> usize {
+        match self {
+            BodyEdit::Prefix { replace, with } => raw_len.saturating_sub(*replace) + with.len(),
+            BodyEdit::Whole(body) => body.len(),
+        }
+    }
+}
+
+impl Spans {
+    /// [`Spans::write`] as an edit of `raw`: when the object holds none of the members named
+    /// in `drop` (nor any earlier duplicate of one) and at least one member, `extra` goes in
+    /// front of its first member and the rest of `raw` stays as written. The engines read
+    /// either body alike: JSON members are unordered, and a duplicate the client sent keeps
+    /// its last value in both. Anything else is written whole.
+    pub fn edit(&self, raw: &[u8], drop: &[&str], extra: &[(&str, &str)]) -> BodyEdit {
+        let clashes = self
+            .entries
+            .iter()
+            .map(|(k, _)| k)
+            .chain(&self.overridden)
+            .any(|k| drop.contains(&k.as_ref()));
+        let brace = raw
+            .iter()
+            .position(|b| !matches!(b, b' ' | b'\t' | b'\n' | b'\r'));
+        match brace {
+            Some(at) if !clashes && !self.entries.is_empty() && raw.get(at) == Some(&b'{') => {
+                let size: usize = extra.iter().map(|(k, v)| k.len() + v.len() + 4).sum();
+                let mut with = Vec::with_capacity(size + 1);
+                with.push(b'{');
+                for (key, value) in extra {
+                    write_key(&mut with, key);
+                    with.push(b':');
+                    with.extend_from_slice(value.as_bytes());
+                    with.push(b',');
+                }
+                BodyEdit::Prefix {
+                    replace: at + 1,
+                    with,
+                }
+            }
+            _ => BodyEdit::Whole(self.write(raw, drop, extra)),
+        }
+    }
+}
+
 /// `object` (one JSON object's text, as a [`RawValue`] holds it) with member `key` set to the
 /// raw JSON `value` and every other member as written; `None` when `object` is not an object.
 /// For the engine answers whose nested parameters a leg forwards with one member changed.
@@ -198,6 +272,55 @@ fn write_key(out: &mut Vec<u8>, key: &str) {
 mod tests {
     use super::*;
     use serde_json::Value;
+
+    /// An edit gives the engine the object `write` gives it, and leaves the client's members
+    /// as written when it only adds members; a body holding a member it sets is written whole.
+    #[test]
+    fn edits_read_as_the_written_body() {
+        let drop = ["kv_transfer_params", "rid"];
+        let extra = [
+            ("kv_transfer_params", r#"{"remote_host":"10.0.0.7"}"#),
+            ("rid", r#""r\"1""#),
+        ];
+        let prefix: [&[u8]; 5] = [
+            br#"{"model":"m","messages":[{"content":"hi"}]}"#,
+            b" \r\n\t{ \"a\" : 1 , \"a\" : [2, {\"b\":null}] }\n",
+            br#"{"x\u0041":"\u00e9","y":1.50,"z":18446744073709551616}"#,
+            br#"{"n":{"kv_transfer_params":1}}"#,
+            br#"{"rid2":0}"#,
+        ];
+        let whole: [&[u8]; 4] = [
+            br#"{"model":"m","kv_transfer_params":{"a":1}}"#,
+            br#"{"rid":1,"model":"m","rid":2}"#,
+            br#"{"kv_transfer_param\u0073":null,"m":1}"#,
+            br#"{}"#,
+        ];
+        for (raw, want_prefix) in prefix
+            .iter()
+            .map(|r| (*r, true))
+            .chain(whole.iter().map(|r| (*r, false)))
+        {
+            let spans = Members::parse(raw).unwrap().spans(raw);
+            let edit = spans.edit(raw, &drop, &extra);
+            let body = edit.apply(raw);
+            let shown = String::from_utf8_lossy(raw);
+            assert_eq!(
+                matches!(edit, BodyEdit::Prefix { .. }),
+                want_prefix,
+                "{shown}"
+            );
+            assert_eq!(edit.len_from(raw.len()), body.len(), "{shown}");
+            let written: Value = serde_json::from_slice(&spans.write(raw, &drop, &extra)).unwrap();
+            let edited: Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(edited, written, "{shown}");
+            if let BodyEdit::Prefix { replace, .. } = edit {
+                assert!(
+                    body.ends_with(&raw[replace..]),
+                    "the client's bytes follow: {shown}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn members_keep_order_duplicates_and_exact_bytes() {

@@ -18,6 +18,7 @@ use crate::core::fleet::{FleetView, ModelView};
 // Envoy's ORIGINAL_DST header is removed even when the cluster reads another one, so a
 // client can never pick an upstream through either.
 use crate::core::inbound::{Inbound, ENVOY_DST_HEADER};
+use crate::core::json_object::BodyEdit;
 use crate::core::ledger::{self, Ledger};
 use crate::core::obs::outcome::{self, CutBy, Outcome};
 use crate::core::obs::timing::Instants;
@@ -683,10 +684,10 @@ impl PdHttp {
             return Err(RouteError::prefill_answer(status, response, "http_error"));
         }
         crate::section_scope!("prefill_answer.decode_leg");
-        let decode_body = match pending.merge {
+        let edit = match pending.merge {
             pair::Merge::Vllm(connector) => crate::section!(
                 "decode_leg.body",
-                vllm::decode_body(
+                vllm::decode_edit(
                     &pending.body,
                     &pending.members,
                     response,
@@ -696,11 +697,15 @@ impl PdHttp {
             )?,
             pair::Merge::Trtllm(endpoint) => {
                 trtllm::generation_body(&pending.body, &pending.members, endpoint, response)?
+                    .map(BodyEdit::Whole)
             }
             pair::Merge::Unchanged => None,
         };
-        if let Some(body) = decode_body {
-            crate::section!("decode_leg.replace_body", self.replace_body(&body))?;
+        if let Some(edit) = edit {
+            crate::section!(
+                "decode_leg.replace_body",
+                self.edit_body(&edit, pending.body.len())
+            )?;
         }
         let strategy = self
             .routed

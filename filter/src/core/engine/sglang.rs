@@ -6,7 +6,7 @@
 //! reaches the engine unchanged.
 
 use crate::core::errors::RouteError;
-use crate::core::json_object::Spans;
+use crate::core::json_object::{BodyEdit, Spans};
 
 /// `model.aibrix.ai/sglang-bootstrap-port` when the annotation is absent.
 pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
@@ -66,13 +66,37 @@ pub fn room(random: u64) -> Option<u64> {
 }
 
 /// The prefill and decode bodies. The decode body is the client's with the bootstrap fields
-/// and `rid` set; the prefill body additionally asks for one unstreamed token.
+/// and `rid` set; the prefill body additionally asks for one unstreamed token. Both written
+/// whole: the reference for [`legs_edited`], which the filter uses.
 pub fn legs(raw: &[u8], members: &Spans, b: &Bootstrap) -> (Vec<u8>, Vec<u8>) {
+    with_fields(b, |set| {
+        (
+            members.write(raw, &CONTROLLED, set),
+            members.write(raw, &CONTROLLED[..4], &set[..4]),
+        )
+    })
+}
+
+/// [`legs`] with the decode leg as an edit of the client's body, which Envoy still holds: the
+/// bootstrap fields go in front unless the client sent one of them, so a long prompt is not
+/// copied into the VM and back for the leg that keeps it.
+pub fn legs_edited(raw: &[u8], members: &Spans, b: &Bootstrap) -> (Vec<u8>, BodyEdit) {
+    with_fields(b, |set| {
+        (
+            members.write(raw, &CONTROLLED, set),
+            members.edit(raw, &CONTROLLED[..4], &set[..4]),
+        )
+    })
+}
+
+/// The members the legs set, in [`CONTROLLED`]'s order: the bootstrap fields and `rid` (both
+/// legs), then one unstreamed token (the prefill leg).
+fn with_fields<T>(b: &Bootstrap, f: impl FnOnce(&[(&str, &str); 7]) -> T) -> T {
     let host = serde_json::Value::String(b.host.clone()).to_string();
     let port = b.port.to_string();
     let room = b.room.to_string();
     let rid = serde_json::Value::String(b.rid.clone()).to_string();
-    let set: [(&str, &str); 7] = [
+    f(&[
         ("bootstrap_host", &host),
         ("bootstrap_port", &port),
         ("bootstrap_room", &room),
@@ -80,10 +104,7 @@ pub fn legs(raw: &[u8], members: &Spans, b: &Bootstrap) -> (Vec<u8>, Vec<u8>) {
         ("max_tokens", "1"),
         ("max_completion_tokens", "1"),
         ("stream", "false"),
-    ];
-    let decode = members.write(raw, &CONTROLLED[..4], &set[..4]);
-    let prefill = members.write(raw, &CONTROLLED, &set);
-    (prefill, decode)
+    ])
 }
 
 #[cfg(test)]
@@ -102,6 +123,22 @@ mod tests {
             port: 8998,
             room: 9_223_372_036_854_775_806,
             rid: "req-1-0000abcd00000001".into(),
+        }
+    }
+
+    /// The filter's decode leg is an edit of the body Envoy holds; the engine reads it as the
+    /// written one, and a client that sent a bootstrap field gets the body written whole.
+    #[test]
+    fn edited_decode_leg_reads_as_the_written_one() {
+        let plain: &[u8] = br#"{"model":"m","messages":[{"content":"hi"}],"stream":true}"#;
+        let own_room: &[u8] = br#"{"model":"m","bootstrap_room":1,"messages":[]}"#;
+        for (raw, in_front) in [(plain, true), (own_room, false)] {
+            let (prefill, decode) = legs(raw, &spans(raw), &boot());
+            let (edited_prefill, edit) = legs_edited(raw, &spans(raw), &boot());
+            assert_eq!(edited_prefill, prefill);
+            assert_eq!(matches!(edit, BodyEdit::Prefix { .. }), in_front);
+            let edited: Value = serde_json::from_slice(&edit.apply(raw)).unwrap();
+            assert_eq!(edited, serde_json::from_slice::<Value>(&decode).unwrap());
         }
     }
 

@@ -3,7 +3,7 @@
 //! (SGLang, TRT-LLM generation_first), how a late prefill failure reaches the client, and
 //! the decode watchdog's view of the response.
 
-use crate::core::json_object::Spans;
+use crate::core::json_object::{BodyEdit, Spans};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType};
@@ -97,9 +97,9 @@ impl PdHttp {
                     room: crate::section!("sglang.room", legs::bootstrap_room()),
                     rid: rid.clone(),
                 };
-                let (prefill_body, decode_body) = crate::section!(
+                let (prefill_body, decode_edit) = crate::section!(
                     "sglang.bodies",
-                    sglang::legs(&raw, &req.members, &bootstrap)
+                    sglang::legs_edited(&raw, &req.members, &bootstrap)
                 );
                 let token = self.dispatch_prefill(endpoint, &prefill.address, &prefill_body)?;
                 self.legs.async_prefill = Some(AsyncPrefill {
@@ -109,7 +109,10 @@ impl PdHttp {
                     decode_address: decode.address.clone(),
                 });
                 crate::section!("sglang.watch", self.watch(decode, Some(rid), req.stream));
-                crate::section!("sglang.replace_body", self.replace_body(&decode_body))?;
+                crate::section!(
+                    "sglang.replace_body",
+                    self.edit_body(&decode_edit, raw.len())
+                )?;
                 crate::section!("sglang.destination", self.route_to(&decode.address))?;
                 Ok(Action::Continue)
             }
@@ -370,9 +373,26 @@ impl PdHttp {
 
     /// Replaces the buffered request body and its `content-length` (Envoy does not).
     pub(super) fn replace_body(&self, body: &[u8]) -> Result<(), RouteError> {
-        hostcalls::set_buffer(BufferType::HttpRequestBody, 0, usize::MAX >> 1, body)
+        self.splice_body(usize::MAX >> 1, body, body.len())
+    }
+
+    /// Makes the buffered request body, the client's `raw_len` bytes as sent, a leg's body:
+    /// an edit replaces only its first bytes, in place.
+    pub(super) fn edit_body(&self, edit: &BodyEdit, raw_len: usize) -> Result<(), RouteError> {
+        match edit {
+            BodyEdit::Prefix { replace, with } => {
+                self.splice_body(*replace, with, edit.len_from(raw_len))
+            }
+            BodyEdit::Whole(body) => self.replace_body(body),
+        }
+    }
+
+    /// Puts `with` in place of the buffered body's first `drain` bytes (Envoy drains them and
+    /// prepends; all of the body when `drain` exceeds it) and sets `content-length` to `len`.
+    fn splice_body(&self, drain: usize, with: &[u8], len: usize) -> Result<(), RouteError> {
+        hostcalls::set_buffer(BufferType::HttpRequestBody, 0, drain, with)
             .map_err(|e| RouteError::Internal(format!("cannot replace the request body: {e:?}")))?;
-        self.set_http_request_header("content-length", Some(&body.len().to_string()));
+        self.set_http_request_header("content-length", Some(&len.to_string()));
         Ok(())
     }
 
