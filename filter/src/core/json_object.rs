@@ -157,9 +157,7 @@ impl Spans {
             if !std::mem::take(&mut first) {
                 out.push(b',');
             }
-            write_key(out, key);
-            out.push(b':');
-            out.extend_from_slice(value);
+            write_member(out, key, value);
         };
         for (key, range) in &self.entries {
             if !drop.contains(&key.as_ref()) {
@@ -171,6 +169,39 @@ impl Spans {
         }
         out.push(b'}');
         out
+    }
+
+    /// [`Spans::write`] as an edit of `raw`: when the object holds none of the members named
+    /// in `drop` (nor any earlier duplicate of one) and at least one member, `extra` goes in
+    /// front of its first member and the rest of `raw` stays as written. The engines read
+    /// either body alike: JSON members are unordered, and a duplicate the client sent keeps
+    /// its last value in both. Anything else is written whole.
+    pub fn edit(&self, raw: &[u8], drop: &[&str], extra: &[(&str, &str)]) -> BodyEdit {
+        let clashes = self
+            .entries
+            .iter()
+            .map(|(k, _)| k)
+            .chain(&self.overridden)
+            .any(|k| drop.contains(&k.as_ref()));
+        let brace = raw
+            .iter()
+            .position(|b| !matches!(b, b' ' | b'\t' | b'\n' | b'\r'));
+        match brace {
+            Some(at) if !clashes && !self.entries.is_empty() && raw.get(at) == Some(&b'{') => {
+                let size: usize = extra.iter().map(|(k, v)| k.len() + v.len() + 4).sum();
+                let mut with = Vec::with_capacity(size + 1);
+                with.push(b'{');
+                for (key, value) in extra {
+                    write_member(&mut with, key, value.as_bytes());
+                    with.push(b',');
+                }
+                BodyEdit::Prefix {
+                    replace: at + 1,
+                    with,
+                }
+            }
+            _ => BodyEdit::Whole(self.write(raw, drop, extra)),
+        }
     }
 }
 
@@ -211,43 +242,6 @@ impl BodyEdit {
     }
 }
 
-impl Spans {
-    /// [`Spans::write`] as an edit of `raw`: when the object holds none of the members named
-    /// in `drop` (nor any earlier duplicate of one) and at least one member, `extra` goes in
-    /// front of its first member and the rest of `raw` stays as written. The engines read
-    /// either body alike: JSON members are unordered, and a duplicate the client sent keeps
-    /// its last value in both. Anything else is written whole.
-    pub fn edit(&self, raw: &[u8], drop: &[&str], extra: &[(&str, &str)]) -> BodyEdit {
-        let clashes = self
-            .entries
-            .iter()
-            .map(|(k, _)| k)
-            .chain(&self.overridden)
-            .any(|k| drop.contains(&k.as_ref()));
-        let brace = raw
-            .iter()
-            .position(|b| !matches!(b, b' ' | b'\t' | b'\n' | b'\r'));
-        match brace {
-            Some(at) if !clashes && !self.entries.is_empty() && raw.get(at) == Some(&b'{') => {
-                let size: usize = extra.iter().map(|(k, v)| k.len() + v.len() + 4).sum();
-                let mut with = Vec::with_capacity(size + 1);
-                with.push(b'{');
-                for (key, value) in extra {
-                    write_key(&mut with, key);
-                    with.push(b':');
-                    with.extend_from_slice(value.as_bytes());
-                    with.push(b',');
-                }
-                BodyEdit::Prefix {
-                    replace: at + 1,
-                    with,
-                }
-            }
-            _ => BodyEdit::Whole(self.write(raw, drop, extra)),
-        }
-    }
-}
-
 /// `object` (one JSON object's text, as a [`RawValue`] holds it) with member `key` set to the
 /// raw JSON `value` and every other member as written; `None` when `object` is not an object.
 /// For the engine answers whose nested parameters a leg forwards with one member changed.
@@ -255,6 +249,13 @@ pub fn with_member(object: &str, key: &str, value: &str) -> Option<String> {
     let raw = object.as_bytes();
     let members = Members::parse(raw).ok()?;
     String::from_utf8(members.spans(raw).write(raw, &[key], &[(key, value)])).ok()
+}
+
+/// `"key":value`, `value` being raw JSON.
+fn write_member(out: &mut Vec<u8>, key: &str, value: &[u8]) {
+    write_key(out, key);
+    out.push(b':');
+    out.extend_from_slice(value);
 }
 
 /// `key` as a JSON string: quoted, escaped where JSON requires it.
