@@ -18,7 +18,7 @@ mod names;
 mod reference;
 mod tree;
 
-pub use event::{EventBatch, EventError, EventRef, PrefixEvent};
+pub use event::{EventBatch, EventError, EventRef, PrefixEvent, RingEntry, ENTRY_HEADER};
 pub use tree::PrefixIndex;
 
 /// `AIBRIX_PREFIX_CACHE_BLOCK_SIZE` default, in bytes of the token stream.

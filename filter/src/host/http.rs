@@ -489,7 +489,10 @@ impl PdHttp {
                 vm.prefix_outbox.push(event);
                 self.prefix_batch = Some(vm.prefix_batches_sent);
                 if vm.prefix_outbox.bytes() >= crate::core::prefix::log::MAX_BATCH_BYTES {
-                    crate::host::prefix_sharing::publish(vm, now);
+                    crate::section!(
+                        "select.publish",
+                        crate::host::prefix_sharing::publish(vm, now)
+                    );
                 }
             }
         }

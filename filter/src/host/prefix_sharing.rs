@@ -11,11 +11,11 @@ pub fn publish(vm: &mut VmState, now_ms: u64) {
     if vm.prefix_outbox.is_empty() {
         return;
     }
-    let batch = vm.prefix_outbox.take();
+    let entry = vm.prefix_outbox.take_entry();
     // What a reader's index can hold: older prompts would be evicted as they were applied.
     let p = vm.prefix_settings;
     let budget = p.capacity.saturating_mul(p.block_size);
-    if let Err(e) = vm.prefix_log.publish(&SharedData, &batch, now_ms, budget) {
+    if let Err(e) = vm.prefix_log.publish(&SharedData, entry, now_ms, budget) {
         log::warn!("cannot publish prefix events to the other workers: {e}");
     }
     vm.prefix_batches_sent += 1;

@@ -9,11 +9,15 @@ pub struct SharedData;
 
 impl Store for SharedData {
     fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), StoreError> {
-        hostcalls::get_shared_data(key).map_err(|s| StoreError::Host(format!("get {key}: {s:?}")))
+        crate::section!("shared.get", hostcalls::get_shared_data(key))
+            .map_err(|s| StoreError::Host(format!("get {key}: {s:?}")))
     }
 
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<bool, StoreError> {
-        match hostcalls::set_shared_data(key, Some(value), cas) {
+        match crate::section!(
+            "shared.set",
+            hostcalls::set_shared_data(key, Some(value), cas)
+        ) {
             Ok(()) => Ok(true),
             Err(Status::CasMismatch) => Ok(false),
             Err(s) => Err(StoreError::Host(format!("set {key}: {s:?}"))),

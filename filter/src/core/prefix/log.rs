@@ -20,7 +20,7 @@
 
 use crate::core::ledger::{Store, StoreError};
 
-use super::{EventBatch, EventError, EventRef};
+use super::{EventBatch, EventError, EventRef, RingEntry, ENTRY_HEADER};
 
 /// Key of the writers' heads.
 pub const HEADS_KEY: &str = "pd/prefix/heads";
@@ -158,7 +158,8 @@ impl PrefixLog {
         self.following
     }
 
-    /// Appends `batch` (an [`EventBatch::take`]) to this VM's ring, then advances its head.
+    /// Appends `entry` (an [`EventBatch::take_entry`], stored as it is with its sequence
+    /// number filled in) to this VM's ring, then advances its head.
     ///
     /// The ring keeps at most [`RING`] batches and, besides the newest one, at most
     /// `budget_bytes`: older slots are emptied to make room. Give it what a reader's index can
@@ -168,16 +169,13 @@ impl PrefixLog {
     pub fn publish(
         &mut self,
         store: &dyn Store,
-        batch: &[u8],
+        mut entry: RingEntry,
         now_ms: u64,
         budget_bytes: usize,
     ) -> Result<(), StoreError> {
         let seq = self.seq + 1;
-        let mut entry = Vec::with_capacity(8 + batch.len());
-        entry.extend_from_slice(&seq.to_le_bytes());
-        entry.extend_from_slice(batch);
         slot_key(&mut self.key, self.writer, seq);
-        store.set(&self.key, &entry, None)?;
+        store.set(&self.key, entry.stamped(seq), None)?;
         // The slot is written even if the head update fails below; the next publish takes
         // the next number, and readers never look past a head.
         self.seq = seq;
@@ -265,7 +263,7 @@ impl PrefixLog {
             for seq in range {
                 slot_key(&mut self.key, head.writer, seq);
                 let entry = store.get(&self.key)?.0.unwrap_or_default();
-                match entry.split_at_checked(8) {
+                match entry.split_at_checked(ENTRY_HEADER) {
                     Some((n, batch)) if n == seq.to_le_bytes() => {
                         done.batches += 1;
                         for event in EventBatch::events(batch) {
@@ -321,7 +319,11 @@ mod tests {
     use super::*;
     use crate::core::ledger::MemoryStore;
 
-    fn batch_of(prompts: &[&str]) -> Vec<u8> {
+    fn batch_of(prompts: &[&str]) -> RingEntry {
+        events_of(prompts).take_entry()
+    }
+
+    fn events_of(prompts: &[&str]) -> EventBatch {
         let mut b = EventBatch::default();
         for (i, p) in prompts.iter().enumerate() {
             b.push(EventRef {
@@ -331,11 +333,11 @@ mod tests {
                 at_ms: i as u64,
             });
         }
-        b.take()
+        b
     }
 
     fn put(log: &mut PrefixLog, store: &MemoryStore, prompts: &[&str], now_ms: u64) {
-        log.publish(store, &batch_of(prompts), now_ms, usize::MAX)
+        log.publish(store, batch_of(prompts), now_ms, usize::MAX)
             .expect("publish");
     }
 
@@ -430,11 +432,11 @@ mod tests {
                 })
                 .sum()
         };
-        a.publish(&store, &batch_of(&[&big]), 1, 3_100).unwrap();
+        a.publish(&store, batch_of(&[&big]), 1, 3_100).unwrap();
         assert_eq!(read_all(&mut laggard, &store).0.len(), 1);
         assert_eq!(read_all(&mut follower, &store).0.len(), 1);
         for _ in 0..10 {
-            a.publish(&store, &batch_of(&[&big]), 1, 3_100).unwrap();
+            a.publish(&store, batch_of(&[&big]), 1, 3_100).unwrap();
             // A reader that keeps up reads every batch before it is dropped.
             let (seen, done) = read_all(&mut follower, &store);
             assert_eq!((seen.len(), done.missed), (1, 0));
@@ -456,7 +458,7 @@ mod tests {
         let mut key = String::new();
         slot_key(&mut key, 1, 2);
         let mut lapped = (2 + RING).to_le_bytes().to_vec();
-        lapped.extend_from_slice(&batch_of(&["y"]));
+        lapped.extend_from_slice(&events_of(&["y"]).take());
         store.set(&key, &lapped, None).unwrap();
         let (seen, done) = read_all(&mut r, &store);
         assert!(seen.is_empty());
@@ -468,8 +470,8 @@ mod tests {
         let store = MemoryStore::default();
         let (mut a, mut r) = (PrefixLog::new(1), PrefixLog::new(2));
         let mut bad = batch_of(&["good"]);
-        bad.extend_from_slice(&[3, 9, 9, 9]);
-        a.publish(&store, &bad, 1, usize::MAX).unwrap();
+        bad.append_raw(&[3, 9, 9, 9]);
+        a.publish(&store, bad, 1, usize::MAX).unwrap();
         let (seen, done) = read_all(&mut r, &store);
         assert_eq!(seen, ["good"]);
         assert!(done.malformed.is_some());
@@ -482,7 +484,7 @@ mod tests {
         put(&mut a, &store, &["a"], 1_000);
         b.publish(
             &store,
-            &batch_of(&["b"]),
+            batch_of(&["b"]),
             1_000 + FORGET_AFTER_MS + 1,
             usize::MAX,
         )
@@ -506,14 +508,14 @@ mod tests {
         // Two writers' CAS rounds interleave through a store that answers a stale token once.
         struct Racing<'a> {
             inner: &'a MemoryStore,
-            other: std::cell::RefCell<Option<(PrefixLog, Vec<u8>)>>,
+            other: std::cell::RefCell<Option<(PrefixLog, RingEntry)>>,
         }
         impl Store for Racing<'_> {
             fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), StoreError> {
                 let got = self.inner.get(key)?;
                 if key == HEADS_KEY {
                     if let Some((mut log, batch)) = self.other.borrow_mut().take() {
-                        log.publish(self.inner, &batch, 5, usize::MAX)?;
+                        log.publish(self.inner, batch, 5, usize::MAX)?;
                     }
                 }
                 Ok(got)
@@ -530,7 +532,7 @@ mod tests {
             other: std::cell::RefCell::new(Some((PrefixLog::new(2), batch_of(&["b"])))),
         };
         PrefixLog::new(1)
-            .publish(&racing, &batch_of(&["a"]), 5, usize::MAX)
+            .publish(&racing, batch_of(&["a"]), 5, usize::MAX)
             .unwrap();
         let mut seen = read_all(&mut PrefixLog::new(3), &store).0;
         seen.sort();
