@@ -83,6 +83,16 @@ fn body(c: &mut Criterion) {
                 (ctx, generation)
             })
         });
+        group.bench_function(BenchmarkId::new("trtllm_generation_edit", bytes), |b| {
+            b.iter(|| {
+                trtllm::generation_edit(&raw, &req.members, Endpoint::ChatCompletions, &ctx_answer)
+            })
+        });
+        group.bench_function(BenchmarkId::new("trtllm_generation_body", bytes), |b| {
+            b.iter(|| {
+                trtllm::generation_body(&raw, &req.members, Endpoint::ChatCompletions, &ctx_answer)
+            })
+        });
     }
     group.finish();
 }

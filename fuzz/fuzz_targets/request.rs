@@ -115,12 +115,19 @@ fuzz_target!(|data: &[u8]| {
             if let Ok(Some(generation)) =
                 trtllm::generation_body(data, &req.members, endpoint, TRT_ANSWER)
             {
-                if let Some(leg) = object(&generation, "generation leg", strict) {
+                let written = object(&generation, "generation leg", strict);
+                if let Some(leg) = &written {
                     assert_eq!(
                         leg["disaggregated_params"]["request_type"],
                         "generation_only"
                     );
                 }
+                // The edit the filter applies to the body Envoy holds reads the same.
+                let edit = trtllm::generation_edit(data, &req.members, endpoint, TRT_ANSWER)
+                    .expect("generation_edit agrees with generation_body")
+                    .expect("generation_edit agrees with generation_body");
+                let edited = object(&edit.apply(data), "edited generation leg", strict);
+                assert_eq!(edited, written, "the edited generation leg differs");
             }
         }
     }

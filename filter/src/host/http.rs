@@ -18,7 +18,6 @@ use crate::core::fleet::{FleetView, ModelView};
 // Envoy's ORIGINAL_DST header is removed even when the cluster reads another one, so a
 // client can never pick an upstream through either.
 use crate::core::inbound::{Inbound, ENVOY_DST_HEADER};
-use crate::core::json_object::BodyEdit;
 use crate::core::ledger::{self, Ledger};
 use crate::core::obs::outcome::{self, CutBy, Outcome};
 use crate::core::obs::timing::Instants;
@@ -699,8 +698,7 @@ impl PdHttp {
                 )
             )?,
             pair::Merge::Trtllm(endpoint) => {
-                trtllm::generation_body(&pending.body, &pending.members, endpoint, response)?
-                    .map(BodyEdit::Whole)
+                trtllm::generation_edit(&pending.body, &pending.members, endpoint, response)?
             }
             pair::Merge::Unchanged => None,
         };

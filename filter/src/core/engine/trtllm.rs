@@ -17,7 +17,7 @@ use serde_json::value::RawValue;
 use serde_json::{json, Value};
 
 use crate::core::errors::RouteError;
-use crate::core::json_object::{with_member, Members, Spans};
+use crate::core::json_object::{with_member, BodyEdit, Members, Spans};
 use crate::core::request::Endpoint;
 
 /// 2023-01-01T00:00:00Z, the epoch of the id's timestamp.
@@ -141,12 +141,62 @@ fn present(value: Option<&RawValue>) -> Option<&RawValue> {
 
 /// The generation (decode) leg of `context_first`, from the context answer. `None` means
 /// "forward the client's body unchanged" (the answer carried no `disaggregated_params`).
+/// Written whole: the reference for [`generation_edit`], which the filter uses.
 pub fn generation_body(
     raw: &[u8],
     members: &Spans,
     endpoint: Endpoint,
     ctx_response: &[u8],
 ) -> Result<Option<Vec<u8>>, RouteError> {
+    Ok(generation_members(endpoint, ctx_response)?
+        .map(|g| members.write(raw, g.replaced(), &g.added())))
+}
+
+/// [`generation_body`] as an edit of the client's body, which Envoy still holds: a chat
+/// request's leg only adds members, which go in front, so its prompt is not copied into the
+/// VM and back; a completion's leg replaces `prompt` with the engine's token ids and is
+/// written whole.
+pub fn generation_edit(
+    raw: &[u8],
+    members: &Spans,
+    endpoint: Endpoint,
+    ctx_response: &[u8],
+) -> Result<Option<BodyEdit>, RouteError> {
+    Ok(generation_members(endpoint, ctx_response)?
+        .map(|g| members.edit(raw, g.replaced(), &g.added())))
+}
+
+/// What the generation leg sets, read from the context answer.
+struct GenerationMembers<'a> {
+    /// The answer's `disaggregated_params` with `request_type` set to `generation_only`.
+    params: String,
+    /// The prompt's member and the answer's `prompt_token_ids`, when it carried them.
+    ids: Option<(&'static str, &'a RawValue)>,
+}
+
+impl GenerationMembers<'_> {
+    fn replaced(&self) -> &'static [&'static str] {
+        match self.ids {
+            None => &["disaggregated_params"],
+            Some(("prompt", _)) => &["disaggregated_params", "prompt"],
+            Some(_) => &["disaggregated_params", "prompt_token_ids"],
+        }
+    }
+
+    fn added(&self) -> Vec<(&str, &str)> {
+        let mut added = vec![("disaggregated_params", self.params.as_str())];
+        if let Some((prompt_key, ids)) = self.ids {
+            added.push((prompt_key, ids.get()));
+        }
+        added
+    }
+}
+
+/// `None` when the answer carries no `disaggregated_params` (nor in its first choice).
+fn generation_members(
+    endpoint: Endpoint,
+    ctx_response: &[u8],
+) -> Result<Option<GenerationMembers<'_>>, RouteError> {
     let response = Members::parse(ctx_response)
         .map_err(|_| bad_response("the context response is not a JSON object"))?;
     let first_choice = || {
@@ -162,22 +212,15 @@ pub fn generation_body(
         with_member(params.get(), "request_type", "\"generation_only\"").ok_or_else(|| {
             bad_response("disaggregated_params in the context response is not an object")
         })?;
-    let mut extra: Vec<(&str, &str)> = vec![("disaggregated_params", &params)];
     let prompt_key = match endpoint {
         Endpoint::Completions => "prompt",
         Endpoint::ChatCompletions => "prompt_token_ids",
     };
     let ids = response
         .get("prompt_token_ids")
-        .filter(|v| v.get().starts_with('['));
-    let drop: &[&str] = match ids {
-        Some(ids) => {
-            extra.push((prompt_key, ids.get()));
-            &["disaggregated_params", prompt_key]
-        }
-        None => &["disaggregated_params"],
-    };
-    Ok(Some(members.write(raw, drop, &extra)))
+        .filter(|v| v.get().starts_with('['))
+        .map(|ids| (prompt_key, ids));
+    Ok(Some(GenerationMembers { params, ids }))
 }
 
 /// The generation (decode) leg of `generation_first`, sent without waiting for the context.
@@ -278,6 +321,63 @@ mod tests {
         let gf: Value =
             serde_json::from_slice(&context(id, ScheduleStyle::GenerationFirst)).unwrap();
         assert_eq!(gf["disaggregated_params"]["schedule_style"], 1);
+    }
+
+    #[test]
+    fn the_edited_generation_leg_reads_as_the_written_one() {
+        let answers: [&[u8]; 3] = [
+            br#"{"choices":[{"disaggregated_params":{"request_type":"context_only",
+                "ctx_request_id":4611686018427387903}}],"prompt_token_ids":[1,2,3]}"#,
+            br#"{"disaggregated_params":{"ctx_request_id":1},"prompt_token_ids":null}"#,
+            br#"{"disaggregated_params":{"ctx_request_id":1,"request_type":"x"}}"#,
+        ];
+        let clients: [&[u8]; 5] = [
+            CLIENT,
+            b" \n {\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}\n",
+            br#"{"model":"m","prompt_token_ids":[9],"messages":[]}"#,
+            br#"{"model":"m","disaggregated_params":{"a":1},"prompt":"hi"}"#,
+            br#"{"model":"m","prompt":"hi","max_tokens":5,"prompt":"again"}"#,
+        ];
+        let value = |b: &[u8]| serde_json::from_slice::<Value>(b).expect("JSON");
+        for answer in answers {
+            for client in clients {
+                for endpoint in [Endpoint::ChatCompletions, Endpoint::Completions] {
+                    let written = generation_body(client, &spans(client), endpoint, answer)
+                        .unwrap()
+                        .unwrap();
+                    let edit = generation_edit(client, &spans(client), endpoint, answer)
+                        .unwrap()
+                        .unwrap();
+                    assert_eq!(value(&edit.apply(client)), value(&written));
+                }
+            }
+        }
+        // A chat leg only adds members: they go in front. A completion's replaces `prompt`.
+        let edit = |endpoint| {
+            generation_edit(CLIENT, &spans(CLIENT), endpoint, answers[0])
+                .unwrap()
+                .unwrap()
+        };
+        assert!(matches!(
+            edit(Endpoint::ChatCompletions),
+            BodyEdit::Prefix { replace: 1, .. }
+        ));
+        let completion = br#"{"model":"m","prompt":"hi"}"#;
+        assert!(matches!(
+            generation_edit(
+                completion,
+                &spans(completion),
+                Endpoint::Completions,
+                answers[0]
+            ),
+            Ok(Some(BodyEdit::Whole(_)))
+        ));
+        // No parameters in the answer: the client's body goes on unchanged, edited or not.
+        let bare = br#"{"choices":[{"text":"x"}]}"#;
+        assert_eq!(
+            generation_edit(CLIENT, &spans(CLIENT), Endpoint::ChatCompletions, bare),
+            Ok(None)
+        );
     }
 
     #[test]
