@@ -1,7 +1,7 @@
 //! The request body parser and the legs spliced from it: any bytes, either endpoint, never a
 //! panic, the one-pass parse answers exactly as the two-pass reference (request or error),
-//! and so does the one-pass read of the bytes as a vLLM prefill answer,
-//! and a body that parses always yields legs (vLLM, SGLang, TRT-LLM) that are valid
+//! and so does the read of the bytes as a vLLM prefill answer; whatever object `json_scan`
+//! accepts, serde_json accepts with the same members; and a body that parses always yields legs (vLLM, SGLang, TRT-LLM) that are valid
 //! JSON objects with the prefill leg's one-token cap and the protocol's fields.
 //!
 //! JSON's grammar allows an escaped lone surrogate (`"\uD937"`), which serde_json accepts in
@@ -15,6 +15,7 @@ use pd_router_filter::core::config::KvConnector;
 use pd_router_filter::core::engine::trtllm::{self, ScheduleStyle};
 use pd_router_filter::core::engine::{sglang, vllm};
 use pd_router_filter::core::json_object::Members;
+use pd_router_filter::core::json_scan;
 use pd_router_filter::core::request::{Endpoint, RoutingRequest};
 
 const ANSWER: &[u8] = br#"{"kv_transfer_params":{"remote_block_ids":[1],"remote_host":"x"}}"#;
@@ -42,7 +43,23 @@ fn object(
 }
 
 fuzz_target!(|data: &[u8]| {
-    // The bytes as a vLLM prefill answer: its kv_transfer_params read in one pass are the
+    // The fast scan of the answers never accepts what serde refuses, and finds its members.
+    if let Some(scanned) = std::str::from_utf8(data)
+        .ok()
+        .and_then(json_scan::object)
+    {
+        let members = Members::parse(data).expect("json_scan accepted what serde refuses");
+        let base = data.as_ptr() as usize;
+        let reference: Vec<(&str, std::ops::Range<usize>)> = members
+            .iter()
+            .map(|(k, v)| {
+                let start = v.get().as_ptr() as usize - base;
+                (k, start..start + v.get().len())
+            })
+            .collect();
+        assert_eq!(scanned, reference, "json_scan and serde read different members");
+    }
+    // The bytes as a vLLM prefill answer: its kv_transfer_params read by the scan are the
     // two-scan reference's (or both refuse it alike).
     let host = "\"10.0.0.1\"";
     match (

@@ -63,6 +63,11 @@ impl<'a> Members<'a> {
         serde_json::from_str(value.get())
     }
 
+    /// The members in input order, duplicates included.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &'a RawValue)> + '_ {
+        self.entries.iter().map(|(k, v)| (k.as_ref(), *v))
+    }
+
     /// The value of `key`; with duplicated keys the last one wins, as in the engines.
     pub fn get(&self, key: &str) -> Option<&'a RawValue> {
         self.entries

@@ -13,6 +13,7 @@ pub mod guard;
 pub mod inbound;
 pub mod journal;
 pub mod json_object;
+pub mod json_scan;
 pub mod ledger;
 pub mod obs;
 pub mod pace;
