@@ -203,30 +203,21 @@ fn generation_members(
 ) -> Result<Option<GenerationMembers<'_>>, RouteError> {
     let not_object = || bad_response("the context response is not a JSON object");
     let text = std::str::from_utf8(ctx_response).map_err(|_| not_object())?;
-    let scanned = json_scan::object(text);
-    let parsed = match scanned {
-        Some(_) => None,
-        None => Some(Members::parse(ctx_response).map_err(|_| not_object())?),
-    };
-    // The last occurrence of a name wins, as in the engines.
-    let get = |key: &str| -> Option<&str> {
-        match (&scanned, &parsed) {
-            (Some(members), _) => members
-                .iter()
-                .rev()
-                .find(|(k, _)| *k == key)
-                .map(|(_, at)| &text[at.clone()]),
-            (None, Some(members)) => members.get(key).map(RawValue::get),
-            (None, None) => None,
+    // The members the leg needs, the last occurrence of each (as in the engines).
+    const NEEDED: [&str; 3] = ["choices", "disaggregated_params", "prompt_token_ids"];
+    let [choices, params, ids] = match json_scan::object(text) {
+        Some(members) => NEEDED.map(|key| json_scan::last(&members, key).map(|at| &text[at])),
+        None => {
+            let members = Members::parse(ctx_response).map_err(|_| not_object())?;
+            NEEDED.map(|key| members.get(key).map(RawValue::get))
         }
     };
     let first_choice = || {
-        let choices = present(get("choices"))?;
-        let list = serde_json::from_str::<Vec<&RawValue>>(choices).ok()?;
+        let list = serde_json::from_str::<Vec<&RawValue>>(present(choices)?).ok()?;
         let first = Members::of(list.first()?).ok()?;
         present(first.get("disaggregated_params").map(RawValue::get))
     };
-    let Some(params) = present(get("disaggregated_params")).or_else(first_choice) else {
+    let Some(params) = present(params).or_else(first_choice) else {
         return Ok(None);
     };
     let params = with_member(params, "request_type", "\"generation_only\"").ok_or_else(|| {
@@ -236,7 +227,7 @@ fn generation_members(
         Endpoint::Completions => "prompt",
         Endpoint::ChatCompletions => "prompt_token_ids",
     };
-    let ids = get("prompt_token_ids")
+    let ids = ids
         .filter(|v| v.starts_with('['))
         .map(|ids| (prompt_key, ids));
     Ok(Some(GenerationMembers { params, ids }))

@@ -149,12 +149,7 @@ pub fn params_two_scan(answer: &[u8], host: &str) -> Result<Option<String>, Rout
 fn kv_params_scanned(answer: &[u8]) -> Option<Option<Spans>> {
     let text = std::str::from_utf8(answer).ok()?;
     let members = json_scan::object(text)?;
-    // The last occurrence wins, as in the engines.
-    let Some((_, at)) = members
-        .iter()
-        .rev()
-        .find(|(key, _)| *key == "kv_transfer_params")
-    else {
+    let Some(at) = json_scan::last(&members, "kv_transfer_params") else {
         return Some(None);
     };
     let value = &text[at.clone()];
