@@ -205,6 +205,15 @@ fn num(v: f64, digits: usize) -> String {
     }
 }
 
+/// A difference with its sign always written: `+20`, `-0.191` (never `+-0.191`).
+fn signed(v: f64, digits: usize) -> String {
+    if v.is_finite() {
+        format!("{v:+.digits$}")
+    } else {
+        "–".into()
+    }
+}
+
 fn ordered(cells: &BTreeMap<String, Cell>) -> Vec<(&str, &Cell)> {
     let mut v: Vec<(&str, &Cell)> = OVERHEAD_ORDER
         .iter()
@@ -341,12 +350,12 @@ pub fn overhead_tables(results: &Results) -> String {
             };
             let _ = writeln!(
                 out,
-                "\n{ours} over the PD-hop floor ({floor}): CPU per request +{} µs, \
-                 throughput {}, added p50 +{} ms; the floor's CPU per request is {} of {label}, \
+                "\n{ours} over the PD-hop floor ({floor}): CPU per request {} µs, \
+                 throughput {}, added p50 {} ms; the floor's CPU per request is {} of {label}, \
                  its added p50 {}",
-                num(cpu(o) - cpu(f), 0),
+                signed(cpu(o) - cpu(f), 0),
                 num(o.med(|r| r.completed_rps) / f.med(|r| r.completed_rps), 2),
-                num(o.med(|r| r.e2e_p50) - f.med(|r| r.e2e_p50), 3),
+                signed(o.med(|r| r.e2e_p50) - f.med(|r| r.e2e_p50), 3),
                 num(cpu(f) / peer_cpu, 2),
                 num(added(f) / peer_added, 2),
             );
@@ -377,6 +386,16 @@ pub fn policy_tables(results: &Results) -> String {
         }
         let p99 = |t: &str| cells.get(t).map_or(f64::NAN, |c| c.med(|r| r.ttft_p99));
         let hit = |t: &str| cells.get(t).map_or(f64::NAN, |c| c.med_opt(|r| r.hit_rate));
+        // The pair the targets are read from: token_load against least_request, each on both
+        // sides; then token_load as the prefill policy alone, under each decode policy.
+        let (tl, lr) = ("token_load+token_load", "least_request+least_request");
+        if cells.contains_key(tl) && cells.contains_key(lr) {
+            let _ = writeln!(
+                out,
+                "\ntoken_load on both sides ({tl}) ÷ least_request on both sides ({lr}) TTFT p99: {} (target ≤ 0.7 at 90 %)",
+                num(p99(tl) / p99(lr), 2)
+            );
+        }
         for decode in ["least_request", "load_balancing", "token_load"] {
             let (tl, lr) = (
                 format!("token_load+{decode}"),
@@ -643,6 +662,7 @@ mod tests {
         for (t, p99) in [
             ("token_load+least_request", 70.0),
             ("least_request+least_request", 200.0),
+            ("token_load+token_load", 50.0),
         ] {
             let mut v = report(10.0, 1.0, 50.0);
             v["summary"]["ttft_ms"]["p99"] = json!(p99);
@@ -654,6 +674,17 @@ mod tests {
             text.contains("token_load+least_request ÷ least_request+least_request TTFT p99: 0.35"),
             "{text}"
         );
+        assert!(
+            text.contains("token_load on both sides (token_load+token_load) ÷ least_request on both sides (least_request+least_request) TTFT p99: 0.25"),
+            "{text}"
+        );
         assert!(text.contains("| 25.0 % |"), "{text}");
+    }
+
+    #[test]
+    fn differences_carry_one_sign() {
+        assert_eq!(signed(20.0, 0), "+20");
+        assert_eq!(signed(-0.1912, 3), "-0.191");
+        assert_eq!(signed(f64::NAN, 1), "–");
     }
 }
