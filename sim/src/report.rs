@@ -210,7 +210,7 @@ fn signed(v: f64, digits: usize) -> String {
     if v.is_finite() {
         format!("{v:+.digits$}")
     } else {
-        "–".into()
+        num(v, digits)
     }
 }
 
@@ -388,12 +388,12 @@ pub fn policy_tables(results: &Results) -> String {
         let hit = |t: &str| cells.get(t).map_or(f64::NAN, |c| c.med_opt(|r| r.hit_rate));
         // The pair the targets are read from: token_load against least_request, each on both
         // sides; then token_load as the prefill policy alone, under each decode policy.
-        let (tl, lr) = ("token_load+token_load", "least_request+least_request");
-        if cells.contains_key(tl) && cells.contains_key(lr) {
+        let (both_tl, both_lr) = ("token_load+token_load", "least_request+least_request");
+        if cells.contains_key(both_tl) && cells.contains_key(both_lr) {
             let _ = writeln!(
                 out,
-                "\ntoken_load on both sides ({tl}) ÷ least_request on both sides ({lr}) TTFT p99: {} (target ≤ 0.7 at 90 %)",
-                num(p99(tl) / p99(lr), 2)
+                "\ntoken_load on both sides ({both_tl}) ÷ least_request on both sides ({both_lr}) TTFT p99: {} (target ≤ 0.7 at 90 %)",
+                num(p99(both_tl) / p99(both_lr), 2)
             );
         }
         for decode in ["least_request", "load_balancing", "token_load"] {
