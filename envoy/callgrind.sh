@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Instructions per PD request in Envoy, counted by valgrind's callgrind: deterministic where
+# wall and CPU time on this box vary by ±15 % from run to run, so a change of 1 % shows.
+#
+#   envoy/callgrind.sh            # probe, floor, router; then the report
+#   envoy/callgrind.sh router     # one target again (the report reads every .out present)
+#
+# Each target is Envoy (two workers) under callgrind with instrumentation off; after WARMUP
+# requests it is switched on for REQUESTS requests (one client, closed loop, 2 KB chat bodies,
+# no stream) on a 1P1D zero-time pd-sim, then dumped. Targets:
+#   probe   filter/examples/hostcall_probe.rs: every host call a distinct number of times per
+#           request (local reply). Envoy's binary is stripped; the report names its host
+#           functions by those counts.
+#   floor   filter/examples/pd_floor.rs, the PD-hop floor.
+#   router  pd-router (release .wasm or PD_WASM), default policies, on envoy/stack.sh with
+#           REFRESH_MS=1000 and pd-control scraping every 5 s, so that timers and snapshot
+#           adoption (which run on wall time, and valgrind slows requests ~40×) stay a small
+#           share; the report lists root-context work apart.
+# Environment: REQUESTS (300), WARMUP (100), BODY_BYTES (2048), OUT (target/callgrind),
+# AIBRIX_* for the filter. Needs valgrind (installed with apt-get when missing).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REQUESTS=${REQUESTS:-300}
+WARMUP=${WARMUP:-100}
+BODY_BYTES=${BODY_BYTES:-2048}
+OUT=${OUT:-target/callgrind}
+TARGET=${CARGO_TARGET_DIR:-$PWD/target}
+export ADMIN_PORT=9961 CONTROL_PORT=18161 SIM_ADMIN_PORT=18162
+PORT=10761
+FLOOR_PORT=10762 FLOOR_ADMIN=9962
+targets=${*:-probe floor router}
+
+command -v valgrind >/dev/null || (apt-get update -qq && apt-get install -y -qq valgrind)
+mkdir -p "$OUT"
+cargo build --release --target wasm32-wasip1 -p pd-router-filter --example pd_floor \
+  --example hostcall_probe
+cargo build --release --target wasm32-wasip1 -p pd-router-filter
+cargo build --profile native -p pd-control -p pd-sim
+# shellcheck source=envoy/render.sh
+source envoy/render.sh
+
+envoy/fleets/pd-fleet.sh 1 > "$OUT/fleet.yaml"
+trap 'envoy/stack.sh down >/dev/null 2>&1 || true' EXIT
+REFRESH_MS=1000 CONTROL_REFRESH_MS=5000 SIM_TIMING=zero SIM_ARGS="--side-channel-host pod" \
+  envoy/stack.sh up "$OUT/fleet.yaml" 1 "$PORT" native > /dev/null
+# The stack's Envoy makes way for the one under valgrind (same rendered configuration).
+kill "$(cat .run/envoy.pid)" && rm -f .run/envoy.pid
+while curl -sf "127.0.0.1:$ADMIN_PORT/ready" > /dev/null; do sleep 0.1; done
+
+load() { # port requests
+  "$TARGET/native/pd-load" --url "http://127.0.0.1:$1" --model demo-llm --workload fixed \
+    --body-bytes "$BODY_BYTES" --rps 0 --clients 1 --stream-ratio 0 --requests "$2" \
+    --duration 600s || true # the probe's answers are not JSON: counted as errors
+}
+
+run() { # name config port admin
+  local name=$1 config=$2 port=$3 admin=$4 pid i
+  rm -f "$OUT/$name.out"*
+  valgrind --tool=callgrind --instr-atstart=no --smc-check=all-non-file \
+    --callgrind-out-file="$OUT/$name.out" .venv/envoy -c "$config" --concurrency 2 \
+    --disable-hot-restart -l warn > "$OUT/$name.log" 2>&1 &
+  pid=$!
+  for i in $(seq 1200); do
+    curl -sf "127.0.0.1:$admin/ready" > /dev/null && break
+    kill -0 "$pid" 2>/dev/null || { cat "$OUT/$name.log"; return 1; }
+    sleep 0.1
+  done
+  if [ "$name" = router ]; then # every VM holds the first snapshot
+    until [ "$(curl -s "127.0.0.1:$admin/stats?filter=^wasmcustom.pd_router_fleet_loaded_vms$" \
+      | awk '{print $2}')" -ge 3 ] 2>/dev/null; do sleep 0.2; done
+  fi
+  load "$port" "$WARMUP" > "$OUT/$name.warmup"
+  callgrind_control -i on "$pid" > /dev/null 2>&1
+  load "$port" "$REQUESTS" > "$OUT/$name.load"
+  callgrind_control -d "$pid" > /dev/null 2>&1
+  callgrind_control -i off "$pid" > /dev/null 2>&1
+  kill "$pid"
+  wait "$pid" 2>/dev/null || true
+  grep -q "^status: 200=$REQUESTS\$" "$OUT/$name.load" || { echo "$name: not every request got 200:" >&2; cat "$OUT/$name.load" >&2; return 1; }
+  echo "$name: $REQUESTS requests counted" >&2
+}
+
+for t in $targets; do
+  case $t in
+    probe | floor)
+      wasm=$TARGET/wasm32-wasip1/release/examples/$([ "$t" = probe ] && echo hostcall_probe || echo pd_floor).wasm
+      render_floor "$FLOOR_PORT" "$FLOOR_ADMIN" 127.0.40.1:18000 127.0.40.2:18000 "$wasm" > "$OUT/$t.yaml"
+      run "$t" "$OUT/$t.yaml" "$FLOOR_PORT" "$FLOOR_ADMIN" ;;
+    router) run router .run/envoy.yaml "$PORT" "$ADMIN_PORT" ;;
+    *) echo "unknown target $t (probe, floor, router)" >&2; exit 2 ;;
+  esac
+done
+python3 envoy/callgrind-report.py --dir "$OUT" --requests "$REQUESTS"
