@@ -32,7 +32,7 @@ use crate::core::tokens;
 use crate::host::holds::{self, Hold};
 use crate::host::metrics::Metrics;
 use crate::host::store::SharedData;
-use crate::host::{now_ms, now_ns, now_us, SharedVm, VmState};
+use crate::host::{now_ms, now_ns, now_us, Clock, SharedVm, VmState};
 
 /// Request header asking for a routing explanation (honoured when the plugin enables it).
 const EXPLAIN_HEADER: &str = "x-pd-explain";
@@ -153,7 +153,7 @@ impl PdHttp {
     }
 
     fn reject(&mut self, error: RouteError) -> Action {
-        self.release_all();
+        self.release_all(&mut Clock::default());
         self.obs.outcome.get_or_insert(Outcome::rejected(&error));
         {
             let mut vm = self.vm.borrow_mut();
@@ -185,8 +185,12 @@ impl PdHttp {
     }
 
     /// Runs one release stage of this request's charges (see `holds::release`).
-    fn release_stage(&mut self, stage: fn(&HeldCharges, &mut Ledger, u64) -> HeldCharges) {
-        holds::release(&self.vm, self.id, now_ms(), stage);
+    fn release_stage(
+        &mut self,
+        stage: fn(&HeldCharges, &mut Ledger, u64) -> HeldCharges,
+        clock: &mut Clock,
+    ) {
+        holds::release(&self.vm, self.id, clock.ms(), stage);
     }
 
     /// Records what the request now holds, with its force-release deadline.
@@ -205,20 +209,20 @@ impl PdHttp {
     /// already did. Called when the response starts (and at the end, for requests whose
     /// response never started), so a client that has this request's answer finds its prefix
     /// known to every worker's next selection.
-    fn send_prefix_batch(&mut self) {
+    fn send_prefix_batch(&mut self, clock: &mut Clock) {
         if let Some(batch) = self.prefix_batch.take() {
             let mut vm = self.vm.borrow_mut();
             if vm.prefix_batches_sent == batch {
                 crate::section!(
                     "prefix_batch.send",
-                    crate::host::prefix_sharing::publish(&mut vm, now_ms())
+                    crate::host::prefix_sharing::publish(&mut vm, clock.ms())
                 );
             }
         }
     }
 
-    fn release_all(&mut self) {
-        self.release_stage(HeldCharges::release_rest);
+    fn release_all(&mut self, clock: &mut Clock) {
+        self.release_stage(HeldCharges::release_rest, clock);
     }
 
     /// Routes the request whose whole body is `raw`, kept by a PD request for its decode leg.
@@ -609,9 +613,9 @@ impl PdHttp {
     }
 
     /// Records how the prefill pod answered its leg, for passive ejection.
-    fn prefill_served(&self, status: &str) {
+    fn prefill_served(&self, status: &str, clock: &mut Clock) {
         if let (Some(pod), Some(ok)) = (&self.served.prefill, outcome::prefill_served(status)) {
-            self.vm.borrow_mut().pod_outcome(pod, ok, now_ms());
+            self.vm.borrow_mut().pod_outcome(pod, ok, clock.ms());
         }
     }
 
@@ -649,7 +653,7 @@ impl PdHttp {
 
     /// Counts the request's outcome and, when a pod answered, its durations. Runs once, at
     /// the end of the stream, whatever happened.
-    fn observe_end(&mut self) {
+    fn observe_end(&mut self, clock: &mut Clock) {
         self.prefill_returned();
         let outcome = self.obs.outcome.unwrap_or(match self.obs.response_status {
             Some(_) if self.obs.times.end_us.is_none() => {
@@ -666,11 +670,11 @@ impl PdHttp {
         let mut vm = self.vm.borrow_mut();
         vm.metrics.outcome(model, outcome);
         if let (Some(pod), Some(ok)) = (&self.served.target, outcome.pod_served()) {
-            vm.pod_outcome(pod, ok, now_ms());
+            vm.pod_outcome(pod, ok, clock.ms());
         }
         if matches!(outcome, Outcome::Response { .. }) {
             let mut times = self.obs.times;
-            times.end_us.get_or_insert_with(now_us);
+            times.end_us.get_or_insert_with(|| clock.us());
             let threshold_us = (vm.defaults.env.ttft_threshold_s * 1e6) as u64;
             vm.metrics.durations(&times.durations(), threshold_us);
         }
@@ -740,9 +744,10 @@ impl Context for PdHttp {
             !self.trap_at_prefill_answer,
             "trap requested by PD_ROUTER_DEBUG_TRAP_HEADER"
         );
+        let mut clock = Clock::default();
         crate::section!(
             "prefill_answer.release",
-            self.release_stage(HeldCharges::release_prefill_leg)
+            self.release_stage(HeldCharges::release_prefill_leg, &mut clock)
         );
         crate::section!("prefill_answer.returned", self.prefill_returned());
         let status = crate::section!(
@@ -755,13 +760,16 @@ impl Context for PdHttp {
             self.get_http_call_response_body(0, body_size)
                 .unwrap_or_default()
         );
-        crate::section!("prefill_answer.served", self.prefill_served(&status));
+        crate::section!(
+            "prefill_answer.served",
+            self.prefill_served(&status, &mut clock)
+        );
         let success = self.vm.borrow().metrics.prefill_success;
         match self.finish_prefill(&status, &body) {
             Ok(()) => {
                 Metrics::inc(success);
-                crate::section!("prefill_answer.arm_watchdog", self.arm_watchdog());
-                self.obs.times.prefill_end_us = Some(now_us());
+                crate::section!("prefill_answer.arm_watchdog", self.arm_watchdog(&mut clock));
+                self.obs.times.prefill_end_us = Some(clock.us());
                 self.resume_http_request();
             }
             Err(e) => {
@@ -851,7 +859,8 @@ impl HttpContext for PdHttp {
 
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         crate::section_scope!("response_headers");
-        self.send_prefix_batch();
+        let mut clock = Clock::default();
+        self.send_prefix_batch(&mut clock);
         crate::section!("response_headers.watch", self.watch_headers());
         self.obs.response_status = crate::section!(
             "response_headers.status",
@@ -859,7 +868,7 @@ impl HttpContext for PdHttp {
                 .and_then(|s| s.parse().ok())
         );
         if end_of_stream {
-            self.obs.times.end_us = Some(now_us());
+            self.obs.times.end_us = Some(clock.us());
         }
         if let Some(explain) = &self.obs.explain_header {
             self.set_http_response_header(EXPLAIN_HEADER, Some(explain));
@@ -884,10 +893,11 @@ impl HttpContext for PdHttp {
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         crate::section_scope!("response_body");
-        self.watch_chunk(body_size, end_of_stream);
+        let mut clock = Clock::default();
+        self.watch_chunk(body_size, end_of_stream, &mut clock);
         let t = &mut self.obs.times;
         if body_size > 0 && t.first_token_us.is_none() {
-            t.first_token_us = Some(now_us());
+            t.first_token_us = Some(clock.us());
         }
         if self.obs.scan_usage && body_size > 0 {
             if let Some(n) = self
@@ -898,7 +908,7 @@ impl HttpContext for PdHttp {
             }
         }
         if end_of_stream {
-            self.obs.times.end_us = Some(now_us());
+            self.obs.times.end_us = Some(clock.us());
         }
         Action::Continue
     }
@@ -921,8 +931,9 @@ impl HttpContext for PdHttp {
         if fired {
             self.obs.outcome = Some(Outcome::DecodeWatchdog);
         }
-        self.send_prefix_batch();
-        crate::section!("log.release", self.release_all());
-        crate::section!("log.count", self.observe_end());
+        let mut clock = Clock::default();
+        self.send_prefix_batch(&mut clock);
+        crate::section!("log.release", self.release_all(&mut clock));
+        crate::section!("log.count", self.observe_end(&mut clock));
     }
 }

@@ -20,8 +20,8 @@ use crate::core::request::{Endpoint, RoutingRequest};
 use crate::core::watchdog::{Watchdog, WatchdogSettings};
 use crate::host::legs::{self, AbortCause, AbortOrder, SERVER_INFO_TIMEOUT};
 use crate::host::metrics::Metrics;
-use crate::host::now_ms;
 use crate::host::watchdog::Watched;
+use crate::host::{now_ms, Clock};
 
 /// How the decode body is made from the prefill answer (synchronous engines).
 #[derive(Debug, Clone, Copy)]
@@ -293,13 +293,14 @@ impl PdHttp {
         let Some(leg) = self.legs.async_prefill.take() else {
             return;
         };
-        self.release_stage(HeldCharges::release_prefill_leg);
+        let mut clock = Clock::default();
+        self.release_stage(HeldCharges::release_prefill_leg, &mut clock);
         self.prefill_returned();
-        self.prefill_served(status);
+        self.prefill_served(status, &mut clock);
         let success = self.vm.borrow().metrics.prefill_success;
         if status == "200" {
             Metrics::inc(success);
-            self.arm_watchdog();
+            self.arm_watchdog(&mut clock);
             return;
         }
         let error = RouteError::prefill_answer(status, body, "http_status");
@@ -349,9 +350,9 @@ impl PdHttp {
     }
 
     /// The prefill succeeded: the decode pod owes the answer from now on.
-    pub(super) fn arm_watchdog(&mut self) {
+    pub(super) fn arm_watchdog(&mut self, clock: &mut Clock) {
         if let Some(w) = self.vm.borrow_mut().watched.get_mut(&self.id) {
-            w.watchdog.arm(now_ms());
+            w.watchdog.arm(clock.ms());
         }
     }
 
@@ -362,12 +363,12 @@ impl PdHttp {
         }
     }
 
-    pub(super) fn watch_chunk(&mut self, size: usize, end: bool) {
+    pub(super) fn watch_chunk(&mut self, size: usize, end: bool, clock: &mut Clock) {
         if size == 0 && !end {
             return;
         }
         if let Some(w) = self.vm.borrow_mut().watched.get_mut(&self.id) {
-            w.watchdog.on_chunk(now_ms(), end);
+            w.watchdog.on_chunk(clock.ms(), end);
         }
     }
 
