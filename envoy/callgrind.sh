@@ -6,22 +6,22 @@
 #   envoy/callgrind.sh router     # one target again (the report reads every .out present)
 #
 # Each target is Envoy (two workers) under callgrind with instrumentation off; after WARMUP
-# requests it is switched on for REQUESTS requests (one client, closed loop, 2 KB chat bodies,
-# no stream) on a 1P1D zero-time pd-sim, then dumped. Targets:
+# requests (eight clients) it is switched on for REQUESTS requests (one client, closed loop,
+# 2 KB chat bodies, no stream) on a 1P1D zero-time pd-sim, then dumped. Targets:
 #   probe   filter/examples/hostcall_probe.rs: every host call a distinct number of times per
 #           request (local reply). Envoy's binary is stripped; the report names its host
 #           functions by those counts.
 #   floor   filter/examples/pd_floor.rs, the PD-hop floor.
-#   router  pd-router (release .wasm or PD_WASM), default policies, on envoy/stack.sh with
-#           REFRESH_MS=1000 and pd-control scraping every 5 s, so that timers and snapshot
-#           adoption (which run on wall time, and valgrind slows requests ~40×) stay a small
-#           share; the report lists root-context work apart.
-# Environment: REQUESTS (300), WARMUP (100), BODY_BYTES (2048), OUT (target/callgrind),
-# AIBRIX_* for the filter. Needs valgrind (installed with apt-get when missing).
+#   router  pd-router (release .wasm), default policies, on envoy/stack.sh with REFRESH_MS=1000
+#           and pd-control scraping once (no new snapshot while counting), so that timers and
+#           snapshot adoption, which run on wall time while valgrind slows requests ~40×,
+#           stay a small share.
+# Environment: REQUESTS (300), WARMUP (200), BODY_BYTES (2048), OUT (target/callgrind),
+# PD_WASM (another build of the filter for `router`), AIBRIX_* for the filter. Needs valgrind (installed with apt-get when missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REQUESTS=${REQUESTS:-300}
-WARMUP=${WARMUP:-100}
+WARMUP=${WARMUP:-200}
 BODY_BYTES=${BODY_BYTES:-2048}
 OUT=${OUT:-target/callgrind}
 TARGET=${CARGO_TARGET_DIR:-$PWD/target}
@@ -41,15 +41,15 @@ source envoy/render.sh
 
 envoy/fleets/pd-fleet.sh 1 > "$OUT/fleet.yaml"
 trap 'envoy/stack.sh down >/dev/null 2>&1 || true' EXIT
-REFRESH_MS=1000 CONTROL_REFRESH_MS=5000 SIM_TIMING=zero SIM_ARGS="--side-channel-host pod" \
+REFRESH_MS=1000 CONTROL_REFRESH_MS=600000 SIM_TIMING=zero SIM_ARGS="--side-channel-host pod" \
   envoy/stack.sh up "$OUT/fleet.yaml" 1 "$PORT" native > /dev/null
 # The stack's Envoy makes way for the one under valgrind (same rendered configuration).
 kill "$(cat .run/envoy.pid)" && rm -f .run/envoy.pid
 while curl -sf "127.0.0.1:$ADMIN_PORT/ready" > /dev/null; do sleep 0.1; done
 
-load() { # port requests
+load() { # port requests clients
   "$TARGET/native/pd-load" --url "http://127.0.0.1:$1" --model demo-llm --workload fixed \
-    --body-bytes "$BODY_BYTES" --rps 0 --clients 1 --stream-ratio 0 --requests "$2" \
+    --body-bytes "$BODY_BYTES" --rps 0 --clients "$3" --stream-ratio 0 --requests "$2" \
     --duration 600s || true # the probe's answers are not JSON: counted as errors
 }
 
@@ -69,9 +69,11 @@ run() { # name config port admin
     until [ "$(curl -s "127.0.0.1:$admin/stats?filter=^wasmcustom.pd_router_fleet_loaded_vms$" \
       | awk '{print $2}')" -ge 3 ] 2>/dev/null; do sleep 0.2; done
   fi
-  load "$port" "$WARMUP" > "$OUT/$name.warmup"
+  # Eight connections warm both workers (V8 compiles a VM's code as it first runs, and a
+  # worker catches up with the other's prefix events): the measured client may land on either.
+  load "$port" "$WARMUP" 8 > "$OUT/$name.warmup"
   callgrind_control -i on "$pid" > /dev/null 2>&1
-  load "$port" "$REQUESTS" > "$OUT/$name.load"
+  load "$port" "$REQUESTS" 1 > "$OUT/$name.load"
   callgrind_control -d "$pid" > /dev/null 2>&1
   callgrind_control -i off "$pid" > /dev/null 2>&1
   kill "$pid"
