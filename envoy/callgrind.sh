@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Instructions per PD request in Envoy, counted by valgrind's callgrind: deterministic where
-# wall and CPU time on this box vary by ±15 % from run to run, so a change of 1 % shows.
+# Instructions per PD request in Envoy, counted by valgrind's callgrind: call counts exact and
+# totals within ±1 % from run to run, where wall and CPU time on this box vary by ±15 %.
 #
 #   envoy/callgrind.sh            # probe, floor, router; then the report
 #   envoy/callgrind.sh router     # one target again (the report reads every .out present)
@@ -17,7 +17,8 @@
 #           snapshot adoption, which run on wall time while valgrind slows requests ~40×,
 #           stay a small share.
 # Environment: REQUESTS (300), WARMUP (200), BODY_BYTES (2048), OUT (target/callgrind),
-# PD_WASM (another build of the filter for `router`), AIBRIX_* for the filter. Needs valgrind (installed with apt-get when missing).
+# PD_WASM (another build of the filter for `router`), AIBRIX_* for the filter. Needs valgrind
+# (installed with apt-get when missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REQUESTS=${REQUESTS:-300}
