@@ -193,13 +193,16 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default="target/callgrind")
     ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--suffix", default=".out.1",
+                    help="profile file suffix: .out.1-NN for thread NN of a --separate-threads run")
     args = ap.parse_args()
 
     def load(name):
-        path = os.path.join(args.dir, name + ".out.1")
+        path = os.path.join(args.dir, name + args.suffix)
         return Profile(path, args.requests) if os.path.exists(path) else None
 
-    probe = load("probe")
+    probe_path = os.path.join(args.dir, "probe.out.1")
+    probe = Profile(probe_path, args.requests) if os.path.exists(probe_path) else None
     targets = [(n, p) for n in ("floor", "router") if (p := load(n))]
     if not targets:
         sys.exit(f"no profiles in {args.dir} (envoy/callgrind.sh writes them)")

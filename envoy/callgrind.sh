@@ -17,7 +17,10 @@
 #           snapshot adoption, which run on wall time while valgrind slows requests ~40×,
 #           stay a small share.
 # Environment: REQUESTS (300), WARMUP (200), BODY_BYTES (2048), OUT (target/callgrind),
-# PD_WASM (another build of the filter for `router`), AIBRIX_* for the filter. Needs valgrind
+# PD_WASM (another build of the filter for `router`), CG_ARGS (more valgrind flags: with
+# `--separate-threads=yes` each thread gets its own profile, `<target>.out.1-NN`, which
+# `envoy/callgrind-report.py --suffix .out.1-NN` reads; thread 01 is Envoy's main thread and
+# the largest the worker that served the client), AIBRIX_* for the filter. Needs valgrind
 # (installed with apt-get when missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -57,7 +60,8 @@ load() { # port requests clients
 run() { # name config port admin
   local name=$1 config=$2 port=$3 admin=$4 pid i
   rm -f "$OUT/$name.out"*
-  valgrind --tool=callgrind --instr-atstart=no --smc-check=all-non-file \
+  # shellcheck disable=SC2086 # CG_ARGS is a list of valgrind flags
+  valgrind --tool=callgrind --instr-atstart=no --smc-check=all-non-file ${CG_ARGS:-} \
     --callgrind-out-file="$OUT/$name.out" .venv/envoy -c "$config" --concurrency 2 \
     --disable-hot-restart -l warn > "$OUT/$name.log" 2>&1 &
   pid=$!
@@ -93,4 +97,8 @@ for t in $targets; do
     *) echo "unknown target $t (probe, floor, router)" >&2; exit 2 ;;
   esac
 done
-python3 envoy/callgrind-report.py --dir "$OUT" --requests "$REQUESTS"
+if [ -e "$OUT/floor.out.1" ] || [ -e "$OUT/router.out.1" ]; then
+  python3 envoy/callgrind-report.py --dir "$OUT" --requests "$REQUESTS"
+else # --separate-threads=yes: one profile per thread
+  echo "per-thread profiles in $OUT: envoy/callgrind-report.py --dir $OUT --suffix .out.1-NN"
+fi
