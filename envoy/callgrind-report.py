@@ -218,6 +218,10 @@ def main():
     row("total", [f"{p.per(p.total) / k:.1f}" for _, p in targets])
     for part in ("envoy", "allocator", "wasm", "libc", "other"):
         row(f"  self: {part}", [f"{p.per(p.by_kind()[part]) / k:.1f}" for _, p in targets])
+
+    # callgrind names a function entered again below itself `name'2`: Envoy's VM-entry
+    # function called while a callback runs is the nested entry that asks the module for
+    # memory to copy a host call's result into.
     def entries(p, nested):
         c = i = 0
         for a, (cc, ii) in p.vm_entries().items():
