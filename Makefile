@@ -200,10 +200,11 @@ profile-sections: build-native
 profile-phases: build-native floor-wasm wasm
 	envoy/phases.sh
 
-# Instructions per PD request in Envoy under callgrind (deterministic, unlike the box's CPU
-# time): the PD-hop floor against pd-router, one request in flight, split into Envoy's own
-# work, wasm code, VM entries and each kind of host call (envoy/callgrind.sh; host functions
-# are named by filter/examples/hostcall_probe.rs). ~3 minutes.
+# Instructions per PD request in Envoy under callgrind (within ±1 % from run to run, where
+# the box's CPU time varies ±15 %): the PD-hop floor against pd-router, one request in flight,
+# split into Envoy's own work, wasm code, VM entries and each kind of host call
+# (envoy/callgrind.sh; host functions are named by filter/examples/hostcall_probe.rs).
+# ~2 minutes after the builds.
 .PHONY: profile-instructions
 profile-instructions: build-native
 	envoy/callgrind.sh

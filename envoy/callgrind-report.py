@@ -18,7 +18,7 @@ import os
 import re
 import sys
 
-PROBE_KINDS = [  # bit k: the kind the probe calls 2^k times per request
+PROBE_KINDS = [  # bit k: the kind hostcall_probe.rs calls 2^k times per request (its constants)
     "send_local_response", "get_shared_data", "get_property", "get_header_map_value",
     "get_header_map_pairs", "get_buffer_bytes", "set_buffer_bytes", "set_shared_data",
     "set_property", "replace_header_map_value", "record_metric", "increment_metric",
@@ -138,19 +138,6 @@ class Profile:
                 i += ii
         return c, i
 
-    def below_wrapper(self, depth=4):
-        """Functions under the wrapper (Envoy's host functions and what they call)."""
-        seen, frontier = set(), [self.wrapper]
-        for _ in range(depth):
-            nxt = []
-            for f in frontier:
-                for b in self.callees.get(f, {}):
-                    if kind(b) == "envoy" and b not in seen:
-                        seen.add(b)
-                        nxt.append(b)
-            frontier = nxt
-        return seen
-
 
 def name_host_functions(probe):
     """Address -> kinds for Envoy's host functions, from the probe's profile. Below the
@@ -253,7 +240,6 @@ def main():
                 vals.append(f"{p.per(c):.1f} x {p.per(incl) / k:.1f} ({incl / max(c, 1):.0f})"
                             if c else "-")
             row("  " + " + ".join(kinds), vals)
-    if names:
         over, other = [], []
         for _, p in targets:
             w = p.wrapper

@@ -9,6 +9,7 @@ use proxy_wasm::types::{Action, ContextType, LogLevel, MetricType};
 
 /// Calls per request of each kind: powers of two, so that a host function of Envoy that
 /// serves several kinds is named by the sum of their counts. The local reply is the 1.
+/// `envoy/callgrind-report.py` (`PROBE_KINDS`) lists the kinds in this order.
 pub const GET_SHARED: usize = 2;
 pub const GET_PROPERTY: usize = 4;
 pub const GET_HEADER: usize = 8;
