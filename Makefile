@@ -204,7 +204,8 @@ profile-phases: build-native floor-wasm wasm
 # the box's CPU time varies ±15 %): the PD-hop floor against pd-router, one request in flight,
 # split into Envoy's own work, wasm code, VM entries and each kind of host call
 # (envoy/callgrind.sh; host functions are named by filter/examples/hostcall_probe.rs).
-# ~2 minutes after the builds.
+# ~2 minutes after the builds. Two builds side by side, alternated:
+# `BASE_WASM=<older .wasm> OUT=target/cg-ab envoy/callgrind.sh compare`.
 .PHONY: profile-instructions
 profile-instructions: build-native
 	envoy/callgrind.sh

@@ -188,9 +188,18 @@ def main():
         path = os.path.join(args.dir, name + args.suffix)
         return Profile(path, args.requests) if os.path.exists(path) else None
 
-    probe_path = os.path.join(args.dir, "probe.out.1")
-    probe = Profile(probe_path, args.requests) if os.path.exists(probe_path) else None
-    targets = [(n, p) for n in ("floor", "router") if (p := load(n))]
+    # The probe names host functions by call counts, whatever the body size: a sitting
+    # without its own probe run borrows the default one.
+    probe_path = next((p for p in (os.path.join(args.dir, "probe.out.1"),
+                                   "target/callgrind/probe.out.1") if os.path.exists(p)), None)
+    probe = Profile(probe_path, args.requests) if probe_path else None
+    # envoy/callgrind.sh compare: base-N and router-N, in the order they ran.
+    rounds = sorted(
+        (int(m.group(2)), m.group(1) == "router", m.group(0))
+        for f in os.listdir(args.dir)
+        if (m := re.match(r"(base|router)-(\d+)", f)) and f == m.group(0) + args.suffix)
+    names_run = ["floor", "base", "router"] + [n for _, _, n in rounds]
+    targets = [(n, p) for n in names_run if (p := load(n))]
     if not targets:
         sys.exit(f"no profiles in {args.dir} (envoy/callgrind.sh writes them)")
     names = name_host_functions(probe) if probe else {}

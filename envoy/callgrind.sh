@@ -4,6 +4,7 @@
 #
 #   envoy/callgrind.sh            # probe, floor, router; then the report
 #   envoy/callgrind.sh router     # one target again (the report reads every .out present)
+#   BASE_WASM=old.wasm envoy/callgrind.sh compare   # A/B: base-1 router-1 base-2 router-2
 #
 # Each target is Envoy (two workers) under callgrind with instrumentation off; after WARMUP
 # requests (eight clients) it is switched on for REQUESTS requests (one client, closed loop,
@@ -16,8 +17,13 @@
 #           and pd-control scraping once (no new snapshot while counting), so that timers and
 #           snapshot adoption, which run on wall time while valgrind slows requests ~40×,
 #           stay a small share.
+#   base    the same with the build BASE_WASM names (an older commit's .wasm, say).
+#   compare base and router alternated ROUNDS times (2), as base-N and router-N: within an
+#           afternoon the totals of one build move by more than ±1 % (Envoy's own work, the
+#           other workers' prefix-ring reads), so builds are compared in one alternated
+#           sitting, and the report's "wasm code" line (±0.3 %) is the figure for our code.
 # Environment: REQUESTS (300), WARMUP (200), BODY_BYTES (2048), OUT (target/callgrind),
-# PD_WASM (another build of the filter for `router`), CG_ARGS (more valgrind flags: with
+# PD_WASM (another build of the filter for `router`), BASE_WASM and ROUNDS (above), CG_ARGS (more valgrind flags: with
 # `--separate-threads=yes` each thread gets its own profile, `<target>.out.1-NN`, which
 # `envoy/callgrind-report.py --suffix .out.1-NN` reads; thread 01 is Envoy's main thread and
 # the largest the worker that served the client), AIBRIX_* for the filter. Needs valgrind
@@ -33,6 +39,9 @@ export ADMIN_PORT=9961 CONTROL_PORT=18161 SIM_ADMIN_PORT=18162
 PORT=10761
 FLOOR_PORT=10762 FLOOR_ADMIN=9962
 targets=${*:-probe floor router}
+if [ "$targets" = compare ]; then
+  targets=$(for r in $(seq "${ROUNDS:-2}"); do echo "base-$r router-$r"; done)
+fi
 
 command -v valgrind >/dev/null || (apt-get update -qq && apt-get install -y -qq valgrind)
 mkdir -p "$OUT"
@@ -70,7 +79,7 @@ run() { # name config port admin
     kill -0 "$pid" 2>/dev/null || { cat "$OUT/$name.log"; return 1; }
     sleep 0.1
   done
-  if [ "$name" = router ]; then # every VM holds the first snapshot
+  if [ "$port" = "$PORT" ]; then # pd-router: every VM holds the first snapshot
     until [ "$(curl -s "127.0.0.1:$admin/stats?filter=^wasmcustom.pd_router_fleet_loaded_vms$" \
       | awk '{print $2}')" -ge 3 ] 2>/dev/null; do sleep 0.2; done
   fi
@@ -93,11 +102,16 @@ for t in $targets; do
       wasm=$TARGET/wasm32-wasip1/release/examples/$([ "$t" = probe ] && echo hostcall_probe || echo pd_floor).wasm
       render_floor "$FLOOR_PORT" "$FLOOR_ADMIN" 127.0.40.1:18000 127.0.40.2:18000 "$wasm" > "$OUT/$t.yaml"
       run "$t" "$OUT/$t.yaml" "$FLOOR_PORT" "$FLOOR_ADMIN" ;;
-    router) run router .run/envoy.yaml "$PORT" "$ADMIN_PORT" ;;
-    *) echo "unknown target $t (probe, floor, router)" >&2; exit 2 ;;
+    router | router-*) run "$t" .run/envoy.yaml "$PORT" "$ADMIN_PORT" ;;
+    base | base-*)
+      [ -f "${BASE_WASM:-}" ] || { echo "base: set BASE_WASM to a built .wasm" >&2; exit 2; }
+      sed -E "s#(code: \{local: \{filename: )\"[^\"]*\"#\1\"$(realpath "$BASE_WASM")\"#" \
+        .run/envoy.yaml > "$OUT/base.yaml"
+      run "$t" "$OUT/base.yaml" "$PORT" "$ADMIN_PORT" ;;
+    *) echo "unknown target $t (probe, floor, router, base, compare)" >&2; exit 2 ;;
   esac
 done
-if [ -e "$OUT/floor.out.1" ] || [ -e "$OUT/router.out.1" ]; then
+if compgen -G "$OUT/*.out.1" > /dev/null; then
   python3 envoy/callgrind-report.py --dir "$OUT" --requests "$REQUESTS"
 else # --separate-threads=yes: one profile per thread
   echo "per-thread profiles in $OUT: envoy/callgrind-report.py --dir $OUT --suffix .out.1-NN"
