@@ -27,6 +27,14 @@ fn is_space(b: u8) -> bool {
     matches!(b, b' ' | b'\t' | b'\n' | b'\r')
 }
 
+/// Whether no byte is below 0x20: compact JSON, as clients send it. Pretty-printed bodies
+/// (newlines between members) read their message contents the reference way. Written
+/// without an early exit, so that it compiles to 16-byte SIMD compares.
+fn no_control_bytes(raw: &[u8]) -> bool {
+    raw.chunks(256)
+        .all(|chunk| chunk.iter().fold(0u8, |seen, &b| seen | u8::from(b < 0x20)) == 0)
+}
+
 /// The request, or `None` for the two-pass parse to decide.
 pub(super) fn parse(endpoint: Endpoint, raw: &[u8]) -> Option<RoutingRequest> {
     // The two-pass parse refuses any byte that is not UTF-8 (every byte of a valid body lies
@@ -36,6 +44,7 @@ pub(super) fn parse(endpoint: Endpoint, raw: &[u8]) -> Option<RoutingRequest> {
     let mut de = serde_json::Deserializer::from_str(text);
     let body = BodySeed {
         text,
+        no_control_bytes: no_control_bytes(raw),
         prompt_key: match endpoint {
             Endpoint::ChatCompletions => "messages",
             Endpoint::Completions => "prompt",
@@ -159,6 +168,8 @@ struct BodySeed<'t> {
     text: &'t str,
     prompt_key: &'static str,
     endpoint: Endpoint,
+    /// No byte of `text` is below 0x20 (see `ContentSeed`).
+    no_control_bytes: bool,
 }
 
 impl<'de> DeserializeSeed<'de> for BodySeed<'_> {
@@ -202,6 +213,7 @@ impl<'de> Visitor<'de> for BodySeed<'_> {
             let value = match self.endpoint {
                 Endpoint::ChatCompletions => Prompt::Chat(map.next_value_seed(JoinedSeed {
                     capacity: self.text.len().saturating_sub(start),
+                    source: self.no_control_bytes.then_some(self.text),
                 })?),
                 Endpoint::Completions => Prompt::Completion(map.next_value::<String>()?),
             };
@@ -257,7 +269,7 @@ mod tests {
             r#"{"model":"m","prompt":"tell me","max_completion_tokens":2,"messages":[{"content":"y"}]}"#,
             r#"{"prompt":"a \"quoted\" \u00e9 prompt","model":"m"}"#,
             r#"{"model":"m","prompt":"p"}"#,
-            r#"{"model":"m","messages":[{"content":"esc \"aped\" \n text"},{"content":[{"type":"text","text":"part"}]},{"content":null},{"role":"x"},{"content":12.50}]}"#,
+            r#"{"model":"m","messages":[{"content":"esc \"aped\" \n text"},{"content":[{"type":"text","text":"part"}]},{"content":null},{"role":"x"}]}"#,
             r#"{"model":"m","messages":[{"content":"a","content":"last wins"}],"stream_options":{"include_usage":true},"stream":true}"#,
             r#"{"model":"m","model":"n","messages":[{"content":"dup model"}],"stream":false,"stream":true}"#,
             r#"{"model":"m","messages":[{"content":"x"}],"mod\u0065l":"escaped key after"}"#,
@@ -270,6 +282,89 @@ mod tests {
         }
         // All but the body with an escaped key after `messages`; three have a `prompt`.
         assert_eq!(decided, 14, "bodies the one pass parsed");
+    }
+
+    #[test]
+    fn contents_read_as_bytes_agree_with_the_reference() {
+        let decided = |raw: &str| same(raw.as_bytes())[0].is_some();
+        // Compact bodies read string contents as bytes; the escapes come out the same.
+        assert!(decided(
+            r#"{"model":"m","messages":[{"content":"tab\there \"q\" \u00e9 \ud83d\ude00 \ud55c"}]}"#
+        ));
+        assert!(decided(
+            r#"{"model":"m","messages":[{"content":"한국어 ✓"},{"content":null}]}"#
+        ));
+        // A lone surrogate unescapes to bytes that are not UTF-8: the reference decides.
+        assert!(!decided(
+            r#"{"model":"m","messages":[{"content":"lone \ud800 one"}]}"#
+        ));
+        // Contents that are neither strings, arrays nor null: the reference decides.
+        assert!(!decided(
+            r#"{"model":"m","messages":[{"content":12.50},{"content":true}]}"#
+        ));
+        assert!(!decided(
+            r#"{"model":"m","messages":[{"content":{"a":1}}]}"#
+        ));
+        // A raw control character inside a string is not JSON, whichever way it is read.
+        for bad in ["a\u{1}b", "a\tb", "a\nb"] {
+            let raw = format!(r#"{{"model":"m","messages":[{{"content":"{bad}"}}]}}"#);
+            assert!(!decided(&raw), "{raw:?}");
+            assert!(RoutingRequest::parse(Endpoint::ChatCompletions, raw.as_bytes()).is_err());
+        }
+        // Pretty-printed bodies (a byte below 0x20 between members) read contents as strings.
+        assert!(decided(
+            "{\n \"model\": \"m\",\n \"messages\": [{\"content\": \"x\"}]\n}"
+        ));
+    }
+
+    #[test]
+    fn random_contents_read_as_bytes_agree_with_the_reference() {
+        // Contents built from the pieces where reading bytes and reading strings could part:
+        // every escape, surrogate pairs and lone halves, multi-byte text, raw control bytes,
+        // and values that are not strings.
+        const PIECES: [&str; 16] = [
+            "plain words ",
+            r"\n",
+            r#"\""#,
+            r"\\",
+            r"\/",
+            r"\u00e9",
+            r"\ud83d\ude00",
+            r"\ud800",
+            r"\udc00",
+            "é✓😀",
+            "\u{1}",
+            "\t",
+            r"\u0000",
+            "한",
+            r"\ud55c",
+            "\u{7f}",
+        ];
+        let mut rng = fastrand::Rng::with_seed(29);
+        let mut decided = 0;
+        for _ in 0..3000 {
+            let mut messages = Vec::new();
+            for _ in 0..rng.usize(1..4) {
+                let content = match rng.u8(0..10) {
+                    0 => "null".to_string(),
+                    1 => "1.5".to_string(),
+                    2 => r#"[{"type":"text","text":"part"}]"#.to_string(),
+                    _ => {
+                        let text: String = (0..rng.usize(0..6))
+                            .map(|_| PIECES[rng.usize(..PIECES.len())])
+                            .collect();
+                        format!("\"{text}\"")
+                    }
+                };
+                messages.push(format!(r#"{{"role":"user","content":{content}}}"#));
+            }
+            let raw = format!(
+                r#"{{"model":"m","messages":[{}],"stream":false}}"#,
+                messages.join(",")
+            );
+            decided += usize::from(same(raw.as_bytes())[0].is_some());
+        }
+        assert!(decided > 500, "only {decided} of 3000 decided in one pass");
     }
 
     #[test]
