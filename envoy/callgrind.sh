@@ -22,7 +22,8 @@
 #           afternoon the totals of one build move by more than ±1 % (Envoy's own work, the
 #           other workers' prefix-ring reads), so builds are compared in one alternated
 #           sitting, and the report's "wasm code" line (±0.3 %) is the figure for our code.
-# Environment: REQUESTS (300), WARMUP (200), BODY_BYTES (2048), OUT (target/callgrind),
+# Environment: REQUESTS (300), WARMUP (200), BODY_BYTES (2048), MEASURED_SEED (2: prompts the
+# warm-up did not send; 1: its prompts again), OUT (target/callgrind),
 # PD_WASM (another build of the filter for `router`), BASE_WASM and ROUNDS (above), CG_ARGS (more valgrind flags: with
 # `--separate-threads=yes` each thread gets its own profile, `<target>.out.1-NN`, which
 # `envoy/callgrind-report.py --suffix .out.1-NN` reads; thread 01 is Envoy's main thread and
@@ -33,6 +34,10 @@ cd "$(dirname "$0")/.."
 REQUESTS=${REQUESTS:-300}
 WARMUP=${WARMUP:-200}
 BODY_BYTES=${BODY_BYTES:-2048}
+# Seed of the counted requests' prompts: 2 makes each one new to the prefix index (as in
+# `make bench`, where every prompt is unique); 1 repeats the warm-up's prompts (known prefixes,
+# the index's cheapest path, and the figures of sessions 28-29).
+MEASURED_SEED=${MEASURED_SEED:-2}
 OUT=${OUT:-target/callgrind}
 TARGET=${CARGO_TARGET_DIR:-$PWD/target}
 export ADMIN_PORT=9961 CONTROL_PORT=18161 SIM_ADMIN_PORT=18162
@@ -60,9 +65,10 @@ REFRESH_MS=1000 CONTROL_REFRESH_MS=600000 SIM_TIMING=zero SIM_ARGS="--side-chann
 kill "$(cat .run/envoy.pid)" && rm -f .run/envoy.pid
 while curl -sf "127.0.0.1:$ADMIN_PORT/ready" > /dev/null; do sleep 0.1; done
 
-load() { # port requests clients
+load() { # port requests clients seed
   "$TARGET/native/pd-load" --url "http://127.0.0.1:$1" --model demo-llm --workload fixed \
     --body-bytes "$BODY_BYTES" --rps 0 --clients "$3" --stream-ratio 0 --requests "$2" \
+    --seed "$4" \
     --duration 600s || true # the probe's answers are not JSON: counted as errors
 }
 
@@ -85,9 +91,9 @@ run() { # name config port admin
   fi
   # Eight connections warm both workers (V8 compiles a VM's code as it first runs, and a
   # worker catches up with the other's prefix events): the measured client may land on either.
-  load "$port" "$WARMUP" 8 > "$OUT/$name.warmup"
+  load "$port" "$WARMUP" 8 1 > "$OUT/$name.warmup"
   callgrind_control -i on "$pid" > /dev/null 2>&1
-  load "$port" "$REQUESTS" 1 > "$OUT/$name.load"
+  load "$port" "$REQUESTS" 1 "$MEASURED_SEED" > "$OUT/$name.load"
   callgrind_control -d "$pid" > /dev/null 2>&1
   callgrind_control -i off "$pid" > /dev/null 2>&1
   kill "$pid"
