@@ -230,7 +230,7 @@ bench-v8-node: setup
 BENCH_DIR   ?= target/bench
 PEER_WHEELS := sglang-router==0.3.2 vllm-router==0.1.17
 PEER_DEPS   := setproctitle aiohttp orjson uvicorn fastapi requests
-.PHONY: bench bench-quick bench-setup bench-report floor-wasm
+.PHONY: bench bench-quick bench-policy-targets bench-setup bench-report floor-wasm
 
 # The PD-hop floor filter (filter/examples/pd_floor.rs), the bench's pd-floor-1p1d target.
 floor-wasm: setup
@@ -252,6 +252,16 @@ bench: bench-setup wasm floor-wasm
 bench-quick: bench-setup wasm floor-wasm
 	cargo build --profile native -p pd-control -p pd-sim
 	BENCH_DIR=$(BENCH_DIR) envoy/bench.sh quick all
+
+# The two policy targets of the bench issue, decided run by run: token_load and least_request
+# (each on both sides), prefix_cache and hybrid_cache_load (each with load_balancing), at 90 %
+# of capacity, POLICY_REPS rounds with round r on trace r (≈ 8 min at 5 rounds).
+POLICY_REPS ?= 5
+bench-policy-targets: bench-setup wasm floor-wasm
+	cargo build --profile native -p pd-control -p pd-sim
+	BENCH_DIR=$(BENCH_DIR) POLICY_REPS=$(POLICY_REPS) POLICY_PEERS=0 POLICY_LOADS=90 \
+	  POLICY_PAIRS="least_request:least_request token_load:token_load prefix_cache:load_balancing hybrid_cache_load:load_balancing" \
+	  envoy/bench.sh full policy
 
 # Tables and charts again from the JSON results of an earlier run.
 bench-report:

@@ -12,7 +12,9 @@
 # BODIES ("2048 32768 262144"), OVERHEAD_TARGETS (names from the table in docs/BENCHMARKS.md),
 # PD_WASM (another build of the filter, for A/B runs),
 # POLICY_SECONDS, POLICY_PAIRS ("prefill:decode ..."), POLICY_LOADS ("60 90"), POLICY_PEERS (1:
-# also run sglang-router and vllm-router in the policy phase, 0: pd-router pairs only), VENV (.venv).
+# also run sglang-router and vllm-router in the policy phase, 0: pd-router pairs only),
+# POLICY_REPS (1: rounds of the policy targets, round r on trace r; the report then gives the
+# policy targets run by run), VENV (.venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source envoy/render.sh
@@ -50,6 +52,7 @@ else
 fi
 CLIENTS_MAX=${CLIENTS_MAX:-32}
 POLICY_PEERS=${POLICY_PEERS:-1}
+POLICY_REPS=${POLICY_REPS:-1}
 
 for f in "$BIN/pd-sim" "$BIN/pd-control" "$BIN/pd-load" "$BIN/pd-bench-report" "$WASM" "$FLOOR_WASM" "$ENVOY" \
          "$VENV/bin/sglang-router" "$VENV/bin/vllm-router"; do
@@ -341,8 +344,8 @@ overhead() {
 POLICY_SIM="--kv-capacity-tokens 30000"
 MIXED="--workload mixed --mixed-entries 4000 --stream-ratio 1 --max-tokens 16 --timeout 30s"
 
-policy_run() { # scenario target rps url-kind policy-args...
-  local scenario=$1 target=$2 rps=$3 kind=$4; shift 4
+policy_run() { # scenario target rps rep url-kind policy-args...
+  local scenario=$1 target=$2 rps=$3 rep=$4 kind=$5; shift 5
   # shellcheck disable=SC2086
   start_sim sim-policy "$RUN/pods-policy.yaml" 23091 $POLICY_SIM
   local sim=$SIM_PID router url
@@ -356,7 +359,7 @@ policy_run() { # scenario target rps url-kind policy-args...
   local args=(--rps "$rps" --concurrency-limit 2048 --duration "${POLICY_SECS}s" --sim-admin http://127.0.0.1:23091)
   [ "$rps" = 0 ] && args=(--rps 0 --clients 48 --duration "${POLICY_SECS}s" --sim-admin http://127.0.0.1:23091)
   # shellcheck disable=SC2086
-  load "$scenario" "$target" 1 "$url" "$router" $MIXED "${args[@]}"
+  load "$scenario" "$target" "$rep" "$url" "$router" $MIXED "${args[@]}"
   stop "$router"; stop "$sim"
 }
 
@@ -367,21 +370,25 @@ policy() {
   { fleet_head; rolesets 4 35 vllm pv; combined 2 35 vllm pv 9; } > "$RUN/fleet-policy.yaml"
   start_control control-policy "$RUN/fleet-policy.yaml" 23151
   tokenizer
-  policy_run policy-capacity pd-router 0 pd prefix_cache load_balancing
+  policy_run policy-capacity pd-router 0 1 pd prefix_cache load_balancing
   local cap
   cap=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['summary']['completed_rps'])" \
     "$OUT/policy-capacity/pd-router.1.json")
   log "capacity (closed loop, 48 clients, prefix_cache + load_balancing): $cap rps"
-  local load rps pair
+  local load rps pair rep
   for load in $LOADS; do
     rps=$(python3 -c "print(round($cap * $load / 100, 1))")
-    for pair in $PAIRS; do
-      policy_run "policy-$load" "${pair/:/+}" "$rps" pd "${pair%%:*}" "${pair##*:}"
+    # Repetition r runs every target on trace r (pd-load's seed), targets alternated, so the
+    # report can compare two policies run by run on the same trace.
+    for rep in $(seq 1 "$POLICY_REPS"); do
+      for pair in $PAIRS; do
+        policy_run "policy-$load" "${pair/:/+}" "$rps" "$rep" pd "${pair%%:*}" "${pair##*:}"
+      done
+      if [ "$POLICY_PEERS" = 1 ]; then
+        policy_run "policy-$load" sglang-cache_aware "$rps" "$rep" sglang cache_aware power_of_two
+        policy_run "policy-$load" vllm-router "$rps" "$rep" vllm round_robin
+      fi
     done
-    if [ "$POLICY_PEERS" = 1 ]; then
-      policy_run "policy-$load" sglang-cache_aware "$rps" sglang cache_aware power_of_two
-      policy_run "policy-$load" vllm-router "$rps" vllm round_robin
-    fi
   done
   cleanup; PIDS=()
 }

@@ -28,6 +28,9 @@ pub struct Run {
     pub pods: Vec<(String, f64)>,
     pub e2e_ms: Vec<f64>,
     pub ttft_ms: Vec<f64>,
+    /// The repetition (the `<rep>` of the file name; `envoy/bench.sh` also seeds pd-load's
+    /// trace with it), so that two targets' runs on the same trace can be compared in pairs.
+    pub rep: u32,
 }
 
 fn f(v: &Value, ptr: &str) -> f64 {
@@ -103,6 +106,7 @@ impl Run {
             pods,
             e2e_ms: pick("e2e_ms"),
             ttft_ms: pick("ttft_ms"),
+            rep: 0,
         }
     }
 }
@@ -164,7 +168,10 @@ pub fn load(dir: &Path) -> Result<Results, String> {
             let Some(stem) = fname.strip_suffix(".json") else {
                 continue;
             };
-            let target = stem.rsplit_once('.').map_or(stem, |(t, _)| t).to_string();
+            let (target, rep) = stem
+                .rsplit_once('.')
+                .map_or((stem, 0), |(t, r)| (t, r.parse().unwrap_or(0)));
+            let target = target.to_string();
             let Ok(text) = std::fs::read_to_string(file.path()) else {
                 continue;
             };
@@ -176,7 +183,10 @@ pub fn load(dir: &Path) -> Result<Results, String> {
                 .entry(target)
                 .or_default()
                 .runs
-                .push(Run::from_json(&v));
+                .push(Run {
+                    rep,
+                    ..Run::from_json(&v)
+                });
         }
     }
     Ok(out)
@@ -392,8 +402,9 @@ pub fn policy_tables(results: &Results) -> String {
         if cells.contains_key(both_tl) && cells.contains_key(both_lr) {
             let _ = writeln!(
                 out,
-                "\ntoken_load on both sides ({both_tl}) ÷ least_request on both sides ({both_lr}) TTFT p99: {} (target ≤ 0.7 at 90 %)",
-                num(p99(both_tl) / p99(both_lr), 2)
+                "\ntoken_load on both sides ({both_tl}) ÷ least_request on both sides ({both_lr}) TTFT p99: {} (target ≤ 0.7 at 90 %){}",
+                num(p99(both_tl) / p99(both_lr), 2),
+                paired_ratios(cells, both_tl, both_lr, 0.7)
             );
         }
         for decode in ["least_request", "load_balancing", "token_load"] {
@@ -404,8 +415,9 @@ pub fn policy_tables(results: &Results) -> String {
             if cells.contains_key(&tl) && cells.contains_key(&lr) {
                 let _ = writeln!(
                     out,
-                    "\n{tl} ÷ {lr} TTFT p99: {} (target ≤ 0.7 at 90 %)",
-                    num(p99(&tl) / p99(&lr), 2)
+                    "\n{tl} ÷ {lr} TTFT p99: {} (target ≤ 0.7 at 90 %){}",
+                    num(p99(&tl) / p99(&lr), 2),
+                    paired_ratios(cells, &tl, &lr, 0.7)
                 );
             }
         }
@@ -417,15 +429,82 @@ pub fn policy_tables(results: &Results) -> String {
             if cells.contains_key(&h) && cells.contains_key(&p) {
                 let _ = writeln!(
                     out,
-                    "\n{h} ÷ {p} TTFT p99: {} at hit rate {} vs {} (target ≤ 1 at equal or better hit rate)",
+                    "\n{h} ÷ {p} TTFT p99: {} at hit rate {} vs {} (target ≤ 1 at equal or better hit rate){}",
                     num(p99(&h) / p99(&p), 2),
                     num(hit(&h) * 100.0, 1) + " %",
                     num(hit(&p) * 100.0, 1) + " %",
+                    paired_hybrid(cells, &h, &p),
                 );
             }
         }
     }
     out
+}
+
+/// The runs of `a` and `b` made on the same trace (same repetition), in repetition order.
+fn pairs<'c>(cells: &'c BTreeMap<String, Cell>, a: &str, b: &str) -> Vec<(&'c Run, &'c Run)> {
+    let (Some(a), Some(b)) = (cells.get(a), cells.get(b)) else {
+        return Vec::new();
+    };
+    let mut out: Vec<(&Run, &Run)> = a
+        .runs
+        .iter()
+        .filter_map(|ra| Some((ra, b.runs.iter().find(|rb| rb.rep == ra.rep)?)))
+        .collect();
+    out.sort_by_key(|(ra, _)| ra.rep);
+    out
+}
+
+/// With several repetitions, `a`'s TTFT p99 over `b`'s run by run: one sitting's ratio of
+/// medians hides how often the target holds, and tail latencies of 15 s runs spread widely.
+fn paired_ratios(cells: &BTreeMap<String, Cell>, a: &str, b: &str, target: f64) -> String {
+    let pairs = pairs(cells, a, b);
+    if pairs.len() < 2 {
+        return String::new();
+    }
+    let ratios: Vec<f64> = pairs
+        .iter()
+        .map(|(ra, rb)| ra.ttft_p99 / rb.ttft_p99)
+        .collect();
+    let met = ratios.iter().filter(|r| **r <= target).count();
+    format!(
+        "; run by run on the same trace: {} (median {}, met in {met} of {})",
+        ratios
+            .iter()
+            .map(|r| num(*r, 2))
+            .collect::<Vec<_>>()
+            .join(", "),
+        num(median(ratios.iter().copied()), 2),
+        ratios.len(),
+    )
+}
+
+/// The hybrid target run by run: the TTFT p99 ratio and the hit-rate difference in points,
+/// and how many runs meet both (ratio ≤ 1 at an equal or better hit rate).
+fn paired_hybrid(cells: &BTreeMap<String, Cell>, h: &str, p: &str) -> String {
+    let pairs = pairs(cells, h, p);
+    if pairs.len() < 2 {
+        return String::new();
+    }
+    let rows: Vec<(f64, f64)> = pairs
+        .iter()
+        .map(|(rh, rp)| {
+            let gap = (rh.hit_rate.unwrap_or(f64::NAN) - rp.hit_rate.unwrap_or(f64::NAN)) * 100.0;
+            (rh.ttft_p99 / rp.ttft_p99, gap)
+        })
+        .collect();
+    let met = rows
+        .iter()
+        .filter(|(r, gap)| *r <= 1.0 && *gap >= 0.0)
+        .count();
+    format!(
+        "; run by run on the same trace: p99 ratio {} (median {}), hit-rate difference {} points (median {}); both met in {met} of {}",
+        rows.iter().map(|(r, _)| num(*r, 2)).collect::<Vec<_>>().join(", "),
+        num(median(rows.iter().map(|(r, _)| *r)), 2),
+        rows.iter().map(|(_, g)| signed(*g, 1)).collect::<Vec<_>>().join(", "),
+        signed(median(rows.iter().map(|(_, g)| *g)), 1),
+        rows.len(),
+    )
 }
 
 /// Draws every chart into `dir`; returns the files written and the failures.
@@ -679,6 +758,42 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("| 25.0 % |"), "{text}");
+    }
+
+    #[test]
+    fn repeated_policy_runs_are_compared_on_the_same_trace() {
+        let mut results: Results = BTreeMap::new();
+        let s = results.entry("policy-90".into()).or_default();
+        // (target, rep, TTFT p99, hit rate): rep 3 of token_load has no partner.
+        for (t, rep, p99, hit) in [
+            ("token_load+token_load", 1, 60.0, 0.3),
+            ("token_load+token_load", 2, 90.0, 0.3),
+            ("token_load+token_load", 3, 10.0, 0.3),
+            ("least_request+least_request", 1, 100.0, 0.3),
+            ("least_request+least_request", 2, 100.0, 0.3),
+            ("hybrid_cache_load+load_balancing", 1, 90.0, 0.34),
+            ("hybrid_cache_load+load_balancing", 2, 110.0, 0.36),
+            ("prefix_cache+load_balancing", 2, 100.0, 0.35),
+            ("prefix_cache+load_balancing", 1, 100.0, 0.35),
+        ] {
+            let mut v = report(10.0, 1.0, 50.0);
+            v["summary"]["ttft_ms"]["p99"] = json!(p99);
+            v["prefix"] = json!({"hit_rate": hit, "pods": []});
+            let cell = s.entry(t.into()).or_default();
+            cell.runs.push(Run {
+                rep,
+                ..Run::from_json(&v)
+            });
+        }
+        let text = policy_tables(&results);
+        assert!(
+            text.contains("run by run on the same trace: 0.60, 0.90 (median 0.75, met in 1 of 2)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("p99 ratio 0.90, 1.10 (median 1.00), hit-rate difference -1.0, +1.0 points (median +0.0); both met in 0 of 2"),
+            "{text}"
+        );
     }
 
     #[test]
