@@ -17,6 +17,8 @@ help:
 	@echo "make demo   - set up, start a demo fleet behind Envoy, run a short load, print a summary"
 	@echo "make test   - set up and run every test (unit + end-to-end in real Envoy)"
 	@echo "make up FLEET=path [SIM=1] [PORT=10000] / make down - local stack"
+	@echo "make bench [BENCH_DIR=target/bench] / make bench-quick - overhead against plain Envoy and the Rust peers, policy quality (docs/BENCHMARKS.md)"
+	@echo "make bench-policy-targets [POLICY_REPS=5] - the token_load and hybrid_cache_load targets, run by run on the same traces"
 	@echo "make bench-scrape [BENCH_PODS=1000 BENCH_SECONDS=30 BENCH_INTERVAL=100ms] - pd-control scrape scale benchmark"
 	@echo "make bench-v8 [BENCH_V8_PODS='16 256 1024'] - selection cost inside Envoy's V8 (envoy/bench-v8.sh)"
 	@echo "make bench-v8-node [BENCH_V8_PODS=...] - selection and snapshot adoption as wasm in Node's V8, no Envoy"

@@ -262,7 +262,7 @@ clear_results() { # name patterns...
 # --- 1. overhead ------------------------------------------------------------------------------
 overhead() {
   log "overhead: pods, Envoy (plain, pd-router 1P1D and 4P4D), sglang-router, vllm-router"
-  clear_results 'lat1-*' 'lat16-*' 'stream16-*' 'max-*'
+  clear_results 'lat1-*' 'lat1i-*' 'lat16-*' 'stream16-*' 'max-*'
   # The direct and plain-Envoy baselines go to a standard (combined) pod: a vLLM decode pod
   # refuses a request that carries no kv_transfer_params.
   { fleet_head; rolesets 4 33 vllm v; combined 1 33 vllm v 9; rolesets 4 34 sglang s; } > "$RUN/pods-overhead.yaml"
@@ -309,7 +309,22 @@ overhead() {
       --workload fixed --body-bytes 2048 --stream-ratio 0 > /dev/null 2>&1 || true
   done
   common="--workload fixed --stream-ratio 0 --max-tokens 4 --duration ${SECS}s --timeout 20s"
+  # lat1i-2k: the 1-in-flight latency again, every target in one run, dealt request by
+  # request (pd-load --target, sim/src/interleave.rs): one request at a time, 200 a second in
+  # all, so each target's distribution comes from the same moments of the box (run by run,
+  # the p50 of one target moves by 2x here). No CPU figure: see lat1-2k for that.
+  local dealt=()
+  for t in "${targets[@]}"; do
+    read -r name url cpu <<< "$t"
+    dealt+=(--target "$name=$url")
+  done
   for ((rep = 1; rep <= REPS; rep++)); do
+    mkdir -p "$OUT/lat1i-2k"
+    "$BIN/pd-load" --model "$MODEL" --seed "$rep" "${dealt[@]}" --json-dir "$OUT/lat1i-2k" \
+      --workload fixed --stream-ratio 0 --max-tokens 4 --timeout 20s --body-bytes 2048 \
+      --duration "$((SECS * ${#targets[@]}))s" --rps 200 --arrival fixed --concurrency-limit 1 \
+      > "$RUN/last-load.txt" 2>&1 || true
+    log "lat1i-2k #$rep: $(grep -c '^\[' "$RUN/last-load.txt") targets dealt one run"
     for t in "${targets[@]}"; do
       read -r name url cpu <<< "$t"
       [ "$cpu" = - ] && cpu=

@@ -14,8 +14,8 @@ use crate::engine::TimingModel;
 use crate::load::{self, Arrival, LoadConfig, Workload};
 use crate::pod::SimConfig;
 use crate::sim::{serve_admin, FleetWatcher, Sim};
-use crate::stats;
 use crate::trace::{self, MixedShape, TraceEntry};
+use crate::{interleave, stats};
 
 /// Simulated vLLM engine pods for every loopback pod of a fleet file.
 #[derive(Debug, Parser)]
@@ -217,8 +217,17 @@ async fn shutdown_signal() {
 #[command(name = "pd-load", version)]
 pub struct LoadArgs {
     /// Base URL of the router (or of a pod); must be a loopback address.
-    #[arg(long)]
+    #[arg(long, required_unless_present = "targets", default_value = "")]
     pub url: String,
+    /// Instead of --url: several routers in one run, NAME=URL (repeatable). Arrivals are
+    /// dealt to them request by request, in a new random order every round, so all see the
+    /// same moments of the machine; each gets the same requests (see `interleave`). Needs
+    /// --rps > 0 and --json-dir; no CPU or prefix figures.
+    #[arg(long = "target", value_parser = crate::interleave::Target::parse)]
+    pub targets: Vec<crate::interleave::Target>,
+    /// With --target: write each target's report to DIR/NAME.SEED.json.
+    #[arg(long)]
+    pub json_dir: Option<PathBuf>,
     /// Model name to request.
     #[arg(long)]
     pub model: String,
@@ -316,7 +325,12 @@ pub struct LoadArgs {
 impl LoadArgs {
     pub fn config(&self) -> Result<LoadConfig, String> {
         if !self.allow_non_loopback {
-            crate::client::check_loopback(&self.url)?;
+            if self.targets.is_empty() {
+                crate::client::check_loopback(&self.url)?;
+            }
+            for t in &self.targets {
+                crate::client::check_loopback(&t.url)?;
+            }
             if let Some(p) = &self.direct_prefill {
                 crate::client::check_loopback(p)?;
             }
@@ -464,6 +478,9 @@ pub fn load_main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     }
+    if !args.targets.is_empty() {
+        return interleaved(&args, cfg);
+    }
     let report = match runtime().and_then(|rt| rt.block_on(load::run(cfg))) {
         Ok(r) => r,
         Err(err) => {
@@ -484,6 +501,44 @@ pub fn load_main() -> ExitCode {
         }
     }
     if args.fail_on_error && report.summary.errors > 0 {
+        return ExitCode::FAILURE;
+    }
+    ExitCode::SUCCESS
+}
+
+/// `--target`: one run dealt over several routers, one report file each.
+fn interleaved(args: &LoadArgs, cfg: LoadConfig) -> ExitCode {
+    let Some(dir) = &args.json_dir else {
+        eprintln!("pd-load: --target needs --json-dir");
+        return ExitCode::from(2);
+    };
+    let seed = cfg.seed;
+    let reports = match runtime().and_then(|rt| rt.block_on(interleave::run(cfg, &args.targets))) {
+        Ok(r) => r,
+        Err(err) => {
+            eprintln!("pd-load: {err}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if let Err(e) = std::fs::create_dir_all(dir) {
+        eprintln!("pd-load: cannot create {}: {e}", dir.display());
+        return ExitCode::FAILURE;
+    }
+    let mut failed = false;
+    for (name, report) in &reports {
+        print!("[{name}] {}", stats::render(&report.summary));
+        let path = dir.join(format!("{name}.{seed}.json"));
+        let written = serde_json::to_vec_pretty(report)
+            .map_err(|e| e.to_string())
+            .and_then(|bytes| std::fs::write(&path, bytes).map_err(|e| e.to_string()));
+        if let Err(err) = written {
+            eprintln!("pd-load: cannot write {}: {err}", path.display());
+            return ExitCode::FAILURE;
+        }
+        failed |= report.summary.errors > 0;
+    }
+    let _ = std::io::stdout().flush();
+    if args.fail_on_error && failed {
         return ExitCode::FAILURE;
     }
     ExitCode::SUCCESS

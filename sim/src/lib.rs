@@ -23,6 +23,7 @@ pub mod cli;
 pub mod client;
 pub mod engine;
 pub mod faults;
+pub mod interleave;
 pub mod load;
 pub mod log;
 pub mod metrics;

@@ -435,3 +435,66 @@ async fn load_generator_against_pods() {
         .all(|e| e.kv_pull.as_deref() == Some("ok") && e.leg.as_deref() == Some("decode")));
     sim.shutdown().await;
 }
+
+/// An interleaved run deals the arrivals over its targets, each round in a new order, and
+/// sends every target the same requests: two combined pods as the two "routers".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn interleaved_run_deals_the_same_requests_to_every_target() {
+    let (a_port, b_port) = (free_port(), free_port());
+    let records = pd_control::fleet::parse_records(&fleet_yaml(&[
+        pod_yaml(MODEL, "vllm-a-0", "vllm", "combined", a_port),
+        pod_yaml(MODEL, "vllm-b-0", "vllm", "combined", b_port),
+    ]))
+    .expect("fleet parses");
+    let sim = Sim::new(SimConfig::default());
+    assert_eq!(sim.apply(&records).await.serving, 2);
+    let cfg = pd_sim::load::LoadConfig {
+        model: MODEL.into(),
+        rps: 500.0,
+        arrival: pd_sim::load::Arrival::Fixed,
+        concurrency_limit: 1,
+        requests: Some(20),
+        prompt_tokens: (16, 400),
+        max_tokens: 2,
+        stream_ratio: 0.5,
+        routing_strategy: String::new(),
+        ..pd_sim::load::LoadConfig::default()
+    };
+    let targets = [
+        pd_sim::interleave::Target::parse(&format!("a=http://127.0.0.1:{a_port}")).unwrap(),
+        pd_sim::interleave::Target::parse(&format!("b=http://127.0.0.1:{b_port}")).unwrap(),
+    ];
+    let reports = pd_sim::interleave::run(cfg, &targets).await.expect("run");
+    assert_eq!(
+        reports.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(),
+        ["a", "b"]
+    );
+    let (a, b) = (&reports[0].1, &reports[1].1);
+    for r in [a, b] {
+        assert_eq!(
+            (r.summary.requests, r.summary.ok),
+            (10, 10),
+            "{:?}",
+            r.summary.errors_by
+        );
+        assert!((r.config.rps - 250.0).abs() < 1e-9);
+    }
+    // Round n sent one request, the same to both: same prompt size and stream flag.
+    let shape = |r: &pd_sim::load::RunReport| -> Vec<(u64, u64, bool)> {
+        r.results
+            .iter()
+            .map(|x| (x.seq, x.prompt_tokens, x.stream))
+            .collect()
+    };
+    assert_eq!(shape(a), shape(b));
+    assert!(
+        shape(a).windows(2).any(|w| w[0].1 != w[1].1),
+        "rounds differ"
+    );
+    // Each pod served exactly its target's requests.
+    let log = sim.requests();
+    for pod in ["vllm-a-0", "vllm-b-0"] {
+        assert_eq!(log.iter().filter(|e| e.pod == pod).count(), 10, "{pod}");
+    }
+    sim.shutdown().await;
+}
