@@ -257,7 +257,7 @@ bench-quick: bench-setup wasm floor-wasm
 
 # The two policy targets of the bench issue, decided run by run: token_load and least_request
 # (each on both sides), prefix_cache and hybrid_cache_load (each with load_balancing), at 90 %
-# of capacity, POLICY_REPS rounds with round r on trace r (≈ 8 min at 5 rounds).
+# of capacity, POLICY_REPS rounds with round r on trace r (≈ 10 min at 5 rounds).
 POLICY_REPS ?= 5
 bench-policy-targets: bench-setup wasm floor-wasm
 	cargo build --profile native -p pd-control -p pd-sim

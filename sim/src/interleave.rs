@@ -21,7 +21,7 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
 use crate::client::Sender;
-use crate::load::{Arrival, LoadConfig, RequestResult, RunReport};
+use crate::load::{host_port, Arrival, LoadConfig, RequestResult, RunReport};
 use crate::stats::summarize;
 use crate::workload::plan;
 
@@ -140,11 +140,7 @@ pub async fn run(cfg: LoadConfig, targets: &[Target]) -> Result<Vec<(String, Run
         .enumerate()
         .map(|(i, (t, mut results))| {
             results.sort_by_key(|r| r.seq);
-            let host = reqwest::Url::parse(&t.url)
-                .ok()
-                .and_then(|u| Some(format!("{}:{}", u.host_str()?, u.port_or_known_default()?)))
-                .unwrap_or_else(|| t.url.clone());
-            let summary = summarize(&results, window, elapsed, delayed[i], &host);
+            let summary = summarize(&results, window, elapsed, delayed[i], &host_port(&t.url));
             let mut config = cfg.clone();
             config.url = t.url.clone();
             config.rps = cfg.rps / targets.len() as f64;

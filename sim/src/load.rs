@@ -171,6 +171,14 @@ pub struct RunReport {
     pub results: Vec<RequestResult>,
 }
 
+/// `host:port` of a base URL (the summary's target), or the URL itself when it has none.
+pub(crate) fn host_port(url: &str) -> String {
+    reqwest::Url::parse(url)
+        .ok()
+        .and_then(|u| Some(format!("{}:{}", u.host_str()?, u.port_or_known_default()?)))
+        .unwrap_or_else(|| url.to_string())
+}
+
 /// Runs a load test and returns every result plus the summary.
 pub async fn run(cfg: LoadConfig) -> Result<RunReport, String> {
     let probe = reqwest::Client::builder()
@@ -201,10 +209,7 @@ pub async fn run(cfg: LoadConfig) -> Result<RunReport, String> {
     let elapsed = run_start.elapsed().as_secs_f64();
     let cpu_after = cpu_before.and(probe::cpu_seconds(&cfg.cpu_pids));
     results.sort_by_key(|r| r.seq);
-    let target = reqwest::Url::parse(&cfg.url)
-        .ok()
-        .and_then(|u| Some(format!("{}:{}", u.host_str()?, u.port_or_known_default()?)))
-        .unwrap_or_else(|| cfg.url.clone());
+    let target = host_port(&cfg.url);
     let summary = summarize(
         &results,
         send_window.as_secs_f64().max(1e-9),

@@ -441,6 +441,11 @@ pub fn policy_tables(results: &Results) -> String {
     out
 }
 
+/// `values`, each as `write` spells it, comma-separated.
+fn listed(values: impl Iterator<Item = f64>, write: impl Fn(f64) -> String) -> String {
+    values.map(write).collect::<Vec<_>>().join(", ")
+}
+
 /// The runs of `a` and `b` made on the same trace (same repetition), in repetition order.
 fn pairs<'c>(cells: &'c BTreeMap<String, Cell>, a: &str, b: &str) -> Vec<(&'c Run, &'c Run)> {
     let (Some(a), Some(b)) = (cells.get(a), cells.get(b)) else {
@@ -469,11 +474,7 @@ fn paired_ratios(cells: &BTreeMap<String, Cell>, a: &str, b: &str, target: f64) 
     let met = ratios.iter().filter(|r| **r <= target).count();
     format!(
         "; run by run on the same trace: {} (median {}, met in {met} of {})",
-        ratios
-            .iter()
-            .map(|r| num(*r, 2))
-            .collect::<Vec<_>>()
-            .join(", "),
+        listed(ratios.iter().copied(), |r| num(r, 2)),
         num(median(ratios.iter().copied()), 2),
         ratios.len(),
     )
@@ -499,9 +500,9 @@ fn paired_hybrid(cells: &BTreeMap<String, Cell>, h: &str, p: &str) -> String {
         .count();
     format!(
         "; run by run on the same trace: p99 ratio {} (median {}), hit-rate difference {} points (median {}); both met in {met} of {}",
-        rows.iter().map(|(r, _)| num(*r, 2)).collect::<Vec<_>>().join(", "),
+        listed(rows.iter().map(|(r, _)| *r), |r| num(r, 2)),
         num(median(rows.iter().map(|(r, _)| *r)), 2),
-        rows.iter().map(|(_, g)| signed(*g, 1)).collect::<Vec<_>>().join(", "),
+        listed(rows.iter().map(|(_, g)| *g), |g| signed(g, 1)),
         signed(median(rows.iter().map(|(_, g)| *g)), 1),
         rows.len(),
     )
@@ -734,6 +735,17 @@ mod tests {
         );
     }
 
+    /// A policy run with this TTFT p99, hit rate and repetition.
+    fn policy_run(p99: f64, hit: f64, rep: u32) -> Run {
+        let mut v = report(10.0, 1.0, 50.0);
+        v["summary"]["ttft_ms"]["p99"] = json!(p99);
+        v["prefix"] = json!({"hit_rate": hit, "pods": []});
+        Run {
+            rep,
+            ..Run::from_json(&v)
+        }
+    }
+
     #[test]
     fn policy_tables_state_the_targets() {
         let mut results: Results = BTreeMap::new();
@@ -743,10 +755,10 @@ mod tests {
             ("least_request+least_request", 200.0),
             ("token_load+token_load", 50.0),
         ] {
-            let mut v = report(10.0, 1.0, 50.0);
-            v["summary"]["ttft_ms"]["p99"] = json!(p99);
-            v["prefix"] = json!({"hit_rate": 0.25, "pods": []});
-            s.entry(t.into()).or_default().runs.push(Run::from_json(&v));
+            s.entry(t.into())
+                .or_default()
+                .runs
+                .push(policy_run(p99, 0.25, 0));
         }
         let text = policy_tables(&results);
         assert!(
@@ -776,14 +788,10 @@ mod tests {
             ("prefix_cache+load_balancing", 2, 100.0, 0.35),
             ("prefix_cache+load_balancing", 1, 100.0, 0.35),
         ] {
-            let mut v = report(10.0, 1.0, 50.0);
-            v["summary"]["ttft_ms"]["p99"] = json!(p99);
-            v["prefix"] = json!({"hit_rate": hit, "pods": []});
-            let cell = s.entry(t.into()).or_default();
-            cell.runs.push(Run {
-                rep,
-                ..Run::from_json(&v)
-            });
+            s.entry(t.into())
+                .or_default()
+                .runs
+                .push(policy_run(p99, hit, rep));
         }
         let text = policy_tables(&results);
         assert!(
