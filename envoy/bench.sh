@@ -18,6 +18,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source envoy/render.sh
+hold_measure_lock bench.sh
 MODE=${1:-full}
 PHASES=${2:-all}
 TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
@@ -242,12 +243,18 @@ start_vllm() { # name port net count policy
 }
 
 pids_of() { tree "$1" | sed 's/^/--cpu-pid /' | tr '\n' ' '; }
+# Every live process this script started (pd-load leaves the target's own out): their CPU is
+# the sitting's, so pd-load counts only strangers' as what the rest of the box took.
+side_pids() {
+  local p
+  for p in "${PIDS[@]}"; do if kill -0 "$p" 2>/dev/null; then tree "$p"; fi; done | sed 's/^/--side-pid /' | tr '\n' ' '
+}
 
 load() { # scenario target rep url cpu-pid args...
   local scenario=$1 target=$2 rep=$3 url=$4 cpu=$5; shift 5
   mkdir -p "$OUT/$scenario"
   # shellcheck disable=SC2046
-  "$BIN/pd-load" --url "$url" --model "$MODEL" --seed "$rep" $([ -n "$cpu" ] && pids_of "$cpu") \
+  "$BIN/pd-load" --url "$url" --model "$MODEL" --seed "$rep" $([ -n "$cpu" ] && pids_of "$cpu") $(side_pids) \
     --json "$OUT/$scenario/$target.$rep.json" "$@" > "$RUN/last-load.txt" 2>&1 || true
   log "$scenario $target #$rep: $(grep -E '^pd-load:' "$RUN/last-load.txt" | head -1)"
 }

@@ -56,6 +56,7 @@ cargo build --release --target wasm32-wasip1 -p pd-router-filter
 cargo build --profile native -p pd-control -p pd-sim
 # shellcheck source=envoy/render.sh
 source envoy/render.sh
+hold_measure_lock callgrind.sh
 
 envoy/fleets/pd-fleet.sh 1 > "$OUT/fleet.yaml"
 trap 'envoy/stack.sh down >/dev/null 2>&1 || true' EXIT

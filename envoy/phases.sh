@@ -15,6 +15,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source envoy/render.sh
+hold_measure_lock phases.sh
 export ADMIN_PORT=${ADMIN_PORT:-9981} CONTROL_PORT=${CONTROL_PORT:-18181}
 export SIM_ADMIN_PORT=${SIM_ADMIN_PORT:-18182}
 export SIM_TIMING=zero

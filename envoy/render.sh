@@ -2,6 +2,23 @@
 # phases.sh) run beside pd-router, and how they start one; sourced, not run, from the
 # repository root.
 
+# One measuring script at a time: two sittings at once measure each other (session 31's full
+# sitting ran beside a second one and its peers got a third of the CPU in half their runs).
+# Takes a lock on target/measure.lock held until the calling script exits, or exits 1 naming
+# the script that holds it.
+#   hold_measure_lock SCRIPT_NAME
+hold_measure_lock() {
+  local dir=${CARGO_TARGET_DIR:-target} holder
+  mkdir -p "$dir"
+  exec 9>> "$dir/measure.lock"
+  if ! flock -n 9; then
+    holder=$(cat "$dir/measure.holder" 2>/dev/null || echo "another measuring script")
+    echo "$1: $holder is measuring on this box; run one at a time (or stop it)" >&2
+    exit 1
+  fi
+  echo "$1 (pid $$, since $(date +%T))" > "$dir/measure.holder"
+}
+
 # The PD-hop floor filter (filter/examples/pd_floor.rs) between one prefill and one decode pod:
 #   render_floor LISTEN_PORT ADMIN_PORT PREFILL_HOST:PORT DECODE_HOST:PORT FLOOR_WASM [BOOT_PORT]
 # With BOOT_PORT the filter speaks SGLang (both legs at once, that bootstrap port), else vLLM.

@@ -19,6 +19,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source envoy/render.sh
+hold_measure_lock thread-cpu.sh
 export ADMIN_PORT=${ADMIN_PORT:-9971} CONTROL_PORT=${CONTROL_PORT:-18171}
 export SIM_ADMIN_PORT=${SIM_ADMIN_PORT:-18172}
 export SIM_TIMING=zero

@@ -311,6 +311,11 @@ pub struct LoadArgs {
     /// Report the CPU time these processes used during the run (repeatable).
     #[arg(long = "cpu-pid")]
     pub cpu_pids: Vec<u32>,
+    /// Processes the run needs besides the router, e.g. the engines (repeatable): with
+    /// --cpu-pid, the report counts what the rest of the box used (a busy box makes the run's
+    /// figures suspect) and leaves these out of it.
+    #[arg(long = "side-pid")]
+    pub side_pids: Vec<u32>,
     /// Write the config, summary and every result as JSON to this file.
     #[arg(long, visible_alias = "out")]
     pub json: Option<PathBuf>,
@@ -379,6 +384,7 @@ impl LoadArgs {
             trace_timing: self.trace_timing,
             sim_admin: self.sim_admin.clone(),
             cpu_pids: self.cpu_pids.clone(),
+            side_pids: self.side_pids.clone(),
         })
     }
 

@@ -85,6 +85,9 @@ pub struct LoadConfig {
     pub sim_admin: Option<String>,
     /// Processes whose CPU time (from /proc) the run reports, e.g. the router's.
     pub cpu_pids: Vec<u32>,
+    /// Processes the run needs besides the router (engines, control services): their CPU is
+    /// not the router's, and not a stranger's either (see [`probe::OthersReport`]).
+    pub side_pids: Vec<u32>,
 }
 
 impl Default for LoadConfig {
@@ -114,6 +117,7 @@ impl Default for LoadConfig {
             trace_timing: false,
             sim_admin: None,
             cpu_pids: Vec::new(),
+            side_pids: Vec::new(),
         }
     }
 }
@@ -194,7 +198,7 @@ pub async fn run(cfg: LoadConfig) -> Result<RunReport, String> {
         None
     } else {
         Some(
-            probe::cpu_seconds(&cfg.cpu_pids)
+            probe::read_cpu(&cfg.cpu_pids, &cfg.side_pids)
                 .ok_or_else(|| format!("cannot read /proc/<pid>/stat of {:?}", cfg.cpu_pids))?,
         )
     };
@@ -207,7 +211,7 @@ pub async fn run(cfg: LoadConfig) -> Result<RunReport, String> {
         closed_loop(&cfg, &sender, rng).await
     };
     let elapsed = run_start.elapsed().as_secs_f64();
-    let cpu_after = cpu_before.and(probe::cpu_seconds(&cfg.cpu_pids));
+    let cpu_after = cpu_before.and(probe::read_cpu(&cfg.cpu_pids, &cfg.side_pids));
     results.sort_by_key(|r| r.seq);
     let target = host_port(&cfg.url);
     let summary = summarize(
@@ -225,7 +229,7 @@ pub async fn run(cfg: LoadConfig) -> Result<RunReport, String> {
         _ => None,
     };
     let cpu = match (cpu_before, cpu_after) {
-        (Some(b), Some(a)) => Some(probe::cpu_report(&cfg.cpu_pids, b, a, summary.ok)),
+        (Some(b), Some(a)) => Some(probe::cpu_report(&cfg.cpu_pids, &b, &a, summary.ok)),
         _ => None,
     };
     Ok(RunReport {

@@ -1,7 +1,7 @@
 //! What pd-load reads around a run besides the responses: the simulated pods' prefix-cache
 //! and prompt-token counters (through pd-sim's admin `/sim/pods` and each pod's `/metrics`),
-//! and the CPU time of router processes from `/proc/<pid>/stat`. Both are read before and
-//! after the run; the report carries the differences.
+//! the CPU time of router processes from `/proc/<pid>/stat`, and how busy the whole box was
+//! (`/proc/stat`). All are read before and after the run; the report carries the differences.
 
 use std::collections::BTreeMap;
 
@@ -41,6 +41,102 @@ pub struct CpuReport {
     pub per_1000_requests: f64,
     /// Microseconds per successful request.
     pub us_per_request: f64,
+    /// What the rest of the box did meanwhile; `None` when `/proc/stat` or a side process
+    /// could not be read.
+    pub others: Option<OthersReport>,
+}
+
+/// CPU the run's own processes do not account for. A router's CPU per request is only
+/// comparable with another's when both ran on a quiet box: a second benchmark, a build or a
+/// noisy neighbour on the host takes cores from whichever target runs then, and one such run
+/// moved a whole sitting's ratios by 2x before anything measured it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct OthersReport {
+    /// User and system seconds of every process on the box, less the router's, pd-load's own
+    /// and the side processes' (the engines and control services the run needs).
+    pub seconds: f64,
+    /// Seconds the hypervisor ran something else while this box wanted its cores.
+    pub steal_seconds: f64,
+    /// `seconds + steal_seconds` over the box's capacity during the run (cores × wall time).
+    pub share: f64,
+    /// `steal_seconds` alone over the same capacity.
+    pub steal_share: f64,
+}
+
+/// A reading of the box's CPU counters: busy (user, nice, system, irq and softirq) and steal,
+/// in clock ticks summed over all cores, and the number of cores. Interrupt time counts as
+/// busy because the kernel charges a tick that lands in a softirq to the running process's
+/// system time too (a loopback packet is mostly received that way), and to `softirq` in
+/// `/proc/stat`: leaving it out made the processes add up to more than the box.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BoxTicks {
+    pub busy: u64,
+    pub steal: u64,
+    pub cores: usize,
+}
+
+/// The box's counters from the text of `/proc/stat`.
+pub fn box_ticks(stat: &str) -> Option<BoxTicks> {
+    let mut lines = stat.lines();
+    let total = lines.next()?.strip_prefix("cpu ")?;
+    let v: Vec<u64> = total
+        .split_whitespace()
+        .map(str::parse)
+        .collect::<Result<_, _>>()
+        .ok()?;
+    let at = |i: usize| v.get(i).copied().unwrap_or(0);
+    let cores = lines
+        .take_while(|l| l.starts_with("cpu"))
+        .filter(|l| l.as_bytes().get(3).is_some_and(u8::is_ascii_digit))
+        .count();
+    (v.len() >= 4 && cores > 0).then(|| BoxTicks {
+        busy: at(0) + at(1) + at(2) + at(5) + at(6),
+        steal: at(7),
+        cores,
+    })
+}
+
+fn clock_hz() -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if hz > 0 {
+        hz as f64
+    } else {
+        100.0
+    }
+}
+
+/// One reading, before or after a run, of everything [`cpu_report`] compares.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CpuReading {
+    /// CPU seconds of the router's processes.
+    pub router: f64,
+    /// CPU seconds of pd-load itself and the side processes; `None` if one is gone.
+    pub ours: Option<f64>,
+    pub whole: Option<BoxTicks>,
+    pub at: std::time::Instant,
+}
+
+/// Reads the router's CPU, pd-load's own, the side processes' and the box's counters.
+/// `None` when a router process is gone.
+pub fn read_cpu(router: &[u32], side: &[u32]) -> Option<CpuReading> {
+    let mut sides: Vec<u32> = side
+        .iter()
+        .copied()
+        .filter(|p| !router.contains(p) && *p != std::process::id())
+        .collect();
+    sides.sort_unstable();
+    sides.dedup();
+    sides.push(std::process::id());
+    Some(CpuReading {
+        router: cpu_seconds(router)?,
+        ours: cpu_seconds(&sides),
+        whole: std::fs::read_to_string("/proc/stat")
+            .ok()
+            .as_deref()
+            .and_then(box_ticks),
+        at: std::time::Instant::now(),
+    })
 }
 
 #[derive(Deserialize)]
@@ -161,9 +257,7 @@ pub fn stat_ticks(stat: &str) -> Option<u64> {
 
 /// CPU seconds used so far by `pids` together; `None` if one of them is gone.
 pub fn cpu_seconds(pids: &[u32]) -> Option<f64> {
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    let hz = if hz > 0 { hz as f64 } else { 100.0 };
+    let hz = clock_hz();
     let mut ticks = 0;
     for pid in pids {
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
@@ -173,15 +267,43 @@ pub fn cpu_seconds(pids: &[u32]) -> Option<f64> {
 }
 
 /// The CPU report of a run from the readings before and after it.
-pub fn cpu_report(pids: &[u32], before: f64, after: f64, ok_requests: usize) -> CpuReport {
-    let seconds = (after - before).max(0.0);
+pub fn cpu_report(
+    pids: &[u32],
+    before: &CpuReading,
+    after: &CpuReading,
+    ok_requests: usize,
+) -> CpuReport {
+    let seconds = (after.router - before.router).max(0.0);
     let n = ok_requests.max(1) as f64;
     CpuReport {
         pids: pids.to_vec(),
         seconds,
         per_1000_requests: seconds * 1000.0 / n,
         us_per_request: seconds * 1e6 / n,
+        others: others(before, after, seconds, clock_hz()),
     }
+}
+
+/// What the box did besides the router (`router_seconds`) and the run's own processes.
+fn others(
+    before: &CpuReading,
+    after: &CpuReading,
+    router_seconds: f64,
+    hz: f64,
+) -> Option<OthersReport> {
+    let (b, a) = (before.whole?, after.whole?);
+    let ours = after.ours? - before.ours?;
+    let wall = after.at.saturating_duration_since(before.at).as_secs_f64();
+    let busy = a.busy.saturating_sub(b.busy) as f64 / hz;
+    let steal = a.steal.saturating_sub(b.steal) as f64 / hz;
+    let seconds = (busy - router_seconds - ours).max(0.0);
+    let capacity = wall * a.cores as f64;
+    (capacity > 0.0).then(|| OthersReport {
+        seconds,
+        steal_seconds: steal,
+        share: (seconds + steal) / capacity,
+        steal_share: steal / capacity,
+    })
 }
 
 #[cfg(test)]
@@ -245,10 +367,69 @@ vllm:prompt_tokens_total_extra 5\n";
         assert_eq!(stat_ticks("garbage"), None);
         let own = cpu_seconds(&[std::process::id()]);
         assert!(own.is_some_and(|s| s >= 0.0));
-        let r = cpu_report(&[1], 1.0, 3.0, 4000);
+        let t0 = std::time::Instant::now();
+        let reading = |router, ours, busy, steal, secs| CpuReading {
+            router,
+            ours,
+            whole: Some(BoxTicks {
+                busy,
+                steal,
+                cores: 2,
+            }),
+            at: t0 + std::time::Duration::from_secs(secs),
+        };
+        // 10 s on 2 cores: the router used 2 s, pd-load and the pods 3 s, the box 6.5 s in
+        // all (100 ticks a second) and the host stole 0.5 s: 1.5 + 0.5 of 20 s are others'.
+        let (before, after) = (
+            reading(1.0, Some(1.0), 1_000, 100, 0),
+            reading(3.0, Some(4.0), 1_650, 150, 10),
+        );
+        let r = cpu_report(&[1], &before, &after, 4000);
         assert_eq!(
             (r.seconds, r.per_1000_requests, r.us_per_request),
             (2.0, 0.5, 500.0)
         );
+        let o = others(&before, &after, 2.0, 100.0).expect("readings complete");
+        assert!((o.seconds - 1.5).abs() < 1e-9, "{o:?}");
+        assert!((o.steal_seconds - 0.5).abs() < 1e-9, "{o:?}");
+        assert!((o.share - 0.1).abs() < 1e-9, "{o:?}");
+        assert!((o.steal_share - 0.025).abs() < 1e-9, "{o:?}");
+        // A side process that exited leaves the share unknown rather than wrong.
+        let gone = CpuReading {
+            ours: None,
+            ..after
+        };
+        assert_eq!(others(&before, &gone, 2.0, 100.0), None);
+        // Processes counted on their own never make the rest negative.
+        let quiet = reading(3.0, Some(9.0), 1_650, 100, 10);
+        assert_eq!(
+            others(&before, &quiet, 2.0, 100.0).map(|o| o.share),
+            Some(0.0)
+        );
+    }
+
+    #[test]
+    fn the_box_counters_are_read_from_proc_stat() {
+        let stat = "cpu  2589323 7 418733 9065194 13148 0 33033 27478 0 0\n\
+cpu0 1155356 0 197110 4686844 3090 0 15892 13929 0 0\n\
+cpu1 1433967 7 221623 4378350 10058 0 17141 13549 0 0\n\
+intr 28737647 0 0\nctxt 63406449\n";
+        assert_eq!(
+            box_ticks(stat),
+            Some(BoxTicks {
+                busy: 2_589_323 + 7 + 418_733 + 33_033,
+                steal: 27_478,
+                cores: 2
+            })
+        );
+        // Old kernels without the steal column read as no steal.
+        assert_eq!(
+            box_ticks("cpu  10 0 5 100 3 1 2\ncpu0 10 0 5 100 3 1 2\n").map(|t| (t.busy, t.steal)),
+            Some((18, 0))
+        );
+        assert_eq!(box_ticks("intr 1 2\n"), None);
+        assert_eq!(box_ticks("cpu  x y z w\ncpu0 1 1 1 1\n"), None);
+        let live = read_cpu(&[std::process::id()], &[]).expect("own process is readable");
+        assert!(live.whole.is_some_and(|w| w.cores >= 1));
     }
 }

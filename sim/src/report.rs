@@ -23,6 +23,11 @@ pub struct Run {
     pub errors: u64,
     pub requests: u64,
     pub cpu_us_per_request: Option<f64>,
+    /// Share of the box's CPU that other processes (and the host, by stealing) took during
+    /// the run; runs from before pd-load measured it have none.
+    pub others_share: Option<f64>,
+    /// The host's part of `others_share`.
+    pub steal_share: Option<f64>,
     pub hit_rate: Option<f64>,
     /// Per pod (`role pod`): prompt tokens from pd-sim's counters, else requests by header.
     pub pods: Vec<(String, f64)>,
@@ -102,6 +107,8 @@ impl Run {
                 .and_then(Value::as_u64)
                 .unwrap_or(0),
             cpu_us_per_request: v.pointer("/cpu/us_per_request").and_then(Value::as_f64),
+            others_share: v.pointer("/cpu/others/share").and_then(Value::as_f64),
+            steal_share: v.pointer("/cpu/others/steal_share").and_then(Value::as_f64),
             hit_rate: v.pointer("/prefix/hit_rate").and_then(Value::as_f64),
             pods,
             e2e_ms: pick("e2e_ms"),
@@ -251,6 +258,51 @@ fn best_peer(cells: &BTreeMap<String, Cell>, f: impl Fn(&Cell) -> f64, lowest: b
     }
 }
 
+/// Share of the box's CPU that strangers may take during a run before its figures are called
+/// suspect. On this VM the host steals 0–13 % during a run and the bench's own idle servers
+/// stay near 0; a second benchmark or a build takes a third of the box or more.
+pub const SUSPECT_SHARE: f64 = 0.15;
+
+/// The runs of a scenario during which other processes took more than [`SUSPECT_SHARE`] of
+/// the box, as a paragraph naming each (empty when there are none): their figures, and every
+/// ratio drawn from them, measure the box's contention as much as the target.
+fn suspect_runs(cells: &BTreeMap<String, Cell>) -> String {
+    let mut named = Vec::new();
+    for (t, c) in cells {
+        for r in &c.runs {
+            if let Some(share) = r.others_share.filter(|s| *s > SUSPECT_SHARE) {
+                let steal = r.steal_share.unwrap_or(0.0);
+                named.push(format!(
+                    "{t} #{} ({:.0} %: other processes {:.0} %, the host {:.0} %)",
+                    r.rep,
+                    share * 100.0,
+                    (share - steal).max(0.0) * 100.0,
+                    steal * 100.0
+                ));
+            }
+        }
+    }
+    if named.is_empty() {
+        return String::new();
+    }
+    format!(
+        "\n**Suspect runs**: other processes or the host took more than {:.0} % of the box's \
+         CPU during {}; rerun them on a quiet box before reading these figures.\n",
+        SUSPECT_SHARE * 100.0,
+        named.join(", ")
+    )
+}
+
+/// How many runs of all `results` are suspect (see [`suspect_runs`]).
+pub fn suspect_count(results: &Results) -> usize {
+    results
+        .values()
+        .flat_map(BTreeMap::values)
+        .flat_map(|c| &c.runs)
+        .filter(|r| r.others_share.is_some_and(|s| s > SUSPECT_SHARE))
+        .count()
+}
+
 /// The overhead tables (latency, throughput, CPU) and ratios against the best peer.
 pub fn overhead_tables(results: &Results) -> String {
     let mut out = String::new();
@@ -298,6 +350,7 @@ pub fn overhead_tables(results: &Results) -> String {
                 );
             }
         }
+        out.push_str(&suspect_runs(cells));
         let ours = cells.get("pd-router-1p1d");
         if let Some(ours) = ours {
             let ratio = |a: f64, b: f64| num(a / b, 2);
@@ -394,6 +447,7 @@ pub fn policy_tables(results: &Results) -> String {
                 c.requests(),
             );
         }
+        out.push_str(&suspect_runs(cells));
         let p99 = |t: &str| cells.get(t).map_or(f64::NAN, |c| c.med(|r| r.ttft_p99));
         let hit = |t: &str| cells.get(t).map_or(f64::NAN, |c| c.med_opt(|r| r.hit_rate));
         // The pair the targets are read from: token_load against least_request, each on both
@@ -635,8 +689,12 @@ pub fn report_main() -> std::process::ExitCode {
         }
     };
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let suspect = match suspect_count(&results) {
+        0 => String::new(),
+        n => format!("; **{n} suspect runs**, named under their tables"),
+    };
     let mut text = format!(
-        "### Results ({} scenarios; load average at report time: {})\n",
+        "### Results ({} scenarios; load average at report time: {}{suspect})\n",
         results.len(),
         load.split_whitespace()
             .take(3)
@@ -733,6 +791,43 @@ mod tests {
             text.find("| pd-floor-1p1d-sglang").unwrap()
                 < text.find("| pd-router-1p1d-sglang").unwrap()
         );
+    }
+
+    #[test]
+    fn runs_on_a_busy_box_are_named_as_suspect() {
+        let mut results: Results = BTreeMap::new();
+        let s = results.entry("max-2k".into()).or_default();
+        for (t, rep, share) in [
+            ("sglang-router", 1, Some(0.46)),
+            ("sglang-router", 2, Some(0.02)),
+            ("vllm-router", 1, Some(0.15)),
+            ("pd-router-1p1d", 1, None),
+        ] {
+            let mut v = report(1.0, 50.0, 900.0);
+            if let Some(share) = share {
+                v["cpu"]["others"] = json!({"seconds": 1.0, "steal_seconds": 0.5, "share": share, "steal_share": 0.06});
+            }
+            let run = Run::from_json(&v);
+            assert_eq!(run.others_share, share);
+            s.entry(t.into()).or_default().runs.push(Run { rep, ..run });
+        }
+        let text = overhead_tables(&results);
+        assert!(
+            text.contains("**Suspect runs**: other processes or the host took more than 15 % of the box's CPU during sglang-router #1 (46 %: other processes 40 %, the host 6 %); "),
+            "{text}"
+        );
+        assert!(
+            !text.contains("vllm-router #1"),
+            "at the threshold is not above it: {text}"
+        );
+        assert_eq!(suspect_count(&results), 1);
+        // Below the table, before the ratios drawn from it.
+        assert!(text.find("| vllm-router").unwrap() < text.find("Suspect").unwrap());
+        let quiet: Results = BTreeMap::from([(
+            "policy-90".to_string(),
+            BTreeMap::from([("a+b".to_string(), Cell::default())]),
+        )]);
+        assert!(!policy_tables(&quiet).contains("Suspect"));
     }
 
     /// A policy run with this TTFT p99, hit rate and repetition.
