@@ -13,6 +13,14 @@ pub const IDLE_AFTER_MS: u64 = 2_000;
 /// them ages out at this pace.
 pub const MAX_IDLE_TICK_MS: u64 = 1_000;
 
+/// A new timer period to set, and whether the VM went idle or woke with it (the
+/// `pd_router_idle_vms` gauge counts VMs at the idle period).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Retick {
+    pub period_ms: u64,
+    pub slow_changed: bool,
+}
+
 /// One VM's tick pacing.
 #[derive(Debug, Clone)]
 pub struct TickPace {
@@ -22,6 +30,11 @@ pub struct TickPace {
     /// Work was seen since the last tick.
     woken: bool,
     last_work_ms: u64,
+    /// The longest period that lets this VM read the other workers' prefix rings before they
+    /// lap it (see `core::prefix::follow`), whether it is idle or not.
+    follow_ms: Option<u64>,
+    /// The period last handed out.
+    set_ms: u64,
 }
 
 impl TickPace {
@@ -37,6 +50,8 @@ impl TickPace {
             slow: false,
             woken: false,
             last_work_ms: 0,
+            follow_ms: None,
+            set_ms: fast_ms,
         }
     }
 
@@ -48,35 +63,61 @@ impl TickPace {
         self.slow
     }
 
+    /// The period the state asks for, against the one last handed out.
+    fn retick(&mut self, was_slow: bool) -> Option<Retick> {
+        let base = if self.slow {
+            self.idle_ms
+        } else {
+            self.fast_ms
+        };
+        let period = self.follow_ms.map_or(base, |f| f.min(base));
+        if period == self.set_ms && was_slow == self.slow {
+            return None;
+        }
+        self.set_ms = period;
+        Some(Retick {
+            period_ms: period,
+            slow_changed: was_slow != self.slow,
+        })
+    }
+
     /// Work arrived (a request, a changed ledger, a new snapshot). Returns the period to set
     /// now when the timer was slow; cheap otherwise, so every request may call it.
-    pub fn wake(&mut self) -> Option<u64> {
+    pub fn wake(&mut self) -> Option<Retick> {
         self.woken = true;
         if self.slow {
             self.slow = false;
-            return Some(self.fast_ms);
+            return self.retick(true);
         }
         None
     }
 
     /// One tick; `busy` says whether work is outstanding (requests in flight, queued aborts,
     /// unsent events). Returns the period to set when it changes.
-    pub fn tick(&mut self, now_ms: u64, busy: bool) -> Option<u64> {
+    pub fn tick(&mut self, now_ms: u64, busy: bool) -> Option<Retick> {
+        let was_slow = self.slow;
         // The first tick counts as work: a VM starts at the fast period.
         if busy || std::mem::take(&mut self.woken) || self.last_work_ms == 0 {
             self.last_work_ms = now_ms;
-            if self.slow {
-                self.slow = false;
-                return Some(self.fast_ms);
-            }
-            return None;
+            self.slow = false;
+            return self.retick(was_slow);
         }
         let idle_for = now_ms.saturating_sub(self.last_work_ms);
         if !self.slow && self.idle_ms > self.fast_ms && idle_for >= IDLE_AFTER_MS {
             self.slow = true;
-            return Some(self.idle_ms);
         }
-        None
+        self.retick(was_slow)
+    }
+
+    /// The period reading the other workers' prefix rings needs now (`None`: any will do).
+    /// An idle VM that follows a busy one ticks at that period without counting as busy.
+    pub fn follow(&mut self, need_ms: Option<u64>) -> Option<Retick> {
+        if need_ms == self.follow_ms {
+            return None;
+        }
+        self.follow_ms = need_ms;
+        let slow = self.slow;
+        self.retick(slow)
     }
 }
 
@@ -90,9 +131,9 @@ mod tests {
         let mut now = from;
         let mut period = pace.fast_ms;
         while now <= to {
-            if let Some(p) = pace.tick(now, false) {
-                set.push((now, p));
-                period = p;
+            if let Some(r) = pace.tick(now, false) {
+                set.push((now, r.period_ms));
+                period = r.period_ms;
             }
             now += period;
         }
@@ -107,7 +148,10 @@ mod tests {
         assert!(pace.is_slow());
         assert_eq!(
             pace.wake(),
-            Some(50),
+            Some(Retick {
+                period_ms: 50,
+                slow_changed: true
+            }),
             "the first request sets the fast period"
         );
         assert_eq!(pace.wake(), None, "later requests cost nothing");
@@ -115,7 +159,7 @@ mod tests {
         // The request counts as work: two more seconds before slowing down again.
         assert_eq!(pace.tick(20_000, false), None);
         assert_eq!(pace.tick(21_950, false), None);
-        assert_eq!(pace.tick(22_000, false), Some(1_000));
+        assert_eq!(pace.tick(22_000, false).map(|r| r.period_ms), Some(1_000));
     }
 
     #[test]
@@ -123,7 +167,13 @@ mod tests {
         let mut pace = TickPace::new(50, 10_000);
         idle(&mut pace, 1, 5_000);
         assert!(pace.is_slow());
-        assert_eq!(pace.tick(6_000, true), Some(50));
+        assert_eq!(
+            pace.tick(6_000, true),
+            Some(Retick {
+                period_ms: 50,
+                slow_changed: true
+            })
+        );
         assert_eq!(pace.tick(6_050, true), None);
     }
 
@@ -147,5 +197,45 @@ mod tests {
         );
         let mut tight = TickPace::new(50, 100);
         assert!(idle(&mut tight, 1, 5_000).is_empty());
+    }
+
+    #[test]
+    fn following_a_busy_writer_shortens_the_period_without_waking_the_vm() {
+        let mut pace = TickPace::new(100, 10_000);
+        idle(&mut pace, 1, 5_000);
+        assert!(pace.is_slow());
+        // The others publish fast: an idle VM ticks at what reading needs, still idle.
+        assert_eq!(
+            pace.follow(Some(32)),
+            Some(Retick {
+                period_ms: 32,
+                slow_changed: false
+            })
+        );
+        assert!(pace.is_slow());
+        assert_eq!(pace.follow(Some(32)), None, "the same need sets nothing");
+        assert_eq!(pace.tick(6_000, false), None);
+        // A request wakes it: the fast period is longer than the need, which still rules.
+        assert_eq!(
+            pace.wake(),
+            Some(Retick {
+                period_ms: 32,
+                slow_changed: true
+            })
+        );
+        // A need longer than the period in force changes nothing.
+        assert_eq!(
+            pace.follow(Some(512)),
+            Some(Retick {
+                period_ms: 100,
+                slow_changed: false
+            })
+        );
+        assert_eq!(pace.follow(None), None, "already at the fast period");
+        // Idle again, the writers quiet: back to the idle period.
+        let set = idle(&mut pace, 10_000, 20_000);
+        assert_eq!(set, vec![(10_000 + IDLE_AFTER_MS, 1_000)]);
+        assert_eq!(pace.follow(Some(64)).map(|r| r.period_ms), Some(64));
+        assert_eq!(pace.follow(None).map(|r| r.period_ms), Some(1_000));
     }
 }

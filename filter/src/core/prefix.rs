@@ -12,6 +12,7 @@
 //! workers apply it when they next select with the index (see `log.rs`).
 
 mod event;
+pub mod follow;
 pub mod log;
 mod names;
 #[cfg(test)]

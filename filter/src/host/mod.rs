@@ -73,6 +73,8 @@ pub struct VmState {
     pub prefix_batches_sent: u64,
     /// This VM's prefix-event ring and how far it has read the others' (`host::prefix_sharing`).
     pub prefix_log: crate::core::prefix::log::PrefixLog,
+    /// How fast the other VMs publish, and so how often this one must read their rings.
+    pub prefix_follow: crate::core::prefix::follow::FollowRate,
     /// Charges of this VM's in-flight requests, by HTTP context id.
     pub holds: hashbrown::HashMap<u32, holds::Hold>,
     /// The fleet view of the newest snapshot this VM has decoded.
@@ -111,8 +113,8 @@ impl VmState {
     /// Work arrived: the timer goes back to its fast period if it had slowed down. Any
     /// context may call it (the host sets the period of the VM's root context).
     pub fn wake(&mut self) {
-        if let Some(period) = self.pace.wake() {
-            self.set_pace(period);
+        if let Some(r) = self.pace.wake() {
+            self.set_pace(r);
         }
     }
 
@@ -122,8 +124,8 @@ impl VmState {
     /// would send the first report of a burst on its idle tick, up to a second late. A lone
     /// gateway has nobody to report to and keeps its other VMs asleep.
     pub fn wake_for_request(&mut self) {
-        if let Some(period) = self.pace.wake() {
-            self.set_pace(period);
+        if let Some(r) = self.pace.wake() {
+            self.set_pace(r);
             // The replica count as this process knows it now, not as of this VM's last
             // (idle, up to a second old) tick.
             replicas::adopt_newer(self, now_ms());
@@ -133,12 +135,14 @@ impl VmState {
         }
     }
 
-    /// Applies a period [`crate::core::pace::TickPace`] chose and counts the VM in or out
-    /// of `pd_router_idle_vms`.
-    pub fn set_pace(&self, period_ms: u64) {
-        set_tick_period(period_ms);
-        let delta = if self.pace.is_slow() { 1 } else { -1 };
-        metrics::Metrics::gauge_add(self.metrics.idle_vms, delta);
+    /// Applies a period [`crate::core::pace::TickPace`] chose and, when the VM went idle or
+    /// woke with it, counts the VM in or out of `pd_router_idle_vms`.
+    pub fn set_pace(&self, r: crate::core::pace::Retick) {
+        set_tick_period(r.period_ms);
+        if r.slow_changed {
+            let delta = if self.pace.is_slow() { 1 } else { -1 };
+            metrics::Metrics::gauge_add(self.metrics.idle_vms, delta);
+        }
     }
 
     /// Whether anything outstanding needs the timer: charges to release or journal,

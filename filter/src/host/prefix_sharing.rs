@@ -1,6 +1,7 @@
 //! Host side of `core::prefix::log`: this VM publishes its prefix-event batches to its ring
 //! in shared data and reads the other VMs' rings before it consults its index.
 
+use crate::core::prefix::follow;
 use crate::core::prefix::log as ring;
 use crate::host::metrics::Metrics;
 use crate::host::store::SharedData;
@@ -12,17 +13,25 @@ pub fn publish(vm: &mut VmState, now_ms: u64) {
         return;
     }
     let entry = vm.prefix_outbox.take_entry();
-    // What a reader's index can hold: older prompts would be evicted as they were applied.
-    let p = vm.prefix_settings;
-    let budget = p.capacity.saturating_mul(p.block_size);
-    if let Err(e) = vm.prefix_log.publish(&SharedData, entry, now_ms, budget) {
+    if let Err(e) = vm
+        .prefix_log
+        .publish(&SharedData, entry, now_ms, ring_budget(vm))
+    {
         log::warn!("cannot publish prefix events to the other workers: {e}");
     }
     vm.prefix_batches_sent += 1;
 }
 
-/// Applies what the other VMs published since this one last looked.
-pub fn catch_up(vm: &mut VmState) {
+/// Bytes a ring keeps: what a reader's index can hold, since older prompts would be evicted
+/// as they were applied.
+fn ring_budget(vm: &VmState) -> usize {
+    let p = vm.prefix_settings;
+    p.capacity.saturating_mul(p.block_size)
+}
+
+/// Applies what the other VMs published since this one last looked, and sets the timer to
+/// read again before their rings lap this VM.
+pub fn catch_up(vm: &mut VmState, now_ms: u64) {
     let VmState {
         prefix_log,
         prefix,
@@ -36,8 +45,13 @@ pub fn catch_up(vm: &mut VmState) {
             if done.missed > 0 {
                 Metrics::add(metrics.prefix_batches_missed, done.missed);
             }
-            if let Some(err) = done.malformed {
+            if let Some(err) = &done.malformed {
                 log::warn!("skipped the rest of a malformed prefix event batch: {err}");
+            }
+            let fill = follow::fill(&done, ring_budget(vm));
+            let need = vm.prefix_follow.read(now_ms, fill);
+            if let Some(r) = vm.pace.follow(need) {
+                vm.set_pace(r);
             }
         }
         Err(e) => log::warn!("cannot read the other workers' prefix events: {e}"),

@@ -112,6 +112,7 @@ impl Root {
                 prefix_outbox: Default::default(),
                 prefix_batches_sent: 0,
                 prefix_log: crate::core::prefix::log::PrefixLog::new(seed | 1),
+                prefix_follow: Default::default(),
                 holds: hashbrown::HashMap::new(),
                 fleet: None,
                 rng: fastrand::Rng::with_seed(seed),
@@ -697,11 +698,11 @@ impl RootContext for Root {
             // A request that ended without publishing its batch (none does) cannot hold
             // events back for longer than a tick.
             crate::host::prefix_sharing::publish(&mut vm, now);
-            // A VM that selects with the prefix index keeps up between requests too: a ring
-            // laps it only if a writer publishes more than a ring's worth between two of its
-            // ticks. One that never selects with it (the main thread) never reads.
+            // A VM that selects with the prefix index keeps up between requests too, at a
+            // period short enough that no ring laps it (`core::prefix::follow`). One that
+            // never selects with it (the main thread) never reads.
             if vm.prefix_log.is_following() {
-                crate::host::prefix_sharing::catch_up(&mut vm);
+                crate::host::prefix_sharing::catch_up(&mut vm, now);
             }
         }
         self.follow_ups.tick();
@@ -737,8 +738,8 @@ impl RootContext for Root {
             |address: &str| crate::core::guard::check_target(fleet.as_deref(), address).is_ok();
         vm.engines.send_due_aborts(&cluster, &dst, now, in_fleet);
         let busy = vm.has_outstanding_work();
-        if let Some(period) = vm.pace.tick(now, busy) {
-            vm.set_pace(period);
+        if let Some(r) = vm.pace.tick(now, busy) {
+            vm.set_pace(r);
         }
     }
 

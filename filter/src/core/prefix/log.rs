@@ -111,11 +111,12 @@ pub fn to_read(read: u64, head: u64) -> (std::ops::RangeInclusive<u64>, u64) {
     (from..=head, from - (read + 1).min(from))
 }
 
-/// What a catch-up did: batches applied, batches lost to the ring, and the first event that
-/// did not decode (a peer's bug; the rest of its batch is skipped).
+/// What a catch-up did: batches applied and their size as stored, batches lost to the ring,
+/// and the first event that did not decode (a peer's bug; the rest of its batch is skipped).
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct CatchUp {
     pub batches: u64,
+    pub bytes: u64,
     pub missed: u64,
     pub malformed: Option<EventError>,
 }
@@ -266,6 +267,7 @@ impl PrefixLog {
                 match entry.split_at_checked(ENTRY_HEADER) {
                     Some((n, batch)) if n == seq.to_le_bytes() => {
                         done.batches += 1;
+                        done.bytes += entry.len() as u64;
                         for event in EventBatch::events(batch) {
                             match event {
                                 Ok(e) => apply(e),
