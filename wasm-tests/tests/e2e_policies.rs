@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use pd_wasm_tests::http;
-use pd_wasm_tests::stack::{Fleet, Stack};
+use pd_wasm_tests::stack::{eventually, Fleet, Stack};
 use serde_json::json;
 
 const MODEL: &str = "tok-model";
@@ -252,14 +252,15 @@ fn a_worker_that_starts_routing_late_follows_the_prefixes_learned_before() {
     }
 }
 
-#[test]
-fn an_idle_worker_reads_a_busy_workers_ring_before_it_laps() {
-    // Zero-time pods: one connection publishes a batch per request as fast as Envoy routes.
+/// Two zero-time rolesets on prefix_cache, two workers, both of which have routed (and so
+/// follow each other's prefix rings): fresh connections land on both.
+fn two_following_workers() -> Stack {
     let fleet = Fleet::new(MODEL)
         .pod("p0", "prefill", "g0")
         .pod("d0", "decode", "g0")
         .pod("p1", "prefill", "g1")
         .pod("d1", "decode", "g1");
+    // Zero-time pods: one connection publishes a batch per request as fast as Envoy routes.
     let zero = [
         "--prefill-base-ms",
         "0",
@@ -283,33 +284,67 @@ fn an_idle_worker_reads_a_busy_workers_ring_before_it_laps() {
         &[("AIBRIX_DECODE_SCORE_POLICY", "least_request")],
         &zero,
     );
-    // Fresh connections land on both workers: both select with the index, so both follow.
     for i in 0..16 {
         completion(&stack, &format!("{i:04} warm-up prompt ").repeat(4));
     }
-    // Then one connection: one worker routes every request, the other has nothing to do and
-    // slows its timer to the idle second, in which a 128-batch ring laps it many times over.
+    stack
+}
+
+/// `n` requests with prompts new to the index, numbered from `from`, on one connection: one
+/// worker routes them all and publishes a batch for each.
+fn busy_connection(conn: &mut http::KeepAlive, from: usize, n: usize) {
+    for i in from..from + n {
+        let body =
+            json!({"model": MODEL, "prompt": format!("{i:05} busy connection"), "max_tokens": 1});
+        let r = conn
+            .post_json("/v1/completions", &[("routing-strategy", "pd")], &body)
+            .expect("request");
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+}
+
+#[test]
+fn an_idle_worker_reads_a_busy_workers_ring_before_it_laps() {
+    let stack = two_following_workers();
+    // One connection: one worker routes every request, the other has nothing to do and slows
+    // its timer to the idle second, in which a 128-batch ring laps it many times over.
     let mut conn = http::KeepAlive::connect(&stack.gateway).expect("connect");
-    let mut send = |from: usize| {
-        for i in from..from + 3_000 {
-            let body = json!({"model": MODEL, "prompt": format!("{i:05} busy connection"), "max_tokens": 1});
-            let r = conn
-                .post_json("/v1/completions", &[("routing-strategy", "pd")], &body)
-                .expect("request");
-            assert_eq!(r.status, 200, "{}", r.text());
-        }
-    };
-    // The first half lets the idle worker measure the rate (and, on a slow timer, lose the
-    // first lap); in the second it must read often enough to lose nothing. Before it did, it
-    // missed ≈ 2 000 of every 3 000 batches here; a slack of a tenth covers a worker thread
-    // the scheduler holds up on a box busy with another test.
-    send(0);
+    // The first half lets the idle worker measure the rate; in the second it must read often
+    // enough to lose nothing. Before it did, it missed ≈ 2 000 of every 3 000 batches here; a
+    // slack of a tenth covers a worker thread the scheduler holds up on a box busy with
+    // another test.
+    busy_connection(&mut conn, 0, 3_000);
     let before = stack.stat("pd_router_prefix_batches_missed_total");
-    send(3_000);
+    busy_connection(&mut conn, 3_000, 3_000);
     let missed = stack.stat("pd_router_prefix_batches_missed_total") - before;
     assert!(
         missed < 300,
         "the idle worker missed {missed} of the busy one's 3000 batches"
+    );
+}
+
+#[test]
+fn an_idle_worker_follows_a_burst_from_its_first_batches() {
+    let stack = two_following_workers();
+    // The whole gateway idle: every VM's timer at its idle second.
+    let vms = (stack.concurrency + 1) as u64;
+    eventually(Duration::from_secs(15), || {
+        let idle = stack.stat("pd_router_idle_vms");
+        (idle == vms)
+            .then_some(())
+            .ok_or(format!("{idle} of {vms} VMs idle"))
+    });
+    // A burst on one connection. The worker serving it wakes the others with its first
+    // request, and they read its ring closely until they know the burst's rate. Left on its
+    // idle tick, the other worker would first read up to a second into the burst and lose
+    // all but the ring's last 128 batches of it (≈ 400 on average here, at ≈ 1 000 a second).
+    let before = stack.stat("pd_router_prefix_batches_missed_total");
+    let mut conn = http::KeepAlive::connect(&stack.gateway).expect("connect");
+    busy_connection(&mut conn, 0, 2_000);
+    let missed = stack.stat("pd_router_prefix_batches_missed_total") - before;
+    assert!(
+        missed < 100,
+        "the idle worker missed {missed} of the burst's 2000 batches"
     );
 }
 

@@ -118,11 +118,16 @@ impl VmState {
         }
     }
 
-    /// [`VmState::wake`] for a request. When this VM was idle and other gateway replicas
-    /// read this one's load, it wakes the other VMs too (one message on each peer's queue,
-    /// only on that edge): whichever holds the snapshot lease reports the load, and asleep it
-    /// would send the first report of a burst on its idle tick, up to a second late. A lone
-    /// gateway has nobody to report to and keeps its other VMs asleep.
+    /// [`VmState::wake`] for a request. When this VM was idle it wakes the other VMs too (one
+    /// message on each peer's queue, only on that edge) if they have a reason to keep up with
+    /// it: other gateway replicas read this one's load, and whichever VM holds the snapshot
+    /// lease reports it (asleep, it would send the first report of a burst on its idle tick,
+    /// up to a second late); and a VM that routes by prefix publishes to its ring, which a
+    /// burst from here would lap before an idle follower's next tick (a ring holds 128
+    /// batches; the follower measures the rate only from its second read on, see
+    /// `core::prefix::follow`). For that second reason alone only the followers wake, and only
+    /// their ring reads ([`snapshot::WAKE_FOLLOWERS`]). A lone gateway whose policies use no
+    /// prefix index keeps its other VMs asleep.
     pub fn wake_for_request(&mut self) {
         if let Some(r) = self.pace.wake() {
             self.set_pace(r);
@@ -131,6 +136,8 @@ impl VmState {
             replicas::adopt_newer(self, now_ms());
             if self.other_replicas > 0 {
                 snapshot::broadcast(&self.peers, snapshot::MSG_WAKE, &[]);
+            } else if self.prefix_batches_sent > 0 {
+                snapshot::broadcast(&self.peers, snapshot::MSG_WAKE, &[snapshot::WAKE_FOLLOWERS]);
             }
         }
     }

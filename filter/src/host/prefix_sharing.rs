@@ -58,6 +58,18 @@ pub fn catch_up(vm: &mut VmState, now_ms: u64) {
     }
 }
 
+/// Another VM woke with a request: a VM that follows the rings reads them at the shortest
+/// period until it has measured how fast they fill.
+pub fn expect_burst(vm: &mut VmState, now_ms: u64) {
+    if !vm.prefix_log.is_following() {
+        return;
+    }
+    let need = vm.prefix_follow.expect_burst(now_ms);
+    if let Some(r) = vm.pace.follow(need) {
+        vm.set_pace(r);
+    }
+}
+
 /// A dead VM's ring is no longer read and its memory is returned.
 pub fn forget(writer: u64) {
     if let Err(e) = ring::forget_writer(&SharedData, writer) {

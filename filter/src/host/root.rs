@@ -772,8 +772,15 @@ impl RootContext for Root {
                     }
                 }
                 // Another VM got a request after an idle spell: tick at the fast period (no
-                // message back, so a wake-up never echoes).
-                Some((&snapshot::MSG_WAKE, _)) => self.vm.borrow_mut().wake(),
+                // message back, so a wake-up never echoes), and read its prefix ring closely
+                // until the burst's rate is known.
+                Some((&snapshot::MSG_WAKE, payload)) => {
+                    let mut vm = self.vm.borrow_mut();
+                    if payload != [snapshot::WAKE_FOLLOWERS] {
+                        vm.wake();
+                    }
+                    crate::host::prefix_sharing::expect_burst(&mut vm, now_ms());
+                }
                 Some((&snapshot::MSG_REMOTE, _)) => {
                     crate::host::replicas::refresh(&mut self.vm.borrow_mut(), now_ms())
                 }

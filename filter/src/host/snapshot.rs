@@ -244,14 +244,18 @@ impl NoticeQueue {
 /// Queue message tags: a snapshot notice (then the 8-byte version), a prefix event or a
 /// batch of them (`EventBatch`; sent by VMs of earlier builds, which pushed their events
 /// where this one publishes them, `core::prefix::log`, still applied while an ECDS update
-/// runs both), a wake-up (no payload: an idle VM got a request, see
-/// `VmState::wake_for_request`), or news of the other replicas (no payload: the lease
+/// runs both), a wake-up (an idle VM got a request, see `VmState::wake_for_request`; no
+/// payload, or [`WAKE_FOLLOWERS`]), or news of the other replicas (no payload: the lease
 /// holder stored a changed answer, see `host::replicas::adopt_newer`).
 pub const MSG_SNAPSHOT: u8 = 1;
 pub const MSG_PREFIX: u8 = 2;
 pub const MSG_PREFIX_BATCH: u8 = 3;
 pub const MSG_WAKE: u8 = 4;
 pub const MSG_REMOTE: u8 = 5;
+/// Payload of a [`MSG_WAKE`] sent only so that the VMs following this one's prefix ring read
+/// it closely (`core::prefix::follow`): the others stay asleep. An empty payload (as earlier
+/// builds send) wakes every VM.
+pub const WAKE_FOLLOWERS: u8 = 1;
 
 /// Queue ids of every live VM's notice queue except `exclude` (this VM's own queue name).
 pub fn live_queues(vm_id: &str, now: u64, exclude: Option<&str>) -> Vec<u32> {

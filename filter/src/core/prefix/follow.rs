@@ -16,7 +16,8 @@ use crate::core::pace::MAX_IDLE_TICK_MS;
 /// The share of a ring a read should find at most.
 const FILL_PER_READ: f64 = 0.25;
 /// The shortest period a follower asks for: 64 ticks a second, each one a cheap heads read
-/// when nothing is new, only while another worker fills a ring in a quarter of a second.
+/// when nothing is new, only while another worker fills a ring in a quarter of a second, and
+/// for the first window after another worker woke from idle.
 pub const MIN_FOLLOW_MS: u64 = 16;
 /// The rate is measured over at least this long: reads a millisecond apart (a request right
 /// after a tick) say nothing about it.
@@ -65,6 +66,17 @@ impl FollowRate {
         let ms = elapsed as f64 * FILL_PER_READ / filled;
         self.need_ms = (filled > 0.0 && ms < MAX_IDLE_TICK_MS as f64)
             .then(|| power_of_two_at_most((ms as u64).max(MIN_FOLLOW_MS)));
+        self.need_ms
+    }
+
+    /// Another VM woke from idle with a request: a burst from it may follow. Until a window
+    /// has measured its rate, ask for the shortest period: the first batches of a burst fill
+    /// a ring as fast as any later ones, and on its idle tick this VM would read them a
+    /// second late. Returns the period to ask for.
+    pub fn expect_burst(&mut self, now_ms: u64) -> Option<u64> {
+        self.window_start_ms = now_ms.max(1);
+        self.filled = 0.0;
+        self.need_ms = Some(MIN_FOLLOW_MS);
         self.need_ms
     }
 }
@@ -141,6 +153,22 @@ mod tests {
         assert_eq!(f.read(1_502, 0.0), Some(64));
         assert_eq!(f.read(1_550, batches(20)), Some(64));
         assert_eq!(f.read(1_600, batches(20)), Some(64), "40 batches in 100 ms");
+    }
+
+    #[test]
+    fn a_burst_is_followed_closely_until_its_rate_is_known() {
+        let mut f = FollowRate::default();
+        f.read(1_000, 0.0);
+        assert_eq!(f.read(2_000, 0.0), None, "a quiet gateway");
+        assert_eq!(f.expect_burst(5_000), Some(MIN_FOLLOW_MS));
+        assert_eq!(f.read(5_016, batches(16)), Some(MIN_FOLLOW_MS));
+        // The first window measures it: 40 batches in 100 ms is a read every 80 ms, 64.
+        assert_eq!(f.read(5_100, batches(24)), Some(64));
+        // A wake-up with no burst behind it lets go after one window.
+        assert_eq!(f.expect_burst(9_000), Some(MIN_FOLLOW_MS));
+        assert_eq!(f.read(9_100, 0.0), None);
+        // Even before the first read ever, a burst is followed from its start.
+        assert_eq!(FollowRate::default().expect_burst(7), Some(MIN_FOLLOW_MS));
     }
 
     #[test]
