@@ -327,7 +327,8 @@ overhead() {
   done
   for ((rep = 1; rep <= REPS; rep++)); do
     mkdir -p "$OUT/lat1i-2k"
-    "$BIN/pd-load" --model "$MODEL" --seed "$rep" "${dealt[@]}" --json-dir "$OUT/lat1i-2k" \
+    # shellcheck disable=SC2046
+    "$BIN/pd-load" --model "$MODEL" --seed "$rep" "${dealt[@]}" --json-dir "$OUT/lat1i-2k" $(side_pids) \
       --workload fixed --stream-ratio 0 --max-tokens 4 --timeout 20s --body-bytes 2048 \
       --duration "$((SECS * ${#targets[@]}))s" --rps 200 --arrival fixed --concurrency-limit 1 \
       > "$RUN/last-load.txt" 2>&1 || true

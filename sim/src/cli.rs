@@ -311,9 +311,9 @@ pub struct LoadArgs {
     /// Report the CPU time these processes used during the run (repeatable).
     #[arg(long = "cpu-pid")]
     pub cpu_pids: Vec<u32>,
-    /// Processes the run needs besides the router, e.g. the engines (repeatable): with
-    /// --cpu-pid, the report counts what the rest of the box used (a busy box makes the run's
-    /// figures suspect) and leaves these out of it.
+    /// Processes the run needs besides the router, e.g. the engines (repeatable; with
+    /// --target, every router's too): the report counts what the rest of the box used (a busy
+    /// box makes the run's figures suspect) and leaves these out of it.
     #[arg(long = "side-pid")]
     pub side_pids: Vec<u32>,
     /// Write the config, summary and every result as JSON to this file.

@@ -22,6 +22,7 @@ use tokio::task::JoinSet;
 
 use crate::client::Sender;
 use crate::load::{host_port, Arrival, LoadConfig, RequestResult, RunReport};
+use crate::probe;
 use crate::stats::summarize;
 use crate::workload::plan;
 
@@ -68,7 +69,9 @@ fn round_order(rng: &mut fastrand::Rng, targets: usize) -> Vec<usize> {
 }
 
 /// Runs `cfg`'s open-loop arrivals (`rps` > 0) dealt over `targets`; one report per target,
-/// in the order given. `cfg.url`, `cpu_pids` and `sim_admin` are ignored.
+/// in the order given. `cfg.url`, `cpu_pids` and `sim_admin` are ignored; with `side_pids`
+/// (every process of the sitting, the targets' too) each report carries what the rest of the
+/// box took during the whole run.
 pub async fn run(cfg: LoadConfig, targets: &[Target]) -> Result<Vec<(String, RunReport)>, String> {
     if targets.len() < 2 {
         return Err("an interleaved run needs two --target or more".into());
@@ -84,6 +87,11 @@ pub async fn run(cfg: LoadConfig, targets: &[Target]) -> Result<Vec<(String, Run
             Sender::new(c).map(Arc::new)
         })
         .collect::<Result<Vec<_>, String>>()?;
+    let box_before = if cfg.side_pids.is_empty() {
+        None
+    } else {
+        probe::read_cpu(&[], &cfg.side_pids)
+    };
     let mut plans = fastrand::Rng::with_seed(cfg.seed);
     let mut gaps = fastrand::Rng::with_seed(cfg.seed ^ 0x5eed_0f0a_da7a);
     let slots = Arc::new(Semaphore::new(cfg.concurrency_limit.max(1)));
@@ -134,6 +142,10 @@ pub async fn run(cfg: LoadConfig, targets: &[Target]) -> Result<Vec<(String, Run
         }
     }
     let elapsed = run_start.elapsed().as_secs_f64();
+    let others = box_before.and_then(|b| {
+        let a = probe::read_cpu(&[], &cfg.side_pids)?;
+        probe::others_report(&b, &a)
+    });
     Ok(targets
         .iter()
         .zip(results)
@@ -151,6 +163,7 @@ pub async fn run(cfg: LoadConfig, targets: &[Target]) -> Result<Vec<(String, Run
                 summary,
                 prefix: None,
                 cpu: None,
+                others: others.clone(),
                 results,
             };
             (t.name.clone(), report)

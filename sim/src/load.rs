@@ -15,7 +15,7 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
 use crate::client::Sender;
-use crate::probe::{self, CpuReport, PrefixReport};
+use crate::probe::{self, CpuReport, OthersReport, PrefixReport};
 use crate::stats::{summarize, Summary};
 use crate::trace::TraceEntry;
 use crate::workload::plan;
@@ -172,6 +172,8 @@ pub struct RunReport {
     pub prefix: Option<PrefixReport>,
     /// With `cpu_pids`: their CPU time over the run.
     pub cpu: Option<CpuReport>,
+    /// With `cpu_pids` or `side_pids`: what the rest of the box took meanwhile.
+    pub others: Option<OthersReport>,
     pub results: Vec<RequestResult>,
 }
 
@@ -194,7 +196,7 @@ pub async fn run(cfg: LoadConfig) -> Result<RunReport, String> {
         Some(admin) => Some(probe::read_sim(&probe, admin).await?),
         None => None,
     };
-    let cpu_before = if cfg.cpu_pids.is_empty() {
+    let cpu_before = if cfg.cpu_pids.is_empty() && cfg.side_pids.is_empty() {
         None
     } else {
         Some(
@@ -228,15 +230,20 @@ pub async fn run(cfg: LoadConfig) -> Result<RunReport, String> {
         }
         _ => None,
     };
-    let cpu = match (cpu_before, cpu_after) {
-        (Some(b), Some(a)) => Some(probe::cpu_report(&cfg.cpu_pids, &b, &a, summary.ok)),
-        _ => None,
+    let (cpu, others) = match (cpu_before, cpu_after) {
+        (Some(b), Some(a)) => (
+            (!cfg.cpu_pids.is_empty())
+                .then(|| probe::cpu_report(&cfg.cpu_pids, &b, &a, summary.ok)),
+            probe::others_report(&b, &a),
+        ),
+        _ => (None, None),
     };
     Ok(RunReport {
         config: cfg,
         summary,
         prefix,
         cpu,
+        others,
         results,
     })
 }

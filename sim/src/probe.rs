@@ -41,9 +41,6 @@ pub struct CpuReport {
     pub per_1000_requests: f64,
     /// Microseconds per successful request.
     pub us_per_request: f64,
-    /// What the rest of the box did meanwhile; `None` when `/proc/stat` or a side process
-    /// could not be read.
-    pub others: Option<OthersReport>,
 }
 
 /// CPU the run's own processes do not account for. A router's CPU per request is only
@@ -280,18 +277,19 @@ pub fn cpu_report(
         seconds,
         per_1000_requests: seconds * 1000.0 / n,
         us_per_request: seconds * 1e6 / n,
-        others: others(before, after, seconds, clock_hz()),
     }
 }
 
-/// What the box did besides the router (`router_seconds`) and the run's own processes.
-fn others(
-    before: &CpuReading,
-    after: &CpuReading,
-    router_seconds: f64,
-    hz: f64,
-) -> Option<OthersReport> {
+/// What the rest of the box did during a run, from the readings before and after it;
+/// `None` when `/proc/stat` or a side process could not be read.
+pub fn others_report(before: &CpuReading, after: &CpuReading) -> Option<OthersReport> {
+    others(before, after, clock_hz())
+}
+
+/// What the box did besides the router and the run's own processes.
+fn others(before: &CpuReading, after: &CpuReading, hz: f64) -> Option<OthersReport> {
     let (b, a) = (before.whole?, after.whole?);
+    let router_seconds = (after.router - before.router).max(0.0);
     let ours = after.ours? - before.ours?;
     let wall = after.at.saturating_duration_since(before.at).as_secs_f64();
     let busy = a.busy.saturating_sub(b.busy) as f64 / hz;
@@ -389,7 +387,7 @@ vllm:prompt_tokens_total_extra 5\n";
             (r.seconds, r.per_1000_requests, r.us_per_request),
             (2.0, 0.5, 500.0)
         );
-        let o = others(&before, &after, 2.0, 100.0).expect("readings complete");
+        let o = others(&before, &after, 100.0).expect("readings complete");
         assert!((o.seconds - 1.5).abs() < 1e-9, "{o:?}");
         assert!((o.steal_seconds - 0.5).abs() < 1e-9, "{o:?}");
         assert!((o.share - 0.1).abs() < 1e-9, "{o:?}");
@@ -399,13 +397,10 @@ vllm:prompt_tokens_total_extra 5\n";
             ours: None,
             ..after
         };
-        assert_eq!(others(&before, &gone, 2.0, 100.0), None);
+        assert_eq!(others(&before, &gone, 100.0), None);
         // Processes counted on their own never make the rest negative.
         let quiet = reading(3.0, Some(9.0), 1_650, 100, 10);
-        assert_eq!(
-            others(&before, &quiet, 2.0, 100.0).map(|o| o.share),
-            Some(0.0)
-        );
+        assert_eq!(others(&before, &quiet, 100.0).map(|o| o.share), Some(0.0));
     }
 
     #[test]

@@ -107,8 +107,8 @@ impl Run {
                 .and_then(Value::as_u64)
                 .unwrap_or(0),
             cpu_us_per_request: v.pointer("/cpu/us_per_request").and_then(Value::as_f64),
-            others_share: v.pointer("/cpu/others/share").and_then(Value::as_f64),
-            steal_share: v.pointer("/cpu/others/steal_share").and_then(Value::as_f64),
+            others_share: v.pointer("/others/share").and_then(Value::as_f64),
+            steal_share: v.pointer("/others/steal_share").and_then(Value::as_f64),
             hit_rate: v.pointer("/prefix/hit_rate").and_then(Value::as_f64),
             pods,
             e2e_ms: pick("e2e_ms"),
@@ -805,7 +805,7 @@ mod tests {
         ] {
             let mut v = report(1.0, 50.0, 900.0);
             if let Some(share) = share {
-                v["cpu"]["others"] = json!({"seconds": 1.0, "steal_seconds": 0.5, "share": share, "steal_share": 0.06});
+                v["others"] = json!({"seconds": 1.0, "steal_seconds": 0.5, "share": share, "steal_share": 0.06});
             }
             let run = Run::from_json(&v);
             assert_eq!(run.others_share, share);

@@ -281,16 +281,16 @@ pub fn render_probes(report: &RunReport) -> String {
             "router CPU (pids {:?}): {:.2} s, {:.1} us per request, {:.3} s per 1000 requests",
             c.pids, c.seconds, c.us_per_request, c.per_1000_requests
         );
-        if let Some(o) = &c.others {
-            let _ = writeln!(
-                out,
-                "rest of the box: {:.2} s of other processes, {:.2} s stolen by the host, \
-                 {:.1} % of its CPU",
-                o.seconds,
-                o.steal_seconds,
-                o.share * 100.0
-            );
-        }
+    }
+    if let Some(o) = &report.others {
+        let _ = writeln!(
+            out,
+            "rest of the box: {:.2} s of other processes, {:.2} s stolen by the host, \
+             {:.1} % of its CPU",
+            o.seconds,
+            o.steal_seconds,
+            o.share * 100.0
+        );
     }
     out
 }

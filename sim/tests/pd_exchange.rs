@@ -458,6 +458,8 @@ async fn interleaved_run_deals_the_same_requests_to_every_target() {
         max_tokens: 2,
         stream_ratio: 0.5,
         routing_strategy: String::new(),
+        // The engines run in this process: the side processes are this one.
+        side_pids: vec![std::process::id()],
         ..pd_sim::load::LoadConfig::default()
     };
     let targets = [
@@ -478,7 +480,13 @@ async fn interleaved_run_deals_the_same_requests_to_every_target() {
             r.summary.errors_by
         );
         assert!((r.config.rps - 250.0).abs() < 1e-9);
+        // No CPU figure per target (each idles while the other is served), but the box's
+        // check covers the whole run, the same for both.
+        assert!(r.cpu.is_none());
+        let share = r.others.as_ref().map(|o| o.share);
+        assert!(share.is_some_and(|s| (0.0..=1.0).contains(&s)), "{share:?}");
     }
+    assert_eq!(a.others, b.others);
     // Round n sent one request, the same to both: same prompt size and stream flag.
     let shape = |r: &pd_sim::load::RunReport| -> Vec<(u64, u64, bool)> {
         r.results
