@@ -11,7 +11,8 @@
 #   make build-native floor-wasm build && envoy/phases.sh [PD_LOAD_ARGS...]
 # Environment: PD_WASM (another build of the filter), ENGINE (vllm, or sglang: both legs at
 # once, the SGLang floor), ROUNDS (2), RPS (200), SECONDS_PER_RUN (8), BODY_BYTES (2048),
-# PORT (10761; the floor takes PORT+10), ADMIN_PORT (9981; +10), PROFILE (native).
+# PORT (10761; the floor takes PORT+10), ADMIN_PORT (9981; +10), PROFILE (native), PD_REFRESH_MS
+# (pd-router's timer period, 50).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source envoy/render.sh
