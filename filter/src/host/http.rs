@@ -389,7 +389,7 @@ impl PdHttp {
         let (stream, match_pct, token_bytes) = if settings.prefill_policy.uses_prefix_index() {
             crate::section!(
                 "select.prefix_catch_up",
-                crate::host::prefix_sharing::catch_up(vm, now)
+                crate::host::prefix_sharing::catch_up(vm, now, true)
             );
             crate::section_scope!("select.prefix_lookup");
             let p = vm.prefix_settings;

@@ -29,9 +29,10 @@ fn ring_budget(vm: &VmState) -> usize {
     p.capacity.saturating_mul(p.block_size)
 }
 
-/// Applies what the other VMs published since this one last looked, and sets the timer to
-/// read again before their rings lap this VM.
-pub fn catch_up(vm: &mut VmState, now_ms: u64) {
+/// Applies what the other VMs published since this one last looked (`before_selection`: as
+/// a selection's first step, not on a tick), and sets the timer to read again before their
+/// rings lap this VM.
+pub fn catch_up(vm: &mut VmState, now_ms: u64, before_selection: bool) {
     let VmState {
         prefix_log,
         prefix,
@@ -49,7 +50,7 @@ pub fn catch_up(vm: &mut VmState, now_ms: u64) {
                 log::warn!("skipped the rest of a malformed prefix event batch: {err}");
             }
             let fill = follow::fill(&done, ring_budget(vm));
-            let need = vm.prefix_follow.read(now_ms, fill);
+            let need = vm.prefix_follow.read(now_ms, fill, before_selection);
             if let Some(r) = vm.pace.follow(need) {
                 vm.set_pace(r);
             }

@@ -702,7 +702,7 @@ impl RootContext for Root {
             // period short enough that no ring laps it (`core::prefix::follow`). One that
             // never selects with it (the main thread) never reads.
             if vm.prefix_log.is_following() {
-                crate::host::prefix_sharing::catch_up(&mut vm, now);
+                crate::host::prefix_sharing::catch_up(&mut vm, now, false);
             }
         }
         self.follow_ups.tick();
