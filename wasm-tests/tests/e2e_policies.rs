@@ -303,6 +303,13 @@ fn busy_connection(conn: &mut http::KeepAlive, from: usize, n: usize) {
     }
 }
 
+/// Prefix batches the workers missed while `run` ran.
+fn batches_missed_during(stack: &Stack, run: impl FnOnce()) -> u64 {
+    let before = stack.stat("pd_router_prefix_batches_missed_total");
+    run();
+    stack.stat("pd_router_prefix_batches_missed_total") - before
+}
+
 #[test]
 fn an_idle_worker_reads_a_busy_workers_ring_before_it_laps() {
     let stack = two_following_workers();
@@ -314,9 +321,7 @@ fn an_idle_worker_reads_a_busy_workers_ring_before_it_laps() {
     // slack of a tenth covers a worker thread the scheduler holds up on a box busy with
     // another test.
     busy_connection(&mut conn, 0, 3_000);
-    let before = stack.stat("pd_router_prefix_batches_missed_total");
-    busy_connection(&mut conn, 3_000, 3_000);
-    let missed = stack.stat("pd_router_prefix_batches_missed_total") - before;
+    let missed = batches_missed_during(&stack, || busy_connection(&mut conn, 3_000, 3_000));
     assert!(
         missed < 300,
         "the idle worker missed {missed} of the busy one's 3000 batches"
@@ -338,10 +343,8 @@ fn an_idle_worker_follows_a_burst_from_its_first_batches() {
     // request, and they read its ring closely until they know the burst's rate. Left on its
     // idle tick, the other worker would first read up to a second into the burst and lose
     // all but the ring's last 128 batches of it (≈ 400 on average here, at ≈ 1 000 a second).
-    let before = stack.stat("pd_router_prefix_batches_missed_total");
     let mut conn = http::KeepAlive::connect(&stack.gateway).expect("connect");
-    busy_connection(&mut conn, 0, 2_000);
-    let missed = stack.stat("pd_router_prefix_batches_missed_total") - before;
+    let missed = batches_missed_during(&stack, || busy_connection(&mut conn, 0, 2_000));
     assert!(
         missed < 100,
         "the idle worker missed {missed} of the burst's 2000 batches"
