@@ -284,17 +284,16 @@ pub const SUSPECT_SHARE: f64 = 0.10;
 fn suspect_runs(cells: &BTreeMap<String, Cell>) -> String {
     let mut named = Vec::new();
     for (t, c) in cells {
-        for r in &c.runs {
-            if let Some(share) = r.others_share.filter(|_| r.suspect()) {
-                let steal = r.steal_share.unwrap_or(0.0);
-                named.push(format!(
-                    "{t} #{} ({:.0} %: other processes {:.0} %, the host {:.0} %)",
-                    r.rep,
-                    share * 100.0,
-                    (share - steal).max(0.0) * 100.0,
-                    steal * 100.0
-                ));
-            }
+        for r in c.runs.iter().filter(|r| r.suspect()) {
+            let share = r.others_share.unwrap_or(0.0);
+            let steal = r.steal_share.unwrap_or(0.0);
+            named.push(format!(
+                "{t} #{} ({:.0} %: other processes {:.0} %, the host {:.0} %)",
+                r.rep,
+                share * 100.0,
+                (share - steal).max(0.0) * 100.0,
+                steal * 100.0
+            ));
         }
     }
     if named.is_empty() {

@@ -51,9 +51,7 @@ pub fn catch_up(vm: &mut VmState, now_ms: u64, before_selection: bool) {
             }
             let fill = follow::fill(&done, ring_budget(vm));
             let need = vm.prefix_follow.read(now_ms, fill, before_selection);
-            if let Some(r) = vm.pace.follow(need) {
-                vm.set_pace(r);
-            }
+            ask_timer(vm, need);
         }
         Err(e) => log::warn!("cannot read the other workers' prefix events: {e}"),
     }
@@ -66,7 +64,12 @@ pub fn expect_burst(vm: &mut VmState, now_ms: u64) {
         return;
     }
     let need = vm.prefix_follow.expect_burst(now_ms);
-    if let Some(r) = vm.pace.follow(need) {
+    ask_timer(vm, need);
+}
+
+/// Sets the timer to the period following the rings needs, when that changes it.
+fn ask_timer(vm: &mut VmState, need_ms: Option<u64>) {
+    if let Some(r) = vm.pace.follow(need_ms) {
         vm.set_pace(r);
     }
 }
