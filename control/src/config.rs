@@ -4,7 +4,13 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Parser, ValueEnum};
+use clap::parser::ValueSource;
+use clap::{CommandFactory, FromArgMatches, Parser, ValueEnum};
+
+/// AIBrix's name for the engine scrape period: integer milliseconds, set on the gateway
+/// deployment. pd-control does the scraping here, so it reads the variable an operator
+/// moving from AIBrix already sets.
+pub const REFRESH_INTERVAL_ENV: &str = "AIBRIX_POD_METRIC_REFRESH_INTERVAL_MS";
 
 /// Where the fleet comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -56,7 +62,8 @@ pub struct Config {
     pub listen: SocketAddr,
 
     /// How often every pod is scraped (and the fleet file re-read; the Kubernetes source is
-    /// event-driven).
+    /// event-driven). Without this flag, `AIBRIX_POD_METRIC_REFRESH_INTERVAL_MS` (integer
+    /// milliseconds) applies when set to a positive integer.
     #[arg(long, value_name = "DURATION", default_value = "50ms", value_parser = parse_positive_duration)]
     pub refresh_interval: Duration,
 
@@ -104,6 +111,34 @@ pub enum ConfigError {
 }
 
 impl Config {
+    /// Parses `args` like [`Parser::try_parse_from`], then applies
+    /// [`REFRESH_INTERVAL_ENV`] (read through `env`) unless `--refresh-interval` was given.
+    /// Like AIBrix's loader, a value that is not a positive integer keeps the default; the
+    /// returned warnings say so, for the caller to log once logging is up.
+    pub fn try_parse_with_env<I, T>(
+        args: I,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<(Config, Vec<String>), clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        let matches = Config::command().try_get_matches_from(args)?;
+        let mut config = Config::from_arg_matches(&matches)?;
+        let mut warnings = Vec::new();
+        let from_flag = matches.value_source("refresh_interval") == Some(ValueSource::CommandLine);
+        if let (false, Some(raw)) = (from_flag, env(REFRESH_INTERVAL_ENV)) {
+            match refresh_interval_from_env(&raw) {
+                Ok(interval) => config.refresh_interval = interval,
+                Err(why) => warnings.push(format!(
+                    "{REFRESH_INTERVAL_ENV}={raw:?} ignored ({why}); scraping every {:?}",
+                    config.refresh_interval
+                )),
+            }
+        }
+        Ok((config, warnings))
+    }
+
     /// A config with the CLI defaults, for embedding and tests.
     pub fn new(fleet: impl Into<PathBuf>, listen: SocketAddr) -> Config {
         Config {
@@ -176,6 +211,15 @@ impl Config {
     /// Age beyond which a pod's metrics no longer describe its current load.
     pub fn stale_bound(&self) -> Duration {
         self.refresh_interval.saturating_mul(self.stale_after)
+    }
+}
+
+/// AIBrix's reading of the scrape-period variable: a positive integer of milliseconds.
+pub fn refresh_interval_from_env(raw: &str) -> Result<Duration, String> {
+    match raw.trim().parse::<i64>() {
+        Ok(ms) if ms > 0 => Ok(Duration::from_millis(ms.unsigned_abs())),
+        Ok(_) => Err("not greater than zero".into()),
+        Err(_) => Err("not an integer of milliseconds".into()),
     }
 }
 
@@ -255,6 +299,35 @@ mod tests {
         let mut c = Config::new("f", "127.0.0.1:0".parse().unwrap());
         c.refresh_interval = Duration::ZERO;
         assert!(c.validate().is_err());
+    }
+
+    #[test]
+    fn the_aibrix_scrape_period_variable_applies_unless_the_flag_is_given() {
+        let args = ["pd-control", "--fleet", "f", "--listen", "127.0.0.1:0"];
+        let env = |value: &'static str| {
+            move |name: &str| (name == REFRESH_INTERVAL_ENV).then(|| value.to_string())
+        };
+        let (c, warnings) = Config::try_parse_with_env(args, env("200")).unwrap();
+        assert_eq!(
+            (c.refresh_interval, warnings.len()),
+            (Duration::from_millis(200), 0)
+        );
+        let (c, _) = Config::try_parse_with_env(args, |_| None).unwrap();
+        assert_eq!(c.refresh_interval, Duration::from_millis(50));
+        for bad in ["0", "-5", "fast", "1.5", ""] {
+            let (c, warnings) = Config::try_parse_with_env(args, env(bad)).unwrap();
+            assert_eq!(c.refresh_interval, Duration::from_millis(50), "{bad:?}");
+            assert_eq!(warnings.len(), 1, "{bad:?}");
+            assert!(
+                warnings[0].contains(REFRESH_INTERVAL_ENV),
+                "{}",
+                warnings[0]
+            );
+        }
+        let flagged = [&args[..], &["--refresh-interval", "1s"]].concat();
+        let (c, warnings) = Config::try_parse_with_env(flagged, env("200")).unwrap();
+        assert_eq!(c.refresh_interval, Duration::from_secs(1), "the flag wins");
+        assert!(warnings.is_empty());
     }
 
     #[test]

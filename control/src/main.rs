@@ -3,7 +3,6 @@
 use std::io::IsTerminal;
 use std::process::ExitCode;
 
-use clap::Parser;
 use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
@@ -15,7 +14,16 @@ async fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
-    let config = pd_control::Config::parse();
+    let (config, warnings) =
+        match pd_control::Config::try_parse_with_env(std::env::args_os(), |name| {
+            std::env::var(name).ok()
+        }) {
+            Ok(parsed) => parsed,
+            Err(error) => error.exit(),
+        };
+    for warning in warnings {
+        tracing::warn!("{warning}");
+    }
     match pd_control::run(config).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
