@@ -89,6 +89,7 @@ const FAMILIES: &[&str] = &[
     "pd_router_requests_total",
     "pd_router_routed_total",
     "pd_router_rejected_total",
+    "pd_router_upstream_errors_rewritten_total",
     "pd_router_fleet_version",
     "pd_router_fleet_loaded_vms",
     "pd_router_idle_vms",

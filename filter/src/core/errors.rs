@@ -167,13 +167,7 @@ impl RouteError {
     /// OpenAI error body: `{"error":{"message","type","code","param"}}`.
     pub fn body(&self) -> Vec<u8> {
         let status = self.status();
-        let kind = match status {
-            400 | 404 => "invalid_request_error",
-            401 => "authentication_error",
-            429 => "rate_limit_error",
-            503 => "overloaded_error",
-            _ => "api_error",
-        };
+        let kind = error_type(status);
         let code = match self {
             RouteError::UnknownModel(_) => Some("model_not_found"),
             _ if status == 503 => Some("service_unavailable"),
@@ -191,6 +185,17 @@ impl RouteError {
         json!({"error": {"message": message, "type": kind, "code": code, "param": param}})
             .to_string()
             .into_bytes()
+    }
+}
+
+/// The OpenAI `error.type` AIBrix gives an error answer of `status`, its own or a pod's.
+pub fn error_type(status: u32) -> &'static str {
+    match status {
+        400 | 404 => "invalid_request_error",
+        401 => "authentication_error",
+        429 => "rate_limit_error",
+        503 => "overloaded_error",
+        _ => "api_error",
     }
 }
 

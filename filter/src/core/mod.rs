@@ -27,4 +27,5 @@ pub mod route;
 pub mod score;
 pub mod tokenize;
 pub mod tokens;
+pub mod upstream_error;
 pub mod watchdog;

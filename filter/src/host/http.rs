@@ -29,6 +29,7 @@ use crate::core::request::{self, Endpoint, RoutingRequest};
 use crate::core::route::{self, Decision};
 use crate::core::tokenize;
 use crate::core::tokens;
+use crate::core::upstream_error::{self, Rewrite, RESPONSE_UNKNOWN_HEADER};
 use crate::host::holds::{self, Hold};
 use crate::host::metrics::Metrics;
 use crate::host::store::SharedData;
@@ -125,6 +126,10 @@ pub struct PdHttp {
     /// Engine legs beyond the synchronous prefill (see `pair`).
     legs: pair::Legs,
     obs: Observed,
+    /// The filter answered this request itself: its own error bodies are never rewritten.
+    local_reply: bool,
+    /// The pod answered an error whose body is being buffered to be rewritten.
+    error_rewrite: Option<Rewrite>,
 }
 
 impl PdHttp {
@@ -149,10 +154,13 @@ impl PdHttp {
             served: Served::default(),
             legs: pair::Legs::default(),
             obs: Observed::default(),
+            local_reply: false,
+            error_rewrite: None,
         }
     }
 
     fn reject(&mut self, error: RouteError) -> Action {
+        self.local_reply = true;
         self.release_all(&mut Clock::default());
         self.obs.outcome.get_or_insert(Outcome::rejected(&error));
         {
@@ -182,6 +190,41 @@ impl PdHttp {
             log::error!("context {}: cannot send local reply: {e:?}", self.id);
         }
         Action::Pause
+    }
+
+    /// Whether the answer now in is a pod's error to rewrite (`core::upstream_error`). Not
+    /// the filter's own local replies (refusals, the watchdog's 504), which are already in the
+    /// contract's shape, and not an answer without a body (nothing to put one in).
+    fn error_rewrite_for(&self, end_of_stream: bool) -> Option<Rewrite> {
+        if end_of_stream || self.local_reply || self.vm.borrow().watchdog_fired.contains(&self.id) {
+            return None;
+        }
+        Rewrite::for_status(self.obs.response_status?)
+    }
+
+    /// Puts the rewritten error in place of the pod's buffered body (`body_size` bytes) and
+    /// releases the held headers. An upstream that ended the body with trailers instead
+    /// (not HTTP/1.1 engines) keeps its own body.
+    fn answer_error(&mut self, rewrite: Rewrite, body_size: usize) {
+        let status = self.obs.response_status.unwrap_or(500);
+        let body = match rewrite.reads_body() {
+            true => self
+                .get_http_response_body(0, body_size)
+                .unwrap_or_default(),
+            false => Vec::new(),
+        };
+        let answer = upstream_error::rewrite(rewrite, status, &body);
+        self.set_http_response_body(0, body_size, &answer.body);
+        self.set_http_response_header("content-type", Some("application/json"));
+        self.set_http_response_header("content-length", Some(&answer.body.len().to_string()));
+        self.set_http_response_header("content-encoding", None);
+        if answer.marked() {
+            self.set_http_response_header(RESPONSE_UNKNOWN_HEADER, Some("true"));
+        }
+        self.vm
+            .borrow()
+            .metrics
+            .upstream_error_rewritten(answer.kind);
     }
 
     /// Runs one release stage of this request's charges (see `holds::release`).
@@ -888,6 +931,11 @@ impl HttpContext for PdHttp {
                 self.set_http_response_header("prefill-target-pod-ip", Some(ip));
             }
         }
+        self.error_rewrite = self.error_rewrite_for(end_of_stream);
+        if self.error_rewrite.is_some() {
+            // Held until the body is in: its length and type change with it.
+            return Action::Pause;
+        }
         Action::Continue
     }
 
@@ -898,6 +946,14 @@ impl HttpContext for PdHttp {
         let t = &mut self.obs.times;
         if body_size > 0 && t.first_token_us.is_none() {
             t.first_token_us = Some(clock.us());
+        }
+        if let Some(rewrite) = self.error_rewrite {
+            if !end_of_stream {
+                return Action::Pause;
+            }
+            self.obs.times.end_us = Some(clock.us());
+            self.answer_error(rewrite, body_size);
+            return Action::Continue;
         }
         if self.obs.scan_usage && body_size > 0 {
             if let Some(n) = self

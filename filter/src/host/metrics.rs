@@ -15,6 +15,7 @@ use crate::core::obs::backlog::Backlog;
 use crate::core::obs::labels::tagged;
 use crate::core::obs::outcome::{self, Outcome};
 use crate::core::obs::timing::{self, Durations, DURATION_BUCKETS, TOTAL_BUCKETS};
+use crate::core::upstream_error;
 
 /// The five ledger gauges of one pod and the values last written to them.
 struct TokenGauges {
@@ -125,6 +126,8 @@ pub struct Metrics {
     pub remote_decode_tokens: Option<u32>,
     pub remote_replicas: Option<u32>,
     rejected: Vec<(&'static str, u32)>,
+    /// `pd_router_upstream_errors_rewritten_total{kind}`, by `upstream_error::Kind::ALL`.
+    upstream_rewrites: [Option<u32>; 4],
 }
 
 fn define(kind: MetricType, name: &str) -> Option<u32> {
@@ -244,6 +247,12 @@ impl Metrics {
                     counter("pd_router_rejected_total", &[("reason", r)]).map(|id| (*r, id))
                 })
                 .collect(),
+            upstream_rewrites: upstream_error::Kind::ALL.map(|kind| {
+                counter(
+                    "pd_router_upstream_errors_rewritten_total",
+                    &[("kind", kind.label())],
+                )
+            }),
             duration_buckets,
             total_buckets,
             histograms,
@@ -469,6 +478,13 @@ impl Metrics {
         }
         if timing::first_token_delayed(d, ttft_threshold_us) {
             Metrics::inc(self.first_token_delay);
+        }
+    }
+
+    /// Counts a pod's error answer rewritten for the client (`core::upstream_error`).
+    pub fn upstream_error_rewritten(&self, kind: upstream_error::Kind) {
+        if let Some(i) = upstream_error::Kind::ALL.iter().position(|k| *k == kind) {
+            Metrics::inc(self.upstream_rewrites[i]);
         }
     }
 

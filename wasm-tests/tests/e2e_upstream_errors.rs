@@ -1,0 +1,186 @@
+//! A pod's error answers, rewritten as AIBrix's gateway rewrites them (`core::upstream_error`),
+//! through the real `.wasm` in real Envoy (`--concurrency 2`): the status stays the pod's, a
+//! 500 and a 401 get fixed bodies, an engine's OpenAI-style error (vLLM's nested, SGLang's
+//! flat) is normalised and marked `x-error-response-unknown: true`, Envoy's own text for a pod
+//! it could not reach becomes a generated error, and the filter's own refusals keep theirs.
+
+use pd_wasm_tests::http::Response;
+use pd_wasm_tests::stack::{Fleet, Stack};
+use serde_json::{json, Value};
+
+const MODEL: &str = "err-llm";
+const SGLANG_MODEL: &str = "err-sg";
+const PD: [(&str, &str); 1] = [("routing-strategy", "pd")];
+const UNKNOWN: &str = "x-error-response-unknown";
+
+fn chat(model: &str, stream: bool) -> Value {
+    json!({"model": model, "stream": stream, "max_tokens": 2,
+           "messages": [{"role": "user", "content": "what went wrong?"}]})
+}
+
+fn describe(r: &Response) -> String {
+    format!(
+        "{} headers={:?} body={}",
+        r.status,
+        r.headers,
+        r.text().chars().take(300).collect::<String>()
+    )
+}
+
+/// The answer is JSON of its own length, with the gateway's routing headers.
+fn assert_json_answer(r: &Response, status: u16) -> Value {
+    assert_eq!(r.status, status, "{}", describe(r));
+    assert_eq!(
+        r.header("content-type"),
+        Some("application/json"),
+        "{}",
+        describe(r)
+    );
+    assert!(r.header("request-id").is_some(), "{}", describe(r));
+    assert!(r.header("target-pod").is_some(), "{}", describe(r));
+    r.json()
+}
+
+#[test]
+fn pod_errors_reach_clients_in_aibrix_shape_and_the_filters_own_refusals_keep_theirs() {
+    let fleet = Fleet::new(MODEL)
+        .pod("p-0", "prefill", "group-0")
+        .pod("d-0", "decode", "group-0")
+        .engine("sglang")
+        .combined("sg-c-0")
+        .of_model(SGLANG_MODEL);
+    let env = [
+        ("AIBRIX_PREFILL_SCORE_POLICY", "least_request"),
+        ("AIBRIX_DECODE_SCORE_POLICY", "least_request"),
+    ];
+    let stack = Stack::start_with(fleet, 2, &env);
+    let decode_fails = |status: u16| {
+        stack.arm_fault(json!({"pod": "d-0", "kind": "status", "status": status,
+                               "leg": "decode", "times": 1}));
+    };
+
+    // vLLM's nested error, normalised and marked; the status stays the pod's.
+    decode_fails(400);
+    let r = stack.chat(&PD, &chat(MODEL, false));
+    let body = assert_json_answer(&r, 400);
+    assert_eq!(
+        body,
+        json!({"error": {"message": "injected fault: status 400", "type": "BadRequestError",
+                          "param": null, "code": 400}}),
+        "{}",
+        describe(&r)
+    );
+    assert_eq!(r.header(UNKNOWN), Some("true"), "{}", describe(&r));
+    assert_eq!(
+        r.header("x-error-pd-prefill"),
+        None,
+        "a decode error is the pod's own"
+    );
+    assert_eq!(
+        r.header("content-length"),
+        Some(r.body.len().to_string().as_str())
+    );
+
+    // A 500 hides the engine's text.
+    decode_fails(500);
+    let r = stack.chat(&PD, &chat(MODEL, false));
+    let body = assert_json_answer(&r, 500);
+    assert_eq!(
+        body,
+        json!({"error": {"message": "Internal server error", "type": "api_error",
+                          "code": null, "param": null}}),
+        "{}",
+        describe(&r)
+    );
+    assert_eq!(r.header(UNKNOWN), None, "{}", describe(&r));
+
+    // A 401 is an invalid API key.
+    decode_fails(401);
+    let body = assert_json_answer(&stack.chat(&PD, &chat(MODEL, false)), 401);
+    assert_eq!(body["error"]["code"], "invalid_api_key", "{body}");
+    assert_eq!(body["error"]["type"], "authentication_error", "{body}");
+
+    // A streamed request's error is JSON too, not an event stream.
+    decode_fails(429);
+    let r = stack.chat(&PD, &chat(MODEL, true));
+    let body = assert_json_answer(&r, 429);
+    assert_eq!(body["error"]["type"], "BadRequestError", "{}", describe(&r));
+    assert_eq!(r.header(UNKNOWN), Some("true"), "{}", describe(&r));
+
+    // SGLang's flat error from a standard pod (a whole request, not a PD pair).
+    stack.arm_fault(json!({"pod": "sg-c-0", "kind": "status", "status": 503,
+                           "leg": "full", "times": 1}));
+    let r = stack.chat(
+        &[("routing-strategy", "random")],
+        &chat(SGLANG_MODEL, false),
+    );
+    let body = assert_json_answer(&r, 503);
+    assert_eq!(
+        body,
+        json!({"error": {"message": "injected fault: status 503",
+                          "type": "InternalServerError", "param": null, "code": 503}}),
+        "{}",
+        describe(&r)
+    );
+    assert_eq!(r.header(UNKNOWN), Some("true"), "{}", describe(&r));
+
+    // Envoy's own text for a decode pod it cannot reach becomes a generated error.
+    stack.arm_fault(json!({"pod": "d-0", "kind": "crash"}));
+    let r = stack.chat(&PD, &chat(MODEL, false));
+    stack.clear_faults();
+    let body = assert_json_answer(&r, 503);
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.starts_with("upstream connect error"),
+        "{}",
+        describe(&r)
+    );
+    assert_eq!(body["error"]["type"], "overloaded_error", "{body}");
+    assert_eq!(body["error"]["code"], "service_unavailable", "{body}");
+    assert_eq!(r.header(UNKNOWN), None, "{}", describe(&r));
+
+    // The filter's own refusal of a failed prefill leg keeps its body and header.
+    stack.arm_fault(json!({"pod": "p-0", "kind": "status", "status": 500,
+                           "leg": "prefill", "times": 1}));
+    let r = stack.chat(&PD, &chat(MODEL, false));
+    assert_eq!(r.status, 500, "{}", describe(&r));
+    assert_eq!(
+        r.header("x-error-pd-prefill"),
+        Some("true"),
+        "{}",
+        describe(&r)
+    );
+    let message = r.json()["error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        message.starts_with("prefill request failed"),
+        "{}",
+        describe(&r)
+    );
+    assert_eq!(r.header(UNKNOWN), None, "{}", describe(&r));
+
+    // Successes are untouched, and every rewrite was counted by kind.
+    let r = stack.chat(&PD, &chat(MODEL, false));
+    assert_eq!(r.status, 200, "{}", describe(&r));
+    assert_eq!(r.header(UNKNOWN), None);
+    assert!(r.json()["choices"].is_array(), "{}", describe(&r));
+    let rewritten = |kind: &str| {
+        stack.metric(
+            "pd_router_upstream_errors_rewritten_total",
+            &[("kind", kind)],
+        )
+    };
+    assert_eq!(
+        [
+            rewritten("normalized"),
+            rewritten("internal_error"),
+            rewritten("unauthorized"),
+            rewritten("generated"),
+        ],
+        [3.0, 1.0, 1.0, 1.0]
+    );
+    stack.wait_ledger_zero();
+    assert!(!stack.envoy_log().contains("panicked"));
+}
