@@ -196,10 +196,9 @@ impl PdHttp {
     /// the filter's own local replies (refusals, the watchdog's 504), which are already in the
     /// contract's shape, and not an answer without a body (nothing to put one in).
     fn error_rewrite_for(&self, end_of_stream: bool) -> Option<Rewrite> {
-        if end_of_stream || self.local_reply || self.vm.borrow().watchdog_fired.contains(&self.id) {
-            return None;
-        }
-        Rewrite::for_status(self.obs.response_status?)
+        let rewrite = Rewrite::for_status(self.obs.response_status?)?;
+        let own = self.local_reply || self.vm.borrow().watchdog_fired.contains(&self.id);
+        (!end_of_stream && !own).then_some(rewrite)
     }
 
     /// Puts the rewritten error in place of the pod's buffered body (`body_size` bytes) and
