@@ -117,6 +117,7 @@ fn non_streaming_pd_request_goes_prefill_then_decode_of_one_roleset() {
         "decode generated the whole answer"
     );
     assert_eq!(answer["object"], "chat.completion");
+    assert_eq!(header(&r, "x-went-into-req-headers"), "true");
 }
 
 #[test]
@@ -419,5 +420,71 @@ fn a_failed_prefill_leg_answers_x_error_pd_prefill_and_releases_its_charges() {
     assert_eq!(
         scrape.value("gateway_prefill_outstanding_requests", &[]),
         Some(0.0)
+    );
+}
+
+#[test]
+fn with_an_api_key_set_only_requests_carrying_it_reach_a_pod() {
+    let stack = Stack::start_with(
+        two_rolesets(),
+        2,
+        &[("AIBRIX_AUTH_BEARER_TOKEN", " s3cret ")],
+    );
+    let refused = [
+        vec![("routing-strategy", "pd")],
+        vec![
+            ("routing-strategy", "pd"),
+            ("authorization", "Bearer wrong"),
+        ],
+        vec![
+            ("routing-strategy", "pd"),
+            ("authorization", "Basic s3cret"),
+        ],
+        vec![("routing-strategy", "pd"), ("authorization", "s3cret")],
+    ];
+    for headers in &refused {
+        let r = stack.chat(headers, &chat_body(false, 2));
+        assert_eq!(r.status, 401, "{headers:?}: {}", r.text());
+        assert!(r.header("request-id").is_some());
+        assert_eq!(
+            r.json(),
+            json!({"error": {"message": "Incorrect API key provided",
+                             "type": "authentication_error", "code": "invalid_api_key",
+                             "param": "api_key"}}),
+            "{headers:?}"
+        );
+    }
+    // Refused before the path is looked at: an unauthenticated client learns nothing else.
+    let r = pd_wasm_tests::http::request(
+        &stack.gateway,
+        "POST",
+        "/v1/unknown",
+        &[("content-type", "application/json")],
+        chat_body(false, 2).to_string().as_bytes(),
+    )
+    .expect("answer");
+    assert_eq!(r.status, 401, "{}", r.text());
+    assert!(
+        stack.sim_requests().is_empty(),
+        "a refused request reached a pod"
+    );
+    assert_eq!(
+        stack.metric("pd_router_rejected_total", &[("reason", "unauthorized")]),
+        5.0
+    );
+
+    // The key itself, in any case of the scheme, passes; the prefill leg carries it on.
+    let r = stack.chat(
+        &[
+            ("routing-strategy", "pd"),
+            ("authorization", "bearer s3cret"),
+        ],
+        &chat_body(false, 2),
+    );
+    let (_, _) = assert_pd_exchange(&stack, &r);
+    let (prefill, _) = legs(&stack, header(&r, "request-id"));
+    assert_eq!(
+        prefill[0]["headers"]["authorization"], "bearer s3cret",
+        "{prefill:?}"
     );
 }

@@ -3,6 +3,7 @@
 
 use serde::Deserialize;
 
+use super::api_key::ApiKey;
 use super::env::EnvReader;
 
 /// Why a plugin configuration was refused. Envoy then keeps the previous configuration.
@@ -198,6 +199,8 @@ pub struct EnvSettings {
     pub prefill_request_timeout_s: f64,
     /// `AIBRIX_KV_CONNECTOR_TYPE`.
     pub kv_connector: KvConnector,
+    /// `AIBRIX_AUTH_BEARER_TOKEN`: when set, requests without this bearer key get 401.
+    pub api_key: Option<ApiKey>,
     /// `AIBRIX_TTFT_THRESHOLD_S`: TTFT above it counts in
     /// `gateway_first_token_delay_over_1s_total`. AIBrix reads whole seconds; fractions are
     /// accepted too.
@@ -253,6 +256,7 @@ impl Default for EnvSettings {
             routing_algorithm: None,
             prefill_request_timeout_s: 30.0,
             kv_connector: KvConnector::Shfs,
+            api_key: None,
             ttft_threshold_s: 1.0,
             pd: PdEnv::default(),
         }
@@ -276,6 +280,7 @@ impl EnvSettings {
                 (KvConnector::Shfs, "shfs"),
                 KvConnector::parse,
             ),
+            api_key: ApiKey::from_env(r.string("AIBRIX_AUTH_BEARER_TOKEN").as_deref()),
             ttft_threshold_s: r.positive("AIBRIX_TTFT_THRESHOLD_S", d.ttft_threshold_s),
             pd: PdEnv {
                 prompt_length_bucketing: r.bool("AIBRIX_PROMPT_LENGTH_BUCKETING", false),

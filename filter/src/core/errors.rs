@@ -6,6 +6,9 @@ use serde_json::json;
 /// A refusal that becomes a local reply.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum RouteError {
+    /// `AIBRIX_AUTH_BEARER_TOKEN` is set and the request does not carry it.
+    #[error("Incorrect API key provided")]
+    Unauthorized,
     #[error("error processing request body")]
     BadBody,
     #[error("no messages in the request body")]
@@ -19,7 +22,8 @@ pub enum RouteError {
     #[error("incorrect routing strategy {0}")]
     BadStrategy(String),
     /// Selection found nothing routable: incomplete rolesets, no combined pod, and so on.
-    /// AIBrix keeps the detail in its logs and sends a fixed message; so do we, in `detail`.
+    /// As AIBrix, the client gets the fixed message and the log gets `detail`, which may name
+    /// pods and engines a client has no business learning.
     #[error("error on selecting target pod")]
     Selection { detail: String },
     #[error("pd-router has not received a fleet snapshot yet")]
@@ -91,8 +95,20 @@ impl RouteError {
         }
     }
 
+    /// What the log adds to the client's message: the selection's reason, the address the
+    /// guard refused.
+    pub fn detail(&self) -> Option<&str> {
+        match self {
+            RouteError::Selection { detail } | RouteError::TargetOutsideFleet(detail) => {
+                Some(detail)
+            }
+            _ => None,
+        }
+    }
+
     pub fn status(&self) -> u32 {
         match self {
+            RouteError::Unauthorized => 401,
             RouteError::BadBody | RouteError::NoMessages => 400,
             RouteError::UnknownPath => 501,
             RouteError::UnknownModel(_) | RouteError::BadStrategy(_) => 400,
@@ -107,9 +123,11 @@ impl RouteError {
         }
     }
 
-    /// The `x-error-*` header of the contract, name and value.
-    pub fn header(&self) -> (&'static str, String) {
-        match self {
+    /// The `x-error-*` header of the contract, name and value; the contract names none for
+    /// a refused API key.
+    pub fn header(&self) -> Option<(&'static str, String)> {
+        let header = match self {
+            RouteError::Unauthorized => return None,
             RouteError::BadBody | RouteError::NoMessages | RouteError::UnknownPath => {
                 ("x-error-request-body-processing", "true".into())
             }
@@ -125,12 +143,14 @@ impl RouteError {
             RouteError::Prefill { .. } => ("x-error-pd-prefill", "true".into()),
             RouteError::DecodeTimeout(_) => ("x-error-pd-decode", "true".into()),
             RouteError::Internal(_) => ("x-error-internal", "true".into()),
-        }
+        };
+        Some(header)
     }
 
     /// Short, stable name used as the metric label.
     pub fn reason(&self) -> &'static str {
         match self {
+            RouteError::Unauthorized => "unauthorized",
             RouteError::BadBody => "bad_body",
             RouteError::NoMessages => "no_messages",
             RouteError::UnknownPath => "unknown_path",
@@ -148,7 +168,8 @@ impl RouteError {
     }
 
     /// All reasons, so the host can define one counter each up front.
-    pub const REASONS: [&'static str; 13] = [
+    pub const REASONS: [&'static str; 14] = [
+        "unauthorized",
         "bad_body",
         "no_messages",
         "unknown_path",
@@ -169,20 +190,18 @@ impl RouteError {
         let status = self.status();
         let kind = error_type(status);
         let code = match self {
+            RouteError::Unauthorized => Some("invalid_api_key"),
             RouteError::UnknownModel(_) => Some("model_not_found"),
             _ if status == 503 => Some("service_unavailable"),
             _ => None,
         };
         let param = match self {
+            RouteError::Unauthorized => Some("api_key"),
             RouteError::UnknownModel(_) => Some("model"),
             RouteError::NoMessages => Some("messages"),
             _ => None,
         };
-        let message = match self {
-            RouteError::Selection { detail } => format!("{self}: {detail}"),
-            _ => self.to_string(),
-        };
-        json!({"error": {"message": message, "type": kind, "code": code, "param": param}})
+        json!({"error": {"message": self.to_string(), "type": kind, "code": code, "param": param}})
             .to_string()
             .into_bytes()
     }
@@ -341,7 +360,7 @@ mod tests {
         ];
         for (err, status, header, value) in cases {
             assert_eq!(err.status(), status, "{err:?}");
-            assert_eq!(err.header(), (header, value.to_string()), "{err:?}");
+            assert_eq!(err.header(), Some((header, value.to_string())), "{err:?}");
             assert!(RouteError::REASONS.contains(&err.reason()));
         }
     }
@@ -358,9 +377,26 @@ mod tests {
         });
         assert_eq!(b["error"]["code"], "service_unavailable");
         assert_eq!(b["error"]["type"], "overloaded_error");
+        assert_eq!(b["error"]["message"], "error on selecting target pod");
+        assert!(
+            !b.to_string().contains("roleset"),
+            "the detail stays in the log: {b}"
+        );
+    }
+
+    #[test]
+    fn a_refused_api_key_is_aibrixs_401_without_an_x_error_header() {
+        let e = RouteError::Unauthorized;
         assert_eq!(
-            b["error"]["message"],
-            "error on selecting target pod: no complete roleset"
+            (e.status(), e.header(), e.reason()),
+            (401, None, "unauthorized")
+        );
+        let b = body(&e);
+        assert_eq!(
+            b,
+            json!({"error": {"message": "Incorrect API key provided",
+                              "type": "authentication_error", "code": "invalid_api_key",
+                              "param": "api_key"}})
         );
     }
 
@@ -375,6 +411,6 @@ mod tests {
     #[test]
     fn header_values_are_sanitized() {
         let e = RouteError::UnknownModel("a\r\nx-evil: 1".into());
-        assert_eq!(e.header().1, "ax-evil: 1");
+        assert_eq!(e.header().map(|h| h.1).as_deref(), Some("ax-evil: 1"));
     }
 }

@@ -54,7 +54,7 @@ mod tests {
             let err = check_target(Some(&f), bad).unwrap_err();
             assert_eq!(err, RouteError::TargetOutsideFleet(bad.to_string()));
             assert_eq!(err.status(), 503);
-            assert_eq!(err.header(), ("x-error-routing", "true".to_string()));
+            assert_eq!(err.header(), Some(("x-error-routing", "true".to_string())));
             assert_eq!(err.reason(), "target_outside_fleet");
         }
     }

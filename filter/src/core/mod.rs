@@ -1,6 +1,7 @@
 //! The routing core: pure Rust, no proxy-wasm imports, testable natively and on wasm32.
 
 pub mod adoption;
+pub mod api_key;
 pub mod charges;
 pub mod config;
 pub mod ejection;

@@ -174,14 +174,21 @@ impl PdHttp {
             error,
             RouteError::UnknownPath | RouteError::BadBody | RouteError::NoMessages
         ) {
-            log::info!("request {} refused: {error}", self.request_id);
+            match error.detail() {
+                Some(detail) => {
+                    log::info!("request {} refused: {error}: {detail}", self.request_id)
+                }
+                None => log::info!("request {} refused: {error}", self.request_id),
+            }
         }
-        let (name, value) = error.header();
+        let header = error.header();
         let mut headers = vec![
-            (name, value.as_str()),
             ("content-type", "application/json"),
             ("request-id", self.request_id.as_str()),
         ];
+        if let Some((name, value)) = &header {
+            headers.push((name, value.as_str()));
+        }
         if let Some(explain) = &self.obs.explain_header {
             headers.push((EXPLAIN_HEADER, explain.as_str()));
         }
@@ -873,6 +880,20 @@ impl HttpContext for PdHttp {
             .session_key
             .filter(|k| !k.is_empty() && k.len() <= tokens::MAX_SESSION_KEY_BYTES);
 
+        let refused = self
+            .vm
+            .borrow()
+            .defaults
+            .env
+            .api_key
+            .as_ref()
+            .is_some_and(|key| {
+                let authorization = self.forwarded.iter().find(|(k, _)| *k == "authorization");
+                !key.admits(authorization.map(|(_, v)| v.as_str()))
+            });
+        if refused {
+            return self.reject(RouteError::Unauthorized);
+        }
         let path = h.path.unwrap_or_default();
         match Endpoint::from_path(&path) {
             Ok(endpoint) => self.endpoint = Some(endpoint),
@@ -916,6 +937,8 @@ impl HttpContext for PdHttp {
             self.set_http_response_header(EXPLAIN_HEADER, Some(explain));
         }
         self.set_http_response_header("request-id", Some(&self.request_id));
+        // AIBrix's mark of an answer that went through the gateway's request processing.
+        self.set_http_response_header("x-went-into-req-headers", Some("true"));
         if let Some(profile) = &self.auto_profile {
             self.set_http_response_header("x-aibrix-config-profile", Some(profile));
         }

@@ -112,17 +112,15 @@ pub fn tick(vm: &SharedVm, root_id: u32, now: u64) {
                 hostcalls::reset_http_response()
             } else {
                 let error = RouteError::DecodeTimeout(watchdog::message(&pod, &fire));
-                let (name, value) = error.header();
-                let body = error.body();
-                hostcalls::send_http_response(
-                    504,
-                    vec![
-                        (name, value.as_str()),
-                        ("content-type", "application/json"),
-                        ("request-id", request_id.as_str()),
-                    ],
-                    Some(&body),
-                )
+                let header = error.header();
+                let mut headers = vec![
+                    ("content-type", "application/json"),
+                    ("request-id", request_id.as_str()),
+                ];
+                if let Some((name, value)) = &header {
+                    headers.push((name, value.as_str()));
+                }
+                hostcalls::send_http_response(504, headers, Some(&error.body()))
             };
             if let Err(e) = result {
                 log::warn!("request {request_id}: cannot end the stream: {e:?}");

@@ -10,7 +10,7 @@
 
 /// Every tag name the filter emits; `envoy/envoy.yaml.tmpl` has one `stats_tags` entry per
 /// name, and Istio users list them in `extraStatTags`.
-pub const TAG_NAMES: [&str; 13] = [
+pub const TAG_NAMES: [&str; 14] = [
     "model",
     "status",
     "status_code",
@@ -24,6 +24,7 @@ pub const TAG_NAMES: [&str; 13] = [
     "bucket",
     "phase",
     "result",
+    "prefill_failure_class",
 ];
 
 /// The stat name of `metric` with `tags` as labels. Values lose `;` (the delimiter) and

@@ -72,7 +72,9 @@ impl Outcome {
     pub fn rejected(error: &RouteError) -> Outcome {
         let code = error.status();
         match error {
-            RouteError::UnknownPath => Outcome::RequestHeadersFail { code },
+            RouteError::UnknownPath | RouteError::Unauthorized => {
+                Outcome::RequestHeadersFail { code }
+            }
             RouteError::Prefill { .. } => Outcome::PrefillFailure { code },
             _ => Outcome::RequestBodyFail { code },
         }
