@@ -178,6 +178,14 @@ fn mixed_engines_fail_selection() {
         r.text()
     );
     stack.wait_for_log("inconsistent LLM engines detected");
+    assert_eq!(
+        stack.metric(
+            "gateway_prefill_request_fail_total",
+            &[("status", "pd-filter-prefill-decode-pods-fail")]
+        ),
+        1.0,
+        "counted as AIBrix counts a PD selection failure"
+    );
     assert!(stack.sim_requests().is_empty());
 }
 

@@ -233,6 +233,16 @@ impl PdHttp {
             .upstream_error_rewritten(answer.kind);
     }
 
+    /// Counts a PD selection that failed before any pod was scored (an unknown
+    /// `decodeScorePolicy`, pods of mixed engines) as AIBrix does, with the failures of the
+    /// selection itself.
+    fn selection_failed(&self, error: RouteError) -> RouteError {
+        if matches!(error, RouteError::Selection { .. }) {
+            self.vm.borrow_mut().metrics.prefill_failed(&error);
+        }
+        error
+    }
+
     /// Runs one release stage of this request's charges (see `holds::release`).
     fn release_stage(
         &mut self,
@@ -317,12 +327,13 @@ impl PdHttp {
         self.auto_profile = decision.auto_profile.clone();
         let mut engine = Engine::Vllm;
         let target = if decision.strategy == Strategy::Pd {
-            let settings =
-                PdSettings::resolve(&self.vm.borrow().defaults, decision.routing_config.as_ref())?;
+            let resolved =
+                PdSettings::resolve(&self.vm.borrow().defaults, decision.routing_config.as_ref());
+            let settings = resolved.map_err(|e| self.selection_failed(e))?;
             self.prefill_timeout_s = settings.prefill_timeout_s;
             // The engine check and SGLang's body validation come before any selection, so
             // a refused request changes no load counter.
-            engine = engine::agreed_engine(model)?;
+            engine = engine::agreed_engine(model).map_err(|e| self.selection_failed(e))?;
             if let Some(name) = self.unforwardable {
                 return Err(RouteError::InvalidRequest(format!(
                     "the {name} header is not UTF-8 text, and a PD request must forward it to the prefill pod"
