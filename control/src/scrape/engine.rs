@@ -68,6 +68,9 @@ impl Engine {
 struct Names {
     running: &'static [&'static str],
     waiting: &'static [&'static str],
+    /// Further queues whose requests also wait, each added to `waiting`: SGLang's PD
+    /// prealloc queues (requests waiting for KV memory), which AIBrix's queue score counts.
+    queued: &'static [&'static str],
     kv_cache_usage: &'static [&'static str],
     generation_gauge: &'static [&'static str],
     prompt_gauge: &'static [&'static str],
@@ -83,6 +86,7 @@ struct Names {
 static VLLM_NAMES: Names = Names {
     running: &["vllm:num_requests_running"],
     waiting: &["vllm:num_requests_waiting"],
+    queued: &[],
     kv_cache_usage: &["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"],
     // V0-only gauges, used when the V1 token counters are absent.
     generation_gauge: &["vllm:avg_generation_throughput_toks_per_s"],
@@ -101,6 +105,10 @@ static VLLM_NAMES: Names = Names {
 static SGLANG_NAMES: Names = Names {
     running: &["sglang:num_running_reqs"],
     waiting: &["sglang:num_queue_reqs"],
+    queued: &[
+        "sglang:num_prefill_prealloc_queue_reqs",
+        "sglang:num_decode_prealloc_queue_reqs",
+    ],
     kv_cache_usage: &["sglang:token_usage"],
     generation_gauge: &["sglang:gen_throughput"],
     prompt_gauge: &[],
@@ -120,6 +128,7 @@ static TRTLLM_NAMES: Names = Names {
     // Only recent builds export these; 1.0/1.1 leave running/waiting at zero.
     running: &["trtllm_num_requests_running"],
     waiting: &["trtllm_num_requests_waiting"],
+    queued: &[],
     kv_cache_usage: &["trtllm_kv_cache_utilization"],
     generation_gauge: &[],
     prompt_gauge: &[],
@@ -135,10 +144,11 @@ static TRTLLM_NAMES: Names = Names {
 };
 
 impl Names {
-    fn scalar_lists(&self) -> [&'static [&'static str]; 8] {
+    fn scalar_lists(&self) -> [&'static [&'static str]; 9] {
         [
             self.running,
             self.waiting,
+            self.queued,
             self.kv_cache_usage,
             self.generation_gauge,
             self.prompt_gauge,
@@ -278,7 +288,15 @@ pub fn parse_reading(body: impl AsRef<[u8]>, engine: Engine, model: &str) -> Rea
     };
     Reading {
         running: first(names.running).map(|s| gauge(s, Combine::Sum)),
-        waiting: first(names.waiting).map(|s| gauge(s, Combine::Sum)),
+        waiting: names
+            .queued
+            .iter()
+            .filter_map(|name| families.get(*name))
+            .map(|s| gauge(s, Combine::Sum))
+            .fold(
+                first(names.waiting).map(|s| gauge(s, Combine::Sum)),
+                |sum, q| Some(sum.unwrap_or(0.0) + q),
+            ),
         kv_cache_usage: first(names.kv_cache_usage).map(|s| gauge(s, Combine::Mean)),
         generation_gauge: first(names.generation_gauge).map(|s| gauge(s, Combine::Sum)),
         prompt_gauge: first(names.prompt_gauge).map(|s| gauge(s, Combine::Sum)),
@@ -556,7 +574,11 @@ mod tests {
             Some(87.0),
             "tp_rank 0 and 1 report the same batch"
         );
-        assert_eq!(r.waiting, Some(2.0));
+        assert_eq!(
+            r.waiting,
+            Some(5.0),
+            "2 in the queue + 3 in the decode prealloc queue (AIBrix's queue score)"
+        );
         assert!(close(r.kv_cache_usage, 0.41));
         assert_eq!(r.generation_gauge, Some(2931.5));
         assert_eq!(r.prompt_tokens, Some(1.07e7));

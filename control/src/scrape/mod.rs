@@ -7,6 +7,7 @@
 //!
 //! [`ScrapeBook`] is the bookkeeping (no I/O, unit-tested); [`Scraper`] does the HTTP.
 
+pub mod drain;
 pub mod engine;
 pub mod exposition;
 pub mod fetch;
@@ -20,6 +21,7 @@ use tokio::sync::{mpsc, Semaphore};
 
 use crate::fleet::PodRecord;
 use crate::proto::PodMetrics;
+use drain::DrainWindow;
 use engine::{Engine, Reading};
 pub use fetch::ScrapeError;
 
@@ -75,6 +77,7 @@ struct PodState {
     metrics: PodMetrics,
     last_success: Option<Instant>,
     last_failed: bool,
+    drain: DrainWindow,
 }
 
 impl PodState {
@@ -89,6 +92,7 @@ impl PodState {
             metrics: PodMetrics::default(),
             last_success: None,
             last_failed: false,
+            drain: DrainWindow::default(),
         }
     }
 }
@@ -205,6 +209,8 @@ impl ScrapeBook {
                     .map(|(r, at)| (r, finished.saturating_duration_since(*at)));
                 let carried = Some(&state.metrics).filter(|m| m.present);
                 let mut metrics = rates::derive(job.engine, &reading, previous, carried);
+                metrics.drain_rate =
+                    rates::non_negative(state.drain.observe(finished, reading.completed));
                 metrics.last_scrape_unix_ms = finished_unix_ms;
                 if state.last_failed {
                     tracing::info!(pod = %job.key, url = %job.url, "metrics scrape recovered");

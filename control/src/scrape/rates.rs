@@ -65,7 +65,6 @@ pub fn derive(
         generation_rate.or(current.generation_gauge)
     };
     let prompt_throughput = counter_rate(|r| r.prompt_tokens).or(current.prompt_gauge);
-    let drain_rate = counter_rate(|r| r.completed);
 
     // New observations first, then the last known average, then the lifetime mean: the
     // freshest figure that actually describes this pod.
@@ -85,7 +84,8 @@ pub fn derive(
         kv_cache_usage: non_negative(current.kv_cache_usage).min(1.0),
         prompt_throughput: non_negative(prompt_throughput),
         generation_throughput: non_negative(generation_throughput),
-        drain_rate: non_negative(drain_rate),
+        // Over a minute, not between two scrapes: the caller's `drain::DrainWindow`.
+        drain_rate: 0.0,
         ttft_avg_seconds: non_negative(ttft),
         tpot_avg_seconds: non_negative(tpot),
         last_scrape_unix_ms: 0,
@@ -95,7 +95,7 @@ pub fn derive(
 
 /// Proto fields have no "absent": an unexported metric reads as zero, and nothing non-finite or
 /// negative may reach the filter's arithmetic.
-fn non_negative(value: Option<f64>) -> f64 {
+pub fn non_negative(value: Option<f64>) -> f64 {
     match value {
         Some(v) if v.is_finite() && v > 0.0 => v,
         _ => 0.0,
@@ -184,32 +184,25 @@ mod tests {
             (m1.running, m1.waiting, m1.kv_cache_usage),
             (4.0, 1.0, 0.25)
         );
-        assert_eq!(
-            (
-                m1.prompt_throughput,
-                m1.generation_throughput,
-                m1.drain_rate
-            ),
-            (0.0, 0.0, 0.0)
-        );
+        assert_eq!((m1.prompt_throughput, m1.generation_throughput), (0.0, 0.0));
         assert!((m1.ttft_avg_seconds - 0.2).abs() < 1e-12);
 
         let second = vllm(1400.0, 700.0, 12.0, (3.0, 12.0));
         let half = Duration::from_millis(500);
         let m2 = derive(Engine::Vllm, &second, Some((&first, half)), Some(&m1));
         assert_eq!(
-            (
-                m2.prompt_throughput,
-                m2.generation_throughput,
-                m2.drain_rate
-            ),
-            (800.0, 400.0, 4.0)
+            (m2.prompt_throughput, m2.generation_throughput),
+            (800.0, 400.0)
+        );
+        assert_eq!(
+            m2.drain_rate, 0.0,
+            "a minute's rate, the caller's (drain.rs)"
         );
         assert!((m2.ttft_avg_seconds - 0.5).abs() < 1e-12, "(3-2)/(12-10)");
 
         let quiet = vllm(1400.0, 700.0, 12.0, (3.0, 12.0));
         let m3 = derive(Engine::Vllm, &quiet, Some((&second, half)), Some(&m2));
-        assert_eq!((m3.prompt_throughput, m3.drain_rate), (0.0, 0.0));
+        assert_eq!(m3.prompt_throughput, 0.0);
         assert_eq!(
             m3.ttft_avg_seconds, m2.ttft_avg_seconds,
             "carried through a quiet window"
@@ -218,12 +211,8 @@ mod tests {
         let restarted = vllm(100.0, 50.0, 1.0, (0.1, 1.0));
         let m4 = derive(Engine::Vllm, &restarted, Some((&quiet, SECOND)), Some(&m3));
         assert_eq!(
-            (
-                m4.prompt_throughput,
-                m4.generation_throughput,
-                m4.drain_rate
-            ),
-            (100.0, 50.0, 1.0)
+            (m4.prompt_throughput, m4.generation_throughput),
+            (100.0, 50.0)
         );
         assert!((m4.ttft_avg_seconds - 0.1).abs() < 1e-12);
     }
@@ -241,7 +230,7 @@ mod tests {
         b.generation_tokens = Some(1e9); // must not override the gauge
         let m = derive(Engine::Sglang, &b, Some((&a, SECOND)), None);
         assert_eq!(m.generation_throughput, 2931.5);
-        assert_eq!((m.prompt_throughput, m.drain_rate), (5000.0, 20.0));
+        assert_eq!(m.prompt_throughput, 5000.0);
         assert!(
             (m.ttft_avg_seconds - 0.24).abs() < 1e-12,
             "lifetime mean carried: {m:?}"
