@@ -3,6 +3,12 @@
 //! standard pods' queue score). Between two 50 ms scrapes the rate is 0 in most windows and a
 //! spike of 20/s in the next: Step 2's drain-ratio check would fire at random and the standard
 //! pods' queue score (waiting / drain) would jump a hundredfold from one scrape to the next.
+//!
+//! The rate is the requests finished in the last minute over a fixed minute, so it changes only
+//! when a request finishes or one leaves the window (at most once a second): a rate over the
+//! elapsed time would change with every scrape, and every change is a new snapshot every VM
+//! adopts, which would keep an idle gateway from ever going quiet. A pod younger than the
+//! window (or a pd-control younger than it) reads low for its first minute.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -26,8 +32,7 @@ pub struct DrainWindow {
 
 impl DrainWindow {
     /// Takes a scrape's cumulative counter (`None` when the engine does not export it) and
-    /// returns the rate over the history kept, up to [`WINDOW`]; `None` until a second of
-    /// history exists, since a shorter base is the noise this window is for.
+    /// returns the requests finished in the last [`WINDOW`], per second.
     pub fn observe(&mut self, at: Instant, completed: Option<f64>) -> Option<f64> {
         let raw = completed.filter(|v| v.is_finite() && *v >= 0.0)?;
         if let Some(previous) = self.last_raw {
@@ -45,9 +50,8 @@ impl DrainWindow {
         while self.samples.len() > 1 && at.saturating_duration_since(self.samples[1].0) >= WINDOW {
             self.samples.pop_front();
         }
-        let (since, base) = *self.samples.front()?;
-        let seconds = at.saturating_duration_since(since).as_secs_f64();
-        (seconds >= SAMPLE_EVERY.as_secs_f64()).then(|| (self.total - base) / seconds)
+        let (_, base) = *self.samples.front()?;
+        Some((self.total - base) / WINDOW.as_secs_f64())
     }
 }
 
@@ -79,13 +83,13 @@ mod tests {
         // One request finishes every 4th scrape (5/s), in bursts a 50 ms delta would read as
         // 20/s or 0/s.
         let counts = |i: usize| (i / 4) as f64;
-        assert_eq!(w.observe(t0, Some(0.0)), None, "no history yet");
-        assert_eq!(
-            feed(&mut w, t0, 1, 10, step, &counts),
-            None,
-            "under a second of history"
+        assert_eq!(w.observe(t0, Some(0.0)), Some(0.0), "no history yet");
+        let rate = feed(&mut w, t0, 1, 199, step, &counts).unwrap();
+        assert!(
+            (rate - 49.0 / 60.0).abs() < 1e-9,
+            "10 s in: 49 requests over the minute, {rate}"
         );
-        let rate = feed(&mut w, t0, 11, 2400 - 11, step, &counts).unwrap();
+        let rate = feed(&mut w, t0, 200, 2400 - 200, step, &counts).unwrap();
         assert!((rate - 5.0).abs() < 0.2, "{rate}");
         assert!(
             w.samples.len() <= 62,
@@ -102,12 +106,33 @@ mod tests {
         // 10/s for two minutes, then nothing for a minute and a half.
         let busy = |i: usize| i as f64;
         let rate = feed(&mut w, t0, 0, 1200, step, &busy).unwrap();
-        assert!((rate - 10.0).abs() < 0.1, "{rate}");
+        assert!(
+            (10.0..10.2).contains(&rate),
+            "the base is 60-61 s old: {rate}"
+        );
         let quiet = |_: usize| 1199.0;
         let rate = feed(&mut w, t0, 1200, 300, step, &quiet).unwrap();
         assert!(rate > 0.0 && rate < 10.0, "half the window quiet: {rate}");
         let rate = feed(&mut w, t0, 1500, 600, step, &quiet).unwrap();
         assert_eq!(rate, 0.0, "a minute without a finished request");
+    }
+
+    #[test]
+    fn a_quiet_pod_keeps_one_value_from_scrape_to_scrape() {
+        let t0 = Instant::now();
+        let mut w = DrainWindow::default();
+        let step = Duration::from_millis(50);
+        let counts = |i: usize| if i < 100 { i as f64 } else { 99.0 };
+        feed(&mut w, t0, 0, 100, step, &counts);
+        let after: Vec<f64> = (100..2000)
+            .filter_map(|i| w.observe(t0 + step * i as u32, Some(counts(i))))
+            .collect();
+        let changes = after.windows(2).filter(|p| p[0] != p[1]).count();
+        assert!(
+            changes <= 6,
+            "changes only as finished requests leave: {changes}"
+        );
+        assert_eq!(after.last(), Some(&0.0));
     }
 
     #[test]
@@ -118,7 +143,7 @@ mod tests {
         w.observe(t0, Some(500.0));
         w.observe(t0 + s, Some(510.0));
         let rate = w.observe(t0 + 2 * s, Some(4.0)).unwrap();
-        assert!((rate - 7.0).abs() < 1e-9, "(10 + 4) / 2 s: {rate}");
+        assert!((rate - 14.0 / 60.0).abs() < 1e-9, "10 + 4 finished: {rate}");
         assert_eq!(w.observe(t0 + 3 * s, None), None);
         assert_eq!(DrainWindow::default().observe(t0, Some(f64::NAN)), None);
     }
