@@ -63,7 +63,12 @@ impl RouteError {
     /// failing, a 502 (`error`), not the 503 "overloaded" Envoy synthesises; an unparsable or
     /// 499 status is a 502 too.
     pub fn prefill_answer(status: &str, body: &[u8], class: &'static str) -> RouteError {
-        let detail: String = String::from_utf8_lossy(body).chars().take(256).collect();
+        // AIBrix's cut: 256 characters, marked.
+        let text = String::from_utf8_lossy(body);
+        let mut detail: String = text.chars().take(256).collect();
+        if detail.len() < text.len() {
+            detail.push_str("...");
+        }
         if status == "503" && body.starts_with(ENVOY_UNDELIVERED) {
             return RouteError::Prefill {
                 status: 502,
@@ -273,6 +278,23 @@ mod tests {
                 other => panic!("{other:?}"),
             }
         }
+    }
+
+    #[test]
+    fn a_long_prefill_answer_is_cut_at_256_characters_and_marked() {
+        let long = "é".repeat(300);
+        let RouteError::Prefill { detail, .. } =
+            RouteError::prefill_answer("500", long.as_bytes(), "http_error")
+        else {
+            panic!("not a prefill error");
+        };
+        assert_eq!(detail, format!("{}...", "é".repeat(256)));
+        let RouteError::Prefill { detail, .. } =
+            RouteError::prefill_answer("500", "é".repeat(256).as_bytes(), "http_error")
+        else {
+            panic!("not a prefill error");
+        };
+        assert_eq!(detail, "é".repeat(256), "exactly 256 is not cut");
     }
 
     #[test]
