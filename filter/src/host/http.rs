@@ -170,9 +170,13 @@ impl PdHttp {
                 vm.metrics.prefill_failed(&error);
             }
         }
+        // Client mistakes (and a scanner's wrong keys) are counted, not logged line by line.
         if !matches!(
             error,
-            RouteError::UnknownPath | RouteError::BadBody | RouteError::NoMessages
+            RouteError::UnknownPath
+                | RouteError::BadBody
+                | RouteError::NoMessages
+                | RouteError::Unauthorized
         ) {
             match error.detail() {
                 Some(detail) => {
@@ -213,11 +217,11 @@ impl PdHttp {
     /// (not HTTP/1.1 engines) keeps its own body.
     fn answer_error(&mut self, rewrite: Rewrite, body_size: usize) {
         let status = self.obs.response_status.unwrap_or(500);
-        let body = match rewrite.reads_body() {
-            true => self
-                .get_http_response_body(0, body_size)
-                .unwrap_or_default(),
-            false => Vec::new(),
+        let body = if rewrite.reads_body() {
+            self.get_http_response_body(0, body_size)
+                .unwrap_or_default()
+        } else {
+            Vec::new()
         };
         let answer = upstream_error::rewrite(rewrite, status, &body);
         self.set_http_response_body(0, body_size, &answer.body);
