@@ -1134,9 +1134,11 @@ mod tests {
             Engine::Sglang,
             "org/m",
         );
+        // Waiting as AIBrix's queue score counts it: the queue (2) and the decode prealloc
+        // queue (1), not the legs pulling KV (2).
         assert_eq!(
             (r.running, r.waiting, r.kv_cache_usage),
-            (Some(3.0), Some(2.0), Some(0.25))
+            (Some(3.0), Some(3.0), Some(0.25))
         );
         assert_eq!(
             (r.generation_gauge, r.completed, r.prompt_tokens),
