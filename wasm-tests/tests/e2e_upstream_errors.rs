@@ -41,6 +41,14 @@ fn assert_json_answer(r: &Response, status: u16) -> Value {
     r.json()
 }
 
+/// The answer is [`assert_json_answer`]'s with body `want`, marked `x-error-response-unknown`
+/// exactly when `marked`.
+fn assert_rewritten(r: &Response, status: u16, want: Value, marked: bool) {
+    assert_eq!(assert_json_answer(r, status), want, "{}", describe(r));
+    let mark = marked.then_some("true");
+    assert_eq!(r.header(UNKNOWN), mark, "{}", describe(r));
+}
+
 #[test]
 fn pod_errors_reach_clients_in_aibrix_shape_and_the_filters_own_refusals_keep_theirs() {
     let fleet = Fleet::new(MODEL)
@@ -62,15 +70,9 @@ fn pod_errors_reach_clients_in_aibrix_shape_and_the_filters_own_refusals_keep_th
     // vLLM's nested error, normalised and marked; the status stays the pod's.
     decode_fails(400);
     let r = stack.chat(&PD, &chat(MODEL, false));
-    let body = assert_json_answer(&r, 400);
-    assert_eq!(
-        body,
-        json!({"error": {"message": "injected fault: status 400", "type": "BadRequestError",
-                          "param": null, "code": 400}}),
-        "{}",
-        describe(&r)
-    );
-    assert_eq!(r.header(UNKNOWN), Some("true"), "{}", describe(&r));
+    let want = json!({"error": {"message": "injected fault: status 400",
+                                "type": "BadRequestError", "param": null, "code": 400}});
+    assert_rewritten(&r, 400, want, true);
     assert_eq!(
         r.header("x-error-pd-prefill"),
         None,
@@ -84,15 +86,9 @@ fn pod_errors_reach_clients_in_aibrix_shape_and_the_filters_own_refusals_keep_th
     // A 500 hides the engine's text.
     decode_fails(500);
     let r = stack.chat(&PD, &chat(MODEL, false));
-    let body = assert_json_answer(&r, 500);
-    assert_eq!(
-        body,
-        json!({"error": {"message": "Internal server error", "type": "api_error",
-                          "code": null, "param": null}}),
-        "{}",
-        describe(&r)
-    );
-    assert_eq!(r.header(UNKNOWN), None, "{}", describe(&r));
+    let want = json!({"error": {"message": "Internal server error", "type": "api_error",
+                                "code": null, "param": null}});
+    assert_rewritten(&r, 500, want, false);
 
     // A 401 is an invalid API key.
     decode_fails(401);
@@ -114,15 +110,9 @@ fn pod_errors_reach_clients_in_aibrix_shape_and_the_filters_own_refusals_keep_th
         &[("routing-strategy", "random")],
         &chat(SGLANG_MODEL, false),
     );
-    let body = assert_json_answer(&r, 503);
-    assert_eq!(
-        body,
-        json!({"error": {"message": "injected fault: status 503",
-                          "type": "InternalServerError", "param": null, "code": 503}}),
-        "{}",
-        describe(&r)
-    );
-    assert_eq!(r.header(UNKNOWN), Some("true"), "{}", describe(&r));
+    let want = json!({"error": {"message": "injected fault: status 503",
+                                "type": "InternalServerError", "param": null, "code": 503}});
+    assert_rewritten(&r, 503, want, true);
 
     // Envoy's own text for a decode pod it cannot reach becomes a generated error.
     stack.arm_fault(json!({"pod": "d-0", "kind": "crash"}));

@@ -212,6 +212,22 @@ impl RouteError {
     }
 }
 
+/// A local reply's headers: JSON, the request id, and `header` (the refusal's
+/// [`RouteError::header`], if the contract names one).
+pub fn reply_headers<'a>(
+    header: &'a Option<(&'static str, String)>,
+    request_id: &'a str,
+) -> Vec<(&'a str, &'a str)> {
+    let mut headers = vec![
+        ("content-type", "application/json"),
+        ("request-id", request_id),
+    ];
+    if let Some((name, value)) = header {
+        headers.push((name, value.as_str()));
+    }
+    headers
+}
+
 /// The OpenAI `error.type` AIBrix gives an error answer of `status`, its own or a pod's.
 pub fn error_type(status: u32) -> &'static str {
     match status {

@@ -62,6 +62,7 @@ pub enum Kind {
 }
 
 impl Kind {
+    /// Every kind, in declaration order, so `kind as usize` indexes it.
     pub const ALL: [Kind; 4] = [
         Kind::InternalError,
         Kind::Unauthorized,
@@ -175,6 +176,13 @@ mod tests {
         let parsed: Value = serde_json::from_slice(&a.body).expect("valid JSON");
         assert!(parsed["error"]["message"].is_string(), "{parsed}");
         (parsed, a.kind)
+    }
+
+    #[test]
+    fn kinds_index_their_own_place() {
+        for (i, kind) in Kind::ALL.iter().enumerate() {
+            assert_eq!(*kind as usize, i, "{kind:?}");
+        }
     }
 
     #[test]

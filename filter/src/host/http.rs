@@ -186,13 +186,7 @@ impl PdHttp {
             }
         }
         let header = error.header();
-        let mut headers = vec![
-            ("content-type", "application/json"),
-            ("request-id", self.request_id.as_str()),
-        ];
-        if let Some((name, value)) = &header {
-            headers.push((name, value.as_str()));
-        }
+        let mut headers = crate::core::errors::reply_headers(&header, &self.request_id);
         if let Some(explain) = &self.obs.explain_header {
             headers.push((EXPLAIN_HEADER, explain.as_str()));
         }

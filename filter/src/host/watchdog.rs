@@ -113,13 +113,7 @@ pub fn tick(vm: &SharedVm, root_id: u32, now: u64) {
             } else {
                 let error = RouteError::DecodeTimeout(watchdog::message(&pod, &fire));
                 let header = error.header();
-                let mut headers = vec![
-                    ("content-type", "application/json"),
-                    ("request-id", request_id.as_str()),
-                ];
-                if let Some((name, value)) = &header {
-                    headers.push((name, value.as_str()));
-                }
+                let headers = crate::core::errors::reply_headers(&header, &request_id);
                 hostcalls::send_http_response(504, headers, Some(&error.body()))
             };
             if let Err(e) = result {
