@@ -14,13 +14,15 @@
 //! [`log`] (request log), [`faults`] (fault injection), [`server`] (HTTP), [`sim`] (fleet → served pods), [`load`] and
 //! [`stats`] (load generator and its summary), [`trace`] (JSONL traces, the mixed and
 //! fixed-size workloads), [`probe`] (pd-sim counters and router CPU around a run), [`report`]
-//! and [`charts`] (`pd-bench-report`: tables and SVG charts of `make bench`), [`cli`] (the
+//! and [`charts`] (`pd-bench-report`: tables and SVG charts of `make bench`),
+//! [`dispatch_bound`] (what any prefill dispatcher could reach on a run's trace), [`cli`] (the
 //! command lines).
 
 pub mod abort;
 pub mod charts;
 pub mod cli;
 pub mod client;
+pub mod dispatch_bound;
 pub mod engine;
 pub mod faults;
 pub mod interleave;

@@ -10,6 +10,8 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use crate::charts;
+use crate::dispatch_bound::{self, Arrival, Rule};
+use crate::engine::TimingModel;
 
 /// One pd-load result file, reduced to what the tables need.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -35,6 +37,8 @@ pub struct Run {
     pub ttft_ms: Vec<f64>,
     /// The repetition (the `<rep>` of the file name; `envoy/bench.sh` also seeds pd-load's
     /// trace with it), so that two targets' runs on the same trace can be compared in pairs.
+    /// Every request's send time and prompt size, for [`dispatch_bound`].
+    pub arrivals: Vec<Arrival>,
     pub rep: u32,
 }
 
@@ -113,6 +117,15 @@ impl Run {
             pods,
             e2e_ms: pick("e2e_ms"),
             ttft_ms: pick("ttft_ms"),
+            arrivals: results
+                .iter()
+                .filter_map(|r| {
+                    Some(Arrival {
+                        at_ms: r.get("start_ms")?.as_f64()?,
+                        prompt_tokens: r.get("prompt_tokens")?.as_u64()?,
+                    })
+                })
+                .collect(),
             rep: 0,
         }
     }
@@ -442,8 +455,75 @@ pub fn overhead_tables(results: &Results) -> String {
     out
 }
 
+/// The idealised prefill side the token_load target is measured against
+/// ([`dispatch_bound`]): as many FIFO lanes as the policy fleet has prefill pods, pd-sim's
+/// default prefill timing (the policy bench's).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Bound {
+    pub prefill_pods: usize,
+    /// token_load's `AIBRIX_TOKEN_LOAD_REQUEST_COST` in the runs.
+    pub request_cost: f64,
+}
+
+impl Default for Bound {
+    /// envoy/bench.sh's policy fleet (4 rolesets) and the contract's default request cost.
+    fn default() -> Self {
+        Bound {
+            prefill_pods: 4,
+            request_cost: 3500.0,
+        }
+    }
+}
+
+/// What a better prefill load estimate could reach at best on `baseline`'s traces: each run's
+/// arrivals replayed into [`Bound`]'s idealised pods at the run's hit rate, least work left
+/// (an oracle) and token_load's charge over least_request's request counting, run by run.
+fn bound_line(cells: &BTreeMap<String, Cell>, baseline: &str, bound: Bound) -> String {
+    let Some(cell) = cells.get(baseline) else {
+        return String::new();
+    };
+    let mut oracle = Vec::new();
+    let mut charge = Vec::new();
+    for run in cell.runs.iter().filter(|r| !r.arrivals.is_empty()) {
+        let model = dispatch_bound::Model {
+            pods: bound.prefill_pods,
+            timing: TimingModel::default(),
+            hit_rate: run.hit_rate.unwrap_or(0.0),
+        };
+        oracle.push(dispatch_bound::p99_ratio_to_fewest(
+            &run.arrivals,
+            &model,
+            Rule::LeastWorkLeft,
+        ));
+        charge.push(dispatch_bound::p99_ratio_to_fewest(
+            &run.arrivals,
+            &model,
+            Rule::TokenCharge {
+                request_cost: bound.request_cost,
+            },
+        ));
+    }
+    if oracle.is_empty() {
+        return String::new();
+    }
+    let each = |v: &[f64]| listed(v.iter().copied(), |r| num(r, 2));
+    format!(
+        "
+The same traces in idealised prefill pods ({} FIFO lanes, pd-sim's prefill timing, \
+         each run's hit rate on every request; `sim/src/dispatch_bound.rs`), prefill end p99 \
+         over least_request's request counting: least work left, an oracle that sends each \
+         request where it starts soonest, {} ({}); token_load's charge at request cost {} {} ({})\n",
+        bound.prefill_pods,
+        num(median(oracle.iter().copied()), 2),
+        each(&oracle),
+        bound.request_cost,
+        num(median(charge.iter().copied()), 2),
+        each(&charge),
+    )
+}
+
 /// Policy-quality tables, one per load, plus the two comparisons the issue sets targets for.
-pub fn policy_tables(results: &Results) -> String {
+pub fn policy_tables(results: &Results, bound: Bound) -> String {
     let mut out = String::new();
     for (scenario, cells) in results.iter().filter(|(s, _)| s.starts_with("policy")) {
         let _ = writeln!(out, "\n#### {scenario}\n");
@@ -475,6 +555,7 @@ pub fn policy_tables(results: &Results) -> String {
                 num(p99(both_tl) / p99(both_lr), 2),
                 paired_ratios(cells, both_tl, both_lr, 0.7)
             );
+            out.push_str(&bound_line(cells, both_lr, bound));
         }
         for decode in ["least_request", "load_balancing", "token_load"] {
             let (tl, lr) = (
@@ -690,6 +771,12 @@ pub struct ReportArgs {
     /// Where to draw the charts (default: --dir).
     #[arg(long)]
     pub charts: Option<PathBuf>,
+    /// Prefill pods of the policy fleet, for the idealised dispatch bound.
+    #[arg(long, default_value_t = Bound::default().prefill_pods)]
+    pub bound_prefill_pods: usize,
+    /// `AIBRIX_TOKEN_LOAD_REQUEST_COST` of the runs, for the bound's token charge.
+    #[arg(long, default_value_t = Bound::default().request_cost)]
+    pub bound_request_cost: f64,
 }
 
 /// `pd-bench-report`'s main.
@@ -717,7 +804,11 @@ pub fn report_main() -> std::process::ExitCode {
             .join(" ")
     );
     text.push_str(&overhead_tables(&results));
-    text.push_str(&policy_tables(&results));
+    let bound = Bound {
+        prefill_pods: args.bound_prefill_pods,
+        request_cost: args.bound_request_cost,
+    };
+    text.push_str(&policy_tables(&results, bound));
     print!("{text}");
     if let Err(e) = std::fs::write(args.dir.join("summary.md"), &text) {
         eprintln!("pd-bench-report: cannot write summary.md: {e}");
@@ -853,7 +944,7 @@ mod tests {
             "policy-90".to_string(),
             BTreeMap::from([("a+b".to_string(), Cell::default())]),
         )]);
-        assert!(!policy_tables(&quiet).contains("Suspect"));
+        assert!(!policy_tables(&quiet, Bound::default()).contains("Suspect"));
     }
 
     /// A policy run with this TTFT p99, hit rate and repetition.
@@ -881,7 +972,7 @@ mod tests {
                 .runs
                 .push(policy_run(p99, 0.25, 0));
         }
-        let text = policy_tables(&results);
+        let text = policy_tables(&results, Bound::default());
         assert!(
             text.contains("token_load+least_request ÷ least_request+least_request TTFT p99: 0.35"),
             "{text}"
@@ -891,6 +982,53 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("| 25.0 % |"), "{text}");
+    }
+
+    #[test]
+    fn the_token_load_target_comes_with_the_idealised_bound_of_its_baseline_traces() {
+        let mut results: Results = BTreeMap::new();
+        let s = results.entry("policy-90".into()).or_default();
+        s.entry("token_load+token_load".into())
+            .or_default()
+            .runs
+            .push(policy_run(50.0, 0.0, 1));
+        // Without the requests' arrivals (an older report) there is no bound to give.
+        s.entry("least_request+least_request".into())
+            .or_default()
+            .runs
+            .push(policy_run(100.0, 0.0, 1));
+        assert!(!policy_tables(&results, Bound::default()).contains("idealised"));
+        // Two pods: a long prompt, then short ones that counting queues behind it.
+        let mut v = report(10.0, 1.0, 50.0);
+        v["prefix"] = json!({"hit_rate": 0.0, "pods": []});
+        v["results"] = json!([
+            {"start_ms": 0.0, "prompt_tokens": 10000, "status": 200},
+            {"start_ms": 0.1, "prompt_tokens": 100, "status": 200},
+            {"start_ms": 0.15, "prompt_tokens": 100, "status": 200},
+            {"start_ms": 0.2, "prompt_tokens": 100, "status": 200},
+        ]);
+        let run = Run::from_json(&v);
+        assert_eq!(run.arrivals.len(), 4);
+        let s = results.get_mut("policy-90").unwrap();
+        s.get_mut("least_request+least_request").unwrap().runs = vec![Run { rep: 1, ..run }];
+        let bound = Bound {
+            prefill_pods: 2,
+            request_cost: 1e9,
+        };
+        let text = policy_tables(&results, bound);
+        // Counting sends the third request behind the long prompt (205.85 ms), the oracle
+        // never does (worst: the long prompt itself, 202 ms); a request cost that dwarfs every
+        // prompt counts requests and sends the fourth there instead (205.8 ms).
+        assert!(
+            text.contains(
+                "least work left, an oracle that sends each request where it starts soonest, 0.98 (0.98)"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("token_load's charge at request cost 1000000000 1.00 (1.00)"),
+            "{text}"
+        );
     }
 
     #[test]
@@ -914,7 +1052,7 @@ mod tests {
                 .runs
                 .push(policy_run(p99, hit, rep));
         }
-        let text = policy_tables(&results);
+        let text = policy_tables(&results, Bound::default());
         assert!(
             text.contains("run by run on the same trace: 0.60, 0.90 (median 0.75, met in 1 of 2)"),
             "{text}"
