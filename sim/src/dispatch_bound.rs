@@ -96,8 +96,10 @@ pub fn prefill_times_ms(arrivals: &[Arrival], model: &Model, rule: Rule) -> Vec<
     out
 }
 
-/// The nearest-rank `q` quantile (0–1) of `values`; NaN when empty.
-pub fn quantile(values: &[f64], q: f64) -> f64 {
+/// The nearest-rank `q` quantile (0–1) of `values`; NaN when empty. Nearest rank rather than
+/// pd-load's interpolated [`crate::stats::percentile`], so each rule's p99 is one request's
+/// actual time.
+fn quantile(values: &[f64], q: f64) -> f64 {
     let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
     if v.is_empty() {
         return f64::NAN;

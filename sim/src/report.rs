@@ -35,10 +35,10 @@ pub struct Run {
     pub pods: Vec<(String, f64)>,
     pub e2e_ms: Vec<f64>,
     pub ttft_ms: Vec<f64>,
-    /// The repetition (the `<rep>` of the file name; `envoy/bench.sh` also seeds pd-load's
-    /// trace with it), so that two targets' runs on the same trace can be compared in pairs.
     /// Every request's send time and prompt size, for [`dispatch_bound`].
     pub arrivals: Vec<Arrival>,
+    /// The repetition (the `<rep>` of the file name; `envoy/bench.sh` also seeds pd-load's
+    /// trace with it), so that two targets' runs on the same trace can be compared in pairs.
     pub rep: u32,
 }
 
@@ -508,8 +508,7 @@ fn bound_line(cells: &BTreeMap<String, Cell>, baseline: &str, bound: Bound) -> S
     }
     let each = |v: &[f64]| listed(v.iter().copied(), |r| num(r, 2));
     format!(
-        "
-The same traces in idealised prefill pods ({} FIFO lanes, pd-sim's prefill timing, \
+        "\nThe same traces in idealised prefill pods ({} FIFO lanes, pd-sim's prefill timing, \
          each run's hit rate on every request; `sim/src/dispatch_bound.rs`), prefill end p99 \
          over least_request's request counting: least work left, an oracle that sends each \
          request where it starts soonest, {} ({}); token_load's charge at request cost {} {} ({})\n",
