@@ -15,6 +15,7 @@
 //! oracle's tail.
 
 use crate::engine::TimingModel;
+use crate::trace::MixedShape;
 
 /// One request of a trace, as the load generator sent it.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -115,6 +116,141 @@ pub fn p99_ratio_to_fewest(arrivals: &[Arrival], model: &Model, rule: Rule) -> f
     p99(rule) / p99(Rule::FewestOutstanding)
 }
 
+/// Poisson arrivals of `sizes`, in their order, at `load` times the idealised fleet's
+/// capacity (pods over the mean prefill time at the model's hit rate). For traces no run has
+/// sent: the question "could any dispatcher meet the target on a trace shaped like this?"
+/// needs no router, only arrivals at a comparable load.
+pub fn poisson_arrivals(sizes: &[u64], model: &Model, load: f64, seed: u64) -> Vec<Arrival> {
+    let uncached = 1.0 - model.hit_rate.clamp(0.0, 1.0);
+    let service_ms = |tokens: u64| {
+        let new_tokens = (tokens as f64 * uncached).round() as u64;
+        model.timing.prefill_time(new_tokens).as_secs_f64() * 1000.0
+    };
+    let mean_ms = sizes.iter().map(|&s| service_ms(s)).sum::<f64>() / sizes.len().max(1) as f64;
+    let per_ms = load.max(0.0) * model.pods.max(1) as f64 / mean_ms.max(f64::MIN_POSITIVE);
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let mut at_ms = 0.0;
+    sizes
+        .iter()
+        .map(|&prompt_tokens| {
+            // Exponential gaps; 1 - f64() lies in (0, 1], so the logarithm is finite.
+            at_ms += -(1.0 - rng.f64()).ln() / per_ms;
+            Arrival {
+                at_ms,
+                prompt_tokens,
+            }
+        })
+        .collect()
+}
+
+/// `pd-dispatch-bound`'s command line: the bound on synthetic mixed traces, so a trace shape
+/// (longer RAG prompts, more of them) can be judged before any run.
+#[derive(Debug, clap::Parser)]
+#[command(
+    name = "pd-dispatch-bound",
+    about = "What any prefill dispatcher could reach against request counting on a mixed trace"
+)]
+pub struct BoundArgs {
+    /// Offered load, as a fraction of the idealised fleet's prefill capacity.
+    #[arg(long, default_value_t = 0.9)]
+    pub load: f64,
+    /// Prefill pods (one FIFO lane each).
+    #[arg(long, default_value_t = 4)]
+    pub pods: usize,
+    /// Share of prompt tokens served from the prefix cache (least_request's runs: about 0.3).
+    #[arg(long, default_value_t = 0.3)]
+    pub hit_rate: f64,
+    /// token_load's fixed charge per request (`AIBRIX_TOKEN_LOAD_REQUEST_COST`).
+    #[arg(long, default_value_t = 3500.0)]
+    pub request_cost: f64,
+    /// Requests per trace.
+    #[arg(long, default_value_t = 4000)]
+    pub entries: usize,
+    /// Traces (seeds 0..N), one line each.
+    #[arg(long, default_value_t = 5)]
+    pub seeds: u64,
+    /// Share of short chats.
+    #[arg(long, default_value_t = MixedShape::default().chat_share)]
+    pub chat_share: f64,
+    /// Share of RAG prompts.
+    #[arg(long, default_value_t = MixedShape::default().rag_share)]
+    pub rag_share: f64,
+    /// RAG prompt sizes in tokens, `LOW-HIGH` (pd-load's mixed trace: 1500-4000).
+    #[arg(long, value_parser = token_range, default_value = "1500-4000")]
+    pub rag_tokens: (u64, u64),
+}
+
+fn token_range(s: &str) -> Result<(u64, u64), String> {
+    let (lo, hi) = s
+        .split_once('-')
+        .ok_or_else(|| format!("{s}: want LOW-HIGH"))?;
+    let parse = |v: &str| v.trim().parse::<u64>().map_err(|e| format!("{v}: {e}"));
+    let (lo, hi) = (parse(lo)?, parse(hi)?);
+    if lo == 0 || lo > hi {
+        return Err(format!("{s}: want 1 <= LOW <= HIGH"));
+    }
+    Ok((lo, hi))
+}
+
+/// `pd-dispatch-bound`'s main: per trace, the oracle's and token_load's charge's p99 over
+/// request counting's, then the medians.
+pub fn bound_main() -> std::process::ExitCode {
+    use clap::Parser as _;
+    let args = BoundArgs::parse();
+    if !(args.chat_share >= 0.0 && args.rag_share >= 0.0 && args.chat_share + args.rag_share <= 1.0)
+    {
+        eprintln!("pd-dispatch-bound: --chat-share and --rag-share must be >= 0 and sum to <= 1");
+        return std::process::ExitCode::FAILURE;
+    }
+    let model = Model {
+        pods: args.pods.max(1),
+        timing: TimingModel::default(),
+        hit_rate: args.hit_rate,
+    };
+    let shape = MixedShape {
+        entries: args.entries.max(1),
+        chat_share: args.chat_share,
+        rag_share: args.rag_share,
+        rag_tokens: args.rag_tokens,
+        ..MixedShape::default()
+    };
+    println!(
+        "{} pods, {:.0} % load, hit rate {:.2}, RAG {}-{} tokens at {:.0} %; p99 to the end of \
+         the prefill over request counting's",
+        model.pods,
+        args.load * 100.0,
+        args.hit_rate,
+        args.rag_tokens.0,
+        args.rag_tokens.1,
+        args.rag_share * 100.0
+    );
+    let (mut oracle, mut charge) = (Vec::new(), Vec::new());
+    for seed in 0..args.seeds.max(1) {
+        let sizes: Vec<u64> = crate::trace::mixed(&shape, seed)
+            .iter()
+            .map(|e| e.size_tokens())
+            .collect();
+        let arrivals = poisson_arrivals(&sizes, &model, args.load, seed);
+        let o = p99_ratio_to_fewest(&arrivals, &model, Rule::LeastWorkLeft);
+        let c = p99_ratio_to_fewest(
+            &arrivals,
+            &model,
+            Rule::TokenCharge {
+                request_cost: args.request_cost,
+            },
+        );
+        println!("trace {seed}: least work left {o:.2}, token charge {c:.2}");
+        oracle.push(o);
+        charge.push(c);
+    }
+    println!(
+        "median: least work left {:.2}, token charge {:.2}",
+        quantile(&oracle, 0.5),
+        quantile(&charge, 0.5)
+    );
+    std::process::ExitCode::SUCCESS
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -193,6 +329,44 @@ mod tests {
             Rule::LeastWorkLeft,
         );
         assert!((warm[0] - 12.0).abs() < 1e-9, "{warm:?}");
+    }
+
+    #[test]
+    fn poisson_arrivals_keep_the_sizes_and_offer_the_asked_load() {
+        let sizes: Vec<u64> = (0..20_000).map(|i| 100 + (i % 7) * 500).collect();
+        let m = Model {
+            hit_rate: 0.3,
+            ..model(4)
+        };
+        let arrivals = poisson_arrivals(&sizes, &m, 0.9, 7);
+        assert_eq!(
+            arrivals.iter().map(|a| a.prompt_tokens).collect::<Vec<_>>(),
+            sizes
+        );
+        assert!(arrivals.windows(2).all(|w| w[0].at_ms < w[1].at_ms));
+        // Offered work over the span, per pod: the load asked for, within Poisson noise.
+        let work_ms: f64 = sizes
+            .iter()
+            .map(|&s| {
+                let new = (s as f64 * 0.7).round() as u64;
+                m.timing.prefill_time(new).as_secs_f64() * 1000.0
+            })
+            .sum();
+        let span_ms = arrivals.last().map(|a| a.at_ms).unwrap_or(0.0);
+        let offered = work_ms / span_ms / 4.0;
+        assert!((offered - 0.9).abs() < 0.03, "{offered}");
+        // The same seed gives the same trace; another seed another one.
+        assert_eq!(arrivals, poisson_arrivals(&sizes, &m, 0.9, 7));
+        assert_ne!(arrivals, poisson_arrivals(&sizes, &m, 0.9, 8));
+    }
+
+    #[test]
+    fn token_ranges_are_low_dash_high() {
+        assert_eq!(token_range("1500-4000"), Ok((1500, 4000)));
+        assert_eq!(token_range("7-7"), Ok((7, 7)));
+        for bad in ["4000-1500", "0-10", "10", "a-b", "-5"] {
+            assert!(token_range(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]
