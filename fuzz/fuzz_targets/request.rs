@@ -71,6 +71,21 @@ fuzz_target!(|data: &[u8]| {
         (a, b) => panic!("one answer read failed, the other did not: {a:?} / {b:?}"),
     }
     let strict = serde_json::from_slice::<serde_json::Value>(data).is_ok();
+    // A Messages body is read exactly as a chat body.
+    match (
+        RoutingRequest::parse(Endpoint::Messages, data),
+        RoutingRequest::parse(Endpoint::ChatCompletions, data),
+    ) {
+        (Ok(m), Ok(c)) => assert_eq!(
+            m,
+            RoutingRequest {
+                endpoint: Endpoint::Messages,
+                ..c
+            }
+        ),
+        (Err(a), Err(b)) => assert_eq!(a, b),
+        (a, b) => panic!("Messages and chat parses differ: {a:?} / {b:?}"),
+    }
     for endpoint in [Endpoint::Completions, Endpoint::ChatCompletions] {
         let parsed = RoutingRequest::parse(endpoint, data);
         match (&parsed, &RoutingRequest::parse_two_pass(endpoint, data)) {

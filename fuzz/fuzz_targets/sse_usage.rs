@@ -1,8 +1,11 @@
-//! The SSE chunk scan that finds a stream's final usage.
+//! The SSE chunk scan that finds a stream's final usage, for each endpoint's key.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use pd_router_filter::core::obs::usage::completion_tokens;
+use pd_router_filter::core::obs::usage::generated_tokens;
+use pd_router_filter::core::request::Endpoint;
 
 fuzz_target!(|data: &[u8]| {
-    let _ = completion_tokens(data);
+    for endpoint in [Endpoint::ChatCompletions, Endpoint::Messages] {
+        let _ = generated_tokens(data, endpoint.usage_output_key());
+    }
 });

@@ -19,6 +19,7 @@
 //! command lines).
 
 pub mod abort;
+pub mod anthropic;
 pub mod charts;
 pub mod cli;
 pub mod client;

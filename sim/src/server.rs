@@ -22,6 +22,7 @@ use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
 
 use crate::abort::AbortHandle;
+use crate::anthropic;
 use crate::engine;
 use crate::faults::{Drawn, FaultError, FaultKind, FaultSpec};
 use crate::log::LogEntry;
@@ -64,7 +65,8 @@ pub fn pod_router(ctx: PodCtx) -> Router {
             .route("/server_info", get(server_info))
             .route("/get_server_info", get(server_info))
             .route("/abort_request", post(abort_request)),
-        Engine::Vllm => router,
+        // Only vLLM carries the disaggregation fields through its Messages handler.
+        Engine::Vllm => router.route("/v1/messages", post(messages)),
     };
     router
         .route("/health", get(|| async { StatusCode::OK }))
@@ -103,6 +105,10 @@ async fn completions(State(ctx): State<PodCtx>, headers: HeaderMap, body: Bytes)
 
 async fn chat_completions(State(ctx): State<PodCtx>, headers: HeaderMap, body: Bytes) -> Response {
     handle(ctx, Endpoint::Chat, headers, body).await
+}
+
+async fn messages(State(ctx): State<PodCtx>, headers: HeaderMap, body: Bytes) -> Response {
+    handle(ctx, Endpoint::Messages, headers, body).await
 }
 
 async fn models(State(ctx): State<PodCtx>) -> Response {
@@ -206,10 +212,13 @@ pub fn json_response<T: serde::Serialize + ?Sized>(status: StatusCode, value: &T
 }
 
 /// An error in the engine's body shape: vLLM's nested `error` object, or SGLang's and
-/// TRT-LLM's flat `{"object":"error",...}`.
-fn error_response(err: &ApiError, engine: Engine) -> Response {
+/// TRT-LLM's flat `{"object":"error",...}`; on vLLM's Messages endpoint, Anthropic's.
+fn error_response(err: &ApiError, engine: Engine, endpoint: Endpoint) -> Response {
     let status = StatusCode::from_u16(err.status).unwrap_or(StatusCode::BAD_REQUEST);
     match engine {
+        Engine::Vllm if endpoint == Endpoint::Messages => {
+            json_response(status, &anthropic::error_body(err.kind, &err.message))
+        }
         Engine::Vllm => json_response(status, &err.body()),
         Engine::Sglang | Engine::Trtllm => json_response(status, &err.flat_body()),
     }
@@ -230,15 +239,17 @@ type Decorate = Box<dyn FnOnce(&mut Value) + Send>;
 /// (`handover`), and what the engine adds to a response body (`decorate`).
 struct Hooks {
     engine: Engine,
+    endpoint: Endpoint,
     gate: Option<BoxFuture<'static, Result<(), ApiError>>>,
     handover: Option<BoxFuture<'static, Result<(), ApiError>>>,
     decorate: Option<Decorate>,
 }
 
 impl Hooks {
-    fn new(engine: Engine) -> Hooks {
+    fn new(engine: Engine, endpoint: Endpoint) -> Hooks {
         Hooks {
             engine,
+            endpoint,
             gate: None,
             handover: None,
             decorate: None,
@@ -317,7 +328,7 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
         entry.status = err.status;
         entry.error = Some(err.message.clone());
         pod.log.push(entry);
-        error_response(&err, engine)
+        error_response(&err, engine, endpoint)
     };
     let json = match vllm::parse_json(&body) {
         Ok(v) => v,
@@ -365,7 +376,7 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
 
     let id = endpoint.response_id(x_request_id.as_deref());
     let hashes = block_hashes(&req.prompt_text);
-    let mut hooks = Hooks::new(engine);
+    let mut hooks = Hooks::new(engine, endpoint);
     let mut pin_as = (req.leg == Leg::Prefill && engine == Engine::Vllm).then(|| id.clone());
     let timeout = pod.config.transfer_timeout;
     let work = match (req.leg, &req.kv_transfer_params, &sglang_leg, &trt_leg) {
@@ -526,7 +537,7 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
                     // KV was taken (so the prefill answers), then the scheduler stalled.
                     if let Some(gate) = hooks.gate.take() {
                         if let Err(err) = gate.await {
-                            return error_response(&err, engine);
+                            return error_response(&err, engine, endpoint);
                         }
                     }
                     drawn.released().await;
@@ -578,7 +589,7 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
         Some(signal) => {
             tokio::select! {
                 response = respond => response,
-                _ = signal.aborted() => aborted_response(engine),
+                _ = signal.aborted() => aborted_response(engine, endpoint),
             }
         }
     }
@@ -607,7 +618,7 @@ fn trtllm_pull(registry: &Registry, t: &TrtLeg) -> KvPull {
 }
 
 /// What an aborted unstreamed request answers (SGLang finishes it with an abort reason).
-fn aborted_response(engine: Engine) -> Response {
+fn aborted_response(engine: Engine, endpoint: Endpoint) -> Response {
     error_response(
         &ApiError {
             status: 500,
@@ -615,6 +626,7 @@ fn aborted_response(engine: Engine) -> Response {
             message: "request aborted by /abort_request".into(),
         },
         engine,
+        endpoint,
     )
 }
 
@@ -701,7 +713,7 @@ async fn full_response(
 ) -> Response {
     if let Some(gate) = hooks.gate.take() {
         if let Err(err) = gate.await {
-            return error_response(&err, hooks.engine);
+            return error_response(&err, hooks.engine, hooks.endpoint);
         }
     }
     let mut produced = 0;
@@ -710,7 +722,7 @@ async fn full_response(
     }
     if let Some(handover) = hooks.handover.take() {
         if let Err(err) = handover.await {
-            return error_response(&err, hooks.engine);
+            return error_response(&err, hooks.engine, hooks.endpoint);
         }
     }
     let mut body = meta.full_body(
@@ -749,7 +761,13 @@ struct StreamState {
 }
 
 /// One SSE event of an error after the headers went out, then the stream ends.
-fn stream_error(message: &str) -> String {
+fn stream_error(endpoint: Endpoint, message: &str) -> String {
+    if endpoint == Endpoint::Messages {
+        return anthropic::event(
+            "error",
+            &anthropic::error_body("InternalServerError", message),
+        );
+    }
     let mut text = vllm::sse_event(
         &serde_json::json!({"error": {"message": message, "type": "InternalServerError", "code": 500}}),
     );
@@ -777,7 +795,7 @@ impl StreamState {
                         Ok(()) => String::new(),
                         Err(err) => {
                             self.phase = StreamPhase::Finished;
-                            stream_error(&err.message)
+                            stream_error(self.meta.endpoint, &err.message)
                         }
                     },
                     None => String::new(),
@@ -788,19 +806,32 @@ impl StreamState {
                     self.produced += 1;
                     let last = self.produced == self.job.spec().output_tokens;
                     let mut text = String::new();
-                    if index == 0 && self.meta.endpoint == Endpoint::Chat {
-                        text.push_str(&vllm::sse_event(&self.meta.role_chunk()));
+                    let token = engine::token_text(index);
+                    match self.meta.endpoint {
+                        Endpoint::Messages => {
+                            if index == 0 {
+                                text.push_str(&anthropic::opening(
+                                    &self.meta.id,
+                                    &self.meta.model,
+                                    self.opts.prompt_tokens,
+                                ));
+                            }
+                            text.push_str(&anthropic::text_delta(&token));
+                        }
+                        endpoint => {
+                            if index == 0 && endpoint == Endpoint::Chat {
+                                text.push_str(&vllm::sse_event(&self.meta.role_chunk()));
+                            }
+                            text.push_str(&vllm::sse_event(&self.meta.token_chunk(&token, last)));
+                        }
                     }
-                    text.push_str(&vllm::sse_event(
-                        &self.meta.token_chunk(&engine::token_text(index), last),
-                    ));
                     text
                 }
                 None => {
                     if let Some(handover) = self.opts.hooks.handover.take() {
                         if let Err(err) = handover.await {
                             self.phase = StreamPhase::Finished;
-                            return Some(stream_error(&err.message));
+                            return Some(stream_error(self.meta.endpoint, &err.message));
                         }
                     }
                     self.phase = if self.opts.include_usage {
@@ -813,15 +844,23 @@ impl StreamState {
             },
             StreamPhase::Usage => {
                 self.phase = StreamPhase::Done;
-                vllm::sse_event(
-                    &self
-                        .meta
-                        .usage_chunk(self.opts.prompt_tokens, self.produced),
-                )
+                match self.meta.endpoint {
+                    Endpoint::Messages => {
+                        anthropic::closing(self.opts.prompt_tokens, self.produced)
+                    }
+                    _ => vllm::sse_event(
+                        &self
+                            .meta
+                            .usage_chunk(self.opts.prompt_tokens, self.produced),
+                    ),
+                }
             }
             StreamPhase::Done => {
                 self.phase = StreamPhase::Finished;
-                vllm::SSE_DONE.to_string()
+                match self.meta.endpoint {
+                    Endpoint::Messages => anthropic::message_stop(),
+                    _ => vllm::SSE_DONE.to_string(),
+                }
             }
             StreamPhase::Finished => return None,
         };
@@ -850,7 +889,7 @@ fn stream_response(job: Job, meta: ResponseMeta, opts: StreamOptions) -> Respons
                     text = st.step() => text,
                     _ = a.aborted() => {
                         st.phase = StreamPhase::Finished;
-                        Some(stream_error("request aborted by /abort_request"))
+                        Some(stream_error(st.meta.endpoint, "request aborted by /abort_request"))
                     }
                 }
             }

@@ -14,6 +14,8 @@ use crate::engine;
 pub enum Endpoint {
     Completions,
     Chat,
+    /// Anthropic's Messages API (`crate::anthropic`), served as chat inside vLLM.
+    Messages,
 }
 
 impl Endpoint {
@@ -21,6 +23,7 @@ impl Endpoint {
         match self {
             Endpoint::Completions => "/v1/completions",
             Endpoint::Chat => "/v1/chat/completions",
+            Endpoint::Messages => "/v1/messages",
         }
     }
 
@@ -33,7 +36,8 @@ impl Endpoint {
         };
         match self {
             Endpoint::Completions => format!("cmpl-{id}-0"),
-            Endpoint::Chat => format!("chatcmpl-{id}"),
+            // vLLM answers a Messages request with its chat completion's id.
+            Endpoint::Chat | Endpoint::Messages => format!("chatcmpl-{id}"),
         }
     }
 }
@@ -201,6 +205,7 @@ impl SimRequest {
         let (prompt_text, prompt_tokens) = match endpoint {
             Endpoint::Completions => completion_prompt(obj.get("prompt"))?,
             Endpoint::Chat => chat_prompt(obj.get("messages"))?,
+            Endpoint::Messages => messages_prompt(obj)?,
         };
         let stream = match obj.get("stream") {
             None | Some(Value::Null) => false,
@@ -212,6 +217,9 @@ impl SimRequest {
             }
         };
         let include_usage = match obj.get("stream_options") {
+            // The Messages request has no stream_options (an unknown field, ignored); its
+            // stream always ends with the usage.
+            _ if endpoint == Endpoint::Messages => stream,
             None | Some(Value::Null) => false,
             Some(_) if !stream => {
                 return Err(ApiError::bad_request(
@@ -374,12 +382,43 @@ fn chat_prompt(messages: Option<&Value>) -> Result<(String, u64), ApiError> {
     Ok((text, tokens))
 }
 
+/// A Messages request's prompt: the top-level `system` (a string or text blocks), then the
+/// messages as chat reads them.
+fn messages_prompt(obj: &Map<String, Value>) -> Result<(String, u64), ApiError> {
+    let (chat, _) = chat_prompt(obj.get("messages"))?;
+    let system = match obj.get("system") {
+        None | Some(Value::Null) => String::new(),
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(blocks)) => blocks
+            .iter()
+            .filter_map(|b| b.get("text").and_then(Value::as_str))
+            .collect(),
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "system: Input should be a valid string or a list of blocks",
+            ))
+        }
+    };
+    let text = if system.is_empty() {
+        chat
+    } else {
+        format!("{system}\n{chat}")
+    };
+    let tokens = engine::prompt_tokens(&text);
+    Ok((text, tokens))
+}
+
 /// `max_completion_tokens` wins over `max_tokens` on chat (as in vLLM); absent or null means
 /// the simulator's default. vLLM rejects values below 1.
 fn max_tokens(endpoint: Endpoint, obj: &Map<String, Value>, default: u64) -> Result<u64, ApiError> {
     let keys: &[&str] = match endpoint {
         Endpoint::Chat => &["max_completion_tokens", "max_tokens"],
         Endpoint::Completions => &["max_tokens", "max_completion_tokens"],
+        // Anthropic's `max_tokens` is required and the only limit.
+        Endpoint::Messages if matches!(obj.get("max_tokens"), None | Some(Value::Null)) => {
+            return Err(ApiError::bad_request("max_tokens: Field required"))
+        }
+        Endpoint::Messages => &["max_tokens"],
     };
     for key in keys {
         match obj.get(*key) {
@@ -441,12 +480,22 @@ impl ResponseMeta {
         completion_tokens: u64,
         kv_out: Option<&Value>,
     ) -> Value {
+        if self.endpoint == Endpoint::Messages {
+            return crate::anthropic::full_body(
+                &self.id,
+                &self.model,
+                text,
+                prompt_tokens,
+                completion_tokens,
+                kv_out,
+            );
+        }
         let choice = match self.endpoint {
             Endpoint::Completions => json!({
                 "index": 0, "text": text, "logprobs": null,
                 "finish_reason": "length", "stop_reason": null, "prompt_logprobs": null,
             }),
-            Endpoint::Chat => json!({
+            Endpoint::Chat | Endpoint::Messages => json!({
                 "index": 0,
                 "message": {"role": "assistant", "content": text, "tool_calls": []},
                 "logprobs": null, "finish_reason": "length", "stop_reason": null,
@@ -488,7 +537,7 @@ impl ResponseMeta {
                 "index": 0, "text": text, "logprobs": null,
                 "finish_reason": finish, "stop_reason": null,
             }),
-            Endpoint::Chat => json!({
+            Endpoint::Chat | Endpoint::Messages => json!({
                 "index": 0, "delta": {"content": text},
                 "logprobs": null, "finish_reason": finish, "stop_reason": null,
             }),
@@ -518,8 +567,8 @@ impl ResponseMeta {
     fn object(&self, chunk: bool) -> &'static str {
         match (self.endpoint, chunk) {
             (Endpoint::Completions, _) => "text_completion",
-            (Endpoint::Chat, false) => "chat.completion",
-            (Endpoint::Chat, true) => "chat.completion.chunk",
+            (Endpoint::Chat | Endpoint::Messages, false) => "chat.completion",
+            (Endpoint::Chat | Endpoint::Messages, true) => "chat.completion.chunk",
         }
     }
 }
@@ -564,6 +613,37 @@ mod tests {
     fn prefill_marker() -> Value {
         json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
                "remote_block_ids": null, "remote_host": null, "remote_port": null})
+    }
+
+    #[test]
+    fn messages_need_max_tokens_ignore_openai_fields_and_always_stream_usage() {
+        let body = |extra: Value| {
+            let mut b = json!({"model": "m", "messages": [{"role": "user", "content": "abcd"}]});
+            if let (Some(b), Some(extra)) = (b.as_object_mut(), extra.as_object()) {
+                b.extend(extra.clone());
+            }
+            b
+        };
+        let missing = req(Endpoint::Messages, body(json!({})), PodRole::Combined).unwrap_err();
+        assert_eq!(missing.message, "max_tokens: Field required");
+        for bad in [json!(0), json!("1")] {
+            let b = body(json!({"max_tokens": bad}));
+            assert!(req(Endpoint::Messages, b, PodRole::Combined).is_err());
+        }
+        // The prefill leg's OpenAI extras (stream_options off a stream, max_completion_tokens)
+        // are unknown fields to the Messages model.
+        let b = body(
+            json!({"max_tokens": 5, "max_completion_tokens": 1, "stream": true,
+                            "stream_options": "x", "system": [{"type": "text", "text": "ab"}]}),
+        );
+        let r = req(Endpoint::Messages, b, PodRole::Combined).unwrap();
+        assert_eq!((r.max_tokens, r.stream, r.include_usage), (5, true, true));
+        assert_eq!((r.prompt_text.as_str(), r.prompt_tokens), ("ab\nabcd", 2));
+        let b = body(json!({"max_tokens": 5, "kv_transfer_params": prefill_marker()}));
+        assert_eq!(
+            req(Endpoint::Messages, b, PodRole::Prefill).unwrap().leg,
+            Leg::Prefill
+        );
     }
 
     #[test]

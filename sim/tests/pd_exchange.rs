@@ -506,3 +506,115 @@ async fn interleaved_run_deals_the_same_requests_to_every_target() {
     }
     sim.shutdown().await;
 }
+
+/// vLLM's Anthropic endpoint as a PD pair: the prefill leg answers a Messages body with
+/// `kv_transfer_params` at the top level, the decode leg pulls with them and streams named
+/// events ending in `message_stop`, its usage in `message_delta`; SGLang pods have no
+/// `/v1/messages` (their handler drops the bootstrap fields).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_prefill_then_decode_over_http() {
+    let (p_port, d_port, s_port) = (free_port(), free_port(), free_port());
+    let path = std::env::temp_dir().join(format!(
+        "pd-sim-messages-{}-{p_port}.yaml",
+        std::process::id()
+    ));
+    let _cleanup = TempFile(path.clone());
+    let pods = [
+        pod_yaml(MODEL, "vllm-p-0", "vllm", "prefill", p_port),
+        pod_yaml(MODEL, "vllm-d-0", "vllm", "decode", d_port),
+        pod_yaml(MODEL, "sglang-p-0", "sglang", "prefill", s_port),
+    ];
+    std::fs::write(&path, fleet_yaml(&pods)).expect("write fleet");
+    let watcher =
+        FleetWatcher::load(path.clone(), Duration::from_millis(20)).expect("fleet parses");
+    let sim = Sim::new(SimConfig::default());
+    let report = sim.apply(watcher.records()).await;
+    assert_eq!((report.serving, report.failed.len()), (3, 0), "{report:?}");
+    let prefill = format!("http://127.0.0.1:{p_port}/v1/messages");
+    let decode = format!("http://127.0.0.1:{d_port}/v1/messages");
+
+    let client_body = json!({"model": MODEL, "system": "s".repeat(40), "max_tokens": 3,
+        "stream": true, "messages": [{"role": "user", "content": "x".repeat(360)}]});
+    let mut prefill_body = client_body.clone();
+    prefill_body["max_tokens"] = json!(1);
+    prefill_body["stream"] = json!(false);
+    prefill_body["kv_transfer_params"] =
+        json!({"do_remote_decode": true, "do_remote_prefill": false});
+    let resp = post(&prefill, &prefill_body, Some("m1")).await;
+    assert_eq!(resp.status(), 200);
+    let p: Value = serde_json::from_str(&resp.text().await.expect("body")).expect("JSON");
+    assert_eq!(
+        (p["type"].as_str(), p["id"].as_str()),
+        (Some("message"), Some("chatcmpl-m1"))
+    );
+    assert_eq!(p["content"][0]["text"], " tok0");
+    assert_eq!(p["stop_reason"], "max_tokens");
+    // The system prompt counts: (40 + 1 + 360) / 4, rounded up.
+    assert_eq!(
+        (
+            p["usage"]["input_tokens"].as_u64(),
+            p["usage"]["output_tokens"].as_u64()
+        ),
+        (Some(101), Some(1))
+    );
+    let mut kv = p["kv_transfer_params"].clone();
+    assert_eq!(kv["do_remote_prefill"], true);
+    kv["remote_host"] = json!("127.0.0.1");
+
+    // Without the params a decode pod refuses the body, in Anthropic's error shape.
+    let resp = post(&decode, &client_body, Some("m1")).await;
+    assert_eq!(resp.status(), 400);
+    let e: Value = serde_json::from_str(&resp.text().await.expect("body")).expect("JSON");
+    assert_eq!(e["type"], "error");
+    assert!(e["error"]["message"].is_string(), "{e}");
+
+    let mut decode_body = client_body.clone();
+    decode_body["kv_transfer_params"] = kv;
+    let resp = post(&decode, &decode_body, Some("m1")).await;
+    assert_eq!(resp.status(), 200);
+    let sse = resp.text().await.expect("stream");
+    let events: Vec<(String, Value)> = sse
+        .split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| {
+            let (name, data) = e.split_once('\n').expect("event and data");
+            (
+                name.trim_start_matches("event: ").to_string(),
+                serde_json::from_str(data.trim_start_matches("data: ")).expect("event JSON"),
+            )
+        })
+        .collect();
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names.first(), Some(&"message_start"), "{sse}");
+    assert_eq!(names.last(), Some(&"message_stop"), "{sse}");
+    let text: String = events
+        .iter()
+        .filter_map(|(_, e)| e["delta"]["text"].as_str())
+        .collect();
+    assert_eq!(text, " tok0 tok1 tok2");
+    let delta = events
+        .iter()
+        .find(|(n, _)| n == "message_delta")
+        .expect("message_delta");
+    assert_eq!(delta.1["usage"]["output_tokens"], 3);
+    let log = get_json(&format!("http://127.0.0.1:{d_port}/sim/requests")).await;
+    let legs: Vec<&str> = log
+        .as_array()
+        .expect("log")
+        .iter()
+        .filter_map(|e| e["leg"].as_str())
+        .collect();
+    assert_eq!(
+        legs,
+        ["decode"],
+        "the refused body is logged without a leg: {log}"
+    );
+
+    let resp = post(
+        &format!("http://127.0.0.1:{s_port}/v1/messages"),
+        &prefill_body,
+        None,
+    )
+    .await;
+    assert_eq!(resp.status(), 404);
+}

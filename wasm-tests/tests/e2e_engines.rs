@@ -159,6 +159,44 @@ fn sglang_duplicate_controlled_key_is_400_before_any_leg() {
     assert!(stack.metric("pd_router_rejected_total", &[("reason", "invalid_request")]) >= 1.0);
 }
 
+/// SGLang's Messages handler drops the bootstrap fields and trtllm-serve has no
+/// `/v1/messages`: a Messages request for such a pair is refused before selection, naming
+/// the engine, instead of being sent to fail on the pods.
+#[test]
+fn messages_for_sglang_or_trtllm_pairs_are_501_before_any_leg() {
+    let fleet = pair("sglang")
+        .engine("trtllm")
+        .pod("trtllm-p-0", "prefill", "t-0")
+        .of_model("trt-model")
+        .pod("trtllm-d-0", "decode", "t-0")
+        .of_model("trt-model");
+    let stack = Stack::start(fleet);
+    for (model, engine) in [(MODEL, "sglang"), ("trt-model", "trtllm")] {
+        let body = json!({"model": model, "max_tokens": 4,
+                          "messages": [{"role": "user", "content": "x"}]});
+        let r = http::post_json(
+            &stack.gateway,
+            "/v1/messages",
+            &[("routing-strategy", "pd")],
+            &body,
+        );
+        assert_eq!(r.status, 501, "{}", r.text());
+        assert_eq!(header(&r, "x-error-routing"), "true");
+        assert_eq!(
+            r.json()["error"]["message"],
+            format!("/v1/messages is not served by {engine} prefill/decode pairs")
+        );
+    }
+    assert!(stack.sim_requests().is_empty(), "no leg was sent");
+    assert_eq!(
+        stack.metric(
+            "pd_router_rejected_total",
+            &[("reason", "path_not_for_engine")]
+        ),
+        2.0
+    );
+}
+
 #[test]
 fn mixed_engines_fail_selection() {
     let fleet = Fleet::new(MODEL)

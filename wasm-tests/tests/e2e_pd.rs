@@ -147,6 +147,85 @@ fn streaming_pd_request_is_relayed_intact() {
     assert_eq!(tokens, 5, "every decode token reached the client: {text}");
 }
 
+/// Anthropic's Messages API, which vLLM serves with chat's `kv_transfer_params`: the pair is
+/// chosen and spliced as for chat, the named-event stream reaches the client whole, and its
+/// `message_delta` usage (`output_tokens`, not `completion_tokens`) gives the request a TPOT.
+/// Outside PD the body goes to one pod unchanged.
+#[test]
+fn anthropic_messages_go_through_a_vllm_pair_and_their_stream_counts_its_tokens() {
+    let stack = Stack::start(two_rolesets());
+    let body = json!({
+        "model": MODEL,
+        "system": "be brief",
+        "max_tokens": 5,
+        "stream": true,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Tell me about prefill and decode."}]}],
+    });
+    let r = pd_wasm_tests::http::post_json(
+        &stack.gateway,
+        "/v1/messages",
+        &[("routing-strategy", "pd")],
+        &body,
+    );
+    assert_pd_exchange(&stack, &r);
+    assert!(r.complete, "the chunked stream ended properly");
+    let text = r.text();
+    let events: Vec<(&str, Value)> = text
+        .split("\n\n")
+        .filter(|e| !e.trim().is_empty())
+        .map(|e| {
+            let (name, data) = e.split_once('\n').expect("event and data lines");
+            let data = data.strip_prefix("data: ").expect("data line");
+            (
+                name.trim_start_matches("event: "),
+                serde_json::from_str(data).expect("each event is JSON"),
+            )
+        })
+        .collect();
+    assert_eq!(events.first().map(|e| e.0), Some("message_start"), "{text}");
+    assert_eq!(events.last().map(|e| e.0), Some("message_stop"), "{text}");
+    let deltas = events
+        .iter()
+        .filter(|(name, _)| *name == "content_block_delta")
+        .count();
+    assert_eq!(deltas, 5, "every decode token reached the client: {text}");
+    let request_id = header(&r, "request-id").to_string();
+    let (prefill, decode) = legs(&stack, &request_id);
+    assert_eq!(prefill[0]["path"], "/v1/messages");
+    assert_eq!(decode[0]["path"], "/v1/messages");
+    assert_eq!(
+        decode[0]["body"]["system"], "be brief",
+        "the client's body, spliced"
+    );
+    assert_eq!(decode[0]["body"]["max_tokens"], 5);
+    let tpot = |stack: &Stack| stack.scrape().sum("gateway_tpot_bucket_total", &[]);
+    pd_wasm_tests::stack::eventually(std::time::Duration::from_secs(10), || {
+        let n = tpot(&stack);
+        if n == 1.0 {
+            Ok(())
+        } else {
+            Err(format!(
+                "{n} TPOT counts; the stream's output_tokens was not read"
+            ))
+        }
+    });
+
+    // Not PD: one pod, the body as sent.
+    let mut plain = body.clone();
+    plain["stream"] = json!(false);
+    let r = pd_wasm_tests::http::post_json(
+        &stack.gateway,
+        "/v1/messages",
+        &[("routing-strategy", "random")],
+        &plain,
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let answer = r.json();
+    assert_eq!(answer["type"], "message");
+    assert_eq!(answer["usage"]["output_tokens"], 5);
+    assert!(answer.get("kv_transfer_params").is_none(), "{answer}");
+}
+
 #[test]
 fn a_roleset_whose_decode_pod_is_removed_stops_being_chosen_once_every_worker_adopted_it() {
     // least_request on both sides: idle rolesets tie, so sequential requests reach both.

@@ -15,6 +15,12 @@ pub enum RouteError {
     NoMessages,
     #[error("unknown request path")]
     UnknownPath,
+    /// A known path the model's prefill/decode pairs cannot serve (`Engine::serves_pd`).
+    #[error("{path} is not served by {engine} prefill/decode pairs")]
+    PathNotForEngine {
+        path: &'static str,
+        engine: &'static str,
+    },
     #[error("model {0} does not exist")]
     UnknownModel(String),
     #[error("error on getting pods for model {0}")]
@@ -115,7 +121,7 @@ impl RouteError {
         match self {
             RouteError::Unauthorized => 401,
             RouteError::BadBody | RouteError::NoMessages => 400,
-            RouteError::UnknownPath => 501,
+            RouteError::UnknownPath | RouteError::PathNotForEngine { .. } => 501,
             RouteError::UnknownModel(_) | RouteError::BadStrategy(_) => 400,
             RouteError::NoRoutablePods(_)
             | RouteError::Selection { .. }
@@ -141,6 +147,7 @@ impl RouteError {
             }
             RouteError::NoRoutablePods(_) => ("x-error-no-model-backends", "true".into()),
             RouteError::BadStrategy(_)
+            | RouteError::PathNotForEngine { .. }
             | RouteError::Selection { .. }
             | RouteError::NoSnapshot
             | RouteError::TargetOutsideFleet(_)
@@ -159,6 +166,7 @@ impl RouteError {
             RouteError::BadBody => "bad_body",
             RouteError::NoMessages => "no_messages",
             RouteError::UnknownPath => "unknown_path",
+            RouteError::PathNotForEngine { .. } => "path_not_for_engine",
             RouteError::UnknownModel(_) => "unknown_model",
             RouteError::NoRoutablePods(_) => "no_routable_pods",
             RouteError::BadStrategy(_) => "bad_strategy",
@@ -173,11 +181,12 @@ impl RouteError {
     }
 
     /// All reasons, so the host can define one counter each up front.
-    pub const REASONS: [&'static str; 14] = [
+    pub const REASONS: [&'static str; 15] = [
         "unauthorized",
         "bad_body",
         "no_messages",
         "unknown_path",
+        "path_not_for_engine",
         "unknown_model",
         "no_routable_pods",
         "bad_strategy",
@@ -354,6 +363,15 @@ mod tests {
                 "true",
             ),
             (
+                RouteError::PathNotForEngine {
+                    path: "/v1/messages",
+                    engine: "sglang",
+                },
+                501,
+                "x-error-routing",
+                "true",
+            ),
+            (
                 RouteError::UnknownModel("m1".into()),
                 400,
                 "x-error-no-model-backends",
@@ -401,6 +419,19 @@ mod tests {
             assert_eq!(err.header(), Some((header, value.to_string())), "{err:?}");
             assert!(RouteError::REASONS.contains(&err.reason()));
         }
+    }
+
+    #[test]
+    fn a_path_the_engine_cannot_pair_names_both() {
+        let b = body(&RouteError::PathNotForEngine {
+            path: "/v1/messages",
+            engine: "trtllm",
+        });
+        assert_eq!(
+            b["error"]["message"],
+            "/v1/messages is not served by trtllm prefill/decode pairs"
+        );
+        assert_eq!(b["error"]["type"], "api_error");
     }
 
     #[test]

@@ -16,12 +16,15 @@ use super::json_object::{Key, Members, Spans};
 
 mod one_pass;
 
-/// The OpenAI endpoints the router understands. Matched on the exact path, as AIBrix does,
-/// so a query string makes a path unknown.
+/// The endpoints the router understands. Matched on the exact path, as AIBrix does, so a
+/// query string makes a path unknown.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Endpoint {
     ChatCompletions,
     Completions,
+    /// Anthropic's Messages API, which vLLM serves with the same `kv_transfer_params` as chat.
+    /// Parsed as chat (AIBrix reads `messages[].content` alike).
+    Messages,
 }
 
 impl Endpoint {
@@ -29,6 +32,7 @@ impl Endpoint {
         match path {
             "/v1/chat/completions" => Ok(Endpoint::ChatCompletions),
             "/v1/completions" => Ok(Endpoint::Completions),
+            "/v1/messages" => Ok(Endpoint::Messages),
             _ => Err(RouteError::UnknownPath),
         }
     }
@@ -37,6 +41,21 @@ impl Endpoint {
         match self {
             Endpoint::ChatCompletions => "/v1/chat/completions",
             Endpoint::Completions => "/v1/completions",
+            Endpoint::Messages => "/v1/messages",
+        }
+    }
+
+    /// Whether the prompt is a `messages` list (chat and Messages) rather than a `prompt`.
+    pub fn has_messages(self) -> bool {
+        matches!(self, Endpoint::ChatCompletions | Endpoint::Messages)
+    }
+
+    /// The key of the generated-token count in the engine's streamed usage: OpenAI's
+    /// `usage.completion_tokens`, Anthropic's `usage.output_tokens` (`message_delta`).
+    pub fn usage_output_key(self) -> &'static [u8] {
+        match self {
+            Endpoint::Messages => b"\"output_tokens\"",
+            _ => b"\"completion_tokens\"",
         }
     }
 }
@@ -79,12 +98,13 @@ impl RoutingRequest {
     pub fn parse_two_pass(endpoint: Endpoint, raw: &[u8]) -> Result<RoutingRequest, RouteError> {
         let body = Members::parse(raw).map_err(|_| RouteError::BadBody)?;
         let scalars = Scalars::read(|k| body.get(k))?;
-        let prompt_text = match endpoint {
-            Endpoint::Completions => match body.get("prompt") {
+        let prompt_text = if endpoint.has_messages() {
+            chat_prompt_text(body.get("messages"))?
+        } else {
+            match body.get("prompt") {
                 Some(v) => field::<String>(v)?,
                 None => return Err(RouteError::BadBody),
-            },
-            Endpoint::ChatCompletions => chat_prompt_text(body.get("messages"))?,
+            }
         };
         Ok(RoutingRequest::assemble(
             endpoint,
@@ -574,6 +594,36 @@ mod tests {
         assert_eq!(
             Endpoint::from_path("/v1/embeddings"),
             Err(RouteError::UnknownPath)
+        );
+    }
+
+    #[test]
+    fn messages_read_like_chat_with_anthropic_blocks_kept_as_json() {
+        assert_eq!(Endpoint::from_path("/v1/messages"), Ok(Endpoint::Messages));
+        assert_eq!(Endpoint::Messages.path(), "/v1/messages");
+        // Anthropic's shape: a top-level `system` (not routing text, as in AIBrix), block
+        // content as raw JSON, `max_tokens` required by the engine.
+        for raw in [
+            r#"{"model":"m","system":"be brief","max_tokens":64,"stream":true,"messages":[{"role":"user","content":"hi there"},{"role":"assistant","content":[{"type":"text","text":"yo"}]}]}"#,
+            "{\n  \"model\": \"m\",\n  \"system\": \"be brief\",\n  \"max_tokens\": 64,\n  \"stream\": true,\n  \"messages\": [{\"role\": \"user\", \"content\": \"hi there\"}, {\"role\": \"assistant\", \"content\": [{\"type\":\"text\",\"text\":\"yo\"}]}]\n}",
+        ] {
+            let m = RoutingRequest::parse(Endpoint::Messages, raw.as_bytes()).unwrap();
+            let c = RoutingRequest::parse(Endpoint::ChatCompletions, raw.as_bytes()).unwrap();
+            assert_eq!(m.endpoint, Endpoint::Messages);
+            assert_eq!(RoutingRequest { endpoint: Endpoint::Messages, ..c }, m);
+            assert_eq!(m.prompt_text, r#"hi there [{"type":"text","text":"yo"}]"#);
+            assert_eq!((m.model.as_str(), m.stream, m.max_tokens), ("m", true, Some(64)));
+        }
+        assert_eq!(
+            RoutingRequest::parse(
+                Endpoint::Messages,
+                br#"{"model":"m","max_tokens":8,"messages":[]}"#
+            ),
+            Err(RouteError::NoMessages)
+        );
+        assert_eq!(
+            RoutingRequest::parse(Endpoint::Messages, br#"{"model":"m","prompt":"x"}"#),
+            Err(RouteError::NoMessages)
         );
     }
 

@@ -294,7 +294,9 @@ impl PdHttp {
         self.routed_on = Some(fleet.clone());
         let req = crate::section!("request_body.parse", RoutingRequest::parse(endpoint, &raw))?;
         self.obs.times.stream = req.stream;
-        self.obs.scan_usage = req.stream && req.include_usage;
+        // vLLM's Messages stream always ends with its usage (`message_delta`).
+        self.obs.scan_usage =
+            req.stream && (req.include_usage || req.endpoint == Endpoint::Messages);
         let model = fleet
             .models
             .get(&req.model)
@@ -332,6 +334,12 @@ impl PdHttp {
             // The engine check and SGLang's body validation come before any selection, so
             // a refused request changes no load counter.
             engine = engine::agreed_engine(model).map_err(|e| self.selection_failed(e))?;
+            if !engine.serves_pd(endpoint) {
+                return Err(RouteError::PathNotForEngine {
+                    path: endpoint.path(),
+                    engine: engine.name(),
+                });
+            }
             if let Some(name) = self.unforwardable {
                 return Err(RouteError::InvalidRequest(format!(
                     "the {name} header is not UTF-8 text, and a PD request must forward it to the prefill pod"
@@ -987,9 +995,13 @@ impl HttpContext for PdHttp {
             return Action::Continue;
         }
         if self.obs.scan_usage && body_size > 0 {
+            let key = self
+                .endpoint
+                .unwrap_or(Endpoint::ChatCompletions)
+                .usage_output_key();
             if let Some(n) = self
                 .get_http_response_body(0, body_size)
-                .and_then(|chunk| usage::completion_tokens(&chunk))
+                .and_then(|chunk| usage::generated_tokens(&chunk, key))
             {
                 self.obs.times.completion_tokens = Some(n);
             }

@@ -9,6 +9,7 @@ pub mod vllm;
 use crate::core::env::EnvReader;
 use crate::core::errors::RouteError;
 use crate::core::fleet::ModelView;
+use crate::core::request::Endpoint;
 use trtllm::ScheduleStyle;
 
 /// The `model.aibrix.ai/engine` of a PD request's pods.
@@ -30,6 +31,26 @@ impl Engine {
             "trtllm" => Engine::Trtllm,
             _ => Engine::Other,
         }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Engine::Vllm => "vllm",
+            Engine::Sglang => "sglang",
+            Engine::Trtllm => "trtllm",
+            Engine::Other => "other",
+        }
+    }
+
+    /// Whether a prefill/decode pair of this engine can serve `endpoint`. SGLang's Messages
+    /// handler rebuilds the request as chat without the bootstrap fields, so neither leg
+    /// would find the other; trtllm-serve has no `/v1/messages`. Refused before selection,
+    /// with a reason, rather than sent to fail on the pods.
+    pub fn serves_pd(self, endpoint: Endpoint) -> bool {
+        !matches!(
+            (self, endpoint),
+            (Engine::Sglang | Engine::Trtllm, Endpoint::Messages)
+        )
     }
 }
 
@@ -115,6 +136,19 @@ impl EngineDefaults {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn messages_pairs_only_where_the_engine_carries_the_pd_fields() {
+        for endpoint in [Endpoint::ChatCompletions, Endpoint::Completions] {
+            for engine in [Engine::Vllm, Engine::Sglang, Engine::Trtllm, Engine::Other] {
+                assert!(engine.serves_pd(endpoint), "{engine:?} {endpoint:?}");
+            }
+        }
+        assert!(Engine::Vllm.serves_pd(Endpoint::Messages));
+        assert!(Engine::Other.serves_pd(Endpoint::Messages));
+        assert!(!Engine::Sglang.serves_pd(Endpoint::Messages));
+        assert!(!Engine::Trtllm.serves_pd(Endpoint::Messages));
+    }
     use crate::core::fleet::tests::{pod, snapshot};
     use crate::core::fleet::FleetView;
 

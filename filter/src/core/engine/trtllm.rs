@@ -223,9 +223,11 @@ fn generation_members(
     let params = with_member(params, "request_type", "\"generation_only\"").ok_or_else(|| {
         bad_response("disaggregated_params in the context response is not an object")
     })?;
-    let prompt_key = match endpoint {
-        Endpoint::Completions => "prompt",
-        Endpoint::ChatCompletions => "prompt_token_ids",
+    // Messages never reaches a TRT-LLM pair (`Engine::serves_pd`); it would be chat-shaped.
+    let prompt_key = if endpoint.has_messages() {
+        "prompt_token_ids"
+    } else {
+        "prompt"
     };
     let ids = ids
         .filter(|v| v.starts_with('['))

@@ -45,9 +45,10 @@ pub(super) fn parse(endpoint: Endpoint, raw: &[u8]) -> Option<RoutingRequest> {
     let body = BodySeed {
         text,
         no_control_bytes: no_control_bytes(raw),
-        prompt_key: match endpoint {
-            Endpoint::ChatCompletions => "messages",
-            Endpoint::Completions => "prompt",
+        prompt_key: if endpoint.has_messages() {
+            "messages"
+        } else {
+            "prompt"
         },
         endpoint,
     }
@@ -210,15 +211,15 @@ impl<'de> Visitor<'de> for BodySeed<'_> {
                 return Err(unusual());
             };
             let start = start_after_key(self.text, name).ok_or_else(unusual)?;
-            let value = match self.endpoint {
-                Endpoint::ChatCompletions => Prompt::Chat(map.next_value_seed(JoinedSeed {
+            let value = if self.endpoint.has_messages() {
+                Prompt::Chat(map.next_value_seed(JoinedSeed {
                     capacity: self.text.len().saturating_sub(start),
                     source: self.no_control_bytes.then_some(self.text),
-                })?),
-                Endpoint::Completions if self.no_control_bytes => {
-                    Prompt::Completion(map.next_value_seed(PromptBytes { source: self.text })?)
-                }
-                Endpoint::Completions => Prompt::Completion(map.next_value::<String>()?),
+                })?)
+            } else if self.no_control_bytes {
+                Prompt::Completion(map.next_value_seed(PromptBytes { source: self.text })?)
+            } else {
+                Prompt::Completion(map.next_value::<String>()?)
             };
             body.prompt = Some(PromptMember {
                 value,
