@@ -71,6 +71,8 @@ fuzz_target!(|data: &[u8]| {
         (a, b) => panic!("one answer read failed, the other did not: {a:?} / {b:?}"),
     }
     let strict = serde_json::from_slice::<serde_json::Value>(data).is_ok();
+    // A Responses body: any answer, no panic.
+    let _ = RoutingRequest::parse(Endpoint::Responses, data);
     // A Messages body is read exactly as a chat body.
     match (
         RoutingRequest::parse(Endpoint::Messages, data),

@@ -36,6 +36,7 @@ pub mod prefix;
 pub mod probe;
 pub mod rendezvous;
 pub mod report;
+pub mod responses;
 pub mod server;
 pub mod sglang;
 pub mod sim;

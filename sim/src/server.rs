@@ -29,6 +29,7 @@ use crate::log::LogEntry;
 use crate::metrics::{self, Engine};
 use crate::pod::{Job, JobSpec, KvPull, PodState, Registry};
 use crate::prefix::block_hashes;
+use crate::responses;
 use crate::sglang::{self, SglangLeg};
 use crate::sim::fault_error;
 use crate::trtllm::{self, TrtLeg};
@@ -66,7 +67,9 @@ pub fn pod_router(ctx: PodCtx) -> Router {
             .route("/get_server_info", get(server_info))
             .route("/abort_request", post(abort_request)),
         // Only vLLM carries the disaggregation fields through its Messages handler.
-        Engine::Vllm => router.route("/v1/messages", post(messages)),
+        Engine::Vllm => router
+            .route("/v1/messages", post(messages))
+            .route("/v1/responses", post(responses)),
     };
     router
         .route("/health", get(|| async { StatusCode::OK }))
@@ -109,6 +112,10 @@ async fn chat_completions(State(ctx): State<PodCtx>, headers: HeaderMap, body: B
 
 async fn messages(State(ctx): State<PodCtx>, headers: HeaderMap, body: Bytes) -> Response {
     handle(ctx, Endpoint::Messages, headers, body).await
+}
+
+async fn responses(State(ctx): State<PodCtx>, headers: HeaderMap, body: Bytes) -> Response {
+    handle(ctx, Endpoint::Responses, headers, body).await
 }
 
 async fn models(State(ctx): State<PodCtx>) -> Response {
@@ -808,6 +815,13 @@ impl StreamState {
                     let mut text = String::new();
                     let token = engine::token_text(index);
                     match self.meta.endpoint {
+                        Endpoint::Responses => {
+                            let meta = self.meta.responses_meta(self.job.spec().output_tokens);
+                            if index == 0 {
+                                text.push_str(&responses::opening(&meta));
+                            }
+                            text.push_str(&responses::text_delta(&meta, index, &token));
+                        }
                         Endpoint::Messages => {
                             if index == 0 {
                                 text.push_str(&anthropic::opening(
@@ -848,6 +862,12 @@ impl StreamState {
                     Endpoint::Messages => {
                         anthropic::closing(self.opts.prompt_tokens, self.produced)
                     }
+                    Endpoint::Responses => responses::closing(
+                        &self.meta.responses_meta(self.job.spec().output_tokens),
+                        &engine::output_text(self.produced),
+                        self.opts.prompt_tokens,
+                        self.produced,
+                    ),
                     _ => vllm::sse_event(
                         &self
                             .meta
@@ -859,6 +879,8 @@ impl StreamState {
                 self.phase = StreamPhase::Finished;
                 match self.meta.endpoint {
                     Endpoint::Messages => anthropic::message_stop(),
+                    // The Responses stream ends with `response.completed`.
+                    Endpoint::Responses => String::new(),
                     _ => vllm::SSE_DONE.to_string(),
                 }
             }

@@ -16,6 +16,8 @@ pub enum Endpoint {
     Chat,
     /// Anthropic's Messages API (`crate::anthropic`), served as chat inside vLLM.
     Messages,
+    /// OpenAI's Responses API (`crate::responses`).
+    Responses,
 }
 
 impl Endpoint {
@@ -24,6 +26,7 @@ impl Endpoint {
             Endpoint::Completions => "/v1/completions",
             Endpoint::Chat => "/v1/chat/completions",
             Endpoint::Messages => "/v1/messages",
+            Endpoint::Responses => "/v1/responses",
         }
     }
 
@@ -38,6 +41,7 @@ impl Endpoint {
             Endpoint::Completions => format!("cmpl-{id}-0"),
             // vLLM answers a Messages request with its chat completion's id.
             Endpoint::Chat | Endpoint::Messages => format!("chatcmpl-{id}"),
+            Endpoint::Responses => format!("resp_{id}"),
         }
     }
 }
@@ -206,6 +210,7 @@ impl SimRequest {
             Endpoint::Completions => completion_prompt(obj.get("prompt"))?,
             Endpoint::Chat => chat_prompt(obj.get("messages"))?,
             Endpoint::Messages => messages_prompt(obj)?,
+            Endpoint::Responses => responses_prompt(obj.get("input"))?,
         };
         let stream = match obj.get("stream") {
             None | Some(Value::Null) => false,
@@ -219,7 +224,7 @@ impl SimRequest {
         let include_usage = match obj.get("stream_options") {
             // The Messages request has no stream_options (an unknown field, ignored); its
             // stream always ends with the usage.
-            _ if endpoint == Endpoint::Messages => stream,
+            _ if matches!(endpoint, Endpoint::Messages | Endpoint::Responses) => stream,
             None | Some(Value::Null) => false,
             Some(_) if !stream => {
                 return Err(ApiError::bad_request(
@@ -246,11 +251,12 @@ impl SimRequest {
                 ))
             }
         };
-        let model = obj
-            .get("model")
-            .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_string();
+        let model = match obj.get("model").and_then(Value::as_str) {
+            // The Responses API's model is optional: the served one.
+            None if endpoint == Endpoint::Responses => served_model,
+            m => m.unwrap_or_default(),
+        }
+        .to_string();
         if model != served_model {
             return Err(ApiError::model_not_found(&model));
         }
@@ -382,6 +388,38 @@ fn chat_prompt(messages: Option<&Value>) -> Result<(String, u64), ApiError> {
     Ok((text, tokens))
 }
 
+/// A Responses request's prompt: `input` as a string, or its items' text (a string
+/// `content`, or the `text` of its content parts).
+fn responses_prompt(input: Option<&Value>) -> Result<(String, u64), ApiError> {
+    let text = match input {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(items)) if !items.is_empty() => {
+            let mut parts = Vec::new();
+            for item in items {
+                match item.get("content") {
+                    Some(Value::String(s)) => parts.push(s.clone()),
+                    Some(Value::Array(blocks)) => parts.extend(
+                        blocks
+                            .iter()
+                            .filter_map(|b| b.get("text").and_then(Value::as_str))
+                            .map(str::to_string),
+                    ),
+                    _ => {}
+                }
+            }
+            parts.join("\n")
+        }
+        None | Some(Value::Null) => return Err(ApiError::bad_request("input: Field required")),
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "input: Input should be a valid string or a non-empty list of items",
+            ))
+        }
+    };
+    let tokens = engine::prompt_tokens(&text);
+    Ok((text, tokens))
+}
+
 /// A Messages request's prompt: the top-level `system` (a string or text blocks), then the
 /// messages as chat reads them.
 fn messages_prompt(obj: &Map<String, Value>) -> Result<(String, u64), ApiError> {
@@ -419,6 +457,7 @@ fn max_tokens(endpoint: Endpoint, obj: &Map<String, Value>, default: u64) -> Res
             return Err(ApiError::bad_request("max_tokens: Field required"))
         }
         Endpoint::Messages => &["max_tokens"],
+        Endpoint::Responses => &["max_output_tokens"],
     };
     for key in keys {
         match obj.get(*key) {
@@ -480,6 +519,15 @@ impl ResponseMeta {
         completion_tokens: u64,
         kv_out: Option<&Value>,
     ) -> Value {
+        if self.endpoint == Endpoint::Responses {
+            // No `kv_transfer_params`: vLLM's response object has no such member.
+            return crate::responses::full_body(
+                &self.responses_meta(completion_tokens),
+                text,
+                prompt_tokens,
+                completion_tokens,
+            );
+        }
         if self.endpoint == Endpoint::Messages {
             return crate::anthropic::full_body(
                 &self.id,
@@ -495,7 +543,7 @@ impl ResponseMeta {
                 "index": 0, "text": text, "logprobs": null,
                 "finish_reason": "length", "stop_reason": null, "prompt_logprobs": null,
             }),
-            Endpoint::Chat | Endpoint::Messages => json!({
+            Endpoint::Chat | Endpoint::Messages | Endpoint::Responses => json!({
                 "index": 0,
                 "message": {"role": "assistant", "content": text, "tool_calls": []},
                 "logprobs": null, "finish_reason": "length", "stop_reason": null,
@@ -521,6 +569,16 @@ impl ResponseMeta {
         body
     }
 
+    /// This response's identity in the Responses API's shapes.
+    pub fn responses_meta(&self, max_output_tokens: u64) -> crate::responses::Meta<'_> {
+        crate::responses::Meta {
+            id: &self.id,
+            model: &self.model,
+            created: self.created,
+            max_output_tokens,
+        }
+    }
+
     /// The chat stream's opening chunk, which carries only the assistant role.
     pub fn role_chunk(&self) -> Value {
         self.chunk(json!([{
@@ -537,7 +595,7 @@ impl ResponseMeta {
                 "index": 0, "text": text, "logprobs": null,
                 "finish_reason": finish, "stop_reason": null,
             }),
-            Endpoint::Chat | Endpoint::Messages => json!({
+            Endpoint::Chat | Endpoint::Messages | Endpoint::Responses => json!({
                 "index": 0, "delta": {"content": text},
                 "logprobs": null, "finish_reason": finish, "stop_reason": null,
             }),
@@ -567,8 +625,10 @@ impl ResponseMeta {
     fn object(&self, chunk: bool) -> &'static str {
         match (self.endpoint, chunk) {
             (Endpoint::Completions, _) => "text_completion",
-            (Endpoint::Chat | Endpoint::Messages, false) => "chat.completion",
-            (Endpoint::Chat | Endpoint::Messages, true) => "chat.completion.chunk",
+            (Endpoint::Chat | Endpoint::Messages | Endpoint::Responses, false) => "chat.completion",
+            (Endpoint::Chat | Endpoint::Messages | Endpoint::Responses, true) => {
+                "chat.completion.chunk"
+            }
         }
     }
 }

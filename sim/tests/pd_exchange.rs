@@ -618,3 +618,67 @@ async fn messages_prefill_then_decode_over_http() {
     .await;
     assert_eq!(resp.status(), 404);
 }
+
+/// vLLM's Responses API on a pod: whole answers (streamed as numbered events ending with
+/// `response.completed`) and, even for a prefill leg, no `kv_transfer_params` in the answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_answer_without_kv_transfer_params() {
+    let (c_port, p_port) = (free_port(), free_port());
+    let path = std::env::temp_dir().join(format!(
+        "pd-sim-responses-{}-{c_port}.yaml",
+        std::process::id()
+    ));
+    let _cleanup = TempFile(path.clone());
+    let pods = [
+        pod_yaml(MODEL, "vllm-c-0", "vllm", "all", c_port),
+        pod_yaml(MODEL, "vllm-p-0", "vllm", "prefill", p_port),
+    ];
+    std::fs::write(&path, fleet_yaml(&pods)).expect("write fleet");
+    let watcher =
+        FleetWatcher::load(path.clone(), Duration::from_millis(20)).expect("fleet parses");
+    let sim = Sim::new(SimConfig::default());
+    assert_eq!(sim.apply(watcher.records()).await.serving, 2);
+    let url = |port| format!("http://127.0.0.1:{port}/v1/responses");
+
+    let body = json!({"model": MODEL, "input": "y".repeat(40), "max_output_tokens": 3});
+    let resp = post(&url(c_port), &body, Some("q1")).await;
+    assert_eq!(resp.status(), 200);
+    let r: Value = serde_json::from_str(&resp.text().await.expect("body")).expect("JSON");
+    assert_eq!(
+        (r["object"].as_str(), r["id"].as_str()),
+        (Some("response"), Some("resp_q1"))
+    );
+    assert_eq!(r["output"][0]["content"][0]["text"], " tok0 tok1 tok2");
+    assert_eq!(
+        (
+            r["usage"]["input_tokens"].as_u64(),
+            r["usage"]["output_tokens"].as_u64()
+        ),
+        (Some(10), Some(3))
+    );
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let sse = post(&url(c_port), &streamed, None)
+        .await
+        .text()
+        .await
+        .expect("stream");
+    let last = sse
+        .split("\n\n")
+        .filter(|e| !e.is_empty())
+        .last()
+        .expect("events");
+    assert!(last.starts_with("event: response.completed\n"), "{sse}");
+    let deltas = sse.matches("event: response.output_text.delta\n").count();
+    assert_eq!(deltas, 3, "{sse}");
+
+    let mut prefill = body.clone();
+    prefill["kv_transfer_params"] = json!({"do_remote_decode": true, "do_remote_prefill": false});
+    let resp = post(&url(p_port), &prefill, None).await;
+    assert_eq!(resp.status(), 200);
+    let r: Value = serde_json::from_str(&resp.text().await.expect("body")).expect("JSON");
+    assert!(r.get("kv_transfer_params").is_none(), "{r}");
+    let log = get_json(&format!("http://127.0.0.1:{p_port}/sim/requests")).await;
+    assert_eq!(log[0]["leg"], "prefill", "{log}");
+}

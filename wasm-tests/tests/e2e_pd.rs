@@ -226,6 +226,69 @@ fn anthropic_messages_go_through_a_vllm_pair_and_their_stream_counts_its_tokens(
     assert!(answer.get("kv_transfer_params").is_none(), "{answer}");
 }
 
+/// The Responses API: vLLM's answer carries no `kv_transfer_params`, so a PD request is
+/// refused before any leg (AIBrix would send a prefill leg that generates a whole answer);
+/// a single-pod strategy relays it, stream and all. AIBrix's refusals of a bad `input`.
+#[test]
+fn responses_go_to_one_pod_and_are_refused_as_a_pd_pair() {
+    let stack = Stack::start(two_rolesets());
+    let post = |strategy: &str, body: &Value| {
+        pd_wasm_tests::http::post_json(
+            &stack.gateway,
+            "/v1/responses",
+            &[("routing-strategy", strategy)],
+            body,
+        )
+    };
+    let body = json!({"model": MODEL, "input": [{"role": "user", "content": "Tell me about prefill."}],
+                      "max_output_tokens": 4, "stream": true});
+    let r = post("pd", &body);
+    assert_error(
+        &r,
+        501,
+        "x-error-routing",
+        "true",
+        "/v1/responses is not served by vllm prefill/decode pairs",
+    );
+    let r = post("pd", &json!({"model": MODEL, "input": []}));
+    assert_error(
+        &r,
+        400,
+        "x-error-request-body-processing",
+        "true",
+        "'input' array cannot be empty",
+    );
+    assert_eq!(r.json()["error"]["param"], "input");
+    assert!(
+        stack.sim_requests().is_empty(),
+        "{:?}",
+        stack.sim_requests()
+    );
+
+    let r = post("least-request", &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(header(&r, "target-pod"), "vllm-c-0");
+    assert!(r.complete, "the chunked stream ended properly");
+    let text = r.text();
+    assert_eq!(
+        text.matches("event: response.output_text.delta\n").count(),
+        4,
+        "{text}"
+    );
+    let entries = stack.sim_requests();
+    assert_eq!(entries.len(), 1, "{entries:?}");
+    assert_eq!(entries[0]["path"], "/v1/responses");
+    assert_eq!(entries[0]["body"], body, "the body as sent");
+    let scrape = stack.scrape();
+    for reason in ["path_not_for_engine", "missing_field"] {
+        assert_eq!(
+            scrape.sum("pd_router_rejected_total", &[("reason", reason)]),
+            1.0,
+            "{reason}"
+        );
+    }
+}
+
 #[test]
 fn a_roleset_whose_decode_pod_is_removed_stops_being_chosen_once_every_worker_adopted_it() {
     // least_request on both sides: idle rolesets tie, so sequential requests reach both.

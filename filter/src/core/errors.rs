@@ -15,6 +15,13 @@ pub enum RouteError {
     NoMessages,
     #[error("unknown request path")]
     UnknownPath,
+    /// A member the endpoint requires is missing or of the wrong kind (AIBrix's messages for
+    /// the Responses API's `model` and `input`).
+    #[error("{message}")]
+    MissingField {
+        message: &'static str,
+        param: &'static str,
+    },
     /// A known path the model's prefill/decode pairs cannot serve (`Engine::serves_pd`).
     #[error("{path} is not served by {engine} prefill/decode pairs")]
     PathNotForEngine {
@@ -120,7 +127,7 @@ impl RouteError {
     pub fn status(&self) -> u32 {
         match self {
             RouteError::Unauthorized => 401,
-            RouteError::BadBody | RouteError::NoMessages => 400,
+            RouteError::BadBody | RouteError::NoMessages | RouteError::MissingField { .. } => 400,
             RouteError::UnknownPath | RouteError::PathNotForEngine { .. } => 501,
             RouteError::UnknownModel(_) | RouteError::BadStrategy(_) => 400,
             RouteError::NoRoutablePods(_)
@@ -139,9 +146,10 @@ impl RouteError {
     pub fn header(&self) -> Option<(&'static str, String)> {
         let header = match self {
             RouteError::Unauthorized => return None,
-            RouteError::BadBody | RouteError::NoMessages | RouteError::UnknownPath => {
-                ("x-error-request-body-processing", "true".into())
-            }
+            RouteError::BadBody
+            | RouteError::NoMessages
+            | RouteError::MissingField { .. }
+            | RouteError::UnknownPath => ("x-error-request-body-processing", "true".into()),
             RouteError::UnknownModel(model) => {
                 ("x-error-no-model-backends", sanitize_header(model))
             }
@@ -165,6 +173,7 @@ impl RouteError {
             RouteError::Unauthorized => "unauthorized",
             RouteError::BadBody => "bad_body",
             RouteError::NoMessages => "no_messages",
+            RouteError::MissingField { .. } => "missing_field",
             RouteError::UnknownPath => "unknown_path",
             RouteError::PathNotForEngine { .. } => "path_not_for_engine",
             RouteError::UnknownModel(_) => "unknown_model",
@@ -181,10 +190,11 @@ impl RouteError {
     }
 
     /// All reasons, so the host can define one counter each up front.
-    pub const REASONS: [&'static str; 15] = [
+    pub const REASONS: [&'static str; 16] = [
         "unauthorized",
         "bad_body",
         "no_messages",
+        "missing_field",
         "unknown_path",
         "path_not_for_engine",
         "unknown_model",
@@ -213,6 +223,7 @@ impl RouteError {
             RouteError::Unauthorized => Some("api_key"),
             RouteError::UnknownModel(_) => Some("model"),
             RouteError::NoMessages => Some("messages"),
+            RouteError::MissingField { param, .. } => Some(*param),
             _ => None,
         };
         json!({"error": {"message": self.to_string(), "type": kind, "code": code, "param": param}})
@@ -359,6 +370,15 @@ mod tests {
             (
                 RouteError::UnknownPath,
                 501,
+                "x-error-request-body-processing",
+                "true",
+            ),
+            (
+                RouteError::MissingField {
+                    message: "'input' is a required property",
+                    param: "input",
+                },
+                400,
                 "x-error-request-body-processing",
                 "true",
             ),

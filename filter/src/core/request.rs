@@ -25,6 +25,9 @@ pub enum Endpoint {
     /// Anthropic's Messages API, which vLLM serves with the same `kv_transfer_params` as chat.
     /// Parsed as chat (AIBrix reads `messages[].content` alike).
     Messages,
+    /// OpenAI's Responses API: routed to one pod only, since vLLM's answer carries no
+    /// `kv_transfer_params` for a decode leg (`Engine::serves_pd`).
+    Responses,
 }
 
 impl Endpoint {
@@ -33,6 +36,7 @@ impl Endpoint {
             "/v1/chat/completions" => Ok(Endpoint::ChatCompletions),
             "/v1/completions" => Ok(Endpoint::Completions),
             "/v1/messages" => Ok(Endpoint::Messages),
+            "/v1/responses" => Ok(Endpoint::Responses),
             _ => Err(RouteError::UnknownPath),
         }
     }
@@ -42,6 +46,7 @@ impl Endpoint {
             Endpoint::ChatCompletions => "/v1/chat/completions",
             Endpoint::Completions => "/v1/completions",
             Endpoint::Messages => "/v1/messages",
+            Endpoint::Responses => "/v1/responses",
         }
     }
 
@@ -100,6 +105,14 @@ impl RoutingRequest {
         let scalars = Scalars::read(|k| body.get(k))?;
         let prompt_text = if endpoint.has_messages() {
             chat_prompt_text(body.get("messages"))?
+        } else if endpoint == Endpoint::Responses {
+            if body.get("model").is_none() {
+                return Err(RouteError::MissingField {
+                    message: "'model' is a required property",
+                    param: "model",
+                });
+            }
+            responses_input_text(body.get("input"))?
         } else {
             match body.get("prompt") {
                 Some(v) => field::<String>(v)?,
@@ -199,6 +212,26 @@ fn chat_prompt_text(messages: Option<&RawValue>) -> Result<String, RouteError> {
     .deserialize(&mut de)
     .map_err(|_| RouteError::BadBody)?;
     joined_text(joined)
+}
+
+/// A Responses request's `input`: the string itself, or its items' contents joined as chat
+/// messages are, with AIBrix's messages for a missing, mistyped or empty input.
+fn responses_input_text(input: Option<&RawValue>) -> Result<String, RouteError> {
+    let missing = |message| RouteError::MissingField {
+        message,
+        param: "input",
+    };
+    let input = input.ok_or(missing("'input' is a required property"))?;
+    match input.get().as_bytes().first() {
+        Some(b'"') => field::<String>(input),
+        Some(b'[') => chat_prompt_text(Some(input)).map_err(|e| match e {
+            RouteError::NoMessages => missing("'input' array cannot be empty"),
+            other => other,
+        }),
+        _ => Err(missing(
+            "'input' must be a string or an array of input items",
+        )),
+    }
 }
 
 /// The prompt of a `messages` value read by [`JoinedSeed`]: `null`, or no message, has none.
@@ -624,6 +657,61 @@ mod tests {
         assert_eq!(
             RoutingRequest::parse(Endpoint::Messages, br#"{"model":"m","prompt":"x"}"#),
             Err(RouteError::NoMessages)
+        );
+    }
+
+    #[test]
+    fn responses_input_is_a_string_or_items_with_aibrix_refusals() {
+        let parse = |raw: &str| RoutingRequest::parse(Endpoint::Responses, raw.as_bytes());
+        assert_eq!(
+            Endpoint::from_path("/v1/responses"),
+            Ok(Endpoint::Responses)
+        );
+        let r = parse(r#"{"model":"m","input":"hello there","stream":true}"#).unwrap();
+        assert_eq!(
+            (r.prompt_text.as_str(), r.model.as_str(), r.stream),
+            ("hello there", "m", true)
+        );
+        let r = parse(
+            r#"{"model":"m","input":[{"role":"user","content":"a"},{"type":"function_call","name":"f"},{"role":"user","content":[{"type":"input_text","text":"b"}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            r.prompt_text,
+            r#"a null [{"type":"input_text","text":"b"}]"#
+        );
+        for (raw, message, param) in [
+            (
+                r#"{"input":"x"}"#,
+                "'model' is a required property",
+                "model",
+            ),
+            (
+                r#"{"model":"m"}"#,
+                "'input' is a required property",
+                "input",
+            ),
+            (
+                r#"{"model":"m","input":7}"#,
+                "'input' must be a string or an array of input items",
+                "input",
+            ),
+            (
+                r#"{"model":"m","input":[]}"#,
+                "'input' array cannot be empty",
+                "input",
+            ),
+        ] {
+            let e = parse(raw).unwrap_err();
+            assert_eq!(e, RouteError::MissingField { message, param }, "{raw}");
+            assert_eq!(e.status(), 400);
+            let body: serde_json::Value = serde_json::from_slice(&e.body()).unwrap();
+            assert_eq!(body["error"]["param"], param);
+            assert_eq!(body["error"]["message"], message);
+        }
+        assert_eq!(
+            parse(r#"{"model":"m","input":"x""#),
+            Err(RouteError::BadBody)
         );
     }
 

@@ -294,7 +294,8 @@ impl PdHttp {
         self.routed_on = Some(fleet.clone());
         let req = crate::section!("request_body.parse", RoutingRequest::parse(endpoint, &raw))?;
         self.obs.times.stream = req.stream;
-        // vLLM's Messages stream always ends with its usage (`message_delta`).
+        // vLLM's Messages stream always ends with its usage (`message_delta`). Responses
+        // streams are not scanned: they only go to one pod, and TPOT is a PD measure.
         self.obs.scan_usage =
             req.stream && (req.include_usage || req.endpoint == Endpoint::Messages);
         let model = fleet

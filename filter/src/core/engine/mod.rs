@@ -44,12 +44,15 @@ impl Engine {
 
     /// Whether a prefill/decode pair of this engine can serve `endpoint`. SGLang's Messages
     /// handler rebuilds the request as chat without the bootstrap fields, so neither leg
-    /// would find the other; trtllm-serve has no `/v1/messages`. Refused before selection,
-    /// with a reason, rather than sent to fail on the pods.
+    /// would find the other; trtllm-serve has no `/v1/messages`. vLLM's Responses answer has
+    /// no `kv_transfer_params`, so no decode leg could find the prefill's KV (AIBrix sends
+    /// the prefill leg anyway, with a `max_tokens` the Responses API ignores: the prefill pod
+    /// generates a whole answer, and the decode pod computes the prompt again). Refused
+    /// before selection, with a reason, rather than sent to fail or waste work on the pods.
     pub fn serves_pd(self, endpoint: Endpoint) -> bool {
         !matches!(
             (self, endpoint),
-            (Engine::Sglang | Engine::Trtllm, Endpoint::Messages)
+            (Engine::Sglang | Engine::Trtllm, Endpoint::Messages) | (_, Endpoint::Responses)
         )
     }
 }
@@ -148,6 +151,9 @@ mod tests {
         assert!(Engine::Other.serves_pd(Endpoint::Messages));
         assert!(!Engine::Sglang.serves_pd(Endpoint::Messages));
         assert!(!Engine::Trtllm.serves_pd(Endpoint::Messages));
+        for engine in [Engine::Vllm, Engine::Sglang, Engine::Trtllm, Engine::Other] {
+            assert!(!engine.serves_pd(Endpoint::Responses), "{engine:?}");
+        }
     }
     use crate::core::fleet::tests::{pod, snapshot};
     use crate::core::fleet::FleetView;

@@ -37,6 +37,11 @@ fn no_control_bytes(raw: &[u8]) -> bool {
 
 /// The request, or `None` for the two-pass parse to decide.
 pub(super) fn parse(endpoint: Endpoint, raw: &[u8]) -> Option<RoutingRequest> {
+    // The Responses API's `input` is a string or a list of items: rare enough on this path
+    // to leave to the two-pass parse.
+    if endpoint == Endpoint::Responses {
+        return None;
+    }
     // The two-pass parse refuses any byte that is not UTF-8 (every byte of a valid body lies
     // in a key, a value or the whitespace between them); checked once here, the pass below
     // reads from a `str` and skips the per-string checks.
