@@ -139,9 +139,11 @@ impl EngineDefaults {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::fleet::tests::{pod, snapshot};
+    use crate::core::fleet::FleetView;
 
     #[test]
-    fn messages_pairs_only_where_the_engine_carries_the_pd_fields() {
+    fn pairs_serve_only_the_paths_whose_engine_carries_the_pd_fields() {
         for endpoint in [Endpoint::ChatCompletions, Endpoint::Completions] {
             for engine in [Engine::Vllm, Engine::Sglang, Engine::Trtllm, Engine::Other] {
                 assert!(engine.serves_pd(endpoint), "{engine:?} {endpoint:?}");
@@ -155,8 +157,6 @@ mod tests {
             assert!(!engine.serves_pd(Endpoint::Responses), "{engine:?}");
         }
     }
-    use crate::core::fleet::tests::{pod, snapshot};
-    use crate::core::fleet::FleetView;
 
     #[test]
     fn engines_must_agree() {
