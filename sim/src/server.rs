@@ -69,6 +69,7 @@ pub fn pod_router(ctx: PodCtx) -> Router {
         // Only vLLM carries the disaggregation fields through its Messages handler.
         Engine::Vllm => router
             .route("/v1/messages", post(messages))
+            .route("/v1/messages/count_tokens", post(count_tokens))
             .route("/v1/responses", post(responses)),
     };
     router
@@ -112,6 +113,29 @@ async fn chat_completions(State(ctx): State<PodCtx>, headers: HeaderMap, body: B
 
 async fn messages(State(ctx): State<PodCtx>, headers: HeaderMap, body: Bytes) -> Response {
     handle(ctx, Endpoint::Messages, headers, body).await
+}
+
+/// `/v1/messages/count_tokens`: computes nothing on the engine, so any role answers it.
+async fn count_tokens(State(ctx): State<PodCtx>, headers: HeaderMap, body: Bytes) -> Response {
+    let pod = &ctx.pod;
+    let mut entry = LogEntry::new(&pod.record, "/v1/messages/count_tokens", &headers);
+    let counted = vllm::parse_json(&body).and_then(|json| {
+        let counted = vllm::count_tokens(&json, &pod.record.model);
+        entry.body = Some(json);
+        counted
+    });
+    match counted {
+        Ok(tokens) => {
+            pod.log.push(entry);
+            json_response(StatusCode::OK, &serde_json::json!({"input_tokens": tokens}))
+        }
+        Err(err) => {
+            entry.status = err.status;
+            entry.error = Some(err.message.clone());
+            pod.log.push(entry);
+            error_response(&err, Engine::Vllm, Endpoint::Messages)
+        }
+    }
 }
 
 async fn responses(State(ctx): State<PodCtx>, headers: HeaderMap, body: Bytes) -> Response {

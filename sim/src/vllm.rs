@@ -420,6 +420,20 @@ fn responses_prompt(input: Option<&Value>) -> Result<(String, u64), ApiError> {
     Ok((text, tokens))
 }
 
+/// `POST /v1/messages/count_tokens`: the prompt tokens of a Messages body (its `system` and
+/// messages), after the model check.
+pub fn count_tokens(body: &Value, served_model: &str) -> Result<u64, ApiError> {
+    let obj = body
+        .as_object()
+        .ok_or_else(|| ApiError::bad_request("request body must be a JSON object"))?;
+    let (_, tokens) = messages_prompt(obj)?;
+    let model = obj.get("model").and_then(Value::as_str).unwrap_or_default();
+    if model != served_model {
+        return Err(ApiError::model_not_found(model));
+    }
+    Ok(tokens)
+}
+
 /// A Messages request's prompt: the top-level `system` (a string or text blocks), then the
 /// messages as chat reads them.
 fn messages_prompt(obj: &Map<String, Value>) -> Result<(String, u64), ApiError> {

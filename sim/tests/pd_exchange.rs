@@ -610,6 +610,17 @@ async fn messages_prefill_then_decode_over_http() {
         "the refused body is logged without a leg: {log}"
     );
 
+    // The token count of the same body, from the decode pod: nothing computed, any role.
+    let resp = post(
+        &format!("http://127.0.0.1:{d_port}/v1/messages/count_tokens"),
+        &client_body,
+        None,
+    )
+    .await;
+    assert_eq!(resp.status(), 200);
+    let n: Value = serde_json::from_str(&resp.text().await.expect("body")).expect("JSON");
+    assert_eq!(n, json!({"input_tokens": 101}));
+
     let resp = post(
         &format!("http://127.0.0.1:{s_port}/v1/messages"),
         &prefill_body,

@@ -226,6 +226,38 @@ fn anthropic_messages_go_through_a_vllm_pair_and_their_stream_counts_its_tokens(
     assert!(answer.get("kv_transfer_params").is_none(), "{answer}");
 }
 
+/// `/v1/messages/count_tokens` computes nothing on the engine: under `pd`, in a fleet of
+/// prefill and decode pods only, it goes whole to the least busy of them.
+#[test]
+fn a_messages_token_count_goes_to_one_pod_of_any_role() {
+    let stack = Stack::start(
+        Fleet::new(MODEL)
+            .pod("vllm-p-0", "prefill", "group-0")
+            .pod("vllm-d-0", "decode", "group-0"),
+    );
+    let body = json!({"model": MODEL, "system": "x".repeat(39),
+                      "messages": [{"role": "user", "content": "y".repeat(40)}]});
+    let r = pd_wasm_tests::http::post_json(
+        &stack.gateway,
+        "/v1/messages/count_tokens",
+        &[("routing-strategy", "pd")],
+        &body,
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json(), json!({"input_tokens": 20}));
+    assert_eq!(header(&r, "routing-strategy"), "least-request");
+    assert!(
+        r.header("prefill-target-pod").is_none(),
+        "no pair: {:?}",
+        r.headers
+    );
+    let entries = stack.sim_requests();
+    assert_eq!(entries.len(), 1, "{entries:?}");
+    assert_eq!(entries[0]["path"], "/v1/messages/count_tokens");
+    assert_eq!(entries[0]["pod"], header(&r, "target-pod"));
+    assert_eq!(entries[0]["body"], body, "the body as sent");
+}
+
 /// The Responses API: vLLM's answer carries no `kv_transfer_params`, so a PD request is
 /// refused before any leg (AIBrix would send a prefill leg that generates a whole answer);
 /// a single-pod strategy relays it, stream and all. AIBrix's refusals of a bad `input`.

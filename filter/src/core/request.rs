@@ -25,6 +25,9 @@ pub enum Endpoint {
     /// Anthropic's Messages API, which vLLM serves with the same `kv_transfer_params` as chat.
     /// Parsed as chat (AIBrix reads `messages[].content` alike).
     Messages,
+    /// Anthropic's token count for a Messages body: parsed as chat, served by any one pod of
+    /// the model (it computes nothing on the engine).
+    MessagesCountTokens,
     /// OpenAI's Responses API: routed to one pod only, since vLLM's answer carries no
     /// `kv_transfer_params` for a decode leg (`Engine::serves_pd`).
     Responses,
@@ -36,6 +39,7 @@ impl Endpoint {
             "/v1/chat/completions" => Ok(Endpoint::ChatCompletions),
             "/v1/completions" => Ok(Endpoint::Completions),
             "/v1/messages" => Ok(Endpoint::Messages),
+            "/v1/messages/count_tokens" => Ok(Endpoint::MessagesCountTokens),
             "/v1/responses" => Ok(Endpoint::Responses),
             _ => Err(RouteError::UnknownPath),
         }
@@ -46,13 +50,17 @@ impl Endpoint {
             Endpoint::ChatCompletions => "/v1/chat/completions",
             Endpoint::Completions => "/v1/completions",
             Endpoint::Messages => "/v1/messages",
+            Endpoint::MessagesCountTokens => "/v1/messages/count_tokens",
             Endpoint::Responses => "/v1/responses",
         }
     }
 
     /// Whether the prompt is a `messages` list (chat and Messages) rather than a `prompt`.
     pub fn has_messages(self) -> bool {
-        matches!(self, Endpoint::ChatCompletions | Endpoint::Messages)
+        matches!(
+            self,
+            Endpoint::ChatCompletions | Endpoint::Messages | Endpoint::MessagesCountTokens
+        )
     }
 
     /// The key of the generated-token count in the engine's streamed usage: OpenAI's
@@ -634,6 +642,10 @@ mod tests {
     fn messages_read_like_chat_with_anthropic_blocks_kept_as_json() {
         assert_eq!(Endpoint::from_path("/v1/messages"), Ok(Endpoint::Messages));
         assert_eq!(Endpoint::Messages.path(), "/v1/messages");
+        assert_eq!(
+            Endpoint::from_path("/v1/messages/count_tokens"),
+            Ok(Endpoint::MessagesCountTokens)
+        );
         // Anthropic's shape: a top-level `system` (not routing text, as in AIBrix), block
         // content as raw JSON, `max_tokens` required by the engine.
         for raw in [

@@ -327,7 +327,12 @@ impl PdHttp {
         };
         self.auto_profile = decision.auto_profile.clone();
         let mut engine = Engine::Vllm;
-        let target = if decision.strategy == Strategy::Pd {
+        // A token count computes nothing on the engine: any one pod serves it, whatever the
+        // strategy, and a PD-only fleet has no pod but prefill and decode ones.
+        let count_only = endpoint == Endpoint::MessagesCountTokens;
+        let target = if count_only {
+            self.select_one(model, Strategy::LeastRequest, true, now)?
+        } else if decision.strategy == Strategy::Pd {
             let resolved =
                 PdSettings::resolve(&self.vm.borrow().defaults, decision.routing_config.as_ref());
             let settings = resolved.map_err(|e| self.selection_failed(e))?;
@@ -358,9 +363,14 @@ impl PdHttp {
             );
             self.select_pair(model, &req, &decision, &settings, now)?
         } else {
-            self.select_one(model, decision.strategy, now)?
+            self.select_one(model, decision.strategy, false, now)?
         };
-        let strategy = decision.strategy.name().to_string();
+        let strategy = if count_only {
+            Strategy::LeastRequest.name()
+        } else {
+            decision.strategy.name()
+        }
+        .to_string();
         self.obs.times.routed_us = Some(now_us());
         if self.obs.explain.is_some() && self.obs.explain_header.is_none() {
             // Non-PD strategies have no cascade to explain: name the strategy and the pick.
@@ -570,10 +580,13 @@ impl PdHttp {
     }
 
     /// Single-pod strategies: select and charge the running count in one CAS round.
+    /// One pod for a single-pod strategy, or, with `any_role`, the least busy pod of any role
+    /// (`pd::single::select_any`), charged in the same CAS round.
     fn select_one(
         &mut self,
         model: &ModelView,
         strategy: Strategy,
+        any_role: bool,
         now: u64,
     ) -> Result<Target, RouteError> {
         let vm = self.vm.clone();
@@ -582,7 +595,11 @@ impl PdHttp {
         let rng = &mut vm.rng;
         let result = ledger::update(&SharedData, |l| {
             l.set_remote(remote.clone());
-            let target = pd::select_single(model, strategy, l, rng)?;
+            let target = if any_role {
+                pd::single::select_any(model, l, rng)?
+            } else {
+                pd::select_single(model, strategy, l, rng)?
+            };
             let held = pd::Selected::single(target.pod()).charge(model, l, now);
             let rows = holds::charged_rows(l, &held);
             Ok::<_, RouteError>((target, held, rows))

@@ -52,7 +52,8 @@ impl Engine {
     pub fn serves_pd(self, endpoint: Endpoint) -> bool {
         !matches!(
             (self, endpoint),
-            (Engine::Sglang | Engine::Trtllm, Endpoint::Messages) | (_, Endpoint::Responses)
+            (Engine::Sglang | Engine::Trtllm, Endpoint::Messages)
+                | (_, Endpoint::Responses | Endpoint::MessagesCountTokens)
         )
     }
 }

@@ -49,6 +49,26 @@ pub fn select_single(
     })
 }
 
+/// Picks the pod for a request that computes nothing on the engine
+/// (`/v1/messages/count_tokens`: the prompt rendered and counted). Every role serves it, so
+/// the pod with the fewest running requests takes it, prefill and decode pods included: a
+/// PD-only fleet has no other. Ties are broken uniformly.
+pub fn select_any(
+    model: &ModelView,
+    ledger: &Ledger,
+    rng: &mut fastrand::Rng,
+) -> Result<Target, RouteError> {
+    let mut best = MinPicker::new();
+    for (i, pod) in model.pods.iter().enumerate() {
+        best.offer(ledger.counts(pod.id).running as f64, i, rng);
+    }
+    best.item()
+        .map(|pod| Target::Single { pod })
+        .ok_or_else(|| RouteError::Selection {
+            detail: "the model has no routable pod".into(),
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -89,6 +109,22 @@ mod tests {
         let mut rng = fastrand::Rng::with_seed(2);
         let t = select_single(&m, strategy, loads, &mut rng).unwrap();
         m.pods[t.pod()].name.clone()
+    }
+
+    #[test]
+    fn a_request_that_computes_nothing_takes_the_least_busy_pod_of_any_role() {
+        let m = model();
+        let mut loads = Ledger::default();
+        for name in ["ns/a", "ns/bb", "ns/p"] {
+            loads.add(name, Counter::Running, 0);
+        }
+        let mut rng = fastrand::Rng::with_seed(3);
+        let t = select_any(&m, &loads, &mut rng).unwrap();
+        assert_eq!(m.pods[t.pod()].name, "d");
+        loads.add("ns/d", Counter::Running, 0);
+        loads.add("ns/d", Counter::Running, 0);
+        let t = select_any(&m, &loads, &mut rng).unwrap();
+        assert_ne!(m.pods[t.pod()].name, "d");
     }
 
     #[test]
