@@ -71,6 +71,8 @@ pub struct PodRecord {
     pub ready: bool,
     /// False for non-leader members of a multi-node pod group.
     pub serves_http: bool,
+    /// Every label, for the `external-filter` header's selector in the filter.
+    pub labels: BTreeMap<String, String>,
 }
 
 impl PodRecord {
@@ -145,6 +147,7 @@ impl PodRecord {
                 .is_none_or(|idx| idx == "0"),
             ready: ready_condition && !ip.is_empty() && !terminating,
             ip,
+            labels: labels.clone(),
         })
     }
 }

@@ -538,10 +538,12 @@ async fn follows_adds_readiness_ips_edits_relabels_and_deletes() {
     )
     .await;
 
-    // An edit that changes no record publishes nothing.
+    // An edit that changes no record publishes nothing (labels are carried, for
+    // external-filter selectors; other annotations than the config and the bootstrap port
+    // are not).
     let before = run.publishes().await;
     let mut b = api.get("ns", "b");
-    b["metadata"]["labels"]["unrelated"] = json!("x");
+    b["metadata"]["annotations"]["unrelated"] = json!("x");
     api.put(b);
 
     let mut c = api.get("ns", "c");

@@ -639,6 +639,7 @@ mod tests {
             sglang_bootstrap_port: 8998,
             ready: true,
             serves_http: true,
+            labels: Default::default(),
         }
     }
 

@@ -528,6 +528,7 @@ mod tests {
             sglang_bootstrap_port: 8998,
             ready: false,
             serves_http: true,
+            labels: Default::default(),
         }
     }
 

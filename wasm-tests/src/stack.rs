@@ -26,6 +26,8 @@ pub struct PodSpec {
     pub engine: String,
     /// `model.aibrix.ai/sglang-bootstrap-port` annotation, when set.
     pub bootstrap_port: Option<u16>,
+    /// Further labels (for `external-filter` selectors).
+    pub labels: Vec<(String, String)>,
 }
 
 /// A fleet of pods of one model on one random loopback /24, so every pod has its own IP.
@@ -65,6 +67,7 @@ impl Fleet {
             config: String::new(),
             engine: self.engine.clone(),
             bootstrap_port: None,
+            labels: Vec::new(),
         });
         self
     }
@@ -90,6 +93,14 @@ impl Fleet {
             p.config = r#"{"profiles":{"default":{"routingConfig":{"combined":true}}}}"#.into();
         }
         f
+    }
+
+    /// Adds a label to the last added pod.
+    pub fn label(mut self, key: &str, value: &str) -> Fleet {
+        if let Some(p) = self.pods.last_mut() {
+            p.labels.push((key.into(), value.into()));
+        }
+        self
     }
 
     /// Moves the last added pod to another model.
@@ -142,6 +153,9 @@ impl Fleet {
             }
             if !p.roleset.is_empty() {
                 out.push_str(&format!("      roleset-name: {}\n", p.roleset));
+            }
+            for (key, value) in &p.labels {
+                out.push_str(&format!("      {key}: \"{value}\"\n"));
             }
             if !p.config.is_empty() || p.bootstrap_port.is_some() {
                 out.push_str("    annotations:\n");

@@ -226,6 +226,73 @@ fn anthropic_messages_go_through_a_vllm_pair_and_their_stream_counts_its_tokens(
     assert!(answer.get("kv_transfer_params").is_none(), "{answer}");
 }
 
+/// `external-filter` narrows the candidates by a Kubernetes label selector before selection:
+/// every pair then comes from the pods it keeps; one that keeps none, or does not parse, is
+/// a selection failure (503) before any leg.
+#[test]
+fn external_filter_selects_the_pods_a_request_may_use() {
+    let fleet = Fleet::new(MODEL)
+        .pod("vllm-p-0", "prefill", "group-0")
+        .label("tier", "canary")
+        .pod("vllm-d-0", "decode", "group-0")
+        .label("tier", "canary")
+        .pod("vllm-p-1", "prefill", "group-1")
+        .label("tier", "stable")
+        .pod("vllm-d-1", "decode", "group-1")
+        .label("tier", "stable")
+        .combined("vllm-c-0");
+    let stack = Stack::start_with(fleet, 2, LEAST_REQUEST);
+    for (selector, prefill, decode) in [
+        ("tier=canary", "vllm-p-0", "vllm-d-0"),
+        ("tier in (stable), !gone", "vllm-p-1", "vllm-d-1"),
+    ] {
+        for _ in 0..4 {
+            let r = stack.chat(
+                &[("routing-strategy", "pd"), ("external-filter", selector)],
+                &chat_body(false, 2),
+            );
+            let (p, d) = assert_pd_exchange(&stack, &r);
+            assert_eq!((p.as_str(), d.as_str()), (prefill, decode), "{selector}");
+        }
+    }
+    let prefill_legs: Vec<Value> = stack
+        .sim_requests()
+        .into_iter()
+        .filter(|e| e["leg"] == "prefill")
+        .collect();
+    assert!(
+        prefill_legs
+            .iter()
+            .all(|e| e["headers"]["external-filter"].is_string()),
+        "the header is forwarded on the prefill leg, as AIBrix does"
+    );
+    let r = stack.chat(
+        &[
+            ("routing-strategy", "random"),
+            ("external-filter", "tier!=canary"),
+        ],
+        &chat_body(false, 2),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(header(&r, "target-pod"), "vllm-c-0");
+
+    let before = stack.sim_requests().len();
+    for selector in ["tier=gone", "tier in (canary"] {
+        let r = stack.chat(
+            &[("routing-strategy", "pd"), ("external-filter", selector)],
+            &chat_body(false, 2),
+        );
+        assert_error(
+            &r,
+            503,
+            "x-error-routing",
+            "true",
+            "error on selecting target pod",
+        );
+    }
+    assert_eq!(stack.sim_requests().len(), before, "no leg was sent");
+}
+
 /// `/v1/messages/count_tokens` computes nothing on the engine: under `pd`, in a fleet of
 /// prefill and decode pods only, it goes whole to the least busy of them.
 #[test]

@@ -316,6 +316,7 @@ mod tests {
             sglang_bootstrap_port: 8998,
             ready,
             serves_http: true,
+            labels: Default::default(),
         }
     }
 

@@ -63,6 +63,14 @@ pub fn pod_to_proto(pod: &PodRecord, metrics: proto::PodMetrics) -> proto::Pod {
         role_replica_index: pod.role_replica_index.clone(),
         serves_http: pod.serves_http,
         metrics: Some(metrics),
+        labels: pod
+            .labels
+            .iter()
+            .map(|(key, value)| proto::Label {
+                key: key.clone(),
+                value: value.clone(),
+            })
+            .collect(),
     }
 }
 
@@ -191,6 +199,9 @@ mod tests {
             sglang_bootstrap_port: 9000,
             ready: true,
             serves_http: false,
+            labels: [("zone", "b"), ("app", "x")]
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .into(),
         }
     }
 
@@ -226,6 +237,17 @@ mod tests {
             role_replica_index: "0".into(),
             serves_http: false,
             metrics: Some(metrics(1.0)),
+            // Sorted by key: equal topologies encode to equal bytes.
+            labels: vec![
+                proto::Label {
+                    key: "app".into(),
+                    value: "x".into(),
+                },
+                proto::Label {
+                    key: "zone".into(),
+                    value: "b".into(),
+                },
+            ],
         };
         assert_eq!(p, &expected);
     }

@@ -58,6 +58,8 @@ pub struct PodInfo {
     /// The pod's position in its model's pod list in the snapshot, routable or not: where
     /// its metrics are in a later snapshot of the same topology.
     pub slot: usize,
+    /// Every label of the pod, for the `external-filter` header's selector.
+    pub labels: Vec<(String, String)>,
 }
 
 impl std::ops::Deref for PodView {
@@ -314,6 +316,11 @@ impl ModelView {
                     .filter(|p| *p != 0)
                     .unwrap_or(crate::core::engine::sglang::DEFAULT_BOOTSTRAP_PORT),
                 slot,
+                labels: pod
+                    .labels
+                    .iter()
+                    .map(|l| (l.key.clone(), l.value.clone()))
+                    .collect(),
             };
             view.pods.push(PodView {
                 info: Rc::new(info),
@@ -421,6 +428,20 @@ impl ModelView {
         !self.rolesets.is_empty() || !self.others.is_empty()
     }
 
+    /// The view of only the pods `keep` accepts (the `external-filter` header's selector).
+    /// Unlike [`ModelView::without`] there is no fallback: a selector that leaves no pod is
+    /// the client's to see.
+    pub fn only(&self, keep: impl Fn(&PodView) -> bool) -> ModelView {
+        let mut view = ModelView {
+            pods: self.pods.iter().filter(|p| keep(p)).cloned().collect(),
+            config: self.config.clone(),
+            total_pods: self.total_pods,
+            ..ModelView::default()
+        };
+        view.assemble();
+        view
+    }
+
     /// The view without the pods `leaves` names (by key), or `None` when none of them is
     /// here or when removing them would leave the model with no route at all: then the
     /// model keeps every pod (better a suspect pod than a certain 503, as Envoy's panic
@@ -513,6 +534,39 @@ pub(crate) mod tests {
         // Removing every route keeps the model whole.
         let all = fleet.without_pods(|k| k != "ns/p0");
         assert_eq!(all.models["m"].pods.len(), 5);
+    }
+
+    #[test]
+    fn a_selector_narrows_the_view_to_the_pods_it_keeps_with_no_fallback() {
+        let labelled = |name: &str, role: &str, roleset: &str, tier: &str| {
+            let mut p = pod(name, role, roleset, true);
+            p.labels = vec![proto::Label {
+                key: "tier".into(),
+                value: tier.into(),
+            }];
+            p
+        };
+        let fleet = FleetView::from_snapshot(&snapshot(vec![
+            labelled("p0", "prefill", "g0", "canary"),
+            labelled("d0", "decode", "g0", "canary"),
+            labelled("p11", "prefill", "g1", "stable"),
+            labelled("d11", "decode", "g1", "stable"),
+            pod("c222", "all", "", true),
+        ]));
+        let m = &fleet.models["m"];
+        assert_eq!(
+            m.pods[0].labels,
+            [("tier".to_string(), "canary".to_string())]
+        );
+        let selector = crate::core::label_selector::Selector::parse("tier=canary").unwrap();
+        let view = m.only(|p| selector.matches(&p.labels));
+        assert_eq!(view.pods.len(), 2);
+        assert_eq!(view.rolesets.len(), 1);
+        assert_eq!(view.rolesets[0].name, "g0");
+        assert!(view.others.is_empty());
+        assert_ne!(view.uid, m.uid);
+        let none = crate::core::label_selector::Selector::parse("tier=gone").unwrap();
+        assert!(m.only(|p| none.matches(&p.labels)).pods.is_empty());
     }
 
     #[test]

@@ -15,6 +15,7 @@ pub mod inbound;
 pub mod journal;
 pub mod json_object;
 pub mod json_scan;
+pub mod label_selector;
 pub mod ledger;
 pub mod obs;
 pub mod pace;

@@ -18,6 +18,7 @@ use crate::core::fleet::{FleetView, ModelView};
 // Envoy's ORIGINAL_DST header is removed even when the cluster reads another one, so a
 // client can never pick an upstream through either.
 use crate::core::inbound::{Inbound, ENVOY_DST_HEADER};
+use crate::core::label_selector::Selector;
 use crate::core::ledger::{self, Ledger};
 use crate::core::obs::outcome::{self, CutBy, Outcome};
 use crate::core::obs::timing::Instants;
@@ -234,6 +235,22 @@ impl PdHttp {
     /// Counts a PD selection that failed before any pod was scored (an unknown
     /// `decodeScorePolicy`, pods of mixed engines) as AIBrix does, with the failures of the
     /// selection itself.
+    /// The `external-filter` header's label selector, when the request carries a non-empty
+    /// one; one that does not parse is a selection failure (503), as in AIBrix.
+    fn external_filter(&self) -> Result<Option<Selector>, RouteError> {
+        let Some((_, text)) = self.forwarded.iter().find(|(k, _)| *k == "external-filter") else {
+            return Ok(None);
+        };
+        if text.trim().is_empty() {
+            return Ok(None);
+        }
+        Selector::parse(text)
+            .map(Some)
+            .map_err(|e| RouteError::Selection {
+                detail: format!("external-filter {text:?}: {e}"),
+            })
+    }
+
     fn selection_failed(&self, error: RouteError) -> RouteError {
         if matches!(error, RouteError::Selection { .. }) {
             self.vm.borrow_mut().metrics.prefill_failed(&error);
@@ -306,6 +323,23 @@ impl PdHttp {
         if model.pods.is_empty() {
             return Err(RouteError::NoRoutablePods(req.model.clone()));
         }
+        let narrowed;
+        let model = match self.external_filter()? {
+            Some(selector) => {
+                narrowed = model.only(|p| selector.matches(&p.labels));
+                if narrowed.pods.is_empty() {
+                    return Err(RouteError::Selection {
+                        detail: format!(
+                            "external-filter matched none of the {} routable pods of model {}",
+                            model.pods.len(),
+                            req.model
+                        ),
+                    });
+                }
+                &narrowed
+            }
+            None => model,
+        };
         let now = now_ms();
         let decision = {
             let mut vm = self.vm.borrow_mut();
