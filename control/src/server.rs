@@ -431,6 +431,7 @@ mod tests {
                     pod("d1", "decode", false),
                     pod("c0", "all", true),
                 ],
+                labels: None,
             }],
         };
         Published {

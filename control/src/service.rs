@@ -161,7 +161,7 @@ pub async fn start_with_source<S: FleetSource>(
     let mut builder = SnapshotBuilder::default();
     let now = Instant::now();
     let first = builder.update(
-        snapshot::models(&fleet, |p| book.metrics(p, now)),
+        snapshot::models(&fleet, &config.pod_labels, |p| book.metrics(p, now)),
         crate::unix_ms_now(),
     );
     let (snapshots_tx, snapshots_rx) = watch::channel(first.published);
@@ -178,6 +178,7 @@ pub async fn start_with_source<S: FleetSource>(
         live: live_tx,
         stats: stats.clone(),
         interval: config.refresh_interval,
+        labels: config.pod_labels.clone(),
     };
     let tasks = vec![
         tokio::spawn(source.watch(publisher, shutdown.clone())),
@@ -261,6 +262,7 @@ struct ControlLoop {
     live: watch::Sender<Arc<crate::proto::Snapshot>>,
     stats: Arc<Stats>,
     interval: Duration,
+    labels: snapshot::LabelPolicy,
 }
 
 impl ControlLoop {
@@ -323,7 +325,7 @@ impl ControlLoop {
             });
         }
         let now = Instant::now();
-        let models = snapshot::models(&fleet, |pod| self.book.metrics(pod, now));
+        let models = snapshot::models(&fleet, &self.labels, |pod| self.book.metrics(pod, now));
         let update = self.builder.update(models, crate::unix_ms_now());
         if update.changed {
             tracing::debug!(version = update.published.version, "snapshot updated");

@@ -40,6 +40,7 @@ fn fleet(pods: usize) -> ModelView {
         models: vec![proto::Model {
             name: "m".into(),
             pods: list,
+            labels: None,
         }],
     };
     FleetView::from_snapshot(&snapshot).models["m"].clone()

@@ -63,9 +63,53 @@ pub fn pod_to_proto(pod: &PodRecord, metrics: proto::PodMetrics) -> proto::Pod {
         role_replica_index: pod.role_replica_index.clone(),
         serves_http: pod.serves_http,
         metrics: Some(metrics),
+    }
+}
+
+/// Which pod labels a snapshot carries (`--pod-labels`).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum LabelPolicy {
+    #[default]
+    All,
+    /// Only these keys; none when empty.
+    Keys(std::collections::BTreeSet<String>),
+}
+
+impl LabelPolicy {
+    /// `all`, `none`, or `key,key,...`.
+    pub fn parse(text: &str) -> Result<LabelPolicy, String> {
+        match text.trim() {
+            "all" => Ok(LabelPolicy::All),
+            "none" => Ok(LabelPolicy::Keys(Default::default())),
+            keys => {
+                let keys: std::collections::BTreeSet<String> = keys
+                    .split(',')
+                    .map(|k| k.trim().to_string())
+                    .filter(|k| !k.is_empty())
+                    .collect();
+                if keys.is_empty() {
+                    return Err("want all, none or a comma-separated list of label keys".into());
+                }
+                Ok(LabelPolicy::Keys(keys))
+            }
+        }
+    }
+
+    fn keeps(&self, key: &str) -> bool {
+        match self {
+            LabelPolicy::All => true,
+            LabelPolicy::Keys(keys) => keys.contains(key),
+        }
+    }
+}
+
+/// A pod's labels as the snapshot carries them, sorted by key (the map's order).
+fn labels_to_proto(pod: &PodRecord, policy: &LabelPolicy) -> proto::PodLabels {
+    proto::PodLabels {
         labels: pod
             .labels
             .iter()
+            .filter(|(key, _)| policy.keeps(key))
             .map(|(key, value)| proto::Label {
                 key: key.clone(),
                 value: value.clone(),
@@ -78,20 +122,21 @@ pub fn pod_to_proto(pod: &PodRecord, metrics: proto::PodMetrics) -> proto::Pod {
 /// file order, pods in fleet order because the filter takes the first valid config in that order.
 pub fn models(
     fleet: &[PodRecord],
+    labels: &LabelPolicy,
     mut metrics: impl FnMut(&PodRecord) -> proto::PodMetrics,
 ) -> Vec<proto::Model> {
-    let mut by_model: BTreeMap<&str, Vec<proto::Pod>> = BTreeMap::new();
+    let mut by_model: BTreeMap<&str, (Vec<proto::Pod>, Vec<proto::PodLabels>)> = BTreeMap::new();
     for pod in fleet {
-        by_model
-            .entry(pod.model.as_str())
-            .or_default()
-            .push(pod_to_proto(pod, metrics(pod)));
+        let (pods, sets) = by_model.entry(pod.model.as_str()).or_default();
+        pods.push(pod_to_proto(pod, metrics(pod)));
+        sets.push(labels_to_proto(pod, labels));
     }
     by_model
         .into_iter()
-        .map(|(name, pods)| proto::Model {
+        .map(|(name, (pods, labels))| proto::Model {
             name: name.to_string(),
             pods,
+            labels: Some(proto::PodLabelSets { pods: labels }),
         })
         .collect()
 }
@@ -216,7 +261,7 @@ mod tests {
     #[test]
     fn every_pod_field_is_carried_and_models_are_sorted() {
         let fleet = [pod("z1", "zeta"), pod("a1", "alpha"), pod("z0", "zeta")];
-        let models = models(&fleet, |_| metrics(1.0));
+        let models = models(&fleet, &LabelPolicy::All, |_| metrics(1.0));
         let names: Vec<_> = models.iter().map(|m| m.name.as_str()).collect();
         assert_eq!(names, ["alpha", "zeta"]);
         let zeta: Vec<_> = models[1].pods.iter().map(|p| p.name.as_str()).collect();
@@ -237,19 +282,33 @@ mod tests {
             role_replica_index: "0".into(),
             serves_http: false,
             metrics: Some(metrics(1.0)),
-            // Sorted by key: equal topologies encode to equal bytes.
-            labels: vec![
-                proto::Label {
-                    key: "app".into(),
-                    value: "x".into(),
-                },
-                proto::Label {
-                    key: "zone".into(),
-                    value: "b".into(),
-                },
-            ],
         };
         assert_eq!(p, &expected);
+        // Labels sorted by key (equal topologies encode to equal bytes), one set per pod.
+        let labels = models[1].labels.as_ref().expect("labels");
+        assert_eq!(labels.pods.len(), 2);
+        let keys: Vec<_> = labels.pods[0]
+            .labels
+            .iter()
+            .map(|l| l.key.as_str())
+            .collect();
+        assert_eq!(keys, ["app", "zone"]);
+        assert_eq!(labels.pods[0].labels[1].value, "b");
+    }
+
+    #[test]
+    fn pod_labels_policy_keeps_all_none_or_the_keys_named() {
+        assert_eq!(LabelPolicy::parse("all"), Ok(LabelPolicy::All));
+        assert!(LabelPolicy::parse(" , ").is_err());
+        let carried = |policy: &str| -> Vec<String> {
+            let policy = LabelPolicy::parse(policy).unwrap();
+            let models = models(&[pod("a", "m")], &policy, |_| metrics(1.0));
+            let sets = models[0].labels.as_ref().expect("a set per pod");
+            sets.pods[0].labels.iter().map(|l| l.key.clone()).collect()
+        };
+        assert_eq!(carried("all"), ["app", "zone"]);
+        assert!(carried("none").is_empty());
+        assert_eq!(carried("zone, tier"), ["zone"]);
     }
 
     #[test]
@@ -260,7 +319,7 @@ mod tests {
             published: v1,
             changed: new,
             ..
-        } = builder.update(models(&fleet, |_| metrics(1.0)), 1_000);
+        } = builder.update(models(&fleet, &LabelPolicy::All, |_| metrics(1.0)), 1_000);
         assert!(new);
         assert_eq!(
             v1.version, 1_000,
@@ -271,7 +330,7 @@ mod tests {
             published: same,
             changed: new,
             ..
-        } = builder.update(models(&fleet, |_| metrics(1.0)), 2_000);
+        } = builder.update(models(&fleet, &LabelPolicy::All, |_| metrics(1.0)), 2_000);
         assert!(!new);
         assert_eq!(same.version, 1_000);
         assert!(
@@ -291,7 +350,7 @@ mod tests {
             published: same,
             changed: new,
             live,
-        } = builder.update(models(&fleet, rescraped), 2_500);
+        } = builder.update(models(&fleet, &LabelPolicy::All, rescraped), 2_500);
         assert!(
             !new && same.version == 1_000,
             "a new scrape time alone is no change"
@@ -314,7 +373,9 @@ mod tests {
             changed: new,
             live,
         } = builder.update(
-            models(&fleet, |p| metrics(if p.name == "b" { 2.0 } else { 1.0 })),
+            models(&fleet, &LabelPolicy::All, |p| {
+                metrics(if p.name == "b" { 2.0 } else { 1.0 })
+            }),
             3_000,
         );
         assert!(new);
@@ -325,7 +386,10 @@ mod tests {
         assert_eq!(v2.version, 3_000, "a metric change bumps (to the clock)");
 
         let v3 = builder
-            .update(models(&fleet[..1], |_| metrics(1.0)), 3_000)
+            .update(
+                models(&fleet[..1], &LabelPolicy::All, |_| metrics(1.0)),
+                3_000,
+            )
             .published;
         assert_eq!(
             v3.version, 3_001,
@@ -339,7 +403,7 @@ mod tests {
         let mut builder = SnapshotBuilder::default();
         let p = builder
             .update(
-                models(&[pod("a", "m")], |_| metrics(3.5)),
+                models(&[pod("a", "m")], &LabelPolicy::All, |_| metrics(3.5)),
                 1_700_000_000_123,
             )
             .published;
@@ -359,17 +423,20 @@ mod tests {
         let mut last = 0;
         for (i, now) in (10_000..10_050).enumerate() {
             last = before
-                .update(models(&fleet, |_| metrics(i as f64)), now)
+                .update(
+                    models(&fleet, &LabelPolicy::All, |_| metrics(i as f64)),
+                    now,
+                )
                 .published
                 .version;
         }
         let mut after = SnapshotBuilder::default();
         let first = after
-            .update(models(&fleet, |_| metrics(0.0)), 10_051)
+            .update(models(&fleet, &LabelPolicy::All, |_| metrics(0.0)), 10_051)
             .published;
         assert!(first.version > last, "{} after {last}", first.version);
         let clock_behind = SnapshotBuilder::default()
-            .update(models(&fleet, |_| metrics(0.0)), -5)
+            .update(models(&fleet, &LabelPolicy::All, |_| metrics(0.0)), -5)
             .published;
         assert_eq!(
             clock_behind.version, 1,

@@ -81,6 +81,7 @@ pub fn fleet_with(pods: usize, scraped: bool) -> (ModelView, Ledger) {
         models: vec![proto::Model {
             name: "m".into(),
             pods: list,
+            labels: None,
         }],
     };
     let model = FleetView::from_snapshot(&snapshot).models["m"].clone();

@@ -1,17 +1,18 @@
 //! The wire snapshot of a PD fleet, shared by `benches/snapshot.rs` and
 //! `examples/snapshot_loop.rs`: `pods` pods in rolesets of one prefill and one decode pod,
 //! every pod scraped, each with the config annotation the demo fleet carries (the pods of
-//! `fleet.rs`, which the includer declares as `mod fleet` beside this one). `load` sets
-//! every pod's running count, so two calls differ in metrics only.
+//! `fleet.rs`, which the includer declares as `mod fleet` beside this one) and the labels
+//! pd-control carries for such a pod. `load` sets every pod's running count, so two calls
+//! differ in metrics only.
 
 use pd_router_filter::proto;
 use prost::Message;
 
 use super::fleet::pd_pod;
 
-pub fn snapshot_bytes(pods: usize, load: f64) -> Vec<u8> {
+pub fn snapshot_bytes(count: usize, load: f64) -> Vec<u8> {
     let config = r#"{"profiles": {"default": {"routingStrategy": "pd"}}}"#;
-    let pods = (0..pods)
+    let pods = (0..count)
         .map(|i| proto::Pod {
             config: config.into(),
             sglang_bootstrap_port: 8998,
@@ -30,12 +31,34 @@ pub fn snapshot_bytes(pods: usize, load: f64) -> Vec<u8> {
             ..pd_pod(i, "llama")
         })
         .collect();
+    // A demo-fleet pod's labels, sorted by key as pd-control sends them.
+    let labels = (0..count)
+        .map(|i| proto::PodLabels {
+            labels: [
+                ("model.aibrix.ai/engine", "vllm".to_string()),
+                ("model.aibrix.ai/name", "llama".to_string()),
+                ("model.aibrix.ai/port", "8000".to_string()),
+                (
+                    "role-name",
+                    if i % 2 == 0 { "prefill" } else { "decode" }.to_string(),
+                ),
+                ("roleset-name", format!("rs-{}", i / 2)),
+            ]
+            .into_iter()
+            .map(|(key, value)| proto::Label {
+                key: key.into(),
+                value,
+            })
+            .collect(),
+        })
+        .collect();
     proto::Snapshot {
         version: 7,
         generated_unix_ms: 1_700_000_000_000,
         models: vec![proto::Model {
             name: "m".into(),
             pods,
+            labels: Some(proto::PodLabelSets { pods: labels }),
         }],
     }
     .encode_to_vec()

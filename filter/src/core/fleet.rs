@@ -146,7 +146,7 @@ impl FleetView {
         let models: HashMap<String, ModelView> = snapshot
             .models
             .iter()
-            .map(|m| (m.name.clone(), ModelView::build(&m.pods)))
+            .map(|m| (m.name.clone(), ModelView::build(&m.pods, m.labels.as_ref())))
             .collect();
         let addresses = models
             .values()
@@ -277,7 +277,7 @@ fn usable_metrics(metrics: Option<proto::PodMetrics>) -> Option<proto::PodMetric
 }
 
 impl ModelView {
-    fn build(pods: &[proto::Pod]) -> ModelView {
+    fn build(pods: &[proto::Pod], labels: Option<&proto::PodLabelSets>) -> ModelView {
         let mut view = ModelView {
             total_pods: pods.len(),
             ..ModelView::default()
@@ -316,11 +316,15 @@ impl ModelView {
                     .filter(|p| *p != 0)
                     .unwrap_or(crate::core::engine::sglang::DEFAULT_BOOTSTRAP_PORT),
                 slot,
-                labels: pod
-                    .labels
-                    .iter()
-                    .map(|l| (l.key.clone(), l.value.clone()))
-                    .collect(),
+                labels: labels
+                    .and_then(|sets| sets.pods.get(slot))
+                    .map(|set| {
+                        set.labels
+                            .iter()
+                            .map(|l| (l.key.clone(), l.value.clone()))
+                            .collect()
+                    })
+                    .unwrap_or_default(),
             };
             view.pods.push(PodView {
                 info: Rc::new(info),
@@ -492,6 +496,7 @@ pub(crate) mod tests {
             models: vec![proto::Model {
                 name: "m".into(),
                 pods,
+                labels: None,
             }],
         }
     }
@@ -538,21 +543,28 @@ pub(crate) mod tests {
 
     #[test]
     fn a_selector_narrows_the_view_to_the_pods_it_keeps_with_no_fallback() {
-        let labelled = |name: &str, role: &str, roleset: &str, tier: &str| {
-            let mut p = pod(name, role, roleset, true);
-            p.labels = vec![proto::Label {
-                key: "tier".into(),
-                value: tier.into(),
-            }];
-            p
-        };
-        let fleet = FleetView::from_snapshot(&snapshot(vec![
-            labelled("p0", "prefill", "g0", "canary"),
-            labelled("d0", "decode", "g0", "canary"),
-            labelled("p11", "prefill", "g1", "stable"),
-            labelled("d11", "decode", "g1", "stable"),
+        let mut snap = snapshot(vec![
+            pod("p0", "prefill", "g0", true),
+            pod("d0", "decode", "g0", true),
+            pod("p11", "prefill", "g1", true),
+            pod("d11", "decode", "g1", true),
             pod("c222", "all", "", true),
-        ]));
+        ]);
+        let tier = |value: &str| proto::PodLabels {
+            labels: vec![proto::Label {
+                key: "tier".into(),
+                value: value.into(),
+            }],
+        };
+        snap.models[0].labels = Some(proto::PodLabelSets {
+            pods: vec![
+                tier("canary"),
+                tier("canary"),
+                tier("stable"),
+                tier("stable"),
+            ],
+        });
+        let fleet = FleetView::from_snapshot(&snap);
         let m = &fleet.models["m"];
         assert_eq!(
             m.pods[0].labels,
@@ -580,6 +592,7 @@ pub(crate) mod tests {
         snap.models.push(proto::Model {
             name: "m2".into(),
             pods: vec![other],
+            labels: None,
         });
         let fleet = FleetView::from_snapshot(&snap);
         assert!(fleet.holds_address("127.0.0.2:8000"));

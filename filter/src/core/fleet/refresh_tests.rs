@@ -78,6 +78,7 @@ fn fleet_strategy() -> impl Strategy<Value = proto::Snapshot> {
             .map(|(name, pods)| proto::Model {
                 name: name.into(),
                 pods,
+                labels: None,
             })
             .collect(),
     })

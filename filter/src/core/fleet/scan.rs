@@ -256,12 +256,26 @@ mod tests {
             ("gone", Box::new(|s| drop(s.models[0].pods.pop()))),
             ("model", Box::new(|s| s.models[0].name = "m2".into())),
             (
+                "labels",
+                Box::new(|s| {
+                    s.models[0].labels = Some(proto::PodLabelSets {
+                        pods: vec![proto::PodLabels {
+                            labels: vec![proto::Label {
+                                key: "tier".into(),
+                                value: "canary".into(),
+                            }],
+                        }],
+                    })
+                }),
+            ),
+            (
                 "split",
                 Box::new(|s| {
                     let last = s.models[0].pods.pop().unwrap();
                     s.models.push(proto::Model {
                         name: "m".into(),
                         pods: vec![last],
+                        labels: None,
                     });
                 }),
             ),
