@@ -232,9 +232,6 @@ impl PdHttp {
             .upstream_error_rewritten(answer.kind);
     }
 
-    /// Counts a PD selection that failed before any pod was scored (an unknown
-    /// `decodeScorePolicy`, pods of mixed engines) as AIBrix does, with the failures of the
-    /// selection itself.
     /// The `external-filter` header's label selector, when the request carries a non-empty
     /// one; one that does not parse is a selection failure (503), as in AIBrix.
     fn external_filter(&self) -> Result<Option<Selector>, RouteError> {
@@ -251,6 +248,9 @@ impl PdHttp {
             })
     }
 
+    /// Counts a PD selection that failed before any pod was scored (an unknown
+    /// `decodeScorePolicy`, pods of mixed engines) as AIBrix does, with the failures of the
+    /// selection itself.
     fn selection_failed(&self, error: RouteError) -> RouteError {
         if matches!(error, RouteError::Selection { .. }) {
             self.vm.borrow_mut().metrics.prefill_failed(&error);
