@@ -1,6 +1,7 @@
 //! One full PD selection (Steps 0–5, no charge) at 16 / 256 / 1024 pods, per policy pair, with
 //! the scratch buffers a VM keeps between requests; and the default policies on a fleet that
-//! was never scraped and carries no load (what `envoy/bench-v8.sh` measures inside Envoy).
+//! was never scraped and carries no load (what `envoy/bench-v8.sh` measures inside Envoy);
+//! and what an `external-filter` header adds before the selection.
 //! Run with `cargo bench -p pd-router-filter --bench select`.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
@@ -60,5 +61,22 @@ fn selection(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, selection);
+/// What a request carrying `external-filter` adds before its selection: the selector parsed
+/// and the model narrowed to a fresh view, here one that keeps every pod (the most work).
+fn external_filter(c: &mut Criterion) {
+    use pd_router_filter::core::label_selector::Selector;
+    let mut group = c.benchmark_group("external_filter");
+    for pods in [16usize, 256, 1024] {
+        let (model, _) = fleet_with(pods, true);
+        group.bench_function(BenchmarkId::new("narrow", pods), |b| {
+            b.iter(|| {
+                let selector = Selector::parse("!draining").expect("a selector");
+                model.only(|p| selector.matches(&p.labels)).pods.len()
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, selection, external_filter);
 criterion_main!(benches);

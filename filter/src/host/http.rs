@@ -18,7 +18,6 @@ use crate::core::fleet::{FleetView, ModelView};
 // Envoy's ORIGINAL_DST header is removed even when the cluster reads another one, so a
 // client can never pick an upstream through either.
 use crate::core::inbound::{Inbound, ENVOY_DST_HEADER};
-use crate::core::label_selector::Selector;
 use crate::core::ledger::{self, Ledger};
 use crate::core::obs::outcome::{self, CutBy, Outcome};
 use crate::core::obs::timing::Instants;
@@ -233,19 +232,13 @@ impl PdHttp {
     }
 
     /// The `external-filter` header's label selector, when the request carries a non-empty
-    /// one; one that does not parse is a selection failure (503), as in AIBrix.
-    fn external_filter(&self) -> Result<Option<Selector>, RouteError> {
-        let Some((_, text)) = self.forwarded.iter().find(|(k, _)| *k == "external-filter") else {
-            return Ok(None);
-        };
-        if text.trim().is_empty() {
-            return Ok(None);
-        }
-        Selector::parse(text)
-            .map(Some)
-            .map_err(|e| RouteError::Selection {
-                detail: format!("external-filter {text:?}: {e}"),
-            })
+    /// one (one that does not parse is a selection failure, 503, as in AIBrix).
+    fn external_filter(&self) -> Option<String> {
+        self.forwarded
+            .iter()
+            .find(|(k, _)| *k == "external-filter")
+            .map(|(_, text)| text.trim().to_string())
+            .filter(|text| !text.is_empty())
     }
 
     /// Counts a PD selection that failed before any pod was scored (an unknown
@@ -324,9 +317,16 @@ impl PdHttp {
             return Err(RouteError::NoRoutablePods(req.model.clone()));
         }
         let narrowed;
-        let model = match self.external_filter()? {
-            Some(selector) => {
-                narrowed = model.only(|p| selector.matches(&p.labels));
+        let model = match self.external_filter() {
+            Some(text) => {
+                narrowed = self
+                    .vm
+                    .borrow_mut()
+                    .narrowed
+                    .narrow(model, &text)
+                    .map_err(|e| RouteError::Selection {
+                        detail: format!("external-filter {text:?}: {e}"),
+                    })?;
                 if narrowed.pods.is_empty() {
                     return Err(RouteError::Selection {
                         detail: format!(

@@ -82,6 +82,8 @@ pub struct VmState {
     pub rng: fastrand::Rng,
     /// Buffers and ledger row hints PD selections reuse from one request to the next.
     pub select_scratch: crate::core::pd::Scratch,
+    /// The last `external-filter` narrowing, reused by requests with the same selector.
+    pub narrowed: crate::core::fleet::NarrowedViews,
     pub metrics: metrics::Metrics,
     /// The other gateway replicas' decode load, added to the ledger rows selection reads.
     pub remote: Option<std::sync::Arc<crate::core::remote::RemoteLoad>>,

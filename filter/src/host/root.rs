@@ -117,6 +117,7 @@ impl Root {
                 fleet: None,
                 rng: fastrand::Rng::with_seed(seed),
                 select_scratch: crate::core::pd::Scratch::default(),
+                narrowed: Default::default(),
                 metrics: Metrics::default(),
                 remote: None,
                 remote_gen: None,
