@@ -72,7 +72,7 @@ lint: setup
 # Every fuzz target for FUZZ_SECONDS each (libFuzzer via cargo-fuzz, nightly); findings land
 # in fuzz/artifacts/<target>/ and fail the run.
 FUZZ_SECONDS ?= 60
-FUZZ_TARGETS := request model_config snapshot prometheus sse_usage shared_state upstream_error
+FUZZ_TARGETS := request model_config snapshot prometheus sse_usage shared_state upstream_error label_selector
 fuzz:
 	@rustup toolchain list | grep -q '^nightly' || rustup toolchain install nightly --profile minimal
 	@command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
@@ -91,7 +91,7 @@ fuzz:
 # 2-core box: ~1.5 min cold build, ~30 s of runs (plus `cargo install cargo-fuzz` once).
 FUZZ_SMOKE_SECONDS ?= 5
 FUZZ_SMOKE_FLAGS := -O -a -s none
-FUZZ_SMOKE_TARGETS := request model_config snapshot sse_usage shared_state upstream_error
+FUZZ_SMOKE_TARGETS := request model_config snapshot sse_usage shared_state upstream_error label_selector
 fuzz-smoke:
 	@command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
 	cd fuzz && env -u CARGO_TARGET_DIR cargo fuzz build $(FUZZ_SMOKE_FLAGS)
