@@ -94,28 +94,13 @@ pub fn error_body(kind: &str, message: &str) -> Value {
 mod tests {
     use super::*;
 
-    fn data(sse: &str) -> Vec<(String, Value)> {
-        sse.split("\n\n")
-            .filter(|e| !e.is_empty())
-            .map(|e| {
-                let (name, data) = e.split_once('\n').expect("event and data lines");
-                let name = name.strip_prefix("event: ").expect("event line");
-                let data = data.strip_prefix("data: ").expect("data line");
-                (
-                    name.to_string(),
-                    serde_json::from_str(data).expect("JSON data"),
-                )
-            })
-            .collect()
-    }
-
     #[test]
     fn a_stream_is_named_events_whose_type_matches_their_name() {
         let text = opening("chatcmpl-1", "m", 12)
             + &text_delta(" tok0")
             + &closing(12, 1)
             + &message_stop();
-        let events = data(&text);
+        let events = crate::vllm::named_events(&text).unwrap();
         let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(
             names,

@@ -141,17 +141,7 @@ mod tests {
             + &text_delta(&META, 0, " a")
             + &text_delta(&META, 1, " b")
             + &closing(&META, " a b", 7, 2);
-        let events: Vec<(String, Value)> = text
-            .split("\n\n")
-            .filter(|e| !e.is_empty())
-            .map(|e| {
-                let (name, data) = e.split_once('\n').expect("two lines");
-                (
-                    name.trim_start_matches("event: ").to_string(),
-                    serde_json::from_str(data.trim_start_matches("data: ")).expect("JSON"),
-                )
-            })
-            .collect();
+        let events = crate::vllm::named_events(&text).unwrap();
         for (i, (name, data)) in events.iter().enumerate() {
             assert_eq!(data["sequence_number"], i as u64, "{name}");
             assert_eq!(data["type"], name.as_str());

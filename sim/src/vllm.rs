@@ -652,6 +652,27 @@ pub fn sse_event(data: &Value) -> String {
     format!("data: {data}\n\n")
 }
 
+/// A stream of named SSE events (`event: <name>\ndata: <json>\n\n`, as the Messages and
+/// Responses APIs write them) as `(name, data)`, in order.
+pub fn named_events(text: &str) -> Result<Vec<(String, Value)>, String> {
+    text.split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| {
+            let (name, data) = e
+                .split_once('\n')
+                .ok_or_else(|| format!("not an event and a data line: {e:?}"))?;
+            let name = name
+                .strip_prefix("event: ")
+                .ok_or_else(|| format!("no event line: {e:?}"))?;
+            let data = data
+                .strip_prefix("data: ")
+                .ok_or_else(|| format!("no data line: {e:?}"))?;
+            let data = serde_json::from_str(data).map_err(|err| format!("{err}: {data}"))?;
+            Ok((name.to_string(), data))
+        })
+        .collect()
+}
+
 /// The SSE terminator.
 pub const SSE_DONE: &str = "data: [DONE]\n\n";
 

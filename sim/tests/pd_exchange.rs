@@ -507,6 +507,23 @@ async fn interleaved_run_deals_the_same_requests_to_every_target() {
     sim.shutdown().await;
 }
 
+/// Serves `pods` (fleet YAML documents) from a fleet file named after `tag`; the file lives as
+/// long as the returned guard.
+async fn serve_pods(tag: &str, pods: &[String]) -> (std::sync::Arc<Sim>, usize, TempFile) {
+    let path = std::env::temp_dir().join(format!(
+        "pd-sim-{tag}-{}-{}.yaml",
+        std::process::id(),
+        free_port()
+    ));
+    let file = TempFile(path.clone());
+    std::fs::write(&path, fleet_yaml(pods)).expect("write fleet");
+    let watcher = FleetWatcher::load(path, Duration::from_millis(20)).expect("fleet parses");
+    let sim = Sim::new(SimConfig::default());
+    let report = sim.apply(watcher.records()).await;
+    assert!(report.failed.is_empty(), "{report:?}");
+    (sim, report.serving, file)
+}
+
 /// vLLM's Anthropic endpoint as a PD pair: the prefill leg answers a Messages body with
 /// `kv_transfer_params` at the top level, the decode leg pulls with them and streams named
 /// events ending in `message_stop`, its usage in `message_delta`; SGLang pods have no
@@ -514,22 +531,13 @@ async fn interleaved_run_deals_the_same_requests_to_every_target() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn messages_prefill_then_decode_over_http() {
     let (p_port, d_port, s_port) = (free_port(), free_port(), free_port());
-    let path = std::env::temp_dir().join(format!(
-        "pd-sim-messages-{}-{p_port}.yaml",
-        std::process::id()
-    ));
-    let _cleanup = TempFile(path.clone());
     let pods = [
         pod_yaml(MODEL, "vllm-p-0", "vllm", "prefill", p_port),
         pod_yaml(MODEL, "vllm-d-0", "vllm", "decode", d_port),
         pod_yaml(MODEL, "sglang-p-0", "sglang", "prefill", s_port),
     ];
-    std::fs::write(&path, fleet_yaml(&pods)).expect("write fleet");
-    let watcher =
-        FleetWatcher::load(path.clone(), Duration::from_millis(20)).expect("fleet parses");
-    let sim = Sim::new(SimConfig::default());
-    let report = sim.apply(watcher.records()).await;
-    assert_eq!((report.serving, report.failed.len()), (3, 0), "{report:?}");
+    let (_sim, serving, _fleet) = serve_pods("messages", &pods).await;
+    assert_eq!(serving, 3);
     let prefill = format!("http://127.0.0.1:{p_port}/v1/messages");
     let decode = format!("http://127.0.0.1:{d_port}/v1/messages");
 
@@ -573,17 +581,7 @@ async fn messages_prefill_then_decode_over_http() {
     let resp = post(&decode, &decode_body, Some("m1")).await;
     assert_eq!(resp.status(), 200);
     let sse = resp.text().await.expect("stream");
-    let events: Vec<(String, Value)> = sse
-        .split("\n\n")
-        .filter(|e| !e.is_empty())
-        .map(|e| {
-            let (name, data) = e.split_once('\n').expect("event and data");
-            (
-                name.trim_start_matches("event: ").to_string(),
-                serde_json::from_str(data.trim_start_matches("data: ")).expect("event JSON"),
-            )
-        })
-        .collect();
+    let events = pd_sim::vllm::named_events(&sse).expect("named events");
     let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(names.first(), Some(&"message_start"), "{sse}");
     assert_eq!(names.last(), Some(&"message_stop"), "{sse}");
@@ -635,20 +633,12 @@ async fn messages_prefill_then_decode_over_http() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn responses_answer_without_kv_transfer_params() {
     let (c_port, p_port) = (free_port(), free_port());
-    let path = std::env::temp_dir().join(format!(
-        "pd-sim-responses-{}-{c_port}.yaml",
-        std::process::id()
-    ));
-    let _cleanup = TempFile(path.clone());
     let pods = [
         pod_yaml(MODEL, "vllm-c-0", "vllm", "all", c_port),
         pod_yaml(MODEL, "vllm-p-0", "vllm", "prefill", p_port),
     ];
-    std::fs::write(&path, fleet_yaml(&pods)).expect("write fleet");
-    let watcher =
-        FleetWatcher::load(path.clone(), Duration::from_millis(20)).expect("fleet parses");
-    let sim = Sim::new(SimConfig::default());
-    assert_eq!(sim.apply(watcher.records()).await.serving, 2);
+    let (_sim, serving, _fleet) = serve_pods("responses", &pods).await;
+    assert_eq!(serving, 2);
     let url = |port| format!("http://127.0.0.1:{port}/v1/responses");
 
     let body = json!({"model": MODEL, "input": "y".repeat(40), "max_output_tokens": 3});

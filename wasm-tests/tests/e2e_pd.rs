@@ -36,6 +36,16 @@ fn header<'a>(r: &'a Response, name: &str) -> &'a str {
         .unwrap_or_else(|| panic!("response lacks {name}: {:?} {}", r.headers, r.text()))
 }
 
+/// `body` POSTed to the gateway's `path` with a `routing-strategy`.
+fn post(stack: &Stack, path: &str, strategy: &str, body: &Value) -> Response {
+    pd_wasm_tests::http::post_json(
+        &stack.gateway,
+        path,
+        &[("routing-strategy", strategy)],
+        body,
+    )
+}
+
 /// The pd-sim log entries of one request id, by leg.
 fn legs(stack: &Stack, request_id: &str) -> (Vec<Value>, Vec<Value>) {
     let entries: Vec<Value> = stack
@@ -161,12 +171,7 @@ fn anthropic_messages_go_through_a_vllm_pair_and_their_stream_counts_its_tokens(
         "stream": true,
         "messages": [{"role": "user", "content": [{"type": "text", "text": "Tell me about prefill and decode."}]}],
     });
-    let r = pd_wasm_tests::http::post_json(
-        &stack.gateway,
-        "/v1/messages",
-        &[("routing-strategy", "pd")],
-        &body,
-    );
+    let r = post(&stack, "/v1/messages", "pd", &body);
     assert_pd_exchange(&stack, &r);
     assert!(r.complete, "the chunked stream ended properly");
     let text = r.text();
@@ -213,12 +218,7 @@ fn anthropic_messages_go_through_a_vllm_pair_and_their_stream_counts_its_tokens(
     // Not PD: one pod, the body as sent.
     let mut plain = body.clone();
     plain["stream"] = json!(false);
-    let r = pd_wasm_tests::http::post_json(
-        &stack.gateway,
-        "/v1/messages",
-        &[("routing-strategy", "random")],
-        &plain,
-    );
+    let r = post(&stack, "/v1/messages", "random", &plain);
     assert_eq!(r.status, 200, "{}", r.text());
     let answer = r.json();
     assert_eq!(answer["type"], "message");
@@ -304,12 +304,7 @@ fn a_messages_token_count_goes_to_one_pod_of_any_role() {
     );
     let body = json!({"model": MODEL, "system": "x".repeat(39),
                       "messages": [{"role": "user", "content": "y".repeat(40)}]});
-    let r = pd_wasm_tests::http::post_json(
-        &stack.gateway,
-        "/v1/messages/count_tokens",
-        &[("routing-strategy", "pd")],
-        &body,
-    );
+    let r = post(&stack, "/v1/messages/count_tokens", "pd", &body);
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.json(), json!({"input_tokens": 20}));
     assert_eq!(header(&r, "routing-strategy"), "least-request");
@@ -331,14 +326,7 @@ fn a_messages_token_count_goes_to_one_pod_of_any_role() {
 #[test]
 fn responses_go_to_one_pod_and_are_refused_as_a_pd_pair() {
     let stack = Stack::start(two_rolesets());
-    let post = |strategy: &str, body: &Value| {
-        pd_wasm_tests::http::post_json(
-            &stack.gateway,
-            "/v1/responses",
-            &[("routing-strategy", strategy)],
-            body,
-        )
-    };
+    let post = |strategy: &str, body: &Value| post(&stack, "/v1/responses", strategy, body);
     let body = json!({"model": MODEL, "input": [{"role": "user", "content": "Tell me about prefill."}],
                       "max_output_tokens": 4, "stream": true});
     let r = post("pd", &body);
