@@ -524,3 +524,77 @@ fn locked_strategy_and_auto_profiles_apply_in_envoy() {
     let r = send(&[("config-profile", "long")], 10);
     assert_eq!(r.header("x-aibrix-config-profile"), None);
 }
+
+/// `session-affinity` in real Envoy (two workers): a conversation key keeps every turn on one
+/// standard pod, whichever worker takes the connection; `x-session-id` names that pod in
+/// base64 and, sent back, wins over the key; prefill/decode pods never take a turn.
+#[test]
+fn session_affinity_keeps_a_conversation_on_one_standard_pod() {
+    use base64::Engine as _;
+    let fleet = Fleet::new(MODEL)
+        .pod("p0", "prefill", "g0")
+        .pod("d0", "decode", "g0")
+        .combined("c0")
+        .combined("c1")
+        .combined("c2");
+    let stack = Stack::start(fleet);
+    let send = |headers: &[(&str, &str)]| {
+        let body = json!({"model": MODEL, "prompt": "hello again", "max_tokens": 2});
+        let mut all = vec![("routing-strategy", "session-affinity")];
+        all.extend_from_slice(headers);
+        let r = http::post_json(&stack.gateway, "/v1/completions", &all, &body);
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.header("routing-strategy"), Some("session-affinity"));
+        assert_eq!(r.header("prefill-target-pod"), None, "{:?}", r.headers);
+        let pod = r.header("target-pod").expect("target-pod").to_string();
+        let id = r.header("x-session-id").expect("x-session-id").to_string();
+        let address = base64::engine::general_purpose::STANDARD
+            .decode(&id)
+            .expect("base64");
+        assert_eq!(
+            Some(std::str::from_utf8(&address).expect("text")),
+            r.header("target-pod-ip"),
+            "x-session-id names the pod that answered"
+        );
+        (pod, id)
+    };
+
+    let mut by_key = BTreeMap::new();
+    for k in 0..24 {
+        let key = format!("conversation-{k}");
+        let (first, _) = send(&[("x-aibrix-session-key", &key)]);
+        assert!(first.starts_with('c'), "{key} went to {first}");
+        for turn in 0..3 {
+            let (pod, _) = send(&[("x-aibrix-session-key", &key)]);
+            assert_eq!(pod, first, "{key}, turn {turn}");
+        }
+        by_key.insert(key, first);
+    }
+    let pods: std::collections::BTreeSet<_> = by_key.values().collect();
+    assert!(pods.len() >= 2, "keys spread over the pods: {by_key:?}");
+
+    // A session id from an earlier answer wins over the key.
+    let (c_key, c_pod) = by_key.iter().next().expect("a key");
+    let other = by_key
+        .iter()
+        .find(|(_, p)| *p != c_pod)
+        .map(|(k, _)| k.clone())
+        .expect("a key on another pod");
+    let (_, id) = send(&[("x-aibrix-session-key", c_key)]);
+    let (pod, _) = send(&[("x-session-id", &id), ("x-aibrix-session-key", &other)]);
+    assert_eq!(&pod, c_pod);
+    // Without either header any standard pod serves, and the answer still says which.
+    let (pod, _) = send(&[]);
+    assert!(pod.starts_with('c'), "{pod}");
+
+    let entries = stack.sim_requests();
+    assert_eq!(entries.len(), 24 * 4 + 3, "one leg per request");
+    assert!(entries
+        .iter()
+        .all(|e| e["pod"].as_str().is_some_and(|p| p.starts_with('c'))));
+    let count =
+        |result: &str| stack.metric("pd_router_session_affinity_total", &[("result", result)]);
+    assert_eq!(count("session_key"), (24 * 4 + 1) as f64);
+    assert_eq!(count("session_id"), 1.0);
+    assert_eq!(count("random"), 1.0);
+}

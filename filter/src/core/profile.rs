@@ -416,7 +416,12 @@ pub enum Strategy {
     Throughput,
     PrefixCache,
     LeastKvCache,
+    /// AIBrix's name for the same signal read from vLLM's older `gpu_cache_usage_perc`;
+    /// pd-control reads either metric into one KV-cache usage.
+    LeastGpuCache,
     LeastLatency,
+    /// One conversation to one standard pod (see `pd::session_affinity`).
+    SessionAffinity,
 }
 
 impl Strategy {
@@ -428,7 +433,9 @@ impl Strategy {
             Strategy::Throughput => "throughput",
             Strategy::PrefixCache => "prefix-cache",
             Strategy::LeastKvCache => "least-kv-cache",
+            Strategy::LeastGpuCache => "least-gpu-cache",
             Strategy::LeastLatency => "least-latency",
+            Strategy::SessionAffinity => "session-affinity",
         }
     }
 
@@ -440,7 +447,9 @@ impl Strategy {
             Strategy::Throughput,
             Strategy::PrefixCache,
             Strategy::LeastKvCache,
+            Strategy::LeastGpuCache,
             Strategy::LeastLatency,
+            Strategy::SessionAffinity,
         ]
         .into_iter()
         .find(|s| s.name() == name)

@@ -22,7 +22,9 @@ use crate::core::ledger::{self, Ledger};
 use crate::core::obs::outcome::{self, CutBy, Outcome};
 use crate::core::obs::timing::Instants;
 use crate::core::obs::{usage, Explain};
-use crate::core::pd::{self, candidates, PairInput, PdSettings, Step0Input, Target};
+use crate::core::pd::{
+    self, candidates, session_affinity, PairInput, PdSettings, Step0Input, Target,
+};
 use crate::core::prefix::EventRef;
 use crate::core::profile::Strategy;
 use crate::core::request::{self, Endpoint, RoutingRequest};
@@ -55,6 +57,8 @@ struct Routed {
     pod_name: String,
     pod_address: String,
     prefill: Option<(String, String)>,
+    /// `x-session-id` for the answer: session-affinity hands the pod's address back.
+    session_id: Option<String>,
 }
 
 /// The pods a request was routed to, by key, for passive ejection (`core::ejection`): kept
@@ -364,8 +368,9 @@ impl PdHttp {
         // A token count computes nothing on the engine: any one pod serves it, whatever the
         // strategy, and a PD-only fleet has no pod but prefill and decode ones.
         let count_only = endpoint == Endpoint::MessagesCountTokens;
+        let mut via = None;
         let target = if count_only {
-            self.select_one(model, Strategy::LeastRequest, true, now)?
+            self.select_one(model, Strategy::LeastRequest, true, now)?.0
         } else if decision.strategy == Strategy::Pd {
             let resolved =
                 PdSettings::resolve(&self.vm.borrow().defaults, decision.routing_config.as_ref());
@@ -397,7 +402,9 @@ impl PdHttp {
             );
             self.select_pair(model, &req, &decision, &settings, now)?
         } else {
-            self.select_one(model, decision.strategy, false, now)?
+            let (target, found) = self.select_one(model, decision.strategy, false, now)?;
+            via = found;
+            target
         };
         let strategy = if count_only {
             Strategy::LeastRequest.name()
@@ -408,8 +415,11 @@ impl PdHttp {
         self.obs.times.routed_us = Some(now_us());
         if self.obs.explain.is_some() && self.obs.explain_header.is_none() {
             // Non-PD strategies have no cascade to explain: name the strategy and the pick.
+            let via = via
+                .map(|v| format!("via={}; ", v.name()))
+                .unwrap_or_default();
             self.obs.explain_header = Some(format!(
-                "strategy={strategy}; pick={}",
+                "strategy={strategy}; {via}pick={}",
                 model.pods[target.pod()].name
             ));
         }
@@ -427,8 +437,13 @@ impl PdHttp {
                     pod_name: pod.name.clone(),
                     pod_address: pod.address.clone(),
                     prefill: None,
+                    session_id: via.map(|_| session_affinity::session_id(&pod.address)),
                 });
-                Metrics::inc(self.vm.borrow().metrics.routed_single);
+                let metrics = &self.vm.borrow().metrics;
+                Metrics::inc(metrics.routed_single);
+                if let Some(via) = via {
+                    Metrics::inc(metrics.session_affinity[via as usize]);
+                }
                 Ok(Action::Continue)
             }
             Target::Pair { prefill, decode } => {
@@ -447,6 +462,7 @@ impl PdHttp {
                     pod_name: decode.name.clone(),
                     pod_address: decode.address.clone(),
                     prefill: Some((prefill.name.clone(), prefill.ip.clone())),
+                    session_id: None,
                 });
                 Metrics::inc(self.vm.borrow().metrics.routed_pair);
                 let action = crate::section!(
@@ -616,27 +632,40 @@ impl PdHttp {
     /// Single-pod strategies: select and charge the running count in one CAS round.
     /// One pod for a single-pod strategy, or, with `any_role`, the least busy pod of any role
     /// (`pd::single::select_any`), charged in the same CAS round.
+    /// Picks one pod; the second value says how session-affinity found it (`None` for the
+    /// other strategies).
     fn select_one(
         &mut self,
         model: &ModelView,
         strategy: Strategy,
         any_role: bool,
         now: u64,
-    ) -> Result<Target, RouteError> {
+    ) -> Result<(Target, Option<session_affinity::Via>), RouteError> {
         let vm = self.vm.clone();
         let mut vm = vm.borrow_mut();
         let remote = vm.remote.clone();
         let rng = &mut vm.rng;
+        let hint = session_affinity::SessionHint {
+            session_id: self
+                .forwarded
+                .iter()
+                .find(|(k, _)| *k == session_affinity::SESSION_ID_HEADER)
+                .map(|(_, v)| v.as_str()),
+            session_key: self.session_key.as_deref(),
+        };
         let result = ledger::update(&SharedData, |l| {
             l.set_remote(remote.clone());
-            let target = if any_role {
-                pd::single::select_any(model, l, rng)?
+            let (target, via) = if any_role {
+                (pd::single::select_any(model, l, rng)?, None)
+            } else if strategy == Strategy::SessionAffinity {
+                let (target, via) = session_affinity::select(model, hint, rng)?;
+                (target, Some(via))
             } else {
-                pd::select_single(model, strategy, l, rng)?
+                (pd::select_single(model, strategy, l, rng)?, None)
             };
             let held = pd::Selected::single(target.pod()).charge(model, l, now);
             let rows = holds::charged_rows(l, &held);
-            Ok::<_, RouteError>((target, held, rows))
+            Ok::<_, RouteError>(((target, via), held, rows))
         });
         if let (Some(_), Err(e)) = (&self.obs.explain, &result) {
             let detail = match e {
@@ -1017,6 +1046,9 @@ impl HttpContext for PdHttp {
             }
             self.set_http_response_header("target-pod", Some(&r.pod_name));
             self.set_http_response_header("target-pod-ip", Some(&r.pod_address));
+            if let Some(id) = &r.session_id {
+                self.set_http_response_header(session_affinity::SESSION_ID_HEADER, Some(id));
+            }
             if let Some((name, ip)) = &r.prefill {
                 self.set_http_response_header("prefill-target-pod", Some(name));
                 self.set_http_response_header("prefill-target-pod-ip", Some(ip));

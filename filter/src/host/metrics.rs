@@ -15,6 +15,7 @@ use crate::core::obs::backlog::Backlog;
 use crate::core::obs::labels::tagged;
 use crate::core::obs::outcome::{self, Outcome};
 use crate::core::obs::timing::{self, Durations, DURATION_BUCKETS, TOTAL_BUCKETS};
+use crate::core::pd::session_affinity;
 use crate::core::upstream_error;
 
 /// The five ledger gauges of one pod and the values last written to them.
@@ -94,6 +95,8 @@ pub struct Metrics {
     pub requests: Option<u32>,
     pub routed_pair: Option<u32>,
     pub routed_single: Option<u32>,
+    /// By `session_affinity::Via`: how each session-affinity request found its pod.
+    pub session_affinity: [Option<u32>; 3],
     pub prefill_success: Option<u32>,
     pub prefill_outstanding: Option<u32>,
     pub first_token_delay: Option<u32>,
@@ -211,6 +214,12 @@ impl Metrics {
             requests: define(c, "pd_router_requests_total"),
             routed_pair: counter("pd_router_routed_total", &[("kind", "pair")]),
             routed_single: counter("pd_router_routed_total", &[("kind", "single")]),
+            session_affinity: session_affinity::Via::ALL.map(|via| {
+                counter(
+                    "pd_router_session_affinity_total",
+                    &[("result", via.name())],
+                )
+            }),
             prefill_success: counter(
                 "gateway_prefill_request_success_total",
                 &[

@@ -7,6 +7,7 @@ pub mod columns;
 pub mod explained;
 pub mod pick;
 pub mod select;
+pub mod session_affinity;
 pub mod settings;
 pub mod single;
 

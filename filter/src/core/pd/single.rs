@@ -13,14 +13,18 @@ fn score(strategy: Strategy, pod: &PodView, ledger: &Ledger) -> f64 {
     let running = ledger.counts(pod.id).running as f64;
     let metric = |f: fn(&crate::proto::PodMetrics) -> f64| pod.metrics.as_ref().map(f);
     match strategy {
-        Strategy::Random => 0.0,
+        // session-affinity is chosen by `session_affinity::select`; here (no hint) it is
+        // its own fallback, a uniform pick.
+        Strategy::Random | Strategy::SessionAffinity => 0.0,
         // Without a prefix index of whole requests, prefix-cache degrades to the least
         // loaded pod, which is what AIBrix's prefix-cache does on a cache miss.
         Strategy::LeastRequest | Strategy::PrefixCache | Strategy::Pd => running,
         Strategy::Throughput => {
             metric(|m| m.generation_throughput + m.prompt_throughput).unwrap_or(0.0)
         }
-        Strategy::LeastKvCache => metric(|m| m.kv_cache_usage).unwrap_or(0.0),
+        Strategy::LeastKvCache | Strategy::LeastGpuCache => {
+            metric(|m| m.kv_cache_usage).unwrap_or(0.0)
+        }
         Strategy::LeastLatency => metric(|m| m.ttft_avg_seconds).unwrap_or(0.0),
     }
 }
@@ -133,6 +137,7 @@ mod tests {
         loads.add("ns/a", Counter::Running, 0);
         assert_eq!(pick(Strategy::LeastRequest, &loads), "bb");
         assert_eq!(pick(Strategy::LeastKvCache, &loads), "bb");
+        assert_eq!(pick(Strategy::LeastGpuCache, &loads), "bb");
         assert_eq!(pick(Strategy::LeastLatency, &loads), "a");
         assert_eq!(pick(Strategy::Throughput, &loads), "a");
         for _ in 0..20 {
