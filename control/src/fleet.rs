@@ -81,9 +81,14 @@ impl PodRecord {
         format!("{}/{}", self.namespace, self.name)
     }
 
-    /// `ip:port` of the serving endpoint.
+    /// `ip:port` of the serving endpoint, an IPv6 address in brackets.
     pub fn address(&self) -> String {
-        format!("{}:{}", self.ip, self.port)
+        host_port(&self.ip, self.port)
+    }
+
+    /// `ip:port` of the metrics endpoint, an IPv6 address in brackets.
+    pub fn metrics_address(&self) -> String {
+        host_port(&self.ip, self.metric_port)
     }
 
     /// Maps a Kubernetes Pod to a record, or `None` when the pod serves no model
@@ -149,6 +154,16 @@ impl PodRecord {
             ip,
             labels: labels.clone(),
         })
+    }
+}
+
+/// `ip:port`, with an IPv6 address in brackets (`[fd00::7]:8000`), the only form a socket
+/// address or an HTTP authority takes.
+pub fn host_port(ip: &str, port: u16) -> String {
+    if ip.contains(':') && !ip.starts_with('[') {
+        format!("[{ip}]:{port}")
+    } else {
+        format!("{ip}:{port}")
     }
 }
 
@@ -292,6 +307,16 @@ items:
         assert_eq!(pods.len(), 2);
         assert!(pods[0].ready, "absent conditions count as ready");
         assert!(!pods[1].ready, "a pod without an IP is not ready");
+    }
+
+    #[test]
+    fn ipv6_pod_addresses_are_bracketed() {
+        let text = "kind: Pod\nmetadata:\n  name: a\n  labels: {model.aibrix.ai/name: m, model.aibrix.ai/metric-port: \"9100\"}\nstatus: {podIP: \"fd00::7\"}\n";
+        let p = &parse_records(text).unwrap()[0];
+        assert_eq!(p.ip, "fd00::7");
+        assert_eq!(p.address(), "[fd00::7]:8000");
+        assert_eq!(p.metrics_address(), "[fd00::7]:9100");
+        assert_eq!(host_port("10.0.0.1", 80), "10.0.0.1:80");
     }
 
     #[test]

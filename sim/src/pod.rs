@@ -186,7 +186,7 @@ impl PodState {
             engine: r.engine.clone(),
             ready: r.ready,
             addr: r.address(),
-            metrics_addr: format!("{}:{}", r.ip, r.metric_port),
+            metrics_addr: r.metrics_address(),
             engine_id: self.engine_id.clone(),
         }
     }

@@ -547,7 +547,7 @@ mod tests {
         let (served, skipped) = servable(&records);
         assert_eq!(
             served.keys().cloned().collect::<Vec<_>>(),
-            vec!["127.0.10.2:18000", "::1:8001"]
+            vec!["127.0.10.2:18000", "[::1]:8001"]
         );
         assert_eq!(skipped.len(), 4, "{skipped:?}");
         assert!(

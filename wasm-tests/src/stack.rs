@@ -30,6 +30,17 @@ pub struct PodSpec {
     pub labels: Vec<(String, String)>,
 }
 
+impl PodSpec {
+    /// `ip:port` as the filter writes it in `target-pod-ip`, an IPv6 address in brackets.
+    pub fn address(&self) -> String {
+        if self.ip.contains(':') {
+            format!("[{}]:{}", self.ip, self.port)
+        } else {
+            format!("{}:{}", self.ip, self.port)
+        }
+    }
+}
+
 /// A fleet of pods of one model on one random loopback /24, so every pod has its own IP.
 #[derive(Debug, Clone)]
 pub struct Fleet {
@@ -93,6 +104,22 @@ impl Fleet {
             p.config = r#"{"profiles":{"default":{"routingConfig":{"combined":true}}}}"#.into();
         }
         f
+    }
+
+    /// Moves the last added pod to the IPv6 loopback `::1`, on a port of its own (there is
+    /// only one IPv6 loopback address to spread pods over).
+    pub fn ipv6(mut self) -> Fleet {
+        let port = loop {
+            let port = free_port();
+            if TcpListener::bind(("::1", port)).is_ok() {
+                break port;
+            }
+        };
+        if let Some(p) = self.pods.last_mut() {
+            p.ip = "::1".into();
+            p.port = port;
+        }
+        self
     }
 
     /// Adds a label to the last added pod.
@@ -169,7 +196,7 @@ impl Fleet {
                 ));
             }
             out.push_str(&format!(
-                "  status:\n    podIP: {}\n    conditions:\n    - type: Ready\n      status: \"{}\"\n",
+                "  status:\n    podIP: \"{}\"\n    conditions:\n    - type: Ready\n      status: \"{}\"\n",
                 p.ip,
                 if p.ready { "True" } else { "False" }
             ));

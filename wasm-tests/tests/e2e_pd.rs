@@ -81,10 +81,7 @@ fn assert_pd_exchange(stack: &Stack, r: &Response) -> (String, String) {
         decode.roleset, prefill.roleset,
         "pair must come from one roleset"
     );
-    assert_eq!(
-        header(r, "target-pod-ip"),
-        format!("{}:{}", decode.ip, decode.port)
-    );
+    assert_eq!(header(r, "target-pod-ip"), decode.address());
     assert_eq!(header(r, "prefill-target-pod-ip"), prefill.ip);
 
     let (prefill_legs, decode_legs) = legs(stack, &request_id);
@@ -128,6 +125,37 @@ fn non_streaming_pd_request_goes_prefill_then_decode_of_one_roleset() {
     );
     assert_eq!(answer["object"], "chat.completion");
     assert_eq!(header(&r, "x-went-into-req-headers"), "true");
+}
+
+/// Pods on IPv6 addresses (IPv6-only or dual-stack clusters): the destination Envoy dials is
+/// `[ip]:port`, while the engines' own fields (`remote_host`, `prefill-target-pod-ip`) keep
+/// the bare IP, as AIBrix writes them.
+#[test]
+fn pods_on_ipv6_addresses_are_reached_through_envoy() {
+    let fleet = Fleet::new(MODEL)
+        .pod("vllm-p-6", "prefill", "group-6")
+        .ipv6()
+        .pod("vllm-d-6", "decode", "group-6")
+        .ipv6()
+        .combined("vllm-c-6")
+        .ipv6();
+    let stack = Stack::start(fleet);
+    let r = stack.chat(&[("routing-strategy", "pd")], &chat_body(false, 3));
+    assert_pd_exchange(&stack, &r);
+    assert_eq!(header(&r, "prefill-target-pod-ip"), "::1");
+    assert!(header(&r, "target-pod-ip").starts_with("[::1]:"));
+
+    let r = stack.chat(
+        &[("routing-strategy", "least-request")],
+        &chat_body(true, 3),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(r.complete, "the stream ended properly");
+    assert_eq!(header(&r, "target-pod"), "vllm-c-6");
+    assert_eq!(
+        header(&r, "target-pod-ip"),
+        stack.fleet.spec("vllm-c-6").address()
+    );
 }
 
 #[test]

@@ -91,6 +91,16 @@ impl PodView {
     }
 }
 
+/// `ip:port`, with an IPv6 address in brackets (`[fd00::7]:8000`): the form Envoy's
+/// ORIGINAL_DST header and an HTTP `:authority` take; `fd00::7:8000` would parse as neither.
+pub fn host_port(ip: &str, port: u32) -> String {
+    if ip.contains(':') && !ip.starts_with('[') {
+        format!("[{ip}]:{port}")
+    } else {
+        format!("{ip}:{port}")
+    }
+}
+
 /// A roleset with at least one routable prefill and one routable decode pod.
 #[derive(Debug, Clone)]
 pub struct Roleset {
@@ -328,7 +338,7 @@ impl ModelView {
                 key,
                 name: pod.name.clone(),
                 ip: pod.ip.clone(),
-                address: format!("{}:{}", pod.ip, pod.port),
+                address: host_port(&pod.ip, pod.port),
                 engine: if pod.engine.is_empty() {
                     "vllm".into()
                 } else {
@@ -644,6 +654,23 @@ pub(crate) mod tests {
         );
         assert!(!fleet.holds_address("127.0.0.2:8001"));
         assert!(!fleet.holds_address(""));
+    }
+
+    #[test]
+    fn an_ipv6_pod_address_is_bracketed() {
+        let mut v6 = pod("p6", "prefill", "g0", true);
+        v6.ip = "fd00::7".into();
+        let fleet = FleetView::from_snapshot(&snapshot(vec![v6, pod("d0", "decode", "g0", true)]));
+        let p = &fleet.models["m"].pods[0];
+        assert_eq!(p.address, "[fd00::7]:8000");
+        assert_eq!(
+            p.ip, "fd00::7",
+            "the bare IP for remote_host / bootstrap_host"
+        );
+        assert!(fleet.holds_address("[fd00::7]:8000"));
+        assert!(!fleet.holds_address("fd00::7:8000"));
+        assert_eq!(host_port("10.1.2.3", 80), "10.1.2.3:80");
+        assert_eq!(host_port("[::1]", 80), "[::1]:80");
     }
 
     #[test]
