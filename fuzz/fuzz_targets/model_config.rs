@@ -6,6 +6,6 @@ use pd_router_filter::core::profile::{ModelConfig, Strategy};
 fuzz_target!(|data: &[u8]| {
     if let Ok(text) = std::str::from_utf8(data) {
         let _ = ModelConfig::parse(text);
-        let _ = Strategy::parse(text, |n| n / 2);
+        let _ = Strategy::parse(text);
     }
 });

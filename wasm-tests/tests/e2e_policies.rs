@@ -598,3 +598,60 @@ fn session_affinity_keeps_a_conversation_on_one_standard_pod() {
     assert_eq!(count("session_id"), 1.0);
     assert_eq!(count("random"), 1.0);
 }
+
+/// A weighted strategy list is blended, as AIBrix scores one: every request weighs all the
+/// listed signals, rather than drawing one strategy per request. The value is echoed as
+/// configured; a malformed list is refused before any pod is chosen.
+#[test]
+fn a_weighted_strategy_list_scores_every_signal_for_each_request() {
+    let fleet = Fleet::new(MODEL)
+        .combined("c0")
+        .combined("c1")
+        .combined("c2");
+    let stack = Stack::start(fleet);
+    let send = |strategy: &str| {
+        let body = json!({"model": MODEL, "prompt": "hello", "max_tokens": 2});
+        http::post_json(
+            &stack.gateway,
+            "/v1/completions",
+            &[
+                ("routing-strategy", strategy),
+                ("x-aibrix-session-key", "chat-7"),
+            ],
+            &body,
+        )
+    };
+    // Affinity weighs 3/4 and the load 1/4: one pod takes every turn. A draw per request
+    // would hand about a quarter of them to least-request.
+    let label = "session-affinity:3, least-request";
+    let mut pods = std::collections::BTreeSet::new();
+    for _ in 0..20 {
+        let r = send(label);
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.header("routing-strategy"), Some(label));
+        assert!(r.header("x-session-id").is_some(), "{:?}", r.headers);
+        pods.insert(r.header("target-pod").expect("target-pod").to_string());
+    }
+    assert_eq!(pods.len(), 1, "{pods:?}");
+    assert_eq!(
+        stack.metric(
+            "pd_router_session_affinity_total",
+            &[("result", "session_key")]
+        ),
+        20.0
+    );
+
+    for bad in [
+        "least-request,,random",
+        "random:0,least-request:0",
+        "least-request:2:1",
+    ] {
+        let r = send(bad);
+        assert_eq!(r.status, 400, "{bad}: {}", r.text());
+        assert_eq!(r.header("x-error-routing"), Some("true"));
+        assert!(r.json()["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("incorrect routing strategy")));
+    }
+    assert_eq!(stack.sim_requests().len(), 20, "refusals send nothing");
+}

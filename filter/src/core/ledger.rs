@@ -44,12 +44,9 @@ pub struct PodId(pub u64);
 
 impl PodId {
     pub fn of(key: &str) -> PodId {
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        for b in key.bytes() {
-            h ^= u64::from(b);
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-        PodId(h)
+        let mut h = fnv::FnvHasher::default();
+        std::hash::Hasher::write(&mut h, key.as_bytes());
+        PodId(std::hash::Hasher::finish(&h))
     }
 }
 

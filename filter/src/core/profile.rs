@@ -455,44 +455,66 @@ impl Strategy {
         .find(|s| s.name() == name)
     }
 
-    /// Parses a strategy value, which may be a weighted list such as `a:2,b`. `pd` is
-    /// exclusive: if it appears anywhere, it is the strategy. Otherwise one listed strategy
-    /// is drawn by weight (default 1). Any unknown name refuses the whole value.
-    pub fn parse(value: &str, draw: impl FnOnce(u64) -> u64) -> Result<Strategy, String> {
-        let mut items: Vec<(Strategy, u64)> = Vec::new();
-        for item in value.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+    /// Parses a strategy value, AIBrix's multi-strategy syntax: `name[:weight]` items joined
+    /// by commas, weights whole numbers in 0..=1 000 000 (1 when left out), 0 dropping the
+    /// item. `pd` is exclusive: if it appears with a weight above 0, it is the strategy. Several
+    /// other items are blended (see `pd::blend`). An unknown name, an empty item, a bad weight
+    /// or nothing left after dropping the zeros refuses the whole value.
+    pub fn parse(value: &str) -> Result<StrategySpec, String> {
+        let refuse = || value.to_string();
+        let mut items: Vec<(Strategy, u32)> = Vec::new();
+        for item in value.split(',').map(str::trim) {
             let (name, weight) = match item.split_once(':') {
                 Some((n, w)) => (
                     n.trim(),
-                    w.trim().parse::<u64>().map_err(|_| value.to_string())?,
+                    w.trim()
+                        .parse::<u32>()
+                        .ok()
+                        .filter(|w| *w <= MAX_STRATEGY_WEIGHT)
+                        .ok_or_else(refuse)?,
                 ),
                 None => (item, 1),
             };
-            let strategy = Strategy::from_name(name).ok_or_else(|| value.to_string())?;
-            items.push((strategy, weight));
+            let strategy = Strategy::from_name(name).ok_or_else(refuse)?;
+            if weight > 0 && !items.iter().any(|(s, _)| *s == strategy) {
+                items.push((strategy, weight));
+            } else if let Some(kept) = items.iter_mut().find(|(s, _)| *s == strategy) {
+                // A name listed twice counts once, with the weights added.
+                kept.1 = kept.1.saturating_add(weight);
+            }
         }
         if items.iter().any(|(s, _)| *s == Strategy::Pd) {
-            return Ok(Strategy::Pd);
+            return Ok(StrategySpec::One(Strategy::Pd));
         }
-        let total: u64 = items.iter().map(|(_, w)| *w).sum();
-        if total == 0 {
-            return items
-                .first()
-                .map(|(s, _)| *s)
-                .ok_or_else(|| value.to_string());
+        match items.as_slice() {
+            [] => Err(refuse()),
+            [(one, _)] => Ok(StrategySpec::One(*one)),
+            _ => Ok(StrategySpec::Blend(Blend {
+                items,
+                label: value.trim().to_string(),
+            })),
         }
-        let mut ticket = draw(total);
-        for (strategy, weight) in &items {
-            if ticket < *weight {
-                return Ok(*strategy);
-            }
-            ticket -= weight;
-        }
-        items
-            .last()
-            .map(|(s, _)| *s)
-            .ok_or_else(|| value.to_string())
     }
+}
+
+/// AIBrix's bound on a multi-strategy weight.
+pub const MAX_STRATEGY_WEIGHT: u32 = 1_000_000;
+
+/// A routing-strategy value once parsed.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StrategySpec {
+    One(Strategy),
+    /// Two or more single-pod strategies, scored together (see `pd::blend`).
+    Blend(Blend),
+}
+
+/// Single-pod strategies blended by weight.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Blend {
+    /// Distinct strategies, weights above 0, in the order given.
+    pub items: Vec<(Strategy, u32)>,
+    /// The value as configured, echoed in `routing-strategy` (AIBrix echoes it unchanged).
+    pub label: String,
 }
 
 #[cfg(test)]
@@ -639,25 +661,51 @@ mod tests {
 
     #[test]
     fn strategy_lists() {
-        assert_eq!(Strategy::parse("pd", |_| 0), Ok(Strategy::Pd));
+        use StrategySpec::One;
+        assert_eq!(Strategy::parse("pd"), Ok(One(Strategy::Pd)));
         assert_eq!(
-            Strategy::parse("random:3, pd", |_| 0),
-            Ok(Strategy::Pd),
+            Strategy::parse("random:3, pd"),
+            Ok(One(Strategy::Pd)),
             "pd is exclusive"
         );
         assert_eq!(
-            Strategy::parse("random:1,least-request:3", |_| 0),
-            Ok(Strategy::Random)
+            Strategy::parse("pd:0, random"),
+            Ok(One(Strategy::Random)),
+            "a zero weight drops even pd"
         );
         assert_eq!(
-            Strategy::parse("random:1,least-request:3", |_| 3),
-            Ok(Strategy::LeastRequest)
+            Strategy::parse("least-request:5, throughput:0"),
+            Ok(One(Strategy::LeastRequest)),
+            "one item left is that strategy alone"
         );
-        assert!(
-            Strategy::parse("pd,bogus", |_| 0).is_err(),
-            "one unknown name refuses the value"
+        assert_eq!(
+            Strategy::parse(" least-request:10,throughput "),
+            Ok(StrategySpec::Blend(Blend {
+                items: vec![(Strategy::LeastRequest, 10), (Strategy::Throughput, 1)],
+                label: "least-request:10,throughput".into(),
+            }))
         );
-        assert!(Strategy::parse("random:x", |_| 0).is_err());
-        assert!(Strategy::parse("", |_| 0).is_err());
+        assert_eq!(
+            Strategy::parse("least-request,throughput:2,least-request:3"),
+            Ok(StrategySpec::Blend(Blend {
+                items: vec![(Strategy::LeastRequest, 4), (Strategy::Throughput, 2)],
+                label: "least-request,throughput:2,least-request:3".into(),
+            })),
+            "a repeated name adds its weights"
+        );
+        for bad in [
+            "pd,bogus",
+            "random:x",
+            "random:-1",
+            "random:1000001",
+            "random:1:2",
+            "",
+            "random,,least-request",
+            "random,",
+            "random:0,least-request:0",
+        ] {
+            assert!(Strategy::parse(bad).is_err(), "{bad:?}");
+        }
+        assert!(Strategy::parse("random:1000000").is_ok());
     }
 }

@@ -4,13 +4,18 @@
 use crate::core::config::EnvSettings;
 use crate::core::errors::{sanitize_header, RouteError};
 use crate::core::fleet::ModelView;
-use crate::core::profile::{resolve_strategy, RoutingConfig, Strategy, AUTO_PROFILE};
+use crate::core::profile::{
+    resolve_strategy, Blend, RoutingConfig, Strategy, StrategySpec, AUTO_PROFILE,
+};
 use crate::core::request::RoutingRequest;
 
 /// Everything selection needs to know about the request beyond the fleet and the loads.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Decision {
+    /// The strategy; for a blend, its first item (never `pd`).
     pub strategy: Strategy,
+    /// Several single-pod strategies scored together, when the value lists them.
+    pub blend: Option<Blend>,
     /// The profile name pods are resolved with (the auto pick replaces the header value).
     pub profile: Option<String>,
     /// Set only for `config-profile: auto`, echoed as `x-aibrix-config-profile`.
@@ -32,7 +37,6 @@ pub fn decide(
     profile_header: Option<&str>,
     env: &EnvSettings,
     tokens: &dyn Fn(&[i64]) -> i64,
-    draw: &mut dyn FnMut(u64) -> u64,
 ) -> Result<Decision, RouteError> {
     let config = model.config.as_ref();
     let requested = profile_header.map(str::trim).filter(|p| !p.is_empty());
@@ -61,10 +65,18 @@ pub fn decide(
         strategy_header,
         env.routing_algorithm.as_deref(),
     );
-    let strategy = match strategy_value {
-        None => Strategy::Random,
-        Some(v) => Strategy::parse(&v, draw)
-            .map_err(|bad| RouteError::BadStrategy(sanitize_header(&bad)))?,
+    let spec = match strategy_value {
+        None => StrategySpec::One(Strategy::Random),
+        Some(v) => {
+            Strategy::parse(&v).map_err(|bad| RouteError::BadStrategy(sanitize_header(&bad)))?
+        }
+    };
+    let (strategy, blend) = match spec {
+        StrategySpec::One(s) => (s, None),
+        StrategySpec::Blend(b) => (
+            b.items.first().map_or(Strategy::Random, |(s, _)| *s),
+            Some(b),
+        ),
     };
     let bucketing = routing_config
         .as_ref()
@@ -89,6 +101,7 @@ pub fn decide(
     };
     Ok(Decision {
         strategy,
+        blend,
         profile,
         auto_profile,
         bucketing,
@@ -126,15 +139,7 @@ mod tests {
         env: &EnvSettings,
         len: i64,
     ) -> Result<Decision, RouteError> {
-        decide(
-            m,
-            &req(Some(8)),
-            strategy,
-            profile,
-            env,
-            &|_| len,
-            &mut |_| 0,
-        )
+        decide(m, &req(Some(8)), strategy, profile, env, &|_| len)
     }
 
     #[test]

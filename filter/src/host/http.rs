@@ -26,7 +26,7 @@ use crate::core::pd::{
     self, candidates, session_affinity, PairInput, PdSettings, Step0Input, Target,
 };
 use crate::core::prefix::EventRef;
-use crate::core::profile::Strategy;
+use crate::core::profile::{Blend, Strategy};
 use crate::core::request::{self, Endpoint, RoutingRequest};
 use crate::core::route::{self, Decision};
 use crate::core::tokenize;
@@ -50,6 +50,25 @@ const STATE_EXPLAIN: &str = "pd_explain";
 /// Model label of requests whose model the fleet does not know: client-chosen names never
 /// become labels, so a client cannot grow Envoy's stats without bound.
 const UNKNOWN_MODEL: &str = "unknown";
+
+/// How one pod is picked for a request that is not a PD pair.
+#[derive(Clone, Copy)]
+enum OnePod<'a> {
+    /// Any role, the least busy: a request that computes nothing (a token count).
+    Any,
+    Strategy(Strategy),
+    Blend(&'a Blend),
+}
+
+impl OnePod<'_> {
+    fn name(&self) -> &str {
+        match self {
+            OnePod::Any => Strategy::LeastRequest.name(),
+            OnePod::Strategy(s) => s.name(),
+            OnePod::Blend(b) => &b.label,
+        }
+    }
+}
 
 /// Where the routed request went, for the response headers.
 struct Routed {
@@ -346,9 +365,7 @@ impl PdHttp {
         };
         let now = now_ms();
         let decision = {
-            let mut vm = self.vm.borrow_mut();
-            let vm = &mut *vm;
-            let rng = &mut vm.rng;
+            let vm = self.vm.borrow();
             let text = &req.prompt_text;
             crate::section!(
                 "request_body.decide",
@@ -359,7 +376,6 @@ impl PdHttp {
                     self.profile_header.as_deref(),
                     &vm.defaults.env,
                     &|boundaries| tokenize::prompt_tokens_if_needed(text, boundaries) as i64,
-                    &mut |n| rng.u64(0..n.max(1)),
                 )
             )?
         };
@@ -370,7 +386,7 @@ impl PdHttp {
         let count_only = endpoint == Endpoint::MessagesCountTokens;
         let mut via = None;
         let target = if count_only {
-            self.select_one(model, Strategy::LeastRequest, true, now)?.0
+            self.select_one(model, OnePod::Any, now)?.0
         } else if decision.strategy == Strategy::Pd {
             let resolved =
                 PdSettings::resolve(&self.vm.borrow().defaults, decision.routing_config.as_ref());
@@ -402,12 +418,18 @@ impl PdHttp {
             );
             self.select_pair(model, &req, &decision, &settings, now)?
         } else {
-            let (target, found) = self.select_one(model, decision.strategy, false, now)?;
+            let pick = match &decision.blend {
+                Some(blend) => OnePod::Blend(blend),
+                None => OnePod::Strategy(decision.strategy),
+            };
+            let (target, found) = self.select_one(model, pick, now)?;
             via = found;
             target
         };
         let strategy = if count_only {
             Strategy::LeastRequest.name()
+        } else if let Some(blend) = &decision.blend {
+            &blend.label
         } else {
             decision.strategy.name()
         }
@@ -632,13 +654,12 @@ impl PdHttp {
     /// Single-pod strategies: select and charge the running count in one CAS round.
     /// One pod for a single-pod strategy, or, with `any_role`, the least busy pod of any role
     /// (`pd::single::select_any`), charged in the same CAS round.
-    /// Picks one pod; the second value says how session-affinity found it (`None` for the
-    /// other strategies).
+    /// Picks one pod; the second value says how session-affinity found it (`None` without
+    /// session-affinity).
     fn select_one(
         &mut self,
         model: &ModelView,
-        strategy: Strategy,
-        any_role: bool,
+        pick: OnePod<'_>,
         now: u64,
     ) -> Result<(Target, Option<session_affinity::Via>), RouteError> {
         let vm = self.vm.clone();
@@ -655,13 +676,14 @@ impl PdHttp {
         };
         let result = ledger::update(&SharedData, |l| {
             l.set_remote(remote.clone());
-            let (target, via) = if any_role {
-                (pd::single::select_any(model, l, rng)?, None)
-            } else if strategy == Strategy::SessionAffinity {
-                let (target, via) = session_affinity::select(model, hint, rng)?;
-                (target, Some(via))
-            } else {
-                (pd::select_single(model, strategy, l, rng)?, None)
+            let (target, via) = match pick {
+                OnePod::Any => (pd::single::select_any(model, l, rng)?, None),
+                OnePod::Strategy(Strategy::SessionAffinity) => {
+                    let (target, via) = session_affinity::select(model, hint, rng)?;
+                    (target, Some(via))
+                }
+                OnePod::Strategy(strategy) => (pd::select_single(model, strategy, l, rng)?, None),
+                OnePod::Blend(blend) => pd::blend::select_blend(model, blend, hint, l, rng)?,
             };
             let held = pd::Selected::single(target.pod()).charge(model, l, now);
             let rows = holds::charged_rows(l, &held);
@@ -673,7 +695,7 @@ impl PdHttp {
                 other => other.to_string(),
             };
             self.obs.explain_header = Some(crate::core::errors::sanitize_header_len(
-                &format!("strategy={}; error={detail}", strategy.name()),
+                &format!("strategy={}; error={detail}", pick.name()),
                 crate::core::obs::explain::MAX_LEN,
             ));
         }

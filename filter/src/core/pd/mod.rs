@@ -1,6 +1,7 @@
 //! PD target selection: Step 0 (`candidates`), Steps 1–5 (`select`), single-pod strategies
 //! (`single`), the adaptive bucket plan (`bucket_serve`), and the charges a selection makes.
 
+pub mod blend;
 pub mod bucket_serve;
 pub mod candidates;
 pub mod columns;

@@ -17,7 +17,9 @@ use std::hash::Hasher;
 
 use crate::core::errors::RouteError;
 use crate::core::fleet::{ModelView, Role};
-use crate::core::pd::Target;
+use crate::core::pd::single::no_standard_pod;
+use crate::core::pd::{MinPicker, Target};
+use crate::core::profile::Strategy;
 use crate::core::tokens::MAX_SESSION_KEY_BYTES;
 
 /// The response header naming the chosen pod, and the request header that asks for it again.
@@ -75,12 +77,9 @@ fn weight(key: &str, address: &str) -> u64 {
     h.finish()
 }
 
-/// Picks the pod for a `session-affinity` request among the pods that run whole requests.
-pub fn select(
-    model: &ModelView,
-    hint: SessionHint<'_>,
-    rng: &mut fastrand::Rng,
-) -> Result<(Target, Via), RouteError> {
+/// The pod the request's session names, by `x-session-id` or else `x-aibrix-session-key`,
+/// among the pods that run whole requests; `None` when neither names one.
+pub fn resolve(model: &ModelView, hint: SessionHint<'_>) -> Option<(usize, Via)> {
     let candidates = || {
         model
             .pods
@@ -90,27 +89,40 @@ pub fn select(
     };
     if let Some(address) = hint.session_id.and_then(address_of) {
         if let Some((i, _)) = candidates().find(|(_, p)| p.address == address) {
-            return Ok((Target::Single { pod: i }, Via::SessionId));
+            return Some((i, Via::SessionId));
         }
     }
     let key = hint
         .session_key
-        .filter(|k| !k.is_empty() && k.len() <= MAX_SESSION_KEY_BYTES);
-    if let Some(key) = key {
-        let best = candidates()
-            .map(|(i, p)| (weight(key, &p.address), std::cmp::Reverse(&p.address), i))
-            .max();
-        if let Some((_, _, i)) = best {
-            return Ok((Target::Single { pod: i }, Via::SessionKey));
-        }
-    }
-    let count = candidates().count();
+        .filter(|k| !k.is_empty() && k.len() <= MAX_SESSION_KEY_BYTES)?;
     candidates()
-        .nth(rng.usize(..count.max(1)))
-        .map(|(i, _)| (Target::Single { pod: i }, Via::Random))
-        .ok_or_else(|| RouteError::Selection {
-            detail: "strategy session-affinity needs a pod that serves whole requests; prefill/decode pods need routing-strategy: pd".into(),
-        })
+        .map(|(i, p)| (weight(key, &p.address), std::cmp::Reverse(&p.address), i))
+        .max()
+        .map(|(_, _, i)| (i, Via::SessionKey))
+}
+
+/// Picks the pod for a `session-affinity` request: the session's pod, else any pod that runs
+/// whole requests, uniformly.
+pub fn select(
+    model: &ModelView,
+    hint: SessionHint<'_>,
+    rng: &mut fastrand::Rng,
+) -> Result<(Target, Via), RouteError> {
+    if let Some((pod, via)) = resolve(model, hint) {
+        return Ok((Target::Single { pod }, via));
+    }
+    let mut any = MinPicker::new();
+    for (i, _) in model
+        .pods
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| p.role == Role::Other)
+    {
+        any.offer(0.0, i, rng);
+    }
+    any.item()
+        .map(|pod| (Target::Single { pod }, Via::Random))
+        .ok_or_else(|| no_standard_pod(Strategy::SessionAffinity.name()))
 }
 
 #[cfg(test)]

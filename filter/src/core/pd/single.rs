@@ -8,28 +8,27 @@ use crate::core::ledger::Ledger;
 use crate::core::pd::{MinPicker, Target};
 use crate::core::profile::Strategy;
 
-/// The score a strategy minimises for one pod; NaN excludes the pod.
-fn score(strategy: Strategy, pod: &PodView, ledger: &Ledger) -> f64 {
-    let running = ledger.counts(pod.id).running as f64;
+/// A strategy's raw score for one pod, lower is better; `None` when the pod has no metrics
+/// to score it by. session-affinity and random score every pod alike (session-affinity's
+/// choice is made by `session_affinity::resolve`).
+pub fn score(strategy: Strategy, pod: &PodView, ledger: &Ledger) -> Option<f64> {
     let metric = |f: fn(&crate::proto::PodMetrics) -> f64| pod.metrics.as_ref().map(f);
     match strategy {
-        // session-affinity is chosen by `session_affinity::select`; here (no hint) it is
-        // its own fallback, a uniform pick.
-        Strategy::Random | Strategy::SessionAffinity => 0.0,
+        Strategy::Random | Strategy::SessionAffinity => Some(0.0),
         // Without a prefix index of whole requests, prefix-cache degrades to the least
         // loaded pod, which is what AIBrix's prefix-cache does on a cache miss.
-        Strategy::LeastRequest | Strategy::PrefixCache | Strategy::Pd => running,
-        Strategy::Throughput => {
-            metric(|m| m.generation_throughput + m.prompt_throughput).unwrap_or(0.0)
+        Strategy::LeastRequest | Strategy::PrefixCache | Strategy::Pd => {
+            Some(ledger.counts(pod.id).running as f64)
         }
-        Strategy::LeastKvCache | Strategy::LeastGpuCache => {
-            metric(|m| m.kv_cache_usage).unwrap_or(0.0)
-        }
-        Strategy::LeastLatency => metric(|m| m.ttft_avg_seconds).unwrap_or(0.0),
+        Strategy::Throughput => metric(|m| m.generation_throughput + m.prompt_throughput),
+        Strategy::LeastKvCache | Strategy::LeastGpuCache => metric(|m| m.kv_cache_usage),
+        Strategy::LeastLatency => metric(|m| m.ttft_avg_seconds),
     }
 }
 
-/// Picks one pod for a non-PD strategy; ties (and `random`) are broken uniformly.
+/// Picks one pod for a non-PD strategy: the lowest score, ties (and `random`) broken
+/// uniformly. Pods without metrics are passed over while another has them; with none, any
+/// pod is taken uniformly, as AIBrix falls back to a random pod.
 pub fn select_single(
     model: &ModelView,
     strategy: Strategy,
@@ -37,20 +36,32 @@ pub fn select_single(
     rng: &mut fastrand::Rng,
 ) -> Result<Target, RouteError> {
     let mut best = MinPicker::new();
+    let mut any = MinPicker::new();
     for (i, pod) in model
         .pods
         .iter()
         .enumerate()
         .filter(|(_, p)| p.role == Role::Other)
     {
-        best.offer(score(strategy, pod, ledger), i, rng);
+        if let Some(score) = score(strategy, pod, ledger) {
+            best.offer(score, i, rng);
+        } else {
+            any.offer(0.0, i, rng);
+        }
     }
-    best.item().map(|pod| Target::Single { pod }).ok_or_else(|| RouteError::Selection {
+    best.item()
+        .or_else(|| any.item())
+        .map(|pod| Target::Single { pod })
+        .ok_or_else(|| no_standard_pod(strategy.name()))
+}
+
+/// The error of a single-pod strategy on a model whose pods are all prefill or decode pods.
+pub fn no_standard_pod(strategy: &str) -> RouteError {
+    RouteError::Selection {
         detail: format!(
-            "strategy {} needs a pod that serves whole requests; prefill/decode pods need routing-strategy: pd",
-            strategy.name()
+            "strategy {strategy} needs a pod that serves whole requests; prefill/decode pods need routing-strategy: pd"
         ),
-    })
+    }
 }
 
 /// Picks the pod for a request that computes nothing on the engine
@@ -129,6 +140,26 @@ mod tests {
         loads.add("ns/d", Counter::Running, 0);
         let t = select_any(&m, &loads, &mut rng).unwrap();
         assert_ne!(m.pods[t.pod()].name, "d");
+    }
+
+    #[test]
+    fn pods_without_metrics_wait_until_no_pod_has_any() {
+        let mut m = model();
+        // "a" loses its metrics: a metric strategy takes "bb" even where "a" was better.
+        m.pods[0].metrics = None;
+        let loads = Ledger::default();
+        let mut rng = fastrand::Rng::with_seed(5);
+        for _ in 0..10 {
+            let t = select_single(&m, Strategy::LeastLatency, &loads, &mut rng).unwrap();
+            assert_eq!(m.pods[t.pod()].name, "bb");
+        }
+        m.pods[1].metrics = None;
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..40 {
+            let t = select_single(&m, Strategy::LeastKvCache, &loads, &mut rng).unwrap();
+            seen.insert(m.pods[t.pod()].name.clone());
+        }
+        assert_eq!(seen.len(), 2, "uniform over the standard pods: {seen:?}");
     }
 
     #[test]
