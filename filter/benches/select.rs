@@ -1,7 +1,8 @@
 //! One full PD selection (Steps 0–5, no charge) at 16 / 256 / 1024 pods, per policy pair, with
 //! the scratch buffers a VM keeps between requests; and the default policies on a fleet that
 //! was never scraped and carries no load (what `envoy/bench-v8.sh` measures inside Envoy);
-//! and what an `external-filter` header adds before the selection.
+//! and what an `external-filter` header adds before the selection; and the single-pod
+//! strategies (one strategy, session-affinity, a blend of three) over standard pods.
 //! Run with `cargo bench -p pd-router-filter --bench select`.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
@@ -11,7 +12,7 @@ use pd_router_filter::core::score::{DecodePolicy, PrefillPolicy};
 
 #[path = "support/fleet.rs"]
 mod fleet;
-use fleet::{fleet_with, match_pcts, request, STEP0};
+use fleet::{fleet_with, match_pcts, request, standard_fleet, STEP0};
 
 fn selection(c: &mut Criterion) {
     let mut group = c.benchmark_group("select_pd");
@@ -78,5 +79,40 @@ fn external_filter(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, selection, external_filter);
+/// A single-pod pick over `pods` standard pods: least-request, session-affinity by key (the
+/// rendezvous hash of every pod), and a blend of three strategies.
+fn single_pod(c: &mut Criterion) {
+    use pd_router_filter::core::pd::session_affinity::{self, SessionHint};
+    use pd_router_filter::core::profile::{Strategy, StrategySpec};
+    let Ok(StrategySpec::Blend(blend)) =
+        Strategy::parse("least-request:2,throughput,least-kv-cache")
+    else {
+        panic!("a blend")
+    };
+    let hint = SessionHint {
+        session_id: None,
+        session_key: Some("conversation-1234"),
+    };
+    let mut group = c.benchmark_group("select_single");
+    for pods in [16usize, 256, 1024] {
+        let (model, ledger) = standard_fleet(pods);
+        let mut rng = fastrand::Rng::with_seed(7);
+        group.bench_function(BenchmarkId::new("least_request", pods), |b| {
+            b.iter(|| {
+                pd::select_single(&model, Strategy::LeastRequest, &ledger, &mut rng).expect("a pod")
+            })
+        });
+        group.bench_function(BenchmarkId::new("session_affinity", pods), |b| {
+            b.iter(|| session_affinity::select(&model, hint, &mut rng).expect("a pod"))
+        });
+        group.bench_function(BenchmarkId::new("blend3", pods), |b| {
+            b.iter(|| {
+                pd::blend::select_blend(&model, &blend, hint, &ledger, &mut rng).expect("a pod")
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, selection, external_filter, single_pod);
 criterion_main!(benches);

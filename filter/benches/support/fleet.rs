@@ -59,9 +59,25 @@ pub fn pd_pod(i: usize, name: &str) -> proto::Pod {
 /// ledger that has load on every pod, so no branch is skipped for lack of data; unscraped and
 /// idle when `scraped` is false.
 pub fn fleet_with(pods: usize, scraped: bool) -> (ModelView, Ledger) {
+    build(pods, scraped, false)
+}
+
+/// As [`fleet_with`] (scraped, loaded), every pod a standard pod: what single-pod strategies
+/// choose among.
+#[allow(dead_code)]
+pub fn standard_fleet(pods: usize) -> (ModelView, Ledger) {
+    build(pods, true, true)
+}
+
+fn build(pods: usize, scraped: bool, standard: bool) -> (ModelView, Ledger) {
     let mut rng = fastrand::Rng::with_seed(1);
     let mut list = Vec::with_capacity(pods);
     for i in 0..pods {
+        let mut pod = pd_pod(i, "pod");
+        if standard {
+            pod.role.clear();
+            pod.roleset.clear();
+        }
         list.push(proto::Pod {
             metrics: scraped.then(|| proto::PodMetrics {
                 present: true,
@@ -72,7 +88,7 @@ pub fn fleet_with(pods: usize, scraped: bool) -> (ModelView, Ledger) {
                 ttft_avg_seconds: 0.05,
                 ..Default::default()
             }),
-            ..pd_pod(i, "pod")
+            ..pod
         });
     }
     let snapshot = proto::Snapshot {
