@@ -18,7 +18,7 @@ use crate::core::errors::RouteError;
 use crate::core::fleet::{ModelView, Role};
 use crate::core::ledger::Ledger;
 use crate::core::pd::session_affinity::{self, SessionHint, Via};
-use crate::core::pd::single::{no_standard_pod, score};
+use crate::core::pd::single::{no_standard_pod, reads_load, running_by_slot, score};
 use crate::core::pd::{MinPicker, Target};
 use crate::core::profile::{Blend, Strategy};
 
@@ -44,6 +44,8 @@ pub fn select_blend(
     if pods.is_empty() {
         return Err(no_standard_pod(&blend.label));
     }
+    let load_needed = blend.items.iter().any(|(s, _)| reads_load(*s));
+    let running = running_by_slot(model, ledger, load_needed);
     let mut via = None;
     let total_weight: f64 = blend.items.iter().map(|(_, w)| f64::from(*w)).sum();
     let mut sums = vec![0.0; pods.len()];
@@ -62,10 +64,10 @@ pub fn select_blend(
                 })
             }));
         } else {
-            raw.extend(
-                pods.iter()
-                    .map(|&i| score(strategy, &model.pods[i], ledger).filter(|s| s.is_finite())),
-            );
+            raw.extend(pods.iter().map(|&i| {
+                let load = running.get(i).copied().unwrap_or(0);
+                score(strategy, &model.pods[i], load).filter(|s| s.is_finite())
+            }));
         }
         let share = f64::from(weight) / total_weight;
         for (sum, scaled) in sums.iter_mut().zip(scaled(&raw)) {
@@ -118,15 +120,20 @@ fn clip_bounds(raw: &[Option<f64>]) -> (f64, f64) {
     (median - OUTLIER_MADS * mad, median + OUTLIER_MADS * mad)
 }
 
-/// The median of finite values (sorted in place).
+/// The median of finite values, found by selection (linear time), reordering them.
 fn median_of(values: &mut [f64]) -> f64 {
-    values.sort_by(f64::total_cmp);
     let n = values.len();
-    match n {
-        0 => 0.0,
-        _ if n % 2 == 1 => values[n / 2],
-        _ => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    if n == 0 {
+        return 0.0;
     }
+    let (below, upper, _) = values.select_nth_unstable_by(n / 2, f64::total_cmp);
+    let upper = *upper;
+    if n % 2 == 1 {
+        return upper;
+    }
+    // Even: the lower middle is the largest value left of the upper one.
+    let lower = below.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    (lower + upper) / 2.0
 }
 
 #[cfg(test)]
@@ -264,6 +271,16 @@ mod tests {
             &mut rng,
         );
         assert!(matches!(r, Err(RouteError::Selection { .. })));
+    }
+
+    #[test]
+    fn medians_by_selection() {
+        assert_eq!(median_of(&mut []), 0.0);
+        assert_eq!(median_of(&mut [4.0]), 4.0);
+        assert_eq!(median_of(&mut [9.0, 1.0, 5.0]), 5.0);
+        assert_eq!(median_of(&mut [100.0, 1.0, 3.0, 2.0]), 2.5);
+        let mut many: Vec<f64> = (0..101).rev().map(f64::from).collect();
+        assert_eq!(median_of(&mut many), 50.0);
     }
 
     #[test]
