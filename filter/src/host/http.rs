@@ -51,7 +51,8 @@ const STATE_EXPLAIN: &str = "pd_explain";
 /// become labels, so a client cannot grow Envoy's stats without bound.
 const UNKNOWN_MODEL: &str = "unknown";
 
-/// How one pod is picked for a request that is not a PD pair.
+/// How one pod is picked for a request that is not a PD pair (`Strategy(Pd)` only names the
+/// strategy of a pair for the response header).
 #[derive(Clone, Copy)]
 enum OnePod<'a> {
     /// Any role, the least busy: a request that computes nothing (a token count).
@@ -384,9 +385,14 @@ impl PdHttp {
         // A token count computes nothing on the engine: any one pod serves it, whatever the
         // strategy, and a PD-only fleet has no pod but prefill and decode ones.
         let count_only = endpoint == Endpoint::MessagesCountTokens;
+        let pick = match &decision.blend {
+            _ if count_only => OnePod::Any,
+            Some(blend) => OnePod::Blend(blend),
+            None => OnePod::Strategy(decision.strategy),
+        };
         let mut via = None;
         let target = if count_only {
-            self.select_one(model, OnePod::Any, now)?.0
+            self.select_one(model, pick, now)?.0
         } else if decision.strategy == Strategy::Pd {
             let resolved =
                 PdSettings::resolve(&self.vm.borrow().defaults, decision.routing_config.as_ref());
@@ -418,22 +424,11 @@ impl PdHttp {
             );
             self.select_pair(model, &req, &decision, &settings, now)?
         } else {
-            let pick = match &decision.blend {
-                Some(blend) => OnePod::Blend(blend),
-                None => OnePod::Strategy(decision.strategy),
-            };
             let (target, found) = self.select_one(model, pick, now)?;
             via = found;
             target
         };
-        let strategy = if count_only {
-            Strategy::LeastRequest.name()
-        } else if let Some(blend) = &decision.blend {
-            &blend.label
-        } else {
-            decision.strategy.name()
-        }
-        .to_string();
+        let strategy = pick.name().to_string();
         self.obs.times.routed_us = Some(now_us());
         if self.obs.explain.is_some() && self.obs.explain_header.is_none() {
             // Non-PD strategies have no cascade to explain: name the strategy and the pick.
@@ -651,11 +646,8 @@ impl PdHttp {
         Ok(selected.target)
     }
 
-    /// Single-pod strategies: select and charge the running count in one CAS round.
-    /// One pod for a single-pod strategy, or, with `any_role`, the least busy pod of any role
-    /// (`pd::single::select_any`), charged in the same CAS round.
-    /// Picks one pod; the second value says how session-affinity found it (`None` without
-    /// session-affinity).
+    /// Picks one pod (see [`OnePod`]) and charges its running count in the same CAS round.
+    /// The second value says how session-affinity found the pod (`None` without it).
     fn select_one(
         &mut self,
         model: &ModelView,
