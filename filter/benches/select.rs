@@ -99,7 +99,8 @@ fn single_pod(c: &mut Criterion) {
         let mut rng = fastrand::Rng::with_seed(7);
         group.bench_function(BenchmarkId::new("least_request", pods), |b| {
             b.iter(|| {
-                pd::select_single(&model, Strategy::LeastRequest, &ledger, &mut rng).expect("a pod")
+                pd::select_single(&model, Strategy::LeastRequest, &ledger, &[], &mut rng)
+                    .expect("a pod")
             })
         });
         group.bench_function(BenchmarkId::new("session_affinity", pods), |b| {
@@ -107,7 +108,8 @@ fn single_pod(c: &mut Criterion) {
         });
         group.bench_function(BenchmarkId::new("blend3", pods), |b| {
             b.iter(|| {
-                pd::blend::select_blend(&model, &blend, hint, &ledger, &mut rng).expect("a pod")
+                pd::blend::select_blend(&model, &blend, hint, &ledger, &[], &mut rng)
+                    .expect("a pod")
             })
         });
     }

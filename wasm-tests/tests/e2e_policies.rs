@@ -655,3 +655,44 @@ fn a_weighted_strategy_list_scores_every_signal_for_each_request() {
     }
     assert_eq!(stack.sim_requests().len(), 20, "refusals send nothing");
 }
+
+/// Single-pod `prefix-cache` in real Envoy (two workers): a prompt goes back to the standard
+/// pod that served it before, whichever worker takes it, because each pick is recorded in the
+/// prefix index and shared between workers; another prompt spreads by load.
+#[test]
+fn single_pod_prefix_cache_returns_a_prompt_to_the_pod_that_holds_it() {
+    let fleet = Fleet::new(MODEL)
+        .pod("p0", "prefill", "g0")
+        .pod("d0", "decode", "g0")
+        .combined("c0")
+        .combined("c1")
+        .combined("c2");
+    let stack = Stack::start(fleet);
+    let send = |prompt: &str| {
+        let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2});
+        let r = http::post_json(
+            &stack.gateway,
+            "/v1/completions",
+            &[("routing-strategy", "prefix-cache")],
+            &body,
+        );
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.header("routing-strategy"), Some("prefix-cache"));
+        r.header("target-pod").expect("target-pod").to_string()
+    };
+    // Twelve long prompts, each sent four times in a row. The first send of each has no
+    // match anywhere and idle pods tie: all twelve on one pod has odds of 3 in 531 441.
+    for k in 0..12 {
+        let prompt = format!("document {k}: ") + &"lorem ipsum dolor sit amet ".repeat(100);
+        let first = send(&prompt);
+        assert!(first.starts_with('c'), "{first}");
+        for turn in 1..4 {
+            assert_eq!(send(&prompt), first, "prompt {k}, turn {turn}");
+        }
+    }
+    let entries = stack.sim_requests();
+    let pods: std::collections::BTreeSet<_> =
+        entries.iter().filter_map(|e| e["pod"].as_str()).collect();
+    assert!(pods.len() >= 2, "first sends spread by load: {pods:?}");
+    assert!(pods.iter().all(|p| p.starts_with('c')), "{pods:?}");
+}

@@ -133,6 +133,8 @@ pub struct ModelView {
     /// Pod key → index of the prefill pods of complete rolesets (the prefix lookup's
     /// candidates), so a lookup touches only the pods that hold the prompt's prefix.
     prefill_by_key: Rc<HashMap<String, usize>>,
+    /// Pod key → index of the standard pods: the candidates of single-pod `prefix-cache`.
+    standard_by_key: Rc<HashMap<String, usize>>,
 }
 
 /// The view an `external-filter` selector last narrowed a model to, reused while the model's
@@ -393,6 +395,7 @@ impl ModelView {
             columns,
             uid: NEXT_UID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             prefill_by_key: self.prefill_by_key.clone(),
+            standard_by_key: self.standard_by_key.clone(),
         })
     }
 
@@ -455,6 +458,12 @@ impl ModelView {
                 .map(|i| (view.pods[i].key.clone(), i))
                 .collect(),
         );
+        view.standard_by_key = Rc::new(
+            view.others
+                .iter()
+                .map(|&i| (view.pods[i].key.clone(), i))
+                .collect(),
+        );
         view.columns = crate::core::pd::columns::Columns::build(&view.pods, &view.rolesets);
         view.uid = NEXT_UID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
@@ -462,6 +471,11 @@ impl ModelView {
     /// The index of the prefill pod `key` of a complete roleset, if it is one.
     pub fn prefill_slot(&self, key: &str) -> Option<usize> {
         self.prefill_by_key.get(key).copied()
+    }
+
+    /// The index of the standard pod `key`, if it is one.
+    pub fn standard_slot(&self, key: &str) -> Option<usize> {
+        self.standard_by_key.get(key).copied()
     }
 
     /// Whether a request could be routed at all: a complete roleset or a standard pod.

@@ -62,6 +62,15 @@ enum OnePod<'a> {
 }
 
 impl OnePod<'_> {
+    /// Whether the pick scores the prefix index (`prefix-cache`, alone or in a blend).
+    fn uses_prefix_index(&self) -> bool {
+        match self {
+            OnePod::Any => false,
+            OnePod::Strategy(s) => *s == Strategy::PrefixCache,
+            OnePod::Blend(b) => b.items.iter().any(|(s, _)| *s == Strategy::PrefixCache),
+        }
+    }
+
     fn name(&self) -> &str {
         match self {
             OnePod::Any => Strategy::LeastRequest.name(),
@@ -392,7 +401,7 @@ impl PdHttp {
         };
         let mut via = None;
         let target = if count_only {
-            self.select_one(model, pick, now)?.0
+            self.select_one(model, &req, pick, now)?.0
         } else if decision.strategy == Strategy::Pd {
             let resolved =
                 PdSettings::resolve(&self.vm.borrow().defaults, decision.routing_config.as_ref());
@@ -424,7 +433,7 @@ impl PdHttp {
             );
             self.select_pair(model, &req, &decision, &settings, now)?
         } else {
-            let (target, found) = self.select_one(model, pick, now)?;
+            let (target, found) = self.select_one(model, &req, pick, now)?;
             via = found;
             target
         };
@@ -616,34 +625,69 @@ impl PdHttp {
             "select.hold",
             self.hold(vm, held, now, settings.tokens.ttl_s)
         );
-        if let (Target::Pair { prefill, .. }, false) = (selected.target, stream.is_empty()) {
-            // Warm the index with the chosen prefill pod, here and on every other worker.
-            let event = EventRef {
-                model: &req.model,
-                pod: &model.pods[prefill].key,
-                stream: &stream,
-                at_ms: now,
-            };
-            crate::section!(
-                "select.prefix_event",
-                vm.prefix
-                    .add_prefix(event.stream, event.model, event.pod, now)
-            );
-            // Published for the other workers with the events gathered until this request's
-            // response starts (see `send_prefix_batch`): one shared-data write for many
-            // selections. A VM alone in the process has nobody to tell.
-            if !vm.peers.is_empty() {
-                vm.prefix_outbox.push(event);
-                self.prefix_batch = Some(vm.prefix_batches_sent);
-                if vm.prefix_outbox.bytes() >= crate::core::prefix::log::MAX_BATCH_BYTES {
-                    crate::section!(
-                        "select.publish",
-                        crate::host::prefix_sharing::publish(vm, now)
-                    );
-                }
-            }
+        if let Target::Pair { prefill, .. } = selected.target {
+            let pod = &model.pods[prefill].key;
+            self.record_prefix(vm, &req.model, pod, &stream, now);
         }
         Ok(selected.target)
+    }
+
+    /// Warms the prefix index with the pod chosen for `stream`, here and on every other
+    /// worker. Published with the events gathered until this request's response starts (see
+    /// `send_prefix_batch`): one shared-data write for many selections. A VM alone in the
+    /// process has nobody to tell.
+    fn record_prefix(&mut self, vm: &mut VmState, model: &str, pod: &str, stream: &[u8], now: u64) {
+        if stream.is_empty() {
+            return;
+        }
+        let event = EventRef {
+            model,
+            pod,
+            stream,
+            at_ms: now,
+        };
+        crate::section!(
+            "select.prefix_event",
+            vm.prefix
+                .add_prefix(event.stream, event.model, event.pod, now)
+        );
+        if !vm.peers.is_empty() {
+            vm.prefix_outbox.push(event);
+            self.prefix_batch = Some(vm.prefix_batches_sent);
+            if vm.prefix_outbox.bytes() >= crate::core::prefix::log::MAX_BATCH_BYTES {
+                crate::section!(
+                    "select.publish",
+                    crate::host::prefix_sharing::publish(vm, now)
+                );
+            }
+        }
+    }
+
+    /// The prompt's whole blocks and, by slot, how much of them each standard pod holds in
+    /// the prefix index (after reading what the other workers published): what single-pod
+    /// `prefix-cache` scores by.
+    fn standard_prefix_match(
+        vm: &mut VmState,
+        model: &ModelView,
+        req: &RoutingRequest,
+        now: u64,
+    ) -> (Vec<u8>, Vec<f64>) {
+        crate::host::prefix_sharing::catch_up(vm, now, true);
+        let p = vm.prefix_settings;
+        let tokens = tokenize::token_stream(p.tokenizer, &req.prompt_text);
+        let stream = tokenize::whole_blocks(tokens, vm.prefix.block_size()).into_owned();
+        let mut pct = vec![0.0; model.pods.len()];
+        vm.prefix.match_candidates(
+            &stream,
+            &req.model,
+            |key| model.standard_slot(key),
+            |slot, m| {
+                if let Some(p) = pct.get_mut(slot) {
+                    *p = f64::from(m);
+                }
+            },
+        );
+        (stream, pct)
     }
 
     /// Picks one pod (see [`OnePod`]) and charges its running count in the same CAS round.
@@ -651,11 +695,21 @@ impl PdHttp {
     fn select_one(
         &mut self,
         model: &ModelView,
+        req: &RoutingRequest,
         pick: OnePod<'_>,
         now: u64,
     ) -> Result<(Target, Option<session_affinity::Via>), RouteError> {
         let vm = self.vm.clone();
         let mut vm = vm.borrow_mut();
+        let vm = &mut *vm;
+        let (stream, match_pct) = if pick.uses_prefix_index() {
+            crate::section!(
+                "select.prefix_lookup",
+                Self::standard_prefix_match(vm, model, req, now)
+            )
+        } else {
+            (Vec::new(), Vec::new())
+        };
         let remote = vm.remote.clone();
         let rng = &mut vm.rng;
         let hint = session_affinity::SessionHint {
@@ -674,8 +728,13 @@ impl PdHttp {
                     let (target, via) = session_affinity::select(model, hint, rng)?;
                     (target, Some(via))
                 }
-                OnePod::Strategy(strategy) => (pd::select_single(model, strategy, l, rng)?, None),
-                OnePod::Blend(blend) => pd::blend::select_blend(model, blend, hint, l, rng)?,
+                OnePod::Strategy(strategy) => (
+                    pd::select_single(model, strategy, l, &match_pct, rng)?,
+                    None,
+                ),
+                OnePod::Blend(blend) => {
+                    pd::blend::select_blend(model, blend, hint, l, &match_pct, rng)?
+                }
             };
             let held = pd::Selected::single(target.pod()).charge(model, l, now);
             let rows = holds::charged_rows(l, &held);
@@ -695,7 +754,9 @@ impl PdHttp {
         vm.metrics
             .charged_gauges(rows.iter().map(|(k, r)| (k.as_str(), *r)));
         let ttl_s = vm.defaults.tokens.ttl_s;
-        self.hold(&mut vm, held, now, ttl_s);
+        self.hold(vm, held, now, ttl_s);
+        let pod = &model.pods[target.0.pod()].key;
+        self.record_prefix(vm, &req.model, pod, &stream, now);
         Ok(target)
     }
 

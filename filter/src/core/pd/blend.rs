@@ -15,7 +15,7 @@
 //! strategy per request could never pick it.
 
 use crate::core::errors::RouteError;
-use crate::core::fleet::{ModelView, Role};
+use crate::core::fleet::ModelView;
 use crate::core::ledger::Ledger;
 use crate::core::pd::session_affinity::{self, SessionHint, Via};
 use crate::core::pd::single::{no_standard_pod, reads_load, running_by_slot, score};
@@ -27,24 +27,24 @@ const OUTLIER_MADS: f64 = 3.0;
 
 /// Picks the pod for a blend. With session-affinity in the blend, the second value says how
 /// the session's pod was found (`Random` when no header named one).
+/// `match_pct` is by slot, the prefix index's match (empty when the blend has no
+/// prefix-cache).
 pub fn select_blend(
     model: &ModelView,
     blend: &Blend,
     hint: SessionHint<'_>,
     ledger: &Ledger,
+    match_pct: &[f64],
     rng: &mut fastrand::Rng,
 ) -> Result<(Target, Option<Via>), RouteError> {
-    let pods: Vec<usize> = model
-        .pods
-        .iter()
-        .enumerate()
-        .filter(|(_, p)| p.role == Role::Other)
-        .map(|(i, _)| i)
-        .collect();
+    let pods = model.others.as_slice();
     if pods.is_empty() {
         return Err(no_standard_pod(&blend.label));
     }
-    let load_needed = blend.items.iter().any(|(s, _)| reads_load(*s));
+    let load_needed = blend
+        .items
+        .iter()
+        .any(|(s, _)| reads_load(*s) && *s != Strategy::PrefixCache);
     let running = running_by_slot(model, ledger, load_needed);
     let mut via = None;
     let total_weight: f64 = blend.items.iter().map(|(_, w)| f64::from(*w)).sum();
@@ -66,7 +66,8 @@ pub fn select_blend(
         } else {
             raw.extend(pods.iter().map(|&i| {
                 let load = running.get(i).copied().unwrap_or(0);
-                score(strategy, &model.pods[i], load).filter(|s| s.is_finite())
+                let pct = match_pct.get(i).copied().unwrap_or(0.0);
+                score(strategy, &model.pods[i], load, pct).filter(|s| s.is_finite())
             }));
         }
         let share = f64::from(weight) / total_weight;
@@ -181,8 +182,15 @@ mod tests {
 
     fn pick(m: &ModelView, ledger: &Ledger, value: &str) -> String {
         let mut rng = fastrand::Rng::with_seed(9);
-        let (t, _) =
-            select_blend(m, &blend(value), SessionHint::default(), ledger, &mut rng).unwrap();
+        let (t, _) = select_blend(
+            m,
+            &blend(value),
+            SessionHint::default(),
+            ledger,
+            &[],
+            &mut rng,
+        )
+        .unwrap();
         m.pods[t.pod()].name.clone()
     }
 
@@ -221,7 +229,8 @@ mod tests {
         let b = blend("least-request,least-kv-cache");
         let mut seen = std::collections::HashSet::new();
         for _ in 0..60 {
-            let (t, via) = select_blend(&m, &b, SessionHint::default(), &ledger, &mut rng).unwrap();
+            let (t, via) =
+                select_blend(&m, &b, SessionHint::default(), &ledger, &[], &mut rng).unwrap();
             assert_eq!(via, None);
             seen.insert(m.pods[t.pod()].name.clone());
         }
@@ -229,7 +238,8 @@ mod tests {
         m.pods[0].metrics = None;
         m.pods[1].metrics = None;
         for _ in 0..10 {
-            let (t, _) = select_blend(&m, &b, SessionHint::default(), &ledger, &mut rng).unwrap();
+            let (t, _) =
+                select_blend(&m, &b, SessionHint::default(), &ledger, &[], &mut rng).unwrap();
             assert_eq!(m.pods[t.pod()].name, "c", "only c has a KV-cache figure");
         }
     }
@@ -245,18 +255,40 @@ mod tests {
         let name = format!("ns/{}", m.pods[sticky].name);
         let mut rng = fastrand::Rng::with_seed(4);
         let b = blend("session-affinity:2,least-request:1");
-        let (t, via) = select_blend(&m, &b, hint, &ledger, &mut rng).unwrap();
+        let (t, via) = select_blend(&m, &b, hint, &ledger, &[], &mut rng).unwrap();
         assert_eq!((t.pod(), via), (sticky, Some(Via::SessionKey)));
         // Busiest pod by far: affinity (2/3) still outweighs load (1/3).
         for _ in 0..20 {
             ledger.add(&name, Counter::Running, 0);
         }
-        let (t, _) = select_blend(&m, &b, hint, &ledger, &mut rng).unwrap();
+        let (t, _) = select_blend(&m, &b, hint, &ledger, &[], &mut rng).unwrap();
         assert_eq!(t.pod(), sticky);
         // With the weights turned round, load wins.
         let b = blend("session-affinity:1,least-request:2");
-        let (t, _) = select_blend(&m, &b, hint, &ledger, &mut rng).unwrap();
+        let (t, _) = select_blend(&m, &b, hint, &ledger, &[], &mut rng).unwrap();
         assert_ne!(t.pod(), sticky);
+    }
+
+    #[test]
+    fn prefix_cache_in_a_blend_scores_the_match() {
+        let (m, ledger) = fleet(&[("a", 3, 10.0), ("b", 0, 10.0), ("c", 0, 10.0)]);
+        let mut pct = vec![0.0; m.pods.len()];
+        pct[0] = 80.0;
+        let mut rng = fastrand::Rng::with_seed(2);
+        let mut pick = |value: &str| {
+            let (t, _) = select_blend(
+                &m,
+                &blend(value),
+                SessionHint::default(),
+                &ledger,
+                &pct,
+                &mut rng,
+            )
+            .unwrap();
+            m.pods[t.pod()].name.clone()
+        };
+        assert_eq!(pick("prefix-cache:2,least-request"), "a");
+        assert_ne!(pick("prefix-cache,least-request:2"), "a");
     }
 
     #[test]
@@ -268,6 +300,7 @@ mod tests {
             &blend("least-request,throughput"),
             SessionHint::default(),
             &ledger,
+            &[],
             &mut rng,
         );
         assert!(matches!(r, Err(RouteError::Selection { .. })));

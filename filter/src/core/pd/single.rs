@@ -3,29 +3,30 @@
 //! prefill/decode): a prefill or decode pod expects the PD protocol, not a plain request.
 
 use crate::core::errors::RouteError;
-use crate::core::fleet::{ModelView, PodView, Role};
+use crate::core::fleet::{ModelView, PodView};
 use crate::core::ledger::Ledger;
 use crate::core::pd::{MinPicker, Target};
 use crate::core::profile::Strategy;
 
 /// A strategy's raw score for one pod, lower is better; `None` when the pod has no metrics
-/// to score it by. `running` is the pod's running requests (see [`running_by_slot`]).
-/// session-affinity and random score every pod alike (session-affinity's choice is made by
-/// `session_affinity::resolve`).
-pub fn score(strategy: Strategy, pod: &PodView, running: u32) -> Option<f64> {
+/// to score it by. `running` is the pod's running requests (see [`running_by_slot`]),
+/// `match_pct` the share of the prompt the prefix index says it holds (0..=100).
+/// prefix-cache scores the cache alone (`100 − match`); alone, it also weighs the load (see
+/// [`select_single`]). session-affinity and random score every pod alike (session-affinity's
+/// choice is made by `session_affinity::resolve`).
+pub fn score(strategy: Strategy, pod: &PodView, running: u32, match_pct: f64) -> Option<f64> {
     let metric = |f: fn(&crate::proto::PodMetrics) -> f64| pod.metrics.as_ref().map(f);
     match strategy {
         Strategy::Random | Strategy::SessionAffinity => Some(0.0),
-        // Without a prefix index of whole requests, prefix-cache degrades to the least
-        // loaded pod, which is what AIBrix's prefix-cache does on a cache miss.
-        Strategy::LeastRequest | Strategy::PrefixCache | Strategy::Pd => Some(f64::from(running)),
+        Strategy::LeastRequest | Strategy::Pd => Some(f64::from(running)),
+        Strategy::PrefixCache => Some(100.0 - match_pct),
         Strategy::Throughput => metric(|m| m.generation_throughput + m.prompt_throughput),
         Strategy::LeastKvCache | Strategy::LeastGpuCache => metric(|m| m.kv_cache_usage),
         Strategy::LeastLatency => metric(|m| m.ttft_avg_seconds),
     }
 }
 
-/// Whether [`score`] reads the running requests.
+/// Whether [`score`] (or prefix-cache's load term) reads the running requests.
 pub fn reads_load(strategy: Strategy) -> bool {
     matches!(
         strategy,
@@ -49,27 +50,47 @@ pub fn running_by_slot(model: &ModelView, ledger: &Ledger, needed: bool) -> Vec<
 
 /// Picks one pod for a non-PD strategy: the lowest score, ties (and `random`) broken
 /// uniformly. Pods without metrics are passed over while another has them; with none, any
-/// pod is taken uniformly, as AIBrix falls back to a random pod.
+/// pod is taken uniformly, as AIBrix falls back to a random pod. `match_pct` is by slot
+/// (empty when the strategy needs none); prefix-cache scores each pod as the prefill policy
+/// of the same name does, `(100 − match) × 0.1 + running / max running`, so a pod holding the
+/// prompt wins until it is busier than the rest by about one tenth of the busiest pod's load
+/// per point of match.
 pub fn select_single(
     model: &ModelView,
     strategy: Strategy,
     ledger: &Ledger,
+    match_pct: &[f64],
     rng: &mut fastrand::Rng,
 ) -> Result<Target, RouteError> {
     let running = running_by_slot(model, ledger, reads_load(strategy));
+    let inv_max_req = if strategy == Strategy::PrefixCache {
+        let max_req = model
+            .others
+            .iter()
+            .map(|&i| running.get(i).copied().unwrap_or(0))
+            .max()
+            .unwrap_or(0);
+        crate::core::score::prefill::reciprocal(max_req)
+    } else {
+        0.0
+    };
     let mut best = MinPicker::new();
     let mut any = MinPicker::new();
-    for (i, pod) in model
-        .pods
-        .iter()
-        .enumerate()
-        .filter(|(_, p)| p.role == Role::Other)
-    {
+    for &i in &model.others {
+        let pod = &model.pods[i];
         let load = running.get(i).copied().unwrap_or(0);
-        if let Some(score) = score(strategy, pod, load) {
-            best.offer(score, i, rng);
-        } else {
-            any.offer(0.0, i, rng);
+        let pct = match_pct.get(i).copied().unwrap_or(0.0);
+        let score = match strategy {
+            Strategy::PrefixCache => Some(crate::core::score::prefill::prefix_cache_with(
+                crate::core::score::prefill::prefix_cache_miss(pct),
+                load,
+                inv_max_req,
+            )),
+            _ => score(strategy, pod, load, pct),
+        };
+        match score {
+            Some(score) => best.offer(score, i, rng),
+            None => any.offer(0.0, i, rng),
         }
     }
     best.item()
@@ -145,7 +166,7 @@ mod tests {
     fn pick(strategy: Strategy, loads: &Ledger) -> String {
         let m = model();
         let mut rng = fastrand::Rng::with_seed(2);
-        let t = select_single(&m, strategy, loads, &mut rng).unwrap();
+        let t = select_single(&m, strategy, loads, &[], &mut rng).unwrap();
         m.pods[t.pod()].name.clone()
     }
 
@@ -173,16 +194,43 @@ mod tests {
         let loads = Ledger::default();
         let mut rng = fastrand::Rng::with_seed(5);
         for _ in 0..10 {
-            let t = select_single(&m, Strategy::LeastLatency, &loads, &mut rng).unwrap();
+            let t = select_single(&m, Strategy::LeastLatency, &loads, &[], &mut rng).unwrap();
             assert_eq!(m.pods[t.pod()].name, "bb");
         }
         m.pods[1].metrics = None;
         let mut seen = std::collections::HashSet::new();
         for _ in 0..40 {
-            let t = select_single(&m, Strategy::LeastKvCache, &loads, &mut rng).unwrap();
+            let t = select_single(&m, Strategy::LeastKvCache, &loads, &[], &mut rng).unwrap();
             seen.insert(m.pods[t.pod()].name.clone());
         }
         assert_eq!(seen.len(), 2, "uniform over the standard pods: {seen:?}");
+    }
+
+    #[test]
+    fn prefix_cache_follows_the_match_until_the_load_outweighs_it() {
+        let m = model();
+        let mut loads = Ledger::default();
+        // "a" holds 60 % of the prompt: 4 points of miss less than "bb" (40 × 0.1).
+        let mut pct = vec![0.0; m.pods.len()];
+        pct[0] = 60.0;
+        let mut rng = fastrand::Rng::with_seed(3);
+        let mut pick = |loads: &Ledger| {
+            let t = select_single(&m, Strategy::PrefixCache, loads, &pct, &mut rng).unwrap();
+            m.pods[t.pod()].name.clone()
+        };
+        assert_eq!(pick(&loads), "a");
+        for _ in 0..5 {
+            loads.add("ns/a", Counter::Running, 0);
+        }
+        // a: 4.0 + 5/5 = 5.0; bb: 10.0 + 0 — still a.
+        assert_eq!(pick(&loads), "a");
+        let none = vec![0.0; m.pods.len()];
+        let t = select_single(&m, Strategy::PrefixCache, &loads, &none, &mut rng).unwrap();
+        assert_eq!(
+            m.pods[t.pod()].name,
+            "bb",
+            "without a match, the least loaded"
+        );
     }
 
     #[test]
