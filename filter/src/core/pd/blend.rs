@@ -25,10 +25,9 @@ use crate::core::profile::{Blend, Strategy};
 /// How far from the median, in median absolute deviations, a score counts as an outlier.
 const OUTLIER_MADS: f64 = 3.0;
 
-/// Picks the pod for a blend. With session-affinity in the blend, the second value says how
-/// the session's pod was found (`Random` when no header named one).
-/// `match_pct` is by slot, the prefix index's match (empty when the blend has no
-/// prefix-cache).
+/// Picks the pod for a blend. `match_pct` is the prefix index's match by slot (empty when
+/// the blend has no prefix-cache). With session-affinity in the blend, the second value says
+/// how the session's pod was found (`Random` when no header named one).
 pub fn select_blend(
     model: &ModelView,
     blend: &Blend,
