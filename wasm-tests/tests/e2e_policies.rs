@@ -525,19 +525,23 @@ fn locked_strategy_and_auto_profiles_apply_in_envoy() {
     assert_eq!(r.header("x-aibrix-config-profile"), None);
 }
 
+/// A PD pair that single-pod strategies must never pick, and three standard pods.
+fn pair_and_three_standard_pods() -> Fleet {
+    Fleet::new(MODEL)
+        .pod("p0", "prefill", "g0")
+        .pod("d0", "decode", "g0")
+        .combined("c0")
+        .combined("c1")
+        .combined("c2")
+}
+
 /// `session-affinity` in real Envoy (two workers): a conversation key keeps every turn on one
 /// standard pod, whichever worker takes the connection; `x-session-id` names that pod in
 /// base64 and, sent back, wins over the key; prefill/decode pods never take a turn.
 #[test]
 fn session_affinity_keeps_a_conversation_on_one_standard_pod() {
     use base64::Engine as _;
-    let fleet = Fleet::new(MODEL)
-        .pod("p0", "prefill", "g0")
-        .pod("d0", "decode", "g0")
-        .combined("c0")
-        .combined("c1")
-        .combined("c2");
-    let stack = Stack::start(fleet);
+    let stack = Stack::start(pair_and_three_standard_pods());
     let send = |headers: &[(&str, &str)]| {
         let body = json!({"model": MODEL, "prompt": "hello again", "max_tokens": 2});
         let mut all = vec![("routing-strategy", "session-affinity")];
@@ -661,13 +665,7 @@ fn a_weighted_strategy_list_scores_every_signal_for_each_request() {
 /// prefix index and shared between workers; another prompt spreads by load.
 #[test]
 fn single_pod_prefix_cache_returns_a_prompt_to_the_pod_that_holds_it() {
-    let fleet = Fleet::new(MODEL)
-        .pod("p0", "prefill", "g0")
-        .pod("d0", "decode", "g0")
-        .combined("c0")
-        .combined("c1")
-        .combined("c2");
-    let stack = Stack::start(fleet);
+    let stack = Stack::start(pair_and_three_standard_pods());
     let send = |prompt: &str| {
         let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2});
         let r = http::post_json(

@@ -538,30 +538,8 @@ impl PdHttp {
             bucketing: decision.bucketing,
             prompt_len: decision.prompt_len,
         };
-        // Prefix lookup in this worker's index, after reading what the others published.
         let (stream, match_pct, token_bytes) = if settings.prefill_policy.uses_prefix_index() {
-            crate::section!(
-                "select.prefix_catch_up",
-                crate::host::prefix_sharing::catch_up(vm, now, true)
-            );
-            crate::section_scope!("select.prefix_lookup");
-            let p = vm.prefix_settings;
-            let tokens = tokenize::token_stream(p.tokenizer, &req.prompt_text);
-            let token_bytes = tokens.len();
-            let stream = tokenize::whole_blocks(tokens, vm.prefix.block_size());
-            // Only the pods holding the prompt's prefix are touched, not every prefill pod.
-            let mut pct = vec![0.0; model.pods.len()];
-            vm.prefix.match_candidates(
-                &stream,
-                &req.model,
-                |key| model.prefill_slot(key),
-                |slot, m| {
-                    if let Some(p) = pct.get_mut(slot) {
-                        *p = f64::from(m);
-                    }
-                },
-            );
-            (stream, pct, token_bytes)
+            Self::prefix_match(vm, model, req, now, |key| model.prefill_slot(key))
         } else {
             (Cow::Borrowed(&[][..]), Vec::new(), req.prompt_bytes)
         };
@@ -663,31 +641,34 @@ impl PdHttp {
         }
     }
 
-    /// The prompt's whole blocks and, by slot, how much of them each standard pod holds in
-    /// the prefix index (after reading what the other workers published): what single-pod
-    /// `prefix-cache` scores by.
-    fn standard_prefix_match(
+    /// Looks the prompt up in this worker's prefix index, after reading what the others
+    /// published: the prompt's whole blocks, by slot how much of them each pod `slot_of`
+    /// names holds, and the token stream's length in bytes. Only the pods holding the
+    /// prompt's prefix are touched, not every candidate.
+    fn prefix_match<'r>(
         vm: &mut VmState,
         model: &ModelView,
-        req: &RoutingRequest,
+        req: &'r RoutingRequest,
         now: u64,
-    ) -> (Vec<u8>, Vec<f64>) {
-        crate::host::prefix_sharing::catch_up(vm, now, true);
+        slot_of: impl Fn(&str) -> Option<usize>,
+    ) -> (Cow<'r, [u8]>, Vec<f64>, usize) {
+        crate::section!(
+            "select.prefix_catch_up",
+            crate::host::prefix_sharing::catch_up(vm, now, true)
+        );
+        crate::section_scope!("select.prefix_lookup");
         let p = vm.prefix_settings;
         let tokens = tokenize::token_stream(p.tokenizer, &req.prompt_text);
-        let stream = tokenize::whole_blocks(tokens, vm.prefix.block_size()).into_owned();
+        let token_bytes = tokens.len();
+        let stream = tokenize::whole_blocks(tokens, vm.prefix.block_size());
         let mut pct = vec![0.0; model.pods.len()];
-        vm.prefix.match_candidates(
-            &stream,
-            &req.model,
-            |key| model.standard_slot(key),
-            |slot, m| {
+        vm.prefix
+            .match_candidates(&stream, &req.model, slot_of, |slot, m| {
                 if let Some(p) = pct.get_mut(slot) {
                     *p = f64::from(m);
                 }
-            },
-        );
-        (stream, pct)
+            });
+        (stream, pct, token_bytes)
     }
 
     /// Picks one pod (see [`OnePod`]) and charges its running count in the same CAS round.
@@ -702,13 +683,11 @@ impl PdHttp {
         let vm = self.vm.clone();
         let mut vm = vm.borrow_mut();
         let vm = &mut *vm;
-        let (stream, match_pct) = if pick.uses_prefix_index() {
-            crate::section!(
-                "select.prefix_lookup",
-                Self::standard_prefix_match(vm, model, req, now)
-            )
+        // Single-pod prefix-cache scores the standard pods by the same index.
+        let (stream, match_pct, _) = if pick.uses_prefix_index() {
+            Self::prefix_match(vm, model, req, now, |key| model.standard_slot(key))
         } else {
-            (Vec::new(), Vec::new())
+            (Cow::Borrowed(&[][..]), Vec::new(), 0)
         };
         let remote = vm.remote.clone();
         let rng = &mut vm.rng;

@@ -16,7 +16,7 @@ use base64::Engine as _;
 use std::hash::Hasher;
 
 use crate::core::errors::RouteError;
-use crate::core::fleet::{ModelView, Role};
+use crate::core::fleet::ModelView;
 use crate::core::pd::single::no_standard_pod;
 use crate::core::pd::{MinPicker, Target};
 use crate::core::profile::Strategy;
@@ -80,13 +80,7 @@ fn weight(key: &str, address: &str) -> u64 {
 /// The pod the request's session names, by `x-session-id` or else `x-aibrix-session-key`,
 /// among the pods that run whole requests; `None` when neither names one.
 pub fn resolve(model: &ModelView, hint: SessionHint<'_>) -> Option<(usize, Via)> {
-    let candidates = || {
-        model
-            .pods
-            .iter()
-            .enumerate()
-            .filter(|(_, p)| p.role == Role::Other)
-    };
+    let candidates = || model.others.iter().map(|&i| (i, &model.pods[i]));
     if let Some(address) = hint.session_id.and_then(address_of) {
         if let Some((i, _)) = candidates().find(|(_, p)| p.address == address) {
             return Some((i, Via::SessionId));
@@ -112,12 +106,7 @@ pub fn select(
         return Ok((Target::Single { pod }, via));
     }
     let mut any = MinPicker::new();
-    for (i, _) in model
-        .pods
-        .iter()
-        .enumerate()
-        .filter(|(_, p)| p.role == Role::Other)
-    {
+    for &i in &model.others {
         any.offer(0.0, i, rng);
     }
     any.item()
