@@ -73,6 +73,11 @@ pub struct PodRecord {
     pub serves_http: bool,
     /// Every label, for the `external-filter` header's selector in the filter.
     pub labels: BTreeMap<String, String>,
+    /// When the Ready condition last turned true, Unix ms; 0 when the pod is not ready or
+    /// the condition carries no time. The filter eases a newly ready pod in
+    /// (`least-request-top-k`); the API server's time survives a pd-control restart, which a
+    /// first-seen time would not.
+    pub ready_since_unix_ms: i64,
 }
 
 impl PodRecord {
@@ -112,11 +117,10 @@ impl PodRecord {
             .unwrap_or_default()
             .trim()
             .to_string();
-        let ready_condition = status
+        let ready = status
             .and_then(|s| s.conditions.as_ref())
-            .and_then(|conds| conds.iter().find(|c| c.type_ == "Ready"))
-            .map(|c| c.status == "True")
-            .unwrap_or(true);
+            .and_then(|conds| conds.iter().find(|c| c.type_ == "Ready"));
+        let ready_condition = ready.is_none_or(|c| c.status == "True");
         let terminating = meta.deletion_timestamp.is_some();
         let label = |key: &str| {
             labels
@@ -151,6 +155,10 @@ impl PodRecord {
                 .get(LABEL_POD_GROUP_INDEX)
                 .is_none_or(|idx| idx == "0"),
             ready: ready_condition && !ip.is_empty() && !terminating,
+            ready_since_unix_ms: ready
+                .filter(|c| c.status == "True")
+                .and_then(|c| c.last_transition_time.as_ref())
+                .map_or(0, |t| t.0.as_millisecond()),
             ip,
             labels: labels.clone(),
         })
@@ -256,6 +264,7 @@ items:
     conditions:
     - type: Ready
       status: "True"
+      lastTransitionTime: "2026-12-01T10:00:00Z"
 - apiVersion: v1
   kind: Pod
   metadata:
@@ -270,6 +279,7 @@ items:
     conditions:
     - type: Ready
       status: "False"
+      lastTransitionTime: "2026-12-01T10:00:00Z"
 - apiVersion: v1
   kind: Pod
   metadata:
@@ -298,6 +308,14 @@ items:
             ("default", 8000, "sglang")
         );
         assert!(!d.ready, "Ready=False is not ready");
+        assert_eq!(
+            p.ready_since_unix_ms, 1_796_119_200_000,
+            "Ready's lastTransitionTime"
+        );
+        assert_eq!(
+            d.ready_since_unix_ms, 0,
+            "a pod not ready has no ready time"
+        );
     }
 
     #[test]
@@ -306,6 +324,7 @@ items:
         let pods = parse_records(text).unwrap();
         assert_eq!(pods.len(), 2);
         assert!(pods[0].ready, "absent conditions count as ready");
+        assert_eq!(pods[0].ready_since_unix_ms, 0, "with no time to read");
         assert!(!pods[1].ready, "a pod without an IP is not ready");
     }
 

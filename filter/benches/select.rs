@@ -80,9 +80,12 @@ fn external_filter(c: &mut Criterion) {
 }
 
 /// A single-pod pick over `pods` standard pods: least-request, session-affinity by key (the
-/// rendezvous hash of every pod), and a blend of three strategies.
+/// rendezvous hash of every pod), a blend of three strategies, power-of-two, load-balance and
+/// least-request-top-k (AIBrix's defaults, its ramp checked for every pod).
 fn single_pod(c: &mut Criterion) {
+    use pd_router_filter::core::config::SingleEnv;
     use pd_router_filter::core::pd::session_affinity::{self, SessionHint};
+    use pd_router_filter::core::pd::top_k::TopK;
     use pd_router_filter::core::profile::{Strategy, StrategySpec};
     let Ok(StrategySpec::Blend(blend)) =
         Strategy::parse("least-request:2,throughput,least-kv-cache")
@@ -93,22 +96,30 @@ fn single_pod(c: &mut Criterion) {
         session_id: None,
         session_key: Some("conversation-1234"),
     };
+    let top_k = TopK::new(&SingleEnv::default(), 1_800_000_000_000);
     let mut group = c.benchmark_group("select_single");
     for pods in [16usize, 256, 1024] {
         let (model, ledger) = standard_fleet(pods);
         let mut rng = fastrand::Rng::with_seed(7);
-        group.bench_function(BenchmarkId::new("least_request", pods), |b| {
-            b.iter(|| {
-                pd::select_single(&model, Strategy::LeastRequest, &ledger, &[], &mut rng)
-                    .expect("a pod")
-            })
-        });
+        for (name, strategy) in [
+            ("least_request", Strategy::LeastRequest),
+            ("power_of_two", Strategy::PowerOfTwo),
+            ("load_balance", Strategy::LoadBalance),
+            ("least_request_top_k", Strategy::LeastRequestTopK),
+        ] {
+            group.bench_function(BenchmarkId::new(name, pods), |b| {
+                b.iter(|| {
+                    pd::select_single(&model, strategy, &ledger, &[], &top_k, &mut rng)
+                        .expect("a pod")
+                })
+            });
+        }
         group.bench_function(BenchmarkId::new("session_affinity", pods), |b| {
             b.iter(|| session_affinity::select(&model, hint, &mut rng).expect("a pod"))
         });
         group.bench_function(BenchmarkId::new("blend3", pods), |b| {
             b.iter(|| {
-                pd::blend::select_blend(&model, &blend, hint, &ledger, &[], &mut rng)
+                pd::blend::select_blend(&model, &blend, hint, &ledger, &[], &top_k, &mut rng)
                     .expect("a pod")
             })
         });

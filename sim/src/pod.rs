@@ -640,6 +640,7 @@ mod tests {
             ready: true,
             serves_http: true,
             labels: Default::default(),
+            ready_since_unix_ms: 0,
         }
     }
 

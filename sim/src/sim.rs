@@ -529,6 +529,7 @@ mod tests {
             ready: false,
             serves_http: true,
             labels: Default::default(),
+            ready_since_unix_ms: 0,
         }
     }
 

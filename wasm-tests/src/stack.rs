@@ -28,6 +28,8 @@ pub struct PodSpec {
     pub bootstrap_port: Option<u16>,
     /// Further labels (for `external-filter` selectors).
     pub labels: Vec<(String, String)>,
+    /// The Ready condition's `lastTransitionTime` (RFC 3339), when set.
+    pub ready_since: Option<String>,
 }
 
 impl PodSpec {
@@ -79,6 +81,7 @@ impl Fleet {
             engine: self.engine.clone(),
             bootstrap_port: None,
             labels: Vec::new(),
+            ready_since: None,
         });
         self
     }
@@ -146,6 +149,15 @@ impl Fleet {
         self
     }
 
+    /// Sets when the last added pod became ready (RFC 3339, the Ready condition's
+    /// `lastTransitionTime`).
+    pub fn ready_since(mut self, time: &str) -> Fleet {
+        if let Some(p) = self.pods.last_mut() {
+            p.ready_since = Some(time.into());
+        }
+        self
+    }
+
     /// Marks the last added pod not ready.
     pub fn not_ready(mut self) -> Fleet {
         if let Some(p) = self.pods.last_mut() {
@@ -200,6 +212,9 @@ impl Fleet {
                 p.ip,
                 if p.ready { "True" } else { "False" }
             ));
+            if let Some(time) = &p.ready_since {
+                out.push_str(&format!("      lastTransitionTime: \"{time}\"\n"));
+            }
         }
         out
     }

@@ -694,3 +694,104 @@ fn single_pod_prefix_cache_returns_a_prompt_to_the_pod_that_holds_it() {
     assert!(pods.len() >= 2, "first sends spread by load: {pods:?}");
     assert!(pods.iter().all(|p| p.starts_with('c')), "{pods:?}");
 }
+
+/// Sends `n` completions with `strategy`, one after another, each held at its pod (every
+/// standard pod of [`aibrix_load_strategies_read_the_shared_running_counts`] hangs before
+/// answering) until the test saw it arrive, so each selection sees every
+/// earlier request running. Returns the pods in the order they were chosen; the requests
+/// are released and must all succeed.
+fn held_picks(stack: &Stack, strategy: &str, n: usize) -> Vec<String> {
+    for pod in ["c0", "c1", "new"] {
+        stack.arm_fault(json!({"pod": pod, "kind": "hang_before_headers"}));
+    }
+    let handles: Vec<_> = (0..n)
+        .map(|i| {
+            let gateway = stack.gateway.clone();
+            let strategy = strategy.to_string();
+            let handle = std::thread::spawn(move || {
+                let body = json!({"model": MODEL, "prompt": format!("held {i}"), "max_tokens": 2});
+                http::post_json(
+                    &gateway,
+                    "/v1/completions",
+                    &[("routing-strategy", &strategy)],
+                    &body,
+                )
+            });
+            stack.wait_for_legs("full", i + 1);
+            handle
+        })
+        .collect();
+    let pods: Vec<String> = stack
+        .wait_for_legs("full", n)
+        .iter()
+        .map(|e| e["pod"].as_str().unwrap_or_default().to_string())
+        .collect();
+    stack.clear_faults();
+    for h in handles {
+        let r = h.join().expect("client thread");
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.header("routing-strategy"), Some(strategy));
+    }
+    stack.wait_ledger_zero();
+    stack.clear_sim_requests();
+    pods
+}
+
+/// AIBrix's other load strategies in real Envoy (two workers), each reading the running
+/// requests both workers hold:
+/// - `least-request-top-k` eases in a pod that has just become ready: the fleet file's Ready
+///   `lastTransitionTime` travels through pd-control to the filter, which charges the pod
+///   the warm pods' load (epsilon 0 here, so only the least effective load is eligible).
+///   Plain least-request would give it a third of the requests;
+/// - `power-of-two` never sends a request to the pod that is busiest of all;
+/// - `load-balance` answers from a standard pod.
+#[test]
+fn aibrix_load_strategies_read_the_shared_running_counts() {
+    let fleet = Fleet::new(MODEL)
+        .pod("p0", "prefill", "g0")
+        .pod("d0", "decode", "g0")
+        .combined("c0")
+        .combined("c1")
+        .combined("new")
+        .ready_since("2026-01-01T00:00:00Z");
+    let env = [
+        ("AIBRIX_ROUTING_LEAST_REQUEST_TOP_K_EPSILON", "0"),
+        // A century: the pod stays at the start of its ramp whatever today's date.
+        ("AIBRIX_ROUTING_LEAST_REQUEST_TOP_K_RAMP_WINDOW", "876000h"),
+    ];
+    let stack = Stack::start_with(fleet, 2, &env);
+
+    let picks = held_picks(&stack, "least-request-top-k", 12);
+    let count = |pod: &str| picks.iter().filter(|p| *p == pod).count();
+    assert!(count("new") <= 1, "the ramping pod is eased in: {picks:?}");
+    assert!(count("c0") >= 5 && count("c1") >= 5, "{picks:?}");
+
+    let picks = held_picks(&stack, "power-of-two", 12);
+    let mut running: BTreeMap<&str, usize> = ["c0", "c1", "new"].map(|p| (p, 0)).into();
+    for pod in &picks {
+        let mine = running[pod.as_str()];
+        let others = running
+            .iter()
+            .filter(|(p, _)| **p != pod.as_str())
+            .map(|(_, n)| *n)
+            .max()
+            .unwrap_or(0);
+        assert!(
+            mine <= others,
+            "{pod} was the busiest pod of all ({running:?}) and still won: {picks:?}"
+        );
+        *running.get_mut(pod.as_str()).expect("a standard pod") += 1;
+    }
+
+    let body = json!({"model": MODEL, "prompt": "hello", "max_tokens": 2});
+    let r = http::post_json(
+        &stack.gateway,
+        "/v1/completions",
+        &[("routing-strategy", "load-balance")],
+        &body,
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(r
+        .header("target-pod")
+        .is_some_and(|p| p.starts_with('c') || p == "new"));
+}

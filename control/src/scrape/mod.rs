@@ -317,6 +317,7 @@ mod tests {
             ready,
             serves_http: true,
             labels: Default::default(),
+            ready_since_unix_ms: 0,
         }
     }
 

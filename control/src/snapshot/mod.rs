@@ -63,6 +63,7 @@ pub fn pod_to_proto(pod: &PodRecord, metrics: proto::PodMetrics) -> proto::Pod {
         role_replica_index: pod.role_replica_index.clone(),
         serves_http: pod.serves_http,
         metrics: Some(metrics),
+        ready_since_unix_ms: pod.ready_since_unix_ms,
     }
 }
 
@@ -247,6 +248,7 @@ mod tests {
             labels: [("zone", "b"), ("app", "x")]
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .into(),
+            ready_since_unix_ms: 1_700_000_000_123,
         }
     }
 
@@ -282,6 +284,7 @@ mod tests {
             role_replica_index: "0".into(),
             serves_http: false,
             metrics: Some(metrics(1.0)),
+            ready_since_unix_ms: 1_700_000_000_123,
         };
         assert_eq!(p, &expected);
         // Labels sorted by key (equal topologies encode to equal bytes), one set per pod.

@@ -206,6 +206,32 @@ pub struct EnvSettings {
     /// accepted too.
     pub ttft_threshold_s: f64,
     pub pd: PdEnv,
+    pub single: SingleEnv,
+}
+
+/// Knobs of the single-pod strategies.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SingleEnv {
+    /// `AIBRIX_ROUTING_LEAST_REQUEST_TOP_K` (5): `least-request-top-k` picks among this many
+    /// least-loaded pods; 0 or less means every pod.
+    pub top_k: usize,
+    /// `AIBRIX_ROUTING_LEAST_REQUEST_TOP_K_EPSILON` (4): ... and only among pods within this
+    /// many running requests of the least-loaded one; `None` (a negative value) drops that
+    /// bound.
+    pub top_k_epsilon: Option<u32>,
+    /// `AIBRIX_ROUTING_LEAST_REQUEST_TOP_K_RAMP_WINDOW` (300s, 0 off): how long a pod that
+    /// just became ready is charged extra requests, decaying to none.
+    pub top_k_ramp_window_ms: u64,
+}
+
+impl Default for SingleEnv {
+    fn default() -> Self {
+        SingleEnv {
+            top_k: 5,
+            top_k_epsilon: Some(4),
+            top_k_ramp_window_ms: 300_000,
+        }
+    }
 }
 
 /// The PD selection thresholds and defaults; per-profile knobs override them per request.
@@ -259,6 +285,7 @@ impl Default for EnvSettings {
             api_key: None,
             ttft_threshold_s: 1.0,
             pd: PdEnv::default(),
+            single: SingleEnv::default(),
         }
     }
 }
@@ -318,6 +345,18 @@ impl EnvSettings {
                 std_dev_factor: r.positive(
                     "AIBRIX_PREFIX_CACHE_STANDARD_DEVIATION_FACTOR",
                     d.pd.std_dev_factor,
+                ),
+            },
+            single: SingleEnv {
+                top_k: usize::try_from(r.integer("AIBRIX_ROUTING_LEAST_REQUEST_TOP_K", 5))
+                    .unwrap_or(0),
+                top_k_epsilon: u32::try_from(
+                    r.integer("AIBRIX_ROUTING_LEAST_REQUEST_TOP_K_EPSILON", 4),
+                )
+                .ok(),
+                top_k_ramp_window_ms: r.duration_ms(
+                    "AIBRIX_ROUTING_LEAST_REQUEST_TOP_K_RAMP_WINDOW",
+                    d.single.top_k_ramp_window_ms,
                 ),
             },
         };
@@ -430,5 +469,34 @@ mod tests {
         assert_eq!(s.ttft_threshold_s, 1.0);
         assert_eq!(warnings.len(), 1);
         assert!(warnings[0].contains("AIBRIX_PREFILL_REQUEST_TIMEOUT"));
+        assert_eq!(s.single, SingleEnv::default());
+    }
+
+    #[test]
+    fn top_k_knobs_read_as_aibrix_reads_them() {
+        let env = |k: &str| match k {
+            "AIBRIX_ROUTING_LEAST_REQUEST_TOP_K" => Some("-2".to_string()),
+            "AIBRIX_ROUTING_LEAST_REQUEST_TOP_K_EPSILON" => Some("-1".to_string()),
+            "AIBRIX_ROUTING_LEAST_REQUEST_TOP_K_RAMP_WINDOW" => Some("90s".to_string()),
+            _ => None,
+        };
+        let (s, warnings) = EnvSettings::from_lookup(env);
+        assert_eq!(
+            s.single,
+            SingleEnv {
+                top_k: 0,
+                top_k_epsilon: None,
+                top_k_ramp_window_ms: 90_000,
+            },
+            "K ≤ 0: every pod; a negative epsilon: no bound"
+        );
+        assert!(warnings.is_empty());
+        let off = |k: &str| {
+            (k == "AIBRIX_ROUTING_LEAST_REQUEST_TOP_K_RAMP_WINDOW").then(|| "0".to_string())
+        };
+        assert_eq!(
+            EnvSettings::from_lookup(off).0.single.top_k_ramp_window_ms,
+            0
+        );
     }
 }

@@ -88,6 +88,39 @@ impl<F: Fn(&str) -> Option<String>> EnvReader<F> {
         }
     }
 
+    /// A whole number of either sign (AIBrix's `LoadEnvInt`: what does not parse keeps the
+    /// default).
+    pub fn integer(&mut self, name: &str, default: i64) -> i64 {
+        let Some(raw) = self.string(name) else {
+            return default;
+        };
+        match raw.parse::<i64>() {
+            Ok(v) => v,
+            _ => {
+                self.warnings
+                    .push(format!("{name}={raw:?} is not an integer; using {default}"));
+                default
+            }
+        }
+    }
+
+    /// A Go duration (`300s`, `5m`, `1h30m`, `250ms`, `0`), in milliseconds; negative values
+    /// are refused, as AIBrix's `LoadEnvDuration` refuses them.
+    pub fn duration_ms(&mut self, name: &str, default_ms: u64) -> u64 {
+        let Some(raw) = self.string(name) else {
+            return default_ms;
+        };
+        match parse_go_duration_ms(&raw) {
+            Some(v) => v,
+            None => {
+                self.warnings.push(format!(
+                    "{name}={raw:?} is not a duration such as 300s or 5m; using {default_ms}ms"
+                ));
+                default_ms
+            }
+        }
+    }
+
     /// One of `choices` (compared after `normalize`), else the default with a warning.
     pub fn choice<T: Copy>(
         &mut self,
@@ -109,6 +142,40 @@ impl<F: Fn(&str) -> Option<String>> EnvReader<F> {
             }
         }
     }
+}
+
+/// Go's `time.ParseDuration` for non-negative values, to whole milliseconds: one or more
+/// `<number><unit>` terms (`ns`, `us`, `µs`, `ms`, `s`, `m`, `h`), or a bare `0`.
+pub fn parse_go_duration_ms(raw: &str) -> Option<u64> {
+    let text = raw.strip_prefix('+').unwrap_or(raw);
+    if text == "0" {
+        return Some(0);
+    }
+    let mut rest = text;
+    let mut total_ms = 0.0;
+    while !rest.is_empty() {
+        let number_len = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(rest.len());
+        let number: f64 = rest[..number_len].parse().ok()?;
+        rest = &rest[number_len..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(rest.len());
+        let ms_per_unit = match &rest[..unit_len] {
+            "ns" => 1e-6,
+            "us" | "µs" | "μs" => 1e-3,
+            "ms" => 1.0,
+            "s" => 1e3,
+            "m" => 60e3,
+            "h" => 3600e3,
+            _ => return None,
+        };
+        rest = &rest[unit_len..];
+        total_ms += number * ms_per_unit;
+    }
+    (total_ms.is_finite() && total_ms < u64::MAX as f64 && !text.is_empty())
+        .then_some(total_ms.round() as u64)
 }
 
 pub fn parse_go_bool(raw: &str) -> Option<bool> {
@@ -153,5 +220,31 @@ mod tests {
         assert_eq!(r.non_negative("C", 3.0), 0.0);
         assert_eq!(r.warnings.len(), 3);
         assert!(r.warnings[0].starts_with("B=\"yes\""));
+    }
+
+    #[test]
+    fn integers_and_go_durations() {
+        let mut r = reader(&[
+            ("K", "-1"),
+            ("L", "2.5"),
+            ("W", "5m"),
+            ("X", "1h0m30.5s"),
+            ("Y", "0"),
+            ("Z", "300"),
+            ("N", "-5s"),
+        ]);
+        assert_eq!(r.integer("K", 5), -1);
+        assert_eq!(r.integer("L", 5), 5);
+        assert_eq!(r.duration_ms("W", 1), 300_000);
+        assert_eq!(r.duration_ms("X", 1), 3_630_500);
+        assert_eq!(r.duration_ms("Y", 1), 0);
+        assert_eq!(r.duration_ms("Z", 7), 7, "a unit is required, as in Go");
+        assert_eq!(r.duration_ms("N", 7), 7, "negative refused");
+        assert_eq!(r.duration_ms("unset", 9), 9);
+        assert_eq!(r.warnings.len(), 3, "{:?}", r.warnings);
+        assert_eq!(parse_go_duration_ms("250ms"), Some(250));
+        assert_eq!(parse_go_duration_ms("1.5s"), Some(1500));
+        assert_eq!(parse_go_duration_ms("s"), None);
+        assert_eq!(parse_go_duration_ms("5x"), None);
     }
 }

@@ -60,6 +60,8 @@ pub struct PodInfo {
     pub slot: usize,
     /// Every label of the pod, for the `external-filter` header's selector.
     pub labels: Vec<(String, String)>,
+    /// When the pod became ready, Unix ms; 0 when unknown (see `pd::top_k`).
+    pub ready_since_ms: u64,
 }
 
 impl std::ops::Deref for PodView {
@@ -364,6 +366,7 @@ impl ModelView {
                             .collect()
                     })
                     .unwrap_or_default(),
+                ready_since_ms: u64::try_from(pod.ready_since_unix_ms).unwrap_or(0),
             };
             view.pods.push(PodView {
                 info: Rc::new(info),

@@ -422,6 +422,12 @@ pub enum Strategy {
     LeastLatency,
     /// One conversation to one standard pod (see `pd::session_affinity`).
     SessionAffinity,
+    /// The less loaded of two pods drawn at random.
+    PowerOfTwo,
+    /// Running requests over the pod's drain rate: the time its queue takes to clear.
+    LoadBalance,
+    /// A uniform pick among the K least-loaded pods (see `pd::top_k`).
+    LeastRequestTopK,
 }
 
 impl Strategy {
@@ -436,6 +442,9 @@ impl Strategy {
             Strategy::LeastGpuCache => "least-gpu-cache",
             Strategy::LeastLatency => "least-latency",
             Strategy::SessionAffinity => "session-affinity",
+            Strategy::PowerOfTwo => "power-of-two",
+            Strategy::LoadBalance => "load-balance",
+            Strategy::LeastRequestTopK => "least-request-top-k",
         }
     }
 
@@ -450,6 +459,9 @@ impl Strategy {
             Strategy::LeastGpuCache,
             Strategy::LeastLatency,
             Strategy::SessionAffinity,
+            Strategy::PowerOfTwo,
+            Strategy::LoadBalance,
+            Strategy::LeastRequestTopK,
         ]
         .into_iter()
         .find(|s| s.name() == name)

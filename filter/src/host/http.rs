@@ -690,6 +690,7 @@ impl PdHttp {
             (Cow::Borrowed(&[][..]), Vec::new(), 0)
         };
         let remote = vm.remote.clone();
+        let top_k = pd::top_k::TopK::new(&vm.defaults.env.single, now);
         let rng = &mut vm.rng;
         let hint = session_affinity::SessionHint {
             session_id: self
@@ -708,11 +709,11 @@ impl PdHttp {
                     (target, Some(via))
                 }
                 OnePod::Strategy(strategy) => (
-                    pd::select_single(model, strategy, l, &match_pct, rng)?,
+                    pd::select_single(model, strategy, l, &match_pct, &top_k, rng)?,
                     None,
                 ),
                 OnePod::Blend(blend) => {
-                    pd::blend::select_blend(model, blend, hint, l, &match_pct, rng)?
+                    pd::blend::select_blend(model, blend, hint, l, &match_pct, &top_k, rng)?
                 }
             };
             let held = pd::Selected::single(target.pod()).charge(model, l, now);

@@ -19,6 +19,7 @@ use crate::core::fleet::ModelView;
 use crate::core::ledger::Ledger;
 use crate::core::pd::session_affinity::{self, SessionHint, Via};
 use crate::core::pd::single::{no_standard_pod, reads_load, running_by_slot, score};
+use crate::core::pd::top_k::TopK;
 use crate::core::pd::{MinPicker, Target};
 use crate::core::profile::{Blend, Strategy};
 
@@ -34,6 +35,7 @@ pub fn select_blend(
     hint: SessionHint<'_>,
     ledger: &Ledger,
     match_pct: &[f64],
+    top_k: &TopK,
     rng: &mut fastrand::Rng,
 ) -> Result<(Target, Option<Via>), RouteError> {
     let pods = model.others.as_slice();
@@ -62,6 +64,8 @@ pub fn select_blend(
                     1.0
                 })
             }));
+        } else if strategy == Strategy::LeastRequestTopK {
+            raw.extend(top_k.scores(model, &running, rng).into_iter().map(Some));
         } else {
             raw.extend(pods.iter().map(|&i| {
                 let load = running.get(i).copied().unwrap_or(0);
@@ -142,6 +146,7 @@ mod tests {
     use crate::core::fleet::tests::{pod, snapshot};
     use crate::core::fleet::FleetView;
     use crate::core::ledger::Counter;
+    use crate::core::pd::top_k::tests::TOP_K_DEFAULTS;
     use crate::core::profile::StrategySpec;
     use crate::proto;
 
@@ -187,6 +192,7 @@ mod tests {
             SessionHint::default(),
             ledger,
             &[],
+            &TOP_K_DEFAULTS,
             &mut rng,
         )
         .unwrap();
@@ -228,8 +234,16 @@ mod tests {
         let b = blend("least-request,least-kv-cache");
         let mut seen = std::collections::HashSet::new();
         for _ in 0..60 {
-            let (t, via) =
-                select_blend(&m, &b, SessionHint::default(), &ledger, &[], &mut rng).unwrap();
+            let (t, via) = select_blend(
+                &m,
+                &b,
+                SessionHint::default(),
+                &ledger,
+                &[],
+                &TOP_K_DEFAULTS,
+                &mut rng,
+            )
+            .unwrap();
             assert_eq!(via, None);
             seen.insert(m.pods[t.pod()].name.clone());
         }
@@ -237,8 +251,16 @@ mod tests {
         m.pods[0].metrics = None;
         m.pods[1].metrics = None;
         for _ in 0..10 {
-            let (t, _) =
-                select_blend(&m, &b, SessionHint::default(), &ledger, &[], &mut rng).unwrap();
+            let (t, _) = select_blend(
+                &m,
+                &b,
+                SessionHint::default(),
+                &ledger,
+                &[],
+                &TOP_K_DEFAULTS,
+                &mut rng,
+            )
+            .unwrap();
             assert_eq!(m.pods[t.pod()].name, "c", "only c has a KV-cache figure");
         }
     }
@@ -254,17 +276,17 @@ mod tests {
         let name = format!("ns/{}", m.pods[sticky].name);
         let mut rng = fastrand::Rng::with_seed(4);
         let b = blend("session-affinity:2,least-request:1");
-        let (t, via) = select_blend(&m, &b, hint, &ledger, &[], &mut rng).unwrap();
+        let (t, via) = select_blend(&m, &b, hint, &ledger, &[], &TOP_K_DEFAULTS, &mut rng).unwrap();
         assert_eq!((t.pod(), via), (sticky, Some(Via::SessionKey)));
         // Busiest pod by far: affinity (2/3) still outweighs load (1/3).
         for _ in 0..20 {
             ledger.add(&name, Counter::Running, 0);
         }
-        let (t, _) = select_blend(&m, &b, hint, &ledger, &[], &mut rng).unwrap();
+        let (t, _) = select_blend(&m, &b, hint, &ledger, &[], &TOP_K_DEFAULTS, &mut rng).unwrap();
         assert_eq!(t.pod(), sticky);
         // With the weights turned round, load wins.
         let b = blend("session-affinity:1,least-request:2");
-        let (t, _) = select_blend(&m, &b, hint, &ledger, &[], &mut rng).unwrap();
+        let (t, _) = select_blend(&m, &b, hint, &ledger, &[], &TOP_K_DEFAULTS, &mut rng).unwrap();
         assert_ne!(t.pod(), sticky);
     }
 
@@ -281,6 +303,7 @@ mod tests {
                 SessionHint::default(),
                 &ledger,
                 &pct,
+                &TOP_K_DEFAULTS,
                 &mut rng,
             )
             .unwrap();
@@ -300,6 +323,7 @@ mod tests {
             SessionHint::default(),
             &ledger,
             &[],
+            &TOP_K_DEFAULTS,
             &mut rng,
         );
         assert!(matches!(r, Err(RouteError::Selection { .. })));

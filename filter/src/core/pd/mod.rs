@@ -11,6 +11,7 @@ pub mod select;
 pub mod session_affinity;
 pub mod settings;
 pub mod single;
+pub mod top_k;
 
 pub use candidates::{Step0, Step0Input};
 pub use pick::MinPicker;

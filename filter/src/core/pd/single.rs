@@ -5,6 +5,7 @@
 use crate::core::errors::RouteError;
 use crate::core::fleet::{ModelView, PodView};
 use crate::core::ledger::Ledger;
+use crate::core::pd::top_k::TopK;
 use crate::core::pd::{MinPicker, Target};
 use crate::core::profile::Strategy;
 
@@ -12,13 +13,18 @@ use crate::core::profile::Strategy;
 /// to score it by. `running` is the pod's running requests (see [`running_by_slot`]),
 /// `match_pct` the share of the prompt the prefix index says it holds (0..=100).
 /// prefix-cache scores the cache alone (`100 − match`); alone, it also weighs the load (see
-/// [`select_single`]). session-affinity and random score every pod alike (session-affinity's
-/// choice is made by `session_affinity::resolve`).
+/// [`select_single`]). session-affinity, random and power-of-two score every pod alike
+/// (session-affinity's choice is made by `session_affinity::resolve`; power-of-two is a draw,
+/// which AIBrix leaves out of a blend); least-request-top-k's blend score adds a jitter (see
+/// `TopK::scores`).
 pub fn score(strategy: Strategy, pod: &PodView, running: u32, match_pct: f64) -> Option<f64> {
     let metric = |f: fn(&crate::proto::PodMetrics) -> f64| pod.metrics.as_ref().map(f);
     match strategy {
-        Strategy::Random | Strategy::SessionAffinity => Some(0.0),
-        Strategy::LeastRequest | Strategy::Pd => Some(f64::from(running)),
+        Strategy::Random | Strategy::SessionAffinity | Strategy::PowerOfTwo => Some(0.0),
+        Strategy::LeastRequest | Strategy::LeastRequestTopK | Strategy::Pd => {
+            Some(f64::from(running))
+        }
+        Strategy::LoadBalance => Some(f64::from(running) / capacity(pod)),
         Strategy::PrefixCache => Some(100.0 - match_pct),
         Strategy::Throughput => metric(|m| m.generation_throughput + m.prompt_throughput),
         Strategy::LeastKvCache | Strategy::LeastGpuCache => metric(|m| m.kv_cache_usage),
@@ -26,11 +32,26 @@ pub fn score(strategy: Strategy, pod: &PodView, running: u32, match_pct: f64) ->
     }
 }
 
+/// Requests a pod clears per second, for `load-balance`: the engine's finished-request rate
+/// (pd-control's one-minute drain rate), or 1 while it has none (no fresh metrics, or no
+/// request finished yet), so such pods compare by running requests alone.
+fn capacity(pod: &PodView) -> f64 {
+    pod.metrics
+        .as_ref()
+        .filter(|m| m.present && !m.stale && m.drain_rate > 0.0 && m.drain_rate.is_finite())
+        .map_or(1.0, |m| m.drain_rate)
+}
+
 /// Whether [`score`] (or prefix-cache's load term) reads the running requests.
 pub fn reads_load(strategy: Strategy) -> bool {
     matches!(
         strategy,
-        Strategy::LeastRequest | Strategy::PrefixCache | Strategy::Pd
+        Strategy::LeastRequest
+            | Strategy::PrefixCache
+            | Strategy::Pd
+            | Strategy::PowerOfTwo
+            | Strategy::LoadBalance
+            | Strategy::LeastRequestTopK
     )
 }
 
@@ -54,15 +75,30 @@ pub fn running_by_slot(model: &ModelView, ledger: &Ledger, needed: bool) -> Vec<
 /// (empty when the strategy needs none); prefix-cache scores each pod as the prefill policy
 /// of the same name does, `(100 − match) × 0.1 + running / max running`, so a pod holding the
 /// prompt wins until it is busier than the rest by about one tenth of the busiest pod's load
-/// per point of match.
+/// per point of match. power-of-two and least-request-top-k pick by their own rules
+/// ([`power_of_two`], [`TopK`]).
 pub fn select_single(
     model: &ModelView,
     strategy: Strategy,
     ledger: &Ledger,
     match_pct: &[f64],
+    top_k: &TopK,
     rng: &mut fastrand::Rng,
 ) -> Result<Target, RouteError> {
+    if strategy == Strategy::PowerOfTwo {
+        // Two pods' counts: two ledger lookups, not a pass over the fleet.
+        let load = |slot: usize| ledger.counts(model.pods[slot].id).running;
+        return power_of_two(model, load, rng)
+            .map(|pod| Target::Single { pod })
+            .ok_or_else(|| no_standard_pod(strategy.name()));
+    }
     let running = running_by_slot(model, ledger, reads_load(strategy));
+    if strategy == Strategy::LeastRequestTopK {
+        return top_k
+            .pick(model, &running, rng)
+            .map(|pod| Target::Single { pod })
+            .ok_or_else(|| no_standard_pod(strategy.name()));
+    }
     let inv_max_req = if strategy == Strategy::PrefixCache {
         let max_req = model
             .others
@@ -97,6 +133,30 @@ pub fn select_single(
         .or_else(|| any.item())
         .map(|pod| Target::Single { pod })
         .ok_or_else(|| no_standard_pod(strategy.name()))
+}
+
+/// Two distinct standard pods drawn uniformly; the one with fewer running requests wins, the
+/// first drawn on a tie. Cheap at any fleet size, and never herds: the most loaded pod only
+/// loses, and a burst spreads over the less loaded half instead of one pod.
+fn power_of_two(
+    model: &ModelView,
+    load: impl Fn(usize) -> u32,
+    rng: &mut fastrand::Rng,
+) -> Option<usize> {
+    let pods = &model.others;
+    match pods.len() {
+        0 => None,
+        1 => Some(pods[0]),
+        n => {
+            let first = rng.usize(..n);
+            let mut second = rng.usize(..n - 1);
+            if second >= first {
+                second += 1;
+            }
+            let (a, b) = (pods[first], pods[second]);
+            Some(if load(a) <= load(b) { a } else { b })
+        }
+    }
 }
 
 /// The error of a single-pod strategy on a model whose pods are all prefill or decode pods.
@@ -134,6 +194,7 @@ mod tests {
     use crate::core::fleet::tests::{pod, snapshot};
     use crate::core::fleet::FleetView;
     use crate::core::ledger::Counter;
+    use crate::core::pd::top_k::tests::TOP_K_DEFAULTS;
     use crate::proto;
 
     fn model() -> ModelView {
@@ -166,7 +227,7 @@ mod tests {
     fn pick(strategy: Strategy, loads: &Ledger) -> String {
         let m = model();
         let mut rng = fastrand::Rng::with_seed(2);
-        let t = select_single(&m, strategy, loads, &[], &mut rng).unwrap();
+        let t = select_single(&m, strategy, loads, &[], &TOP_K_DEFAULTS, &mut rng).unwrap();
         m.pods[t.pod()].name.clone()
     }
 
@@ -194,13 +255,29 @@ mod tests {
         let loads = Ledger::default();
         let mut rng = fastrand::Rng::with_seed(5);
         for _ in 0..10 {
-            let t = select_single(&m, Strategy::LeastLatency, &loads, &[], &mut rng).unwrap();
+            let t = select_single(
+                &m,
+                Strategy::LeastLatency,
+                &loads,
+                &[],
+                &TOP_K_DEFAULTS,
+                &mut rng,
+            )
+            .unwrap();
             assert_eq!(m.pods[t.pod()].name, "bb");
         }
         m.pods[1].metrics = None;
         let mut seen = std::collections::HashSet::new();
         for _ in 0..40 {
-            let t = select_single(&m, Strategy::LeastKvCache, &loads, &[], &mut rng).unwrap();
+            let t = select_single(
+                &m,
+                Strategy::LeastKvCache,
+                &loads,
+                &[],
+                &TOP_K_DEFAULTS,
+                &mut rng,
+            )
+            .unwrap();
             seen.insert(m.pods[t.pod()].name.clone());
         }
         assert_eq!(seen.len(), 2, "uniform over the standard pods: {seen:?}");
@@ -215,7 +292,15 @@ mod tests {
         pct[0] = 60.0;
         let mut rng = fastrand::Rng::with_seed(3);
         let mut pick = |loads: &Ledger| {
-            let t = select_single(&m, Strategy::PrefixCache, loads, &pct, &mut rng).unwrap();
+            let t = select_single(
+                &m,
+                Strategy::PrefixCache,
+                loads,
+                &pct,
+                &TOP_K_DEFAULTS,
+                &mut rng,
+            )
+            .unwrap();
             m.pods[t.pod()].name.clone()
         };
         assert_eq!(pick(&loads), "a");
@@ -225,12 +310,108 @@ mod tests {
         // a: 4.0 + 5/5 = 5.0; bb: 10.0 + 0 — still a.
         assert_eq!(pick(&loads), "a");
         let none = vec![0.0; m.pods.len()];
-        let t = select_single(&m, Strategy::PrefixCache, &loads, &none, &mut rng).unwrap();
+        let t = select_single(
+            &m,
+            Strategy::PrefixCache,
+            &loads,
+            &none,
+            &TOP_K_DEFAULTS,
+            &mut rng,
+        )
+        .unwrap();
         assert_eq!(
             m.pods[t.pod()].name,
             "bb",
             "without a match, the least loaded"
         );
+    }
+
+    #[test]
+    fn power_of_two_never_takes_the_busier_of_its_two_draws() {
+        let m = FleetView::from_snapshot(&snapshot(
+            ["s0", "s1", "s2"].map(|n| pod(n, "", "", true)).to_vec(),
+        ))
+        .models["m"]
+            .clone();
+        let mut loads = Ledger::default();
+        for (key, n) in [("ns/s1", 1), ("ns/s2", 5)] {
+            for _ in 0..n {
+                loads.add(key, Counter::Running, 0);
+            }
+        }
+        let mut rng = fastrand::Rng::with_seed(4);
+        let mut seen = std::collections::BTreeMap::<String, u32>::new();
+        for _ in 0..3000 {
+            let t = select_single(
+                &m,
+                Strategy::PowerOfTwo,
+                &loads,
+                &[],
+                &TOP_K_DEFAULTS,
+                &mut rng,
+            )
+            .unwrap();
+            *seen.entry(m.pods[t.pod()].name.clone()).or_default() += 1;
+        }
+        // s0 wins every draw it is in (2 of 3), s1 the one draw without s0, s2 none.
+        assert_eq!(seen.get("s2"), None, "{seen:?}");
+        assert!((1850..2150).contains(&seen["s0"]), "{seen:?}");
+        assert!((850..1150).contains(&seen["s1"]), "{seen:?}");
+    }
+
+    #[test]
+    fn load_balance_weighs_running_requests_by_drain_rate() {
+        let mut m = model();
+        let mut loads = Ledger::default();
+        for _ in 0..4 {
+            loads.add("ns/a", Counter::Running, 0);
+        }
+        loads.add("ns/bb", Counter::Running, 0);
+        let mut rng = fastrand::Rng::with_seed(6);
+        let mut pick = |m: &ModelView| {
+            let t = select_single(
+                m,
+                Strategy::LoadBalance,
+                &loads,
+                &[],
+                &TOP_K_DEFAULTS,
+                &mut rng,
+            )
+            .unwrap();
+            m.pods[t.pod()].name.clone()
+        };
+        // Neither drains yet: capacity 1, the fewer running requests win.
+        assert_eq!(pick(&m), "bb");
+        // a clears 8 requests/s (4 running: 0.5 s), bb 0.5/s (1 running: 2 s).
+        m.pods[0].metrics.as_mut().unwrap().drain_rate = 8.0;
+        m.pods[1].metrics.as_mut().unwrap().drain_rate = 0.5;
+        assert_eq!(pick(&m), "a");
+        // A stale drain rate is not trusted: a counts as capacity 1 again (4 s).
+        m.pods[0].metrics.as_mut().unwrap().stale = true;
+        assert_eq!(pick(&m), "bb");
+    }
+
+    #[test]
+    fn least_request_top_k_spreads_over_the_least_loaded() {
+        let m = model();
+        let mut loads = Ledger::default();
+        loads.add("ns/a", Counter::Running, 0);
+        let mut rng = fastrand::Rng::with_seed(8);
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..40 {
+            let t = select_single(
+                &m,
+                Strategy::LeastRequestTopK,
+                &loads,
+                &[],
+                &TOP_K_DEFAULTS,
+                &mut rng,
+            )
+            .unwrap();
+            seen.insert(m.pods[t.pod()].name.clone());
+        }
+        // a runs 1, bb 0: both within epsilon 4, PD pods never.
+        assert_eq!(seen.into_iter().collect::<Vec<_>>(), ["a", "bb"]);
     }
 
     #[test]
