@@ -45,8 +45,10 @@ impl TopK {
     }
 
     /// The eligible standard pods, least loaded first (ties in random order), as
-    /// `(effective count, slot)`, and the effective count of every standard pod in
-    /// `model.others` order. `running` is by slot (see `single::running_by_slot`).
+    /// `(effective count, position in model.others)`, and the effective count of every
+    /// standard pod in `model.others` order. `running` is by slot (see
+    /// `single::running_by_slot`). Only the K least are ordered: one selection pass, then a
+    /// sort of K, not of the fleet.
     pub fn eligible(
         &self,
         model: &ModelView,
@@ -54,33 +56,40 @@ impl TopK {
         rng: &mut fastrand::Rng,
     ) -> (Vec<(u32, usize)>, Vec<u32>) {
         let counts = self.effective_counts(model, running);
-        let mut ranked: Vec<(u32, u32, usize)> = model
-            .others
+        let mut ranked: Vec<(u32, u32, usize)> = counts
             .iter()
-            .zip(&counts)
-            .map(|(&slot, &count)| (count, rng.u32(..), slot))
+            .enumerate()
+            .map(|(pos, &count)| (count, rng.u32(..), pos))
             .collect();
-        ranked.sort_unstable();
         let k = if self.k == 0 {
             ranked.len()
         } else {
             self.k.min(ranked.len())
         };
-        let n = match (self.epsilon, ranked.first()) {
-            (Some(epsilon), Some(&(min, _, _))) => ranked[..k]
+        if k == 0 {
+            return (Vec::new(), counts);
+        }
+        if k < ranked.len() {
+            ranked.select_nth_unstable(k - 1);
+        }
+        let least = &mut ranked[..k];
+        least.sort_unstable();
+        let min = least[0].0;
+        let n = match self.epsilon {
+            Some(epsilon) => least
                 .iter()
                 .take_while(|(count, _, _)| count - min <= epsilon)
                 .count(),
-            _ => k,
+            None => k,
         };
-        let eligible = ranked[..n]
+        let eligible = least[..n]
             .iter()
-            .map(|&(count, _, slot)| (count, slot))
+            .map(|&(count, _, pos)| (count, pos))
             .collect();
         (eligible, counts)
     }
 
-    /// One eligible pod, uniformly; `None` without standard pods.
+    /// One eligible pod's slot, uniformly; `None` without standard pods.
     pub fn pick(
         &self,
         model: &ModelView,
@@ -91,7 +100,8 @@ impl TopK {
         if eligible.is_empty() {
             return None;
         }
-        Some(eligible[rng.usize(..eligible.len())].1)
+        let (_, pos) = eligible[rng.usize(..eligible.len())];
+        model.others.get(pos).copied()
     }
 
     /// Lower-is-better scores for a blend, in `model.others` order: the effective count, less
@@ -102,19 +112,13 @@ impl TopK {
     pub fn scores(&self, model: &ModelView, running: &[u32], rng: &mut fastrand::Rng) -> Vec<f64> {
         let (eligible, counts) = self.eligible(model, running, rng);
         let jitter = f64::from(self.epsilon.unwrap_or(0));
-        model
-            .others
-            .iter()
-            .zip(counts)
-            .map(|(slot, count)| {
-                let count = f64::from(count);
-                if eligible.iter().any(|(_, s)| s == slot) {
-                    count - rng.f64() * jitter
-                } else {
-                    count
-                }
-            })
-            .collect()
+        let mut scores: Vec<f64> = counts.into_iter().map(f64::from).collect();
+        for (_, pos) in eligible {
+            if let Some(score) = scores.get_mut(pos) {
+                *score -= rng.f64() * jitter;
+            }
+        }
+        scores
     }
 
     /// Running requests plus the ramp charge, in `model.others` order.
