@@ -26,7 +26,8 @@ pub fn score(strategy: Strategy, pod: &PodView, running: u32, match_pct: f64) ->
         }
         Strategy::LoadBalance => Some(f64::from(running) / capacity(pod)),
         Strategy::PrefixCache => Some(100.0 - match_pct),
-        Strategy::Throughput => metric(|m| m.generation_throughput + m.prompt_throughput),
+        // A prompt token costs the engine about twice a generated one (AIBrix's weighting).
+        Strategy::Throughput => metric(|m| 2.0 * m.prompt_throughput + m.generation_throughput),
         Strategy::LeastKvCache | Strategy::LeastGpuCache => metric(|m| m.kv_cache_usage),
         Strategy::LeastLatency => metric(|m| m.ttft_avg_seconds),
     }
@@ -412,6 +413,29 @@ mod tests {
         }
         // a runs 1, bb 0: both within epsilon 4, PD pods never.
         assert_eq!(seen.into_iter().collect::<Vec<_>>(), ["a", "bb"]);
+    }
+
+    #[test]
+    fn throughput_weighs_a_prompt_token_twice() {
+        let mut m = model();
+        // a: 60 prompt + 50 generated tokens/s = 170; bb: 0 + 150 = 150.
+        m.pods[0].metrics.as_mut().unwrap().prompt_throughput = 60.0;
+        m.pods[1].metrics.as_mut().unwrap().generation_throughput = 150.0;
+        let mut rng = fastrand::Rng::with_seed(2);
+        let t = select_single(
+            &m,
+            Strategy::Throughput,
+            &Ledger::default(),
+            &[],
+            &TOP_K_DEFAULTS,
+            &mut rng,
+        )
+        .unwrap();
+        assert_eq!(
+            m.pods[t.pod()].name,
+            "bb",
+            "an unweighted sum would pick a (110)"
+        );
     }
 
     #[test]
