@@ -231,8 +231,9 @@ fn decode_stalling_after_some_chunks_is_cut_by_the_watchdog() {
 }
 
 /// Prefill failures of every kind: the client gets `status` with `x-error-pd-prefill`, no
-/// decode leg is sent, and the prefill failure is counted.
-fn prefill_failure(fault: Value, env: &[(&str, &str)], status: u16) {
+/// decode leg is sent, and the prefill failure is counted. The fleet has one roleset, so a
+/// failover finds no other pair. Returns the stack, its ledger back at zero.
+fn prefill_failure(fault: Value, env: &[(&str, &str)], status: u16) -> Stack {
     let fleet = one_roleset();
     let stack = start(fleet.clone(), env);
     stack.arm_fault(fault);
@@ -256,14 +257,24 @@ fn prefill_failure(fault: Value, env: &[(&str, &str)], status: u16) {
     );
     stack.clear_faults();
     assert_clean_end(&stack, &fleet_pods(&fleet));
+    stack
+}
+
+fn failovers(stack: &Stack, result: &str) -> f64 {
+    stack.metric("pd_router_prefill_failover_total", &[("result", result)])
 }
 
 #[test]
 fn prefill_answering_5xx_fails_the_request_with_x_error_pd_prefill() {
-    prefill_failure(
+    let stack = prefill_failure(
         json!({"pod": "p-0", "kind": "status", "status": 503, "leg": "prefill"}),
         &[],
         503,
+    );
+    // The pod answered: it may have computed, so the request is not routed again.
+    assert_eq!(
+        failovers(&stack, "rerouted") + failovers(&stack, "failed"),
+        0.0
     );
 }
 
@@ -278,7 +289,86 @@ fn prefill_timing_out_fails_the_request_with_504() {
 
 #[test]
 fn prefill_port_refusing_connections_fails_the_request_with_502() {
-    prefill_failure(json!({"pod": "p-0", "kind": "refuse"}), &[], 502);
+    let stack = prefill_failure(json!({"pod": "p-0", "kind": "refuse"}), &[], 502);
+    // Each request tried to fail over, and no other pair could take it.
+    assert_eq!(failovers(&stack, "failed"), 4.0);
+    assert_eq!(failovers(&stack, "rerouted"), 0.0);
+}
+
+/// Prefill failover: a request whose prefill pod refuses the connection is routed again
+/// without that pod, so the client never sees the dead pod, on any worker, while passive
+/// ejection still takes it out of each worker's view after 3 failures (one failover each).
+#[test]
+fn a_prefill_pod_refusing_connections_costs_no_request() {
+    let fleet = two_rolesets();
+    let simulated = fleet.clone().pod(ROGUE, "decode", "group-9");
+    let stack = Stack::start_opts(
+        fleet.clone(),
+        simulated,
+        &Options {
+            // No ejection ends (and lets p-0 in again) while the test runs.
+            plugin_extra: r#""eject_base_ms": 60000"#,
+            // Idle rolesets tie and each request picks one at random.
+            envoy_env: &[
+                ("AIBRIX_PREFILL_SCORE_POLICY", "least_request"),
+                ("AIBRIX_DECODE_SCORE_POLICY", "least_request"),
+            ],
+            ..Options::default()
+        },
+    );
+    stack.arm_fault(json!({"pod": "p-0", "kind": "refuse"}));
+    let workers = stack.concurrency as u64;
+    let mut sent = 0;
+    while stack.stat("pd_router_ejections_total") < workers {
+        assert!(
+            sent < 200,
+            "{sent} requests and not every worker ejected p-0"
+        );
+        let body = json!({"model": MODEL, "max_tokens": 2,
+                          "messages": [{"role": "user", "content": format!("question {sent}")}]});
+        let r = stack.chat(&PD, &body);
+        sent += 1;
+        assert_success(&r);
+        assert_eq!(
+            r.header("prefill-target-pod"),
+            Some("p-1"),
+            "{}",
+            describe(&r)
+        );
+        assert_eq!(r.header("target-pod"), Some("d-1"), "{}", describe(&r));
+    }
+    // Exactly the failures ejection needed: 3 per worker, each one routed again.
+    assert_eq!(failovers(&stack, "rerouted"), (3 * workers) as f64);
+    assert_eq!(failovers(&stack, "failed"), 0.0);
+    assert!(
+        decode_legs(&stack, "d-0").is_empty(),
+        "group-0 lost its prefill pod"
+    );
+    stack.wait_for_log("routing again without it");
+    stack.clear_faults();
+    assert_clean_end(&stack, &fleet_pods(&fleet));
+}
+
+/// Failover to a standard pod: with the only roleset's prefill pod refusing connections, the
+/// request is routed again to the combined pod, which answers it whole.
+#[test]
+fn a_failed_over_request_may_land_on_a_combined_pod() {
+    let fleet = one_roleset().combined("c-0");
+    let stack = start(fleet.clone(), &[]);
+    stack.arm_fault(json!({"pod": "p-0", "kind": "refuse"}));
+    for i in 0..8 {
+        let body = json!({"model": MODEL, "max_tokens": 2,
+                          "messages": [{"role": "user", "content": format!("question {i}")}]});
+        let r = stack.chat(&PD, &body);
+        assert_success(&r);
+        assert_eq!(r.header("target-pod"), Some("c-0"), "{}", describe(&r));
+        assert_eq!(r.header("prefill-target-pod"), None, "{}", describe(&r));
+    }
+    assert!(failovers(&stack, "rerouted") >= 1.0);
+    assert_eq!(failovers(&stack, "failed"), 0.0);
+    assert!(decode_legs(&stack, "d-0").is_empty());
+    stack.clear_faults();
+    assert_clean_end(&stack, &fleet_pods(&fleet));
 }
 
 #[test]
@@ -554,8 +644,9 @@ fn failing_pod_is_ejected_then_readmitted(fault: Value, failed_status: u16, head
         simulated,
         &Options {
             // Longer than the requests below take even on a loaded box, so no ejection ends
-            // (and lets a failure in again) before the test looks.
-            plugin_extra: r#""eject_base_ms": 8000"#,
+            // (and lets a failure in again) before the test looks. Failover off: this test
+            // counts the failures ejection lets through.
+            plugin_extra: r#""eject_base_ms": 8000, "prefill_failover": 0"#,
             // Count-based scores: idle rolesets tie and each request picks one at random
             // (engine-metric policies would prefer one roleset for every request).
             envoy_env: &[

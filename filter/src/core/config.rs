@@ -60,6 +60,12 @@ pub struct PluginConfig {
     pub eject_base_ms: u64,
     /// Longest ejection period.
     pub eject_max_ms: u64,
+    /// How many times a PD request whose prefill leg never reached its pod (connection
+    /// refused or reset before any answer) is routed again, without the pods that failed it,
+    /// before the client sees the failure; 0 turns failover off. Only where the decode leg
+    /// waits for the prefill answer (vLLM, TRT-LLM `context_first`), so the client has been
+    /// sent nothing.
+    pub prefill_failover: u32,
 }
 
 impl PluginConfig {
@@ -96,6 +102,7 @@ impl Default for PluginConfig {
             eject_after_failures: 3,
             eject_base_ms: 5_000,
             eject_max_ms: 60_000,
+            prefill_failover: 1,
         }
     }
 }
@@ -156,6 +163,13 @@ impl PluginConfig {
                 reason: format!("must be at least twice refresh_ms ({})", self.refresh_ms),
             });
         }
+        // Each attempt is one more pod's connection timeout the client waits through.
+        if self.prefill_failover > MAX_PREFILL_FAILOVER {
+            return Err(ConfigError::Field {
+                field: "prefill_failover",
+                reason: format!("must be 0..={MAX_PREFILL_FAILOVER}"),
+            });
+        }
         // A header value: visible ASCII only, so it can neither split the request nor
         // be mangled on the way.
         if !self.snapshot_token.bytes().all(|b| b.is_ascii_graphic()) {
@@ -167,6 +181,9 @@ impl PluginConfig {
         Ok(())
     }
 }
+
+/// The most re-routes `prefill_failover` may ask for.
+pub const MAX_PREFILL_FAILOVER: u32 = 4;
 
 /// vLLM KV connector contract used on the prefill leg.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -420,6 +437,20 @@ mod tests {
                 String::from_utf8_lossy(bad)
             );
         }
+    }
+
+    #[test]
+    fn prefill_failover_is_bounded() {
+        assert_eq!(PluginConfig::default().prefill_failover, 1);
+        let off = PluginConfig::parse(br#"{"prefill_failover":0}"#).unwrap();
+        assert_eq!(off.prefill_failover, 0);
+        assert!(matches!(
+            PluginConfig::parse(br#"{"prefill_failover":5}"#),
+            Err(ConfigError::Field {
+                field: "prefill_failover",
+                ..
+            })
+        ));
     }
 
     #[test]

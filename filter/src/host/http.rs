@@ -109,6 +109,26 @@ struct PendingDecode {
     merge: pair::Merge,
 }
 
+impl Failover {
+    /// `model` without the pods that failed this request's prefill: `Ok(None)` when none of
+    /// them is in it, `Err` with the last failure when leaving them out leaves no route.
+    fn without_failed(&mut self, model: &ModelView) -> Result<Option<ModelView>, RouteError> {
+        if self.excluded.is_empty() {
+            return Ok(None);
+        }
+        let failed = |key: &str| self.excluded.iter().any(|k| k == key);
+        if !model.pods.iter().any(|p| failed(&p.key)) {
+            return Ok(None);
+        }
+        match model.without(failed) {
+            Some(view) => Ok(Some(view)),
+            None => Err(self.failure.take().unwrap_or(RouteError::Selection {
+                detail: "no pod left after the failed prefill pods".into(),
+            })),
+        }
+    }
+}
+
 /// What the request contributes to metrics, the access log and its explanation.
 #[derive(Default)]
 struct Observed {
@@ -163,6 +183,19 @@ pub struct PdHttp {
     local_reply: bool,
     /// The pod answered an error whose body is being buffered to be rewritten.
     error_rewrite: Option<Rewrite>,
+    /// Prefill failover (`PluginConfig::prefill_failover`): the pods whose prefill leg never
+    /// reached them, left out of this request's next selection, and the failure the client
+    /// gets if no other pod can take it.
+    failover: Failover,
+}
+
+/// A PD request routed again after its prefill pod could not be reached.
+#[derive(Default)]
+struct Failover {
+    /// Keys of the pods that failed this request's prefill leg.
+    excluded: Vec<String>,
+    /// The last prefill failure, answered when the re-route finds no other pod.
+    failure: Option<RouteError>,
 }
 
 impl PdHttp {
@@ -189,6 +222,7 @@ impl PdHttp {
             obs: Observed::default(),
             local_reply: false,
             error_rewrite: None,
+            failover: Failover::default(),
         }
     }
 
@@ -372,6 +406,15 @@ impl PdHttp {
                 &narrowed
             }
             None => model,
+        };
+        let kept;
+        let model = match self.failover.without_failed(model) {
+            Ok(Some(view)) => {
+                kept = view;
+                &kept
+            }
+            Ok(None) => model,
+            Err(failure) => return Err(failure),
         };
         let now = now_ms();
         let decision = {
@@ -882,6 +925,52 @@ impl PdHttp {
         }
     }
 
+    /// Routes the request again when its prefill leg never reached the pod (refused, reset
+    /// before any answer), leaving that pod out, while `prefill_failover` allows: the engine
+    /// computed nothing and the client has been sent nothing, so another pair can serve it
+    /// whole. Returns whether the request was taken over (routed again, or answered with the
+    /// failure because no other pod can take it); false leaves the failure to the caller.
+    fn fail_over(&mut self, status: &str, body: &[u8], clock: &mut Clock) -> bool {
+        let allowed = self.vm.borrow().plugin.prefill_failover as usize;
+        if self.failover.excluded.len() >= allowed
+            || RouteError::prefill_failure_class(status, body) != "transport"
+            || self.served.prefill.is_none()
+        {
+            return false;
+        }
+        let (Some(pending), Some(failed)) = (self.pending.take(), self.served.prefill.take())
+        else {
+            return false;
+        };
+        // The failed pair's decode charge and watchdog: the next selection brings its own.
+        self.release_all(clock);
+        self.vm.borrow_mut().watched.remove(&self.id);
+        log::info!(
+            "request {}: prefill pod {failed} unreachable ({}); routing again without it",
+            self.request_id,
+            String::from_utf8_lossy(&body[..body.len().min(120)])
+        );
+        self.failover.excluded.push(failed);
+        self.failover.failure = Some(RouteError::prefill_answer(status, body, "http_error"));
+        self.obs.explain_header = None;
+        let result = self.route(pending.body);
+        let [rerouted, failed] = self.vm.borrow().metrics.prefill_failover;
+        match result {
+            Ok(action) => {
+                Metrics::inc(rerouted);
+                if action == Action::Continue {
+                    self.resume_http_request();
+                }
+            }
+            Err(e) => {
+                Metrics::inc(failed);
+                self.routed = None;
+                self.reject(e);
+            }
+        }
+        true
+    }
+
     fn finish_prefill(&mut self, status: &str, response: &[u8]) -> Result<(), RouteError> {
         let Some(pending) = self.pending.take() else {
             return Err(RouteError::Internal(
@@ -966,6 +1055,9 @@ impl Context for PdHttp {
             "prefill_answer.served",
             self.prefill_served(&status, &mut clock)
         );
+        if status != "200" && self.fail_over(&status, &body, &mut clock) {
+            return;
+        }
         let success = self.vm.borrow().metrics.prefill_success;
         match self.finish_prefill(&status, &body) {
             Ok(()) => {

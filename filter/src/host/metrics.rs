@@ -97,6 +97,9 @@ pub struct Metrics {
     pub routed_single: Option<u32>,
     /// By `session_affinity::Via`: how each session-affinity request found its pod.
     pub session_affinity: [Option<u32>; 3],
+    /// Prefill failovers (`PdHttp::fail_over`): `rerouted`, and `failed` (no other pod could
+    /// take the request; the client got the prefill failure).
+    pub prefill_failover: [Option<u32>; 2],
     pub prefill_success: Option<u32>,
     pub prefill_outstanding: Option<u32>,
     pub first_token_delay: Option<u32>,
@@ -220,6 +223,8 @@ impl Metrics {
                     &[("result", via.name())],
                 )
             }),
+            prefill_failover: ["rerouted", "failed"]
+                .map(|result| counter("pd_router_prefill_failover_total", &[("result", result)])),
             prefill_success: counter(
                 "gateway_prefill_request_success_total",
                 &[
