@@ -139,14 +139,22 @@ pub struct ModelView {
     standard_by_key: Rc<HashMap<String, usize>>,
 }
 
-/// The view an `external-filter` selector last narrowed a model to, reused while the model's
-/// view and the selector's text stay the same: narrowing builds a whole view (1024 pods:
-/// ≈ 180 µs natively), and the requests that carry a selector mostly carry the same one. A new
-/// snapshot gives the model a new view, and so a new narrowing with its metrics.
+/// The views `external-filter` selectors narrowed models to, reused while a model's view and
+/// the selector's text stay the same: narrowing builds a whole view (1024 pods: ≈ 180 µs
+/// natively), and requests carry few distinct selectors (a canary tier, a GPU type). Up to
+/// [`NARROWED_VIEWS`] are kept, the least recently used giving way, so traffic that alternates
+/// between a few selectors, or carries one for each of several models, does not rebuild a
+/// view per request. A new snapshot gives the model a new view, and so a new narrowing with
+/// its metrics.
 #[derive(Default)]
 pub struct NarrowedViews {
-    last: Option<(u64, String, Rc<ModelView>)>,
+    /// `(model view uid, selector text, view, last use)`.
+    entries: Vec<(u64, String, Rc<ModelView>, u64)>,
+    uses: u64,
 }
+
+/// How many narrowed views a VM keeps.
+pub const NARROWED_VIEWS: usize = 8;
 
 impl NarrowedViews {
     pub fn narrow(
@@ -154,14 +162,28 @@ impl NarrowedViews {
         model: &ModelView,
         selector_text: &str,
     ) -> Result<Rc<ModelView>, crate::core::label_selector::SelectorError> {
-        if let Some((uid, text, view)) = &self.last {
-            if *uid == model.uid && text == selector_text {
-                return Ok(view.clone());
-            }
+        self.uses += 1;
+        let hit = self
+            .entries
+            .iter_mut()
+            .find(|(uid, text, _, _)| *uid == model.uid && text == selector_text);
+        if let Some((_, _, view, used)) = hit {
+            *used = self.uses;
+            return Ok(view.clone());
         }
         let selector = crate::core::label_selector::Selector::parse(selector_text)?;
         let view = Rc::new(model.only(|p| selector.matches(&p.labels)));
-        self.last = Some((model.uid, selector_text.to_string(), view.clone()));
+        let entry = (
+            model.uid,
+            selector_text.to_string(),
+            view.clone(),
+            self.uses,
+        );
+        if self.entries.len() < NARROWED_VIEWS {
+            self.entries.push(entry);
+        } else if let Some(oldest) = self.entries.iter_mut().min_by_key(|e| e.3) {
+            *oldest = entry;
+        }
         Ok(view)
     }
 }
@@ -647,6 +669,18 @@ pub(crate) mod tests {
             "a new view of the model is narrowed again"
         );
         assert!(cache.narrow(m, "tier in (").is_err());
+        // Alternating selectors keep their views; the least recently used gives way.
+        let a = cache.narrow(m, "tier=canary").unwrap();
+        assert!(Rc::ptr_eq(&b, &cache.narrow(m, "tier=stable").unwrap()));
+        assert!(Rc::ptr_eq(&a, &cache.narrow(m, "tier=canary").unwrap()));
+        for i in 0..NARROWED_VIEWS - 1 {
+            cache.narrow(m, &format!("rank={i}")).unwrap();
+            assert!(Rc::ptr_eq(&a, &cache.narrow(m, "tier=canary").unwrap()));
+        }
+        assert!(
+            !Rc::ptr_eq(&b, &cache.narrow(m, "tier=stable").unwrap()),
+            "tier=stable was the least recently used"
+        );
     }
 
     #[test]
