@@ -345,6 +345,27 @@ fn a_prefill_pod_refusing_connections_costs_no_request() {
         "group-0 lost its prefill pod"
     );
     stack.wait_for_log("routing again without it");
+    // The access log (flushed by Envoy every second) names the pod each failed-over request
+    // left, and only those requests name one.
+    let lines = eventually(Duration::from_secs(10), || {
+        let lines = stack.access_log_lines();
+        if lines.len() >= sent {
+            Ok(lines)
+        } else {
+            Err(format!("{} of {sent} access log lines", lines.len()))
+        }
+    });
+    let failed_over = lines
+        .iter()
+        .filter(|l| l.contains("failed_prefill=default/p-0 "))
+        .count();
+    assert_eq!(failed_over as u64, 3 * workers, "{lines:#?}");
+    assert!(
+        lines
+            .iter()
+            .all(|l| l.contains("failed_prefill=default/p-0 ") || l.contains("failed_prefill=- ")),
+        "{lines:#?}"
+    );
     stack.clear_faults();
     assert_clean_end(&stack, &fleet_pods(&fleet));
 }

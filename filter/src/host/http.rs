@@ -47,6 +47,8 @@ const STATE_STRATEGY: &str = "pd_strategy";
 const STATE_PROFILE: &str = "pd_profile";
 const STATE_SELECTION_US: &str = "pd_selection_us";
 const STATE_EXPLAIN: &str = "pd_explain";
+/// The prefill pods a failed-over request left behind (`namespace/name`, comma-separated).
+const STATE_FAILED_PREFILL: &str = "pd_failed_prefill";
 /// Model label of requests whose model the fleet does not know: client-chosen names never
 /// become labels, so a client cannot grow Envoy's stats without bound.
 const UNKNOWN_MODEL: &str = "unknown";
@@ -951,6 +953,12 @@ impl PdHttp {
             String::from_utf8_lossy(&body[..body.len().min(120)])
         );
         self.failover.excluded.push(failed);
+        let failed_pods = self.failover.excluded.join(",");
+        if let Err(e) =
+            hostcalls::set_property(vec![STATE_FAILED_PREFILL], Some(failed_pods.as_bytes()))
+        {
+            log::debug!("context {}: cannot set filter state: {e:?}", self.id);
+        }
         self.failover.failure = Some(RouteError::prefill_answer(status, body, "http_error"));
         self.obs.explain_header = None;
         let result = self.route(pending.body);
