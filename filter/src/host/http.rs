@@ -111,26 +111,6 @@ struct PendingDecode {
     merge: pair::Merge,
 }
 
-impl Failover {
-    /// `model` without the pods that failed this request's prefill: `Ok(None)` when none of
-    /// them is in it, `Err` with the last failure when leaving them out leaves no route.
-    fn without_failed(&mut self, model: &ModelView) -> Result<Option<ModelView>, RouteError> {
-        if self.excluded.is_empty() {
-            return Ok(None);
-        }
-        let failed = |key: &str| self.excluded.iter().any(|k| k == key);
-        if !model.pods.iter().any(|p| failed(&p.key)) {
-            return Ok(None);
-        }
-        match model.without(failed) {
-            Some(view) => Ok(Some(view)),
-            None => Err(self.failure.take().unwrap_or(RouteError::Selection {
-                detail: "no pod left after the failed prefill pods".into(),
-            })),
-        }
-    }
-}
-
 /// What the request contributes to metrics, the access log and its explanation.
 #[derive(Default)]
 struct Observed {
@@ -198,6 +178,26 @@ struct Failover {
     excluded: Vec<String>,
     /// The last prefill failure, answered when the re-route finds no other pod.
     failure: Option<RouteError>,
+}
+
+impl Failover {
+    /// `model` without the pods that failed this request's prefill: `Ok(None)` when none of
+    /// them is in it, `Err` with the last failure when leaving them out leaves no route.
+    fn without_failed(&mut self, model: &ModelView) -> Result<Option<ModelView>, RouteError> {
+        if self.excluded.is_empty() {
+            return Ok(None);
+        }
+        let failed = |key: &str| self.excluded.iter().any(|k| k == key);
+        if !model.pods.iter().any(|p| failed(&p.key)) {
+            return Ok(None);
+        }
+        match model.without(failed) {
+            Some(view) => Ok(Some(view)),
+            None => Err(self.failure.take().unwrap_or(RouteError::Selection {
+                detail: "no pod left after the failed prefill pods".into(),
+            })),
+        }
+    }
 }
 
 impl PdHttp {
@@ -962,16 +962,16 @@ impl PdHttp {
         self.failover.failure = Some(RouteError::prefill_answer(status, body, "http_error"));
         self.obs.explain_header = None;
         let result = self.route(pending.body);
-        let [rerouted, failed] = self.vm.borrow().metrics.prefill_failover;
+        let [rerouted_id, failed_id] = self.vm.borrow().metrics.prefill_failover;
         match result {
             Ok(action) => {
-                Metrics::inc(rerouted);
+                Metrics::inc(rerouted_id);
                 if action == Action::Continue {
                     self.resume_http_request();
                 }
             }
             Err(e) => {
-                Metrics::inc(failed);
+                Metrics::inc(failed_id);
                 self.routed = None;
                 self.reject(e);
             }
