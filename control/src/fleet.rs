@@ -78,6 +78,9 @@ pub struct PodRecord {
     /// (`least-request-top-k`); the API server's time survives a pd-control restart, which a
     /// first-seen time would not.
     pub ready_since_unix_ms: i64,
+    /// LoRA adapters this pod serves besides its model (AIBrix `ModelAdapter`s listing it in
+    /// `status.instances`), sorted: requests naming one route to the pods that serve it.
+    pub adapters: Vec<String>,
 }
 
 impl PodRecord {
@@ -161,6 +164,7 @@ impl PodRecord {
                 .map_or(0, |t| t.0.as_millisecond()),
             ip,
             labels: labels.clone(),
+            adapters: Vec::new(),
         })
     }
 }
@@ -189,9 +193,56 @@ struct KindProbe {
     items: Vec<serde_yaml::Value>,
 }
 
-/// Parses fleet YAML into Kubernetes Pods, in file order.
-pub fn parse_pods(text: &str) -> Result<Vec<Pod>, FleetError> {
+/// A LoRA adapter as AIBrix's `ModelAdapter` (`model.aibrix.ai/v1alpha1`) declares it: the
+/// adapter's name is the model name requests use, and `status.instances` names the pods of
+/// its namespace that have it loaded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdapterRecord {
+    pub namespace: String,
+    pub name: String,
+    pub instances: Vec<String>,
+}
+
+impl AdapterRecord {
+    /// Reads a `ModelAdapter` object; `None` without a name.
+    pub fn from_value(value: &serde_yaml::Value) -> Option<AdapterRecord> {
+        let meta = &value["metadata"];
+        let name = meta["name"].as_str()?.trim();
+        if name.is_empty() {
+            return None;
+        }
+        let instances = value["status"]["instances"]
+            .as_sequence()
+            .map(|seq| {
+                seq.iter()
+                    .filter_map(|v| v.as_str())
+                    .map(|s| s.trim().to_string())
+                    .filter(|s| !s.is_empty())
+                    .collect()
+            })
+            .unwrap_or_default();
+        Some(AdapterRecord {
+            namespace: meta["namespace"]
+                .as_str()
+                .map(str::trim)
+                .filter(|ns| !ns.is_empty())
+                .unwrap_or("default")
+                .to_string(),
+            name: name.to_string(),
+            instances,
+        })
+    }
+}
+
+/// The kind of a LoRA adapter object.
+pub const KIND_MODEL_ADAPTER: &str = "ModelAdapter";
+
+/// Parses fleet YAML into Kubernetes Pods and AIBrix `ModelAdapter`s, in file order: Pod
+/// documents, `List`/`PodList` documents of Pods, and `ModelAdapter` documents or items.
+pub fn parse_objects(text: &str) -> Result<(Vec<Pod>, Vec<AdapterRecord>), FleetError> {
     let mut pods = Vec::new();
+    let mut adapters = Vec::new();
+    let is_adapter = |v: &serde_yaml::Value| v["kind"].as_str() == Some(KIND_MODEL_ADAPTER);
     for (index, doc) in serde_yaml::Deserializer::from_str(text).enumerate() {
         let value = serde_yaml::Value::deserialize(doc)
             .map_err(|source| FleetError::Yaml { index, source })?;
@@ -205,8 +256,13 @@ pub fn parse_pods(text: &str) -> Result<Vec<Pod>, FleetError> {
                 serde_yaml::from_value(value)
                     .map_err(|source| FleetError::Yaml { index, source })?,
             ),
+            Some(KIND_MODEL_ADAPTER) => adapters.extend(AdapterRecord::from_value(&value)),
             Some("List") | Some("PodList") => {
                 for item in probe.items {
+                    if is_adapter(&item) {
+                        adapters.extend(AdapterRecord::from_value(&item));
+                        continue;
+                    }
                     pods.push(
                         serde_yaml::from_value(item)
                             .map_err(|source| FleetError::Yaml { index, source })?,
@@ -221,15 +277,37 @@ pub fn parse_pods(text: &str) -> Result<Vec<Pod>, FleetError> {
             }
         }
     }
-    Ok(pods)
+    Ok((pods, adapters))
 }
 
-/// Parses fleet YAML straight into model-serving pod records.
+/// Parses fleet YAML into Kubernetes Pods, in file order (adapters left out).
+pub fn parse_pods(text: &str) -> Result<Vec<Pod>, FleetError> {
+    parse_objects(text).map(|(pods, _)| pods)
+}
+
+/// Records on each pod the adapters whose `status.instances` name it (same namespace), as
+/// AIBrix maps an adapter to the pods of its status. An adapter named like the pod's own
+/// model adds nothing.
+pub fn assign_adapters(records: &mut [PodRecord], adapters: &[AdapterRecord]) {
+    for record in records.iter_mut() {
+        let mut names: Vec<String> = adapters
+            .iter()
+            .filter(|a| a.namespace == record.namespace && a.name != record.model)
+            .filter(|a| a.instances.contains(&record.name))
+            .map(|a| a.name.clone())
+            .collect();
+        names.sort();
+        names.dedup();
+        record.adapters = names;
+    }
+}
+
+/// Parses fleet YAML straight into model-serving pod records, adapters assigned.
 pub fn parse_records(text: &str) -> Result<Vec<PodRecord>, FleetError> {
-    Ok(parse_pods(text)?
-        .iter()
-        .filter_map(PodRecord::from_pod)
-        .collect())
+    let (pods, adapters) = parse_objects(text)?;
+    let mut records: Vec<PodRecord> = pods.iter().filter_map(PodRecord::from_pod).collect();
+    assign_adapters(&mut records, &adapters);
+    Ok(records)
 }
 
 /// Reads and parses a fleet file.
@@ -316,6 +394,61 @@ items:
             d.ready_since_unix_ms, 0,
             "a pod not ready has no ready time"
         );
+    }
+
+    #[test]
+    fn model_adapters_name_the_pods_of_their_namespace_that_serve_them() {
+        let text = r#"
+apiVersion: v1
+kind: List
+items:
+- kind: Pod
+  metadata: {name: p0, namespace: ns, labels: {model.aibrix.ai/name: base}}
+  status: {podIP: 127.0.0.2}
+- kind: Pod
+  metadata: {name: p1, namespace: ns, labels: {model.aibrix.ai/name: base}}
+  status: {podIP: 127.0.0.3}
+- apiVersion: model.aibrix.ai/v1alpha1
+  kind: ModelAdapter
+  metadata: {name: sql-lora, namespace: ns}
+  status: {instances: [p1, gone]}
+---
+apiVersion: model.aibrix.ai/v1alpha1
+kind: ModelAdapter
+metadata: {name: chat-lora, namespace: ns}
+status: {instances: [p1, p0]}
+---
+kind: ModelAdapter
+metadata: {name: elsewhere, namespace: other}
+status: {instances: [p0]}
+---
+kind: ModelAdapter
+metadata: {name: base, namespace: ns}
+status: {instances: [p0]}
+---
+kind: ModelAdapter
+metadata: {name: pending, namespace: ns}
+"#;
+        let pods = parse_records(text).unwrap();
+        let adapters: Vec<(&str, Vec<&str>)> = pods
+            .iter()
+            .map(|p| {
+                let names = p.adapters.iter().map(String::as_str).collect();
+                (p.name.as_str(), names)
+            })
+            .collect();
+        assert_eq!(
+            adapters,
+            [
+                ("p0", vec!["chat-lora"]),
+                ("p1", vec!["chat-lora", "sql-lora"])
+            ],
+            "another namespace's adapter, one named like the model and one without \
+             instances add nothing"
+        );
+        let (_, all) = parse_objects(text).unwrap();
+        assert_eq!(all.len(), 5);
+        assert_eq!(all[4].instances, Vec::<String>::new());
     }
 
     #[test]

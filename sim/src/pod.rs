@@ -641,6 +641,7 @@ mod tests {
             serves_http: true,
             labels: Default::default(),
             ready_since_unix_ms: 0,
+            adapters: Vec::new(),
         }
     }
 

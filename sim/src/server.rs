@@ -120,7 +120,7 @@ async fn count_tokens(State(ctx): State<PodCtx>, headers: HeaderMap, body: Bytes
     let pod = &ctx.pod;
     let mut entry = LogEntry::new(&pod.record, "/v1/messages/count_tokens", &headers);
     let counted = vllm::parse_json(&body).and_then(|json| {
-        let counted = vllm::count_tokens(&json, &pod.record.model);
+        let counted = vllm::count_tokens(&json, served_name(&pod.record, &json));
         entry.body = Some(json);
         counted
     });
@@ -143,10 +143,22 @@ async fn responses(State(ctx): State<PodCtx>, headers: HeaderMap, body: Bytes) -
 }
 
 async fn models(State(ctx): State<PodCtx>) -> Response {
+    let record = &ctx.pod.record;
     json_response(
         StatusCode::OK,
-        &vllm::models_body(&ctx.pod.record.model, unix_secs()),
+        &vllm::models_body(&record.model, &record.adapters, unix_secs()),
     )
+}
+
+/// The model name this pod answers the request under: a LoRA adapter it has loaded when the
+/// body names one (as vLLM serves each loaded adapter under its own name), else its model.
+fn served_name<'a>(record: &'a pd_control::fleet::PodRecord, body: &Value) -> &'a str {
+    let asked = body.get("model").and_then(Value::as_str);
+    record
+        .adapters
+        .iter()
+        .find(|a| Some(a.as_str()) == asked)
+        .map_or(record.model.as_str(), String::as_str)
 }
 
 /// The pod's Prometheus text in its engine's names.
@@ -381,7 +393,7 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
     let parsed = SimRequest::parse_fields(
         endpoint,
         &json,
-        &record.model,
+        served_name(record, &json),
         pod.config.default_max_tokens,
     )
     .and_then(|mut req| {

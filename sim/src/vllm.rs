@@ -676,18 +676,25 @@ pub fn named_events(text: &str) -> Result<Vec<(String, Value)>, String> {
 /// The SSE terminator.
 pub const SSE_DONE: &str = "data: [DONE]\n\n";
 
-/// `GET /v1/models` for a pod serving `model`.
-pub fn models_body(model: &str, created: u64) -> Value {
-    json!({"object": "list", "data": [{
-        "id": model, "object": "model", "created": created, "owned_by": "vllm",
-        "root": model, "parent": null, "max_model_len": 131072,
-        "permission": [{
-            "id": format!("modelperm-{}", random_hex(16)), "object": "model_permission",
-            "created": created, "allow_create_engine": false, "allow_sampling": true,
-            "allow_logprobs": true, "allow_search_indices": false, "allow_view": true,
-            "allow_fine_tuning": false, "organization": "*", "group": null, "is_blocking": false,
-        }],
-    }]})
+/// `GET /v1/models` for a pod serving `model` and the LoRA `adapters` it has loaded (vLLM
+/// lists each adapter with `parent` the base model).
+pub fn models_body(model: &str, adapters: &[String], created: u64) -> Value {
+    let entry = |id: &str, parent: Option<&str>| {
+        json!({
+            "id": id, "object": "model", "created": created, "owned_by": "vllm",
+            "root": id, "parent": parent, "max_model_len": 131072,
+            "permission": [{
+                "id": format!("modelperm-{}", random_hex(16)), "object": "model_permission",
+                "created": created, "allow_create_engine": false, "allow_sampling": true,
+                "allow_logprobs": true, "allow_search_indices": false, "allow_view": true,
+                "allow_fine_tuning": false, "organization": "*", "group": null,
+                "is_blocking": false,
+            }],
+        })
+    };
+    let mut data = vec![entry(model, None)];
+    data.extend(adapters.iter().map(|a| entry(a, Some(model))));
+    json!({"object": "list", "data": data})
 }
 
 /// `n` random lower-case hex digits.

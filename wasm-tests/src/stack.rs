@@ -50,6 +50,8 @@ pub struct Fleet {
     /// Engine label of pods added from now on.
     engine: String,
     pub pods: Vec<PodSpec>,
+    /// AIBrix `ModelAdapter`s: a LoRA adapter's name and the pods that loaded it.
+    pub adapters: Vec<(String, Vec<String>)>,
     subnet: String,
     port: u16,
 }
@@ -61,6 +63,7 @@ impl Fleet {
             model: model.into(),
             engine: "vllm".into(),
             pods: Vec::new(),
+            adapters: Vec::new(),
             subnet,
             port: free_port(),
         }
@@ -158,6 +161,13 @@ impl Fleet {
         self
     }
 
+    /// Declares a LoRA adapter (an AIBrix `ModelAdapter`) loaded on `pods`.
+    pub fn adapter(mut self, name: &str, pods: &[&str]) -> Fleet {
+        self.adapters
+            .push((name.into(), pods.iter().map(|p| p.to_string()).collect()));
+        self
+    }
+
     /// Marks the last added pod not ready.
     pub fn not_ready(mut self) -> Fleet {
         if let Some(p) = self.pods.last_mut() {
@@ -215,6 +225,12 @@ impl Fleet {
             if let Some(time) = &p.ready_since {
                 out.push_str(&format!("      lastTransitionTime: \"{time}\"\n"));
             }
+        }
+        for (name, pods) in &self.adapters {
+            out.push_str(&format!(
+                "- apiVersion: model.aibrix.ai/v1alpha1\n  kind: ModelAdapter\n  metadata:\n    name: {name}\n    namespace: default\n  status:\n    instances: [{}]\n",
+                pods.join(", ")
+            ));
         }
         out
     }

@@ -746,3 +746,61 @@ fn with_an_api_key_set_only_requests_carrying_it_reach_a_pod() {
         "{prefill:?}"
     );
 }
+
+/// LoRA adapters (AIBrix `ModelAdapter`s in the fleet file): a request naming an adapter is
+/// routed among the pods that loaded it only, PD pairs and standard pods alike, and the pods
+/// answer under the adapter's name; the base model keeps every pod; an adapter no pod loaded
+/// is an unknown model.
+#[test]
+fn a_lora_adapter_routes_to_the_pods_that_loaded_it() {
+    let fleet = two_rolesets()
+        .combined("vllm-c-1")
+        .adapter("sql-lora", &["vllm-p-1", "vllm-d-1", "vllm-c-1"])
+        .adapter("half-lora", &["vllm-p-0", "vllm-c-0"]);
+    let stack = Stack::start(fleet);
+    let ask = |model: &str, strategy: &str, i: usize| {
+        let body = json!({"model": model, "max_tokens": 2,
+                          "messages": [{"role": "user", "content": format!("query {i}")}]});
+        post(&stack, "/v1/chat/completions", strategy, &body)
+    };
+    for i in 0..8 {
+        let r = ask("sql-lora", "pd", i);
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(
+            r.json()["model"],
+            "sql-lora",
+            "the pod answers as the adapter"
+        );
+        assert_eq!(header(&r, "prefill-target-pod"), "vllm-p-1");
+        assert_eq!(header(&r, "target-pod"), "vllm-d-1");
+        let r = ask("sql-lora", "random", i);
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(header(&r, "target-pod"), "vllm-c-1");
+    }
+    // Both legs reached the adapter's pods with the adapter's name.
+    let legs = stack.sim_requests();
+    assert_eq!(legs.len(), 8 * 3);
+    assert!(
+        legs.iter().all(|e| e["body"]["model"] == "sql-lora"),
+        "{legs:?}"
+    );
+    // half-lora has no complete roleset: PD goes to its standard pod (Step 0).
+    let r = ask("half-lora", "pd", 0);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(header(&r, "target-pod"), "vllm-c-0");
+    // The base model still has every pod.
+    let mut pairs = BTreeSet::new();
+    for i in 0..16 {
+        let r = ask(MODEL, "least-request", i);
+        assert_eq!(r.status, 200, "{}", r.text());
+        pairs.insert(header(&r, "target-pod").to_string());
+    }
+    assert_eq!(
+        pairs.len(),
+        2,
+        "both standard pods serve the base model: {pairs:?}"
+    );
+    let r = ask("never-loaded", "pd", 0);
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.header("x-error-no-model-backends"), Some("never-loaded"));
+}

@@ -128,9 +128,18 @@ pub fn models(
 ) -> Vec<proto::Model> {
     let mut by_model: BTreeMap<&str, (Vec<proto::Pod>, Vec<proto::PodLabels>)> = BTreeMap::new();
     for pod in fleet {
+        let proto_pod = pod_to_proto(pod, metrics(pod));
+        let label_set = labels_to_proto(pod, labels);
+        // A LoRA adapter is a model of its own, served by the pods that loaded it: the same
+        // pods (same keys, so the same load counters) under the adapter's name.
+        for adapter in &pod.adapters {
+            let (pods, sets) = by_model.entry(adapter.as_str()).or_default();
+            pods.push(proto_pod.clone());
+            sets.push(label_set.clone());
+        }
         let (pods, sets) = by_model.entry(pod.model.as_str()).or_default();
-        pods.push(pod_to_proto(pod, metrics(pod)));
-        sets.push(labels_to_proto(pod, labels));
+        pods.push(proto_pod);
+        sets.push(label_set);
     }
     by_model
         .into_iter()
@@ -249,6 +258,7 @@ mod tests {
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .into(),
             ready_since_unix_ms: 1_700_000_000_123,
+            adapters: Vec::new(),
         }
     }
 
@@ -258,6 +268,34 @@ mod tests {
             running,
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn an_adapter_is_a_model_of_the_pods_that_loaded_it() {
+        let mut a = pod("a1", "base");
+        a.adapters = vec!["sql-lora".into()];
+        let b = pod("b1", "base");
+        let mut c = pod("c1", "base");
+        c.adapters = vec!["chat-lora".into(), "sql-lora".into()];
+        let models = models(&[a, b, c], &LabelPolicy::All, |_| metrics(2.0));
+        let by_name: Vec<(&str, Vec<&str>)> = models
+            .iter()
+            .map(|m| {
+                let pods = m.pods.iter().map(|p| p.name.as_str()).collect();
+                (m.name.as_str(), pods)
+            })
+            .collect();
+        assert_eq!(
+            by_name,
+            [
+                ("base", vec!["a1", "b1", "c1"]),
+                ("chat-lora", vec!["c1"]),
+                ("sql-lora", vec!["a1", "c1"]),
+            ]
+        );
+        let sql = &models[2];
+        assert_eq!(sql.pods[0].metrics.as_ref().map(|m| m.running), Some(2.0));
+        assert_eq!(sql.labels.as_ref().map(|l| l.pods.len()), Some(2));
     }
 
     #[test]
