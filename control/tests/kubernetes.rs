@@ -1,7 +1,8 @@
 //! The Kubernetes source against a fake API server on loopback.
 //!
-//! The fake implements just what a pod watch needs: list and watch of `/api/v1/pods` and
-//! `/api/v1/namespaces/{ns}/pods` with `labelSelector`, a global `resourceVersion`, a history
+//! The fake implements just what the watches need: list and watch of `/api/v1/pods` and
+//! `/api/v1/namespaces/{ns}/pods` with `labelSelector` (and of AIBrix's `modeladapters`, the
+//! same way), a global `resourceVersion`, a history
 //! of changes replayed to watches that resume from a version, bookmarks, `410 Gone` for
 //! versions older than its compaction floor, and dropping every open watch on demand.
 //! Every wait is a poll against a deadline, never a fixed sleep.
@@ -33,7 +34,8 @@ const MODEL: &str = "model.aibrix.ai/name";
 // ---------------------------------------------------------------------------------------------
 // Fake API server
 
-type Key = (String, String);
+/// `(kind, namespace, name)`.
+type Key = (String, String, String);
 
 /// One committed change: `new` is `None` for a deletion.
 struct Change {
@@ -50,6 +52,8 @@ struct Inner {
     /// Watches resuming from a version below this are answered `410 Gone`.
     floor: u64,
     fail_lists: bool,
+    /// Answer 403 to ModelAdapter requests, as a cluster without the grant does.
+    deny_adapters: bool,
     lists: usize,
     watches: usize,
     gone: usize,
@@ -69,6 +73,7 @@ struct FakeApi {
 fn key_of(pod: &Value) -> Key {
     let meta = &pod["metadata"];
     (
+        pod["kind"].as_str().unwrap_or("Pod").to_string(),
         meta["namespace"].as_str().unwrap_or("default").to_string(),
         meta["name"]
             .as_str()
@@ -99,15 +104,16 @@ fn selector_matches(selector: Option<&str>, pod: &Value) -> bool {
 }
 
 struct Filter {
+    kind: &'static str,
     namespace: Option<String>,
     selector: Option<String>,
 }
 
 impl Filter {
     fn matches(&self, pod: &Value) -> bool {
-        self.namespace
-            .as_deref()
-            .is_none_or(|ns| key_of(pod).0 == ns)
+        let (kind, namespace, _) = key_of(pod);
+        kind == self.kind
+            && self.namespace.as_deref().is_none_or(|ns| namespace == ns)
             && selector_matches(self.selector.as_deref(), pod)
     }
 
@@ -142,6 +148,11 @@ impl FakeApi {
         let app = Router::new()
             .route("/api/v1/pods", get(all_pods))
             .route("/api/v1/namespaces/{ns}/pods", get(namespaced_pods))
+            .route(ADAPTERS, get(all_adapters))
+            .route(
+                &format!("{ADAPTERS_NS}/{{ns}}/modeladapters"),
+                get(namespaced_adapters),
+            )
             .with_state(api.clone());
         tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
         api
@@ -177,13 +188,21 @@ impl FakeApi {
     }
 
     fn delete(&self, namespace: &str, name: &str) {
-        self.commit((namespace.into(), name.into()), None, true);
+        self.commit(("Pod".into(), namespace.into(), name.into()), None, true);
+    }
+
+    fn delete_adapter(&self, namespace: &str, name: &str) {
+        self.commit(
+            ("ModelAdapter".into(), namespace.into(), name.into()),
+            None,
+            true,
+        );
     }
 
     /// The stored pod, to edit and `put` back.
     fn get(&self, namespace: &str, name: &str) -> Value {
         let inner = self.inner.lock().unwrap();
-        inner.pods[&(namespace.to_string(), name.to_string())].clone()
+        inner.pods[&("Pod".to_string(), namespace.to_string(), name.to_string())].clone()
     }
 
     /// Ends every open watch cleanly, as an API server does on its watch timeout.
@@ -207,7 +226,11 @@ impl FakeApi {
             self.commit(key_of(&pod), Some(pod), false);
         }
         for (ns, name) in deletes {
-            self.commit((ns.to_string(), name.to_string()), None, false);
+            self.commit(
+                ("Pod".into(), ns.to_string(), name.to_string()),
+                None,
+                false,
+            );
         }
         {
             let mut inner = self.inner.lock().unwrap();
@@ -234,7 +257,9 @@ impl FakeApi {
                 "message": "etcdserver: request timed out"});
             return (StatusCode::INTERNAL_SERVER_ERROR, axum::Json(status)).into_response();
         }
-        inner.lists += 1;
+        if filter.kind == "Pod" {
+            inner.lists += 1;
+        }
         // Like the real server, list items carry neither apiVersion nor kind.
         let items: Vec<Value> = inner
             .pods
@@ -249,8 +274,10 @@ impl FakeApi {
                 p
             })
             .collect();
-        axum::Json(json!({"kind": "PodList", "apiVersion": "v1",
-            "metadata": {"resourceVersion": inner.rv.to_string()}, "items": items}))
+        axum::Json(
+            json!({"kind": format!("{}List", filter.kind), "apiVersion": "v1",
+            "metadata": {"resourceVersion": inner.rv.to_string()}, "items": items}),
+        )
         .into_response()
     }
 
@@ -261,7 +288,9 @@ impl FakeApi {
         let mut drops = self.drops.subscribe();
         let (start, expired) = {
             let mut inner = self.inner.lock().unwrap();
-            inner.watches += 1;
+            if filter.kind == "Pod" {
+                inner.watches += 1;
+            }
             let start = from.unwrap_or(inner.rv);
             let expired = start < inner.floor;
             if expired {
@@ -326,8 +355,20 @@ impl FakeApi {
             .unwrap()
     }
 
-    fn serve(&self, namespace: Option<String>, q: HashMap<String, String>) -> Response {
+    fn serve(
+        &self,
+        kind: &'static str,
+        namespace: Option<String>,
+        q: HashMap<String, String>,
+    ) -> Response {
+        if kind == "ModelAdapter" && self.inner.lock().unwrap().deny_adapters {
+            let status = json!({"kind": "Status", "apiVersion": "v1", "metadata": {},
+                "status": "Failure", "code": 403, "reason": "Forbidden",
+                "message": "modeladapters.model.aibrix.ai is forbidden"});
+            return (StatusCode::FORBIDDEN, axum::Json(status)).into_response();
+        }
         let filter = Filter {
+            kind,
             namespace,
             selector: q.get("labelSelector").cloned(),
         };
@@ -345,7 +386,7 @@ async fn all_pods(
     State(api): State<FakeApi>,
     Query(q): Query<HashMap<String, String>>,
 ) -> Response {
-    api.serve(None, q)
+    api.serve("Pod", None, q)
 }
 
 async fn namespaced_pods(
@@ -353,7 +394,35 @@ async fn namespaced_pods(
     Path(ns): Path<String>,
     Query(q): Query<HashMap<String, String>>,
 ) -> Response {
-    api.serve(Some(ns), q)
+    api.serve("Pod", Some(ns), q)
+}
+
+const ADAPTERS: &str = "/apis/model.aibrix.ai/v1alpha1/modeladapters";
+const ADAPTERS_NS: &str = "/apis/model.aibrix.ai/v1alpha1/namespaces";
+
+async fn all_adapters(
+    State(api): State<FakeApi>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    api.serve("ModelAdapter", None, q)
+}
+
+async fn namespaced_adapters(
+    State(api): State<FakeApi>,
+    Path(ns): Path<String>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    api.serve("ModelAdapter", Some(ns), q)
+}
+
+/// An AIBrix `ModelAdapter` whose status lists `instances`.
+fn adapter(ns: &str, name: &str, instances: &[&str]) -> Value {
+    json!({
+        "apiVersion": "model.aibrix.ai/v1alpha1",
+        "kind": "ModelAdapter",
+        "metadata": {"namespace": ns, "name": name},
+        "status": {"instances": instances},
+    })
 }
 
 /// A model pod; `ip: None` is a pod not yet scheduled.
@@ -689,6 +758,68 @@ async fn api_errors_keep_the_last_good_fleet() {
 
     api.fail_lists(false);
     run.wait_for("recovery", &["ns/d m 10.0.0.4 true"]).await;
+    run.finish().await;
+}
+
+/// `ns/name adapter,adapter` per pod.
+fn adapters_view(pods: &[PodRecord]) -> Vec<String> {
+    pods.iter()
+        .map(|p| format!("{} {}", p.key(), p.adapters.join(",")))
+        .collect()
+}
+
+/// ModelAdapters are watched beside the pods: an adapter's `status.instances` put its name on
+/// those pods of its namespace, and follow its edits and deletion; a namespaced watch sees only
+/// its namespaces' adapters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn model_adapters_name_their_pods_and_follow_edits() {
+    let api = FakeApi::start().await;
+    api.put(pod("llm", "p0", "m", Some("10.0.0.1"), true));
+    api.put(pod("llm", "p1", "m", Some("10.0.0.2"), true));
+    api.put(adapter("llm", "sql-lora", &["p1"]));
+    api.put(adapter("other", "far-lora", &["p0"]));
+    let run = run_source(&api, &["llm"]).await;
+    let expect = |what: &'static str, expected: &'static [&'static str]| {
+        let fleet = run.fleet.clone();
+        async move {
+            eventually(what, || async {
+                (adapters_view(&fleet.borrow()) == expected).then_some(())
+            })
+            .await
+        }
+    };
+    expect("the listed adapter on p1", &["llm/p0 ", "llm/p1 sql-lora"]).await;
+    api.put(adapter("llm", "sql-lora", &["p0", "p1"]));
+    api.put(adapter("llm", "chat-lora", &["p0"]));
+    expect(
+        "an edited and a new adapter",
+        &["llm/p0 chat-lora,sql-lora", "llm/p1 sql-lora"],
+    )
+    .await;
+    api.delete_adapter("llm", "sql-lora");
+    expect("a deleted adapter", &["llm/p0 chat-lora", "llm/p1 "]).await;
+    assert_eq!(run.stats.fleet_reload_errors_total(), 0);
+    run.finish().await;
+}
+
+/// Without the grant to read ModelAdapters (or without the CRD), pods load and route as before
+/// and no fleet failure is counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forbidden_adapter_watch_leaves_the_pods_routed() {
+    let api = FakeApi::start().await;
+    api.inner.lock().unwrap().deny_adapters = true;
+    api.put(pod("llm", "p0", "m", Some("10.0.0.1"), true));
+    api.put(adapter("llm", "sql-lora", &["p0"]));
+    let run = run_source(&api, &[]).await;
+    assert_eq!(run.current(), ["llm/p0 m 10.0.0.1 true"]);
+    api.put(pod("llm", "p1", "m", Some("10.0.0.2"), true));
+    run.wait_for(
+        "pods keep following",
+        &["llm/p0 m 10.0.0.1 true", "llm/p1 m 10.0.0.2 true"],
+    )
+    .await;
+    assert_eq!(adapters_view(&run.fleet.borrow()), ["llm/p0 ", "llm/p1 "]);
+    assert_eq!(run.stats.fleet_reload_errors_total(), 0);
     run.finish().await;
 }
 

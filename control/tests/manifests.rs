@@ -131,25 +131,33 @@ fn assert_pod_reader(rules: &Option<Vec<PolicyRule>>, origin: &str) {
     let rules = rules
         .as_ref()
         .unwrap_or_else(|| panic!("{origin}: no rules"));
-    assert_eq!(rules.len(), 1, "{origin}: exactly one rule");
-    let rule = &rules[0];
+    let granted: Vec<(Vec<String>, Vec<String>)> = rules
+        .iter()
+        .map(|rule| {
+            let mut verbs = rule.verbs.clone();
+            verbs.sort();
+            assert_eq!(verbs, ["get", "list", "watch"], "{origin}: verbs");
+            assert!(rule.resource_names.is_none(), "{origin}: resourceNames");
+            assert!(
+                rule.non_resource_urls.is_none(),
+                "{origin}: nonResourceURLs"
+            );
+            (
+                rule.api_groups.clone().unwrap_or_default(),
+                rule.resources.clone().unwrap_or_default(),
+            )
+        })
+        .collect();
+    let expected = [
+        (vec![String::new()], vec!["pods".to_string()]),
+        (
+            vec!["model.aibrix.ai".to_string()],
+            vec!["modeladapters".to_string()],
+        ),
+    ];
     assert_eq!(
-        rule.api_groups.as_deref(),
-        Some(&[String::new()][..]),
-        "{origin}: core group only"
-    );
-    assert_eq!(
-        rule.resources.as_deref(),
-        Some(&["pods".to_string()][..]),
-        "{origin}: pods only"
-    );
-    let mut verbs = rule.verbs.clone();
-    verbs.sort();
-    assert_eq!(verbs, ["get", "list", "watch"], "{origin}: verbs");
-    assert!(rule.resource_names.is_none(), "{origin}: resourceNames");
-    assert!(
-        rule.non_resource_urls.is_none(),
-        "{origin}: nonResourceURLs"
+        granted, expected,
+        "{origin}: pods of the core group and AIBrix's ModelAdapters, nothing else"
     );
 }
 
@@ -189,7 +197,7 @@ fn every_kubernetes_document_is_a_known_typed_object() {
 }
 
 #[test]
-fn rbac_grants_get_list_watch_on_pods_and_nothing_else() {
+fn rbac_grants_get_list_watch_on_pods_and_model_adapters_and_nothing_else() {
     let k = kube();
     for role in &k.cluster_roles {
         assert_pod_reader(

@@ -19,8 +19,15 @@
 //! becomes one update) the whole fleet, sorted by namespace then name, is offered to the
 //! [`FleetPublisher`], which forwards it only if it differs from the current one.
 //!
-//! RBAC: the service account needs `list` and `watch` on `pods`, cluster-wide, or in each
-//! `--namespace` (a Role per namespace is then enough).
+//! LoRA adapters: each scope also watches AIBrix `ModelAdapter`s
+//! (`modeladapters.model.aibrix.ai/v1alpha1`), whose `status.instances` name the pods that
+//! loaded the adapter (see [`crate::fleet::assign_adapters`]). They are optional: the pods are
+//! published without waiting for them, and a cluster without the CRD (404) or without the grant
+//! (403) is told once in the log and otherwise routes its pods as before.
+//!
+//! RBAC: the service account needs `list` and `watch` on `pods` (and on `modeladapters` in the
+//! `model.aibrix.ai` group, for adapters), cluster-wide, or in each `--namespace` (a Role per
+//! namespace is then enough).
 
 mod state;
 
@@ -29,6 +36,7 @@ use std::time::Duration;
 use futures_util::stream::{self, BoxStream};
 use futures_util::{FutureExt as _, StreamExt as _};
 use k8s_openapi::api::core::v1::Pod;
+use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
 use kube::runtime::utils::Backoff;
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt as _;
@@ -80,7 +88,38 @@ impl KubeSettings {
     }
 }
 
-type Item = (usize, Result<Event<Pod>, watcher::Error>);
+/// One event of a scope's watches.
+enum Watched {
+    // Boxed: events are kilobytes, and the stream's items are moved around.
+    Pods(Box<Result<Event<Pod>, watcher::Error>>),
+    Adapters(Box<Result<Event<DynamicObject>, watcher::Error>>),
+}
+
+type Item = (usize, Watched);
+
+/// AIBrix's LoRA adapter resource.
+pub(crate) fn model_adapters() -> ApiResource {
+    ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk(
+            "model.aibrix.ai",
+            "v1alpha1",
+            crate::fleet::KIND_MODEL_ADAPTER,
+        ),
+        "modeladapters",
+    )
+}
+
+/// The API server has no such resource (the CRD is not installed) or denies it to us.
+fn unavailable(error: &watcher::Error) -> bool {
+    match error {
+        watcher::Error::InitialListFailed(kube::Error::Api(status))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(status))
+        | watcher::Error::WatchFailed(kube::Error::Api(status)) => {
+            status.code == 404 || status.code == 403
+        }
+        _ => false,
+    }
+}
 
 pub struct KubernetesSource {
     settings: KubeSettings,
@@ -90,6 +129,8 @@ pub struct KubernetesSource {
     /// Created by `load`, consumed by `watch`: the same watches continue, so nothing that
     /// happened between the two is missed.
     events: Option<BoxStream<'static, Item>>,
+    /// The adapter watch was found unavailable (and said so in the log).
+    adapters_unavailable: bool,
 }
 
 impl KubernetesSource {
@@ -110,29 +151,43 @@ impl KubernetesSource {
             settings,
             scopes,
             events: None,
+            adapters_unavailable: false,
         }
     }
 
     fn watches(&self, client: kube::Client) -> BoxStream<'static, Item> {
         let config = watcher::Config::default().labels(LABEL_MODEL);
-        let apis: Vec<Api<Pod>> = if self.settings.namespaces.is_empty() {
-            vec![Api::all(client)]
+        let resource = model_adapters();
+        let apis: Vec<(Api<Pod>, Api<DynamicObject>)> = if self.settings.namespaces.is_empty() {
+            vec![(Api::all(client.clone()), Api::all_with(client, &resource))]
         } else {
             self.settings
                 .namespaces
                 .iter()
-                .map(|ns| Api::namespaced(client.clone(), ns))
+                .map(|ns| {
+                    (
+                        Api::namespaced(client.clone(), ns),
+                        Api::namespaced_with(client.clone(), ns, &resource),
+                    )
+                })
                 .collect()
         };
-        let streams = apis.into_iter().enumerate().map(|(index, api)| {
-            watcher::watcher(api, config.clone())
-                .backoff(RetryBackoff::new(
-                    self.settings.backoff_min,
-                    self.settings.backoff_max,
-                ))
-                .map(move |item| (index, item))
-                .boxed()
-        });
+        let backoff = || RetryBackoff::new(self.settings.backoff_min, self.settings.backoff_max);
+        let mut streams = Vec::new();
+        for (index, (pods, adapters)) in apis.into_iter().enumerate() {
+            streams.push(
+                watcher::watcher(pods, config.clone())
+                    .backoff(backoff())
+                    .map(move |item| (index, Watched::Pods(Box::new(item))))
+                    .boxed(),
+            );
+            streams.push(
+                watcher::watcher(adapters, watcher::Config::default())
+                    .backoff(backoff())
+                    .map(move |item| (index, Watched::Adapters(Box::new(item))))
+                    .boxed(),
+            );
+        }
         stream::select_all(streams).boxed()
     }
 
@@ -142,6 +197,16 @@ impl KubernetesSource {
 
     /// Applies one watch item; returns whether the fleet may have changed.
     fn handle(&mut self, (index, item): Item, publisher: &FleetPublisher) -> bool {
+        let item = match item {
+            Watched::Pods(item) => *item,
+            Watched::Adapters(item) => match *item {
+                Ok(event) => return self.state.apply_adapter(index, event),
+                Err(error) => {
+                    self.adapters_failed(index, error, Some(publisher));
+                    return false;
+                }
+            },
+        };
         match item {
             Ok(event) => self.state.apply(index, event),
             // Routine: the resume point was compacted; the watcher re-lists next.
@@ -158,6 +223,41 @@ impl KubernetesSource {
                 publisher.reload_failed(&self.describe(), &error);
                 false
             }
+        }
+    }
+}
+
+impl KubernetesSource {
+    /// A failed adapter list or watch: without the resource or the grant, said once and not
+    /// counted (adapters are optional); otherwise counted like a pod watch failure (when a
+    /// publisher is running) and retried.
+    fn adapters_failed(
+        &mut self,
+        index: usize,
+        error: watcher::Error,
+        publisher: Option<&FleetPublisher>,
+    ) {
+        let scope = format!("{} (ModelAdapters)", self.scope(index));
+        if unavailable(&error) {
+            if !std::mem::replace(&mut self.adapters_unavailable, true) {
+                tracing::info!(
+                    %scope,
+                    %error,
+                    "ModelAdapters are not available (CRD not installed, or no list/watch \
+                     grant); LoRA adapters are not routed"
+                );
+            }
+            return;
+        }
+        match (publisher, error) {
+            (_, watcher::Error::WatchError(status)) if status.code == 410 => {
+                tracing::info!(%scope, "watch expired (410 Gone); re-listing");
+            }
+            (Some(publisher), source) => {
+                let error = KubeError::Watch { scope, source };
+                publisher.reload_failed(&self.describe(), &error);
+            }
+            (None, error) => tracing::warn!(%scope, %error, "list failed; retrying"),
         }
     }
 }
@@ -185,20 +285,33 @@ impl FleetSource for KubernetesSource {
         // A free function: the source holds a non-`Sync` stream, so no `&self` may cross an await.
         let client = client(self.settings.api_url.clone()).await?;
         let mut events = self.watches(client);
-        // Unlike later failures, a failed first list is fatal: there is no good fleet to keep.
+        // Unlike later failures, a failed first pod list is fatal: there is no good fleet to
+        // keep. Adapters are optional and never hold the start up.
         while !self.state.synced() {
-            match events.next().await {
-                Some((index, Ok(event))) => {
+            let (index, item) = match events.next().await {
+                Some((index, Watched::Pods(item))) => (index, *item),
+                Some((index, Watched::Adapters(item))) => {
+                    match *item {
+                        Ok(event) => {
+                            self.state.apply_adapter(index, event);
+                        }
+                        Err(error) => self.adapters_failed(index, error, None),
+                    }
+                    continue;
+                }
+                None => return Err(KubeError::Ended.into()),
+            };
+            match item {
+                Ok(event) => {
                     self.state.apply(index, event);
                 }
-                Some((index, Err(source))) => {
+                Err(source) => {
                     return Err(KubeError::Watch {
                         scope: self.scope(index),
                         source,
                     }
                     .into())
                 }
-                None => return Err(KubeError::Ended.into()),
             }
         }
         self.events = Some(events);
