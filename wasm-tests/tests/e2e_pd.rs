@@ -776,10 +776,14 @@ fn a_lora_adapter_routes_to_the_pods_that_loaded_it() {
         let r = ask("sql-lora", "random", i);
         assert_eq!(r.status, 200, "{}", r.text());
         assert_eq!(header(&r, "target-pod"), "vllm-c-1");
+        let r = ask("sql-lora", "lora-affinity", i);
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(header(&r, "target-pod"), "vllm-c-1");
+        assert_eq!(header(&r, "routing-strategy"), "lora-affinity");
     }
     // Both legs reached the adapter's pods with the adapter's name.
     let legs = stack.sim_requests();
-    assert_eq!(legs.len(), 8 * 3);
+    assert_eq!(legs.len(), 8 * 4);
     assert!(
         legs.iter().all(|e| e["body"]["model"] == "sql-lora"),
         "{legs:?}"

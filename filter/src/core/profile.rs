@@ -428,6 +428,10 @@ pub enum Strategy {
     LoadBalance,
     /// A uniform pick among the K least-loaded pods (see `pd::top_k`).
     LeastRequestTopK,
+    /// AIBrix's LoRA strategy: the least-loaded pod that has the request's adapter loaded.
+    /// A model view holds only such pods (an adapter's model is its instances), so this is
+    /// least-request over that view.
+    LoraAffinity,
 }
 
 impl Strategy {
@@ -445,6 +449,7 @@ impl Strategy {
             Strategy::PowerOfTwo => "power-of-two",
             Strategy::LoadBalance => "load-balance",
             Strategy::LeastRequestTopK => "least-request-top-k",
+            Strategy::LoraAffinity => "lora-affinity",
         }
     }
 
@@ -462,6 +467,7 @@ impl Strategy {
             Strategy::PowerOfTwo,
             Strategy::LoadBalance,
             Strategy::LeastRequestTopK,
+            Strategy::LoraAffinity,
         ]
         .into_iter()
         .find(|s| s.name() == name)

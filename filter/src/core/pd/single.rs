@@ -21,9 +21,10 @@ pub fn score(strategy: Strategy, pod: &PodView, running: u32, match_pct: f64) ->
     let metric = |f: fn(&crate::proto::PodMetrics) -> f64| pod.metrics.as_ref().map(f);
     match strategy {
         Strategy::Random | Strategy::SessionAffinity | Strategy::PowerOfTwo => Some(0.0),
-        Strategy::LeastRequest | Strategy::LeastRequestTopK | Strategy::Pd => {
-            Some(f64::from(running))
-        }
+        Strategy::LeastRequest
+        | Strategy::LeastRequestTopK
+        | Strategy::LoraAffinity
+        | Strategy::Pd => Some(f64::from(running)),
         Strategy::LoadBalance => Some(f64::from(running) / capacity(pod)),
         Strategy::PrefixCache => Some(100.0 - match_pct),
         // A prompt token costs the engine about twice a generated one (AIBrix's weighting).
@@ -53,6 +54,7 @@ pub fn reads_load(strategy: Strategy) -> bool {
             | Strategy::PowerOfTwo
             | Strategy::LoadBalance
             | Strategy::LeastRequestTopK
+            | Strategy::LoraAffinity
     )
 }
 
@@ -443,6 +445,7 @@ mod tests {
         let mut loads = Ledger::default();
         loads.add("ns/a", Counter::Running, 0);
         assert_eq!(pick(Strategy::LeastRequest, &loads), "bb");
+        assert_eq!(pick(Strategy::LoraAffinity, &loads), "bb");
         assert_eq!(pick(Strategy::LeastKvCache, &loads), "bb");
         assert_eq!(pick(Strategy::LeastGpuCache, &loads), "bb");
         assert_eq!(pick(Strategy::LeastLatency, &loads), "a");
