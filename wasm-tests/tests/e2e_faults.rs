@@ -230,6 +230,27 @@ fn decode_stalling_after_some_chunks_is_cut_by_the_watchdog() {
     assert_clean_end(&stack, &fleet_pods(&fleet));
 }
 
+/// Two rolesets (and [`ROGUE`] in pd-sim) under count-based scores: idle rolesets tie and
+/// each request picks one at random (engine-metric policies would prefer one roleset for every
+/// request). `plugin_extra` as in [`Options`].
+fn two_tied_rolesets(plugin_extra: &str) -> (Fleet, Stack) {
+    let fleet = two_rolesets();
+    let simulated = fleet.clone().pod(ROGUE, "decode", "group-9");
+    let stack = Stack::start_opts(
+        fleet.clone(),
+        simulated,
+        &Options {
+            plugin_extra,
+            envoy_env: &[
+                ("AIBRIX_PREFILL_SCORE_POLICY", "least_request"),
+                ("AIBRIX_DECODE_SCORE_POLICY", "least_request"),
+            ],
+            ..Options::default()
+        },
+    );
+    (fleet, stack)
+}
+
 /// Prefill failures of every kind: the client gets `status` with `x-error-pd-prefill`, no
 /// decode leg is sent, and the prefill failure is counted. The fleet has one roleset, so a
 /// failover finds no other pair. Returns the stack, its ledger back at zero.
@@ -300,22 +321,8 @@ fn prefill_port_refusing_connections_fails_the_request_with_502() {
 /// ejection still takes it out of each worker's view after 3 failures (one failover each).
 #[test]
 fn a_prefill_pod_refusing_connections_costs_no_request() {
-    let fleet = two_rolesets();
-    let simulated = fleet.clone().pod(ROGUE, "decode", "group-9");
-    let stack = Stack::start_opts(
-        fleet.clone(),
-        simulated,
-        &Options {
-            // No ejection ends (and lets p-0 in again) while the test runs.
-            plugin_extra: r#""eject_base_ms": 60000"#,
-            // Idle rolesets tie and each request picks one at random.
-            envoy_env: &[
-                ("AIBRIX_PREFILL_SCORE_POLICY", "least_request"),
-                ("AIBRIX_DECODE_SCORE_POLICY", "least_request"),
-            ],
-            ..Options::default()
-        },
-    );
+    // No ejection ends (and lets p-0 in again) while the test runs.
+    let (fleet, stack) = two_tied_rolesets(r#""eject_base_ms": 60000"#);
     stack.arm_fault(json!({"pod": "p-0", "kind": "refuse"}));
     let workers = stack.concurrency as u64;
     let mut sent = 0;
@@ -658,25 +665,10 @@ fn a_slow_reader_gets_its_whole_stream_and_holds_up_nobody() {
 /// consecutive failures there, so at most 3 requests per worker fail; the rest go to the
 /// other roleset; once the pod serves again it comes back after the ejection period.
 fn failing_pod_is_ejected_then_readmitted(fault: Value, failed_status: u16, header: Option<&str>) {
-    let fleet = two_rolesets();
-    let simulated = fleet.clone().pod(ROGUE, "decode", "group-9");
-    let stack = Stack::start_opts(
-        fleet.clone(),
-        simulated,
-        &Options {
-            // Longer than the requests below take even on a loaded box, so no ejection ends
-            // (and lets a failure in again) before the test looks. Failover off: this test
-            // counts the failures ejection lets through.
-            plugin_extra: r#""eject_base_ms": 8000, "prefill_failover": 0"#,
-            // Count-based scores: idle rolesets tie and each request picks one at random
-            // (engine-metric policies would prefer one roleset for every request).
-            envoy_env: &[
-                ("AIBRIX_PREFILL_SCORE_POLICY", "least_request"),
-                ("AIBRIX_DECODE_SCORE_POLICY", "least_request"),
-            ],
-            ..Options::default()
-        },
-    );
+    // Longer than the requests below take even on a loaded box, so no ejection ends (and
+    // lets a failure in again) before the test looks. Failover off: this test counts the
+    // failures ejection lets through.
+    let (fleet, stack) = two_tied_rolesets(r#""eject_base_ms": 8000, "prefill_failover": 0"#);
     stack.arm_fault(fault);
     let ask = |i: usize| {
         // Distinct prompts: no prefix affinity holds the requests on one roleset.

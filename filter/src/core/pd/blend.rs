@@ -184,18 +184,28 @@ mod tests {
         }
     }
 
+    /// `select_blend` with AIBrix's top-K knobs, which must find a pod.
+    fn choose(
+        m: &ModelView,
+        b: &Blend,
+        hint: SessionHint<'_>,
+        ledger: &Ledger,
+        match_pct: &[f64],
+        rng: &mut fastrand::Rng,
+    ) -> (Target, Option<Via>) {
+        select_blend(m, b, hint, ledger, match_pct, &TOP_K_DEFAULTS, rng).unwrap()
+    }
+
     fn pick(m: &ModelView, ledger: &Ledger, value: &str) -> String {
         let mut rng = fastrand::Rng::with_seed(9);
-        let (t, _) = select_blend(
+        let (t, _) = choose(
             m,
             &blend(value),
             SessionHint::default(),
             ledger,
             &[],
-            &TOP_K_DEFAULTS,
             &mut rng,
-        )
-        .unwrap();
+        );
         m.pods[t.pod()].name.clone()
     }
 
@@ -234,16 +244,7 @@ mod tests {
         let b = blend("least-request,least-kv-cache");
         let mut seen = std::collections::HashSet::new();
         for _ in 0..60 {
-            let (t, via) = select_blend(
-                &m,
-                &b,
-                SessionHint::default(),
-                &ledger,
-                &[],
-                &TOP_K_DEFAULTS,
-                &mut rng,
-            )
-            .unwrap();
+            let (t, via) = choose(&m, &b, SessionHint::default(), &ledger, &[], &mut rng);
             assert_eq!(via, None);
             seen.insert(m.pods[t.pod()].name.clone());
         }
@@ -251,16 +252,7 @@ mod tests {
         m.pods[0].metrics = None;
         m.pods[1].metrics = None;
         for _ in 0..10 {
-            let (t, _) = select_blend(
-                &m,
-                &b,
-                SessionHint::default(),
-                &ledger,
-                &[],
-                &TOP_K_DEFAULTS,
-                &mut rng,
-            )
-            .unwrap();
+            let (t, _) = choose(&m, &b, SessionHint::default(), &ledger, &[], &mut rng);
             assert_eq!(m.pods[t.pod()].name, "c", "only c has a KV-cache figure");
         }
     }
@@ -276,17 +268,17 @@ mod tests {
         let name = format!("ns/{}", m.pods[sticky].name);
         let mut rng = fastrand::Rng::with_seed(4);
         let b = blend("session-affinity:2,least-request:1");
-        let (t, via) = select_blend(&m, &b, hint, &ledger, &[], &TOP_K_DEFAULTS, &mut rng).unwrap();
+        let (t, via) = choose(&m, &b, hint, &ledger, &[], &mut rng);
         assert_eq!((t.pod(), via), (sticky, Some(Via::SessionKey)));
         // Busiest pod by far: affinity (2/3) still outweighs load (1/3).
         for _ in 0..20 {
             ledger.add(&name, Counter::Running, 0);
         }
-        let (t, _) = select_blend(&m, &b, hint, &ledger, &[], &TOP_K_DEFAULTS, &mut rng).unwrap();
+        let (t, _) = choose(&m, &b, hint, &ledger, &[], &mut rng);
         assert_eq!(t.pod(), sticky);
         // With the weights turned round, load wins.
         let b = blend("session-affinity:1,least-request:2");
-        let (t, _) = select_blend(&m, &b, hint, &ledger, &[], &TOP_K_DEFAULTS, &mut rng).unwrap();
+        let (t, _) = choose(&m, &b, hint, &ledger, &[], &mut rng);
         assert_ne!(t.pod(), sticky);
     }
 
@@ -297,16 +289,14 @@ mod tests {
         pct[0] = 80.0;
         let mut rng = fastrand::Rng::with_seed(2);
         let mut pick = |value: &str| {
-            let (t, _) = select_blend(
+            let (t, _) = choose(
                 &m,
                 &blend(value),
                 SessionHint::default(),
                 &ledger,
                 &pct,
-                &TOP_K_DEFAULTS,
                 &mut rng,
-            )
-            .unwrap();
+            );
             m.pods[t.pod()].name.clone()
         };
         assert_eq!(pick("prefix-cache:2,least-request"), "a");

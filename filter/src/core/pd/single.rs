@@ -227,10 +227,21 @@ mod tests {
             .clone()
     }
 
+    /// `select_single` with AIBrix's top-K knobs, which must find a pod.
+    fn one(
+        m: &ModelView,
+        strategy: Strategy,
+        loads: &Ledger,
+        match_pct: &[f64],
+        rng: &mut fastrand::Rng,
+    ) -> Target {
+        select_single(m, strategy, loads, match_pct, &TOP_K_DEFAULTS, rng).unwrap()
+    }
+
     fn pick(strategy: Strategy, loads: &Ledger) -> String {
         let m = model();
         let mut rng = fastrand::Rng::with_seed(2);
-        let t = select_single(&m, strategy, loads, &[], &TOP_K_DEFAULTS, &mut rng).unwrap();
+        let t = one(&m, strategy, loads, &[], &mut rng);
         m.pods[t.pod()].name.clone()
     }
 
@@ -258,29 +269,13 @@ mod tests {
         let loads = Ledger::default();
         let mut rng = fastrand::Rng::with_seed(5);
         for _ in 0..10 {
-            let t = select_single(
-                &m,
-                Strategy::LeastLatency,
-                &loads,
-                &[],
-                &TOP_K_DEFAULTS,
-                &mut rng,
-            )
-            .unwrap();
+            let t = one(&m, Strategy::LeastLatency, &loads, &[], &mut rng);
             assert_eq!(m.pods[t.pod()].name, "bb");
         }
         m.pods[1].metrics = None;
         let mut seen = std::collections::HashSet::new();
         for _ in 0..40 {
-            let t = select_single(
-                &m,
-                Strategy::LeastKvCache,
-                &loads,
-                &[],
-                &TOP_K_DEFAULTS,
-                &mut rng,
-            )
-            .unwrap();
+            let t = one(&m, Strategy::LeastKvCache, &loads, &[], &mut rng);
             seen.insert(m.pods[t.pod()].name.clone());
         }
         assert_eq!(seen.len(), 2, "uniform over the standard pods: {seen:?}");
@@ -295,15 +290,7 @@ mod tests {
         pct[0] = 60.0;
         let mut rng = fastrand::Rng::with_seed(3);
         let mut pick = |loads: &Ledger| {
-            let t = select_single(
-                &m,
-                Strategy::PrefixCache,
-                loads,
-                &pct,
-                &TOP_K_DEFAULTS,
-                &mut rng,
-            )
-            .unwrap();
+            let t = one(&m, Strategy::PrefixCache, loads, &pct, &mut rng);
             m.pods[t.pod()].name.clone()
         };
         assert_eq!(pick(&loads), "a");
@@ -313,15 +300,7 @@ mod tests {
         // a: 4.0 + 5/5 = 5.0; bb: 10.0 + 0 — still a.
         assert_eq!(pick(&loads), "a");
         let none = vec![0.0; m.pods.len()];
-        let t = select_single(
-            &m,
-            Strategy::PrefixCache,
-            &loads,
-            &none,
-            &TOP_K_DEFAULTS,
-            &mut rng,
-        )
-        .unwrap();
+        let t = one(&m, Strategy::PrefixCache, &loads, &none, &mut rng);
         assert_eq!(
             m.pods[t.pod()].name,
             "bb",
@@ -345,15 +324,7 @@ mod tests {
         let mut rng = fastrand::Rng::with_seed(4);
         let mut seen = std::collections::BTreeMap::<String, u32>::new();
         for _ in 0..3000 {
-            let t = select_single(
-                &m,
-                Strategy::PowerOfTwo,
-                &loads,
-                &[],
-                &TOP_K_DEFAULTS,
-                &mut rng,
-            )
-            .unwrap();
+            let t = one(&m, Strategy::PowerOfTwo, &loads, &[], &mut rng);
             *seen.entry(m.pods[t.pod()].name.clone()).or_default() += 1;
         }
         // s0 wins every draw it is in (2 of 3), s1 the one draw without s0, s2 none.
@@ -372,15 +343,7 @@ mod tests {
         loads.add("ns/bb", Counter::Running, 0);
         let mut rng = fastrand::Rng::with_seed(6);
         let mut pick = |m: &ModelView| {
-            let t = select_single(
-                m,
-                Strategy::LoadBalance,
-                &loads,
-                &[],
-                &TOP_K_DEFAULTS,
-                &mut rng,
-            )
-            .unwrap();
+            let t = one(m, Strategy::LoadBalance, &loads, &[], &mut rng);
             m.pods[t.pod()].name.clone()
         };
         // Neither drains yet: capacity 1, the fewer running requests win.
@@ -402,15 +365,7 @@ mod tests {
         let mut rng = fastrand::Rng::with_seed(8);
         let mut seen = std::collections::BTreeSet::new();
         for _ in 0..40 {
-            let t = select_single(
-                &m,
-                Strategy::LeastRequestTopK,
-                &loads,
-                &[],
-                &TOP_K_DEFAULTS,
-                &mut rng,
-            )
-            .unwrap();
+            let t = one(&m, Strategy::LeastRequestTopK, &loads, &[], &mut rng);
             seen.insert(m.pods[t.pod()].name.clone());
         }
         // a runs 1, bb 0: both within epsilon 4, PD pods never.
@@ -424,15 +379,7 @@ mod tests {
         m.pods[0].metrics.as_mut().unwrap().prompt_throughput = 60.0;
         m.pods[1].metrics.as_mut().unwrap().generation_throughput = 150.0;
         let mut rng = fastrand::Rng::with_seed(2);
-        let t = select_single(
-            &m,
-            Strategy::Throughput,
-            &Ledger::default(),
-            &[],
-            &TOP_K_DEFAULTS,
-            &mut rng,
-        )
-        .unwrap();
+        let t = one(&m, Strategy::Throughput, &Ledger::default(), &[], &mut rng);
         assert_eq!(
             m.pods[t.pod()].name,
             "bb",
