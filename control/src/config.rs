@@ -77,6 +77,15 @@ pub struct Config {
     #[arg(long, value_name = "N", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
     pub scrape_concurrency: u32,
 
+    /// A pod that answered a scrape before and whose engine then refuses this many scrape
+    /// connections in a row (refused, no route, or no answer to the connection attempt within
+    /// half `--scrape-timeout`) is marked unreachable in the snapshot: the gateway routes
+    /// around it at once, on every worker and replica, well before Kubernetes marks it unready
+    /// (or, with a fleet file, ever does). Its first answered scrape clears the mark. `0`
+    /// turns the check off.
+    #[arg(long, value_name = "SCRAPES", default_value_t = 3)]
+    pub unreachable_after: u32,
+
     /// Metrics older than this many refresh intervals are flagged stale.
     #[arg(long, value_name = "INTERVALS", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
     pub stale_after: u32,
@@ -161,6 +170,7 @@ impl Config {
             scrape_timeout: Duration::from_secs(1),
             scrape_concurrency: 64,
             stale_after: 3,
+            unreachable_after: 3,
             replica_ttl: Duration::from_secs(5),
             redis: None,
             snapshot_token_file: None,

@@ -257,7 +257,8 @@ pub fn render_metrics(
 
     // Pods by model, role and readiness; every combination present in the fleet, zeros kept
     // for the readiness a group has none of, so a group going all-unready reads 0, not absent.
-    let mut pods: BTreeMap<(&str, &str), [u64; 2]> = BTreeMap::new();
+    // A ready pod whose engine refuses connections counts as `unreachable`, not `ready`.
+    let mut pods: BTreeMap<(&str, &str), [u64; 3]> = BTreeMap::new();
     for model in &published.snapshot.models {
         for pod in &model.pods {
             let role = match pod.role.as_str() {
@@ -265,13 +266,18 @@ pub fn render_metrics(
                 "" => "none",
                 _ => "other",
             };
-            pods.entry((model.name.as_str(), role)).or_default()[usize::from(!pod.ready)] += 1;
+            let state = match (pod.ready, pod.unreachable) {
+                (false, _) => 1,
+                (true, true) => 2,
+                (true, false) => 0,
+            };
+            pods.entry((model.name.as_str(), role)).or_default()[state] += 1;
         }
     }
     let samples: Vec<(String, String)> = pods
         .iter()
         .flat_map(|((model, role), counts)| {
-            ["ready", "not_ready"]
+            ["ready", "not_ready", "unreachable"]
                 .into_iter()
                 .zip(counts)
                 .map(move |(state, n)| {
@@ -289,7 +295,7 @@ pub fn render_metrics(
         &mut out,
         "pd_control_pods",
         "gauge",
-        "Pods in the served snapshot by model, role (prefill, decode, other, none) and readiness.",
+        "Pods in the served snapshot by model, role (prefill, decode, other, none) and state (ready, not_ready, unreachable: ready but refusing scrape connections).",
         &samples,
     );
 
@@ -429,6 +435,10 @@ mod tests {
                     pod("p0", "prefill", true),
                     pod("d0", "decode", true),
                     pod("d1", "decode", false),
+                    proto::Pod {
+                        unreachable: true,
+                        ..pod("d2", "decode", true)
+                    },
                     pod("c0", "all", true),
                 ],
                 labels: None,
@@ -454,6 +464,8 @@ mod tests {
             "pd_control_snapshot_age_seconds 2.5",
             "pd_control_pods{model=\"m\\\"1\",role=\"decode\",state=\"ready\"} 1",
             "pd_control_pods{model=\"m\\\"1\",role=\"decode\",state=\"not_ready\"} 1",
+            "pd_control_pods{model=\"m\\\"1\",role=\"decode\",state=\"unreachable\"} 1",
+            "pd_control_pods{model=\"m\\\"1\",role=\"prefill\",state=\"unreachable\"} 0",
             "pd_control_pods{model=\"m\\\"1\",role=\"other\",state=\"ready\"} 1",
             "pd_control_scrape_errors_total{namespace=\"ns\",pod=\"d1\"} 1",
             "pd_control_scrape_errors_total{namespace=\"ns\",pod=\"p0\"} 0",

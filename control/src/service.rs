@@ -157,11 +157,11 @@ pub async fn start_with_source<S: FleetSource>(
     let concurrency = usize::try_from(config.scrape_concurrency).unwrap_or(usize::MAX);
     let (scraper, outcomes) =
         Scraper::new(config.scrape_timeout, concurrency).map_err(Error::Client)?;
-    let book = ScrapeBook::new(config.stale_bound());
+    let book = ScrapeBook::new(config.stale_bound(), config.unreachable_after);
     let mut builder = SnapshotBuilder::default();
     let now = Instant::now();
     let first = builder.update(
-        snapshot::models(&fleet, &config.pod_labels, |p| book.metrics(p, now)),
+        snapshot::models(&fleet, &config.pod_labels, |p| book.observe(p, now)),
         crate::unix_ms_now(),
     );
     let (snapshots_tx, snapshots_rx) = watch::channel(first.published);
@@ -325,7 +325,7 @@ impl ControlLoop {
             });
         }
         let now = Instant::now();
-        let models = snapshot::models(&fleet, &self.labels, |pod| self.book.metrics(pod, now));
+        let models = snapshot::models(&fleet, &self.labels, |pod| self.book.observe(pod, now));
         let update = self.builder.update(models, crate::unix_ms_now());
         if update.changed {
             tracing::debug!(version = update.published.version, "snapshot updated");

@@ -408,6 +408,8 @@ pub struct Options<'a> {
     /// `"snapshot_stale_after_ms":1000`); empty for none. No single quotes (the drop-in
     /// holds the JSON in a single-quoted YAML scalar).
     pub plugin_extra: &'a str,
+    /// Extra pd-control arguments (e.g. `--unreachable-after 0`).
+    pub control_args: &'a [&'a str],
 }
 
 impl Default for Options<'_> {
@@ -419,6 +421,7 @@ impl Default for Options<'_> {
             explain: false,
             refresh_ms: 50,
             plugin_extra: "",
+            control_args: &[],
         }
     }
 }
@@ -703,6 +706,7 @@ impl Stack {
             .arg(&stack.control)
             .arg("--refresh-interval")
             .arg("50ms")
+            .args(options.control_args)
             .args(control_args);
         let child = spawn_until(
             "pd-control",
@@ -927,12 +931,8 @@ impl Stack {
     pub fn wait_quiet_snapshot(&self) {
         eventually(Duration::from_secs(15), || {
             let snap = self.control_snapshot();
-            let busy = snap["models"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .flat_map(|m| m["pods"].as_array().into_iter().flatten())
-                .any(|p| p["metrics"]["waiting"].as_f64().unwrap_or(0.0) > 0.0);
+            let busy =
+                snapshot_pods(&snap).any(|p| p["metrics"]["waiting"].as_f64().unwrap_or(0.0) > 0.0);
             let version = snap["version"].as_u64().unwrap_or(u64::MAX);
             let all_vms = self.stat("pd_router_fleet_vms_on_latest") > self.concurrency as u64;
             if !busy && self.stat("pd_router_fleet_version") >= version && all_vms {
@@ -945,26 +945,33 @@ impl Stack {
 
     /// Waits until pd-control serves exactly the pods of the fleet last written and every
     /// ticking VM of Envoy (each worker plus the main thread) routes on that snapshot or a
-    /// newer one. `pd_router_fleet_version` alone is not enough: it shows the VM that wrote
-    /// last, and a worker that has not caught up yet still routes on the old fleet.
+    /// newer one.
     pub fn wait_fleet_adopted(&self) {
         let mut wanted: Vec<&str> = self.fleet.pods.iter().map(|p| p.name.as_str()).collect();
         wanted.sort_unstable();
-        let vms = (self.concurrency + 1) as u64;
-        eventually(Duration::from_secs(15), || {
-            let snap = self.control_snapshot();
-            let mut served: Vec<&str> = snap["models"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .flat_map(|m| m["pods"].as_array().into_iter().flatten())
+        self.wait_snapshot_adopted(|snap| {
+            let mut served: Vec<&str> = snapshot_pods(snap)
                 .filter_map(|p| p["name"].as_str())
                 .collect();
             served.sort_unstable();
             served.dedup();
-            if served != wanted {
-                return Err(format!("pd-control serves {served:?}, not {wanted:?}"));
+            if served == wanted {
+                Ok(())
+            } else {
+                Err(format!("pd-control serves {served:?}, not {wanted:?}"))
             }
+        });
+    }
+
+    /// Waits until pd-control serves a snapshot `wanted` accepts (it says what is missing
+    /// otherwise) and every ticking VM of Envoy routes on that snapshot or a newer one.
+    /// `pd_router_fleet_version` alone is not enough: it shows the VM that wrote last, and a
+    /// worker that has not caught up yet still routes on the old fleet.
+    pub fn wait_snapshot_adopted(&self, wanted: impl Fn(&serde_json::Value) -> Result<(), String>) {
+        let vms = (self.concurrency + 1) as u64;
+        eventually(Duration::from_secs(15), || {
+            let snap = self.control_snapshot();
+            wanted(&snap)?;
             let version = snap["version"].as_u64().unwrap_or(u64::MAX);
             // The count is read between two equal version reads. A VM writes the count before
             // the version, so a count written for another version shows as a version change
@@ -1019,6 +1026,15 @@ impl Stack {
 
 /// Polls `check` every 20 ms until it yields `Ok`, failing the test with its last `Err`
 /// after `timeout`: tests wait on conditions, never on fixed delays.
+/// Every pod entry of a snapshot's JSON, model by model.
+pub fn snapshot_pods(snap: &serde_json::Value) -> impl Iterator<Item = &serde_json::Value> {
+    snap["models"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|m| m["pods"].as_array().into_iter().flatten())
+}
+
 pub fn eventually<T>(timeout: Duration, mut check: impl FnMut() -> Result<T, String>) -> T {
     let deadline = Instant::now() + timeout;
     loop {

@@ -19,7 +19,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use pd_wasm_tests::http::{self, Response};
-use pd_wasm_tests::stack::{eventually, Fleet, Options, Stack};
+use pd_wasm_tests::stack::{eventually, snapshot_pods, Fleet, Options, Stack};
 use serde_json::{json, Value};
 
 const MODEL: &str = "fault-llm";
@@ -41,6 +41,11 @@ fn two_rolesets() -> Fleet {
         .pod("d-1", "decode", "group-1")
 }
 
+/// pd-control's reachability check off: most tests here count what the filter itself does
+/// about a pod that refuses connections (failover, ejection), which a pod pd-control already
+/// marked unreachable would never show.
+const NO_REACHABILITY_CHECK: &[&str] = &["--unreachable-after", "0"];
+
 /// Starts the stack on `fleet`, with pd-sim also serving [`ROGUE`].
 fn start(fleet: Fleet, env: &[(&str, &str)]) -> Stack {
     let simulated = fleet.clone().pod(ROGUE, "decode", "group-9");
@@ -49,6 +54,7 @@ fn start(fleet: Fleet, env: &[(&str, &str)]) -> Stack {
         simulated,
         &Options {
             envoy_env: env,
+            control_args: NO_REACHABILITY_CHECK,
             ..Options::default()
         },
     )
@@ -233,7 +239,7 @@ fn decode_stalling_after_some_chunks_is_cut_by_the_watchdog() {
 /// Two rolesets (and [`ROGUE`] in pd-sim) under count-based scores: idle rolesets tie and
 /// each request picks one at random (engine-metric policies would prefer one roleset for every
 /// request). `plugin_extra` as in [`Options`].
-fn two_tied_rolesets(plugin_extra: &str) -> (Fleet, Stack) {
+fn two_tied_rolesets(plugin_extra: &str, control_args: &[&str]) -> (Fleet, Stack) {
     let fleet = two_rolesets();
     let simulated = fleet.clone().pod(ROGUE, "decode", "group-9");
     let stack = Stack::start_opts(
@@ -241,6 +247,7 @@ fn two_tied_rolesets(plugin_extra: &str) -> (Fleet, Stack) {
         simulated,
         &Options {
             plugin_extra,
+            control_args,
             envoy_env: &[
                 ("AIBRIX_PREFILL_SCORE_POLICY", "least_request"),
                 ("AIBRIX_DECODE_SCORE_POLICY", "least_request"),
@@ -322,7 +329,7 @@ fn prefill_port_refusing_connections_fails_the_request_with_502() {
 #[test]
 fn a_prefill_pod_refusing_connections_costs_no_request() {
     // No ejection ends (and lets p-0 in again) while the test runs.
-    let (fleet, stack) = two_tied_rolesets(r#""eject_base_ms": 60000"#);
+    let (fleet, stack) = two_tied_rolesets(r#""eject_base_ms": 60000"#, NO_REACHABILITY_CHECK);
     stack.arm_fault(json!({"pod": "p-0", "kind": "refuse"}));
     let workers = stack.concurrency as u64;
     let mut sent = 0;
@@ -668,7 +675,10 @@ fn failing_pod_is_ejected_then_readmitted(fault: Value, failed_status: u16, head
     // Longer than the requests below take even on a loaded box, so no ejection ends (and
     // lets a failure in again) before the test looks. Failover off: this test counts the
     // failures ejection lets through.
-    let (fleet, stack) = two_tied_rolesets(r#""eject_base_ms": 8000, "prefill_failover": 0"#);
+    let (fleet, stack) = two_tied_rolesets(
+        r#""eject_base_ms": 8000, "prefill_failover": 0"#,
+        NO_REACHABILITY_CHECK,
+    );
     stack.arm_fault(fault);
     let ask = |i: usize| {
         // Distinct prompts: no prefix affinity holds the requests on one roleset.
@@ -728,6 +738,123 @@ fn failing_pod_is_ejected_then_readmitted(fault: Value, failed_status: u16, head
         (r.header("prefill-target-pod") == Some("p-0"))
             .then_some(())
             .ok_or_else(|| "group-0 never came back".to_string())
+    });
+    assert_clean_end(&stack, &fleet_pods(&fleet));
+}
+
+/// Whether pd-control's snapshot marks `pod` unreachable; an error names the mark it lacks.
+fn marked_unreachable(snap: &Value, pod: &str, marked: bool) -> Result<(), String> {
+    let entry = snapshot_pods(snap).find(|p| p["name"] == pod);
+    let is = entry.and_then(|p| p["unreachable"].as_bool()) == Some(true);
+    if is == marked {
+        Ok(())
+    } else {
+        Err(format!("{pod} unreachable: {is}, want {marked}"))
+    }
+}
+
+/// pd-control finds an engine that stopped taking connections (3 refused scrapes, about
+/// 150 ms at its 50 ms interval) and marks it unreachable; every worker then routes around
+/// it at once. A dead decode or standard pod, which failover cannot save, then costs no
+/// request: none is sent there, so none fails and nothing needs ejecting. Its first answered
+/// scrape brings it back. Policies that see only the ledger (token_load, least-request)
+/// would otherwise send the dead pods, idle by every count, about half the requests.
+#[test]
+fn a_pod_pd_control_cannot_reach_costs_no_request_on_any_worker() {
+    let fleet = two_rolesets().combined("c-0").combined("c-1");
+    let stack = Stack::start_opts(
+        fleet.clone(),
+        fleet.clone().pod(ROGUE, "decode", "group-9"),
+        &Options {
+            // Failover off: only pd-control's mark can save these requests.
+            plugin_extra: r#""prefill_failover": 0"#,
+            envoy_env: &[
+                ("AIBRIX_PREFILL_SCORE_POLICY", "token_load"),
+                ("AIBRIX_DECODE_SCORE_POLICY", "token_load"),
+            ],
+            ..Options::default()
+        },
+    );
+    let (pd, single) = (PD, [("routing-strategy", "least-request")]);
+    let ask = |headers: &[(&str, &str)], i: usize| {
+        let body = json!({"model": MODEL, "max_tokens": 2,
+                          "messages": [{"role": "user", "content": format!("question {i}")}]});
+        stack.chat(headers, &body)
+    };
+    // pd-control has scraped the pods that will die: only a pod that answered before can be
+    // marked (a port never reached may be a wrong port or a network policy, not a dead engine).
+    eventually(Duration::from_secs(15), || {
+        let snap = stack.control_snapshot();
+        let scraped = |pod: &str| {
+            snapshot_pods(&snap).any(|p| p["name"] == pod && p["metrics"]["present"] == true)
+        };
+        (scraped("d-0") && scraped("c-0"))
+            .then_some(())
+            .ok_or_else(|| "d-0 and c-0 not scraped yet".to_string())
+    });
+
+    // The engines die: their connections close (pd-control's kept-alive ones too) and new
+    // ones are refused.
+    for pod in ["d-0", "c-0"] {
+        stack.arm_fault(json!({"pod": pod, "kind": "crash"}));
+    }
+    stack.wait_snapshot_adopted(|snap| {
+        marked_unreachable(snap, "d-0", true)?;
+        marked_unreachable(snap, "c-0", true)
+    });
+    let control = pd_wasm_tests::prom::Scrape::parse(
+        &http::get(&stack.control, "/metrics")
+            .expect("pd-control metrics")
+            .text(),
+    );
+    let pods = |role, state| {
+        control.value(
+            "pd_control_pods",
+            &[("model", MODEL), ("role", role), ("state", state)],
+        )
+    };
+    assert_eq!(
+        [pods("decode", "ready"), pods("decode", "unreachable")],
+        [Some(1.0), Some(1.0)]
+    );
+    assert_eq!(pods("other", "unreachable"), Some(1.0));
+    for n in 0..12 {
+        let r = ask(&pd, 1000 + n);
+        assert_success(&r);
+        assert_eq!(r.header("target-pod"), Some("d-1"), "{}", describe(&r));
+        assert_eq!(
+            r.header("prefill-target-pod"),
+            Some("p-1"),
+            "group-0 is incomplete without d-0: {}",
+            describe(&r)
+        );
+        let r = ask(&single, 2000 + n);
+        assert_success(&r);
+        assert_eq!(r.header("target-pod"), Some("c-1"), "{}", describe(&r));
+    }
+    assert_eq!(stack.stat("pd_router_ejections_total"), 0, "nothing failed");
+    let log = std::fs::read_to_string(stack.dir.join("pd-control.log")).expect("pd-control log");
+    assert!(log.contains("marked unreachable"), "{log}");
+
+    // Back: the first answered scrape clears the mark, and the pods take requests again.
+    stack.clear_faults();
+    stack.wait_snapshot_adopted(|snap| {
+        marked_unreachable(snap, "d-0", false)?;
+        marked_unreachable(snap, "c-0", false)
+    });
+    let before = decode_legs(&stack, "d-0").len();
+    let (mut pd_back, mut single_back) = (false, false);
+    let mut i = 3000;
+    eventually(Duration::from_secs(15), || {
+        i += 1;
+        assert_success(&ask(&pd, i));
+        let r = ask(&single, i);
+        assert_success(&r);
+        single_back |= r.header("target-pod") == Some("c-0");
+        pd_back |= decode_legs(&stack, "d-0").len() > before;
+        (pd_back && single_back)
+            .then_some(())
+            .ok_or_else(|| format!("back: d-0 {pd_back}, c-0 {single_back}"))
     });
     assert_clean_end(&stack, &fleet_pods(&fleet));
 }

@@ -16,6 +16,10 @@ pub const MAX_BODY_BYTES: usize = 16 << 20;
 pub enum ScrapeError {
     #[error("timed out after {0:?}")]
     Timeout(Duration),
+    /// No connection could be made: refused, no route, or the attempt timed out. The
+    /// engine's process (or its node) is gone; a slow or failing answer is not this.
+    #[error("cannot connect: {0}")]
+    Connect(String),
     #[error("request failed: {}", chain(.0))]
     Http(#[from] reqwest::Error),
     #[error("HTTP status {0}")]
@@ -24,6 +28,21 @@ pub enum ScrapeError {
     TooLarge,
     #[error("scraper is shutting down")]
     Closed,
+}
+
+impl ScrapeError {
+    pub fn is_connect(&self) -> bool {
+        matches!(self, ScrapeError::Connect(_))
+    }
+
+    /// Sorts a failed send: connection failures apart from the rest.
+    fn of_send(error: reqwest::Error) -> ScrapeError {
+        if error.is_connect() {
+            ScrapeError::Connect(chain(&error))
+        } else {
+            ScrapeError::Http(error)
+        }
+    }
 }
 
 /// reqwest's own message is "error sending request for url (…)"; the reason an operator needs
@@ -49,11 +68,14 @@ pub fn metrics_url(ip: &str, port: u16, engine: Engine) -> String {
 }
 
 /// The shared client. Proxies are disabled: pod IPs are cluster-internal, and an `HTTP_PROXY`
-/// in the environment would send every scrape through it.
+/// in the environment would send every scrape through it. A connection attempt gets half the
+/// scrape's bound, so a pod whose node vanished (the attempt is never answered) fails as a
+/// connection failure, which marks a pod unreachable, rather than as a slow answer, which
+/// does not.
 pub fn client(timeout: Duration) -> Result<reqwest::Client, reqwest::Error> {
     reqwest::Client::builder()
         .no_proxy()
-        .connect_timeout(timeout)
+        .connect_timeout(timeout / 2)
         .pool_idle_timeout(Duration::from_secs(30))
         .pool_max_idle_per_host(2)
         .build()
@@ -102,7 +124,12 @@ pub async fn scrape_timed(
 /// The body as sent: [`parse_reading`] reads bytes, so it is neither validated nor copied here.
 async fn fetch_body(client: &reqwest::Client, url: &str) -> Result<Vec<u8>, ScrapeError> {
     // Plain text, not OpenMetrics: prometheus_client switches formats on Accept.
-    let mut response = client.get(url).header(ACCEPT, "text/plain").send().await?;
+    let mut response = client
+        .get(url)
+        .header(ACCEPT, "text/plain")
+        .send()
+        .await
+        .map_err(ScrapeError::of_send)?;
     if !response.status().is_success() {
         return Err(ScrapeError::Status(response.status()));
     }
@@ -119,6 +146,47 @@ async fn fetch_body(client: &reqwest::Client, url: &str) -> Result<Vec<u8>, Scra
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    async fn scrape_of(url: &str) -> Result<Reading, ScrapeError> {
+        let client = client(Duration::from_secs(1)).expect("client");
+        let slots = Arc::new(Semaphore::new(1));
+        scrape(
+            &client,
+            &slots,
+            url,
+            Engine::Vllm,
+            "m",
+            Duration::from_secs(1),
+        )
+        .await
+    }
+
+    #[tokio::test]
+    async fn a_closed_port_is_a_connection_failure_and_an_error_answer_is_not() {
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = closed.local_addr().expect("addr").port();
+        drop(closed);
+        let refused = scrape_of(&format!("http://127.0.0.1:{port}/metrics")).await;
+        assert!(matches!(&refused, Err(e) if e.is_connect()), "{refused:?}");
+
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        tokio::spawn(async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let (mut conn, _) = listener.accept().await.expect("accept");
+            let mut request = [0u8; 1024];
+            let _ = conn.read(&mut request).await;
+            let answer = "HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\n\r\n";
+            conn.write_all(answer.as_bytes()).await.expect("write");
+        });
+        let failed = scrape_of(&format!("http://{addr}/metrics")).await;
+        assert!(
+            matches!(&failed, Err(ScrapeError::Status(s)) if s.as_u16() == 500),
+            "{failed:?}"
+        );
+    }
 
     #[test]
     fn urls() {

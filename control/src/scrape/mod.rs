@@ -37,6 +37,13 @@ pub struct Job {
     pub model: String,
 }
 
+/// What the scrapes say of one pod, for its snapshot entry.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Observed {
+    pub metrics: PodMetrics,
+    pub unreachable: bool,
+}
+
 /// A finished scrape.
 #[derive(Debug)]
 pub struct Outcome {
@@ -77,6 +84,10 @@ struct PodState {
     metrics: PodMetrics,
     last_success: Option<Instant>,
     last_failed: bool,
+    /// Scrapes in a row that could not connect, counted only once the pod has answered at
+    /// this target (a port never reached may be a wrong port or a network policy, not a
+    /// dead engine).
+    refused: u32,
     drain: DrainWindow,
 }
 
@@ -92,6 +103,7 @@ impl PodState {
             metrics: PodMetrics::default(),
             last_success: None,
             last_failed: false,
+            refused: 0,
             drain: DrainWindow::default(),
         }
     }
@@ -110,6 +122,8 @@ pub struct ScrapeBook {
     next_round: u64,
     next_epoch: u64,
     stale_bound: Duration,
+    /// Connection failures in a row that make a pod unreachable; 0 never does.
+    unreachable_after: u32,
 }
 
 /// Only pods that can serve are scraped, as AIBrix does: a starting or terminating pod's
@@ -119,13 +133,14 @@ fn scrapable(pod: &PodRecord) -> bool {
 }
 
 impl ScrapeBook {
-    pub fn new(stale_bound: Duration) -> ScrapeBook {
+    pub fn new(stale_bound: Duration, unreachable_after: u32) -> ScrapeBook {
         ScrapeBook {
             pods: HashMap::new(),
             rounds: Vec::new(),
             next_round: 1,
             next_epoch: 1,
             stale_bound,
+            unreachable_after,
         }
     }
 
@@ -219,8 +234,26 @@ impl ScrapeBook {
                 state.last = Some((reading, finished));
                 state.last_success = Some(finished);
                 state.last_failed = false;
+                if state.refused >= self.unreachable_after && self.unreachable_after > 0 {
+                    tracing::info!(pod = %job.key, url = %job.url, "pod answers again; routable");
+                }
+                state.refused = 0;
             }
             Err(error) => {
+                if error.is_connect() && state.last_success.is_some() {
+                    state.refused = state.refused.saturating_add(1);
+                    if state.refused == self.unreachable_after {
+                        tracing::warn!(
+                            pod = %job.key, url = %job.url, %error,
+                            "pod refused {} scrape connections in a row; marked unreachable, \
+                             so the gateway routes around it until it answers",
+                            state.refused
+                        );
+                    }
+                } else {
+                    // It accepted the connection: alive, if unwell (ejection's business).
+                    state.refused = 0;
+                }
                 // Warn on the transition only: a down pod would otherwise log 20 lines a second.
                 if state.last_failed {
                     tracing::debug!(pod = %job.key, url = %job.url, %error, "metrics scrape failed");
@@ -231,6 +264,24 @@ impl ScrapeBook {
             }
         }
         round_done
+    }
+
+    /// Whether the pod's engine stopped taking connections (see `--unreachable-after`).
+    pub fn unreachable(&self, pod: &PodRecord) -> bool {
+        self.unreachable_after > 0
+            && scrapable(pod)
+            && self
+                .pods
+                .get(&pod.key())
+                .is_some_and(|s| s.refused >= self.unreachable_after && s.target == Target::of(pod))
+    }
+
+    /// What the snapshot says of a pod now: its metrics and whether it is reachable.
+    pub fn observe(&self, pod: &PodRecord, now: Instant) -> Observed {
+        Observed {
+            metrics: self.metrics(pod, now),
+            unreachable: self.unreachable(pod),
+        }
     }
 
     /// The metrics to publish for a pod now; staleness depends on the time of asking.
@@ -346,10 +397,74 @@ mod tests {
         }
     }
 
+    fn with(job: &Job, at: Instant, error: ScrapeError) -> Outcome {
+        Outcome {
+            result: Err(error),
+            ..failed(job, at)
+        }
+    }
+
+    fn refused() -> ScrapeError {
+        ScrapeError::Connect("connection refused".into())
+    }
+
+    #[test]
+    fn a_pod_refusing_connections_after_answering_is_unreachable_until_it_answers() {
+        let mut book = ScrapeBook::new(Duration::from_millis(150), 3);
+        let fleet = vec![pod("a", "10.0.0.1", true), pod("b", "10.0.0.2", true)];
+        let t0 = Instant::now();
+        let round = |book: &mut ScrapeBook, a: Option<ScrapeError>, b: Option<ScrapeError>| {
+            let jobs = book.plan(&fleet, t0);
+            for (job, error) in jobs.iter().zip([a, b]) {
+                book.apply(match error {
+                    Some(e) => with(job, t0, e),
+                    None => ok(job, t0, 1.0, 0.0),
+                });
+            }
+        };
+        // b never answered: a port never reached may be a wrong port or a network policy.
+        for _ in 0..5 {
+            round(&mut book, Some(refused()), Some(refused()));
+        }
+        assert!(!book.unreachable(&fleet[0]) && !book.unreachable(&fleet[1]));
+
+        round(&mut book, None, None);
+        round(&mut book, Some(refused()), None);
+        round(&mut book, Some(refused()), None);
+        assert!(!book.unreachable(&fleet[0]), "two refusals of three");
+        // A connection that was accepted resets the count: the engine is alive, if unwell.
+        round(
+            &mut book,
+            Some(ScrapeError::Timeout(Duration::from_secs(1))),
+            None,
+        );
+        round(&mut book, Some(refused()), None);
+        round(&mut book, Some(refused()), None);
+        assert!(!book.unreachable(&fleet[0]), "the timeout broke the run");
+        round(&mut book, Some(refused()), None);
+        assert!(book.unreachable(&fleet[0]) && !book.unreachable(&fleet[1]));
+        assert!(book.observe(&fleet[0], t0).unreachable);
+
+        // A new IP is a new pod: it must answer once before it can be unreachable.
+        let moved = [pod("a", "10.0.0.7", true), fleet[1].clone()];
+        assert!(!book.unreachable(&moved[0]));
+        round(&mut book, None, None);
+        assert!(!book.unreachable(&fleet[0]), "answered again");
+
+        let mut off = ScrapeBook::new(Duration::from_millis(150), 0);
+        let jobs = off.plan(&fleet[..1], t0);
+        off.apply(ok(&jobs[0], t0, 1.0, 0.0));
+        for _ in 0..5 {
+            let jobs = off.plan(&fleet[..1], t0);
+            off.apply(with(&jobs[0], t0, refused()));
+        }
+        assert!(!off.unreachable(&fleet[0]), "0 turns the check off");
+    }
+
     #[test]
     fn rounds_rates_staleness_and_in_flight_skipping() {
         let bound = Duration::from_millis(150);
-        let mut book = ScrapeBook::new(bound);
+        let mut book = ScrapeBook::new(bound, 3);
         let fleet = vec![
             pod("a", "10.0.0.1", true),
             pod("b", "10.0.0.2", true),
@@ -409,7 +524,7 @@ mod tests {
 
     #[test]
     fn plan_skips_in_flight_pods_and_forgets_departed_ones() {
-        let mut book = ScrapeBook::new(Duration::from_millis(150));
+        let mut book = ScrapeBook::new(Duration::from_millis(150), 3);
         let t0 = Instant::now();
         let fleet = vec![pod("a", "10.0.0.1", true), pod("b", "10.0.0.2", true)];
         let jobs = book.plan(&fleet, t0);

@@ -12,6 +12,7 @@ use prost::Message;
 
 use crate::fleet::PodRecord;
 use crate::proto;
+use crate::scrape::Observed;
 
 /// A built snapshot: the message (for counts) and its encoding.
 #[derive(Debug)]
@@ -47,7 +48,7 @@ impl Published {
     }
 }
 
-pub fn pod_to_proto(pod: &PodRecord, metrics: proto::PodMetrics) -> proto::Pod {
+pub fn pod_to_proto(pod: &PodRecord, observed: Observed) -> proto::Pod {
     proto::Pod {
         namespace: pod.namespace.clone(),
         name: pod.name.clone(),
@@ -62,8 +63,9 @@ pub fn pod_to_proto(pod: &PodRecord, metrics: proto::PodMetrics) -> proto::Pod {
         kv_connector_type: pod.kv_connector_type.clone(),
         role_replica_index: pod.role_replica_index.clone(),
         serves_http: pod.serves_http,
-        metrics: Some(metrics),
+        metrics: Some(observed.metrics),
         ready_since_unix_ms: pod.ready_since_unix_ms,
+        unreachable: observed.unreachable,
     }
 }
 
@@ -124,11 +126,11 @@ fn labels_to_proto(pod: &PodRecord, policy: &LabelPolicy) -> proto::PodLabels {
 pub fn models(
     fleet: &[PodRecord],
     labels: &LabelPolicy,
-    mut metrics: impl FnMut(&PodRecord) -> proto::PodMetrics,
+    mut observe: impl FnMut(&PodRecord) -> Observed,
 ) -> Vec<proto::Model> {
     let mut by_model: BTreeMap<&str, (Vec<proto::Pod>, Vec<proto::PodLabels>)> = BTreeMap::new();
     for pod in fleet {
-        let proto_pod = pod_to_proto(pod, metrics(pod));
+        let proto_pod = pod_to_proto(pod, observe(pod));
         let label_set = labels_to_proto(pod, labels);
         // A LoRA adapter is a model of its own, served by the pods that loaded it: the same
         // pods (same keys, so the same load counters) under the adapter's name.
@@ -262,11 +264,14 @@ mod tests {
         }
     }
 
-    fn metrics(running: f64) -> proto::PodMetrics {
-        proto::PodMetrics {
-            present: true,
-            running,
-            ..Default::default()
+    fn metrics(running: f64) -> Observed {
+        Observed {
+            metrics: proto::PodMetrics {
+                present: true,
+                running,
+                ..Default::default()
+            },
+            unreachable: false,
         }
     }
 
@@ -301,7 +306,10 @@ mod tests {
     #[test]
     fn every_pod_field_is_carried_and_models_are_sorted() {
         let fleet = [pod("z1", "zeta"), pod("a1", "alpha"), pod("z0", "zeta")];
-        let models = models(&fleet, &LabelPolicy::All, |_| metrics(1.0));
+        let models = models(&fleet, &LabelPolicy::All, |p| Observed {
+            unreachable: p.name == "a1",
+            ..metrics(1.0)
+        });
         let names: Vec<_> = models.iter().map(|m| m.name.as_str()).collect();
         assert_eq!(names, ["alpha", "zeta"]);
         let zeta: Vec<_> = models[1].pods.iter().map(|p| p.name.as_str()).collect();
@@ -321,8 +329,9 @@ mod tests {
             kv_connector_type: "nixl".into(),
             role_replica_index: "0".into(),
             serves_http: false,
-            metrics: Some(metrics(1.0)),
+            metrics: Some(metrics(1.0).metrics),
             ready_since_unix_ms: 1_700_000_000_123,
+            unreachable: true,
         };
         assert_eq!(p, &expected);
         // Labels sorted by key (equal topologies encode to equal bytes), one set per pod.
@@ -383,9 +392,12 @@ mod tests {
             "time alone is no change"
         );
 
-        let rescraped = |_: &PodRecord| proto::PodMetrics {
-            last_scrape_unix_ms: 1_950,
-            ..metrics(1.0)
+        let rescraped = |_: &PodRecord| Observed {
+            metrics: proto::PodMetrics {
+                last_scrape_unix_ms: 1_950,
+                ..metrics(1.0).metrics
+            },
+            unreachable: false,
         };
         let Update {
             published: same,

@@ -211,9 +211,14 @@ impl FleetView {
             .iter()
             .map(|m| (m.name.clone(), ModelView::build(&m.pods, m.labels.as_ref())))
             .collect();
-        let addresses = models
-            .values()
-            .flat_map(|m| m.pods.iter().map(|p| p.address.clone()))
+        // Unreachable pods included: a request already routed there finishes its legs, as
+        // with an ejected pod.
+        let addresses = snapshot
+            .models
+            .iter()
+            .flat_map(|m| &m.pods)
+            .filter(|p| routable(p))
+            .map(|p| host_port(&p.ip, p.port))
             .collect();
         FleetView {
             version: snapshot.version,
@@ -334,6 +339,11 @@ impl FleetView {
     }
 }
 
+/// Whether a pod may be routed to at all: ready, serving HTTP, with an address.
+fn routable(pod: &proto::Pod) -> bool {
+    pod.ready && pod.serves_http && !pod.ip.is_empty()
+}
+
 /// A pod's metrics as the view keeps them: none when pd-control has no scrape of it.
 fn usable_metrics(metrics: Option<proto::PodMetrics>) -> Option<proto::PodMetrics> {
     metrics.filter(|m| m.present)
@@ -345,12 +355,13 @@ impl ModelView {
             total_pods: pods.len(),
             ..ModelView::default()
         };
+        let mut unreachable = Vec::new();
         for (slot, pod) in pods.iter().enumerate() {
             let parsed = ModelConfig::parse(&pod.config);
             if view.config.is_none() {
                 view.config = parsed.clone();
             }
-            if !(pod.ready && pod.serves_http && !pod.ip.is_empty()) {
+            if !routable(pod) {
                 continue;
             }
             let role = match pod.role.as_str() {
@@ -359,6 +370,9 @@ impl ModelView {
                 _ => Role::Other,
             };
             let key = format!("{}/{}", pod.namespace, pod.name);
+            if pod.unreachable {
+                unreachable.push(key.clone());
+            }
             let info = PodInfo {
                 id: crate::core::ledger::PodId::of(&key),
                 key,
@@ -397,7 +411,13 @@ impl ModelView {
             });
         }
         view.assemble();
-        view
+        if unreachable.is_empty() {
+            return view;
+        }
+        // pd-control cannot connect to these engines: route around them, as around a pod
+        // this worker ejected, unless nothing would be left.
+        view.without(|key| unreachable.iter().any(|u| u == key))
+            .unwrap_or(view)
     }
 
     /// The same model with the metrics of `metrics` (the model's pods in snapshot order).
@@ -615,6 +635,64 @@ pub(crate) mod tests {
         // Removing every route keeps the model whole.
         let all = fleet.without_pods(|k| k != "ns/p0");
         assert_eq!(all.models["m"].pods.len(), 5);
+    }
+
+    #[test]
+    fn pods_pd_control_cannot_reach_leave_the_view_unless_nothing_would_be_left() {
+        use prost::Message;
+        let unreachable = |mut p: proto::Pod| {
+            p.unreachable = true;
+            p
+        };
+        let fleet = |d0: proto::Pod, running: f64| {
+            let mut snap = snapshot(vec![
+                scraped(pod("p0", "prefill", "g0", true)),
+                d0,
+                scraped(pod("p11", "prefill", "g1", true)),
+                scraped(pod("d11", "decode", "g1", true)),
+            ]);
+            for p in &mut snap.models[0].pods {
+                if let Some(m) = p.metrics.as_mut() {
+                    m.running = running;
+                }
+            }
+            snap.encode_to_vec()
+        };
+        let reachable = FleetView::decode(&fleet(scraped(pod("d0", "decode", "g0", true)), 1.0))
+            .expect("decodes");
+        assert_eq!(reachable.models["m"].rolesets.len(), 2);
+
+        let dead_d0 = scraped(unreachable(pod("d0", "decode", "g0", true)));
+        let marked = FleetView::decode_after(&fleet(dead_d0.clone(), 1.0), Some(&reachable))
+            .expect("decodes");
+        let m = &marked.models["m"];
+        assert!(
+            !marked.same_topology(&reachable),
+            "a new mark is a full adoption"
+        );
+        assert_eq!(m.rolesets.len(), 1, "g0 lost its decode pod");
+        assert!(m.pods.iter().all(|p| p.name != "d0"));
+        assert!(
+            marked.holds_address(&reachable.models["m"].pods[1].address),
+            "legs already routed there may finish"
+        );
+        // Later snapshots of the same topology refresh metrics onto the narrowed view.
+        let later = FleetView::decode_after(&fleet(dead_d0, 2.0), Some(&marked)).expect("decodes");
+        let m = &later.models["m"];
+        assert!(later.same_topology(&marked));
+        assert_eq!(m.rolesets.len(), 1);
+        for p in &m.pods {
+            let snapshot_slot = ["p0", "d0", "p11", "d11"][p.slot];
+            assert_eq!(p.name, snapshot_slot, "slots still index the snapshot");
+            assert_eq!(p.metrics.map(|m| m.running), Some(2.0));
+        }
+
+        // Every route unreachable: the model keeps its pods (a suspect pod over a sure 503).
+        let all = FleetView::from_snapshot(&snapshot(vec![
+            unreachable(pod("p0", "prefill", "g0", true)),
+            pod("d0", "decode", "g0", true),
+        ]));
+        assert_eq!(all.models["m"].rolesets.len(), 1);
     }
 
     #[test]
