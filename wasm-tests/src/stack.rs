@@ -1024,8 +1024,6 @@ impl Stack {
     }
 }
 
-/// Polls `check` every 20 ms until it yields `Ok`, failing the test with its last `Err`
-/// after `timeout`: tests wait on conditions, never on fixed delays.
 /// Every pod entry of a snapshot's JSON, model by model.
 pub fn snapshot_pods(snap: &serde_json::Value) -> impl Iterator<Item = &serde_json::Value> {
     snap["models"]
@@ -1035,6 +1033,8 @@ pub fn snapshot_pods(snap: &serde_json::Value) -> impl Iterator<Item = &serde_js
         .flat_map(|m| m["pods"].as_array().into_iter().flatten())
 }
 
+/// Polls `check` every 20 ms until it yields `Ok`, failing the test with its last `Err`
+/// after `timeout`: tests wait on conditions, never on fixed delays.
 pub fn eventually<T>(timeout: Duration, mut check: impl FnMut() -> Result<T, String>) -> T {
     let deadline = Instant::now() + timeout;
     loop {

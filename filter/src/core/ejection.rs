@@ -5,8 +5,10 @@
 //! the routing view is rebuilt without the ejected pods, so a roleset that loses its decode
 //! pod is simply incomplete, exactly as if Kubernetes had marked the pod unready.
 //!
-//! Per VM (each worker learns from its own requests): no shared-data round trip on the
-//! request path, and a pod failing everyone is ejected by every worker within a few requests.
+//! Each VM counts the failures it sees itself: no shared-data round trip on the request path.
+//! A VM that ejects a pod tells the others (an [`EjectNotice`] on their queues), and they take
+//! the pod out too ([`Ejections::adopt`]): a pod failing everyone costs about
+//! `after_failures` requests in all, not that many per worker.
 
 use hashbrown::HashMap;
 
@@ -95,6 +97,35 @@ impl Ejections {
         Verdict::Ejected { for_ms }
     }
 
+    /// Another VM ejected `notice.pod`: out of this VM's view until the same time, with its
+    /// backoff. Returns whether the pod left the view here (false when ejection is off, the
+    /// notice is over, or this VM already holds the pod out as long).
+    pub fn adopt(&mut self, notice: &EjectNotice<'_>, now_ms: u64) -> bool {
+        if self.policy.after_failures == 0 || notice.until_ms <= now_ms {
+            return false;
+        }
+        let health = self.pods.entry_ref(notice.pod).or_default();
+        health.ejections = health.ejections.max(notice.ejections);
+        if health.ejected_until_ms >= notice.until_ms {
+            return false;
+        }
+        let was_routed = health.ejected_until_ms == 0;
+        health.ejected_until_ms = notice.until_ms;
+        health.consecutive_failures = 0;
+        self.changed |= was_routed;
+        was_routed
+    }
+
+    /// What to tell the other VMs about `pod`, just ejected here.
+    pub fn notice<'a>(&self, pod: &'a str) -> Option<EjectNotice<'a>> {
+        let health = self.pods.get(pod).filter(|h| h.ejected_until_ms != 0)?;
+        Some(EjectNotice {
+            pod,
+            until_ms: health.ejected_until_ms,
+            ejections: health.ejections,
+        })
+    }
+
     /// A request the pod served: it is healthy again and its backoff starts over.
     pub fn success(&mut self, pod: &str) {
         if let Some(h) = self.pods.get_mut(pod) {
@@ -141,6 +172,44 @@ impl Ejections {
             .iter()
             .filter(|(_, h)| h.ejected_until_ms != 0)
             .map(|(k, _)| k.as_str())
+    }
+}
+
+/// One VM's ejection of a pod, for the others: the pod, when it comes back (host clock, the
+/// same for every VM of the process), and its ejections since its last success (the backoff).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EjectNotice<'a> {
+    pub pod: &'a str,
+    pub until_ms: u64,
+    pub ejections: u32,
+}
+
+/// Why a queued notice could not be read.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum NoticeError {
+    #[error("ejection notice of {0} bytes, shorter than its 12-byte header")]
+    Short(usize),
+    #[error("ejection notice names a pod that is not UTF-8")]
+    PodNotText,
+}
+
+impl<'a> EjectNotice<'a> {
+    /// `until_ms` (u64 LE) ‖ `ejections` (u32 LE) ‖ pod key.
+    pub fn encode_into(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.until_ms.to_le_bytes());
+        out.extend_from_slice(&self.ejections.to_le_bytes());
+        out.extend_from_slice(self.pod.as_bytes());
+    }
+
+    pub fn decode(bytes: &'a [u8]) -> Result<EjectNotice<'a>, NoticeError> {
+        let short = || NoticeError::Short(bytes.len());
+        let (until, rest) = bytes.split_first_chunk::<8>().ok_or_else(short)?;
+        let (ejections, pod) = rest.split_first_chunk::<4>().ok_or_else(short)?;
+        Ok(EjectNotice {
+            pod: std::str::from_utf8(pod).map_err(|_| NoticeError::PodNotText)?,
+            until_ms: u64::from_le_bytes(*until),
+            ejections: u32::from_le_bytes(*ejections),
+        })
     }
 }
 
@@ -199,6 +268,55 @@ mod tests {
             e.failure("ns/a", now);
         }
         assert_eq!(e.failure("ns/a", now), Verdict::Ejected { for_ms: 1_000 });
+    }
+
+    #[test]
+    fn a_pod_another_vm_ejected_leaves_this_view_until_the_same_time() {
+        let mut a = Ejections::new(policy());
+        let mut b = Ejections::new(policy());
+        for t in 0..3 {
+            a.failure("ns/p", t);
+        }
+        let notice = a.notice("ns/p").expect("ejected");
+        assert_eq!((notice.until_ms, notice.ejections), (1_002, 1));
+        let mut bytes = Vec::new();
+        notice.encode_into(&mut bytes);
+        let read = EjectNotice::decode(&bytes).expect("decodes");
+        assert_eq!(read, notice);
+
+        b.failure("ns/p", 5);
+        assert!(b.adopt(&read, 10) && b.take_changed());
+        assert!(b.is_ejected("ns/p"));
+        assert!(!b.adopt(&read, 10), "already out as long");
+        assert!(!b.take_changed());
+        assert!(!b.expire(1_001));
+        assert!(b.expire(1_002) && !b.is_ejected("ns/p"));
+        // The backoff came along: the next ejection here lasts twice as long, and the
+        // failure counted before the notice did not survive it.
+        assert_eq!(b.failure("ns/p", 2_000), Verdict::Counted);
+        assert_eq!(b.failure("ns/p", 2_000), Verdict::Counted);
+        assert_eq!(b.failure("ns/p", 2_000), Verdict::Ejected { for_ms: 2_000 });
+
+        let late = EjectNotice {
+            until_ms: 50,
+            ..notice
+        };
+        let mut c = Ejections::new(policy());
+        assert!(!c.adopt(&late, 50), "over before it arrived");
+        let mut off = Ejections::new(EjectionPolicy {
+            after_failures: 0,
+            ..policy()
+        });
+        assert!(!off.adopt(&notice, 10) && !off.is_ejected("ns/p"));
+        assert!(a.notice("ns/other").is_none());
+
+        assert_eq!(
+            EjectNotice::decode(&bytes[..11]),
+            Err(NoticeError::Short(11))
+        );
+        let mut bad = bytes[..12].to_vec();
+        bad.push(0xff);
+        assert_eq!(EjectNotice::decode(&bad), Err(NoticeError::PodNotText));
     }
 
     #[test]

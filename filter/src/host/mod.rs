@@ -64,8 +64,11 @@ pub struct VmState {
     /// from their rings, `prefix_log`).
     pub prefix: PrefixIndex,
     pub prefix_settings: PrefixSettings,
-    /// Notice queues of the other live VMs, refreshed about once a second.
+    /// Notice queues of the other live VMs, refreshed every tick.
     pub peers: Vec<u32>,
+    /// This VM's `vm_id` and notice queue name, once registered: what [`Self::peers`] is
+    /// read with.
+    pub queue_identity: Option<(String, String)>,
     /// Prefix events not published yet, and how many batches this VM has published: a
     /// request remembers the batch its event joined and publishes it, if still pending, when
     /// its response starts (see `host::http`).
@@ -166,7 +169,7 @@ impl VmState {
     }
 
     /// Records how a pod served a request (`ok`) for passive ejection, logging and counting
-    /// an ejection; the routing view is rebuilt on the next tick.
+    /// an ejection, which the other VMs are told of.
     pub fn pod_outcome(&mut self, pod: &str, ok: bool, now_ms: u64) {
         if ok {
             self.ejections.success(pod);
@@ -180,12 +183,46 @@ impl VmState {
                 self.plugin.eject_after_failures
             );
             metrics::Metrics::inc(self.metrics.ejections);
-            // Out of this worker's view at once, not at the next tick: the next request must
-            // not be routed there. (The tick rebuilds the view from the snapshot anyway.)
-            if let Some(fleet) = &self.fleet {
-                let ejections = &self.ejections;
-                self.fleet = Some(Rc::new(fleet.without_pods(|k| ejections.is_ejected(k))));
+            self.drop_ejected_pods();
+            if let Some(notice) = self.ejections.notice(pod) {
+                let mut payload = Vec::with_capacity(12 + pod.len());
+                notice.encode_into(&mut payload);
+                // Read afresh (ejections are rare): a VM that registered since this one's
+                // last tick must hear of it too.
+                if let Some((vm_id, queue)) = &self.queue_identity {
+                    self.peers = snapshot::live_queues(vm_id, now_ms, Some(queue));
+                }
+                snapshot::broadcast(&self.peers, snapshot::MSG_EJECT, &payload);
             }
+        }
+    }
+
+    /// Another VM ejected a pod (a queued `EjectNotice`): out of this VM's view too.
+    pub fn adopt_ejection(&mut self, payload: &[u8], now_ms: u64) {
+        let notice = match crate::core::ejection::EjectNotice::decode(payload) {
+            Ok(notice) => notice,
+            Err(e) => {
+                log::warn!("dropping an ejection notice: {e}");
+                return;
+            }
+        };
+        if self.ejections.adopt(&notice, now_ms) {
+            log::info!(
+                "pod {} out of routing until another worker's ejection of it ends ({} ms)",
+                notice.pod,
+                notice.until_ms.saturating_sub(now_ms)
+            );
+            metrics::Metrics::inc(self.metrics.ejections_adopted);
+            self.drop_ejected_pods();
+        }
+    }
+
+    /// Takes ejected pods out of this VM's view at once, not at the next tick: the next
+    /// request must not be routed there. (The tick rebuilds the view from the snapshot anyway.)
+    fn drop_ejected_pods(&mut self) {
+        if let Some(fleet) = &self.fleet {
+            let ejections = &self.ejections;
+            self.fleet = Some(Rc::new(fleet.without_pods(|k| ejections.is_ejected(k))));
         }
     }
 }

@@ -109,6 +109,7 @@ impl Root {
                 prefix: PrefixIndex::new(1, 1),
                 prefix_settings: PrefixSettings::default(),
                 peers: Vec::new(),
+                queue_identity: None,
                 prefix_outbox: Default::default(),
                 prefix_batches_sent: 0,
                 prefix_log: crate::core::prefix::log::PrefixLog::new(seed | 1),
@@ -691,7 +692,11 @@ impl RootContext for Root {
             // Every tick: a VM that registers later must start receiving prefix events at
             // once, not after the next heartbeat. Reading the small registry is cheap.
             let peers = snapshot::live_queues(&self.vm_id, now, Some(&q.name));
-            self.vm.borrow_mut().peers = peers;
+            let mut vm = self.vm.borrow_mut();
+            vm.peers = peers;
+            if vm.queue_identity.is_none() {
+                vm.queue_identity = Some((self.vm_id.clone(), q.name.clone()));
+            }
         }
         {
             crate::section_scope!("tick.prefix");
@@ -784,6 +789,9 @@ impl RootContext for Root {
                 }
                 Some((&snapshot::MSG_REMOTE, _)) => {
                     crate::host::replicas::refresh(&mut self.vm.borrow_mut(), now_ms())
+                }
+                Some((&snapshot::MSG_EJECT, notice)) => {
+                    self.vm.borrow_mut().adopt_ejection(notice, now_ms())
                 }
                 _ => log::warn!("dropping an unknown queue message"),
             }

@@ -245,13 +245,15 @@ impl NoticeQueue {
 /// batch of them (`EventBatch`; sent by VMs of earlier builds, which pushed their events
 /// where this one publishes them, `core::prefix::log`, still applied while an ECDS update
 /// runs both), a wake-up (an idle VM got a request, see `VmState::wake_for_request`; no
-/// payload, or [`WAKE_FOLLOWERS`]), or news of the other replicas (no payload: the lease
-/// holder stored a changed answer, see `host::replicas::adopt_newer`).
+/// payload, or [`WAKE_FOLLOWERS`]), news of the other replicas (no payload: the lease
+/// holder stored a changed answer, see `host::replicas::adopt_newer`), or a pod another VM
+/// ejected (`core::ejection::EjectNotice`).
 pub const MSG_SNAPSHOT: u8 = 1;
 pub const MSG_PREFIX: u8 = 2;
 pub const MSG_PREFIX_BATCH: u8 = 3;
 pub const MSG_WAKE: u8 = 4;
 pub const MSG_REMOTE: u8 = 5;
+pub const MSG_EJECT: u8 = 6;
 /// Payload of a [`MSG_WAKE`] sent only so that the VMs following this one's prefix ring read
 /// it closely (`core::prefix::follow`): the others stay asleep. An empty payload (as earlier
 /// builds send) wakes every VM.
