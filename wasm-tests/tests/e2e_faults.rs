@@ -357,6 +357,11 @@ fn a_prefill_pod_refusing_connections_costs_no_request() {
     // its own first).
     let rerouted = failovers(&stack, "rerouted") as u64;
     assert!((3..=3 * workers).contains(&rerouted), "{rerouted}");
+    assert_eq!(
+        stack.metric("pd_router_routed_total", &[("kind", "pair")]),
+        sent as f64,
+        "each request routed once, failed over or not"
+    );
     assert_eq!(failovers(&stack, "failed"), 0.0);
     assert!(
         decode_legs(&stack, "d-0").is_empty(),

@@ -511,7 +511,10 @@ impl PdHttp {
                     session_id: via.map(|_| session_affinity::session_id(&pod.address)),
                 });
                 let metrics = &self.vm.borrow().metrics;
-                Metrics::inc(metrics.routed_single);
+                if self.failover.excluded.is_empty() {
+                    // A failed-over request was counted when it was first routed.
+                    Metrics::inc(metrics.routed_single);
+                }
                 if let Some(via) = via {
                     Metrics::inc(metrics.session_affinity[via as usize]);
                 }
@@ -535,7 +538,9 @@ impl PdHttp {
                     prefill: Some((prefill.name.clone(), prefill.ip.clone())),
                     session_id: None,
                 });
-                Metrics::inc(self.vm.borrow().metrics.routed_pair);
+                if self.failover.excluded.is_empty() {
+                    Metrics::inc(self.vm.borrow().metrics.routed_pair);
+                }
                 let action = crate::section!(
                     "request_body.start_pair",
                     self.start_pair(engine, req, raw, prefill, decode)
