@@ -86,6 +86,13 @@ pub struct Config {
     #[arg(long, value_name = "SCRAPES", default_value_t = 3)]
     pub unreachable_after: u32,
 
+    /// A pod whose engine holds running requests while no token or request counter moves and
+    /// no throughput gauge is above zero for this long is marked stalled in the snapshot (a
+    /// hung GPU usually leaves the HTTP server answering): the gateway routes around it until
+    /// its counters move again. `0s` turns the check off.
+    #[arg(long, value_name = "DURATION", default_value = "15s", value_parser = parse_duration)]
+    pub stalled_after: Duration,
+
     /// Metrics older than this many refresh intervals are flagged stale.
     #[arg(long, value_name = "INTERVALS", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
     pub stale_after: u32,
@@ -171,6 +178,7 @@ impl Config {
             scrape_concurrency: 64,
             stale_after: 3,
             unreachable_after: 3,
+            stalled_after: Duration::from_secs(15),
             replica_ttl: Duration::from_secs(5),
             redis: None,
             snapshot_token_file: None,

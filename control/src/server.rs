@@ -257,8 +257,9 @@ pub fn render_metrics(
 
     // Pods by model, role and readiness; every combination present in the fleet, zeros kept
     // for the readiness a group has none of, so a group going all-unready reads 0, not absent.
-    // A ready pod whose engine refuses connections counts as `unreachable`, not `ready`.
-    let mut pods: BTreeMap<(&str, &str), [u64; 3]> = BTreeMap::new();
+    // A ready pod whose engine refuses connections counts as `unreachable`, one that sits on
+    // its requests as `stalled`, not as `ready`.
+    let mut pods: BTreeMap<(&str, &str), [u64; 4]> = BTreeMap::new();
     for model in &published.snapshot.models {
         for pod in &model.pods {
             let role = match pod.role.as_str() {
@@ -266,10 +267,11 @@ pub fn render_metrics(
                 "" => "none",
                 _ => "other",
             };
-            let state = match (pod.ready, pod.unreachable) {
-                (false, _) => 1,
-                (true, true) => 2,
-                (true, false) => 0,
+            let state = match (pod.ready, pod.unreachable, pod.stalled) {
+                (false, _, _) => 1,
+                (true, true, _) => 2,
+                (true, false, true) => 3,
+                (true, false, false) => 0,
             };
             pods.entry((model.name.as_str(), role)).or_default()[state] += 1;
         }
@@ -277,7 +279,7 @@ pub fn render_metrics(
     let samples: Vec<(String, String)> = pods
         .iter()
         .flat_map(|((model, role), counts)| {
-            ["ready", "not_ready", "unreachable"]
+            ["ready", "not_ready", "unreachable", "stalled"]
                 .into_iter()
                 .zip(counts)
                 .map(move |(state, n)| {
@@ -295,7 +297,7 @@ pub fn render_metrics(
         &mut out,
         "pd_control_pods",
         "gauge",
-        "Pods in the served snapshot by model, role (prefill, decode, other, none) and state (ready, not_ready, unreachable: ready but refusing scrape connections).",
+        "Pods in the served snapshot by model, role (prefill, decode, other, none) and state (ready, not_ready, unreachable: ready but refusing scrape connections, stalled: ready but making no progress on its running requests).",
         &samples,
     );
 
@@ -439,6 +441,10 @@ mod tests {
                         unreachable: true,
                         ..pod("d2", "decode", true)
                     },
+                    proto::Pod {
+                        stalled: true,
+                        ..pod("p1", "prefill", true)
+                    },
                     pod("c0", "all", true),
                 ],
                 labels: None,
@@ -466,6 +472,8 @@ mod tests {
             "pd_control_pods{model=\"m\\\"1\",role=\"decode\",state=\"not_ready\"} 1",
             "pd_control_pods{model=\"m\\\"1\",role=\"decode\",state=\"unreachable\"} 1",
             "pd_control_pods{model=\"m\\\"1\",role=\"prefill\",state=\"unreachable\"} 0",
+            "pd_control_pods{model=\"m\\\"1\",role=\"prefill\",state=\"stalled\"} 1",
+            "pd_control_pods{model=\"m\\\"1\",role=\"prefill\",state=\"ready\"} 1",
             "pd_control_pods{model=\"m\\\"1\",role=\"other\",state=\"ready\"} 1",
             "pd_control_scrape_errors_total{namespace=\"ns\",pod=\"d1\"} 1",
             "pd_control_scrape_errors_total{namespace=\"ns\",pod=\"p0\"} 0",

@@ -157,7 +157,8 @@ pub async fn start_with_source<S: FleetSource>(
     let concurrency = usize::try_from(config.scrape_concurrency).unwrap_or(usize::MAX);
     let (scraper, outcomes) =
         Scraper::new(config.scrape_timeout, concurrency).map_err(Error::Client)?;
-    let book = ScrapeBook::new(config.stale_bound(), config.unreachable_after);
+    let book = ScrapeBook::new(config.stale_bound(), config.unreachable_after)
+        .with_stalled_after(config.stalled_after);
     let mut builder = SnapshotBuilder::default();
     let now = Instant::now();
     let first = builder.update(

@@ -761,15 +761,20 @@ fn failing_pod_is_ejected_then_readmitted(fault: Value, failed_status: u16, head
     assert_clean_end(&stack, &fleet_pods(&fleet));
 }
 
-/// Whether pd-control's snapshot marks `pod` unreachable; an error names the mark it lacks.
-fn marked_unreachable(snap: &Value, pod: &str, marked: bool) -> Result<(), String> {
+/// Whether pd-control's snapshot gives `pod` the mark `field` (`unreachable`, `stalled`) as
+/// `want`s; an error says what it shows instead.
+fn marked(snap: &Value, pod: &str, field: &str, want: bool) -> Result<(), String> {
     let entry = snapshot_pods(snap).find(|p| p["name"] == pod);
-    let is = entry.and_then(|p| p["unreachable"].as_bool()) == Some(true);
-    if is == marked {
+    let is = entry.and_then(|p| p[field].as_bool()) == Some(true);
+    if is == want {
         Ok(())
     } else {
-        Err(format!("{pod} unreachable: {is}, want {marked}"))
+        Err(format!("{pod} {field}: {is}, want {want}"))
     }
+}
+
+fn marked_unreachable(snap: &Value, pod: &str, want: bool) -> Result<(), String> {
+    marked(snap, pod, "unreachable", want)
 }
 
 /// pd-control finds an engine that stopped taking connections (3 refused scrapes, about
@@ -874,6 +879,94 @@ fn a_pod_pd_control_cannot_reach_costs_no_request_on_any_worker() {
         (pd_back && single_back)
             .then_some(())
             .ok_or_else(|| format!("back: d-0 {pd_back}, c-0 {single_back}"))
+    });
+    assert_clean_end(&stack, &fleet_pods(&fleet));
+}
+
+/// A pod whose engine holds running requests and makes no progress on them (a hung GPU
+/// behind an HTTP server that still answers) is marked stalled by pd-control once no counter
+/// has moved for `--stalled-after`, and every worker routes around it; when its counters move
+/// again it is routed to once more. `random` would otherwise send it half the requests.
+#[test]
+fn a_pod_sitting_on_its_requests_is_routed_around_until_it_moves_again() {
+    let fleet = Fleet::new(MODEL)
+        .combined("c-0")
+        .label("tier", "stuck")
+        .combined("c-1");
+    let stack = Stack::start_opts(
+        fleet.clone(),
+        fleet.clone().pod(ROGUE, "decode", "group-9"),
+        &Options {
+            control_args: &["--stalled-after", "300ms"],
+            ..Options::default()
+        },
+    );
+    let random = [("routing-strategy", "random")];
+    eventually(Duration::from_secs(15), || {
+        let scraped = snapshot_pods(&stack.control_snapshot())
+            .any(|p| p["name"] == "c-0" && p["metrics"]["present"] == true);
+        scraped
+            .then_some(())
+            .ok_or_else(|| "c-0 not scraped yet".to_string())
+    });
+    // Two streams on c-0 stop after their first chunk: running, and nothing moves.
+    stack.arm_fault(
+        json!({"pod": "c-0", "kind": "hang_after_chunks", "chunks": 1,
+                           "leg": "full", "times": 2}),
+    );
+    let streams: Vec<JoinHandle<Response>> = (0..2)
+        .map(|_| {
+            let addr = stack.gateway.clone();
+            std::thread::spawn(move || {
+                let headers = [
+                    ("routing-strategy", "random"),
+                    ("external-filter", "tier=stuck"),
+                ];
+                http::post_json(&addr, "/v1/chat/completions", &headers, &chat(true, 20))
+            })
+        })
+        .collect();
+    stack.wait_for_legs("full", 2);
+    stack.wait_snapshot_adopted(|snap| marked(snap, "c-0", "stalled", true));
+    let control = pd_wasm_tests::prom::Scrape::parse(
+        &http::get(&stack.control, "/metrics")
+            .expect("pd-control metrics")
+            .text(),
+    );
+    assert_eq!(
+        control.value(
+            "pd_control_pods",
+            &[("model", MODEL), ("role", "other"), ("state", "stalled")]
+        ),
+        Some(1.0)
+    );
+    for i in 0..12 {
+        let body = json!({"model": MODEL, "max_tokens": 2,
+                          "messages": [{"role": "user", "content": format!("question {i}")}]});
+        let r = stack.chat(&random, &body);
+        assert_success(&r);
+        assert_eq!(r.header("target-pod"), Some("c-1"), "{}", describe(&r));
+    }
+    let log = std::fs::read_to_string(stack.dir.join("pd-control.log")).expect("pd-control log");
+    assert!(log.contains("marked stalled"), "{log}");
+
+    // The engine moves again: the streams finish and the mark goes.
+    stack.clear_faults();
+    for r in ended(streams) {
+        assert_success(&r);
+        assert_eq!(r.header("target-pod"), Some("c-0"));
+    }
+    stack.wait_snapshot_adopted(|snap| marked(snap, "c-0", "stalled", false));
+    let mut i = 100;
+    eventually(Duration::from_secs(15), || {
+        i += 1;
+        let body = json!({"model": MODEL, "max_tokens": 2,
+                          "messages": [{"role": "user", "content": format!("question {i}")}]});
+        let r = stack.chat(&random, &body);
+        assert_success(&r);
+        (r.header("target-pod") == Some("c-0"))
+            .then_some(())
+            .ok_or_else(|| "c-0 never came back".to_string())
     });
     assert_clean_end(&stack, &fleet_pods(&fleet));
 }

@@ -12,6 +12,7 @@ pub mod engine;
 pub mod exposition;
 pub mod fetch;
 pub mod rates;
+pub mod stall;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -42,6 +43,7 @@ pub struct Job {
 pub struct Observed {
     pub metrics: PodMetrics,
     pub unreachable: bool,
+    pub stalled: bool,
 }
 
 /// A finished scrape.
@@ -88,6 +90,13 @@ struct PodState {
     /// this target (a port never reached may be a wrong port or a network policy, not a
     /// dead engine).
     refused: u32,
+    /// When the engine last made progress or was idle (see `stall`); none before its first
+    /// answered scrape.
+    progress_at: Option<Instant>,
+    /// The last reading showed running requests and nothing moving.
+    still: bool,
+    /// Whether the log last said the pod is stalled (the mark itself follows the clock).
+    stall_logged: bool,
     drain: DrainWindow,
 }
 
@@ -104,6 +113,9 @@ impl PodState {
             last_success: None,
             last_failed: false,
             refused: 0,
+            progress_at: None,
+            still: false,
+            stall_logged: false,
             drain: DrainWindow::default(),
         }
     }
@@ -124,6 +136,19 @@ pub struct ScrapeBook {
     stale_bound: Duration,
     /// Connection failures in a row that make a pod unreachable; 0 never does.
     unreachable_after: u32,
+    /// How long running requests may go without progress before the pod counts as stalled;
+    /// zero never.
+    stalled_after: Duration,
+}
+
+/// Whether `state` has held running requests without progress for `after` (zero: never).
+fn stalled_state(state: &PodState, after: Duration, now: Instant) -> bool {
+    !after.is_zero()
+        && state.still
+        && !state.last_failed
+        && state
+            .progress_at
+            .is_some_and(|at| now.saturating_duration_since(at) >= after)
 }
 
 /// Only pods that can serve are scraped, as AIBrix does: a starting or terminating pod's
@@ -141,7 +166,14 @@ impl ScrapeBook {
             next_epoch: 1,
             stale_bound,
             unreachable_after,
+            stalled_after: Duration::ZERO,
         }
+    }
+
+    /// Marks pods whose running requests make no progress for `after` (zero: never).
+    pub fn with_stalled_after(mut self, after: Duration) -> ScrapeBook {
+        self.stalled_after = after;
+        self
     }
 
     /// Plans a round: one job per scrapable pod without a scrape in flight. Pods that left the
@@ -223,6 +255,30 @@ impl ScrapeBook {
                     .as_ref()
                     .map(|(r, at)| (r, finished.saturating_duration_since(*at)));
                 let carried = Some(&state.metrics).filter(|m| m.present);
+                match stall::progress(state.last.as_ref().map(|(r, _)| r), &reading) {
+                    stall::Progress::Still => state.still = state.progress_at.is_some(),
+                    _ => {
+                        state.still = false;
+                        state.progress_at = Some(finished);
+                    }
+                }
+                if state.progress_at.is_none() {
+                    state.progress_at = Some(finished);
+                }
+                let stalled = stalled_state(state, self.stalled_after, finished);
+                if stalled != state.stall_logged {
+                    state.stall_logged = stalled;
+                    if stalled {
+                        tracing::warn!(
+                            pod = %job.key,
+                            "pod has held running requests for {:?} with no token or request \
+                             counter moving; marked stalled, so the gateway routes around it",
+                            self.stalled_after
+                        );
+                    } else {
+                        tracing::info!(pod = %job.key, "pod makes progress again; routable");
+                    }
+                }
                 let mut metrics = rates::derive(job.engine, &reading, previous, carried);
                 metrics.drain_rate =
                     rates::non_negative(state.drain.observe(finished, reading.completed));
@@ -276,11 +332,22 @@ impl ScrapeBook {
                 .is_some_and(|s| s.refused >= self.unreachable_after && s.target == Target::of(pod))
     }
 
-    /// What the snapshot says of a pod now: its metrics and whether it is reachable.
+    /// Whether the pod's engine holds running requests that made no progress for
+    /// `--stalled-after` (see `stall`).
+    pub fn stalled(&self, pod: &PodRecord, now: Instant) -> bool {
+        scrapable(pod)
+            && self.pods.get(&pod.key()).is_some_and(|s| {
+                s.target == Target::of(pod) && stalled_state(s, self.stalled_after, now)
+            })
+    }
+
+    /// What the snapshot says of a pod now: its metrics, whether it is reachable, whether
+    /// it works on what it holds.
     pub fn observe(&self, pod: &PodRecord, now: Instant) -> Observed {
         Observed {
             metrics: self.metrics(pod, now),
             unreachable: self.unreachable(pod),
+            stalled: self.stalled(pod, now),
         }
     }
 
@@ -459,6 +526,61 @@ mod tests {
             off.apply(with(&jobs[0], t0, refused()));
         }
         assert!(!off.unreachable(&fleet[0]), "0 turns the check off");
+    }
+
+    #[test]
+    fn running_requests_without_progress_for_the_bound_mark_a_pod_stalled() {
+        let mut book = ScrapeBook::new(Duration::from_millis(150), 3)
+            .with_stalled_after(Duration::from_secs(1));
+        let fleet = vec![pod("a", "10.0.0.1", true)];
+        let t0 = Instant::now();
+        let at = |ms| t0 + Duration::from_millis(ms);
+        let scrape = |book: &mut ScrapeBook, ms: u64, running: f64, prompt: f64| {
+            let jobs = book.plan(&fleet, at(ms));
+            book.apply(ok(&jobs[0], at(ms), running, prompt));
+        };
+        scrape(&mut book, 0, 2.0, 100.0);
+        scrape(&mut book, 500, 2.0, 100.0);
+        assert!(!book.stalled(&fleet[0], at(999)));
+        assert!(
+            book.stalled(&fleet[0], at(1_000)),
+            "a second without progress"
+        );
+        assert!(book.observe(&fleet[0], at(1_000)).stalled);
+        scrape(&mut book, 1_200, 2.0, 100.0);
+        assert!(book.stalled(&fleet[0], at(1_200)));
+        scrape(&mut book, 1_300, 2.0, 180.0);
+        assert!(
+            !book.stalled(&fleet[0], at(2_300)),
+            "the last scrape saw progress"
+        );
+        scrape(&mut book, 1_400, 2.0, 180.0);
+        assert!(
+            !book.stalled(&fleet[0], at(2_200)),
+            "the counter moved at 1.3 s"
+        );
+        assert!(book.stalled(&fleet[0], at(2_300)));
+        scrape(&mut book, 2_400, 0.0, 180.0);
+        assert!(!book.stalled(&fleet[0], at(9_000)), "nothing running: idle");
+        scrape(&mut book, 9_000, 1.0, 180.0);
+        scrape(&mut book, 9_100, 1.0, 180.0);
+        assert!(
+            !book.stalled(&fleet[0], at(9_900)),
+            "the clock restarted when idle"
+        );
+        let jobs = book.plan(&fleet, at(10_100));
+        book.apply(failed(&jobs[0], at(10_100)));
+        assert!(
+            !book.stalled(&fleet[0], at(10_100)),
+            "a failed scrape tells nothing"
+        );
+
+        let mut off = ScrapeBook::new(Duration::from_millis(150), 3);
+        for ms in [0, 500, 5_000] {
+            let jobs = off.plan(&fleet, at(ms));
+            off.apply(ok(&jobs[0], at(ms), 2.0, 100.0));
+        }
+        assert!(!off.stalled(&fleet[0], at(9_000)), "off unless asked for");
     }
 
     #[test]

@@ -66,6 +66,7 @@ pub fn pod_to_proto(pod: &PodRecord, observed: Observed) -> proto::Pod {
         metrics: Some(observed.metrics),
         ready_since_unix_ms: pod.ready_since_unix_ms,
         unreachable: observed.unreachable,
+        stalled: observed.stalled,
     }
 }
 
@@ -272,6 +273,7 @@ mod tests {
                 ..Default::default()
             },
             unreachable: false,
+            stalled: false,
         }
     }
 
@@ -308,6 +310,7 @@ mod tests {
         let fleet = [pod("z1", "zeta"), pod("a1", "alpha"), pod("z0", "zeta")];
         let models = models(&fleet, &LabelPolicy::All, |p| Observed {
             unreachable: p.name == "a1",
+            stalled: p.name == "a1",
             ..metrics(1.0)
         });
         let names: Vec<_> = models.iter().map(|m| m.name.as_str()).collect();
@@ -332,6 +335,7 @@ mod tests {
             metrics: Some(metrics(1.0).metrics),
             ready_since_unix_ms: 1_700_000_000_123,
             unreachable: true,
+            stalled: true,
         };
         assert_eq!(p, &expected);
         // Labels sorted by key (equal topologies encode to equal bytes), one set per pod.
@@ -398,6 +402,7 @@ mod tests {
                 ..metrics(1.0).metrics
             },
             unreachable: false,
+            stalled: false,
         };
         let Update {
             published: same,

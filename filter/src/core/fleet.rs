@@ -355,7 +355,8 @@ impl ModelView {
             total_pods: pods.len(),
             ..ModelView::default()
         };
-        let mut unreachable = Vec::new();
+        // Pods pd-control cannot connect to, or whose engine sits on its requests.
+        let mut avoided = Vec::new();
         for (slot, pod) in pods.iter().enumerate() {
             let parsed = ModelConfig::parse(&pod.config);
             if view.config.is_none() {
@@ -370,8 +371,8 @@ impl ModelView {
                 _ => Role::Other,
             };
             let key = format!("{}/{}", pod.namespace, pod.name);
-            if pod.unreachable {
-                unreachable.push(key.clone());
+            if pod.unreachable || pod.stalled {
+                avoided.push(key.clone());
             }
             let info = PodInfo {
                 id: crate::core::ledger::PodId::of(&key),
@@ -411,12 +412,12 @@ impl ModelView {
             });
         }
         view.assemble();
-        if unreachable.is_empty() {
+        if avoided.is_empty() {
             return view;
         }
-        // pd-control cannot connect to these engines: route around them, as around a pod
-        // this worker ejected, unless nothing would be left.
-        view.without(|key| unreachable.iter().any(|u| u == key))
+        // Route around them, as around a pod this worker ejected, unless nothing would be
+        // left.
+        view.without(|key| avoided.iter().any(|u| u == key))
             .unwrap_or(view)
     }
 
@@ -638,7 +639,7 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn pods_pd_control_cannot_reach_leave_the_view_unless_nothing_would_be_left() {
+    fn pods_pd_control_cannot_reach_or_finds_stalled_leave_the_view_unless_nothing_would_be_left() {
         use prost::Message;
         let unreachable = |mut p: proto::Pod| {
             p.unreachable = true;
@@ -693,6 +694,19 @@ pub(crate) mod tests {
             pod("d0", "decode", "g0", true),
         ]));
         assert_eq!(all.models["m"].rolesets.len(), 1);
+
+        // A stalled engine is avoided alike.
+        let stalled = FleetView::from_snapshot(&snapshot(vec![
+            pod("p0", "prefill", "g0", true),
+            proto::Pod {
+                stalled: true,
+                ..pod("d0", "decode", "g0", true)
+            },
+            pod("c1", "all", "", true),
+        ]));
+        let m = &stalled.models["m"];
+        assert!(m.rolesets.is_empty());
+        assert_eq!(m.pods.len(), 2);
     }
 
     #[test]

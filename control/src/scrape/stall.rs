@@ -1,0 +1,135 @@
+//! Engines that hold requests but stopped working on them.
+//!
+//! A GPU that hangs (a collective that never returns, a wedged kernel) usually leaves the
+//! engine's HTTP server up: connections are accepted, `/metrics` answers, and every request
+//! sent there waits until the decode watchdog gives up on it (60 s by default). What the
+//! metrics do show is that nothing moves: requests are running, yet no token counter grows and
+//! no throughput gauge is above zero, scrape after scrape. A healthy engine with running
+//! requests moves one of them within a scheduler step (milliseconds to a few seconds).
+
+use super::engine::Reading;
+
+/// What one reading says about the engine's progress since the one before.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress {
+    /// No running request: nothing to make progress on.
+    Idle,
+    /// A token or request counter grew (or restarted), or a throughput gauge is above zero.
+    Moved,
+    /// Requests are running and no signal moved.
+    Still,
+    /// The reading cannot tell: no running count, no progress signal, or no earlier reading
+    /// to compare counters with.
+    Unknown,
+}
+
+/// Compares `current` with the `previous` reading of the same engine process.
+pub fn progress(previous: Option<&Reading>, current: &Reading) -> Progress {
+    let Some(running) = current.running else {
+        return Progress::Unknown;
+    };
+    if running <= 0.0 {
+        return Progress::Idle;
+    }
+    if previous.and_then(|p| p.running).is_some_and(|r| r <= 0.0) {
+        // Work arrived since an idle reading: its clock starts now.
+        return Progress::Moved;
+    }
+    let gauges = [current.generation_gauge, current.prompt_gauge];
+    if gauges.iter().flatten().any(|g| *g > 0.0) {
+        return Progress::Moved;
+    }
+    let counters: [fn(&Reading) -> Option<f64>; 3] = [
+        |r| r.prompt_tokens,
+        |r| r.generation_tokens,
+        |r| r.completed,
+    ];
+    let mut comparable = false;
+    for counter in counters {
+        if let (Some(before), Some(now)) = (previous.and_then(counter), counter(current)) {
+            comparable = true;
+            // A decrease is a restarted engine: a new process is progress too.
+            if now != before {
+                return Progress::Moved;
+            }
+        }
+    }
+    if comparable || gauges.iter().any(Option::is_some) {
+        Progress::Still
+    } else {
+        Progress::Unknown
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reading(running: Option<f64>, generated: Option<f64>) -> Reading {
+        Reading {
+            running,
+            generation_tokens: generated,
+            prompt_tokens: Some(100.0),
+            completed: Some(3.0),
+            ..Reading::default()
+        }
+    }
+
+    #[test]
+    fn running_requests_with_no_counter_moving_are_still() {
+        let before = reading(Some(2.0), Some(50.0));
+        assert_eq!(
+            progress(Some(&before), &reading(Some(2.0), Some(50.0))),
+            Progress::Still
+        );
+        assert_eq!(
+            progress(Some(&before), &reading(Some(2.0), Some(51.0))),
+            Progress::Moved
+        );
+        assert_eq!(
+            progress(Some(&before), &reading(Some(2.0), Some(4.0))),
+            Progress::Moved,
+            "a restarted engine counts from zero"
+        );
+        assert_eq!(
+            progress(Some(&before), &reading(Some(0.0), Some(50.0))),
+            Progress::Idle
+        );
+        assert_eq!(
+            progress(Some(&reading(Some(0.0), Some(50.0))), &before),
+            Progress::Moved,
+            "requests arrived after an idle reading"
+        );
+        let finished = Reading {
+            completed: Some(4.0),
+            ..reading(Some(2.0), Some(50.0))
+        };
+        assert_eq!(progress(Some(&before), &finished), Progress::Moved);
+    }
+
+    #[test]
+    fn gauges_count_and_a_reading_without_signals_tells_nothing() {
+        // SGLang and TRT-LLM report throughput as gauges.
+        let gauge = |value| Reading {
+            running: Some(1.0),
+            generation_gauge: Some(value),
+            ..Reading::default()
+        };
+        assert_eq!(progress(None, &gauge(12.5)), Progress::Moved);
+        assert_eq!(progress(Some(&gauge(0.0)), &gauge(0.0)), Progress::Still);
+        assert_eq!(
+            progress(None, &reading(Some(2.0), Some(50.0))),
+            Progress::Unknown,
+            "no earlier reading to compare counters with"
+        );
+        assert_eq!(
+            progress(None, &reading(None, Some(50.0))),
+            Progress::Unknown
+        );
+        let bare = Reading {
+            running: Some(3.0),
+            ..Reading::default()
+        };
+        assert_eq!(progress(Some(&bare), &bare), Progress::Unknown);
+    }
+}
