@@ -86,8 +86,8 @@ pub struct Config {
     #[arg(long, value_name = "SCRAPES", default_value_t = 3)]
     pub unreachable_after: u32,
 
-    /// A pod whose engine holds running requests while no token or request counter moves and
-    /// no throughput gauge is above zero for this long is marked stalled in the snapshot (a
+    /// A pod whose engine holds running requests while no token or request counter moves
+    /// (without counters: no throughput gauge is above zero) for this long is marked stalled in the snapshot (a
     /// hung GPU usually leaves the HTTP server answering): the gateway routes around it until
     /// its counters move again. `0s` turns the check off.
     #[arg(long, value_name = "DURATION", default_value = "15s", value_parser = parse_duration)]

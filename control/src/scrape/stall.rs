@@ -4,7 +4,7 @@
 //! engine's HTTP server up: connections are accepted, `/metrics` answers, and every request
 //! sent there waits until the decode watchdog gives up on it (60 s by default). What the
 //! metrics do show is that nothing moves: requests are running, yet no token counter grows and
-//! no throughput gauge is above zero, scrape after scrape. A healthy engine with running
+//! (without counters: no throughput gauge is above zero), scrape after scrape. A healthy engine with running
 //! requests moves one of them within a scheduler step (milliseconds to a few seconds).
 
 use super::engine::Reading;
@@ -14,7 +14,8 @@ use super::engine::Reading;
 pub enum Progress {
     /// No running request: nothing to make progress on.
     Idle,
-    /// A token or request counter grew (or restarted), or a throughput gauge is above zero.
+    /// A token or request counter grew (or restarted); without counters, a throughput gauge
+    /// is above zero.
     Moved,
     /// Requests are running and no signal moved.
     Still,
@@ -35,10 +36,6 @@ pub fn progress(previous: Option<&Reading>, current: &Reading) -> Progress {
         // Work arrived since an idle reading: its clock starts now.
         return Progress::Moved;
     }
-    let gauges = [current.generation_gauge, current.prompt_gauge];
-    if gauges.iter().flatten().any(|g| *g > 0.0) {
-        return Progress::Moved;
-    }
     let counters: [fn(&Reading) -> Option<f64>; 3] = [
         |r| r.prompt_tokens,
         |r| r.generation_tokens,
@@ -54,7 +51,15 @@ pub fn progress(previous: Option<&Reading>, current: &Reading) -> Progress {
             }
         }
     }
-    if comparable || gauges.iter().any(Option::is_some) {
+    if comparable {
+        // Counters are the witness: a throughput gauge keeps its last value when the engine
+        // stops updating it (SGLang writes its gauge every few dozen steps).
+        return Progress::Still;
+    }
+    let gauges = [current.generation_gauge, current.prompt_gauge];
+    if gauges.iter().flatten().any(|g| *g > 0.0) {
+        Progress::Moved
+    } else if gauges.iter().any(Option::is_some) {
         Progress::Still
     } else {
         Progress::Unknown
@@ -116,6 +121,15 @@ mod tests {
             ..Reading::default()
         };
         assert_eq!(progress(None, &gauge(12.5)), Progress::Moved);
+        let counted = |value| Reading {
+            generation_tokens: Some(70.0),
+            ..gauge(value)
+        };
+        assert_eq!(
+            progress(Some(&counted(12.5)), &counted(12.5)),
+            Progress::Still,
+            "a gauge left at its last value does not outweigh counters standing still"
+        );
         assert_eq!(progress(Some(&gauge(0.0)), &gauge(0.0)), Progress::Still);
         assert_eq!(
             progress(None, &reading(Some(2.0), Some(50.0))),
