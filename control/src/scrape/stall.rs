@@ -3,9 +3,10 @@
 //! A GPU that hangs (a collective that never returns, a wedged kernel) usually leaves the
 //! engine's HTTP server up: connections are accepted, `/metrics` answers, and every request
 //! sent there waits until the decode watchdog gives up on it (60 s by default). What the
-//! metrics do show is that nothing moves: requests are running, yet no token counter grows and
-//! (without counters: no throughput gauge is above zero), scrape after scrape. A healthy engine with running
-//! requests moves one of them within a scheduler step (milliseconds to a few seconds).
+//! metrics do show is that nothing moves: requests are running, yet no token or request
+//! counter grows (for an engine without counters: no throughput gauge is above zero), scrape
+//! after scrape. A healthy engine with running requests moves one of them within a scheduler
+//! step (milliseconds to a few seconds).
 
 use super::engine::Reading;
 
