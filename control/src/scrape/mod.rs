@@ -121,6 +121,20 @@ impl PodState {
     }
 }
 
+impl PodState {
+    /// Moves the stall clock with a new reading (compared with the last one, still in
+    /// `self.last`): progress or idleness restarts it, stillness lets it run.
+    fn observe_progress(&mut self, reading: &Reading, at: Instant) {
+        match stall::progress(self.last.as_ref().map(|(r, _)| r), reading) {
+            stall::Progress::Still if self.progress_at.is_some() => self.still = true,
+            _ => {
+                self.still = false;
+                self.progress_at = Some(at);
+            }
+        }
+    }
+}
+
 struct Round {
     id: u64,
     started: Instant,
@@ -250,21 +264,23 @@ impl ScrapeBook {
         state.in_flight = false;
         match result {
             Ok(reading) => {
+                state.observe_progress(&reading, finished);
                 let previous = state
                     .last
                     .as_ref()
                     .map(|(r, at)| (r, finished.saturating_duration_since(*at)));
                 let carried = Some(&state.metrics).filter(|m| m.present);
-                match stall::progress(state.last.as_ref().map(|(r, _)| r), &reading) {
-                    stall::Progress::Still => state.still = state.progress_at.is_some(),
-                    _ => {
-                        state.still = false;
-                        state.progress_at = Some(finished);
-                    }
+                let mut metrics = rates::derive(job.engine, &reading, previous, carried);
+                metrics.drain_rate =
+                    rates::non_negative(state.drain.observe(finished, reading.completed));
+                metrics.last_scrape_unix_ms = finished_unix_ms;
+                if state.last_failed {
+                    tracing::info!(pod = %job.key, url = %job.url, "metrics scrape recovered");
                 }
-                if state.progress_at.is_none() {
-                    state.progress_at = Some(finished);
-                }
+                state.metrics = metrics;
+                state.last = Some((reading, finished));
+                state.last_success = Some(finished);
+                state.last_failed = false;
                 let stalled = stalled_state(state, self.stalled_after, finished);
                 if stalled != state.stall_logged {
                     state.stall_logged = stalled;
@@ -279,17 +295,6 @@ impl ScrapeBook {
                         tracing::info!(pod = %job.key, "pod makes progress again; routable");
                     }
                 }
-                let mut metrics = rates::derive(job.engine, &reading, previous, carried);
-                metrics.drain_rate =
-                    rates::non_negative(state.drain.observe(finished, reading.completed));
-                metrics.last_scrape_unix_ms = finished_unix_ms;
-                if state.last_failed {
-                    tracing::info!(pod = %job.key, url = %job.url, "metrics scrape recovered");
-                }
-                state.metrics = metrics;
-                state.last = Some((reading, finished));
-                state.last_success = Some(finished);
-                state.last_failed = false;
                 if state.refused >= self.unreachable_after && self.unreachable_after > 0 {
                     tracing::info!(pod = %job.key, url = %job.url, "pod answers again; routable");
                 }
