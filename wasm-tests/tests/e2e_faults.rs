@@ -46,15 +46,25 @@ fn two_rolesets() -> Fleet {
 /// marked unreachable would never show.
 const NO_REACHABILITY_CHECK: &[&str] = &["--unreachable-after", "0"];
 
-/// Starts the stack on `fleet`, with pd-sim also serving [`ROGUE`].
+/// Starts the stack on `fleet`, with pd-sim also serving [`ROGUE`], without pd-control's
+/// reachability check.
 fn start(fleet: Fleet, env: &[(&str, &str)]) -> Stack {
+    start_with_control(fleet, env, NO_REACHABILITY_CHECK)
+}
+
+/// [`start`] with pd-control's reachability check at its defaults.
+fn start_checked(fleet: Fleet, env: &[(&str, &str)]) -> Stack {
+    start_with_control(fleet, env, &[])
+}
+
+fn start_with_control(fleet: Fleet, env: &[(&str, &str)], control_args: &[&str]) -> Stack {
     let simulated = fleet.clone().pod(ROGUE, "decode", "group-9");
     Stack::start_opts(
         fleet,
         simulated,
         &Options {
             envoy_env: env,
-            control_args: NO_REACHABILITY_CHECK,
+            control_args,
             ..Options::default()
         },
     )
@@ -880,6 +890,56 @@ fn a_pod_pd_control_cannot_reach_costs_no_request_on_any_worker() {
             .then_some(())
             .ok_or_else(|| format!("back: d-0 {pd_back}, c-0 {single_back}"))
     });
+    assert_clean_end(&stack, &fleet_pods(&fleet));
+}
+
+/// A decode pod that dies while its pair's prefill runs: once pd-control has marked it, the
+/// decode leg goes to the roleset's other decode pod when the prefill answers (vLLM pulls the
+/// KV from the prefill pod, whichever decode pod asks), and the request succeeds where it
+/// would have met a dead pod.
+#[test]
+fn a_decode_pod_dying_during_the_prefill_hands_the_decode_leg_to_its_roleset_sibling() {
+    let fleet = Fleet::new(MODEL)
+        .pod("p-0", "prefill", "group-0")
+        .pod("d-0", "decode", "group-0")
+        .pod("d-1", "decode", "group-0");
+    let stack = start_checked(fleet.clone(), &[]);
+    eventually(Duration::from_secs(15), || {
+        let snap = stack.control_snapshot();
+        let scraped = |pod: &str| {
+            snapshot_pods(&snap).any(|p| p["name"] == pod && p["metrics"]["present"] == true)
+        };
+        (scraped("d-0") && scraped("d-1"))
+            .then_some(())
+            .ok_or_else(|| "decode pods not scraped yet".to_string())
+    });
+    // The prefill leg waits at p-0 until the test lets it answer.
+    stack.arm_fault(json!({"pod": "p-0", "kind": "hang_before_headers", "leg": "prefill"}));
+    let client = fire(&stack, 1, chat(false, 4));
+    stack.wait_for_legs("prefill", 1);
+    let selected = |pod: &str| stack.metric("pd_selected_decode_pod_total", &[("pod", pod)]);
+    let (chosen, sibling) = if selected("d-0") == 1.0 {
+        ("d-0", "d-1")
+    } else {
+        ("d-1", "d-0")
+    };
+    assert_eq!(selected(chosen), 1.0);
+    stack.arm_fault(json!({"pod": chosen, "kind": "crash"}));
+    stack.wait_snapshot_adopted(|snap| marked_unreachable(snap, chosen, true));
+    stack.clear_faults_of("p-0");
+    let r = ended(client).remove(0);
+    assert_success(&r);
+    assert_eq!(r.header("target-pod"), Some(sibling), "{}", describe(&r));
+    assert_eq!(
+        r.header("prefill-target-pod"),
+        Some("p-0"),
+        "{}",
+        describe(&r)
+    );
+    assert_eq!(decode_legs(&stack, sibling).len(), 1);
+    assert_eq!(stack.stat("pd_router_decode_rerouted_total"), 1);
+    stack.wait_for_log("left the routing view during the prefill");
+    stack.clear_faults();
     assert_clean_end(&stack, &fleet_pods(&fleet));
 }
 

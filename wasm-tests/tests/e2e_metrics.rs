@@ -100,6 +100,7 @@ const FAMILIES: &[&str] = &[
     "pd_router_snapshot_adoptions_total",
     "pd_router_ejections_total",
     "pd_router_ejections_adopted_total",
+    "pd_router_decode_rerouted_total",
     "pd_router_prefix_batches_missed_total",
     "pd_router_snapshot_stale",
     "pd_router_snapshot_age_ms",

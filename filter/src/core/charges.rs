@@ -47,6 +47,38 @@ impl HeldCharges {
         next
     }
 
+    /// The pod the decode charges are on (`None` for a single-pod request).
+    pub fn decode_pod(&self) -> Option<&str> {
+        self.decode_tokens
+            .as_ref()
+            .map(|c| c.pod.as_str())
+            .or_else(|| {
+                self.counters
+                    .iter()
+                    .find(|(_, c)| *c == Counter::Running)
+                    .map(|(k, _)| k.as_str())
+            })
+    }
+
+    /// The decode leg goes to `to` instead of the pod it was charged on (that pod left the
+    /// routing view while the prefill ran): its running count and decode tokens move along.
+    pub fn move_decode(&self, ledger: &mut Ledger, to: &str, now_ms: u64) -> HeldCharges {
+        let mut next = self.clone();
+        for (key, counter) in next.counters.iter_mut() {
+            if *counter == Counter::Running && key != to {
+                ledger.release(key, Counter::Running, now_ms);
+                ledger.add(to, Counter::Running, now_ms);
+                *key = to.to_string();
+            }
+        }
+        if let Some(c) = next.decode_tokens.as_mut().filter(|c| c.pod != to) {
+            if ledger.release_decode(c, now_ms) {
+                *c = ledger.charge_decode(to, c.prompt_tokens as u64, now_ms);
+            }
+        }
+        next
+    }
+
     fn release_counter(&mut self, ledger: &mut Ledger, counter: Counter, now_ms: u64) {
         self.counters.retain(|(key, c)| {
             if *c == counter {
@@ -96,6 +128,26 @@ mod tests {
         let again = held.release_rest(&mut ledger, 10);
         assert_eq!(again, held);
         assert!(ledger.all_zero());
+    }
+
+    #[test]
+    fn a_moved_decode_charge_leaves_the_old_pod_and_is_released_from_the_new_one() {
+        let mut ledger = Ledger::default();
+        let held = charged(&mut ledger).release_prefill_leg(&mut ledger, 5);
+        assert_eq!(held.decode_pod(), Some("ns/d"));
+        let moved = held.move_decode(&mut ledger, "ns/d2", 7);
+        assert_eq!(moved.decode_pod(), Some("ns/d2"));
+        assert_eq!(ledger.counts_of("ns/d").running, 0);
+        assert!(ledger.pod("ns/d").is_zero(), "{:?}", ledger.pod("ns/d"));
+        assert_eq!(ledger.counts_of("ns/d2").running, 1);
+        assert!(!ledger.pod("ns/d2").is_zero());
+        assert_eq!(
+            moved.move_decode(&mut ledger, "ns/d2", 8),
+            moved,
+            "already there"
+        );
+        let done = moved.release_rest(&mut ledger, 9);
+        assert!(done.is_empty() && ledger.all_zero());
     }
 
     #[test]

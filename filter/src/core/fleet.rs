@@ -137,6 +137,9 @@ pub struct ModelView {
     prefill_by_key: Rc<HashMap<String, usize>>,
     /// Pod key → index of the standard pods: the candidates of single-pod `prefix-cache`.
     standard_by_key: Rc<HashMap<String, usize>>,
+    /// Pod key → index of the decode pods of complete rolesets: whether a pair's decode pod
+    /// is still routable when its prefill answers.
+    decode_by_key: Rc<HashMap<String, usize>>,
 }
 
 /// The views `external-filter` selectors narrowed models to, reused while a model's view and
@@ -442,6 +445,7 @@ impl ModelView {
             uid: NEXT_UID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             prefill_by_key: self.prefill_by_key.clone(),
             standard_by_key: self.standard_by_key.clone(),
+            decode_by_key: self.decode_by_key.clone(),
         })
     }
 
@@ -504,6 +508,13 @@ impl ModelView {
                 .map(|i| (view.pods[i].key.clone(), i))
                 .collect(),
         );
+        view.decode_by_key = Rc::new(
+            view.rolesets
+                .iter()
+                .flat_map(|r| r.decode.iter().copied())
+                .map(|i| (view.pods[i].key.clone(), i))
+                .collect(),
+        );
         view.standard_by_key = Rc::new(
             view.others
                 .iter()
@@ -517,6 +528,19 @@ impl ModelView {
     /// The index of the prefill pod `key` of a complete roleset, if it is one.
     pub fn prefill_slot(&self, key: &str) -> Option<usize> {
         self.prefill_by_key.get(key).copied()
+    }
+
+    /// The index of the decode pod `key` of a complete roleset, if it is one.
+    pub fn decode_slot(&self, key: &str) -> Option<usize> {
+        self.decode_by_key.get(key).copied()
+    }
+
+    /// The decode pods of the complete roleset `name` (none when it is not complete here).
+    pub fn decode_pods_of(&self, name: &str) -> &[usize] {
+        self.rolesets
+            .iter()
+            .find(|r| r.name == name)
+            .map_or(&[], |r| r.decode.as_slice())
     }
 
     /// The index of the standard pod `key`, if it is one.

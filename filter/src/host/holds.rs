@@ -59,6 +59,17 @@ pub fn release(
     now: u64,
     stage: fn(&HeldCharges, &mut Ledger, u64) -> HeldCharges,
 ) {
+    update(vm, id, now, |held, l| stage(held, l, now));
+}
+
+/// Runs `change` on request `id`'s charges in a CAS round (a release stage, a moved decode
+/// charge), keeping the result only once the write landed.
+pub fn update(
+    vm: &SharedVm,
+    id: u32,
+    now: u64,
+    change: impl Fn(&HeldCharges, &mut Ledger) -> HeldCharges,
+) {
     let Some(held) = vm.borrow().holds.get(&id).map(|h| h.charges.clone()) else {
         return;
     };
@@ -66,7 +77,7 @@ pub fn release(
         vm.borrow_mut().holds.remove(&id);
         return;
     }
-    let result = ledger::update(&SharedData, |l| Ok::<_, StoreError>(stage(&held, l, now)));
+    let result = ledger::update(&SharedData, |l| Ok::<_, StoreError>(change(&held, l)));
     let mut vm = vm.borrow_mut();
     match result {
         Ok(next) => {

@@ -10,6 +10,7 @@ use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
 
 mod pair;
+mod redecode;
 
 use crate::core::charges::HeldCharges;
 use crate::core::engine::{self, trtllm, vllm, Engine};
@@ -107,7 +108,7 @@ struct PendingDecode {
     body: Vec<u8>,
     members: crate::core::json_object::Spans,
     prefill_ip: String,
-    decode_address: String,
+    decode: redecode::ChosenDecode,
     merge: pair::Merge,
 }
 
@@ -163,6 +164,9 @@ pub struct PdHttp {
     obs: Observed,
     /// The filter answered this request itself: its own error bodies are never rewritten.
     local_reply: bool,
+    /// An `external-filter` selector narrowed the pods this request may go to: a decode pod
+    /// that leaves is not replaced by one the selector did not choose.
+    narrowed: bool,
     /// The pod answered an error whose body is being buffered to be rewritten.
     error_rewrite: Option<Rewrite>,
     /// Prefill failover (`PluginConfig::prefill_failover`): the pods whose prefill leg never
@@ -223,6 +227,7 @@ impl PdHttp {
             legs: pair::Legs::default(),
             obs: Observed::default(),
             local_reply: false,
+            narrowed: false,
             error_rewrite: None,
             failover: Failover::default(),
         }
@@ -388,6 +393,7 @@ impl PdHttp {
         let narrowed;
         let model = match self.external_filter() {
             Some(text) => {
+                self.narrowed = true;
                 narrowed = self
                     .vm
                     .borrow_mut()
@@ -1021,9 +1027,13 @@ impl PdHttp {
             .as_ref()
             .map(|r| r.strategy.clone())
             .unwrap_or_default();
+        let address = crate::section!(
+            "decode_leg.recheck",
+            self.decode_destination(&pending.decode)
+        );
         crate::section!(
             "decode_leg.destination",
-            self.set_destination(&pending.decode_address, &strategy)
+            self.set_destination(&address, &strategy)
         )?;
         Ok(())
     }

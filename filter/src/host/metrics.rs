@@ -124,6 +124,9 @@ pub struct Metrics {
     /// `pd_router_ejections_adopted_total`: pods taken out of a VM's routing view because
     /// another worker ejected them.
     pub ejections_adopted: Option<u32>,
+    /// `pd_router_decode_rerouted_total`: PD requests whose decode pod left the routing view
+    /// while their prefill ran, sent to another decode pod of the roleset.
+    pub decode_rerouted: Option<u32>,
     /// `pd_router_prefix_batches_missed_total`: other workers' prefix-event batches a worker
     /// could no longer read (their ring had moved on; `core::prefix::log`).
     pub prefix_batches_missed: Option<u32>,
@@ -254,6 +257,7 @@ impl Metrics {
             snapshot_age_ms: define(g, "pd_router_snapshot_age_ms"),
             ejections: define(c, "pd_router_ejections_total"),
             ejections_adopted: define(c, "pd_router_ejections_adopted_total"),
+            decode_rerouted: define(c, "pd_router_decode_rerouted_total"),
             prefix_batches_missed: define(c, "pd_router_prefix_batches_missed_total"),
             selection_us: define(MetricType::Histogram, "pd_router_selection_us"),
             selection_core_us: define(MetricType::Histogram, "pd_router_selection_core_us"),

@@ -191,7 +191,11 @@ impl PdHttp {
                     body: raw,
                     members: req.members,
                     prefill_ip: prefill.ip.clone(),
-                    decode_address: decode.address.clone(),
+                    decode: super::redecode::ChosenDecode {
+                        key: decode.key.clone(),
+                        roleset: decode.roleset.clone(),
+                        address: decode.address.clone(),
+                    },
                     merge,
                 });
                 Ok(Action::Pause)
