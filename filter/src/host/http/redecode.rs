@@ -8,6 +8,7 @@
 //! request failing on a dead pod.
 
 use std::cell::Cell;
+use std::rc::Rc;
 
 use proxy_wasm::hostcalls;
 
@@ -25,13 +26,19 @@ pub(super) struct ChosenDecode {
 
 impl PdHttp {
     /// Where the decode leg goes: the pod chosen with the prefill while it is still in this
-    /// VM's routing view (the usual case: two hash lookups), else the decode pod of the same
+    /// VM's routing view (the usual case: the view it was chosen in, or two hash lookups in a
+    /// newer one), else the decode pod of the same
     /// roleset with the fewest running requests, the request's decode charges moved to it.
     /// With no decode pod of the roleset left, or for a request an `external-filter`
     /// narrowed, the chosen one keeps the leg.
     pub(super) fn decode_destination(&mut self, chosen: &ChosenDecode) -> String {
         let candidates: Vec<(String, String, String)> = {
             let vm = self.vm.borrow();
+            if let (Some(now), Some(then)) = (&vm.fleet, &self.routed_on) {
+                if Rc::ptr_eq(now, then) {
+                    return chosen.address.clone(); // the view the pair was chosen in
+                }
+            }
             let model = vm
                 .fleet
                 .as_ref()
