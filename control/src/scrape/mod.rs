@@ -327,9 +327,12 @@ impl ScrapeBook {
         round_done
     }
 
-    /// Whether the pod's engine stopped taking connections (see `--unreachable-after`).
+    /// Whether the pod's engine stopped taking connections (see `--unreachable-after`). Only
+    /// where the metrics are the engine's own port: a separate metrics port may be another
+    /// process (an exporter), whose death says nothing of the engine.
     pub fn unreachable(&self, pod: &PodRecord) -> bool {
         self.unreachable_after > 0
+            && pod.metric_port == pod.port
             && scrapable(pod)
             && self
                 .pods
@@ -516,6 +519,18 @@ mod tests {
         round(&mut book, Some(refused()), None);
         assert!(book.unreachable(&fleet[0]) && !book.unreachable(&fleet[1]));
         assert!(book.observe(&fleet[0], t0).unreachable);
+
+        // Metrics on a port of their own may come from another process: no verdict.
+        let mut exporter = fleet[0].clone();
+        exporter.metric_port = 9100;
+        let mut apart = ScrapeBook::new(Duration::from_millis(150), 3);
+        let jobs = apart.plan(std::slice::from_ref(&exporter), t0);
+        apart.apply(ok(&jobs[0], t0, 1.0, 0.0));
+        for _ in 0..5 {
+            let jobs = apart.plan(std::slice::from_ref(&exporter), t0);
+            apart.apply(with(&jobs[0], t0, refused()));
+        }
+        assert!(!apart.unreachable(&exporter));
 
         // A new IP is a new pod: it must answer once before it can be unreachable.
         let moved = [pod("a", "10.0.0.7", true), fleet[1].clone()];
