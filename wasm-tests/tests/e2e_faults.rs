@@ -802,6 +802,7 @@ fn a_pod_pd_control_cannot_reach_costs_no_request_on_any_worker() {
         &Options {
             // Failover off: only pd-control's mark can save these requests.
             plugin_extra: r#""prefill_failover": 0"#,
+            explain: true,
             envoy_env: &[
                 ("AIBRIX_PREFILL_SCORE_POLICY", "token_load"),
                 ("AIBRIX_DECODE_SCORE_POLICY", "token_load"),
@@ -869,6 +870,16 @@ fn a_pod_pd_control_cannot_reach_costs_no_request_on_any_worker() {
     assert_eq!(stack.stat("pd_router_ejections_total"), 0, "nothing failed");
     let log = std::fs::read_to_string(stack.dir.join("pd-control.log")).expect("pd-control log");
     assert!(log.contains("marked unreachable"), "{log}");
+    // An explanation says why the dead pods got nothing.
+    for headers in [&pd[..], &single[..]] {
+        let mut asked = headers.to_vec();
+        asked.push(("x-pd-explain", "1"));
+        let r = ask(&asked, 3000);
+        let explained = r.header("x-pd-explain").unwrap_or_default();
+        for pod in ["d-0:unreachable", "c-0:unreachable"] {
+            assert!(explained.contains(pod), "{explained}");
+        }
+    }
 
     // Back: the first answered scrape clears the mark, and the pods take requests again.
     stack.clear_faults();

@@ -140,6 +140,33 @@ pub struct ModelView {
     /// Pod key → index of the decode pods of complete rolesets: whether a pair's decode pod
     /// is still routable when its prefill answers.
     decode_by_key: Rc<HashMap<String, usize>>,
+    /// Routable pods this view leaves out, by name, and why: what a routing explanation
+    /// shows an operator asking why a pod got nothing.
+    pub left_out: Rc<Vec<(String, LeftOut)>>,
+}
+
+/// Why a routable pod is not in a routing view.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeftOut {
+    /// pd-control's scrapes cannot connect to its engine.
+    Unreachable,
+    /// Its engine's running requests make no progress (pd-control).
+    Stalled,
+    /// A worker's passive ejection.
+    Ejected,
+    /// This request's prefill leg could not reach it (prefill failover).
+    FailedPrefill,
+}
+
+impl LeftOut {
+    pub fn name(self) -> &'static str {
+        match self {
+            LeftOut::Unreachable => "unreachable",
+            LeftOut::Stalled => "stalled",
+            LeftOut::Ejected => "ejected",
+            LeftOut::FailedPrefill => "failed_prefill",
+        }
+    }
 }
 
 /// The views `external-filter` selectors narrowed models to, reused while a model's view and
@@ -359,7 +386,7 @@ impl ModelView {
             ..ModelView::default()
         };
         // Pods pd-control cannot connect to, or whose engine sits on its requests.
-        let mut avoided = Vec::new();
+        let mut avoided: Vec<(String, LeftOut)> = Vec::new();
         for (slot, pod) in pods.iter().enumerate() {
             let parsed = ModelConfig::parse(&pod.config);
             if view.config.is_none() {
@@ -374,8 +401,10 @@ impl ModelView {
                 _ => Role::Other,
             };
             let key = format!("{}/{}", pod.namespace, pod.name);
-            if pod.unreachable || pod.stalled {
-                avoided.push(key.clone());
+            if pod.unreachable {
+                avoided.push((key.clone(), LeftOut::Unreachable));
+            } else if pod.stalled {
+                avoided.push((key.clone(), LeftOut::Stalled));
             }
             let info = PodInfo {
                 id: crate::core::ledger::PodId::of(&key),
@@ -420,7 +449,7 @@ impl ModelView {
         }
         // Route around them, as around a pod this worker ejected, unless nothing would be
         // left.
-        view.without(|key| avoided.iter().any(|u| u == key))
+        view.without_because(|key| avoided.iter().find(|(k, _)| k == key).map(|(_, why)| *why))
             .unwrap_or(view)
     }
 
@@ -446,6 +475,7 @@ impl ModelView {
             prefill_by_key: self.prefill_by_key.clone(),
             standard_by_key: self.standard_by_key.clone(),
             decode_by_key: self.decode_by_key.clone(),
+            left_out: self.left_out.clone(),
         })
     }
 
@@ -561,6 +591,7 @@ impl ModelView {
             pods: self.pods.iter().filter(|p| keep(p)).cloned().collect(),
             config: self.config.clone(),
             total_pods: self.total_pods,
+            left_out: self.left_out.clone(),
             ..ModelView::default()
         };
         view.assemble();
@@ -570,20 +601,29 @@ impl ModelView {
     /// The view without the pods `leaves` names (by key), or `None` when none of them is
     /// here or when removing them would leave the model with no route at all: then the
     /// model keeps every pod (better a suspect pod than a certain 503, as Envoy's panic
-    /// threshold does).
+    /// threshold does). The pods leave as ejected ones.
     pub fn without(&self, leaves: impl Fn(&str) -> bool) -> Option<ModelView> {
-        if !self.pods.iter().any(|p| leaves(&p.key)) {
+        self.without_because(|key| leaves(key).then_some(LeftOut::Ejected))
+    }
+
+    /// [`ModelView::without`] with the reason each pod leaves, for explanations.
+    pub fn without_because(&self, leaves: impl Fn(&str) -> Option<LeftOut>) -> Option<ModelView> {
+        if !self.pods.iter().any(|p| leaves(&p.key).is_some()) {
             return None;
         }
+        let mut left_out = (*self.left_out).clone();
+        let mut pods = Vec::with_capacity(self.pods.len());
+        for pod in &self.pods {
+            match leaves(&pod.key) {
+                Some(why) => left_out.push((pod.name.clone(), why)),
+                None => pods.push(pod.clone()),
+            }
+        }
         let mut view = ModelView {
-            pods: self
-                .pods
-                .iter()
-                .filter(|p| !leaves(&p.key))
-                .cloned()
-                .collect(),
+            pods,
             config: self.config.clone(),
             total_pods: self.total_pods,
+            left_out: Rc::new(left_out),
             ..ModelView::default()
         };
         view.assemble();
@@ -649,6 +689,7 @@ pub(crate) mod tests {
             idx.iter().map(|&i| view.pods[i].name.clone()).collect()
         };
         assert_eq!(view.rolesets.len(), 1, "g0 lost its decode pod: incomplete");
+        assert_eq!(*view.left_out, [("d0".to_string(), LeftOut::Ejected)]);
         assert_eq!(names(&view.rolesets[0].prefill), ["p11"]);
         assert_eq!(names(&view.others), ["c222"]);
         assert_ne!(view.uid, m.uid);
@@ -697,6 +738,7 @@ pub(crate) mod tests {
         );
         assert_eq!(m.rolesets.len(), 1, "g0 lost its decode pod");
         assert!(m.pods.iter().all(|p| p.name != "d0"));
+        assert_eq!(*m.left_out, [("d0".to_string(), LeftOut::Unreachable)]);
         assert!(
             marked.holds_address(&reachable.models["m"].pods[1].address),
             "legs already routed there may finish"
@@ -731,6 +773,14 @@ pub(crate) mod tests {
         let m = &stalled.models["m"];
         assert!(m.rolesets.is_empty());
         assert_eq!(m.pods.len(), 2);
+        assert_eq!(*m.left_out, [("d0".to_string(), LeftOut::Stalled)]);
+        // An ejection on top adds its own reason; a selector's narrowing keeps the list.
+        let ejected = m.without(|k| k == "ns/c1");
+        assert!(ejected.is_none(), "no route would be left");
+        let mut explained = String::new();
+        crate::core::obs::explain::left_out(&mut explained, m);
+        assert_eq!(explained, "; out=d0:stalled");
+        assert_eq!(*m.only(|_| true).left_out, *m.left_out);
     }
 
     #[test]

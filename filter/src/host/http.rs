@@ -195,7 +195,8 @@ impl Failover {
         if !model.pods.iter().any(|p| failed(&p.key)) {
             return Ok(None);
         }
-        match model.without(failed) {
+        let failed = |key: &str| failed(key).then_some(crate::core::fleet::LeftOut::FailedPrefill);
+        match model.without_because(failed) {
             Some(view) => Ok(Some(view)),
             None => Err(self.failure.take().unwrap_or(RouteError::Selection {
                 detail: "no pod left after the failed prefill pods".into(),
@@ -495,10 +496,12 @@ impl PdHttp {
             let via = via
                 .map(|v| format!("via={}; ", v.name()))
                 .unwrap_or_default();
-            self.obs.explain_header = Some(format!(
+            let mut line = format!(
                 "strategy={strategy}; {via}pick={}",
                 model.pods[target.pod()].name
-            ));
+            );
+            crate::core::obs::explain::left_out(&mut line, model);
+            self.obs.explain_header = Some(line);
         }
         crate::section!(
             "request_body.filter_state",

@@ -133,7 +133,27 @@ impl Explain {
         if let Some(e) = &self.error {
             let _ = write!(out, "; error={e}");
         }
+        left_out(&mut out, model);
         crate::core::errors::sanitize_header_len(&out, MAX_LEN)
+    }
+}
+
+/// `; out=d-0:unreachable,c-1:ejected`: the routable pods the view left out and why (the
+/// first few, then a count), so an explanation also says why a pod got nothing.
+pub fn left_out(out: &mut String, model: &ModelView) {
+    let pods = model.left_out.as_slice();
+    if pods.is_empty() {
+        return;
+    }
+    out.push_str("; out=");
+    for (n, (name, why)) in pods.iter().take(NAMES_UP_TO).enumerate() {
+        if n > 0 {
+            out.push(',');
+        }
+        let _ = write!(out, "{name}:{}", why.name());
+    }
+    if pods.len() > NAMES_UP_TO {
+        let _ = write!(out, ",+{}", pods.len() - NAMES_UP_TO);
     }
 }
 
