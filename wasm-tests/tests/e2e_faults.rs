@@ -77,6 +77,60 @@ fn chat(stream: bool, max_tokens: u32) -> Value {
 
 const PD: [(&str, &str); 1] = [("routing-strategy", "pd")];
 
+/// A short chat request with a prompt of its own: no prefix affinity holds a run of them on
+/// one roleset.
+fn question(i: usize) -> Value {
+    json!({"model": MODEL, "max_tokens": 2,
+           "messages": [{"role": "user", "content": format!("question {i}")}]})
+}
+
+/// Waits until pd-control has scraped each of `pods`: only a pod that answered before can be
+/// marked (a port never reached may be a wrong port or a network policy, not a dead engine).
+fn wait_scraped(stack: &Stack, pods: &[&str]) {
+    eventually(Duration::from_secs(15), || {
+        let snap = stack.control_snapshot();
+        let scraped = |pod: &&str| {
+            snapshot_pods(&snap).any(|p| p["name"] == *pod && p["metrics"]["present"] == true)
+        };
+        pods.iter()
+            .all(scraped)
+            .then_some(())
+            .ok_or_else(|| format!("{pods:?} not all scraped yet"))
+    });
+}
+
+/// pd-control's `pd_control_pods` gauge for the test model's pods of `role` in `state`.
+fn control_pods(stack: &Stack, role: &str, state: &str) -> Option<f64> {
+    let text = http::get(&stack.control, "/metrics")
+        .expect("pd-control metrics")
+        .text();
+    pd_wasm_tests::prom::Scrape::parse(&text).value(
+        "pd_control_pods",
+        &[("model", MODEL), ("role", role), ("state", state)],
+    )
+}
+
+/// Sends [`question`]s (numbered after `first`) with `headers` until one's `header` names
+/// `pod`, every one a success: a pod that was out takes requests again.
+fn until_routed_to(
+    stack: &Stack,
+    headers: &[(&str, &str)],
+    header: &str,
+    pod: &str,
+    first: usize,
+    timeout: Duration,
+) {
+    let mut i = first;
+    eventually(timeout, || {
+        i += 1;
+        let r = stack.chat(headers, &question(i));
+        assert_success(&r);
+        (r.header(header) == Some(pod))
+            .then_some(())
+            .ok_or_else(|| format!("{pod} never came back"))
+    });
+}
+
 /// Sends `n` requests at once, each on its own connection and thread.
 fn fire(stack: &Stack, n: usize, body: Value) -> Vec<JoinHandle<Response>> {
     (0..n)
@@ -349,9 +403,7 @@ fn a_prefill_pod_refusing_connections_costs_no_request() {
             sent < 200,
             "{sent} requests and not every worker ejected p-0"
         );
-        let body = json!({"model": MODEL, "max_tokens": 2,
-                          "messages": [{"role": "user", "content": format!("question {sent}")}]});
-        let r = stack.chat(&PD, &body);
+        let r = stack.chat(&PD, &question(sent));
         sent += 1;
         assert_success(&r);
         assert_eq!(
@@ -411,9 +463,7 @@ fn a_failed_over_request_may_land_on_a_combined_pod() {
     let stack = start(fleet.clone(), &[]);
     stack.arm_fault(json!({"pod": "p-0", "kind": "refuse"}));
     for i in 0..8 {
-        let body = json!({"model": MODEL, "max_tokens": 2,
-                          "messages": [{"role": "user", "content": format!("question {i}")}]});
-        let r = stack.chat(&PD, &body);
+        let r = stack.chat(&PD, &question(i));
         assert_success(&r);
         assert_eq!(r.header("target-pod"), Some("c-0"), "{}", describe(&r));
         assert_eq!(r.header("prefill-target-pod"), None, "{}", describe(&r));
@@ -709,12 +759,7 @@ fn failing_pod_is_ejected_then_readmitted(fault: Value, failed_status: u16, head
         NO_REACHABILITY_CHECK,
     );
     stack.arm_fault(fault);
-    let ask = |i: usize| {
-        // Distinct prompts: no prefix affinity holds the requests on one roleset.
-        let body = json!({"model": MODEL, "max_tokens": 2,
-                          "messages": [{"role": "user", "content": format!("question {i}")}]});
-        stack.chat(&PD, &body)
-    };
+    let ask = |i: usize| stack.chat(&PD, &question(i));
     // Until every worker has the pod out: ejected after 3 failures it saw itself, or told
     // by a worker that did.
     let mut failed = 0;
@@ -757,17 +802,14 @@ fn failing_pod_is_ejected_then_readmitted(fault: Value, failed_status: u16, head
 
     // Healthy again: after the ejection period the pod takes requests once more.
     stack.clear_faults();
-    let mut i = 0;
-    eventually(Duration::from_secs(25), || {
-        i += 1;
-        let body = json!({"model": MODEL, "max_tokens": 2,
-                          "messages": [{"role": "user", "content": format!("again {i}")}]});
-        let r = stack.chat(&PD, &body);
-        assert_success(&r);
-        (r.header("prefill-target-pod") == Some("p-0"))
-            .then_some(())
-            .ok_or_else(|| "group-0 never came back".to_string())
-    });
+    until_routed_to(
+        &stack,
+        &PD,
+        "prefill-target-pod",
+        "p-0",
+        5000,
+        Duration::from_secs(25),
+    );
     assert_clean_end(&stack, &fleet_pods(&fleet));
 }
 
@@ -811,22 +853,8 @@ fn a_pod_pd_control_cannot_reach_costs_no_request_on_any_worker() {
         },
     );
     let (pd, single) = (PD, [("routing-strategy", "least-request")]);
-    let ask = |headers: &[(&str, &str)], i: usize| {
-        let body = json!({"model": MODEL, "max_tokens": 2,
-                          "messages": [{"role": "user", "content": format!("question {i}")}]});
-        stack.chat(headers, &body)
-    };
-    // pd-control has scraped the pods that will die: only a pod that answered before can be
-    // marked (a port never reached may be a wrong port or a network policy, not a dead engine).
-    eventually(Duration::from_secs(15), || {
-        let snap = stack.control_snapshot();
-        let scraped = |pod: &str| {
-            snapshot_pods(&snap).any(|p| p["name"] == pod && p["metrics"]["present"] == true)
-        };
-        (scraped("d-0") && scraped("c-0"))
-            .then_some(())
-            .ok_or_else(|| "d-0 and c-0 not scraped yet".to_string())
-    });
+    let ask = |headers: &[(&str, &str)], i: usize| stack.chat(headers, &question(i));
+    wait_scraped(&stack, &["d-0", "c-0"]);
 
     // The engines die: their connections close (pd-control's kept-alive ones too) and new
     // ones are refused.
@@ -837,17 +865,7 @@ fn a_pod_pd_control_cannot_reach_costs_no_request_on_any_worker() {
         marked_unreachable(snap, "d-0", true)?;
         marked_unreachable(snap, "c-0", true)
     });
-    let control = pd_wasm_tests::prom::Scrape::parse(
-        &http::get(&stack.control, "/metrics")
-            .expect("pd-control metrics")
-            .text(),
-    );
-    let pods = |role, state| {
-        control.value(
-            "pd_control_pods",
-            &[("model", MODEL), ("role", role), ("state", state)],
-        )
-    };
+    let pods = |role, state| control_pods(&stack, role, state);
     assert_eq!(
         [pods("decode", "ready"), pods("decode", "unreachable")],
         [Some(1.0), Some(1.0)]
@@ -915,15 +933,7 @@ fn a_decode_pod_dying_during_the_prefill_hands_the_decode_leg_to_its_roleset_sib
         .pod("d-0", "decode", "group-0")
         .pod("d-1", "decode", "group-0");
     let stack = start_checked(fleet.clone(), &[]);
-    eventually(Duration::from_secs(15), || {
-        let snap = stack.control_snapshot();
-        let scraped = |pod: &str| {
-            snapshot_pods(&snap).any(|p| p["name"] == pod && p["metrics"]["present"] == true)
-        };
-        (scraped("d-0") && scraped("d-1"))
-            .then_some(())
-            .ok_or_else(|| "decode pods not scraped yet".to_string())
-    });
+    wait_scraped(&stack, &["d-0", "d-1"]);
     // The prefill leg waits at p-0 until the test lets it answer.
     stack.arm_fault(json!({"pod": "p-0", "kind": "hang_before_headers", "leg": "prefill"}));
     let client = fire(&stack, 1, chat(false, 4));
@@ -973,13 +983,7 @@ fn a_pod_sitting_on_its_requests_is_routed_around_until_it_moves_again() {
         },
     );
     let random = [("routing-strategy", "random")];
-    eventually(Duration::from_secs(15), || {
-        let scraped = snapshot_pods(&stack.control_snapshot())
-            .any(|p| p["name"] == "c-0" && p["metrics"]["present"] == true);
-        scraped
-            .then_some(())
-            .ok_or_else(|| "c-0 not scraped yet".to_string())
-    });
+    wait_scraped(&stack, &["c-0"]);
     // Two streams on c-0 stop after their first chunk: running, and nothing moves.
     stack.arm_fault(
         json!({"pod": "c-0", "kind": "hang_after_chunks", "chunks": 1,
@@ -999,22 +1003,9 @@ fn a_pod_sitting_on_its_requests_is_routed_around_until_it_moves_again() {
         .collect();
     stack.wait_for_legs("full", 2);
     stack.wait_snapshot_adopted(|snap| marked(snap, "c-0", "stalled", true));
-    let control = pd_wasm_tests::prom::Scrape::parse(
-        &http::get(&stack.control, "/metrics")
-            .expect("pd-control metrics")
-            .text(),
-    );
-    assert_eq!(
-        control.value(
-            "pd_control_pods",
-            &[("model", MODEL), ("role", "other"), ("state", "stalled")]
-        ),
-        Some(1.0)
-    );
+    assert_eq!(control_pods(&stack, "other", "stalled"), Some(1.0));
     for i in 0..12 {
-        let body = json!({"model": MODEL, "max_tokens": 2,
-                          "messages": [{"role": "user", "content": format!("question {i}")}]});
-        let r = stack.chat(&random, &body);
+        let r = stack.chat(&random, &question(i));
         assert_success(&r);
         assert_eq!(r.header("target-pod"), Some("c-1"), "{}", describe(&r));
     }
@@ -1028,17 +1019,14 @@ fn a_pod_sitting_on_its_requests_is_routed_around_until_it_moves_again() {
         assert_eq!(r.header("target-pod"), Some("c-0"));
     }
     stack.wait_snapshot_adopted(|snap| marked(snap, "c-0", "stalled", false));
-    let mut i = 100;
-    eventually(Duration::from_secs(15), || {
-        i += 1;
-        let body = json!({"model": MODEL, "max_tokens": 2,
-                          "messages": [{"role": "user", "content": format!("question {i}")}]});
-        let r = stack.chat(&random, &body);
-        assert_success(&r);
-        (r.header("target-pod") == Some("c-0"))
-            .then_some(())
-            .ok_or_else(|| "c-0 never came back".to_string())
-    });
+    until_routed_to(
+        &stack,
+        &random,
+        "target-pod",
+        "c-0",
+        100,
+        Duration::from_secs(15),
+    );
     assert_clean_end(&stack, &fleet_pods(&fleet));
 }
 
@@ -1053,17 +1041,13 @@ fn a_pod_one_worker_ejects_leaves_every_worker() {
         NO_REACHABILITY_CHECK,
     );
     stack.arm_fault(json!({"pod": "d-0", "kind": "status", "status": 500, "leg": "decode"}));
-    let body = |i: usize| {
-        json!({"model": MODEL, "max_tokens": 2,
-               "messages": [{"role": "user", "content": format!("question {i}")}]})
-    };
     let mut one_worker = http::KeepAlive::connect(&stack.gateway).expect("connect");
     let mut failed = 0;
     let mut sent = 0;
     while stack.stat("pd_router_ejections_total") == 0 {
         assert!(sent < 100, "{sent} requests and d-0 not ejected");
         let r = one_worker
-            .post_json("/v1/chat/completions", &PD, &body(sent))
+            .post_json("/v1/chat/completions", &PD, &question(sent))
             .expect("answer");
         sent += 1;
         if r.status != 200 {
@@ -1080,7 +1064,7 @@ fn a_pod_one_worker_ejects_leaves_every_worker() {
             .ok_or_else(|| format!("{adopted} VMs took the notice"))
     });
     for i in 0..20 {
-        let r = stack.chat(&PD, &body(1000 + i));
+        let r = stack.chat(&PD, &question(1000 + i));
         assert_success(&r);
         assert_eq!(
             r.header("prefill-target-pod"),

@@ -531,26 +531,14 @@ impl ModelView {
                 view.pods[i].roleset_idx = Some(r);
             }
         }
-        view.prefill_by_key = Rc::new(
-            view.rolesets
-                .iter()
-                .flat_map(|r| r.prefill.iter().copied())
-                .map(|i| (view.pods[i].key.clone(), i))
-                .collect(),
-        );
-        view.decode_by_key = Rc::new(
-            view.rolesets
-                .iter()
-                .flat_map(|r| r.decode.iter().copied())
-                .map(|i| (view.pods[i].key.clone(), i))
-                .collect(),
-        );
-        view.standard_by_key = Rc::new(
-            view.others
-                .iter()
-                .map(|&i| (view.pods[i].key.clone(), i))
-                .collect(),
-        );
+        let by_key = |slots: &mut dyn Iterator<Item = usize>| {
+            Rc::new(slots.map(|i| (view.pods[i].key.clone(), i)).collect())
+        };
+        view.prefill_by_key =
+            by_key(&mut view.rolesets.iter().flat_map(|r| r.prefill.iter().copied()));
+        view.decode_by_key =
+            by_key(&mut view.rolesets.iter().flat_map(|r| r.decode.iter().copied()));
+        view.standard_by_key = by_key(&mut view.others.iter().copied());
         view.columns = crate::core::pd::columns::Columns::build(&view.pods, &view.rolesets);
         view.uid = NEXT_UID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
