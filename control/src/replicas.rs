@@ -18,9 +18,7 @@ use std::time::{Duration, Instant};
 use prost::Message;
 
 use crate::proto::{DecodeShare, RemoteShares, ReplicaReport};
-
-/// Bound on one Redis round trip: a slow Redis must not hold the gateway's poll.
-const REDIS_TIMEOUT: Duration = Duration::from_millis(250);
+use crate::redis_link::{LinkError, RedisLink, Retry};
 
 /// The scripted round trip: store the caller's report with its TTL, index it by expiry, drop
 /// expired entries, and return every other live report. Redis's own clock decides expiry, so
@@ -63,8 +61,7 @@ pub struct ReplicaBook {
 }
 
 struct RedisShares {
-    client: redis::Client,
-    conn: tokio::sync::Mutex<Option<redis::aio::MultiplexedConnection>>,
+    link: RedisLink,
     script: redis::Script,
     prefix: String,
 }
@@ -74,8 +71,7 @@ impl ReplicaBook {
     pub fn new(ttl: Duration, redis_url: Option<&str>) -> Result<ReplicaBook, redis::RedisError> {
         let redis = match redis_url {
             Some(url) => Some(RedisShares {
-                client: redis::Client::open(url)?,
-                conn: tokio::sync::Mutex::new(None),
+                link: RedisLink::open(url)?,
                 script: redis::Script::new(REPORT_SCRIPT),
                 prefix: "pd-router:replica:".to_string(),
             }),
@@ -193,65 +189,25 @@ impl ReplicaBook {
 }
 
 impl RedisShares {
-    /// One scripted round trip. A connection broken since the last report (Redis restarted)
-    /// is replaced and the call retried once, so a recovered Redis is used at once.
+    /// One scripted round trip. Repeating a report is harmless (it overwrites itself), so a
+    /// connection broken since the last report (Redis restarted) is replaced and the call
+    /// retried once, and a recovered Redis is used at once.
     async fn exchange(
         &self,
         report: &ReplicaReport,
         body: &[u8],
         ttl: Duration,
-    ) -> Result<Vec<Vec<u8>>, String> {
-        let mut slot = self.conn.lock().await;
-        let mut retried = false;
-        loop {
-            let reused = slot.is_some();
-            let conn = match slot.as_mut() {
-                Some(conn) => conn,
-                None => {
-                    let conn = tokio::time::timeout(
-                        REDIS_TIMEOUT,
-                        self.client.get_multiplexed_async_connection(),
-                    )
-                    .await
-                    .map_err(|_| "connect timed out".to_string())?
-                    .map_err(|e| e.to_string())?;
-                    slot.insert(conn)
-                }
-            };
-            match self.call(conn, report, body, ttl).await {
-                Ok(others) => return Ok(others),
-                Err(e) => {
-                    *slot = None;
-                    if !reused || retried {
-                        return Err(e);
-                    }
-                    retried = true;
-                }
-            }
-        }
-    }
-
-    async fn call(
-        &self,
-        conn: &mut redis::aio::MultiplexedConnection,
-        report: &ReplicaReport,
-        body: &[u8],
-        ttl: Duration,
-    ) -> Result<Vec<Vec<u8>>, String> {
+    ) -> Result<Vec<Vec<u8>>, LinkError> {
         let ttl_ms = ttl.as_millis().max(1) as u64;
-        let mut invocation = self.script.key(format!("{}index", self.prefix));
-        invocation
-            .arg(&self.prefix)
-            .arg(format!("{:016x}", report.replica))
-            .arg(body)
-            .arg(ttl_ms);
-        match tokio::time::timeout(REDIS_TIMEOUT, invocation.invoke_async::<Vec<Vec<u8>>>(conn))
+        let index = format!("{}index", self.prefix);
+        let id = format!("{:016x}", report.replica);
+        self.link
+            .call(Retry::OnceOnStaleConnection, |mut conn| {
+                let mut invocation = self.script.key(&index);
+                invocation.arg(&self.prefix).arg(&id).arg(body).arg(ttl_ms);
+                async move { invocation.invoke_async::<Vec<Vec<u8>>>(&mut conn).await }
+            })
             .await
-        {
-            Ok(Ok(others)) => Ok(others),
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(_) => Err("round trip timed out".into()),
-        }
     }
 }
 

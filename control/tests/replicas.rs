@@ -3,9 +3,7 @@
 //! pd-control keeps answering from the reports it received itself, says so in `/metrics`,
 //! and recovers when Redis returns.
 
-use std::net::TcpStream;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use pd_control::proto::{DecodeShare, RemoteShares, ReplicaReport};
@@ -13,66 +11,7 @@ use prost::Message;
 
 mod common;
 use common::eventually;
-
-struct Redis {
-    child: Child,
-    port: u16,
-}
-
-impl Redis {
-    /// Starts `redis-server` on loopback with no persistence, or `None` (with the reason
-    /// printed) when the binary is not installed.
-    fn start(port: u16, dir: &Path) -> Option<Redis> {
-        let child = Command::new("redis-server")
-            .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
-            .args([
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--protected-mode",
-                "yes",
-            ])
-            .arg("--dir")
-            .arg(dir)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn();
-        match child {
-            Ok(child) => Some(Redis { child, port }),
-            Err(e) => {
-                eprintln!("SKIPPED: cannot run redis-server ({e}); `make setup` installs it");
-                None
-            }
-        }
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/0", self.port)
-    }
-
-    async fn wait_ready(&self) {
-        let port = self.port;
-        eventually("redis accepting connections", || async move {
-            TcpStream::connect(("127.0.0.1", port)).ok().map(|_| ())
-        })
-        .await;
-    }
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
-}
+use common::redis::{free_port, Redis};
 
 async fn start_control(fleet: &Path, redis: &str) -> pd_control::Service {
     let mut config = pd_control::Config::new(fleet, "127.0.0.1:0".parse().expect("addr"));

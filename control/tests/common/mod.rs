@@ -1,5 +1,9 @@
 //! Helpers shared by pd-control's integration tests.
 
+// Only the tests of the Redis features use it; the others compile it unused.
+#[allow(dead_code)]
+pub mod redis;
+
 use std::future::Future;
 use std::time::{Duration, Instant};
 
