@@ -14,6 +14,10 @@ use crate::snapshot::LabelPolicy;
 /// moving from AIBrix already sets.
 pub const REFRESH_INTERVAL_ENV: &str = "AIBRIX_POD_METRIC_REFRESH_INTERVAL_MS";
 
+/// AIBrix's switch for its per-user limits: `true` (or `1`, `yes`, any case) turns them off
+/// here too, so an operator moving from AIBrix keeps the setting they had.
+pub const DISABLE_RATE_LIMIT_ENV: &str = "AIBRIX_DISABLE_RATE_LIMIT";
+
 /// Where the fleet comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum SourceKind {
@@ -107,8 +111,20 @@ pub struct Config {
     #[arg(long, value_name = "URL")]
     pub redis: Option<String>,
 
-    /// File holding a shared token: `/v1/snapshot`, `/v1/snapshot.json` and
-    /// `/v1/replicas/report` then answer 401 unless the request carries
+    /// Do not check per-user request and token limits even with `--redis` (as
+    /// `AIBRIX_DISABLE_RATE_LIMIT=true` does): `/v1/limits/admit` answers `disabled` and the
+    /// snapshot tells gateways not to ask. With `--redis` and without this, users' limits are
+    /// read from AIBrix's user records in that Redis.
+    #[arg(long)]
+    pub no_user_limits: bool,
+
+    /// Set by [`Config::try_parse_with_env`] when `AIBRIX_DISABLE_RATE_LIMIT` turns the
+    /// limits off.
+    #[arg(skip)]
+    pub user_limits_off_by_env: bool,
+
+    /// File holding a shared token: `/v1/snapshot`, `/v1/snapshot.json`,
+    /// `/v1/replicas/report` and `/v1/limits/*` then answer 401 unless the request carries
     /// `authorization: Bearer <token>` (the filter's `snapshot_token`). Surrounding
     /// whitespace is ignored; read once at start. Health and `/metrics` stay open.
     #[arg(long, value_name = "FILE", env = "PD_CONTROL_SNAPSHOT_TOKEN_FILE")]
@@ -134,6 +150,26 @@ pub enum ConfigError {
     Redis(String),
     #[error("{0} does not apply to the {1} source")]
     NotForSource(&'static str, &'static str),
+}
+
+/// Whether per-user limits are checked, and if not, why (for the start-up log).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UserLimitsSetting {
+    On,
+    NoRedis,
+    OffByFlag,
+    OffByEnv,
+}
+
+impl std::fmt::Display for UserLimitsSetting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            UserLimitsSetting::On => "on (user records and counters in --redis)",
+            UserLimitsSetting::NoRedis => "off (no --redis)",
+            UserLimitsSetting::OffByFlag => "off (--no-user-limits)",
+            UserLimitsSetting::OffByEnv => "off (AIBRIX_DISABLE_RATE_LIMIT)",
+        })
+    }
 }
 
 impl Config {
@@ -162,6 +198,9 @@ impl Config {
                 )),
             }
         }
+        config.user_limits_off_by_env = env(DISABLE_RATE_LIMIT_ENV)
+            .as_deref()
+            .is_some_and(env_flag_on);
         Ok((config, warnings))
     }
 
@@ -181,6 +220,8 @@ impl Config {
             stalled_after: Duration::from_secs(15),
             replica_ttl: Duration::from_secs(5),
             redis: None,
+            no_user_limits: false,
+            user_limits_off_by_env: false,
             snapshot_token_file: None,
             pod_labels: LabelPolicy::All,
         }
@@ -237,6 +278,19 @@ impl Config {
         Ok(())
     }
 
+    /// Whether per-user limits are checked: with `--redis`, unless turned off.
+    pub fn user_limits(&self) -> UserLimitsSetting {
+        if self.redis.is_none() {
+            UserLimitsSetting::NoRedis
+        } else if self.no_user_limits {
+            UserLimitsSetting::OffByFlag
+        } else if self.user_limits_off_by_env {
+            UserLimitsSetting::OffByEnv
+        } else {
+            UserLimitsSetting::On
+        }
+    }
+
     /// Age beyond which a pod's metrics no longer describe its current load.
     pub fn stale_bound(&self) -> Duration {
         self.refresh_interval.saturating_mul(self.stale_after)
@@ -250,6 +304,13 @@ pub fn refresh_interval_from_env(raw: &str) -> Result<Duration, String> {
         Ok(_) => Err("not greater than zero".into()),
         Err(_) => Err("not an integer of milliseconds".into()),
     }
+}
+
+/// A boolean environment switch: `true`, `1` or `yes` in any case is on, anything else off.
+pub fn env_flag_on(raw: &str) -> bool {
+    ["true", "1", "yes"]
+        .iter()
+        .any(|on| raw.trim().eq_ignore_ascii_case(on))
 }
 
 /// Parses `50ms`, `1s`, `1.5s`, `2m`, `1h`, `250us`, `10ns`. A unit is mandatory: a bare `50`
@@ -357,6 +418,39 @@ mod tests {
         let (c, warnings) = Config::try_parse_with_env(flagged, env("200")).unwrap();
         assert_eq!(c.refresh_interval, Duration::from_secs(1), "the flag wins");
         assert!(warnings.is_empty());
+    }
+
+    #[test]
+    fn user_limits_need_redis_and_yield_to_the_flag_and_the_aibrix_variable() {
+        let base = ["pd-control", "--fleet", "f", "--listen", "127.0.0.1:0"];
+        let redis = [&base[..], &["--redis", "redis://127.0.0.1:6379/0"]].concat();
+        let flagged = [&redis[..], &["--no-user-limits"]].concat();
+        let env = |value: &'static str| {
+            move |name: &str| (name == DISABLE_RATE_LIMIT_ENV).then(|| value.to_string())
+        };
+        let setting = |args: &[&str], value: &'static str| {
+            Config::try_parse_with_env(args, env(value))
+                .unwrap()
+                .0
+                .user_limits()
+        };
+        assert_eq!(setting(&base, ""), UserLimitsSetting::NoRedis);
+        assert_eq!(setting(&base, "true"), UserLimitsSetting::NoRedis);
+        assert_eq!(setting(&redis, ""), UserLimitsSetting::On);
+        assert_eq!(setting(&flagged, ""), UserLimitsSetting::OffByFlag);
+        assert_eq!(setting(&flagged, "true"), UserLimitsSetting::OffByFlag);
+        for on in ["true", "TRUE", "True", "1", "yes", "YES", " true "] {
+            assert_eq!(setting(&redis, on), UserLimitsSetting::OffByEnv, "{on:?}");
+        }
+        for off in ["false", "0", "no", "", "on", "disabled", "2"] {
+            assert_eq!(setting(&redis, off), UserLimitsSetting::On, "{off:?}");
+        }
+        let (c, _) = Config::try_parse_with_env(&redis, |_| None).unwrap();
+        assert_eq!(c.user_limits(), UserLimitsSetting::On);
+        let mut c = Config::new("f", "127.0.0.1:0".parse().unwrap());
+        assert_eq!(c.user_limits(), UserLimitsSetting::NoRedis);
+        c.redis = Some("redis://127.0.0.1:6379/0".into());
+        assert_eq!(c.user_limits(), UserLimitsSetting::On);
     }
 
     #[test]

@@ -16,6 +16,7 @@ use axum::Router;
 use tokio::sync::watch;
 
 use crate::auth::SnapshotToken;
+use crate::limits::UserLimits;
 use crate::replicas::ReplicaBook;
 use crate::snapshot::Published;
 use crate::stats::{PollAnswer, Stats};
@@ -33,9 +34,11 @@ pub struct AppState {
     pub live: watch::Receiver<Arc<crate::proto::Snapshot>>,
     pub stats: Arc<Stats>,
     pub replicas: Arc<ReplicaBook>,
+    /// Per-user request and token limits (off unless `--redis`).
+    pub limits: Arc<UserLimits>,
     /// `FleetSource::kind` of the running source.
     pub source_kind: &'static str,
-    /// `--snapshot-token-file`: required on the snapshot and replica routes when set.
+    /// `--snapshot-token-file`: required on the snapshot, replica and limits routes when set.
     pub token: Option<Arc<SnapshotToken>>,
 }
 
@@ -46,6 +49,8 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/snapshot", get(snapshot))
         .route("/v1/snapshot.json", get(snapshot_json))
         .route("/v1/replicas/report", post(replica_report))
+        .route("/v1/limits/admit", post(limits_admit))
+        .route("/v1/limits/usage", post(limits_usage))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_token));
     Router::new()
         .merge(guarded)
@@ -158,6 +163,46 @@ async fn replica_report(State(state): State<AppState>, body: Bytes) -> Response 
     }
 }
 
+/// `POST /v1/limits/admit`: the body is a user name (raw UTF-8); the answer is always 200
+/// with a JSON [`crate::limits::Answer`], so the gateway reads one shape whatever happened
+/// and decides itself what a `store_error` means for the request.
+async fn limits_admit(State(state): State<AppState>, body: Bytes) -> Response {
+    let name = match crate::limits::user_name(&body) {
+        Ok(name) => name,
+        Err(e) => return (StatusCode::BAD_REQUEST, format!("{e}\n")).into_response(),
+    };
+    let answer = state.limits.admit(name).await;
+    match serde_json::to_vec(&answer) {
+        Ok(json) => (
+            [(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            )],
+            json,
+        )
+            .into_response(),
+        Err(e) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("cannot render the answer: {e}\n"),
+        )
+            .into_response(),
+    }
+}
+
+/// `POST /v1/limits/usage`: `{"user": tokens, ...}` added to the users' token counters.
+/// 204 when added (or limits are off), 400 for a body that is not such an object, 503 when
+/// Redis did not take all of them (those it took stay added).
+async fn limits_usage(State(state): State<AppState>, body: Bytes) -> Response {
+    let usage = match crate::limits::parse_usage(&body) {
+        Ok(usage) => usage,
+        Err(e) => return (StatusCode::BAD_REQUEST, format!("{e}\n")).into_response(),
+    };
+    match state.limits.add_usage(&usage).await {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n")).into_response(),
+    }
+}
+
 /// The first snapshot newer than `version`, or the current one after `wait`. Returns early
 /// when pd-control shuts down (its control loop drops the sender), so a held poll never
 /// delays a graceful stop.
@@ -209,6 +254,9 @@ async fn metrics(State(state): State<AppState>) -> Response {
     );
     for (name, kind, help, value) in state.replicas.metrics() {
         family(&mut text, name, kind, help, &[(String::new(), value)]);
+    }
+    for (name, kind, help, samples) in state.limits.metrics() {
+        family(&mut text, name, kind, help, &samples);
     }
     ([(header::CONTENT_TYPE, PROMETHEUS_TEXT)], text).into_response()
 }
@@ -449,6 +497,7 @@ mod tests {
                 ],
                 labels: None,
             }],
+            user_limits: false,
         };
         Published {
             version: 4,

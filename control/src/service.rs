@@ -13,7 +13,8 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio::time::MissedTickBehavior;
 
-use crate::config::{Config, ConfigError, SourceKind};
+use crate::config::{Config, ConfigError, SourceKind, UserLimitsSetting};
+use crate::limits::UserLimits;
 use crate::replicas::ReplicaBook;
 use crate::scrape::{Outcome, ScrapeBook, Scraper};
 use crate::server::{self, AppState};
@@ -128,6 +129,14 @@ pub async fn start_with_source<S: FleetSource>(
         ReplicaBook::new(config.replica_ttl, config.redis.as_deref())
             .map_err(|e| Error::Config(ConfigError::Redis(e.to_string())))?,
     );
+    let setting = config.user_limits();
+    let limits = Arc::new(match (setting, config.redis.as_deref()) {
+        (UserLimitsSetting::On, Some(url)) => {
+            UserLimits::redis(url).map_err(|e| Error::Config(ConfigError::Redis(e.to_string())))?
+        }
+        _ => UserLimits::disabled(),
+    });
+    tracing::info!("per-user limits {setting}");
     let origin = source.describe();
     let pods = source.load().await.map_err(|source| Error::InitialFleet {
         origin: origin.clone(),
@@ -159,7 +168,7 @@ pub async fn start_with_source<S: FleetSource>(
         Scraper::new(config.scrape_timeout, concurrency).map_err(Error::Client)?;
     let book = ScrapeBook::new(config.stale_bound(), config.unreachable_after)
         .with_stalled_after(config.stalled_after);
-    let mut builder = SnapshotBuilder::default();
+    let mut builder = SnapshotBuilder::with_user_limits(limits.enabled());
     let now = Instant::now();
     let first = builder.update(
         snapshot::models(&fleet, &config.pod_labels, |p| book.observe(p, now)),
@@ -192,6 +201,7 @@ pub async fn start_with_source<S: FleetSource>(
         live: live_rx,
         stats: stats.clone(),
         replicas,
+        limits,
         source_kind,
         token,
     });

@@ -569,7 +569,7 @@ fn binary_announces_its_address_and_rejects_a_bad_fleet() {
     );
 }
 
-/// `--snapshot-token-file`: the snapshot and replica routes want `authorization: Bearer
+/// `--snapshot-token-file`: the snapshot, replica and limits routes want `authorization: Bearer
 /// <token>`; health, readiness and metrics stay open; refusals are counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn snapshot_routes_require_the_token_when_one_is_configured() {
@@ -604,6 +604,8 @@ async fn snapshot_routes_require_the_token_when_one_is_configured() {
         (reqwest::Method::GET, "/v1/snapshot?version=0"),
         (reqwest::Method::GET, "/v1/snapshot.json"),
         (reqwest::Method::POST, "/v1/replicas/report"),
+        (reqwest::Method::POST, "/v1/limits/admit"),
+        (reqwest::Method::POST, "/v1/limits/usage"),
     ];
     let mut refused = 0.0;
     for (method, path) in &guarded {
@@ -650,6 +652,15 @@ async fn snapshot_routes_require_the_token_when_one_is_configured() {
     )
     .await;
     assert_ne!(status, 401);
+    // The limits routes too (limits are off here: no --redis).
+    let (status, _, body) = call(
+        reqwest::Method::POST,
+        "/v1/limits/admit",
+        Some("Bearer t0ken-Abc_123"),
+    )
+    .await;
+    assert_eq!(status, 400, "an empty user name reaches the handler");
+    assert!(!body.is_empty());
     for open in ["/healthz", "/readyz", "/metrics"] {
         let (status, _, _) = call(reqwest::Method::GET, open, None).await;
         assert_ne!(status, 401, "{open} stays open");

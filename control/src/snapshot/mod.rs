@@ -157,6 +157,8 @@ pub fn models(
 /// Assigns versions and keeps the bytes of the current one.
 #[derive(Default)]
 pub struct SnapshotBuilder {
+    /// Carried as `Snapshot.user_limits`: fixed for the life of the process.
+    user_limits: bool,
     version: u64,
     /// Encoding of `models` without scrape timestamps: the part a version stands for.
     content: Bytes,
@@ -164,6 +166,14 @@ pub struct SnapshotBuilder {
 }
 
 impl SnapshotBuilder {
+    /// A builder whose snapshots tell the gateways whether pd-control checks user limits.
+    pub fn with_user_limits(user_limits: bool) -> SnapshotBuilder {
+        SnapshotBuilder {
+            user_limits,
+            ..SnapshotBuilder::default()
+        }
+    }
+
     /// Offers new content; returns the snapshot to serve, whether it is a new version, and the
     /// live view.
     pub fn update(&mut self, models: Vec<proto::Model>, now_unix_ms: i64) -> Update {
@@ -171,6 +181,7 @@ impl SnapshotBuilder {
             version: 0,
             generated_unix_ms: 0,
             models,
+            user_limits: self.user_limits,
         };
         // The version stands for what routing reads. Scrape timestamps move every round even
         // on an idle fleet; counting them would make every poll a full download and decode in
@@ -196,7 +207,8 @@ impl SnapshotBuilder {
                 live: Arc::new(snapshot),
             };
         }
-        // With version and time at their defaults, prost encodes only the models field.
+        // With version and time at their defaults, prost encodes only the fields after them
+        // (models, user_limits).
         let content = Bytes::from(snapshot.encode_to_vec());
         // At least the build time in ms: a restarted pd-control must serve versions above
         // those of the process before it, or every filter (which only adopts a newer version)
@@ -206,12 +218,13 @@ impl SnapshotBuilder {
         snapshot.version = self.version;
         snapshot.generated_unix_ms = now_unix_ms;
         // Protobuf fields may be concatenated, and prost writes them in tag order (version,
-        // time, models), so header + content is byte-identical to encoding the whole message,
-        // without encoding the models a second time.
+        // time, models, user_limits), so header + content is byte-identical to encoding the
+        // whole message, without encoding the models a second time. The header holds fields
+        // 1 and 2 alone: anything else set in it would be encoded twice.
         let header = proto::Snapshot {
             version: snapshot.version,
             generated_unix_ms: snapshot.generated_unix_ms,
-            models: Vec::new(),
+            ..proto::Snapshot::default()
         };
         let mut bytes = BytesMut::with_capacity(header.encoded_len() + content.len());
         header.encode_raw(&mut bytes);
@@ -471,6 +484,51 @@ mod tests {
         assert_eq!(
             (decoded.version, decoded.generated_unix_ms),
             (1_700_000_000_123, 1_700_000_000_123)
+        );
+    }
+
+    #[test]
+    fn served_bytes_carry_the_user_limits_flag() {
+        let fleet = [pod("a", "m")];
+        for user_limits in [false, true] {
+            let p = SnapshotBuilder::with_user_limits(user_limits)
+                .update(models(&fleet, &LabelPolicy::All, |_| metrics(1.0)), 5_000)
+                .published;
+            let decoded = proto::Snapshot::decode(p.bytes.as_ref()).unwrap();
+            assert_eq!(decoded.user_limits, user_limits);
+            assert_eq!(
+                decoded, *p.snapshot,
+                "header + content is the whole message"
+            );
+            assert_eq!(p.bytes.as_ref(), p.snapshot.encode_to_vec().as_slice());
+            assert_eq!((decoded.version, decoded.models.len()), (5_000, 1));
+        }
+        // Same models, flag on: other content, so another version's bytes.
+        let off = SnapshotBuilder::default()
+            .update(models(&fleet, &LabelPolicy::All, |_| metrics(1.0)), 5_000)
+            .published;
+        let on = SnapshotBuilder::with_user_limits(true)
+            .update(models(&fleet, &LabelPolicy::All, |_| metrics(1.0)), 5_000)
+            .published;
+        assert_ne!(off.bytes, on.bytes);
+    }
+
+    #[test]
+    fn the_flag_is_part_of_the_version_fingerprint() {
+        let fleet = [pod("a", "m")];
+        let mut builder = SnapshotBuilder::default();
+        let first = builder
+            .update(models(&fleet, &LabelPolicy::All, |_| metrics(1.0)), 5_000)
+            .published;
+        builder.user_limits = true;
+        let update = builder.update(models(&fleet, &LabelPolicy::All, |_| metrics(1.0)), 6_000);
+        assert!(update.changed, "a flag change is a content change");
+        assert_eq!(update.published.version, 6_000);
+        assert!(first.version < update.published.version);
+        assert!(
+            proto::Snapshot::decode(update.published.bytes.as_ref())
+                .unwrap()
+                .user_limits
         );
     }
 

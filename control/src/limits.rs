@@ -1,0 +1,782 @@
+//! Per-user request and token limits, compatible with AIBrix's.
+//!
+//! A request that names a user (AIBrix's `user` header) is checked against that user's record
+//! in Redis: at most `rpm` requests and `tpm` tokens per fixed one-minute window. Stock Envoy
+//! wasm cannot talk to Redis, so the filter asks pd-control (`POST /v1/limits/admit`) and
+//! reports the tokens each answer used (`POST /v1/limits/usage`).
+//!
+//! The record and counter keys, the defaults and the order of the checks are AIBrix's own, so
+//! that an AIBrix gateway and pd-router sharing one Redis during a migration count against the
+//! same limits. Unlike AIBrix, the counter part of a check is one Lua script, so two gateways
+//! admitting the same user at once cannot both take the last request of a window.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+
+use serde::{Deserialize, Serialize};
+
+use crate::redis_link::{LinkError, RedisLink, Retry};
+
+/// Prefix of the user records: `aibrix-users/{name}`, a JSON string value.
+pub const USER_KEY_PREFIX: &str = "aibrix-users/";
+/// The counting window. AIBrix writes it into the counter keys, so it is part of their names.
+pub const WINDOW_MS: u64 = 60_000;
+/// Longest user name accepted; a name is a Redis key part and a log field.
+pub const MAX_NAME_BYTES: usize = 256;
+/// AIBrix's request limit for a record without one (or with 0).
+pub const DEFAULT_RPM: i64 = 100;
+/// AIBrix's token limit for a record without one: this many tokens per allowed request.
+pub const TOKENS_PER_REQUEST: i64 = 1000;
+/// Users whose token counters one script call adds to: bounds the work of one Redis call.
+const USAGE_BATCH: usize = 128;
+
+/// The Redis key of `name`'s record.
+pub fn user_key(name: &str) -> String {
+    format!("{USER_KEY_PREFIX}{name}")
+}
+
+/// The key of `name`'s request counter in the current window.
+pub fn rpm_key(name: &str) -> String {
+    format!("aibrix:{name}_RPM_CURRENT:{WINDOW_MS}:counter")
+}
+
+/// The key of `name`'s token counter in the current window.
+pub fn tpm_key(name: &str) -> String {
+    format!("aibrix:{name}_TPM_CURRENT:{WINDOW_MS}:counter")
+}
+
+/// Checks a user name as the filter sends it.
+pub fn user_name(raw: &[u8]) -> Result<&str, NameError> {
+    if raw.is_empty() {
+        return Err(NameError::Empty);
+    }
+    if raw.len() > MAX_NAME_BYTES {
+        return Err(NameError::TooLong(raw.len()));
+    }
+    std::str::from_utf8(raw).map_err(|_| NameError::NotUtf8)
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum NameError {
+    #[error("empty user name")]
+    Empty,
+    #[error("user name of {0} bytes (at most {MAX_NAME_BYTES})")]
+    TooLong(usize),
+    #[error("user name is not UTF-8")]
+    NotUtf8,
+}
+
+/// A user's limits per window, defaults applied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    pub rpm: i64,
+    pub tpm: i64,
+}
+
+/// Why a stored user record cannot be used.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum RecordError {
+    #[error("not a JSON user record: {0}")]
+    Json(String),
+    #[error("negative {0} limit {1}")]
+    Negative(&'static str, i64),
+}
+
+/// The fields of AIBrix's user record that count here; others (`name`) are ignored.
+#[derive(Deserialize)]
+struct Record {
+    #[serde(default)]
+    rpm: Option<i64>,
+    #[serde(default)]
+    tpm: Option<i64>,
+}
+
+/// Parses a user record and applies AIBrix's defaults: no (or a zero) request limit means
+/// [`DEFAULT_RPM`], no token limit [`TOKENS_PER_REQUEST`] per allowed request. A negative
+/// limit is a broken record rather than "no requests": refusing everyone it names silently
+/// would be worse than saying the store is wrong.
+pub fn parse_record(raw: &[u8]) -> Result<Limits, RecordError> {
+    let value: serde_json::Value =
+        serde_json::from_slice(raw).map_err(|e| RecordError::Json(e.to_string()))?;
+    // serde would also read a struct from an array (`[10, 5000]`); a record is an object.
+    if !value.is_object() {
+        return Err(RecordError::Json("not an object".into()));
+    }
+    let record = Record::deserialize(value).map_err(|e| RecordError::Json(e.to_string()))?;
+    let (rpm, tpm) = (record.rpm.unwrap_or(0), record.tpm.unwrap_or(0));
+    if rpm < 0 {
+        return Err(RecordError::Negative("rpm", rpm));
+    }
+    if tpm < 0 {
+        return Err(RecordError::Negative("tpm", tpm));
+    }
+    let rpm = if rpm == 0 { DEFAULT_RPM } else { rpm };
+    let tpm = if tpm == 0 {
+        rpm.saturating_mul(TOKENS_PER_REQUEST)
+    } else {
+        tpm
+    };
+    Ok(Limits { rpm, tpm })
+}
+
+/// Which Redis step a `store_error` answer failed at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Stage {
+    /// Reading the user record, or the record is unusable.
+    User,
+    /// The counter script.
+    Counters,
+}
+
+/// The answer of `POST /v1/limits/admit`, as JSON: `{"outcome": ..., fields}`. Counters are
+/// the values after this check; limits are the user's, defaults applied.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum Answer {
+    /// Counted against the window (`rpm` includes this request).
+    Admitted {
+        rpm: i64,
+        rpm_limit: i64,
+        tpm: i64,
+        tpm_limit: i64,
+    },
+    /// The window's requests are used up; nothing was counted.
+    RpmExceeded { rpm: i64, rpm_limit: i64 },
+    /// The window's tokens are used up. The request was counted (`rpm`), as AIBrix does.
+    TpmExceeded {
+        rpm: i64,
+        rpm_limit: i64,
+        tpm: i64,
+        tpm_limit: i64,
+    },
+    /// No record for the user.
+    UnknownUser,
+    /// Redis failed or holds an unusable record; the gateway decides whether to let it pass.
+    StoreError { stage: Stage, message: String },
+    /// This pd-control does not check user limits.
+    Disabled,
+}
+
+impl Answer {
+    /// Index into the per-outcome counters; `None` for answers that are no check.
+    fn counted(&self) -> Option<usize> {
+        match self {
+            Answer::Admitted { .. } => Some(0),
+            Answer::RpmExceeded { .. } => Some(1),
+            Answer::TpmExceeded { .. } => Some(2),
+            Answer::UnknownUser => Some(3),
+            Answer::StoreError { .. } => Some(4),
+            Answer::Disabled => None,
+        }
+    }
+}
+
+/// Metric label of each counted outcome, in [`Answer::counted`] order.
+const OUTCOMES: [&str; 5] = [
+    "admitted",
+    "rpm_exceeded",
+    "tpm_exceeded",
+    "unknown_user",
+    "store_error",
+];
+
+/// The counter half of a check, atomic so that concurrent checks of one user (from several
+/// gateways or pd-controls) never both take the last request of a window.
+/// KEYS: request counter, token counter. ARGV: request limit, token limit, window ms.
+/// Returns `{verdict, requests, tokens}`: 0 refused on requests (nothing counted), 1 admitted,
+/// 2 refused on tokens (the request counted). A counter's window starts with its first write
+/// (the expiry is set only while it has none), so later writes never stretch it. A counter
+/// read without an expiry (left by a writer that died between its increment and its expiry)
+/// gets one, or its user would stay refused for ever.
+const ADMIT_SCRIPT: &str = r"
+local rpm_limit, tpm_limit, window = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+local function current(key)
+  local value = redis.call('GET', key)
+  if not value then
+    return 0
+  end
+  if redis.call('PTTL', key) == -1 then
+    redis.call('PEXPIRE', key, window)
+  end
+  return tonumber(value)
+end
+local rpm = current(KEYS[1])
+if rpm >= rpm_limit then
+  return {0, rpm, 0}
+end
+rpm = redis.call('INCRBY', KEYS[1], 1)
+if redis.call('PTTL', KEYS[1]) == -1 then
+  redis.call('PEXPIRE', KEYS[1], window)
+end
+local tpm = current(KEYS[2])
+if tpm >= tpm_limit then
+  return {2, rpm, tpm}
+end
+return {1, rpm, tpm}
+";
+
+/// Adds tokens to users' token counters, with the window rule of [`ADMIT_SCRIPT`].
+/// KEYS: token counters. ARGV: window ms, then the tokens of each key.
+/// Returns one flag per key: 1 added, 0 refused by Redis (a counter that is not an integer),
+/// which leaves the other users' additions standing.
+const USAGE_SCRIPT: &str = r"
+local window = ARGV[1]
+local added = {}
+for i, key in ipairs(KEYS) do
+  local total = redis.pcall('INCRBY', key, ARGV[i + 1])
+  if type(total) == 'table' and total.err then
+    added[i] = 0
+  else
+    if redis.call('PTTL', key) == -1 then
+      redis.call('PEXPIRE', key, window)
+    end
+    added[i] = 1
+  end
+end
+return added
+";
+
+/// Reads the admit script's reply.
+fn verdict(reply: &[i64], limits: Limits) -> Option<Answer> {
+    let (rpm_limit, tpm_limit) = (limits.rpm, limits.tpm);
+    match *reply {
+        [0, rpm, _] => Some(Answer::RpmExceeded { rpm, rpm_limit }),
+        [1, rpm, tpm] => Some(Answer::Admitted {
+            rpm,
+            rpm_limit,
+            tpm,
+            tpm_limit,
+        }),
+        [2, rpm, tpm] => Some(Answer::TpmExceeded {
+            rpm,
+            rpm_limit,
+            tpm,
+            tpm_limit,
+        }),
+        _ => None,
+    }
+}
+
+/// A body of `POST /v1/limits/usage` that cannot be applied.
+#[derive(Debug, thiserror::Error)]
+pub enum UsageError {
+    #[error("want a JSON object of user names to token counts: {0}")]
+    Body(String),
+    #[error("{0}")]
+    Name(#[from] NameError),
+    #[error("{tokens} tokens for one user is more than a counter holds")]
+    TooMany { tokens: u64 },
+}
+
+/// Parses a usage report, `{"alice": 123, ...}`, into the additions to make (users with no
+/// tokens left out), in name order.
+pub fn parse_usage(body: &[u8]) -> Result<Vec<(String, i64)>, UsageError> {
+    let usage: BTreeMap<String, u64> =
+        serde_json::from_slice(body).map_err(|e| UsageError::Body(e.to_string()))?;
+    let mut out = Vec::with_capacity(usage.len());
+    for (name, tokens) in usage {
+        user_name(name.as_bytes())?;
+        if tokens == 0 {
+            continue;
+        }
+        let tokens = i64::try_from(tokens).map_err(|_| UsageError::TooMany { tokens })?;
+        out.push((name, tokens));
+    }
+    Ok(out)
+}
+
+/// Token additions Redis did not make.
+#[derive(Debug, thiserror::Error)]
+#[error("{failed} of {of} users' token counts not added: {reason}")]
+pub struct UsageFailure {
+    pub failed: usize,
+    pub of: usize,
+    pub reason: String,
+}
+
+/// A Prometheus family: `(name, type, help, samples)`, each sample `(labels, value)` with
+/// `labels` `{...}` or empty.
+pub type MetricFamily = (
+    &'static str,
+    &'static str,
+    &'static str,
+    Vec<(String, String)>,
+);
+
+/// The limits of this pd-control: off, or checked against Redis.
+pub struct UserLimits {
+    store: Option<Store>,
+    checks: [AtomicU64; 5],
+    tokens_total: AtomicU64,
+    errors_total: AtomicU64,
+    /// Redis failed on the last call: its failures are logged on the way in and out of that
+    /// state, not once per request.
+    failing: AtomicBool,
+    /// When an unusable record was last logged (Unix ms), to log one per minute at most.
+    record_warned_ms: AtomicI64,
+}
+
+struct Store {
+    link: RedisLink,
+    admit: redis::Script,
+    usage: redis::Script,
+}
+
+impl UserLimits {
+    /// Limits off: every check answers [`Answer::Disabled`].
+    pub fn disabled() -> UserLimits {
+        UserLimits::with_store(None)
+    }
+
+    /// Limits checked against the Redis at `url` (which must parse); connecting is lazy.
+    pub fn redis(url: &str) -> Result<UserLimits, redis::RedisError> {
+        Ok(UserLimits::with_store(Some(Store {
+            link: RedisLink::open(url)?,
+            admit: redis::Script::new(ADMIT_SCRIPT),
+            usage: redis::Script::new(USAGE_SCRIPT),
+        })))
+    }
+
+    fn with_store(store: Option<Store>) -> UserLimits {
+        UserLimits {
+            store,
+            checks: Default::default(),
+            tokens_total: AtomicU64::new(0),
+            errors_total: AtomicU64::new(0),
+            failing: AtomicBool::new(false),
+            record_warned_ms: AtomicI64::new(i64::MIN),
+        }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.store.is_some()
+    }
+
+    /// Checks one request of user `name` and counts it when admitted (or refused on tokens).
+    pub async fn admit(&self, name: &str) -> Answer {
+        let answer = match &self.store {
+            None => Answer::Disabled,
+            Some(store) => self.check(store, name).await,
+        };
+        if let Some(i) = answer.counted() {
+            self.checks[i].fetch_add(1, Ordering::Relaxed);
+        }
+        match &answer {
+            Answer::RpmExceeded { rpm, rpm_limit } => {
+                tracing::debug!(user = name, rpm, rpm_limit, "user over its request limit");
+            }
+            Answer::TpmExceeded { tpm, tpm_limit, .. } => {
+                tracing::debug!(user = name, tpm, tpm_limit, "user over its token limit");
+            }
+            _ => {}
+        }
+        answer
+    }
+
+    /// Two round trips: the record (a plain read, which AIBrix keeps current), then the
+    /// counter script with the limits it names.
+    async fn check(&self, store: &Store, name: &str) -> Answer {
+        let key = user_key(name);
+        let read = store
+            .link
+            .call(Retry::OnceOnStaleConnection, |mut conn| {
+                let mut get = redis::cmd("GET");
+                get.arg(&key);
+                async move { get.query_async::<Option<Vec<u8>>>(&mut conn).await }
+            })
+            .await;
+        let raw = match read {
+            Ok(Some(raw)) => raw,
+            Ok(None) => {
+                self.redis_ok();
+                return Answer::UnknownUser;
+            }
+            Err(e) => return self.store_error(Stage::User, &e),
+        };
+        self.redis_ok();
+        let limits = match parse_record(&raw) {
+            Ok(limits) => limits,
+            Err(e) => {
+                let message = format!("user record {key}: {e}");
+                self.warn_record(&message);
+                return Answer::StoreError {
+                    stage: Stage::User,
+                    message,
+                };
+            }
+        };
+        let (rpm, tpm) = (rpm_key(name), tpm_key(name));
+        let counted = store
+            .link
+            .call(Retry::Never, |mut conn| {
+                let mut invocation = store.admit.key(&rpm);
+                invocation
+                    .key(&tpm)
+                    .arg(limits.rpm)
+                    .arg(limits.tpm)
+                    .arg(WINDOW_MS);
+                async move { invocation.invoke_async::<Vec<i64>>(&mut conn).await }
+            })
+            .await;
+        match counted {
+            Ok(reply) => {
+                self.redis_ok();
+                verdict(&reply, limits).unwrap_or_else(|| Answer::StoreError {
+                    stage: Stage::Counters,
+                    message: format!("unexpected counter script reply {reply:?}"),
+                })
+            }
+            Err(e) => self.store_error(Stage::Counters, &e),
+        }
+    }
+
+    /// Adds each user's tokens to its token counter. Users are added in batches; a failed
+    /// batch does not stop the others, and what was added stays added.
+    pub async fn add_usage(&self, usage: &[(String, i64)]) -> Result<(), UsageFailure> {
+        let Some(store) = &self.store else {
+            return Ok(());
+        };
+        let (mut failed, mut reason) = (0, String::new());
+        for batch in usage.chunks(USAGE_BATCH) {
+            let keys: Vec<String> = batch.iter().map(|(name, _)| tpm_key(name)).collect();
+            let added = store
+                .link
+                .call(Retry::Never, |mut conn| {
+                    let mut invocation = store.usage.prepare_invoke();
+                    invocation.arg(WINDOW_MS);
+                    for (key, (_, tokens)) in keys.iter().zip(batch) {
+                        invocation.key(key).arg(*tokens);
+                    }
+                    async move { invocation.invoke_async::<Vec<i64>>(&mut conn).await }
+                })
+                .await;
+            match added {
+                Ok(flags) => {
+                    self.redis_ok();
+                    for (i, (name, tokens)) in batch.iter().enumerate() {
+                        if flags.get(i) == Some(&1) {
+                            self.tokens_total
+                                .fetch_add(tokens.unsigned_abs(), Ordering::Relaxed);
+                        } else {
+                            failed += 1;
+                            reason = format!("the token counter of {name} is not an integer");
+                        }
+                    }
+                }
+                Err(e) => {
+                    failed += batch.len();
+                    reason = e.to_string();
+                    self.redis_failed(&e);
+                }
+            }
+        }
+        if failed == 0 {
+            return Ok(());
+        }
+        // One error per user whose tokens were not added, whatever the batch's fate.
+        let errors = u64::try_from(failed).unwrap_or(u64::MAX);
+        self.errors_total.fetch_add(errors, Ordering::Relaxed);
+        Err(UsageFailure {
+            failed,
+            of: usage.len(),
+            reason,
+        })
+    }
+
+    fn store_error(&self, stage: Stage, error: &LinkError) -> Answer {
+        self.errors_total.fetch_add(1, Ordering::Relaxed);
+        self.redis_failed(error);
+        Answer::StoreError {
+            stage,
+            message: error.to_string(),
+        }
+    }
+
+    /// Logs the turn to failing (the caller counts the errors).
+    fn redis_failed(&self, error: &LinkError) {
+        if !self.failing.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                %error,
+                "user limits: redis failing; checks answer store_error until it recovers"
+            );
+        }
+    }
+
+    fn redis_ok(&self) {
+        if self.failing.swap(false, Ordering::Relaxed) {
+            tracing::info!("user limits: redis answering again");
+        }
+    }
+
+    /// An unusable record is an operator's mistake that every request of the user would
+    /// repeat: logged once a minute at most.
+    fn warn_record(&self, message: &str) {
+        let now = crate::unix_ms_now();
+        let last = self.record_warned_ms.load(Ordering::Relaxed);
+        if now.saturating_sub(last) >= 60_000
+            && self
+                .record_warned_ms
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            tracing::warn!("user limits: {message}; its requests answer store_error");
+        }
+    }
+
+    /// Prometheus families for `/metrics`.
+    pub fn metrics(&self) -> Vec<MetricFamily> {
+        let plain = |value: u64| vec![(String::new(), value.to_string())];
+        let checks = OUTCOMES
+            .iter()
+            .zip(&self.checks)
+            .map(|(outcome, n)| {
+                (
+                    format!("{{outcome=\"{outcome}\"}}"),
+                    n.load(Ordering::Relaxed).to_string(),
+                )
+            })
+            .collect();
+        vec![
+            (
+                "pd_control_user_limits_enabled",
+                "gauge",
+                "1 when this pd-control checks per-user request and token limits (--redis, not turned off).",
+                plain(u64::from(self.enabled())),
+            ),
+            (
+                "pd_control_user_limit_checks_total",
+                "counter",
+                "Per-user limit checks by outcome (admitted, rpm_exceeded, tpm_exceeded, unknown_user, store_error).",
+                checks,
+            ),
+            (
+                "pd_control_user_tokens_total",
+                "counter",
+                "Tokens added to users' token counters.",
+                plain(self.tokens_total.load(Ordering::Relaxed)),
+            ),
+            (
+                "pd_control_user_limit_errors_total",
+                "counter",
+                "Redis failures of user limits: failed record reads and counter scripts of checks, and token additions not made.",
+                plain(self.errors_total.load(Ordering::Relaxed)),
+            ),
+        ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn keys_are_aibrix_keys() {
+        assert_eq!(user_key("alice"), "aibrix-users/alice");
+        assert_eq!(rpm_key("alice"), "aibrix:alice_RPM_CURRENT:60000:counter");
+        assert_eq!(tpm_key("alice"), "aibrix:alice_TPM_CURRENT:60000:counter");
+    }
+
+    #[test]
+    fn records_parse_with_aibrix_defaults() {
+        let limits = |raw: &str| parse_record(raw.as_bytes());
+        let ok = |rpm, tpm| Ok(Limits { rpm, tpm });
+        assert_eq!(
+            limits(r#"{"name":"alice","rpm":10,"tpm":5000}"#),
+            ok(10, 5000)
+        );
+        assert_eq!(limits(r#"{"name":"alice","rpm":0,"tpm":7}"#), ok(100, 7));
+        assert_eq!(limits(r#"{"rpm":3,"tpm":0}"#), ok(3, 3000), "tpm from rpm");
+        assert_eq!(limits(r#"{"rpm":0,"tpm":0}"#), ok(100, 100_000));
+        assert_eq!(limits(r#"{"name":"alice"}"#), ok(100, 100_000), "absent");
+        assert_eq!(limits(r#"{"rpm":null,"tpm":null}"#), ok(100, 100_000));
+        assert_eq!(limits(r#"{"rpm":5,"extra":[1]}"#), ok(5, 5000));
+        assert_eq!(
+            limits(&format!(r#"{{"rpm":{}}}"#, i64::MAX)),
+            ok(i64::MAX, i64::MAX),
+            "the default token limit saturates"
+        );
+    }
+
+    #[test]
+    fn unusable_records_are_errors() {
+        let limits = |raw: &str| parse_record(raw.as_bytes());
+        assert_eq!(
+            limits(r#"{"rpm":-1}"#),
+            Err(RecordError::Negative("rpm", -1))
+        );
+        assert_eq!(
+            limits(r#"{"rpm":1,"tpm":-5}"#),
+            Err(RecordError::Negative("tpm", -5))
+        );
+        for garbage in [
+            "",
+            "not json",
+            "[]",
+            "[10, 5000]",
+            "null",
+            "7",
+            r#"{"rpm":"10"}"#,
+            r#"{"rpm":1.5}"#,
+            r#"{"rpm":99999999999999999999}"#,
+            r#"{"rpm":1"#,
+        ] {
+            assert!(
+                matches!(limits(garbage), Err(RecordError::Json(_))),
+                "{garbage:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn user_names_are_checked() {
+        assert_eq!(user_name(b"alice"), Ok("alice"));
+        assert_eq!(user_name("ü".as_bytes()), Ok("ü"));
+        assert_eq!(user_name(b""), Err(NameError::Empty));
+        assert_eq!(user_name(&[b'a'; 256]).map(str::len), Ok(256));
+        assert_eq!(user_name(&[b'a'; 257]), Err(NameError::TooLong(257)));
+        assert_eq!(user_name(b"\xff"), Err(NameError::NotUtf8));
+    }
+
+    #[test]
+    fn answers_have_the_contract_shapes() {
+        let shape = |answer: Answer| serde_json::to_value(answer).unwrap();
+        assert_eq!(
+            shape(Answer::Admitted {
+                rpm: 1,
+                rpm_limit: 3,
+                tpm: 0,
+                tpm_limit: 3000
+            }),
+            json!({"outcome":"admitted","rpm":1,"rpm_limit":3,"tpm":0,"tpm_limit":3000})
+        );
+        assert_eq!(
+            shape(Answer::RpmExceeded {
+                rpm: 3,
+                rpm_limit: 3
+            }),
+            json!({"outcome":"rpm_exceeded","rpm":3,"rpm_limit":3})
+        );
+        assert_eq!(
+            shape(Answer::TpmExceeded {
+                rpm: 2,
+                rpm_limit: 100,
+                tpm: 12,
+                tpm_limit: 10
+            }),
+            json!({"outcome":"tpm_exceeded","rpm":2,"rpm_limit":100,"tpm":12,"tpm_limit":10})
+        );
+        assert_eq!(
+            shape(Answer::UnknownUser),
+            json!({"outcome":"unknown_user"})
+        );
+        assert_eq!(
+            shape(Answer::StoreError {
+                stage: Stage::User,
+                message: "m".into()
+            }),
+            json!({"outcome":"store_error","stage":"user","message":"m"})
+        );
+        assert_eq!(
+            shape(Answer::StoreError {
+                stage: Stage::Counters,
+                message: "m".into()
+            }),
+            json!({"outcome":"store_error","stage":"counters","message":"m"})
+        );
+        assert_eq!(shape(Answer::Disabled), json!({"outcome":"disabled"}));
+        let back: Answer =
+            serde_json::from_str(r#"{"outcome":"rpm_exceeded","rpm":4,"rpm_limit":3}"#).unwrap();
+        assert_eq!(
+            back,
+            Answer::RpmExceeded {
+                rpm: 4,
+                rpm_limit: 3
+            }
+        );
+    }
+
+    #[test]
+    fn script_replies_read_as_answers() {
+        let limits = Limits { rpm: 3, tpm: 10 };
+        assert_eq!(
+            verdict(&[0, 3, 0], limits),
+            Some(Answer::RpmExceeded {
+                rpm: 3,
+                rpm_limit: 3
+            })
+        );
+        assert_eq!(
+            verdict(&[1, 2, 4], limits),
+            Some(Answer::Admitted {
+                rpm: 2,
+                rpm_limit: 3,
+                tpm: 4,
+                tpm_limit: 10
+            })
+        );
+        assert_eq!(
+            verdict(&[2, 2, 12], limits),
+            Some(Answer::TpmExceeded {
+                rpm: 2,
+                rpm_limit: 3,
+                tpm: 12,
+                tpm_limit: 10
+            })
+        );
+        assert_eq!(verdict(&[3, 1, 1], limits), None);
+        assert_eq!(verdict(&[1, 1], limits), None);
+    }
+
+    #[test]
+    fn usage_bodies_parse_into_additions() {
+        let parsed = parse_usage(br#"{"bob": 7, "alice": 123, "carol": 0}"#).unwrap();
+        assert_eq!(parsed, [("alice".to_string(), 123), ("bob".to_string(), 7)]);
+        assert!(parse_usage(b"{}").unwrap().is_empty());
+        for bad in [
+            &b"[]"[..],
+            b"",
+            b"{\"a\": -1}",
+            b"{\"a\": 1.5}",
+            b"{\"a\": \"1\"}",
+            b"{\"\": 1}",
+        ] {
+            assert!(
+                parse_usage(bad).is_err(),
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+        let long = format!("{{\"{}\": 1}}", "a".repeat(257));
+        assert!(matches!(
+            parse_usage(long.as_bytes()),
+            Err(UsageError::Name(NameError::TooLong(257)))
+        ));
+        assert!(matches!(
+            parse_usage(format!("{{\"a\": {}}}", u64::MAX).as_bytes()),
+            Err(UsageError::TooMany { .. })
+        ));
+    }
+
+    #[tokio::test]
+    async fn disabled_limits_answer_disabled_and_count_nothing() {
+        let limits = UserLimits::disabled();
+        assert!(!limits.enabled());
+        assert_eq!(limits.admit("alice").await, Answer::Disabled);
+        assert!(limits.add_usage(&[("alice".into(), 5)]).await.is_ok());
+        let families = limits.metrics();
+        let value = |name: &str| {
+            families
+                .iter()
+                .find(|f| f.0 == name)
+                .map(|f| f.3.clone())
+                .unwrap()
+        };
+        assert_eq!(value("pd_control_user_limits_enabled")[0].1, "0");
+        assert_eq!(value("pd_control_user_tokens_total")[0].1, "0");
+        assert!(value("pd_control_user_limit_checks_total")
+            .iter()
+            .all(|(_, v)| v == "0"));
+    }
+}
