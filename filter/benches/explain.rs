@@ -37,6 +37,7 @@ fn fleet(pods: usize) -> ModelView {
     let snapshot = proto::Snapshot {
         version: 1,
         generated_unix_ms: 0,
+        user_limits: false,
         models: vec![proto::Model {
             name: "m".into(),
             pods: list,

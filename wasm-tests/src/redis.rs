@@ -1,6 +1,7 @@
 //! A real `redis-server` on loopback for the multi-replica tests: its own port and temp dir,
 //! no persistence, stopped on drop.
 
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -42,6 +43,35 @@ impl RedisServer {
 
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    /// Runs one command (`["SET", "k", "v"]`) and returns its reply as text: a status or bulk
+    /// string, an integer's digits, `None` for a nil. Panics on an error reply.
+    pub fn command(&self, args: &[&str]) -> Option<String> {
+        let mut stream = TcpStream::connect(("127.0.0.1", self.port)).expect("redis connect");
+        let mut request = format!("*{}\r\n", args.len());
+        for arg in args {
+            request.push_str(&format!("${}\r\n{arg}\r\n", arg.len()));
+        }
+        stream.write_all(request.as_bytes()).expect("redis write");
+        let mut reader = BufReader::new(stream);
+        let mut line = String::new();
+        reader.read_line(&mut line).expect("redis reply");
+        let line = line.trim_end();
+        let (kind, rest) = line.split_at(1);
+        match kind {
+            "+" | ":" => Some(rest.to_string()),
+            "-" => panic!("redis {args:?}: {rest}"),
+            "$" if rest == "-1" => None,
+            "$" => {
+                let len: usize = rest.parse().expect("bulk length");
+                let mut value = vec![0u8; len + 2];
+                reader.read_exact(&mut value).expect("bulk value");
+                value.truncate(len);
+                Some(String::from_utf8_lossy(&value).into_owned())
+            }
+            other => panic!("redis {args:?}: unexpected reply kind {other:?}"),
+        }
     }
 }
 

@@ -94,6 +94,7 @@ fn build(pods: usize, scraped: bool, standard: bool) -> (ModelView, Ledger) {
     let snapshot = proto::Snapshot {
         version: 1,
         generated_unix_ms: 0,
+        user_limits: false,
         models: vec![proto::Model {
             name: "m".into(),
             pods: list,

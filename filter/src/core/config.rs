@@ -66,6 +66,13 @@ pub struct PluginConfig {
     /// waits for the prefill answer (vLLM, TRT-LLM `context_first`), so the client has been
     /// sent nothing.
     pub prefill_failover: u32,
+    /// Per-user limits (when pd-control checks them, `Snapshot.user_limits`): how long the
+    /// admission of a request naming a `user` may wait for pd-control's answer.
+    pub user_limits_timeout_ms: u64,
+    /// Per-user limits: a request whose admission cannot be checked (pd-control unreachable
+    /// or late, its Redis failing) is admitted (`true`) or refused with 500 `x-error-user`
+    /// (`false`, the default, as AIBrix does when its Redis fails).
+    pub user_limits_fail_open: bool,
 }
 
 impl PluginConfig {
@@ -103,6 +110,8 @@ impl Default for PluginConfig {
             eject_base_ms: 5_000,
             eject_max_ms: 60_000,
             prefill_failover: 1,
+            user_limits_timeout_ms: 500,
+            user_limits_fail_open: false,
         }
     }
 }
@@ -154,6 +163,12 @@ impl PluginConfig {
             return Err(ConfigError::Field {
                 field: "fetch_timeout_ms",
                 reason: "must be positive".into(),
+            });
+        }
+        if !(1..=60_000).contains(&self.user_limits_timeout_ms) {
+            return Err(ConfigError::Field {
+                field: "user_limits_timeout_ms",
+                reason: "must be 1..=60000".into(),
             });
         }
         // Below one poll period every snapshot would flap stale between two polls.

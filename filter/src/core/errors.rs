@@ -62,6 +62,26 @@ pub enum RouteError {
     DecodeTimeout(String),
     #[error("internal error: {0}")]
     Internal(String),
+    /// The request's `user` has no record in the user store (AIBrix: the user lookup failed).
+    #[error("user {0} is not known")]
+    UnknownUser(String),
+    /// The user's limits could not be checked: pd-control unreachable or late, or its Redis
+    /// failing. `header` is the contract's header for the step that failed (`x-error-user`
+    /// for the lookup, `x-error-incr-rpm` for the counters).
+    #[error("user limits cannot be checked: {detail}")]
+    UserLimitsUnavailable {
+        header: &'static str,
+        detail: String,
+    },
+    /// AIBrix's message, word for word: clients and alerts may match it.
+    #[error("user: {user} has exceeded RPM: {limit}")]
+    RpmExceeded { user: String, limit: i64 },
+    #[error("user: {user} has exceeded TPM: {limit}")]
+    TpmExceeded { user: String, limit: i64 },
+    /// A stream for a rate-limited user must end with its usage, or its tokens could not be
+    /// counted against the user's TPM.
+    #[error("include usage for stream options not set")]
+    StreamUsageRequired,
 }
 
 /// How Envoy's own answer to a callout it could not deliver (connection refused, reset
@@ -137,7 +157,11 @@ impl RouteError {
             RouteError::Prefill { status, .. } => *status,
             RouteError::InvalidRequest(_) => 400,
             RouteError::DecodeTimeout(_) => 504,
-            RouteError::Internal(_) => 500,
+            RouteError::Internal(_)
+            | RouteError::UnknownUser(_)
+            | RouteError::UserLimitsUnavailable { .. } => 500,
+            RouteError::RpmExceeded { .. } | RouteError::TpmExceeded { .. } => 429,
+            RouteError::StreamUsageRequired => 400,
         }
     }
 
@@ -163,6 +187,14 @@ impl RouteError {
             RouteError::Prefill { .. } => ("x-error-pd-prefill", "true".into()),
             RouteError::DecodeTimeout(_) => ("x-error-pd-decode", "true".into()),
             RouteError::Internal(_) => ("x-error-internal", "true".into()),
+            RouteError::UnknownUser(_) => ("x-error-user", "true".into()),
+            RouteError::UserLimitsUnavailable { header, .. } => (*header, "true".into()),
+            RouteError::RpmExceeded { .. } => ("x-error-rpm-exceeded", "true".into()),
+            RouteError::TpmExceeded { .. } => ("x-error-tpm-exceeded", "true".into()),
+            RouteError::StreamUsageRequired => (
+                "x-error-no-stream-options-include-usage",
+                "include usage for stream options not set".into(),
+            ),
         };
         Some(header)
     }
@@ -186,11 +218,16 @@ impl RouteError {
             RouteError::InvalidRequest(_) => "invalid_request",
             RouteError::DecodeTimeout(_) => "pd_decode_watchdog",
             RouteError::Internal(_) => "internal",
+            RouteError::UnknownUser(_) => "unknown_user",
+            RouteError::UserLimitsUnavailable { .. } => "user_limits_unavailable",
+            RouteError::RpmExceeded { .. } => "rpm_exceeded",
+            RouteError::TpmExceeded { .. } => "tpm_exceeded",
+            RouteError::StreamUsageRequired => "stream_usage_required",
         }
     }
 
     /// All reasons, so the host can define one counter each up front.
-    pub const REASONS: [&'static str; 16] = [
+    pub const REASONS: [&'static str; 21] = [
         "unauthorized",
         "bad_body",
         "no_messages",
@@ -207,6 +244,11 @@ impl RouteError {
         "invalid_request",
         "pd_decode_watchdog",
         "internal",
+        "unknown_user",
+        "user_limits_unavailable",
+        "rpm_exceeded",
+        "tpm_exceeded",
+        "stream_usage_required",
     ];
 
     /// OpenAI error body: `{"error":{"message","type","code","param"}}`.
@@ -216,6 +258,9 @@ impl RouteError {
         let code = match self {
             RouteError::Unauthorized => Some("invalid_api_key"),
             RouteError::UnknownModel(_) => Some("model_not_found"),
+            RouteError::RpmExceeded { .. } | RouteError::TpmExceeded { .. } => {
+                Some("rate_limit_exceeded")
+            }
             _ if status == 503 => Some("service_unavailable"),
             _ => None,
         };
@@ -224,6 +269,7 @@ impl RouteError {
             RouteError::UnknownModel(_) => Some("model"),
             RouteError::NoMessages => Some("messages"),
             RouteError::MissingField { param, .. } => Some(*param),
+            RouteError::StreamUsageRequired => Some("stream_options"),
             _ => None,
         };
         json!({"error": {"message": self.to_string(), "type": kind, "code": code, "param": param}})
@@ -433,12 +479,65 @@ mod tests {
                 "x-error-pd-decode",
                 "true",
             ),
+            (
+                RouteError::UnknownUser("u".into()),
+                500,
+                "x-error-user",
+                "true",
+            ),
+            (
+                RouteError::UserLimitsUnavailable {
+                    header: "x-error-incr-rpm",
+                    detail: "redis down".into(),
+                },
+                500,
+                "x-error-incr-rpm",
+                "true",
+            ),
+            (
+                RouteError::RpmExceeded {
+                    user: "u".into(),
+                    limit: 3,
+                },
+                429,
+                "x-error-rpm-exceeded",
+                "true",
+            ),
+            (
+                RouteError::TpmExceeded {
+                    user: "u".into(),
+                    limit: 3,
+                },
+                429,
+                "x-error-tpm-exceeded",
+                "true",
+            ),
+            (
+                RouteError::StreamUsageRequired,
+                400,
+                "x-error-no-stream-options-include-usage",
+                "include usage for stream options not set",
+            ),
         ];
         for (err, status, header, value) in cases {
             assert_eq!(err.status(), status, "{err:?}");
             assert_eq!(err.header(), Some((header, value.to_string())), "{err:?}");
             assert!(RouteError::REASONS.contains(&err.reason()));
         }
+    }
+
+    #[test]
+    fn rate_limit_refusals_read_as_aibrixs() {
+        let b = body(&RouteError::RpmExceeded {
+            user: "alice".into(),
+            limit: 10,
+        });
+        assert_eq!(b["error"]["message"], "user: alice has exceeded RPM: 10");
+        assert_eq!(b["error"]["type"], "rate_limit_error");
+        assert_eq!(b["error"]["code"], "rate_limit_exceeded");
+        let b = body(&RouteError::StreamUsageRequired);
+        assert_eq!(b["error"]["param"], "stream_options");
+        assert_eq!(b["error"]["type"], "invalid_request_error");
     }
 
     #[test]

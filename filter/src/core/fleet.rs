@@ -232,6 +232,9 @@ pub struct FleetView {
     /// view not decoded from bytes. A later snapshot with the same topology is adopted by
     /// replacing metrics only.
     topology: Rc<[u8]>,
+    /// pd-control checks per-user limits (`Snapshot.user_limits`): a request naming a `user`
+    /// is admitted by it before routing (see `core::user_limits`).
+    pub user_limits: bool,
 }
 
 impl FleetView {
@@ -255,6 +258,7 @@ impl FleetView {
             models,
             addresses: Rc::new(addresses),
             topology: Rc::from(&[][..]),
+            user_limits: snapshot.user_limits,
         }
     }
 
@@ -315,6 +319,7 @@ impl FleetView {
             // A derived view (stale, ejections) is not what any snapshot decodes to: never
             // refresh metrics onto it.
             topology: Rc::from(&[][..]),
+            user_limits: self.user_limits,
         }
     }
 
@@ -365,6 +370,8 @@ impl FleetView {
             models,
             addresses: self.addresses.clone(),
             topology: self.topology.clone(),
+            // Part of the topology: equal topologies carry the same flag.
+            user_limits: self.user_limits,
         })
     }
 }
@@ -642,6 +649,7 @@ pub(crate) mod tests {
         proto::Snapshot {
             version: 7,
             generated_unix_ms: 0,
+            user_limits: false,
             models: vec![proto::Model {
                 name: "m".into(),
                 pods,

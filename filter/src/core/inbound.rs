@@ -27,6 +27,8 @@ pub struct Inbound {
     pub profile: Option<String>,
     /// `x-aibrix-session-key`, when present (the caller checks its length).
     pub session_key: Option<String>,
+    /// `user`: whose per-user limits the request counts against (`core::user_limits`).
+    pub user: Option<String>,
     /// The explain header's value is exactly `1`.
     pub explain: bool,
     /// The explain header is present at all (it is stripped before the pods see it).
@@ -69,6 +71,7 @@ impl Inbound {
                 "routing-strategy" => first(&mut inbound.strategy, value),
                 "config-profile" => first(&mut inbound.profile, value),
                 "x-aibrix-session-key" => first(&mut inbound.session_key, value),
+                "user" => first(&mut inbound.user, value),
                 _ => {}
             }
             if name == dst_header || name == ENVOY_DST_HEADER {
@@ -126,8 +129,10 @@ mod tests {
             ("config-profile", b"fast"),
             ("x-aibrix-session-key", b"k"),
             ("traceparent", b"00-abc-def-01"),
+            ("user", b"alice"),
             ("x-other", b"v"),
         ]);
+        assert_eq!(h.user.as_deref(), Some("alice"));
         assert_eq!(h.path.as_deref(), Some("/v1/chat/completions"));
         assert_eq!(h.strategy.as_deref(), Some("pd"), "the first value counts");
         assert_eq!(h.profile.as_deref(), Some("fast"));

@@ -30,4 +30,5 @@ pub mod score;
 pub mod tokenize;
 pub mod tokens;
 pub mod upstream_error;
+pub mod user_limits;
 pub mod watchdog;

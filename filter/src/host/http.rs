@@ -33,6 +33,7 @@ use crate::core::route::{self, Decision};
 use crate::core::tokenize;
 use crate::core::tokens;
 use crate::core::upstream_error::{self, Rewrite, RESPONSE_UNKNOWN_HEADER};
+use crate::core::user_limits::{self, UsageScan, Verdict};
 use crate::host::holds::{self, Hold};
 use crate::host::metrics::Metrics;
 use crate::host::store::SharedData;
@@ -173,6 +174,28 @@ pub struct PdHttp {
     /// reached them, left out of this request's next selection, and the failure the client
     /// gets if no other pod can take it.
     failover: Failover,
+    /// The `user` header (AIBrix's per-user limits), until admission takes it.
+    user: Option<String>,
+    /// The request waits for pd-control's admission.
+    admission: Option<Admission>,
+    /// The user an admitted request counts against.
+    limited: Option<Limited>,
+}
+
+/// A request waiting for pd-control to admit it under its user's limits.
+struct Admission {
+    token: u32,
+    user: String,
+    /// The whole request body, routed once admitted.
+    raw: Vec<u8>,
+}
+
+/// An admitted request of a limited user: its answer's tokens go to the user's TPM.
+struct Limited {
+    user: String,
+    /// The user's requests in the current window, as pd-control counted them.
+    rpm: Option<i64>,
+    scan: UsageScan,
 }
 
 /// A PD request routed again after its prefill pod could not be reached.
@@ -231,6 +254,101 @@ impl PdHttp {
             narrowed: false,
             error_rewrite: None,
             failover: Failover::default(),
+            user: None,
+            admission: None,
+            limited: None,
+        }
+    }
+
+    /// Asks pd-control to admit the request when it names a user and pd-control checks
+    /// limits: `Ok(None)` while its answer is awaited (the body waits with it), else the body
+    /// to route now.
+    fn start_admission(&mut self, raw: Vec<u8>) -> Result<Option<Vec<u8>>, RouteError> {
+        let limits_on = self
+            .vm
+            .borrow()
+            .fleet
+            .as_ref()
+            .is_some_and(|f| f.user_limits);
+        if !limits_on {
+            return Ok(Some(raw));
+        }
+        let Some(user) = user_limits::user_of(self.user.take())? else {
+            return Ok(Some(raw));
+        };
+        let sent = {
+            let vm = self.vm.borrow();
+            Metrics::inc(vm.metrics.user_limit_checks);
+            crate::host::user_limits::send_admission(&vm.plugin, &user)
+        };
+        match sent {
+            Ok(token) => {
+                self.admission = Some(Admission { token, user, raw });
+                Ok(None)
+            }
+            Err(e) => {
+                let error = RouteError::UserLimitsUnavailable {
+                    header: "x-error-user",
+                    detail: format!("cannot call pd-control: {e}"),
+                };
+                self.unchecked(user, error)?;
+                Ok(Some(raw))
+            }
+        }
+    }
+
+    /// An admission that could not be decided: admitted (and counted) when the plugin fails
+    /// open, else the refusal.
+    fn unchecked(&mut self, user: String, error: RouteError) -> Result<(), RouteError> {
+        let fail_open = {
+            let vm = self.vm.borrow();
+            Metrics::inc(vm.metrics.user_limit_unchecked);
+            vm.plugin.user_limits_fail_open
+        };
+        if !fail_open {
+            return Err(error);
+        }
+        log::debug!(
+            "request {} admitted unchecked (user_limits_fail_open): {error}",
+            self.request_id
+        );
+        self.limited = Some(Limited {
+            user,
+            rpm: None,
+            scan: UsageScan::default(),
+        });
+        Ok(())
+    }
+
+    /// pd-control answered the admission of this request.
+    fn on_admission(&mut self, admission: Admission, body_size: usize) {
+        let status = self
+            .get_http_call_response_header(":status")
+            .unwrap_or_default();
+        let body = self
+            .get_http_call_response_body(0, body_size)
+            .unwrap_or_default();
+        let Admission { user, raw, .. } = admission;
+        let admitted = match user_limits::judge(&user, &status, &body) {
+            Verdict::Admitted { rpm } => {
+                self.limited = Some(Limited {
+                    user,
+                    rpm,
+                    scan: UsageScan::default(),
+                });
+                Ok(())
+            }
+            Verdict::Refused(error) => Err(error),
+            Verdict::Unchecked(error) => self.unchecked(user, error),
+        };
+        let routed = admitted.and_then(|()| self.route(raw));
+        match routed {
+            Ok(Action::Continue) => self.resume_http_request(),
+            // The prefill leg is out; its answer resumes the request.
+            Ok(_) => {}
+            Err(e) => {
+                self.reject(e);
+            }
         }
     }
 
@@ -379,6 +497,14 @@ impl PdHttp {
         self.routed_on = Some(fleet.clone());
         let req = crate::section!("request_body.parse", RoutingRequest::parse(endpoint, &raw))?;
         self.obs.times.stream = req.stream;
+        // A limited user's stream must end with its usage, or its tokens could not be counted.
+        if self.limited.is_some()
+            && req.stream
+            && endpoint == Endpoint::ChatCompletions
+            && !req.include_usage
+        {
+            return Err(RouteError::StreamUsageRequired);
+        }
         // vLLM's Messages stream always ends with its usage (`message_delta`). Responses
         // streams are not scanned: they only go to one pod, and TPOT is a PD measure.
         self.obs.scan_usage =
@@ -1051,6 +1177,9 @@ impl Context for PdHttp {
         _trailers: usize,
     ) {
         crate::section_scope!("prefill_answer");
+        if let Some(admission) = self.admission.take_if(|a| a.token == token) {
+            return self.on_admission(admission, body_size);
+        }
         if self.pending.as_ref().map(|p| p.token) != Some(token) {
             self.on_leg_response(token, body_size);
             return;
@@ -1145,6 +1274,7 @@ impl HttpContext for PdHttp {
         );
         self.forwarded = h.forwarded;
         self.unforwardable = h.unforwardable;
+        self.user = h.user;
         self.strategy_header = h.strategy;
         self.profile_header = h.profile;
         self.session_key = h
@@ -1185,6 +1315,12 @@ impl HttpContext for PdHttp {
             "request_body.read",
             self.get_http_request_body(0, body_size).unwrap_or_default()
         );
+        let raw = match self.start_admission(raw) {
+            Ok(Some(raw)) => raw,
+            // Waiting for pd-control; its answer routes the request.
+            Ok(None) => return Action::Pause,
+            Err(e) => return self.reject(e),
+        };
         match self.route(raw) {
             Ok(action) => action,
             Err(e) => self.reject(e),
@@ -1212,6 +1348,9 @@ impl HttpContext for PdHttp {
         self.set_http_response_header("x-went-into-req-headers", Some("true"));
         if let Some(profile) = &self.auto_profile {
             self.set_http_response_header("x-aibrix-config-profile", Some(profile));
+        }
+        if let Some(rpm) = self.limited.as_ref().and_then(|l| l.rpm) {
+            self.set_http_response_header("x-update-rpm", Some(&rpm.to_string()));
         }
         if let Some(r) = &self.routed {
             if !r.strategy.is_empty() {
@@ -1251,14 +1390,22 @@ impl HttpContext for PdHttp {
             self.answer_error(rewrite, body_size);
             return Action::Continue;
         }
-        if self.obs.scan_usage && body_size > 0 {
+        if (self.obs.scan_usage || self.limited.is_some()) && body_size > 0 {
+            let chunk = self
+                .get_http_response_body(0, body_size)
+                .unwrap_or_default();
+            if let Some(limited) = &mut self.limited {
+                limited.scan.feed(&chunk);
+            }
             let key = self
                 .endpoint
                 .unwrap_or(Endpoint::ChatCompletions)
                 .usage_output_key();
             if let Some(n) = self
-                .get_http_response_body(0, body_size)
-                .and_then(|chunk| usage::generated_tokens(&chunk, key))
+                .obs
+                .scan_usage
+                .then(|| usage::generated_tokens(&chunk, key))
+                .flatten()
             {
                 self.obs.times.completion_tokens = Some(n);
             }
@@ -1291,5 +1438,13 @@ impl HttpContext for PdHttp {
         self.send_prefix_batch(&mut clock);
         crate::section!("log.release", self.release_all(&mut clock));
         crate::section!("log.count", self.observe_end(&mut clock));
+        if let Some(limited) = &self.limited {
+            if let Some(tokens) = limited.scan.tokens() {
+                let mut vm = self.vm.borrow_mut();
+                vm.user_usage.add(&limited.user, tokens);
+                // Reported on the next tick: this VM must not be on its idle period then.
+                vm.wake();
+            }
+        }
     }
 }

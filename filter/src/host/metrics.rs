@@ -127,6 +127,18 @@ pub struct Metrics {
     /// `pd_router_decode_rerouted_total`: PD requests whose decode pod left the routing view
     /// while their prefill ran, sent to another decode pod of the roleset.
     pub decode_rerouted: Option<u32>,
+    /// `pd_router_user_limit_checks_total`: requests naming a `user` whose admission was
+    /// asked of pd-control (`core::user_limits`).
+    pub user_limit_checks: Option<u32>,
+    /// `pd_router_user_limit_unchecked_total`: admissions pd-control could not decide (no
+    /// answer, its Redis failing), admitted or refused by `user_limits_fail_open`.
+    pub user_limit_unchecked: Option<u32>,
+    /// `pd_router_user_tokens_reported_total`: answer tokens reported to pd-control for the
+    /// users' TPM counters.
+    pub user_tokens_reported: Option<u32>,
+    /// `pd_router_user_tokens_unreported_total`: tokens whose report failed or did not fit
+    /// (`user_limits::MAX_PENDING_USERS`): the users' TPM counters miss them.
+    pub user_tokens_unreported: Option<u32>,
     /// `pd_router_prefix_batches_missed_total`: other workers' prefix-event batches a worker
     /// could no longer read (their ring had moved on; `core::prefix::log`).
     pub prefix_batches_missed: Option<u32>,
@@ -258,6 +270,10 @@ impl Metrics {
             ejections: define(c, "pd_router_ejections_total"),
             ejections_adopted: define(c, "pd_router_ejections_adopted_total"),
             decode_rerouted: define(c, "pd_router_decode_rerouted_total"),
+            user_limit_checks: define(c, "pd_router_user_limit_checks_total"),
+            user_limit_unchecked: define(c, "pd_router_user_limit_unchecked_total"),
+            user_tokens_reported: define(c, "pd_router_user_tokens_reported_total"),
+            user_tokens_unreported: define(c, "pd_router_user_tokens_unreported_total"),
             prefix_batches_missed: define(c, "pd_router_prefix_batches_missed_total"),
             selection_us: define(MetricType::Histogram, "pd_router_selection_us"),
             selection_core_us: define(MetricType::Histogram, "pd_router_selection_core_us"),

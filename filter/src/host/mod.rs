@@ -13,6 +13,7 @@ pub mod root;
 pub mod sections;
 pub mod snapshot;
 pub mod store;
+pub mod user_limits;
 pub mod watchdog;
 
 use std::cell::RefCell;
@@ -112,6 +113,8 @@ pub struct VmState {
     pub ejections: crate::core::ejection::Ejections,
     /// The root timer's period: slow while the VM has nothing to do.
     pub pace: crate::core::pace::TickPace,
+    /// Tokens this VM's answers used per limited user, until the tick reports them.
+    pub user_usage: crate::core::user_limits::UsageBook,
 }
 
 impl VmState {

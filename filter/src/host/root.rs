@@ -64,6 +64,9 @@ pub struct Root {
     other_replicas: u32,
     /// Consecutive failed replica reports, logged at powers of two.
     report_failures: u64,
+    /// The token report in flight (`host::user_limits`) and the tokens it carries.
+    usage_in_flight: Option<(u32, u64)>,
+    usage_failures: u64,
     /// Publishes this VM's outstanding charges and reclaims those of dead VMs.
     journal: crate::host::journal::JournalWriter,
 }
@@ -132,6 +135,7 @@ impl Root {
                 watchdog_fired: hashbrown::HashSet::new(),
                 ejections: crate::core::ejection::Ejections::default(),
                 pace: crate::core::pace::TickPace::new(100, 10_000),
+                user_usage: Default::default(),
             })),
             context_id,
             token: seed | 1,
@@ -153,6 +157,8 @@ impl Root {
             last_report: None,
             other_replicas: 0,
             report_failures: 0,
+            usage_in_flight: None,
+            usage_failures: 0,
             journal: crate::host::journal::JournalWriter::new(seed | 1),
         }
     }
@@ -201,6 +207,55 @@ impl Root {
                 self.last_report = Some((body, now));
             }
             Err(e) => self.report_failed(format!("cannot send the replica report: {e}")),
+        }
+    }
+
+    /// Reports the tokens this VM's limited users' answers used since the last report, one
+    /// report in flight at a time. pd-control adds them to the users' TPM counters, which the
+    /// next admissions read (across every gateway sharing its Redis).
+    fn maybe_send_usage(&mut self) {
+        if self.usage_in_flight.is_some() {
+            return;
+        }
+        let (report, plugin) = {
+            let mut vm = self.vm.borrow_mut();
+            let dropped = std::mem::take(&mut vm.user_usage.dropped);
+            Metrics::add(vm.metrics.user_tokens_unreported, dropped);
+            let Some(report) = vm.user_usage.take() else {
+                return;
+            };
+            (report, vm.plugin.clone())
+        };
+        let (body, tokens) = report;
+        match crate::host::user_limits::send_usage(&plugin, &body) {
+            Ok(token) => self.usage_in_flight = Some((token, tokens)),
+            Err(e) => self.usage_failed(tokens, format!("cannot send the token report: {e}")),
+        }
+    }
+
+    fn on_usage_answer(&mut self, tokens: u64) {
+        self.usage_in_flight = None;
+        let status = self
+            .get_http_call_response_header(":status")
+            .unwrap_or_default();
+        if status == "204" || status == "200" {
+            self.usage_failures = 0;
+            Metrics::add(self.vm.borrow().metrics.user_tokens_reported, tokens);
+        } else {
+            self.usage_failed(tokens, format!("token report answered status {status:?}"));
+        }
+    }
+
+    /// A lost report is not sent again: the users' TPM counters undercount by its tokens,
+    /// which `pd_router_user_tokens_unreported_total` shows.
+    fn usage_failed(&mut self, tokens: u64, why: String) {
+        Metrics::add(self.vm.borrow().metrics.user_tokens_unreported, tokens);
+        self.usage_failures += 1;
+        if self.usage_failures.is_power_of_two() {
+            log::warn!(
+                "{why}: {tokens} tokens not counted against their users' TPM ({} consecutive failures)",
+                self.usage_failures
+            );
         }
     }
 
@@ -531,6 +586,9 @@ impl Context for Root {
         if self.report_in_flight == Some(token) {
             return self.on_report_answer(body_size);
         }
+        if let Some((_, tokens)) = self.usage_in_flight.filter(|(t, _)| *t == token) {
+            return self.on_usage_answer(tokens);
+        }
         if self.fetch_in_flight != Some(token) {
             let status = self
                 .get_http_call_response_header(":status")
@@ -714,6 +772,7 @@ impl RootContext for Root {
         self.follow_ups.tick();
         crate::section!("tick.fetch", self.maybe_fetch(now));
         crate::section!("tick.report", self.maybe_report(now));
+        crate::section!("tick.usage", self.maybe_send_usage());
         crate::section!("tick.reload", self.reload());
         crate::section!("tick.freshness", self.check_freshness(now));
         crate::section!(

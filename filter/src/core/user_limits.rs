@@ -1,0 +1,319 @@
+//! Per-user request and token limits (AIBrix's `user` header): what pd-control's admission
+//! answer means for a request, and the tokens each answer used, gathered for the report.
+//!
+//! Stock Envoy wasm cannot talk to Redis, where AIBrix keeps the user records and the
+//! one-minute RPM/TPM counters; pd-control can. So a request naming a user waits for one
+//! call to pd-control (`ADMIT_PATH`) before it is routed, and the tokens of its answer go
+//! back in batches (`USAGE_PATH`) from the VM's tick. Requests without a `user` header, and
+//! every request while pd-control does not check limits, never wait.
+
+use hashbrown::HashMap;
+use serde::Deserialize;
+
+use crate::core::errors::RouteError;
+use crate::core::obs::usage;
+
+pub const ADMIT_PATH: &str = "/v1/limits/admit";
+pub const USAGE_PATH: &str = "/v1/limits/usage";
+/// Longest user name sent for admission; pd-control refuses longer ones.
+pub const MAX_USER_BYTES: usize = 256;
+/// Distinct users one VM gathers between two reports. Beyond it a user's tokens are dropped
+/// (and counted): a client inventing names must not grow the VM's memory without bound.
+pub const MAX_PENDING_USERS: usize = 4096;
+
+/// pd-control's answer to an admission (`{"outcome": ...}`).
+#[derive(Debug, Deserialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+enum Answer {
+    Admitted {
+        rpm: i64,
+    },
+    RpmExceeded {
+        rpm_limit: i64,
+    },
+    TpmExceeded {
+        tpm_limit: i64,
+    },
+    UnknownUser,
+    StoreError {
+        stage: String,
+        message: String,
+    },
+    /// pd-control stopped checking limits after the snapshot this VM routes on said it did.
+    Disabled,
+}
+
+/// What admission decided for one request.
+#[derive(Debug, PartialEq)]
+pub enum Verdict {
+    /// Go on; `rpm` is the user's request count in the current window, when known.
+    Admitted { rpm: Option<i64> },
+    /// The user is over a limit or unknown: the client gets this refusal.
+    Refused(RouteError),
+    /// The limits could not be checked; the plugin's `user_limits_fail_open` decides.
+    Unchecked(RouteError),
+}
+
+/// Reads pd-control's answer (`status` empty when the call got none at all).
+pub fn judge(user: &str, status: &str, body: &[u8]) -> Verdict {
+    let unchecked = |header: &'static str, detail: String| {
+        Verdict::Unchecked(RouteError::UserLimitsUnavailable { header, detail })
+    };
+    if status != "200" {
+        let detail = match status {
+            "" => "pd-control did not answer".to_string(),
+            other => format!("pd-control answered status {other}"),
+        };
+        return unchecked("x-error-user", detail);
+    }
+    let answer: Answer = match serde_json::from_slice(body) {
+        Ok(answer) => answer,
+        Err(e) => return unchecked("x-error-user", format!("unreadable answer: {e}")),
+    };
+    let user = user.to_string();
+    match answer {
+        Answer::Admitted { rpm } => Verdict::Admitted { rpm: Some(rpm) },
+        Answer::Disabled => Verdict::Admitted { rpm: None },
+        Answer::RpmExceeded { rpm_limit } => Verdict::Refused(RouteError::RpmExceeded {
+            user,
+            limit: rpm_limit,
+        }),
+        Answer::TpmExceeded { tpm_limit } => Verdict::Refused(RouteError::TpmExceeded {
+            user,
+            limit: tpm_limit,
+        }),
+        Answer::UnknownUser => Verdict::Refused(RouteError::UnknownUser(user)),
+        Answer::StoreError { stage, message } => {
+            // AIBrix's headers: the lookup's failure is `x-error-user`, the counters'
+            // `x-error-incr-rpm`.
+            let header = if stage == "user" {
+                "x-error-user"
+            } else {
+                "x-error-incr-rpm"
+            };
+            unchecked(header, format!("user store ({stage}): {message}"))
+        }
+    }
+}
+
+/// The user a request is checked for: the `user` header's value, when it is not empty.
+/// `Err` for one too long to be a user name of the store.
+pub fn user_of(header: Option<String>) -> Result<Option<String>, RouteError> {
+    match header {
+        Some(name) if name.len() > MAX_USER_BYTES => Err(RouteError::UnknownUser(format!(
+            "{}...",
+            name.chars().take(32).collect::<String>()
+        ))),
+        Some(name) if !name.is_empty() => Ok(Some(name)),
+        _ => Ok(None),
+    }
+}
+
+/// Tokens used per user since the last report, one VM's worth.
+#[derive(Debug, Default)]
+pub struct UsageBook {
+    pending: HashMap<String, u64>,
+    /// Tokens dropped because [`MAX_PENDING_USERS`] users were already waiting.
+    pub dropped: u64,
+}
+
+impl UsageBook {
+    pub fn add(&mut self, user: &str, tokens: u64) {
+        if tokens == 0 {
+            return;
+        }
+        if let Some(total) = self.pending.get_mut(user) {
+            *total = total.saturating_add(tokens);
+        } else if self.pending.len() < MAX_PENDING_USERS {
+            self.pending.insert(user.to_string(), tokens);
+        } else {
+            self.dropped = self.dropped.saturating_add(tokens);
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.pending.is_empty()
+    }
+
+    /// Empties the book into a report body (`{"user": tokens, ...}`) and its token total.
+    pub fn take(&mut self) -> Option<(Vec<u8>, u64)> {
+        if self.pending.is_empty() {
+            return None;
+        }
+        let pending = std::mem::take(&mut self.pending);
+        let total = pending.values().fold(0u64, |a, b| a.saturating_add(*b));
+        let body = serde_json::to_vec(&pending).ok()?;
+        Some((body, total))
+    }
+}
+
+/// The tokens an answer used, read from its `usage` as the body streams by: `total_tokens`
+/// (OpenAI's chat, completions, embeddings and responses), else `input_tokens` plus
+/// `output_tokens` (Anthropic's messages). The last value of each key counts, as the final
+/// usage event repeats and supersedes earlier ones.
+#[derive(Debug, Default)]
+pub struct UsageScan {
+    total: Option<u64>,
+    input: Option<u64>,
+    output: Option<u64>,
+    /// The end of the previous chunk, scanned again with the next so a key or number cut
+    /// between two chunks is still read whole.
+    carry: Vec<u8>,
+}
+
+const CARRY_BYTES: usize = 48;
+
+impl UsageScan {
+    pub fn feed(&mut self, chunk: &[u8]) {
+        let joined;
+        let text: &[u8] = if self.carry.is_empty() {
+            chunk
+        } else {
+            let mut buf = std::mem::take(&mut self.carry);
+            buf.extend_from_slice(chunk);
+            joined = buf;
+            &joined
+        };
+        let read = |key: &[u8], slot: &mut Option<u64>| {
+            if let Some(n) = usage::generated_tokens(text, key) {
+                *slot = Some(n);
+            }
+        };
+        read(b"\"total_tokens\"", &mut self.total);
+        read(b"\"input_tokens\"", &mut self.input);
+        read(b"\"output_tokens\"", &mut self.output);
+        let keep = text.len().min(CARRY_BYTES);
+        self.carry.clear();
+        self.carry.extend_from_slice(&text[text.len() - keep..]);
+    }
+
+    pub fn tokens(&self) -> Option<u64> {
+        self.total.or(match (self.input, self.output) {
+            (None, None) => None,
+            (i, o) => Some(i.unwrap_or(0).saturating_add(o.unwrap_or(0))),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn answers_map_to_aibrixs_refusals() {
+        let admitted = br#"{"outcome":"admitted","rpm":2,"rpm_limit":3,"tpm":0,"tpm_limit":3000}"#;
+        assert_eq!(
+            judge("alice", "200", admitted),
+            Verdict::Admitted { rpm: Some(2) }
+        );
+        let rpm = br#"{"outcome":"rpm_exceeded","rpm":3,"rpm_limit":3}"#;
+        assert_eq!(
+            judge("alice", "200", rpm),
+            Verdict::Refused(RouteError::RpmExceeded {
+                user: "alice".into(),
+                limit: 3
+            })
+        );
+        let tpm = br#"{"outcome":"tpm_exceeded","rpm":1,"rpm_limit":3,"tpm":12,"tpm_limit":10}"#;
+        assert_eq!(
+            judge("bob", "200", tpm),
+            Verdict::Refused(RouteError::TpmExceeded {
+                user: "bob".into(),
+                limit: 10
+            })
+        );
+        assert_eq!(
+            judge("eve", "200", br#"{"outcome":"unknown_user"}"#),
+            Verdict::Refused(RouteError::UnknownUser("eve".into()))
+        );
+        assert_eq!(
+            judge("eve", "200", br#"{"outcome":"disabled"}"#),
+            Verdict::Admitted { rpm: None }
+        );
+    }
+
+    #[test]
+    fn a_check_that_could_not_be_made_names_the_step_that_failed() {
+        let header = |v: Verdict| match v {
+            Verdict::Unchecked(e) => e.header().map(|(h, _)| h),
+            other => panic!("{other:?}"),
+        };
+        let store = |stage: &str| {
+            format!(r#"{{"outcome":"store_error","stage":"{stage}","message":"timeout"}}"#)
+        };
+        assert_eq!(
+            header(judge("a", "200", store("user").as_bytes())),
+            Some("x-error-user")
+        );
+        assert_eq!(
+            header(judge("a", "200", store("counters").as_bytes())),
+            Some("x-error-incr-rpm")
+        );
+        assert_eq!(header(judge("a", "", b"")), Some("x-error-user"));
+        assert_eq!(header(judge("a", "503", b"down")), Some("x-error-user"));
+        assert_eq!(header(judge("a", "200", b"{")), Some("x-error-user"));
+        assert_eq!(
+            header(judge("a", "200", br#"{"outcome":"maybe"}"#)),
+            Some("x-error-user")
+        );
+    }
+
+    #[test]
+    fn only_a_nonempty_bounded_user_header_is_checked() {
+        assert_eq!(user_of(None), Ok(None));
+        assert_eq!(user_of(Some(String::new())), Ok(None));
+        assert_eq!(user_of(Some("a".into())), Ok(Some("a".into())));
+        assert!(user_of(Some("x".repeat(MAX_USER_BYTES))).is_ok());
+        assert!(matches!(
+            user_of(Some("x".repeat(MAX_USER_BYTES + 1))),
+            Err(RouteError::UnknownUser(_))
+        ));
+    }
+
+    #[test]
+    fn the_book_sums_per_user_and_bounds_the_number_of_users() {
+        let mut book = UsageBook::default();
+        assert!(book.take().is_none());
+        book.add("a", 5);
+        book.add("a", 7);
+        book.add("b", 0);
+        book.add("b", 1);
+        let (body, total) = book.take().expect("a report");
+        assert_eq!(total, 13);
+        let sent: std::collections::HashMap<String, u64> =
+            serde_json::from_slice(&body).expect("json");
+        assert_eq!(sent.len(), 2);
+        assert_eq!((sent["a"], sent["b"]), (12, 1));
+        assert!(book.is_empty());
+        for i in 0..MAX_PENDING_USERS + 3 {
+            book.add(&format!("u{i}"), 2);
+        }
+        assert_eq!(book.dropped, 6);
+        book.add("u0", 1);
+        assert_eq!(
+            book.take().map(|(_, t)| t),
+            Some(2 * MAX_PENDING_USERS as u64 + 1)
+        );
+    }
+
+    #[test]
+    fn usage_is_read_from_a_whole_body_or_a_stream_cut_anywhere() {
+        let body = br#"{"id":"x","choices":[{"message":{"content":"\"total_tokens\":99"}}],"usage":{"prompt_tokens":12,"completion_tokens":7,"total_tokens":19}}"#;
+        let mut whole = UsageScan::default();
+        whole.feed(body);
+        assert_eq!(whole.tokens(), Some(19));
+        for cut in 1..body.len() {
+            let mut scan = UsageScan::default();
+            scan.feed(&body[..cut]);
+            scan.feed(&body[cut..]);
+            assert_eq!(scan.tokens(), Some(19), "cut at {cut}");
+        }
+        let mut messages = UsageScan::default();
+        messages.feed(b"data: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":9,\"output_tokens\":1}}}\n\n");
+        messages.feed(b"data: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":16}}\n\n");
+        assert_eq!(messages.tokens(), Some(25));
+        let mut none = UsageScan::default();
+        none.feed(b"data: {\"choices\":[]}\n\n");
+        assert_eq!(none.tokens(), None);
+    }
+}

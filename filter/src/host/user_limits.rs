@@ -1,0 +1,58 @@
+//! Calls to pd-control for per-user limits (see `crate::core::user_limits`): a request's
+//! admission, sent from its HTTP context, and a VM's token report, sent from its tick.
+
+use std::time::Duration;
+
+use proxy_wasm::hostcalls;
+
+use crate::core::config::PluginConfig;
+use crate::core::user_limits::{ADMIT_PATH, USAGE_PATH};
+
+/// Asks pd-control to admit a request of `user`; returns the call's token.
+pub fn send_admission(plugin: &PluginConfig, user: &str) -> Result<u32, String> {
+    send(
+        plugin,
+        ADMIT_PATH,
+        "text/plain",
+        user.as_bytes(),
+        Duration::from_millis(plugin.user_limits_timeout_ms),
+    )
+}
+
+/// Sends a token report (`UsageBook::take`); returns the call's token.
+pub fn send_usage(plugin: &PluginConfig, body: &[u8]) -> Result<u32, String> {
+    send(
+        plugin,
+        USAGE_PATH,
+        "application/json",
+        body,
+        Duration::from_millis(plugin.fetch_timeout_ms),
+    )
+}
+
+fn send(
+    plugin: &PluginConfig,
+    path: &str,
+    content_type: &str,
+    body: &[u8],
+    timeout: Duration,
+) -> Result<u32, String> {
+    let authorization = crate::host::snapshot::bearer(&plugin.snapshot_token);
+    let mut headers = vec![
+        (":method", "POST"),
+        (":path", path),
+        (":authority", plugin.control_authority.as_str()),
+        ("content-type", content_type),
+    ];
+    if let Some(value) = authorization.as_deref() {
+        headers.push(("authorization", value));
+    }
+    hostcalls::dispatch_http_call(
+        &plugin.control_cluster,
+        headers,
+        Some(body),
+        vec![],
+        timeout,
+    )
+    .map_err(|e| format!("{e:?}"))
+}

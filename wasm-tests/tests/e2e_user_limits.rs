@@ -1,0 +1,235 @@
+//! Per-user limits as AIBrix keeps them (a `user` header, the user's record and one-minute
+//! RPM/TPM counters in Redis), through the real filter in Envoy (`--concurrency 2`),
+//! pd-control with `--redis` and a real `redis-server`: admissions, refusals with AIBrix's
+//! headers, answer tokens counted against the user's TPM, and what happens when the store
+//! fails. Skipped (with the reason printed) where `redis-server` is not installed.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use pd_wasm_tests::http;
+use pd_wasm_tests::redis::RedisServer;
+use pd_wasm_tests::stack::{eventually, Fleet, Options, Stack};
+use serde_json::{json, Value};
+
+const MODEL: &str = "limits-llm";
+
+fn fleet() -> Fleet {
+    Fleet::new(MODEL).combined("c-0").combined("c-1")
+}
+
+struct Store {
+    redis: RedisServer,
+    dir: PathBuf,
+}
+
+impl Store {
+    fn start() -> Option<Store> {
+        let dir = std::env::temp_dir().join(format!("pd-limits-{}", fastrand::u64(..)));
+        std::fs::create_dir_all(&dir).expect("redis dir");
+        RedisServer::start(&dir).map(|redis| Store { redis, dir })
+    }
+
+    /// Writes a user record as AIBrix's user API stores it.
+    fn user(&self, record: Value) {
+        let name = record["name"].as_str().expect("a name").to_string();
+        let key = format!("aibrix-users/{name}");
+        self.redis.command(&["SET", &key, &record.to_string()]);
+    }
+
+    /// A user's counter in the current window (0 when it has none).
+    fn counter(&self, user: &str, kind: &str) -> u64 {
+        let key = format!("aibrix:{user}_{kind}_CURRENT:60000:counter");
+        self.redis
+            .command(&["GET", &key])
+            .map_or(0, |v| v.parse().expect("a counter"))
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn start(store: &Store, plugin_extra: &str) -> Stack {
+    let url = store.redis.url();
+    // One fleet: each `fleet()` picks its own loopback addresses.
+    let fleet = fleet();
+    Stack::start_opts(
+        fleet.clone(),
+        fleet,
+        &Options {
+            control_args: &["--redis", &url],
+            plugin_extra,
+            ..Options::default()
+        },
+    )
+}
+
+fn chat(stack: &Stack, user: Option<&str>, body: Value) -> http::Response {
+    let mut headers = vec![("routing-strategy", "random")];
+    if let Some(user) = user {
+        headers.push(("user", user));
+    }
+    http::post_json(&stack.gateway, "/v1/chat/completions", &headers, &body)
+}
+
+fn question(stream: bool, include_usage: bool) -> Value {
+    let mut body = json!({"model": MODEL, "max_tokens": 12, "stream": stream,
+        "messages": [{"role": "user", "content": "how many tokens is this?"}]});
+    if include_usage {
+        body["stream_options"] = json!({"include_usage": true});
+    }
+    body
+}
+
+/// `total_tokens` of an answer: the JSON body's, or a stream's last usage chunk's.
+fn total_tokens(r: &http::Response) -> u64 {
+    let text = r.text();
+    let json_usage = serde_json::from_str::<Value>(&text)
+        .ok()
+        .and_then(|v| v["usage"]["total_tokens"].as_u64());
+    json_usage
+        .or_else(|| {
+            text.lines()
+                .rev()
+                .filter_map(|l| l.strip_prefix("data: "))
+                .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+                .find_map(|v| v["usage"]["total_tokens"].as_u64())
+        })
+        .unwrap_or_else(|| panic!("no usage in {text}"))
+}
+
+#[test]
+fn a_user_is_held_to_its_rpm_and_an_unknown_user_is_refused() {
+    let Some(store) = Store::start() else {
+        return;
+    };
+    store.user(json!({"name": "alice", "rpm": 3}));
+    let stack = start(&store, "");
+    for n in 1..=3 {
+        let r = chat(&stack, Some("alice"), question(false, false));
+        assert_eq!(r.status, 200, "request {n}: {}", r.text());
+        assert_eq!(r.header("x-update-rpm"), Some(n.to_string().as_str()));
+    }
+    let refused = chat(&stack, Some("alice"), question(false, false));
+    assert_eq!(refused.status, 429, "{}", refused.text());
+    assert_eq!(refused.header("x-error-rpm-exceeded"), Some("true"));
+    let error = &refused.json()["error"];
+    assert_eq!(error["message"], "user: alice has exceeded RPM: 3");
+    assert_eq!(error["type"], "rate_limit_error");
+    // A refused request takes nothing from the window.
+    assert_eq!(store.counter("alice", "RPM"), 3);
+
+    let unknown = chat(&stack, Some("mallory"), question(false, false));
+    assert_eq!(unknown.status, 500, "{}", unknown.text());
+    assert_eq!(unknown.header("x-error-user"), Some("true"));
+    // Requests naming no user are not checked at all.
+    let anonymous = chat(&stack, None, question(false, false));
+    assert_eq!(anonymous.status, 200, "{}", anonymous.text());
+    assert_eq!(anonymous.header("x-update-rpm"), None);
+    assert_eq!(stack.stat("pd_router_user_limit_checks_total"), 5);
+    let rejected = |reason| stack.metric("pd_router_rejected_total", &[("reason", reason)]);
+    assert_eq!(rejected("rpm_exceeded"), 1.0);
+    assert_eq!(rejected("unknown_user"), 1.0);
+
+    // The window ends (its counter expires): alice is admitted again.
+    store
+        .redis
+        .command(&["DEL", "aibrix:alice_RPM_CURRENT:60000:counter"]);
+    let again = chat(&stack, Some("alice"), question(false, false));
+    assert_eq!(again.status, 200, "{}", again.text());
+    assert_eq!(again.header("x-update-rpm"), Some("1"));
+
+    // The store fails: the request is refused as AIBrix refuses it, not let through.
+    drop(store);
+    let failed = chat(&stack, Some("alice"), question(false, false));
+    assert_eq!(failed.status, 500, "{}", failed.text());
+    assert_eq!(failed.header("x-error-user"), Some("true"));
+    assert_eq!(stack.stat("pd_router_user_limit_unchecked_total"), 1);
+    stack.wait_ledger_zero();
+}
+
+#[test]
+fn answers_count_against_the_users_tpm_and_a_limited_stream_must_carry_its_usage() {
+    let Some(store) = Store::start() else {
+        return;
+    };
+    // Room for one answer's tokens, not two.
+    store.user(json!({"name": "bob", "rpm": 100, "tpm": 20}));
+    let stack = start(&store, "");
+
+    let no_usage = chat(&stack, Some("bob"), question(true, false));
+    assert_eq!(no_usage.status, 400, "{}", no_usage.text());
+    assert_eq!(
+        no_usage.header("x-error-no-stream-options-include-usage"),
+        Some("include usage for stream options not set")
+    );
+    assert_eq!(no_usage.json()["error"]["param"], "stream_options");
+
+    let streamed = chat(&stack, Some("bob"), question(true, true));
+    assert_eq!(streamed.status, 200, "{}", streamed.text());
+    let first = total_tokens(&streamed);
+    assert!(first > 0 && first < 20, "the stream used {first} tokens");
+    eventually(Duration::from_secs(10), || {
+        let counted = store.counter("bob", "TPM");
+        (counted == first).then_some(()).ok_or(format!(
+            "bob's TPM counter reads {counted}, the stream used {first}"
+        ))
+    });
+    let whole = chat(&stack, Some("bob"), question(false, false));
+    assert_eq!(whole.status, 200, "{}", whole.text());
+    let second = total_tokens(&whole);
+    eventually(Duration::from_secs(10), || {
+        let counted = store.counter("bob", "TPM");
+        (counted == first + second).then_some(()).ok_or(format!(
+            "bob's TPM counter reads {counted}, the answers used {first} + {second}"
+        ))
+    });
+    assert!(first + second >= 20, "the test needs bob over 20 tokens");
+    let refused = chat(&stack, Some("bob"), question(false, false));
+    assert_eq!(refused.status, 429, "{}", refused.text());
+    assert_eq!(refused.header("x-error-tpm-exceeded"), Some("true"));
+    assert_eq!(
+        refused.json()["error"]["message"],
+        "user: bob has exceeded TPM: 20"
+    );
+    assert_eq!(
+        stack.stat("pd_router_user_tokens_reported_total"),
+        first + second
+    );
+    assert_eq!(stack.stat("pd_router_user_tokens_unreported_total"), 0);
+    stack.wait_ledger_zero();
+}
+
+#[test]
+fn a_failing_store_lets_requests_through_when_the_plugin_fails_open() {
+    let Some(store) = Store::start() else {
+        return;
+    };
+    store.user(json!({"name": "carol", "rpm": 1}));
+    let stack = start(&store, r#""user_limits_fail_open":true"#);
+    assert_eq!(
+        chat(&stack, Some("carol"), question(false, false)).status,
+        200
+    );
+    let over = chat(&stack, Some("carol"), question(false, false));
+    assert_eq!(
+        over.status, 429,
+        "failing open is no way past a working store"
+    );
+    drop(store);
+    let through = chat(&stack, Some("carol"), question(false, false));
+    assert_eq!(through.status, 200, "{}", through.text());
+    assert_eq!(through.header("x-update-rpm"), None);
+    assert_eq!(stack.stat("pd_router_user_limit_unchecked_total"), 1);
+}
+
+#[test]
+fn without_a_user_store_the_user_header_changes_nothing() {
+    let stack = Stack::start(fleet());
+    let r = chat(&stack, Some("anyone"), question(true, false));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(stack.stat("pd_router_user_limit_checks_total"), 0);
+}
