@@ -5,6 +5,11 @@
 //! wasm cannot talk to Redis, so the filter asks pd-control (`POST /v1/limits/admit`) and
 //! reports the tokens each answer used (`POST /v1/limits/usage`).
 //!
+//! The same admission also enforces a model's request rate (a config profile's
+//! `requestsPerSecond`, sent by the filter as `rps_limit` requests per `rps_window_ms`) on
+//! AIBrix's model counter: increment, and take the increment back when it went over the
+//! limit, so that refusals do not use up the window.
+//!
 //! The record and counter keys, the defaults and the order of the checks are AIBrix's own, so
 //! that an AIBrix gateway and pd-router sharing one Redis during a migration count against the
 //! same limits. Unlike AIBrix, the counter part of a check is one Lua script, so two gateways
@@ -29,6 +34,10 @@ pub const DEFAULT_RPM: i64 = 100;
 pub const TOKENS_PER_REQUEST: i64 = 1000;
 /// Users whose token counters one script call adds to: bounds the work of one Redis call.
 const USAGE_BATCH: usize = 128;
+/// Longest model name accepted, as for user names.
+pub const MAX_MODEL_BYTES: usize = 256;
+/// The shortest and longest model rate windows accepted (one second to one hour).
+pub const RPS_WINDOWS_MS: std::ops::RangeInclusive<u64> = 1000..=3_600_000;
 
 /// The Redis key of `name`'s record.
 pub fn user_key(name: &str) -> String {
@@ -43,6 +52,11 @@ pub fn rpm_key(name: &str) -> String {
 /// The key of `name`'s token counter in the current window.
 pub fn tpm_key(name: &str) -> String {
     format!("aibrix:{name}_TPM_CURRENT:{WINDOW_MS}:counter")
+}
+
+/// The key of `model`'s request counter for a `window_ms` window (AIBrix's model RPS key).
+pub fn model_rps_key(model: &str, window_ms: u64) -> String {
+    format!("aibrix_model:{model}_MODEL_RPS_CURRENT:{window_ms}:counter")
 }
 
 /// Checks a user name as the filter sends it.
@@ -64,6 +78,99 @@ pub enum NameError {
     TooLong(usize),
     #[error("user name is not UTF-8")]
     NotUtf8,
+}
+
+/// A model's request rate: at most `limit` requests per `window_ms`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelRps {
+    pub model: String,
+    pub limit: i64,
+    pub window_ms: u64,
+}
+
+/// What one `POST /v1/limits/admit` asks to check: a user's limits, a model's rate, or both
+/// (at least one).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdmitRequest {
+    pub user: Option<String>,
+    pub model: Option<ModelRps>,
+}
+
+/// An admission body the contract does not allow.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum AdmitError {
+    #[error("want a JSON object with \"user\" and/or \"model\": {0}")]
+    Body(String),
+    #[error("neither \"user\" nor \"model\" given")]
+    Nothing,
+    #[error("{0}")]
+    User(#[from] NameError),
+    #[error("model name of {0} bytes (want 1 to {MAX_MODEL_BYTES})")]
+    ModelName(usize),
+    #[error("\"model\" wants both \"rps_limit\" and \"rps_window_ms\"")]
+    RpsMissing,
+    #[error("\"rps_limit\" and \"rps_window_ms\" need a \"model\"")]
+    RpsWithoutModel,
+    #[error("rps_limit {0} (want at least 1)")]
+    RpsLimit(i64),
+    #[error("rps_window_ms {0} (want 1000 to 3600000)")]
+    RpsWindow(u64),
+}
+
+/// The members of an admission body that count here; others are ignored.
+#[derive(Deserialize)]
+struct AdmitBody {
+    #[serde(default)]
+    user: Option<String>,
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    rps_limit: Option<i64>,
+    #[serde(default)]
+    rps_window_ms: Option<u64>,
+}
+
+/// Parses an admission body: `{"user": name}`, `{"model": name, "rps_limit": n,
+/// "rps_window_ms": ms}`, or both in one object. A member that is `null` counts as absent.
+pub fn parse_admit(body: &[u8]) -> Result<AdmitRequest, AdmitError> {
+    let value: serde_json::Value =
+        serde_json::from_slice(body).map_err(|e| AdmitError::Body(e.to_string()))?;
+    // serde would also read a struct from an array; the body is an object.
+    if !value.is_object() {
+        return Err(AdmitError::Body("not an object".into()));
+    }
+    let body = AdmitBody::deserialize(value).map_err(|e| AdmitError::Body(e.to_string()))?;
+    if let Some(user) = &body.user {
+        user_name(user.as_bytes())?;
+    }
+    let model = match (body.model, body.rps_limit, body.rps_window_ms) {
+        (None, None, None) => None,
+        (None, _, _) => return Err(AdmitError::RpsWithoutModel),
+        (Some(_), None, _) | (Some(_), _, None) => return Err(AdmitError::RpsMissing),
+        (Some(model), Some(limit), Some(window_ms)) => {
+            if model.is_empty() || model.len() > MAX_MODEL_BYTES {
+                return Err(AdmitError::ModelName(model.len()));
+            }
+            if limit < 1 {
+                return Err(AdmitError::RpsLimit(limit));
+            }
+            if !RPS_WINDOWS_MS.contains(&window_ms) {
+                return Err(AdmitError::RpsWindow(window_ms));
+            }
+            Some(ModelRps {
+                model,
+                limit,
+                window_ms,
+            })
+        }
+    };
+    if body.user.is_none() && model.is_none() {
+        return Err(AdmitError::Nothing);
+    }
+    Ok(AdmitRequest {
+        user: body.user,
+        model,
+    })
 }
 
 /// A user's limits per window, defaults applied.
@@ -125,21 +232,28 @@ pub fn parse_record(raw: &[u8]) -> Result<Limits, RecordError> {
 pub enum Stage {
     /// Reading the user record, or the record is unusable.
     User,
-    /// The counter script.
+    /// The counter script of a check naming a user: Redis did not run it (or it failed on a
+    /// user counter), whether or not a model was asked too.
     Counters,
+    /// The model's counter cannot be incremented (the user's request, if any, stays
+    /// counted), or the counter script of a model-only check failed.
+    Model,
 }
 
 /// The answer of `POST /v1/limits/admit`, as JSON: `{"outcome": ..., fields}`. Counters are
-/// the values after this check; limits are the user's, defaults applied.
+/// the values after this check; limits are the user's (defaults applied) and the model's.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum Answer {
-    /// Counted against the window (`rpm` includes this request).
+    /// Counted against the windows (`rpm` and `model_rps` include this request). The fields
+    /// of a part not asked for are `null`.
     Admitted {
-        rpm: i64,
-        rpm_limit: i64,
-        tpm: i64,
-        tpm_limit: i64,
+        rpm: Option<i64>,
+        rpm_limit: Option<i64>,
+        tpm: Option<i64>,
+        tpm_limit: Option<i64>,
+        model_rps: Option<i64>,
+        rps_limit: Option<i64>,
     },
     /// The window's requests are used up; nothing was counted.
     RpmExceeded { rpm: i64, rpm_limit: i64 },
@@ -150,6 +264,9 @@ pub enum Answer {
         tpm: i64,
         tpm_limit: i64,
     },
+    /// The model's window is used up; its counter was given this request back (`model_rps`
+    /// is what the window admitted). The user's request, if one was named, stays counted.
+    ModelRpsExceeded { model_rps: i64, rps_limit: i64 },
     /// No record for the user.
     UnknownUser,
     /// Redis failed or holds an unusable record; the gateway decides whether to let it pass.
@@ -167,31 +284,37 @@ impl Answer {
             Answer::TpmExceeded { .. } => Some(2),
             Answer::UnknownUser => Some(3),
             Answer::StoreError { .. } => Some(4),
+            Answer::ModelRpsExceeded { .. } => Some(5),
             Answer::Disabled => None,
         }
     }
 }
 
 /// Metric label of each counted outcome, in [`Answer::counted`] order.
-const OUTCOMES: [&str; 5] = [
+const OUTCOMES: [&str; 6] = [
     "admitted",
     "rpm_exceeded",
     "tpm_exceeded",
     "unknown_user",
     "store_error",
+    "model_rps_exceeded",
 ];
 
-/// The counter half of a check, atomic so that concurrent checks of one user (from several
-/// gateways or pd-controls) never both take the last request of a window.
-/// KEYS: request counter, token counter. ARGV: request limit, token limit, window ms.
-/// Returns `{verdict, requests, tokens}`: 0 refused on requests (nothing counted), 1 admitted,
-/// 2 refused on tokens (the request counted). A counter's window starts with its first write
-/// (the expiry is set only while it has none), so later writes never stretch it. A counter
-/// read without an expiry (left by a writer that died between its increment and its expiry)
-/// gets one, or its user would stay refused for ever.
+/// The counter half of a check, atomic so that concurrent checks of one user or model (from
+/// several gateways or pd-controls) never both take the last request of a window.
+/// KEYS: with a user, its request and token counters; then, with a model, its counter.
+/// ARGV: user asked ("1"/"0"), request limit, token limit, user window ms, model asked,
+/// model limit, model window ms (the limits of a part not asked are ignored).
+/// Returns `{verdict, requests, tokens, model requests}` (0 for a part not asked):
+/// 0 refused on requests (nothing counted), 1 admitted, 2 refused on tokens (the request
+/// counted), 3 refused on the model's rate (its increment taken back; the user's request
+/// counted), 4 the model counter cannot be incremented (not an integer; the user's request
+/// counted). The user part goes first; when it refuses, the model counter is not touched.
+/// A counter's window starts with its first write (the expiry is set only while it has none),
+/// so later writes never stretch it. A counter read without an expiry (left by a writer that
+/// died between its increment and its expiry) gets one, or it would refuse for ever.
 const ADMIT_SCRIPT: &str = r"
-local rpm_limit, tpm_limit, window = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
-local function current(key)
+local function current(key, window)
   local value = redis.call('GET', key)
   if not value then
     return 0
@@ -201,19 +324,40 @@ local function current(key)
   end
   return tonumber(value)
 end
-local rpm = current(KEYS[1])
-if rpm >= rpm_limit then
-  return {0, rpm, 0}
+local function windowed(key, window)
+  if redis.call('PTTL', key) == -1 then
+    redis.call('PEXPIRE', key, window)
+  end
 end
-rpm = redis.call('INCRBY', KEYS[1], 1)
-if redis.call('PTTL', KEYS[1]) == -1 then
-  redis.call('PEXPIRE', KEYS[1], window)
+local rpm, tpm, model = 0, 0, 1
+if ARGV[1] == '1' then
+  local rpm_limit, tpm_limit, window = tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+  rpm = current(KEYS[1], window)
+  if rpm >= rpm_limit then
+    return {0, rpm, 0, 0}
+  end
+  rpm = redis.call('INCRBY', KEYS[1], 1)
+  windowed(KEYS[1], window)
+  tpm = current(KEYS[2], window)
+  if tpm >= tpm_limit then
+    return {2, rpm, tpm, 0}
+  end
+  model = 3
 end
-local tpm = current(KEYS[2])
-if tpm >= tpm_limit then
-  return {2, rpm, tpm}
+if ARGV[5] == '1' then
+  local key, rps_limit, window = KEYS[model], tonumber(ARGV[6]), ARGV[7]
+  local rps = redis.pcall('INCRBY', key, 1)
+  if type(rps) == 'table' and rps.err then
+    return {4, rpm, tpm, 0}
+  end
+  windowed(key, window)
+  if rps > rps_limit then
+    rps = redis.call('DECRBY', key, 1)
+    return {3, rpm, tpm, rps}
+  end
+  return {1, rpm, tpm, rps}
 end
-return {1, rpm, tpm}
+return {1, rpm, tpm, 0}
 ";
 
 /// Adds tokens to users' token counters, with the window rule of [`ADMIT_SCRIPT`].
@@ -237,23 +381,43 @@ end
 return added
 ";
 
-/// Reads the admit script's reply.
-fn verdict(reply: &[i64], limits: Limits) -> Option<Answer> {
-    let (rpm_limit, tpm_limit) = (limits.rpm, limits.tpm);
-    match *reply {
-        [0, rpm, _] => Some(Answer::RpmExceeded { rpm, rpm_limit }),
-        [1, rpm, tpm] => Some(Answer::Admitted {
+/// Reads the admit script's reply, given the user's limits and the model's rate when asked.
+fn verdict(reply: &[i64], user: Option<Limits>, model: Option<&ModelRps>) -> Option<Answer> {
+    let [code, rpm, tpm, model_rps] = *reply else {
+        return None;
+    };
+    let rps_limit = model.map(|m| m.limit);
+    match (code, user, rps_limit) {
+        (0, Some(limits), _) => Some(Answer::RpmExceeded {
             rpm,
-            rpm_limit,
-            tpm,
-            tpm_limit,
+            rpm_limit: limits.rpm,
         }),
-        [2, rpm, tpm] => Some(Answer::TpmExceeded {
+        (1, _, _) if user.is_some() || model.is_some() => Some(Answer::Admitted {
+            rpm: user.map(|_| rpm),
+            rpm_limit: user.map(|l| l.rpm),
+            tpm: user.map(|_| tpm),
+            tpm_limit: user.map(|l| l.tpm),
+            model_rps: model.map(|_| model_rps),
+            rps_limit,
+        }),
+        (2, Some(limits), _) => Some(Answer::TpmExceeded {
             rpm,
-            rpm_limit,
+            rpm_limit: limits.rpm,
             tpm,
-            tpm_limit,
+            tpm_limit: limits.tpm,
         }),
+        (3, _, Some(rps_limit)) => Some(Answer::ModelRpsExceeded {
+            model_rps,
+            rps_limit,
+        }),
+        (4, _, _) => {
+            let model = model?;
+            let key = model_rps_key(&model.model, model.window_ms);
+            Some(Answer::StoreError {
+                stage: Stage::Model,
+                message: format!("model counter {key} cannot be incremented: not an integer"),
+            })
+        }
         _ => None,
     }
 }
@@ -307,7 +471,7 @@ pub type MetricFamily = (
 /// The limits of this pd-control: off, or checked against Redis.
 pub struct UserLimits {
     store: Option<Store>,
-    checks: [AtomicU64; 5],
+    checks: [AtomicU64; 6],
     tokens_total: AtomicU64,
     errors_total: AtomicU64,
     /// Redis failed on the last call: its failures are logged on the way in and out of that
@@ -353,30 +517,100 @@ impl UserLimits {
         self.store.is_some()
     }
 
-    /// Checks one request of user `name` and counts it when admitted (or refused on tokens).
-    pub async fn admit(&self, name: &str) -> Answer {
+    /// Checks one request against its user's limits and its model's rate, counting it as
+    /// the answer says.
+    pub async fn admit(&self, request: &AdmitRequest) -> Answer {
         let answer = match &self.store {
             None => Answer::Disabled,
-            Some(store) => self.check(store, name).await,
+            Some(store) => self.check(store, request).await,
         };
         if let Some(i) = answer.counted() {
             self.checks[i].fetch_add(1, Ordering::Relaxed);
         }
+        let user = request.user.as_deref().unwrap_or_default();
+        let model = request.model.as_ref().map_or("", |m| m.model.as_str());
         match &answer {
             Answer::RpmExceeded { rpm, rpm_limit } => {
-                tracing::debug!(user = name, rpm, rpm_limit, "user over its request limit");
+                tracing::debug!(user, rpm, rpm_limit, "user over its request limit");
             }
             Answer::TpmExceeded { tpm, tpm_limit, .. } => {
-                tracing::debug!(user = name, tpm, tpm_limit, "user over its token limit");
+                tracing::debug!(user, tpm, tpm_limit, "user over its token limit");
+            }
+            Answer::ModelRpsExceeded {
+                model_rps,
+                rps_limit,
+            } => {
+                tracing::debug!(model, model_rps, rps_limit, "model over its request rate");
             }
             _ => {}
         }
         answer
     }
 
-    /// Two round trips: the record (a plain read, which AIBrix keeps current), then the
-    /// counter script with the limits it names.
-    async fn check(&self, store: &Store, name: &str) -> Answer {
+    /// With a user, two round trips: the record (a plain read, which AIBrix keeps current),
+    /// then the counter script with the limits it names (and the model's rate). A model-only
+    /// check is the counter script alone.
+    async fn check(&self, store: &Store, request: &AdmitRequest) -> Answer {
+        let user = match &request.user {
+            None => None,
+            Some(name) => match self.user_limits(store, name).await {
+                Ok(limits) => Some((name.as_str(), limits)),
+                Err(answer) => return answer,
+            },
+        };
+        let model = request.model.as_ref();
+        let stage = if user.is_some() {
+            Stage::Counters
+        } else {
+            Stage::Model
+        };
+        let mut keys = Vec::with_capacity(3);
+        let mut args: Vec<i64> = vec![0; 7];
+        if let Some((name, limits)) = user {
+            keys.push(rpm_key(name));
+            keys.push(tpm_key(name));
+            args[..4].copy_from_slice(&[1, limits.rpm, limits.tpm, WINDOW_MS as i64]);
+        }
+        if let Some(rps) = model {
+            keys.push(model_rps_key(&rps.model, rps.window_ms));
+            let window = i64::try_from(rps.window_ms).unwrap_or(i64::MAX);
+            args[4..].copy_from_slice(&[1, rps.limit, window]);
+        }
+        let counted = store
+            .link
+            .call(Retry::Never, |mut conn| {
+                let mut invocation = store.admit.prepare_invoke();
+                for key in &keys {
+                    invocation.key(key);
+                }
+                for arg in &args {
+                    invocation.arg(*arg);
+                }
+                async move { invocation.invoke_async::<Vec<i64>>(&mut conn).await }
+            })
+            .await;
+        let reply = match counted {
+            Ok(reply) => reply,
+            Err(e) => return self.store_error(stage, &e),
+        };
+        self.redis_ok();
+        let answer = verdict(&reply, user.map(|(_, limits)| limits), model).unwrap_or_else(|| {
+            Answer::StoreError {
+                stage,
+                message: format!("unexpected counter script reply {reply:?}"),
+            }
+        });
+        if let Answer::StoreError { message, .. } = &answer {
+            // Redis answered, but a counter is unusable (or the reply is): a store failure
+            // all the same, logged at most once a minute as its requests repeat it.
+            self.errors_total.fetch_add(1, Ordering::Relaxed);
+            self.warn_record(message);
+        }
+        answer
+    }
+
+    /// A user's limits from its record, or the answer when there are none to check against.
+    async fn user_limits(&self, store: &Store, name: &str) -> Result<Limits, Answer> {
         let key = user_key(name);
         let read = store
             .link
@@ -390,45 +624,19 @@ impl UserLimits {
             Ok(Some(raw)) => raw,
             Ok(None) => {
                 self.redis_ok();
-                return Answer::UnknownUser;
+                return Err(Answer::UnknownUser);
             }
-            Err(e) => return self.store_error(Stage::User, &e),
+            Err(e) => return Err(self.store_error(Stage::User, &e)),
         };
         self.redis_ok();
-        let limits = match parse_record(&raw) {
-            Ok(limits) => limits,
-            Err(e) => {
-                let message = format!("user record {key}: {e}");
-                self.warn_record(&message);
-                return Answer::StoreError {
-                    stage: Stage::User,
-                    message,
-                };
+        parse_record(&raw).map_err(|e| {
+            let message = format!("user record {key}: {e}");
+            self.warn_record(&message);
+            Answer::StoreError {
+                stage: Stage::User,
+                message,
             }
-        };
-        let (rpm, tpm) = (rpm_key(name), tpm_key(name));
-        let counted = store
-            .link
-            .call(Retry::Never, |mut conn| {
-                let mut invocation = store.admit.key(&rpm);
-                invocation
-                    .key(&tpm)
-                    .arg(limits.rpm)
-                    .arg(limits.tpm)
-                    .arg(WINDOW_MS);
-                async move { invocation.invoke_async::<Vec<i64>>(&mut conn).await }
-            })
-            .await;
-        match counted {
-            Ok(reply) => {
-                self.redis_ok();
-                verdict(&reply, limits).unwrap_or_else(|| Answer::StoreError {
-                    stage: Stage::Counters,
-                    message: format!("unexpected counter script reply {reply:?}"),
-                })
-            }
-            Err(e) => self.store_error(Stage::Counters, &e),
-        }
+        })
     }
 
     /// Adds each user's tokens to its token counter. Users are added in batches; a failed
@@ -547,7 +755,7 @@ impl UserLimits {
             (
                 "pd_control_user_limit_checks_total",
                 "counter",
-                "Per-user limit checks by outcome (admitted, rpm_exceeded, tpm_exceeded, unknown_user, store_error).",
+                "Per-user and per-model limit checks by outcome (admitted, rpm_exceeded, tpm_exceeded, model_rps_exceeded, unknown_user, store_error).",
                 checks,
             ),
             (
@@ -559,7 +767,7 @@ impl UserLimits {
             (
                 "pd_control_user_limit_errors_total",
                 "counter",
-                "Redis failures of user limits: failed record reads and counter scripts of checks, and token additions not made.",
+                "Redis failures of user limits: failed record reads and counter scripts of checks, model counters that cannot be incremented, and token additions not made.",
                 plain(self.errors_total.load(Ordering::Relaxed)),
             ),
         ]
@@ -569,13 +777,150 @@ impl UserLimits {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
+    use serde_json::{json, Value};
 
     #[test]
     fn keys_are_aibrix_keys() {
         assert_eq!(user_key("alice"), "aibrix-users/alice");
         assert_eq!(rpm_key("alice"), "aibrix:alice_RPM_CURRENT:60000:counter");
         assert_eq!(tpm_key("alice"), "aibrix:alice_TPM_CURRENT:60000:counter");
+        assert_eq!(
+            model_rps_key("llama", 1000),
+            "aibrix_model:llama_MODEL_RPS_CURRENT:1000:counter"
+        );
+    }
+
+    #[test]
+    fn admission_bodies_parse() {
+        let parse = |body: Value| parse_admit(body.to_string().as_bytes());
+        let llama = |limit, window_ms| ModelRps {
+            model: "llama".into(),
+            limit,
+            window_ms,
+        };
+        assert_eq!(
+            parse(json!({"user": "alice"})),
+            Ok(AdmitRequest {
+                user: Some("alice".into()),
+                model: None
+            })
+        );
+        assert_eq!(
+            parse(json!({"model": "llama", "rps_limit": 2, "rps_window_ms": 1000})),
+            Ok(AdmitRequest {
+                user: None,
+                model: Some(llama(2, 1000))
+            })
+        );
+        assert_eq!(
+            parse(json!({"user": "a", "model": "llama", "rps_limit": 1,
+                         "rps_window_ms": 3_600_000, "extra": [1], "stream": true})),
+            Ok(AdmitRequest {
+                user: Some("a".into()),
+                model: Some(llama(1, 3_600_000))
+            }),
+            "unknown members are ignored"
+        );
+        assert_eq!(
+            parse(json!({"user": "a", "model": null, "rps_limit": null})),
+            Ok(AdmitRequest {
+                user: Some("a".into()),
+                model: None
+            }),
+            "null is absent"
+        );
+        let user_256 = "u".repeat(256);
+        assert!(parse(json!({ "user": user_256 })).is_ok());
+        let model_256 = "m".repeat(256);
+        assert!(parse(json!({"model": model_256, "rps_limit": 1, "rps_window_ms": 1000})).is_ok());
+
+        let model = |name: &str, limit: Value, window: Value| {
+            parse(json!({"model": name, "rps_limit": limit, "rps_window_ms": window}))
+        };
+        assert_eq!(parse(json!({})), Err(AdmitError::Nothing));
+        assert_eq!(parse(json!({"name": "alice"})), Err(AdmitError::Nothing));
+        assert_eq!(
+            parse(json!({"user": ""})),
+            Err(AdmitError::User(NameError::Empty))
+        );
+        assert_eq!(
+            parse(json!({ "user": "u".repeat(257) })),
+            Err(AdmitError::User(NameError::TooLong(257)))
+        );
+        assert_eq!(
+            parse(json!({"model": "llama"})),
+            Err(AdmitError::RpsMissing)
+        );
+        assert_eq!(
+            parse(json!({"user": "a", "model": "llama", "rps_limit": 2})),
+            Err(AdmitError::RpsMissing)
+        );
+        assert_eq!(
+            parse(json!({"model": "llama", "rps_window_ms": 1000})),
+            Err(AdmitError::RpsMissing)
+        );
+        assert_eq!(
+            parse(json!({"user": "a", "rps_limit": 2, "rps_window_ms": 1000})),
+            Err(AdmitError::RpsWithoutModel)
+        );
+        assert_eq!(
+            parse(json!({"rps_window_ms": 1000})),
+            Err(AdmitError::RpsWithoutModel)
+        );
+        assert_eq!(
+            model("llama", json!(0), json!(1000)),
+            Err(AdmitError::RpsLimit(0))
+        );
+        assert_eq!(
+            model("llama", json!(-3), json!(1000)),
+            Err(AdmitError::RpsLimit(-3))
+        );
+        assert_eq!(
+            model("llama", json!(1), json!(999)),
+            Err(AdmitError::RpsWindow(999))
+        );
+        assert_eq!(
+            model("llama", json!(1), json!(3_600_001)),
+            Err(AdmitError::RpsWindow(3_600_001))
+        );
+        assert_eq!(
+            model("", json!(1), json!(1000)),
+            Err(AdmitError::ModelName(0))
+        );
+        assert_eq!(
+            model(&"m".repeat(257), json!(1), json!(1000)),
+            Err(AdmitError::ModelName(257))
+        );
+        for (limit, window) in [
+            (json!(1.5), json!(1000)),
+            (json!("2"), json!(1000)),
+            (json!(2), json!(-1000)),
+            (json!(2), json!(1000.5)),
+        ] {
+            assert!(
+                matches!(
+                    model("llama", limit.clone(), window.clone()),
+                    Err(AdmitError::Body(_))
+                ),
+                "{limit} {window}"
+            );
+        }
+        for garbage in [
+            &b""[..],
+            b"alice",
+            b"\"alice\"",
+            b"123",
+            b"[]",
+            b"null",
+            b"{\"user\": 7}",
+            b"{\"user\": \"a\"",
+        ] {
+            assert!(
+                matches!(parse_admit(garbage), Err(AdmitError::Body(_))),
+                "{:?}",
+                String::from_utf8_lossy(garbage)
+            );
+        }
     }
 
     #[test]
@@ -644,12 +989,34 @@ mod tests {
         let shape = |answer: Answer| serde_json::to_value(answer).unwrap();
         assert_eq!(
             shape(Answer::Admitted {
-                rpm: 1,
-                rpm_limit: 3,
-                tpm: 0,
-                tpm_limit: 3000
+                rpm: Some(1),
+                rpm_limit: Some(3),
+                tpm: Some(0),
+                tpm_limit: Some(3000),
+                model_rps: None,
+                rps_limit: None,
             }),
-            json!({"outcome":"admitted","rpm":1,"rpm_limit":3,"tpm":0,"tpm_limit":3000})
+            json!({"outcome":"admitted","rpm":1,"rpm_limit":3,"tpm":0,"tpm_limit":3000,
+                   "model_rps":null,"rps_limit":null})
+        );
+        assert_eq!(
+            shape(Answer::Admitted {
+                rpm: None,
+                rpm_limit: None,
+                tpm: None,
+                tpm_limit: None,
+                model_rps: Some(2),
+                rps_limit: Some(5),
+            }),
+            json!({"outcome":"admitted","rpm":null,"rpm_limit":null,"tpm":null,"tpm_limit":null,
+                   "model_rps":2,"rps_limit":5})
+        );
+        assert_eq!(
+            shape(Answer::ModelRpsExceeded {
+                model_rps: 2,
+                rps_limit: 2
+            }),
+            json!({"outcome":"model_rps_exceeded","model_rps":2,"rps_limit":2})
         );
         assert_eq!(
             shape(Answer::RpmExceeded {
@@ -685,6 +1052,13 @@ mod tests {
             }),
             json!({"outcome":"store_error","stage":"counters","message":"m"})
         );
+        assert_eq!(
+            shape(Answer::StoreError {
+                stage: Stage::Model,
+                message: "m".into()
+            }),
+            json!({"outcome":"store_error","stage":"model","message":"m"})
+        );
         assert_eq!(shape(Answer::Disabled), json!({"outcome":"disabled"}));
         let back: Answer =
             serde_json::from_str(r#"{"outcome":"rpm_exceeded","rpm":4,"rpm_limit":3}"#).unwrap();
@@ -699,25 +1073,55 @@ mod tests {
 
     #[test]
     fn script_replies_read_as_answers() {
-        let limits = Limits { rpm: 3, tpm: 10 };
+        let user = Some(Limits { rpm: 3, tpm: 10 });
+        let rps = ModelRps {
+            model: "llama".into(),
+            limit: 2,
+            window_ms: 1000,
+        };
+        let model = Some(&rps);
         assert_eq!(
-            verdict(&[0, 3, 0], limits),
+            verdict(&[0, 3, 0, 0], user, model),
             Some(Answer::RpmExceeded {
                 rpm: 3,
                 rpm_limit: 3
             })
         );
         assert_eq!(
-            verdict(&[1, 2, 4], limits),
+            verdict(&[1, 2, 4, 0], user, None),
             Some(Answer::Admitted {
-                rpm: 2,
-                rpm_limit: 3,
-                tpm: 4,
-                tpm_limit: 10
+                rpm: Some(2),
+                rpm_limit: Some(3),
+                tpm: Some(4),
+                tpm_limit: Some(10),
+                model_rps: None,
+                rps_limit: None,
             })
         );
         assert_eq!(
-            verdict(&[2, 2, 12], limits),
+            verdict(&[1, 0, 0, 1], None, model),
+            Some(Answer::Admitted {
+                rpm: None,
+                rpm_limit: None,
+                tpm: None,
+                tpm_limit: None,
+                model_rps: Some(1),
+                rps_limit: Some(2),
+            })
+        );
+        assert_eq!(
+            verdict(&[1, 2, 4, 1], user, model),
+            Some(Answer::Admitted {
+                rpm: Some(2),
+                rpm_limit: Some(3),
+                tpm: Some(4),
+                tpm_limit: Some(10),
+                model_rps: Some(1),
+                rps_limit: Some(2),
+            })
+        );
+        assert_eq!(
+            verdict(&[2, 2, 12, 0], user, model),
             Some(Answer::TpmExceeded {
                 rpm: 2,
                 rpm_limit: 3,
@@ -725,8 +1129,28 @@ mod tests {
                 tpm_limit: 10
             })
         );
-        assert_eq!(verdict(&[3, 1, 1], limits), None);
-        assert_eq!(verdict(&[1, 1], limits), None);
+        assert_eq!(
+            verdict(&[3, 2, 4, 2], user, model),
+            Some(Answer::ModelRpsExceeded {
+                model_rps: 2,
+                rps_limit: 2
+            })
+        );
+        assert!(matches!(
+            verdict(&[4, 0, 0, 0], None, model),
+            Some(Answer::StoreError {
+                stage: Stage::Model,
+                ..
+            })
+        ));
+        // Verdicts about a part that was not asked, and malformed replies.
+        assert_eq!(verdict(&[0, 3, 0, 0], None, model), None);
+        assert_eq!(verdict(&[2, 3, 0, 0], None, model), None);
+        assert_eq!(verdict(&[3, 1, 1, 3], user, None), None);
+        assert_eq!(verdict(&[4, 1, 1, 0], user, None), None);
+        assert_eq!(verdict(&[1, 1, 1, 1], None, None), None);
+        assert_eq!(verdict(&[5, 1, 1, 1], user, model), None);
+        assert_eq!(verdict(&[1, 1, 1], user, None), None);
     }
 
     #[test]
@@ -763,7 +1187,13 @@ mod tests {
     async fn disabled_limits_answer_disabled_and_count_nothing() {
         let limits = UserLimits::disabled();
         assert!(!limits.enabled());
-        assert_eq!(limits.admit("alice").await, Answer::Disabled);
+        for body in [
+            json!({"user": "alice"}),
+            json!({"model": "llama", "rps_limit": 1, "rps_window_ms": 1000}),
+        ] {
+            let request = parse_admit(body.to_string().as_bytes()).unwrap();
+            assert_eq!(limits.admit(&request).await, Answer::Disabled);
+        }
         assert!(limits.add_usage(&[("alice".into(), 5)]).await.is_ok());
         let families = limits.metrics();
         let value = |name: &str| {

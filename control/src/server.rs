@@ -163,15 +163,17 @@ async fn replica_report(State(state): State<AppState>, body: Bytes) -> Response 
     }
 }
 
-/// `POST /v1/limits/admit`: the body is a user name (raw UTF-8); the answer is always 200
-/// with a JSON [`crate::limits::Answer`], so the gateway reads one shape whatever happened
-/// and decides itself what a `store_error` means for the request.
+/// `POST /v1/limits/admit`: the body is a JSON object naming a `user`, a `model` with its
+/// `rps_limit` and `rps_window_ms`, or both ([`crate::limits::parse_admit`]; 400 with a text
+/// body otherwise). The answer is always 200 with a JSON [`crate::limits::Answer`], so the
+/// gateway reads one shape whatever happened and decides itself what a `store_error` means
+/// for the request.
 async fn limits_admit(State(state): State<AppState>, body: Bytes) -> Response {
-    let name = match crate::limits::user_name(&body) {
-        Ok(name) => name,
+    let request = match crate::limits::parse_admit(&body) {
+        Ok(request) => request,
         Err(e) => return (StatusCode::BAD_REQUEST, format!("{e}\n")).into_response(),
     };
-    let answer = state.limits.admit(name).await;
+    let answer = state.limits.admit(&request).await;
     match serde_json::to_vec(&answer) {
         Ok(json) => (
             [(

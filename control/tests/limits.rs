@@ -1,6 +1,7 @@
-//! Per-user limits against a real `redis-server`: AIBrix's user records and counter keys,
-//! the fixed one-minute window, the HTTP answers the filter reads, the snapshot flag, the
-//! metrics, and a Redis outage. Turned off, every check answers `disabled`.
+//! Per-user limits and per-model rates against a real `redis-server`: AIBrix's user records
+//! and counter keys, the fixed windows, the take-back of a refused model request, the HTTP
+//! answers the filter reads, the snapshot flag, the metrics, and a Redis outage. Turned off,
+//! every check answers `disabled`.
 
 use std::path::{Path, PathBuf};
 
@@ -39,15 +40,16 @@ async fn start(
     (service, base)
 }
 
-/// `POST /v1/limits/admit` for `user`: the JSON answer (status 200 and type checked).
-async fn admit(base: &str, user: &str) -> Value {
+/// `POST /v1/limits/admit` of the JSON `body`: the JSON answer (status 200 and type checked).
+async fn admit_body(base: &str, body: &Value) -> Value {
     let resp = client()
         .post(format!("{base}/v1/limits/admit"))
-        .body(user.to_string())
+        .header("content-type", "application/json")
+        .body(body.to_string())
         .send()
         .await
         .expect("admit sent");
-    assert_eq!(resp.status(), 200, "admit {user}");
+    assert_eq!(resp.status(), 200, "admit {body}");
     let content_type = resp.headers().get("content-type").cloned();
     assert_eq!(
         content_type.as_ref().and_then(|v| v.to_str().ok()),
@@ -55,6 +57,28 @@ async fn admit(base: &str, user: &str) -> Value {
     );
     let body = resp.bytes().await.expect("answer body");
     serde_json::from_slice(&body).expect("JSON answer")
+}
+
+/// The admission of a request of `user` alone.
+async fn admit(base: &str, user: &str) -> Value {
+    admit_body(base, &json!({ "user": user })).await
+}
+
+/// The body asking for `model`'s rate, `limit` requests per `window_ms`.
+fn model_body(model: &str, limit: i64, window_ms: u64) -> Value {
+    json!({"model": model, "rps_limit": limit, "rps_window_ms": window_ms})
+}
+
+/// The body asking for `user`'s limits and `model`'s rate.
+fn both_body(user: &str, model: &str, limit: i64, window_ms: u64) -> Value {
+    let mut body = model_body(model, limit, window_ms);
+    body["user"] = user.into();
+    body
+}
+
+/// AIBrix's key of `model`'s request counter for a `window_ms` window.
+fn model_key(model: &str, window_ms: u64) -> String {
+    format!("aibrix_model:{model}_MODEL_RPS_CURRENT:{window_ms}:counter")
 }
 
 /// `POST` of raw `body` to `path`: status and text.
@@ -67,6 +91,14 @@ async fn post(base: &str, path: &str, body: Vec<u8>) -> (u16, String) {
         .expect("sent");
     let status = resp.status().as_u16();
     (status, resp.text().await.expect("body"))
+}
+
+/// `POST /v1/limits/admit` of a body the contract does not allow: 400 with a text body.
+async fn refused_body(base: &str, body: Vec<u8>) {
+    let shown = String::from_utf8_lossy(&body).into_owned();
+    let (status, text) = post(base, "/v1/limits/admit", body).await;
+    assert_eq!(status, 400, "{shown}: {text}");
+    assert!(!text.is_empty(), "{shown}");
 }
 
 async fn usage(base: &str, body: Value) -> u16 {
@@ -138,7 +170,8 @@ async fn checks_count_against_aibrix_records_and_survive_a_redis_outage() {
     let answer = admit(&base, "alice").await;
     assert_eq!(
         answer,
-        json!({"outcome":"admitted","rpm":1,"rpm_limit":3,"tpm":0,"tpm_limit":3000})
+        json!({"outcome":"admitted","rpm":1,"rpm_limit":3,"tpm":0,"tpm_limit":3000,
+               "model_rps":null,"rps_limit":null})
     );
     let pttl: i64 = db.pttl(ALICE_RPM).await.expect("pttl");
     assert!(
@@ -188,7 +221,8 @@ async fn checks_count_against_aibrix_records_and_survive_a_redis_outage() {
     let answer = admit(&base, "bob").await;
     assert_eq!(
         answer,
-        json!({"outcome":"admitted","rpm":1,"rpm_limit":100,"tpm":0,"tpm_limit":10})
+        json!({"outcome":"admitted","rpm":1,"rpm_limit":100,"tpm":0,"tpm_limit":10,
+               "model_rps":null,"rps_limit":null})
     );
     assert_eq!(usage(&base, json!({"bob": 12, "nobody": 0})).await, 204);
     let bob_tpm = "aibrix:bob_TPM_CURRENT:60000:counter";
@@ -243,11 +277,15 @@ async fn checks_count_against_aibrix_records_and_survive_a_redis_outage() {
         .expect("get");
     assert_eq!(tokens, 7);
 
-    // Bodies the contract does not allow.
-    for bad in [Vec::new(), vec![b'a'; 257], b"\xff\xfe".to_vec()] {
-        let (status, text) = post(&base, "/v1/limits/admit", bad).await;
-        assert_eq!(status, 400);
-        assert!(!text.is_empty());
+    // Bodies the contract does not allow (the raw user name of old among them).
+    for bad in [
+        Vec::new(),
+        b"alice".to_vec(),
+        b"\xff\xfe".to_vec(),
+        json!({"user": ""}).to_string().into_bytes(),
+        json!({ "user": "a".repeat(257) }).to_string().into_bytes(),
+    ] {
+        refused_body(&base, bad).await;
     }
     assert_eq!(
         admit(&base, &"a".repeat(256)).await["outcome"],
@@ -292,6 +330,266 @@ async fn checks_count_against_aibrix_records_and_survive_a_redis_outage() {
     assert!(metric(&base, "pd_control_user_limit_errors_total").await >= 4.0);
 }
 
+/// A model's rate alone (AIBrix's `requestsPerSecond` as the filter sends it): increment,
+/// then check, taking a refused request back so that refusals do not use up the window; the
+/// window rule of the user counters; concurrent checks never over-admit; a broken counter and
+/// a Redis outage answer `store_error` at stage `model`. No user counter is written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn model_rates_are_counted_with_a_take_back() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let Some(redis) = Redis::start(free_port(), dir.path()) else {
+        return;
+    };
+    redis.wait_ready().await;
+    let mut db = redis.connection().await;
+    let (_service, base) = start(&fleet(dir.path()), Some(redis.url()), false).await;
+
+    // llama: 2 requests per 30 s.
+    let llama = model_key("llama", 30_000);
+    let body = model_body("llama", 2, 30_000);
+    assert_eq!(
+        admit_body(&base, &body).await,
+        json!({"outcome":"admitted","rpm":null,"rpm_limit":null,"tpm":null,"tpm_limit":null,
+               "model_rps":1,"rps_limit":2})
+    );
+    let pttl: i64 = db.pttl(&llama).await.expect("pttl");
+    assert!(
+        pttl > 0 && pttl <= 30_000,
+        "window set at the first write: {pttl}"
+    );
+    // Shorten the window by hand: a check that set the expiry again would lengthen it.
+    let _: () = db.pexpire(&llama, 20_000).await.expect("pexpire");
+    let answer = admit_body(&base, &body).await;
+    assert_eq!(answer["outcome"], "admitted", "{answer}");
+    assert_eq!(answer["model_rps"], 2);
+    for _ in 0..2 {
+        assert_eq!(
+            admit_body(&base, &body).await,
+            json!({"outcome":"model_rps_exceeded","model_rps":2,"rps_limit":2})
+        );
+    }
+    let count: i64 = db.get(&llama).await.expect("get");
+    assert_eq!(count, 2, "refusals are taken back");
+    let pttl: i64 = db.pttl(&llama).await.expect("pttl");
+    assert!(
+        pttl > 0 && pttl <= 20_000,
+        "later writes keep the window: {pttl}"
+    );
+
+    // The window is part of the key: another window is another counter.
+    let answer = admit_body(&base, &model_body("llama", 2, 1000)).await;
+    assert_eq!(answer["outcome"], "admitted", "{answer}");
+    assert_eq!(answer["model_rps"], 1);
+
+    // A counter at its limit without an expiry (its writer died in between) gets one.
+    let orphan = model_key("orphan", 60_000);
+    let _: () = db.set(&orphan, 1).await.expect("set");
+    let refused = admit_body(&base, &model_body("orphan", 1, 60_000)).await;
+    assert_eq!(refused["outcome"], "model_rps_exceeded", "{refused}");
+    let pttl: i64 = db.pttl(&orphan).await.expect("pttl");
+    assert!(pttl > 0 && pttl <= 60_000, "{pttl}");
+
+    // Concurrent checks of one model: exactly its limit admitted, the others all taken back.
+    let burst = model_body("burst", 3, 60_000);
+    let answers = futures_util::future::join_all((0..12).map(|_| admit_body(&base, &burst))).await;
+    let admitted = answers
+        .iter()
+        .filter(|a| a["outcome"] == "admitted")
+        .count();
+    assert_eq!(admitted, 3, "{answers:?}");
+    for refused in answers.iter().filter(|a| a["outcome"] != "admitted") {
+        assert_eq!(
+            *refused,
+            json!({"outcome":"model_rps_exceeded","model_rps":3,"rps_limit":3})
+        );
+    }
+    let count: i64 = db.get(model_key("burst", 60_000)).await.expect("get");
+    assert_eq!(count, 3);
+
+    // A model counter holding garbage: a store error at the model stage.
+    let broken = model_key("broken", 1000);
+    let _: () = db.set(&broken, "garbage").await.expect("set");
+    let answer = admit_body(&base, &model_body("broken", 5, 1000)).await;
+    assert_eq!(answer["outcome"], "store_error", "{answer}");
+    assert_eq!(answer["stage"], "model");
+    assert!(
+        answer["message"]
+            .as_str()
+            .is_some_and(|m| m.contains(&broken)),
+        "{answer}"
+    );
+
+    // Model-only checks write no user counter.
+    let user_keys: Vec<String> = redis::cmd("KEYS")
+        .arg("aibrix:*")
+        .query_async(&mut db)
+        .await
+        .expect("keys");
+    assert!(user_keys.is_empty(), "{user_keys:?}");
+
+    for (outcome, n) in [
+        ("admitted", 6.0),
+        ("model_rps_exceeded", 12.0),
+        ("store_error", 1.0),
+        ("rpm_exceeded", 0.0),
+        ("unknown_user", 0.0),
+    ] {
+        assert_eq!(checks(&base, outcome).await, n, "{outcome}");
+    }
+    assert_eq!(
+        metric(&base, "pd_control_user_limit_errors_total").await,
+        1.0
+    );
+
+    // Redis goes away: a model-only check fails at the model stage, one naming a user at
+    // the user record.
+    drop(db);
+    drop(redis);
+    let answer = admit_body(&base, &body).await;
+    assert_eq!(answer["outcome"], "store_error", "{answer}");
+    assert_eq!(answer["stage"], "model");
+    let answer = admit_body(&base, &both_body("alice", "llama", 2, 30_000)).await;
+    assert_eq!(answer["outcome"], "store_error", "{answer}");
+    assert_eq!(answer["stage"], "user");
+    assert_eq!(checks(&base, "store_error").await, 3.0);
+}
+
+/// A user and a model in one admission: the user part first; a user refusal leaves the model
+/// counter alone; a model refusal leaves the user's request counted (as AIBrix, which checks
+/// the user at the request headers, before the model). Bodies outside the contract are 400
+/// and count nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn user_and_model_are_checked_in_order() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let Some(redis) = Redis::start(free_port(), dir.path()) else {
+        return;
+    };
+    redis.wait_ready().await;
+    let mut db = redis.connection().await;
+    let seed = [
+        ("aibrix-users/alice", r#"{"name":"alice","rpm":1}"#),
+        ("aibrix-users/bob", r#"{"name":"bob","tpm":10}"#),
+        ("aibrix-users/carol", r#"{"name":"carol","rpm":5}"#),
+    ];
+    for (key, record) in seed {
+        let _: () = db.set(key, record).await.expect("seed");
+    }
+    let (_service, base) = start(&fleet(dir.path()), Some(redis.url()), false).await;
+    let llama = model_key("llama", 60_000);
+
+    // Both admitted: every field filled.
+    assert_eq!(
+        admit_body(&base, &both_body("alice", "llama", 5, 60_000)).await,
+        json!({"outcome":"admitted","rpm":1,"rpm_limit":1,"tpm":0,"tpm_limit":1000,
+               "model_rps":1,"rps_limit":5})
+    );
+
+    // The user refused (requests, no record, tokens): the model counter is not touched.
+    assert_eq!(
+        admit_body(&base, &both_body("alice", "llama", 5, 60_000)).await,
+        json!({"outcome":"rpm_exceeded","rpm":1,"rpm_limit":1})
+    );
+    assert_eq!(
+        admit_body(&base, &both_body("nobody", "llama", 5, 60_000)).await,
+        json!({"outcome":"unknown_user"})
+    );
+    let _: () = db
+        .set("aibrix:bob_TPM_CURRENT:60000:counter", 12)
+        .await
+        .expect("set");
+    assert_eq!(
+        admit_body(&base, &both_body("bob", "llama", 5, 60_000)).await,
+        json!({"outcome":"tpm_exceeded","rpm":1,"rpm_limit":100,"tpm":12,"tpm_limit":10})
+    );
+    let count: i64 = db.get(&llama).await.expect("get");
+    assert_eq!(count, 1, "user refusals leave the model counter alone");
+
+    // The user admitted, the model refused: the user's request stays counted, the model's
+    // is taken back.
+    let carol_rpm = "aibrix:carol_RPM_CURRENT:60000:counter";
+    let answer = admit_body(&base, &both_body("carol", "tiny", 1, 60_000)).await;
+    assert_eq!(answer["outcome"], "admitted", "{answer}");
+    assert_eq!(answer["rpm"], 1);
+    assert_eq!(answer["model_rps"], 1);
+    assert_eq!(
+        admit_body(&base, &both_body("carol", "tiny", 1, 60_000)).await,
+        json!({"outcome":"model_rps_exceeded","model_rps":1,"rps_limit":1})
+    );
+    let requests: i64 = db.get(carol_rpm).await.expect("get");
+    assert_eq!(
+        requests, 2,
+        "a model refusal still counts the user's request"
+    );
+    let tiny: i64 = db.get(model_key("tiny", 60_000)).await.expect("get");
+    assert_eq!(tiny, 1);
+
+    // The model counter holds garbage: stage model, the user's request counted.
+    let _: () = db
+        .set(model_key("broken", 60_000), "garbage")
+        .await
+        .expect("set");
+    let answer = admit_body(&base, &both_body("carol", "broken", 1, 60_000)).await;
+    assert_eq!(answer["outcome"], "store_error", "{answer}");
+    assert_eq!(answer["stage"], "model");
+    let requests: i64 = db.get(carol_rpm).await.expect("get");
+    assert_eq!(requests, 3);
+
+    // Bodies the contract does not allow: 400, and nothing counted.
+    let mut bad: Vec<Vec<u8>> = [
+        json!({}),
+        json!({"name": "carol"}),
+        json!({"user": null, "model": null}),
+        json!({"model": "llama"}),
+        json!({"user": "carol", "model": "llama", "rps_limit": 2}),
+        json!({"user": "carol", "model": "llama", "rps_window_ms": 1000}),
+        json!({"user": "carol", "rps_limit": 2, "rps_window_ms": 1000}),
+        both_body("carol", "llama", 0, 60_000),
+        both_body("carol", "llama", -1, 60_000),
+        both_body("carol", "llama", 5, 999),
+        both_body("carol", "llama", 5, 3_600_001),
+        both_body("carol", "", 5, 60_000),
+        both_body("carol", &"m".repeat(257), 5, 60_000),
+        json!({"user": "carol", "model": "llama", "rps_limit": 1.5, "rps_window_ms": 1000}),
+        json!({"user": "carol", "model": "llama", "rps_limit": "2", "rps_window_ms": 1000}),
+        json!({"user": 7}),
+        json!(["carol"]),
+        json!("carol"),
+    ]
+    .iter()
+    .map(|v| v.to_string().into_bytes())
+    .collect();
+    bad.extend([
+        b"carol".to_vec(),
+        b"{\"user\": \"carol\"".to_vec(),
+        Vec::new(),
+    ]);
+    for body in bad {
+        refused_body(&base, body).await;
+    }
+    let requests: i64 = db.get(carol_rpm).await.expect("get");
+    assert_eq!(requests, 3, "a refused body counts nothing");
+    let count: i64 = db.get(&llama).await.expect("get");
+    assert_eq!(count, 1);
+
+    // Unknown members are ignored.
+    let mut body = both_body("carol", "llama", 5, 60_000);
+    body["stream"] = true.into();
+    let answer = admit_body(&base, &body).await;
+    assert_eq!(answer["outcome"], "admitted", "{answer}");
+    assert_eq!(answer["model_rps"], 2);
+
+    for (outcome, n) in [
+        ("admitted", 3.0),
+        ("rpm_exceeded", 1.0),
+        ("tpm_exceeded", 1.0),
+        ("unknown_user", 1.0),
+        ("model_rps_exceeded", 1.0),
+        ("store_error", 1.0),
+    ] {
+        assert_eq!(checks(&base, outcome).await, n, "{outcome}");
+    }
+}
+
 /// `--no-user-limits`, and no `--redis`: every check answers `disabled`, usage is ignored,
 /// and the snapshot tells gateways not to ask.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -303,6 +601,14 @@ async fn limits_turned_off_answer_disabled() {
     for (redis, off) in [(Some(unused), true), (None, false)] {
         let (service, base) = start(&fleet, redis.clone(), off).await;
         assert_eq!(admit(&base, "alice").await, json!({"outcome":"disabled"}));
+        assert_eq!(
+            admit_body(&base, &both_body("alice", "llama", 1, 1000)).await,
+            json!({"outcome":"disabled"})
+        );
+        assert_eq!(
+            admit_body(&base, &model_body("llama", 1, 1000)).await,
+            json!({"outcome":"disabled"})
+        );
         assert_eq!(usage(&base, json!({"alice": 5})).await, 204);
         assert!(!snapshot(&base).await.user_limits, "{redis:?}");
         assert_eq!(metric(&base, "pd_control_user_limits_enabled").await, 0.0);
