@@ -66,13 +66,14 @@ pub struct PluginConfig {
     /// waits for the prefill answer (vLLM, TRT-LLM `context_first`), so the client has been
     /// sent nothing.
     pub prefill_failover: u32,
-    /// Per-user limits (when pd-control checks them, `Snapshot.user_limits`): how long the
-    /// admission of a request naming a `user` may wait for pd-control's answer.
-    pub user_limits_timeout_ms: u64,
-    /// Per-user limits: a request whose admission cannot be checked (pd-control unreachable
-    /// or late, its Redis failing) is admitted (`true`) or refused with 500 `x-error-user`
+    /// Rate limits (when pd-control checks them, `Snapshot.user_limits`): how long the
+    /// admission of a request naming a `user`, or of a model whose profile limits its rate,
+    /// may wait for pd-control's answer.
+    pub rate_limits_timeout_ms: u64,
+    /// Rate limits: a request whose admission cannot be checked (pd-control unreachable or
+    /// late, its Redis failing) is admitted (`true`) or refused with 500 `x-error-user`
     /// (`false`, the default, as AIBrix does when its Redis fails).
-    pub user_limits_fail_open: bool,
+    pub rate_limits_fail_open: bool,
 }
 
 impl PluginConfig {
@@ -110,8 +111,8 @@ impl Default for PluginConfig {
             eject_base_ms: 5_000,
             eject_max_ms: 60_000,
             prefill_failover: 1,
-            user_limits_timeout_ms: 500,
-            user_limits_fail_open: false,
+            rate_limits_timeout_ms: 500,
+            rate_limits_fail_open: false,
         }
     }
 }
@@ -165,9 +166,9 @@ impl PluginConfig {
                 reason: "must be positive".into(),
             });
         }
-        if !(1..=60_000).contains(&self.user_limits_timeout_ms) {
+        if !(1..=60_000).contains(&self.rate_limits_timeout_ms) {
             return Err(ConfigError::Field {
-                field: "user_limits_timeout_ms",
+                field: "rate_limits_timeout_ms",
                 reason: "must be 1..=60000".into(),
             });
         }

@@ -78,6 +78,9 @@ pub enum RouteError {
     RpmExceeded { user: String, limit: i64 },
     #[error("user: {user} has exceeded TPM: {limit}")]
     TpmExceeded { user: String, limit: i64 },
+    /// The model's profile limits its requests per second (`requestsPerSecond`).
+    #[error("model: {model} has exceeded RPS: {rps}")]
+    ModelRpsExceeded { model: String, rps: f64 },
     /// A stream for a rate-limited user must end with its usage, or its tokens could not be
     /// counted against the user's TPM.
     #[error("include usage for stream options not set")]
@@ -160,7 +163,9 @@ impl RouteError {
             RouteError::Internal(_)
             | RouteError::UnknownUser(_)
             | RouteError::UserLimitsUnavailable { .. } => 500,
-            RouteError::RpmExceeded { .. } | RouteError::TpmExceeded { .. } => 429,
+            RouteError::RpmExceeded { .. }
+            | RouteError::TpmExceeded { .. }
+            | RouteError::ModelRpsExceeded { .. } => 429,
             RouteError::StreamUsageRequired => 400,
         }
     }
@@ -191,6 +196,7 @@ impl RouteError {
             RouteError::UserLimitsUnavailable { header, .. } => (*header, "true".into()),
             RouteError::RpmExceeded { .. } => ("x-error-rpm-exceeded", "true".into()),
             RouteError::TpmExceeded { .. } => ("x-error-tpm-exceeded", "true".into()),
+            RouteError::ModelRpsExceeded { .. } => ("x-error-model-rps-exceeded", "true".into()),
             RouteError::StreamUsageRequired => (
                 "x-error-no-stream-options-include-usage",
                 "include usage for stream options not set".into(),
@@ -222,12 +228,13 @@ impl RouteError {
             RouteError::UserLimitsUnavailable { .. } => "user_limits_unavailable",
             RouteError::RpmExceeded { .. } => "rpm_exceeded",
             RouteError::TpmExceeded { .. } => "tpm_exceeded",
+            RouteError::ModelRpsExceeded { .. } => "model_rps_exceeded",
             RouteError::StreamUsageRequired => "stream_usage_required",
         }
     }
 
     /// All reasons, so the host can define one counter each up front.
-    pub const REASONS: [&'static str; 21] = [
+    pub const REASONS: [&'static str; 22] = [
         "unauthorized",
         "bad_body",
         "no_messages",
@@ -249,6 +256,7 @@ impl RouteError {
         "rpm_exceeded",
         "tpm_exceeded",
         "stream_usage_required",
+        "model_rps_exceeded",
     ];
 
     /// OpenAI error body: `{"error":{"message","type","code","param"}}`.
@@ -258,9 +266,9 @@ impl RouteError {
         let code = match self {
             RouteError::Unauthorized => Some("invalid_api_key"),
             RouteError::UnknownModel(_) => Some("model_not_found"),
-            RouteError::RpmExceeded { .. } | RouteError::TpmExceeded { .. } => {
-                Some("rate_limit_exceeded")
-            }
+            RouteError::RpmExceeded { .. }
+            | RouteError::TpmExceeded { .. }
+            | RouteError::ModelRpsExceeded { .. } => Some("rate_limit_exceeded"),
             _ if status == 503 => Some("service_unavailable"),
             _ => None,
         };
@@ -513,6 +521,15 @@ mod tests {
                 "true",
             ),
             (
+                RouteError::ModelRpsExceeded {
+                    model: "m".into(),
+                    rps: 0.5,
+                },
+                429,
+                "x-error-model-rps-exceeded",
+                "true",
+            ),
+            (
                 RouteError::StreamUsageRequired,
                 400,
                 "x-error-no-stream-options-include-usage",
@@ -534,6 +551,12 @@ mod tests {
         });
         assert_eq!(b["error"]["message"], "user: alice has exceeded RPM: 10");
         assert_eq!(b["error"]["type"], "rate_limit_error");
+        assert_eq!(b["error"]["code"], "rate_limit_exceeded");
+        let b = body(&RouteError::ModelRpsExceeded {
+            model: "llama".into(),
+            rps: 2.0,
+        });
+        assert_eq!(b["error"]["message"], "model: llama has exceeded RPS: 2");
         assert_eq!(b["error"]["code"], "rate_limit_exceeded");
         let b = body(&RouteError::StreamUsageRequired);
         assert_eq!(b["error"]["param"], "stream_options");

@@ -271,6 +271,9 @@ fn str_field(map: &Map<String, Value>, name: &str, invalid: &mut Vec<String>) ->
 pub struct Profile {
     pub routing_strategy: Option<String>,
     pub routing_config: RoutingConfig,
+    /// AIBrix's per-model request rate (`requestsPerSecond`), enforced by pd-control when it
+    /// checks limits (`core::user_limits`); a value that is not a positive number is none.
+    pub requests_per_second: Option<f64>,
 }
 
 impl<'de> Deserialize<'de> for Profile {
@@ -284,9 +287,14 @@ impl<'de> Deserialize<'de> for Profile {
             .get("routingConfig")
             .map(RoutingConfig::from_value)
             .unwrap_or_default();
+        let requests_per_second = value
+            .get("requestsPerSecond")
+            .and_then(Value::as_f64)
+            .filter(|rps| rps.is_finite() && *rps > 0.0);
         Ok(Profile {
             routing_strategy,
             routing_config,
+            requests_per_second,
         })
     }
 }

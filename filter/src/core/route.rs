@@ -25,6 +25,8 @@ pub struct Decision {
     pub prompt_len: i64,
     /// The request-level profile's `routingConfig` (policies and knobs).
     pub routing_config: Option<RoutingConfig>,
+    /// The request-level profile's `requestsPerSecond`, the model's rate limit.
+    pub requests_per_second: Option<f64>,
 }
 
 /// Resolves the profile and strategy of a request for `model`. `tokens` counts the prompt's
@@ -59,6 +61,7 @@ pub fn decide(
     };
     let resolved = config.and_then(|c| c.profile(profile.as_deref()));
     let routing_config = resolved.map(|p| p.routing_config.clone());
+    let requests_per_second = resolved.and_then(|p| p.requests_per_second);
     let strategy_value = resolve_strategy(
         config,
         resolved,
@@ -107,6 +110,7 @@ pub fn decide(
         bucketing,
         prompt_len,
         routing_config,
+        requests_per_second,
     })
 }
 
@@ -184,6 +188,31 @@ mod tests {
             (d.bucketing, d.prompt_len),
             (false, 0),
             "no count without a use for it"
+        );
+    }
+
+    #[test]
+    fn the_requested_profile_carries_the_models_request_rate() {
+        let m = model(
+            r#"{"profiles":{"default":{"routingStrategy":"random","requestsPerSecond":2},
+                "slow":{"requestsPerSecond":0.5},"off":{"requestsPerSecond":0},
+                "text":{"requestsPerSecond":"5"}}}"#,
+        );
+        let env = EnvSettings::default();
+        let rps = |profile| {
+            decide_with(&m, None, profile, &env, 0)
+                .unwrap()
+                .requests_per_second
+        };
+        assert_eq!(rps(None), Some(2.0));
+        assert_eq!(rps(Some("slow")), Some(0.5));
+        assert_eq!(rps(Some("off")), None, "0 is no limit");
+        assert_eq!(rps(Some("text")), None, "a string is not a rate");
+        assert_eq!(
+            decide_with(&model(""), None, None, &env, 0)
+                .unwrap()
+                .requests_per_second,
+            None
         );
     }
 

@@ -1,11 +1,12 @@
-//! Per-user request and token limits (AIBrix's `user` header): what pd-control's admission
-//! answer means for a request, and the tokens each answer used, gathered for the report.
+//! AIBrix's rate limits: per user (the `user` header; requests and tokens per minute) and per
+//! model (a profile's `requestsPerSecond`). What to ask pd-control, what its admission answer
+//! means for a request, and the tokens each answer used, gathered for the report.
 //!
 //! Stock Envoy wasm cannot talk to Redis, where AIBrix keeps the user records and the
-//! one-minute RPM/TPM counters; pd-control can. So a request naming a user waits for one
-//! call to pd-control (`ADMIT_PATH`) before it is routed, and the tokens of its answer go
-//! back in batches (`USAGE_PATH`) from the VM's tick. Requests without a `user` header, and
-//! every request while pd-control does not check limits, never wait.
+//! counters; pd-control can. So a request naming a user, or of a model whose profile limits
+//! its rate, waits for one call to pd-control (`ADMIT_PATH`) before it is routed, and the
+//! tokens of a user's answer go back in batches (`USAGE_PATH`) from the VM's tick. Other
+//! requests, and every request while pd-control does not check limits, never wait.
 
 use hashbrown::HashMap;
 use serde::Deserialize;
@@ -17,6 +18,61 @@ pub const ADMIT_PATH: &str = "/v1/limits/admit";
 pub const USAGE_PATH: &str = "/v1/limits/usage";
 /// Longest user name sent for admission; pd-control refuses longer ones.
 pub const MAX_USER_BYTES: usize = 256;
+/// The longest window a model's rate is counted over: a rate below one request per hour
+/// admits one request per hour.
+pub const MAX_RPS_WINDOW_MS: u64 = 3_600_000;
+
+/// A model's `requestsPerSecond` as a counter: `limit` requests per `window_ms`. A rate of
+/// one or more counts whole requests per second (AIBrix's one-second window); a slower rate
+/// admits one request per `1/rps` seconds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModelRps {
+    pub limit: u64,
+    pub window_ms: u64,
+}
+
+impl ModelRps {
+    pub fn of(rps: f64) -> Option<ModelRps> {
+        if !rps.is_finite() || rps <= 0.0 {
+            return None;
+        }
+        if rps >= 1.0 {
+            return Some(ModelRps {
+                limit: rps.floor().min(u32::MAX as f64) as u64,
+                window_ms: 1000,
+            });
+        }
+        let window_ms = ((1000.0 / rps).round() as u64).clamp(1000, MAX_RPS_WINDOW_MS);
+        Some(ModelRps {
+            limit: 1,
+            window_ms,
+        })
+    }
+}
+
+/// The admission request's body (`{"user", "model", "rps_limit", "rps_window_ms"}`).
+pub fn admission_body(user: Option<&str>, model: Option<(&str, ModelRps)>) -> Vec<u8> {
+    let mut body = serde_json::Map::new();
+    if let Some(user) = user {
+        body.insert("user".into(), user.into());
+    }
+    if let Some((name, rps)) = model {
+        body.insert("model".into(), name.into());
+        body.insert("rps_limit".into(), rps.limit.into());
+        body.insert("rps_window_ms".into(), rps.window_ms.into());
+    }
+    serde_json::Value::Object(body).to_string().into_bytes()
+}
+
+/// What one admission asks, kept with the waiting request to read the answer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Ask {
+    pub user: Option<String>,
+    pub model: String,
+    /// The model's configured rate, when the admission checks it.
+    pub rps: Option<f64>,
+}
+
 /// Distinct users one VM gathers between two reports. Beyond it a user's tokens are dropped
 /// (and counted): a client inventing names must not grow the VM's memory without bound.
 pub const MAX_PENDING_USERS: usize = 4096;
@@ -26,7 +82,7 @@ pub const MAX_PENDING_USERS: usize = 4096;
 #[serde(tag = "outcome", rename_all = "snake_case")]
 enum Answer {
     Admitted {
-        rpm: i64,
+        rpm: Option<i64>,
     },
     RpmExceeded {
         rpm_limit: i64,
@@ -34,6 +90,7 @@ enum Answer {
     TpmExceeded {
         tpm_limit: i64,
     },
+    ModelRpsExceeded,
     UnknownUser,
     StoreError {
         stage: String,
@@ -50,12 +107,12 @@ pub enum Verdict {
     Admitted { rpm: Option<i64> },
     /// The user is over a limit or unknown: the client gets this refusal.
     Refused(RouteError),
-    /// The limits could not be checked; the plugin's `user_limits_fail_open` decides.
+    /// The limits could not be checked; the plugin's `rate_limits_fail_open` decides.
     Unchecked(RouteError),
 }
 
-/// Reads pd-control's answer (`status` empty when the call got none at all).
-pub fn judge(user: &str, status: &str, body: &[u8]) -> Verdict {
+/// Reads pd-control's answer to `ask` (`status` empty when the call got none at all).
+pub fn judge(ask: &Ask, status: &str, body: &[u8]) -> Verdict {
     let unchecked = |header: &'static str, detail: String| {
         Verdict::Unchecked(RouteError::UserLimitsUnavailable { header, detail })
     };
@@ -70,9 +127,9 @@ pub fn judge(user: &str, status: &str, body: &[u8]) -> Verdict {
         Ok(answer) => answer,
         Err(e) => return unchecked("x-error-user", format!("unreadable answer: {e}")),
     };
-    let user = user.to_string();
+    let user = ask.user.clone().unwrap_or_default();
     match answer {
-        Answer::Admitted { rpm } => Verdict::Admitted { rpm: Some(rpm) },
+        Answer::Admitted { rpm } => Verdict::Admitted { rpm },
         Answer::Disabled => Verdict::Admitted { rpm: None },
         Answer::RpmExceeded { rpm_limit } => Verdict::Refused(RouteError::RpmExceeded {
             user,
@@ -82,14 +139,18 @@ pub fn judge(user: &str, status: &str, body: &[u8]) -> Verdict {
             user,
             limit: tpm_limit,
         }),
+        Answer::ModelRpsExceeded => Verdict::Refused(RouteError::ModelRpsExceeded {
+            model: ask.model.clone(),
+            rps: ask.rps.unwrap_or_default(),
+        }),
         Answer::UnknownUser => Verdict::Refused(RouteError::UnknownUser(user)),
         Answer::StoreError { stage, message } => {
-            // AIBrix's headers: the lookup's failure is `x-error-user`, the counters'
-            // `x-error-incr-rpm`.
-            let header = if stage == "user" {
-                "x-error-user"
-            } else {
-                "x-error-incr-rpm"
+            // AIBrix's headers: the lookup's failure is `x-error-user`, the user counters'
+            // `x-error-incr-rpm`, the model counter's `x-error-incr-model-rps`.
+            let header = match stage.as_str() {
+                "user" => "x-error-user",
+                "model" => "x-error-incr-model-rps",
+                _ => "x-error-incr-rpm",
             };
             unchecked(header, format!("user store ({stage}): {message}"))
         }
@@ -199,9 +260,80 @@ impl UsageScan {
 mod tests {
     use super::*;
 
+    fn ask(user: &str) -> Ask {
+        Ask {
+            user: Some(user.into()),
+            model: "m".into(),
+            rps: None,
+        }
+    }
+
+    fn judge(user: &str, status: &str, body: &[u8]) -> Verdict {
+        super::judge(&ask(user), status, body)
+    }
+
+    #[test]
+    fn a_models_rate_becomes_a_counter_window() {
+        let rps = |r| ModelRps::of(r).map(|m| (m.limit, m.window_ms));
+        assert_eq!(rps(2.0), Some((2, 1000)));
+        assert_eq!(rps(2.9), Some((2, 1000)));
+        assert_eq!(rps(1.0), Some((1, 1000)));
+        assert_eq!(rps(0.5), Some((1, 2000)));
+        assert_eq!(rps(0.1), Some((1, 10_000)));
+        assert_eq!(rps(1e-9), Some((1, MAX_RPS_WINDOW_MS)));
+        assert_eq!(rps(0.0), None);
+        assert_eq!(rps(-1.0), None);
+        assert_eq!(rps(f64::NAN), None);
+    }
+
+    #[test]
+    fn the_body_asks_for_what_applies() {
+        let body = |user, model| -> serde_json::Value {
+            serde_json::from_slice(&admission_body(user, model)).expect("json")
+        };
+        assert_eq!(
+            body(Some("a\"b"), None),
+            serde_json::json!({"user": "a\"b"})
+        );
+        let rps = ModelRps::of(0.5).expect("a rate");
+        assert_eq!(
+            body(Some("u"), Some(("m", rps))),
+            serde_json::json!({"user": "u", "model": "m", "rps_limit": 1, "rps_window_ms": 2000})
+        );
+    }
+
+    #[test]
+    fn a_model_over_its_rate_is_refused_with_its_configured_rate() {
+        let ask = Ask {
+            user: None,
+            model: "llama".into(),
+            rps: Some(0.5),
+        };
+        let refused = br#"{"outcome":"model_rps_exceeded","model_rps":1,"rps_limit":1}"#;
+        assert_eq!(
+            super::judge(&ask, "200", refused),
+            Verdict::Refused(RouteError::ModelRpsExceeded {
+                model: "llama".into(),
+                rps: 0.5
+            })
+        );
+        let admitted = br#"{"outcome":"admitted","rpm":null,"rpm_limit":null,"tpm":null,"tpm_limit":null,"model_rps":1,"rps_limit":1}"#;
+        assert_eq!(
+            super::judge(&ask, "200", admitted),
+            Verdict::Admitted { rpm: None }
+        );
+        let store = br#"{"outcome":"store_error","stage":"model","message":"down"}"#;
+        match super::judge(&ask, "200", store) {
+            Verdict::Unchecked(e) => {
+                assert_eq!(e.header().map(|(h, _)| h), Some("x-error-incr-model-rps"))
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
     #[test]
     fn answers_map_to_aibrixs_refusals() {
-        let admitted = br#"{"outcome":"admitted","rpm":2,"rpm_limit":3,"tpm":0,"tpm_limit":3000}"#;
+        let admitted = br#"{"outcome":"admitted","rpm":2,"rpm_limit":3,"tpm":0,"tpm_limit":3000,"model_rps":null,"rps_limit":null}"#;
         assert_eq!(
             judge("alice", "200", admitted),
             Verdict::Admitted { rpm: Some(2) }

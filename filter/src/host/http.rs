@@ -33,7 +33,7 @@ use crate::core::route::{self, Decision};
 use crate::core::tokenize;
 use crate::core::tokens;
 use crate::core::upstream_error::{self, Rewrite, RESPONSE_UNKNOWN_HEADER};
-use crate::core::user_limits::{self, UsageScan, Verdict};
+use crate::core::user_limits::{self, Ask, ModelRps, UsageScan, Verdict};
 use crate::host::holds::{self, Hold};
 use crate::host::metrics::Metrics;
 use crate::host::store::SharedData;
@@ -174,19 +174,22 @@ pub struct PdHttp {
     /// reached them, left out of this request's next selection, and the failure the client
     /// gets if no other pod can take it.
     failover: Failover,
-    /// The `user` header (AIBrix's per-user limits), until admission takes it.
+    /// The `user` header (AIBrix's per-user limits).
     user: Option<String>,
     /// The request waits for pd-control's admission.
     admission: Option<Admission>,
+    /// pd-control admitted the request (or could not be asked, and the plugin fails open):
+    /// routing it again does not ask again.
+    limits_checked: bool,
     /// The user an admitted request counts against.
     limited: Option<Limited>,
 }
 
-/// A request waiting for pd-control to admit it under its user's limits.
+/// A request waiting for pd-control to admit it under its user's and its model's limits.
 struct Admission {
     token: u32,
-    user: String,
-    /// The whole request body, routed once admitted.
+    ask: Ask,
+    /// The whole request body, routed again once admitted.
     raw: Vec<u8>,
 }
 
@@ -256,71 +259,93 @@ impl PdHttp {
             failover: Failover::default(),
             user: None,
             admission: None,
+            limits_checked: false,
             limited: None,
         }
     }
 
-    /// Asks pd-control to admit the request when it names a user and pd-control checks
-    /// limits: `Ok(None)` while its answer is awaited (the body waits with it), else the body
-    /// to route now.
-    fn start_admission(&mut self, raw: Vec<u8>) -> Result<Option<Vec<u8>>, RouteError> {
-        let limits_on = self
-            .vm
-            .borrow()
-            .fleet
-            .as_ref()
-            .is_some_and(|f| f.user_limits);
-        if !limits_on {
-            return Ok(Some(raw));
+    /// The user a request's limits are checked for, when pd-control checks limits.
+    fn limited_user(&self, fleet: &FleetView) -> Result<Option<String>, RouteError> {
+        if fleet.user_limits {
+            user_limits::user_of(self.user.clone())
+        } else {
+            Ok(None)
         }
-        let Some(user) = user_limits::user_of(self.user.take())? else {
-            return Ok(Some(raw));
-        };
+    }
+
+    /// What pd-control must admit before the request is routed: its user's limits, its
+    /// model's rate (`requestsPerSecond`), both, or nothing (`None`, also once admitted).
+    fn admission_ask(&self, user: Option<String>, model: &str, rps: Option<f64>) -> Option<Ask> {
+        if self.limits_checked {
+            return None;
+        }
+        let rps = rps.filter(|r| ModelRps::of(*r).is_some());
+        (user.is_some() || rps.is_some()).then(|| Ask {
+            user,
+            model: model.to_string(),
+            rps,
+        })
+    }
+
+    /// Sends the admission; `Ok(true)` while its answer is awaited (the request waits with
+    /// it), `Ok(false)` when it could not be sent and the plugin fails open.
+    fn start_admission(&mut self, ask: Ask, raw: &mut Vec<u8>) -> Result<bool, RouteError> {
+        let model = ask
+            .rps
+            .and_then(ModelRps::of)
+            .map(|rps| (ask.model.as_str(), rps));
+        let body = user_limits::admission_body(ask.user.as_deref(), model);
         let sent = {
             let vm = self.vm.borrow();
-            Metrics::inc(vm.metrics.user_limit_checks);
-            crate::host::user_limits::send_admission(&vm.plugin, &user)
+            Metrics::inc(vm.metrics.rate_limit_checks);
+            crate::host::user_limits::send_admission(&vm.plugin, &body)
         };
         match sent {
             Ok(token) => {
-                self.admission = Some(Admission { token, user, raw });
-                Ok(None)
+                let raw = std::mem::take(raw);
+                self.admission = Some(Admission { token, ask, raw });
+                Ok(true)
             }
             Err(e) => {
                 let error = RouteError::UserLimitsUnavailable {
                     header: "x-error-user",
                     detail: format!("cannot call pd-control: {e}"),
                 };
-                self.unchecked(user, error)?;
-                Ok(Some(raw))
+                self.unchecked(ask.user, error)?;
+                Ok(false)
             }
         }
     }
 
     /// An admission that could not be decided: admitted (and counted) when the plugin fails
     /// open, else the refusal.
-    fn unchecked(&mut self, user: String, error: RouteError) -> Result<(), RouteError> {
+    fn unchecked(&mut self, user: Option<String>, error: RouteError) -> Result<(), RouteError> {
         let fail_open = {
             let vm = self.vm.borrow();
-            Metrics::inc(vm.metrics.user_limit_unchecked);
-            vm.plugin.user_limits_fail_open
+            Metrics::inc(vm.metrics.rate_limit_unchecked);
+            vm.plugin.rate_limits_fail_open
         };
         if !fail_open {
             return Err(error);
         }
         log::debug!(
-            "request {} admitted unchecked (user_limits_fail_open): {error}",
+            "request {} admitted unchecked (rate_limits_fail_open): {error}",
             self.request_id
         );
-        self.limited = Some(Limited {
-            user,
-            rpm: None,
-            scan: UsageScan::default(),
-        });
+        self.admitted(user, None);
         Ok(())
     }
 
-    /// pd-control answered the admission of this request.
+    fn admitted(&mut self, user: Option<String>, rpm: Option<i64>) {
+        self.limits_checked = true;
+        self.limited = user.map(|user| Limited {
+            user,
+            rpm,
+            scan: UsageScan::default(),
+        });
+    }
+
+    /// pd-control answered the admission of this request: route it, or refuse it.
     fn on_admission(&mut self, admission: Admission, body_size: usize) {
         let status = self
             .get_http_call_response_header(":status")
@@ -328,21 +353,16 @@ impl PdHttp {
         let body = self
             .get_http_call_response_body(0, body_size)
             .unwrap_or_default();
-        let Admission { user, raw, .. } = admission;
-        let admitted = match user_limits::judge(&user, &status, &body) {
+        let Admission { ask, raw, .. } = admission;
+        let admitted = match user_limits::judge(&ask, &status, &body) {
             Verdict::Admitted { rpm } => {
-                self.limited = Some(Limited {
-                    user,
-                    rpm,
-                    scan: UsageScan::default(),
-                });
+                self.admitted(ask.user, rpm);
                 Ok(())
             }
             Verdict::Refused(error) => Err(error),
-            Verdict::Unchecked(error) => self.unchecked(user, error),
+            Verdict::Unchecked(error) => self.unchecked(ask.user, error),
         };
-        let routed = admitted.and_then(|()| self.route(raw));
-        match routed {
+        match admitted.and_then(|()| self.route(raw)) {
             Ok(Action::Continue) => self.resume_http_request(),
             // The prefill leg is out; its answer resumes the request.
             Ok(_) => {}
@@ -486,7 +506,7 @@ impl PdHttp {
     }
 
     /// Routes the request whose whole body is `raw`, kept by a PD request for its decode leg.
-    fn route(&mut self, raw: Vec<u8>) -> Result<Action, RouteError> {
+    fn route(&mut self, mut raw: Vec<u8>) -> Result<Action, RouteError> {
         let endpoint = self.endpoint.ok_or(RouteError::UnknownPath)?;
         let fleet: Rc<FleetView> = self
             .vm
@@ -497,8 +517,9 @@ impl PdHttp {
         self.routed_on = Some(fleet.clone());
         let req = crate::section!("request_body.parse", RoutingRequest::parse(endpoint, &raw))?;
         self.obs.times.stream = req.stream;
+        let user = self.limited_user(&fleet)?;
         // A limited user's stream must end with its usage, or its tokens could not be counted.
-        if self.limited.is_some()
+        if user.is_some()
             && req.stream
             && endpoint == Endpoint::ChatCompletions
             && !req.include_usage
@@ -567,6 +588,12 @@ impl PdHttp {
                 )
             )?
         };
+        if let Some(ask) = self.admission_ask(user, &req.model, decision.requests_per_second) {
+            if self.start_admission(ask, &mut raw)? {
+                // pd-control's answer routes the request again (`on_admission`).
+                return Ok(Action::Pause);
+            }
+        }
         self.auto_profile = decision.auto_profile.clone();
         let mut engine = Engine::Vllm;
         // A token count computes nothing on the engine: any one pod serves it, whatever the
@@ -1315,12 +1342,6 @@ impl HttpContext for PdHttp {
             "request_body.read",
             self.get_http_request_body(0, body_size).unwrap_or_default()
         );
-        let raw = match self.start_admission(raw) {
-            Ok(Some(raw)) => raw,
-            // Waiting for pd-control; its answer routes the request.
-            Ok(None) => return Action::Pause,
-            Err(e) => return self.reject(e),
-        };
         match self.route(raw) {
             Ok(action) => action,
             Err(e) => self.reject(e),

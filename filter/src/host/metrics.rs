@@ -127,12 +127,12 @@ pub struct Metrics {
     /// `pd_router_decode_rerouted_total`: PD requests whose decode pod left the routing view
     /// while their prefill ran, sent to another decode pod of the roleset.
     pub decode_rerouted: Option<u32>,
-    /// `pd_router_user_limit_checks_total`: requests naming a `user` whose admission was
-    /// asked of pd-control (`core::user_limits`).
-    pub user_limit_checks: Option<u32>,
-    /// `pd_router_user_limit_unchecked_total`: admissions pd-control could not decide (no
-    /// answer, its Redis failing), admitted or refused by `user_limits_fail_open`.
-    pub user_limit_unchecked: Option<u32>,
+    /// `pd_router_rate_limit_checks_total`: requests (naming a `user`, or of a model whose
+    /// profile limits its rate) whose admission was asked of pd-control (`core::user_limits`).
+    pub rate_limit_checks: Option<u32>,
+    /// `pd_router_rate_limit_unchecked_total`: admissions pd-control could not decide (no
+    /// answer, its Redis failing), admitted or refused by `rate_limits_fail_open`.
+    pub rate_limit_unchecked: Option<u32>,
     /// `pd_router_user_tokens_reported_total`: answer tokens reported to pd-control for the
     /// users' TPM counters.
     pub user_tokens_reported: Option<u32>,
@@ -270,8 +270,8 @@ impl Metrics {
             ejections: define(c, "pd_router_ejections_total"),
             ejections_adopted: define(c, "pd_router_ejections_adopted_total"),
             decode_rerouted: define(c, "pd_router_decode_rerouted_total"),
-            user_limit_checks: define(c, "pd_router_user_limit_checks_total"),
-            user_limit_unchecked: define(c, "pd_router_user_limit_unchecked_total"),
+            rate_limit_checks: define(c, "pd_router_rate_limit_checks_total"),
+            rate_limit_unchecked: define(c, "pd_router_rate_limit_unchecked_total"),
             user_tokens_reported: define(c, "pd_router_user_tokens_reported_total"),
             user_tokens_unreported: define(c, "pd_router_user_tokens_unreported_total"),
             prefix_batches_missed: define(c, "pd_router_prefix_batches_missed_total"),

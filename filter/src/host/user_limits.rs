@@ -1,4 +1,4 @@
-//! Calls to pd-control for per-user limits (see `crate::core::user_limits`): a request's
+//! Calls to pd-control for rate limits (see `crate::core::user_limits`): a request's
 //! admission, sent from its HTTP context, and a VM's token report, sent from its tick.
 
 use std::time::Duration;
@@ -8,14 +8,15 @@ use proxy_wasm::hostcalls;
 use crate::core::config::PluginConfig;
 use crate::core::user_limits::{ADMIT_PATH, USAGE_PATH};
 
-/// Asks pd-control to admit a request of `user`; returns the call's token.
-pub fn send_admission(plugin: &PluginConfig, user: &str) -> Result<u32, String> {
+/// Asks pd-control to admit a request (`user_limits::admission_body`); returns the call's
+/// token.
+pub fn send_admission(plugin: &PluginConfig, body: &[u8]) -> Result<u32, String> {
     send(
         plugin,
         ADMIT_PATH,
-        "text/plain",
-        user.as_bytes(),
-        Duration::from_millis(plugin.user_limits_timeout_ms),
+        "application/json",
+        body,
+        Duration::from_millis(plugin.rate_limits_timeout_ms),
     )
 }
 
