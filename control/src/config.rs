@@ -18,6 +18,11 @@ pub const REFRESH_INTERVAL_ENV: &str = "AIBRIX_POD_METRIC_REFRESH_INTERVAL_MS";
 /// here too, so an operator moving from AIBrix keeps the setting they had.
 pub const DISABLE_RATE_LIMIT_ENV: &str = "AIBRIX_DISABLE_RATE_LIMIT";
 
+/// AIBrix's switch for its user store: `true` checks every named user against the default
+/// limits (100 requests and 100 000 tokens a minute) without reading a record, so no user is
+/// unknown.
+pub const DISABLE_USER_STORE_ENV: &str = "AIBRIX_DISABLE_REDIS_USER_STORE";
+
 /// Where the fleet comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum SourceKind {
@@ -122,6 +127,10 @@ pub struct Config {
     /// limits off.
     #[arg(skip)]
     pub user_limits_off_by_env: bool,
+    /// Set by [`Config::try_parse_with_env`] from `AIBRIX_DISABLE_REDIS_USER_STORE`: users
+    /// get the default limits, no record is read.
+    #[arg(skip)]
+    pub user_records_off_by_env: bool,
 
     /// File holding a shared token: `/v1/snapshot`, `/v1/snapshot.json`,
     /// `/v1/replicas/report` and `/v1/limits/*` then answer 401 unless the request carries
@@ -201,6 +210,9 @@ impl Config {
         config.user_limits_off_by_env = env(DISABLE_RATE_LIMIT_ENV)
             .as_deref()
             .is_some_and(env_flag_on);
+        config.user_records_off_by_env = env(DISABLE_USER_STORE_ENV)
+            .as_deref()
+            .is_some_and(env_flag_on);
         Ok((config, warnings))
     }
 
@@ -222,6 +234,7 @@ impl Config {
             redis: None,
             no_user_limits: false,
             user_limits_off_by_env: false,
+            user_records_off_by_env: false,
             snapshot_token_file: None,
             pod_labels: LabelPolicy::All,
         }

@@ -226,6 +226,13 @@ pub fn parse_record(raw: &[u8]) -> Result<Limits, RecordError> {
     Ok(Limits { rpm, tpm })
 }
 
+/// The limits of a user without a record: AIBrix's defaults, as with
+/// `AIBRIX_DISABLE_REDIS_USER_STORE`.
+pub const UNRECORDED: Limits = Limits {
+    rpm: DEFAULT_RPM,
+    tpm: DEFAULT_RPM * TOKENS_PER_REQUEST,
+};
+
 /// Which Redis step a `store_error` answer failed at.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -471,6 +478,9 @@ pub type MetricFamily = (
 /// The limits of this pd-control: off, or checked against Redis.
 pub struct UserLimits {
     store: Option<Store>,
+    /// Users' limits are read from their records; off (`AIBRIX_DISABLE_REDIS_USER_STORE`),
+    /// every named user has [`UNRECORDED`] and none is unknown.
+    records: bool,
     checks: [AtomicU64; 6],
     tokens_total: AtomicU64,
     errors_total: AtomicU64,
@@ -505,12 +515,20 @@ impl UserLimits {
     fn with_store(store: Option<Store>) -> UserLimits {
         UserLimits {
             store,
+            records: true,
             checks: Default::default(),
             tokens_total: AtomicU64::new(0),
             errors_total: AtomicU64::new(0),
             failing: AtomicBool::new(false),
             record_warned_ms: AtomicI64::new(i64::MIN),
         }
+    }
+
+    /// Every named user gets the default limits; no record is read (AIBrix's
+    /// `AIBRIX_DISABLE_REDIS_USER_STORE`).
+    pub fn without_records(mut self) -> UserLimits {
+        self.records = false;
+        self
     }
 
     pub fn enabled(&self) -> bool {
@@ -611,6 +629,9 @@ impl UserLimits {
 
     /// A user's limits from its record, or the answer when there are none to check against.
     async fn user_limits(&self, store: &Store, name: &str) -> Result<Limits, Answer> {
+        if !self.records {
+            return Ok(UNRECORDED);
+        }
         let key = user_key(name);
         let read = store
             .link

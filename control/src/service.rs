@@ -132,7 +132,16 @@ pub async fn start_with_source<S: FleetSource>(
     let setting = config.user_limits();
     let limits = Arc::new(match (setting, config.redis.as_deref()) {
         (UserLimitsSetting::On, Some(url)) => {
-            UserLimits::redis(url).map_err(|e| Error::Config(ConfigError::Redis(e.to_string())))?
+            let limits = UserLimits::redis(url)
+                .map_err(|e| Error::Config(ConfigError::Redis(e.to_string())))?;
+            if config.user_records_off_by_env {
+                tracing::info!(
+                    "AIBRIX_DISABLE_REDIS_USER_STORE: users get the default limits, no record is read"
+                );
+                limits.without_records()
+            } else {
+                limits
+            }
         }
         _ => UserLimits::disabled(),
     });

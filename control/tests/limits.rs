@@ -658,3 +658,49 @@ async fn the_aibrix_variable_turns_limits_off() {
     assert_eq!(answer, json!({"outcome":"disabled"}));
     assert!(!user_limits);
 }
+
+/// AIBrix's `AIBRIX_DISABLE_REDIS_USER_STORE=true`: no record is read, every named user gets
+/// the default limits (100 requests and 100 000 tokens a minute), so none is unknown; the
+/// counters still count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_user_store_every_user_has_the_default_limits() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    let Some(redis) = Redis::start(free_port(), dir.path()) else {
+        return;
+    };
+    let fleet = fleet(dir.path());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_pd-control"))
+        .arg("--fleet")
+        .arg(&fleet)
+        .args(["--listen", "127.0.0.1:0", "--redis", &redis.url()])
+        .env("AIBRIX_DISABLE_REDIS_USER_STORE", "true")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("pd-control runs");
+    let mut line = String::new();
+    let stdout = child.stdout.take().expect("stdout");
+    let read = BufReader::new(stdout).read_line(&mut line);
+    let base = line
+        .trim()
+        .strip_prefix("pd-control: listening on ")
+        .map(|addr| format!("http://{addr}"));
+    let checked = async {
+        let base = base.as_deref()?;
+        Some((admit(base, "nobody").await, admit(base, "nobody").await))
+    }
+    .await;
+    let _ = child.kill();
+    let _ = child.wait();
+    read.expect("stdout readable");
+    let (first, second) = checked.unwrap_or_else(|| panic!("unexpected first line {line:?}"));
+    assert_eq!(first["outcome"], "admitted", "{first}");
+    assert_eq!(
+        (&first["rpm_limit"], &first["tpm_limit"]),
+        (&json!(100), &json!(100_000))
+    );
+    assert_eq!((&first["rpm"], &second["rpm"]), (&json!(1), &json!(2)));
+}
