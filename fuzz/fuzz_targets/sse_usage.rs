@@ -6,7 +6,7 @@
 use libfuzzer_sys::fuzz_target;
 use pd_router_filter::core::obs::usage::generated_tokens;
 use pd_router_filter::core::request::Endpoint;
-use pd_router_filter::core::user_limits::{judge, UsageScan};
+use pd_router_filter::core::user_limits::{judge, Ask, UsageScan};
 
 fuzz_target!(|data: &[u8]| {
     for endpoint in [Endpoint::ChatCompletions, Endpoint::Messages] {
@@ -17,5 +17,10 @@ fuzz_target!(|data: &[u8]| {
     scan.feed(&data[..cut]);
     scan.feed(&data[cut..]);
     let _ = scan.tokens();
-    let _ = judge("fuzz", "200", data);
+    let ask = Ask {
+        user: Some("fuzz".into()),
+        model: "m".into(),
+        rps: Some(0.5),
+    };
+    let _ = judge(&ask, "200", data);
 });
