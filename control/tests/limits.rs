@@ -140,6 +140,13 @@ async fn checks(base: &str, outcome: &str) -> f64 {
     .await
 }
 
+/// Writes user records (`aibrix-users/<name>` → JSON), as AIBrix's user API stores them.
+async fn seed(db: &mut redis::aio::MultiplexedConnection, records: &[(&str, &str)]) {
+    for (key, record) in records {
+        let _: () = db.set(*key, *record).await.expect("seed");
+    }
+}
+
 const ALICE_RPM: &str = "aibrix:alice_RPM_CURRENT:60000:counter";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -150,16 +157,17 @@ async fn checks_count_against_aibrix_records_and_survive_a_redis_outage() {
     };
     redis.wait_ready().await;
     let mut db = redis.connection().await;
-    let seed = [
-        ("aibrix-users/alice", r#"{"name":"alice","rpm":3,"tpm":0}"#),
-        ("aibrix-users/bob", r#"{"name":"bob","rpm":0,"tpm":10}"#),
-        ("aibrix-users/carol", r#"{"name":"carol","rpm":3}"#),
-        ("aibrix-users/dave", r#"{"rpm":-1}"#),
-        ("aibrix-users/erin", r#"{"name":"erin"}"#),
-    ];
-    for (key, record) in seed {
-        let _: () = db.set(key, record).await.expect("seed");
-    }
+    seed(
+        &mut db,
+        &[
+            ("aibrix-users/alice", r#"{"name":"alice","rpm":3,"tpm":0}"#),
+            ("aibrix-users/bob", r#"{"name":"bob","rpm":0,"tpm":10}"#),
+            ("aibrix-users/carol", r#"{"name":"carol","rpm":3}"#),
+            ("aibrix-users/dave", r#"{"rpm":-1}"#),
+            ("aibrix-users/erin", r#"{"name":"erin"}"#),
+        ],
+    )
+    .await;
     let (_service, base) = start(&fleet(dir.path()), Some(redis.url()), false).await;
 
     // Limits on: the snapshot says so.
@@ -466,14 +474,15 @@ async fn user_and_model_are_checked_in_order() {
     };
     redis.wait_ready().await;
     let mut db = redis.connection().await;
-    let seed = [
-        ("aibrix-users/alice", r#"{"name":"alice","rpm":1}"#),
-        ("aibrix-users/bob", r#"{"name":"bob","tpm":10}"#),
-        ("aibrix-users/carol", r#"{"name":"carol","rpm":5}"#),
-    ];
-    for (key, record) in seed {
-        let _: () = db.set(key, record).await.expect("seed");
-    }
+    seed(
+        &mut db,
+        &[
+            ("aibrix-users/alice", r#"{"name":"alice","rpm":1}"#),
+            ("aibrix-users/bob", r#"{"name":"bob","tpm":10}"#),
+            ("aibrix-users/carol", r#"{"name":"carol","rpm":5}"#),
+        ],
+    )
+    .await;
     let (_service, base) = start(&fleet(dir.path()), Some(redis.url()), false).await;
     let llama = model_key("llama", 60_000);
 
@@ -618,43 +627,62 @@ async fn limits_turned_off_answer_disabled() {
     }
 }
 
+/// The pd-control binary with `--redis URL` and one environment variable set, listening on a
+/// free loopback port; killed on drop.
+struct Binary {
+    child: std::process::Child,
+    base: String,
+}
+
+impl Binary {
+    fn start(fleet: &Path, redis_url: &str, env: (&str, &str)) -> Binary {
+        use std::io::{BufRead, BufReader};
+        use std::process::{Command, Stdio};
+
+        let mut child = Command::new(env!("CARGO_BIN_EXE_pd-control"))
+            .arg("--fleet")
+            .arg(fleet)
+            .args(["--listen", "127.0.0.1:0", "--redis", redis_url])
+            .env(env.0, env.1)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("pd-control runs");
+        let mut line = String::new();
+        let stdout = child.stdout.take().expect("stdout");
+        let read = BufReader::new(stdout).read_line(&mut line);
+        let base = line
+            .trim()
+            .strip_prefix("pd-control: listening on ")
+            .map(|addr| format!("http://{addr}"));
+        match (read, base) {
+            (Ok(_), Some(base)) => Binary { child, base },
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("unexpected first line {line:?}");
+            }
+        }
+    }
+}
+
+impl Drop for Binary {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// AIBrix's `AIBRIX_DISABLE_RATE_LIMIT=true` turns the limits off in the binary, with
 /// `--redis` given.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_aibrix_variable_turns_limits_off() {
-    use std::io::{BufRead, BufReader};
-    use std::process::{Command, Stdio};
-
     let dir = tempfile::tempdir().expect("temp dir");
     let fleet = fleet(dir.path());
-    let mut child = Command::new(env!("CARGO_BIN_EXE_pd-control"))
-        .arg("--fleet")
-        .arg(&fleet)
-        .args(["--listen", "127.0.0.1:0", "--redis"])
-        .arg(format!("redis://127.0.0.1:{}/0", free_port()))
-        .env("AIBRIX_DISABLE_RATE_LIMIT", "TRUE")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("pd-control runs");
-    let mut line = String::new();
-    let stdout = child.stdout.take().expect("stdout");
-    let read = BufReader::new(stdout).read_line(&mut line);
-    let base = line
-        .trim()
-        .strip_prefix("pd-control: listening on ")
-        .map(|addr| format!("http://{addr}"));
-    let checked = async {
-        let base = base.as_deref()?;
-        let answer = admit(base, "alice").await;
-        let user_limits = snapshot(base).await.user_limits;
-        Some((answer, user_limits))
-    }
-    .await;
-    let _ = child.kill();
-    let _ = child.wait();
-    read.expect("stdout readable");
-    let (answer, user_limits) = checked.unwrap_or_else(|| panic!("unexpected first line {line:?}"));
+    let url = format!("redis://127.0.0.1:{}/0", free_port());
+    let control = Binary::start(&fleet, &url, ("AIBRIX_DISABLE_RATE_LIMIT", "TRUE"));
+    let answer = admit(&control.base, "alice").await;
+    let user_limits = snapshot(&control.base).await.user_limits;
     assert_eq!(answer, json!({"outcome":"disabled"}));
     assert!(!user_limits);
 }
@@ -664,39 +692,18 @@ async fn the_aibrix_variable_turns_limits_off() {
 /// counters still count.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_the_user_store_every_user_has_the_default_limits() {
-    use std::io::{BufRead, BufReader};
-    use std::process::{Command, Stdio};
-
     let dir = tempfile::tempdir().expect("temp dir");
     let Some(redis) = Redis::start(free_port(), dir.path()) else {
         return;
     };
     let fleet = fleet(dir.path());
-    let mut child = Command::new(env!("CARGO_BIN_EXE_pd-control"))
-        .arg("--fleet")
-        .arg(&fleet)
-        .args(["--listen", "127.0.0.1:0", "--redis", &redis.url()])
-        .env("AIBRIX_DISABLE_REDIS_USER_STORE", "true")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("pd-control runs");
-    let mut line = String::new();
-    let stdout = child.stdout.take().expect("stdout");
-    let read = BufReader::new(stdout).read_line(&mut line);
-    let base = line
-        .trim()
-        .strip_prefix("pd-control: listening on ")
-        .map(|addr| format!("http://{addr}"));
-    let checked = async {
-        let base = base.as_deref()?;
-        Some((admit(base, "nobody").await, admit(base, "nobody").await))
-    }
-    .await;
-    let _ = child.kill();
-    let _ = child.wait();
-    read.expect("stdout readable");
-    let (first, second) = checked.unwrap_or_else(|| panic!("unexpected first line {line:?}"));
+    let control = Binary::start(
+        &fleet,
+        &redis.url(),
+        ("AIBRIX_DISABLE_REDIS_USER_STORE", "true"),
+    );
+    let first = admit(&control.base, "nobody").await;
+    let second = admit(&control.base, "nobody").await;
     assert_eq!(first["outcome"], "admitted", "{first}");
     assert_eq!(
         (&first["rpm_limit"], &first["tpm_limit"]),
