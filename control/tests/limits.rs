@@ -696,6 +696,7 @@ async fn without_the_user_store_every_user_has_the_default_limits() {
     let Some(redis) = Redis::start(free_port(), dir.path()) else {
         return;
     };
+    redis.wait_ready().await;
     let fleet = fleet(dir.path());
     let control = Binary::start(
         &fleet,
