@@ -119,7 +119,7 @@ fn single_pod(c: &mut Criterion) {
         });
         group.bench_function(BenchmarkId::new("blend3", pods), |b| {
             b.iter(|| {
-                pd::blend::select_blend(&model, &blend, hint, &ledger, &[], &top_k, &mut rng)
+                pd::blend::select_blend(&model, &blend, hint, &ledger, &[], None, &top_k, &mut rng)
                     .expect("a pod")
             })
         });

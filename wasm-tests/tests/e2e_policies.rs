@@ -795,3 +795,50 @@ fn aibrix_load_strategies_read_the_shared_running_counts() {
         .header("target-pod")
         .is_some_and(|p| p.starts_with('c') || p == "new"));
 }
+
+/// `vtc-basic` in real Envoy: users are placed on the line of standard pods by their recent
+/// tokens. On one connection (one worker, whose counters these are), a user sending long
+/// prompts moves to the far end of the line, away from a user sending short ones, who keeps
+/// the first pod; requests without a `user` are drawn at random; PD pods never serve.
+#[test]
+fn vtc_basic_keeps_a_heavy_user_apart_from_a_light_one() {
+    let stack = Stack::start(pair_and_three_standard_pods());
+    let mut conn = http::KeepAlive::connect(&stack.gateway).expect("connect");
+    let mut send = |user: Option<&str>, prompt: &str| {
+        let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2});
+        let mut headers = vec![("routing-strategy", "vtc-basic")];
+        if let Some(u) = user {
+            headers.push(("user", u));
+        }
+        let r = conn
+            .post_json("/v1/completions", &headers, &body)
+            .expect("answer");
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.header("routing-strategy"), Some("vtc-basic"));
+        let pod = r.header("target-pod").expect("target-pod").to_string();
+        assert!(pod.starts_with('c'), "{pod}");
+        pod
+    };
+    let long = "a long retrieved passage of text ".repeat(250);
+    // Alone, the heavy user sits at its total over itself: the middle of three pods.
+    for _ in 0..3 {
+        send(Some("heavy"), &long);
+    }
+    let mut light = std::collections::BTreeSet::new();
+    let mut heavy = std::collections::BTreeSet::new();
+    for _ in 0..10 {
+        light.insert(send(Some("light"), "hi"));
+        heavy.insert(send(Some("heavy"), &long));
+    }
+    assert_eq!(light.len(), 1, "the light user keeps one pod: {light:?}");
+    assert_eq!(heavy.len(), 1, "the heavy user keeps one pod: {heavy:?}");
+    assert_ne!(light, heavy, "and they are not the same pod");
+
+    let anyone: std::collections::BTreeSet<_> = (0..30).map(|_| send(None, "hi")).collect();
+    assert!(anyone.len() >= 2, "no user: drawn at random, {anyone:?}");
+    let entries = stack.sim_requests();
+    assert_eq!(entries.len(), 3 + 20 + 30, "one leg per request");
+    assert!(entries
+        .iter()
+        .all(|e| e["pod"].as_str().is_some_and(|p| p.starts_with('c'))));
+}

@@ -255,6 +255,8 @@ pub struct SingleEnv {
     /// `AIBRIX_ROUTING_LEAST_REQUEST_TOP_K_RAMP_WINDOW` (300s, 0 off): how long a pod that
     /// just became ready is charged extra requests, decaying to none.
     pub top_k_ramp_window_ms: u64,
+    /// `AIBRIX_ROUTER_VTC_*`: `vtc-basic`'s weights and token window.
+    pub vtc: crate::core::pd::vtc::VtcSettings,
 }
 
 impl Default for SingleEnv {
@@ -263,6 +265,7 @@ impl Default for SingleEnv {
             top_k: 5,
             top_k_epsilon: Some(4),
             top_k_ramp_window_ms: 300_000,
+            vtc: Default::default(),
         }
     }
 }
@@ -391,9 +394,47 @@ impl EnvSettings {
                     "AIBRIX_ROUTING_LEAST_REQUEST_TOP_K_RAMP_WINDOW",
                     d.single.top_k_ramp_window_ms,
                 ),
+                vtc: vtc_settings(&mut r),
             },
         };
         (settings, r.warnings)
+    }
+}
+
+/// `vtc-basic`'s `AIBRIX_ROUTER_VTC_*` knobs.
+fn vtc_settings<F: Fn(&str) -> Option<String>>(
+    r: &mut EnvReader<F>,
+) -> crate::core::pd::vtc::VtcSettings {
+    use crate::core::pd::vtc::VtcSettings;
+    let d = VtcSettings::default();
+    const UNIT: &str = "AIBRIX_ROUTER_VTC_TOKEN_TRACKER_TIME_UNIT";
+    let (unit_ms, bucket_ms) = match r.string(UNIT) {
+        None => (60_000, d.bucket_ms),
+        Some(raw) => VtcSettings::unit_ms(&raw).unwrap_or_else(|| {
+            r.warnings.push(format!(
+                "{UNIT}={raw:?} is not minutes, seconds or milliseconds; using minutes"
+            ));
+            (60_000, d.bucket_ms)
+        }),
+    };
+    let size = r.count("AIBRIX_ROUTER_VTC_TOKEN_TRACKER_WINDOW_SIZE", 5);
+    VtcSettings {
+        max_pod_load: r.positive("AIBRIX_ROUTER_VTC_BASIC_MAX_POD_LOAD", d.max_pod_load),
+        input_weight: r.non_negative("AIBRIX_ROUTER_VTC_BASIC_INPUT_TOKEN_WEIGHT", d.input_weight),
+        output_weight: r.non_negative(
+            "AIBRIX_ROUTER_VTC_BASIC_OUTPUT_TOKEN_WEIGHT",
+            d.output_weight,
+        ),
+        fairness_weight: r
+            .non_negative("AIBRIX_ROUTER_VTC_BASIC_FAIRNESS_WEIGHT", d.fairness_weight),
+        utilization_weight: r.non_negative(
+            "AIBRIX_ROUTER_VTC_BASIC_UTILIZATION_WEIGHT",
+            d.utilization_weight,
+        ),
+        window_ms: size.saturating_mul(unit_ms),
+        bucket_ms: VtcSettings::bucket_for(size.saturating_mul(unit_ms), bucket_ms),
+        min_tokens: r.positive("AIBRIX_ROUTER_VTC_TOKEN_TRACKER_MIN_TOKENS", d.min_tokens),
+        max_tokens: r.positive("AIBRIX_ROUTER_VTC_TOKEN_TRACKER_MAX_TOKENS", d.max_tokens),
     }
 }
 
@@ -534,6 +575,7 @@ mod tests {
                 top_k: 0,
                 top_k_epsilon: None,
                 top_k_ramp_window_ms: 90_000,
+                vtc: Default::default(),
             },
             "K ≤ 0: every pod; a negative epsilon: no bound"
         );
@@ -545,5 +587,43 @@ mod tests {
             EnvSettings::from_lookup(off).0.single.top_k_ramp_window_ms,
             0
         );
+    }
+
+    #[test]
+    fn vtc_knobs_read_with_their_unit_and_bad_values_named() {
+        let env = |k: &str| match k {
+            "AIBRIX_ROUTER_VTC_TOKEN_TRACKER_WINDOW_SIZE" => Some("30".to_string()),
+            "AIBRIX_ROUTER_VTC_TOKEN_TRACKER_TIME_UNIT" => Some("Seconds".to_string()),
+            "AIBRIX_ROUTER_VTC_BASIC_FAIRNESS_WEIGHT" => Some("0".to_string()),
+            "AIBRIX_ROUTER_VTC_BASIC_MAX_POD_LOAD" => Some("0".to_string()),
+            "AIBRIX_ROUTER_VTC_TOKEN_TRACKER_MIN_TOKENS" => Some("250".to_string()),
+            _ => None,
+        };
+        let (s, warnings) = EnvSettings::from_lookup(env);
+        let v = &s.single.vtc;
+        assert_eq!((v.window_ms, v.bucket_ms), (30_000, 1000));
+        let long =
+            |k: &str| (k == "AIBRIX_ROUTER_VTC_TOKEN_TRACKER_WINDOW_SIZE").then(|| "60".into());
+        let hour = EnvSettings::from_lookup(long).0.single.vtc;
+        assert_eq!(
+            (hour.window_ms, hour.bucket_ms),
+            (3_600_000, 56_250),
+            "in 64 buckets"
+        );
+        assert_eq!(v.fairness_weight, 0.0, "a weight may switch its term off");
+        assert_eq!(v.max_pod_load, 100.0, "0 pods' load would divide by zero");
+        assert_eq!(v.min_tokens, 250.0);
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(warnings[0].contains("AIBRIX_ROUTER_VTC_BASIC_MAX_POD_LOAD"));
+        let ms = |k: &str| {
+            (k == "AIBRIX_ROUTER_VTC_TOKEN_TRACKER_TIME_UNIT").then(|| "milliseconds".to_string())
+        };
+        let v = EnvSettings::from_lookup(ms).0.single.vtc;
+        assert_eq!((v.window_ms, v.bucket_ms), (5, 1));
+        let bad =
+            |k: &str| (k == "AIBRIX_ROUTER_VTC_TOKEN_TRACKER_TIME_UNIT").then(|| "hours".into());
+        let (s, warnings) = EnvSettings::from_lookup(bad);
+        assert_eq!(s.single.vtc.window_ms, 300_000);
+        assert!(warnings[0].contains("hours"), "{warnings:?}");
     }
 }

@@ -440,6 +440,9 @@ pub enum Strategy {
     /// A model view holds only such pods (an adapter's model is its instances), so this is
     /// least-request over that view.
     LoraAffinity,
+    /// AIBrix's Virtual Token Counter: users placed on the pod line by their recent tokens
+    /// (see `pd::vtc`).
+    VtcBasic,
 }
 
 impl Strategy {
@@ -458,6 +461,7 @@ impl Strategy {
             Strategy::LoadBalance => "load-balance",
             Strategy::LeastRequestTopK => "least-request-top-k",
             Strategy::LoraAffinity => "lora-affinity",
+            Strategy::VtcBasic => "vtc-basic",
         }
     }
 
@@ -476,6 +480,7 @@ impl Strategy {
             Strategy::LoadBalance,
             Strategy::LeastRequestTopK,
             Strategy::LoraAffinity,
+            Strategy::VtcBasic,
         ]
         .into_iter()
         .find(|s| s.name() == name)

@@ -75,6 +75,15 @@ impl OnePod<'_> {
         }
     }
 
+    /// Whether the pick places the user by its tokens (`vtc-basic`, alone or in a blend).
+    fn uses_vtc(&self) -> bool {
+        match self {
+            OnePod::Any => false,
+            OnePod::Strategy(s) => *s == Strategy::VtcBasic,
+            OnePod::Blend(b) => b.items.iter().any(|(s, _)| *s == Strategy::VtcBasic),
+        }
+    }
+
     fn name(&self) -> &str {
         match self {
             OnePod::Any => Strategy::LeastRequest.name(),
@@ -903,6 +912,15 @@ impl PdHttp {
         };
         let remote = vm.remote.clone();
         let top_k = pd::top_k::TopK::new(&vm.defaults.env.single, now);
+        // vtc-basic reads the user's window before the CAS round (which may run twice) and
+        // charges it after.
+        let vtc_settings = &vm.defaults.env.single.vtc;
+        let vtc_ask = pick.uses_vtc().then_some(pd::vtc::VtcAsk {
+            user: self.user.as_deref(),
+            prompt_bytes: req.prompt_text.len(),
+            now_ms: now,
+        });
+        let vtc_place = vtc_ask.and_then(|a| a.place(model, &mut vm.vtc, vtc_settings));
         let rng = &mut vm.rng;
         let hint = session_affinity::SessionHint {
             session_id: self
@@ -920,12 +938,19 @@ impl PdHttp {
                     let (target, via) = session_affinity::select(model, hint, rng)?;
                     (target, Some(via))
                 }
+                OnePod::Strategy(Strategy::VtcBasic) => {
+                    let running = pd::single::running_by_slot(model, l, true);
+                    let target =
+                        pd::vtc::select_vtc(model, vtc_place, &running, vtc_settings, rng)?;
+                    (target, None)
+                }
                 OnePod::Strategy(strategy) => (
                     pd::select_single(model, strategy, l, &match_pct, &top_k, rng)?,
                     None,
                 ),
                 OnePod::Blend(blend) => {
-                    pd::blend::select_blend(model, blend, hint, l, &match_pct, &top_k, rng)?
+                    let vtc = vtc_place.map(|p| (p, vtc_settings));
+                    pd::blend::select_blend(model, blend, hint, l, &match_pct, vtc, &top_k, rng)?
                 }
             };
             let held = pd::Selected::single(target.pod()).charge(model, l, now);
@@ -943,6 +968,9 @@ impl PdHttp {
             ));
         }
         let (target, held, rows) = result?;
+        if let Some(ask) = vtc_ask {
+            ask.charge(&mut vm.vtc, &vm.defaults.env.single.vtc);
+        }
         vm.metrics
             .charged_gauges(rows.iter().map(|(k, r)| (k.as_str(), *r)));
         let ttl_s = vm.defaults.tokens.ttl_s;

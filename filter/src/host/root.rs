@@ -136,6 +136,7 @@ impl Root {
                 ejections: crate::core::ejection::Ejections::default(),
                 pace: crate::core::pace::TickPace::new(100, 10_000),
                 user_usage: Default::default(),
+                vtc: Default::default(),
             })),
             context_id,
             token: seed | 1,

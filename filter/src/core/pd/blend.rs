@@ -20,6 +20,7 @@ use crate::core::ledger::Ledger;
 use crate::core::pd::session_affinity::{self, SessionHint, Via};
 use crate::core::pd::single::{no_standard_pod, reads_load, running_by_slot, score};
 use crate::core::pd::top_k::TopK;
+use crate::core::pd::vtc::{self, VtcSettings};
 use crate::core::pd::{MinPicker, Target};
 use crate::core::profile::{Blend, Strategy};
 
@@ -27,14 +28,18 @@ use crate::core::profile::{Blend, Strategy};
 const OUTLIER_MADS: f64 = 3.0;
 
 /// Picks the pod for a blend. `match_pct` is the prefix index's match by slot (empty when
-/// the blend has no prefix-cache). With session-affinity in the blend, the second value says
-/// how the session's pod was found (`Random` when no header named one).
+/// the blend has no prefix-cache). `vtc` is the user's place on the pod line and the knobs,
+/// for vtc-basic (`None` without a user: vtc-basic then scores no pod, so it sways nothing).
+/// With session-affinity in the blend, the second value says how the session's pod was found
+/// (`Random` when no header named one).
+#[allow(clippy::too_many_arguments)]
 pub fn select_blend(
     model: &ModelView,
     blend: &Blend,
     hint: SessionHint<'_>,
     ledger: &Ledger,
     match_pct: &[f64],
+    vtc: Option<(f64, &VtcSettings)>,
     top_k: &TopK,
     rng: &mut fastrand::Rng,
 ) -> Result<(Target, Option<Via>), RouteError> {
@@ -66,6 +71,14 @@ pub fn select_blend(
             }));
         } else if strategy == Strategy::LeastRequestTopK {
             raw.extend(top_k.scores(model, &running, rng).into_iter().map(Some));
+        } else if strategy == Strategy::VtcBasic {
+            let scores = vtc.map(|(place, s)| vtc::scores(model, place, &running, s));
+            raw.extend(pods.iter().map(|&i| {
+                scores
+                    .as_ref()
+                    .and_then(|v| v.get(i).copied())
+                    .filter(|s| s.is_finite())
+            }));
         } else {
             raw.extend(pods.iter().map(|&i| {
                 let load = running.get(i).copied().unwrap_or(0);
@@ -193,7 +206,7 @@ mod tests {
         match_pct: &[f64],
         rng: &mut fastrand::Rng,
     ) -> (Target, Option<Via>) {
-        select_blend(m, b, hint, ledger, match_pct, &TOP_K_DEFAULTS, rng).unwrap()
+        select_blend(m, b, hint, ledger, match_pct, None, &TOP_K_DEFAULTS, rng).unwrap()
     }
 
     fn pick(m: &ModelView, ledger: &Ledger, value: &str) -> String {
@@ -313,10 +326,42 @@ mod tests {
             SessionHint::default(),
             &ledger,
             &[],
+            None,
             &TOP_K_DEFAULTS,
             &mut rng,
         );
         assert!(matches!(r, Err(RouteError::Selection { .. })));
+    }
+
+    #[test]
+    fn vtc_basic_in_a_blend_weighs_the_users_place_against_the_others() {
+        let (m, ledger) = fleet(&[("a", 3, 10.0), ("b", 0, 10.0), ("c", 0, 10.0)]);
+        let s = VtcSettings::default();
+        let mut rng = fastrand::Rng::with_seed(4);
+        let mut pick = |value: &str, place: Option<f64>| {
+            let vtc = place.map(|p| (p, &s));
+            let (t, _) = select_blend(
+                &m,
+                &blend(value),
+                SessionHint::default(),
+                &ledger,
+                &[],
+                vtc,
+                &TOP_K_DEFAULTS,
+                &mut rng,
+            )
+            .unwrap();
+            m.pods[t.pod()].name.clone()
+        };
+        // A light user belongs on "a", the busiest pod: the heavier weight decides.
+        assert_eq!(pick("vtc-basic:3,least-request", Some(0.0)), "a");
+        assert_ne!(pick("vtc-basic,least-request:3", Some(0.0)), "a");
+        // A heavy user belongs on "c", idle too: both agree.
+        assert_eq!(pick("vtc-basic,least-request", Some(2.0)), "c");
+        // No user: vtc-basic sways nothing, least-request keeps off "a".
+        for _ in 0..10 {
+            assert_ne!(pick("vtc-basic:10,least-request", None), "a");
+        }
     }
 
     #[test]

@@ -12,6 +12,7 @@ pub mod session_affinity;
 pub mod settings;
 pub mod single;
 pub mod top_k;
+pub mod vtc;
 
 pub use candidates::{Step0, Step0Input};
 pub use pick::MinPicker;

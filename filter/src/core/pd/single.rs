@@ -31,6 +31,8 @@ pub fn score(strategy: Strategy, pod: &PodView, running: u32, match_pct: f64) ->
         Strategy::Throughput => metric(|m| 2.0 * m.prompt_throughput + m.generation_throughput),
         Strategy::LeastKvCache | Strategy::LeastGpuCache => metric(|m| m.kv_cache_usage),
         Strategy::LeastLatency => metric(|m| m.ttft_avg_seconds),
+        // Its score needs the user's place (see `vtc::scores`), which a pod alone cannot give.
+        Strategy::VtcBasic => None,
     }
 }
 
@@ -55,6 +57,7 @@ pub fn reads_load(strategy: Strategy) -> bool {
             | Strategy::LoadBalance
             | Strategy::LeastRequestTopK
             | Strategy::LoraAffinity
+            | Strategy::VtcBasic
     )
 }
 
