@@ -13,6 +13,7 @@ pub mod fleet;
 pub mod limits;
 pub mod redis_link;
 pub mod replicas;
+pub mod report_ids;
 pub mod scrape;
 pub mod server;
 pub mod service;

@@ -17,10 +17,12 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
 use crate::redis_link::{LinkError, RedisLink, Retry};
+use crate::report_ids::{Claim, ReportIds};
 
 /// Prefix of the user records: `aibrix-users/{name}`, a JSON string value.
 pub const USER_KEY_PREFIX: &str = "aibrix-users/";
@@ -489,6 +491,10 @@ pub struct UserLimits {
     failing: AtomicBool,
     /// When an unusable record was last logged (Unix ms), to log one per minute at most.
     record_warned_ms: AtomicI64,
+    /// Token reports by id, so one sent again counts once (see `report_ids`).
+    reports: ReportIds,
+    /// Users' tokens of reports sent again that had been added already.
+    duplicates_total: AtomicU64,
 }
 
 struct Store {
@@ -521,6 +527,8 @@ impl UserLimits {
             errors_total: AtomicU64::new(0),
             failing: AtomicBool::new(false),
             record_warned_ms: AtomicI64::new(i64::MIN),
+            reports: ReportIds::default(),
+            duplicates_total: AtomicU64::new(0),
         }
     }
 
@@ -661,45 +669,39 @@ impl UserLimits {
     }
 
     /// Adds each user's tokens to its token counter. Users are added in batches; a failed
-    /// batch does not stop the others, and what was added stays added.
-    pub async fn add_usage(&self, usage: &[(String, i64)]) -> Result<(), UsageFailure> {
+    /// batch does not stop the others, and what was added stays added. A report with an
+    /// `id` sent again adds only the users it did not add before (see `report_ids`); a copy
+    /// arriving while the first is still being added fails as busy, to be sent again later.
+    /// Run it to the end (a spawned task): dropped halfway, the report would stay busy.
+    pub async fn add_usage(
+        &self,
+        id: Option<&str>,
+        usage: &[(String, i64)],
+    ) -> Result<(), UsageFailure> {
         let Some(store) = &self.store else {
             return Ok(());
         };
-        let (mut failed, mut reason) = (0, String::new());
-        for batch in usage.chunks(USAGE_BATCH) {
-            let keys: Vec<String> = batch.iter().map(|(name, _)| tpm_key(name)).collect();
-            let added = store
-                .link
-                .call(Retry::Never, |mut conn| {
-                    let mut invocation = store.usage.prepare_invoke();
-                    invocation.arg(WINDOW_MS);
-                    for (key, (_, tokens)) in keys.iter().zip(batch) {
-                        invocation.key(key).arg(*tokens);
-                    }
-                    async move { invocation.invoke_async::<Vec<i64>>(&mut conn).await }
+        let todo = match id.map(|id| self.reports.claim(id, usage, Instant::now())) {
+            None => usage.to_vec(),
+            Some(Claim::Busy) => {
+                return Err(UsageFailure {
+                    failed: usage.len(),
+                    of: usage.len(),
+                    reason: "a copy of this report is still being added".into(),
                 })
-                .await;
-            match added {
-                Ok(flags) => {
-                    self.redis_ok();
-                    for (i, (name, tokens)) in batch.iter().enumerate() {
-                        if flags.get(i) == Some(&1) {
-                            self.tokens_total
-                                .fetch_add(tokens.unsigned_abs(), Ordering::Relaxed);
-                        } else {
-                            failed += 1;
-                            reason = format!("the token counter of {name} is not an integer");
-                        }
-                    }
-                }
-                Err(e) => {
-                    failed += batch.len();
-                    reason = e.to_string();
-                    self.redis_failed(&e);
-                }
             }
+            Some(Claim::Add(todo)) => todo,
+        };
+        let skipped = usage.len() - todo.len();
+        self.duplicates_total
+            .fetch_add(skipped as u64, Ordering::Relaxed);
+        let (added, reason) = self.add_each(store, &todo).await;
+        if let Some(id) = id {
+            let names = todo.iter().zip(&added).filter(|(_, ok)| **ok);
+            self.reports
+                .settle(id, names.map(|((name, _), _)| name.as_str()));
         }
+        let failed = added.iter().filter(|ok| !**ok).count();
         if failed == 0 {
             return Ok(());
         }
@@ -711,6 +713,48 @@ impl UserLimits {
             of: usage.len(),
             reason,
         })
+    }
+
+    /// Adds `usage` batch by batch; whether each user's tokens were added, and why the last
+    /// that was not.
+    async fn add_each(&self, store: &Store, usage: &[(String, i64)]) -> (Vec<bool>, String) {
+        let mut added = Vec::with_capacity(usage.len());
+        let mut reason = String::new();
+        for batch in usage.chunks(USAGE_BATCH) {
+            let keys: Vec<String> = batch.iter().map(|(name, _)| tpm_key(name)).collect();
+            let answer = store
+                .link
+                .call(Retry::Never, |mut conn| {
+                    let mut invocation = store.usage.prepare_invoke();
+                    invocation.arg(WINDOW_MS);
+                    for (key, (_, tokens)) in keys.iter().zip(batch) {
+                        invocation.key(key).arg(*tokens);
+                    }
+                    async move { invocation.invoke_async::<Vec<i64>>(&mut conn).await }
+                })
+                .await;
+            match answer {
+                Ok(flags) => {
+                    self.redis_ok();
+                    for (i, (name, tokens)) in batch.iter().enumerate() {
+                        let ok = flags.get(i) == Some(&1);
+                        if ok {
+                            self.tokens_total
+                                .fetch_add(tokens.unsigned_abs(), Ordering::Relaxed);
+                        } else {
+                            reason = format!("the token counter of {name} is not an integer");
+                        }
+                        added.push(ok);
+                    }
+                }
+                Err(e) => {
+                    added.extend(std::iter::repeat_n(false, batch.len()));
+                    reason = e.to_string();
+                    self.redis_failed(&e);
+                }
+            }
+        }
+        (added, reason)
     }
 
     fn store_error(&self, stage: Stage, error: &LinkError) -> Answer {
@@ -784,6 +828,12 @@ impl UserLimits {
                 "counter",
                 "Tokens added to users' token counters.",
                 plain(self.tokens_total.load(Ordering::Relaxed)),
+            ),
+            (
+                "pd_control_user_usage_duplicates_total",
+                "counter",
+                "Users' token counts in reports sent again (same x-pd-report-id) that had been added already, so not added twice.",
+                plain(self.duplicates_total.load(Ordering::Relaxed)),
             ),
             (
                 "pd_control_user_limit_errors_total",
@@ -1215,7 +1265,7 @@ mod tests {
             let request = parse_admit(body.to_string().as_bytes()).unwrap();
             assert_eq!(limits.admit(&request).await, Answer::Disabled);
         }
-        assert!(limits.add_usage(&[("alice".into(), 5)]).await.is_ok());
+        assert!(limits.add_usage(None, &[("alice".into(), 5)]).await.is_ok());
         let families = limits.metrics();
         let value = |name: &str| {
             families

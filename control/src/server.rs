@@ -8,7 +8,7 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::body::Bytes;
 use axum::extract::{Query, Request, State};
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -193,17 +193,35 @@ async fn limits_admit(State(state): State<AppState>, body: Bytes) -> Response {
 
 /// `POST /v1/limits/usage`: `{"user": tokens, ...}` added to the users' token counters.
 /// 204 when added (or limits are off), 400 for a body that is not such an object, 503 when
-/// Redis did not take all of them (those it took stay added).
-async fn limits_usage(State(state): State<AppState>, body: Bytes) -> Response {
+/// Redis did not take all of them (those it took stay added). With `x-pd-report-id`, a report
+/// sent again adds only the users not added before.
+async fn limits_usage(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
     let usage = match crate::limits::parse_usage(&body) {
         Ok(usage) => usage,
         Err(e) => return (StatusCode::BAD_REQUEST, format!("{e}\n")).into_response(),
     };
-    match state.limits.add_usage(&usage).await {
-        Ok(()) => StatusCode::NO_CONTENT.into_response(),
-        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n")).into_response(),
+    let id = headers
+        .get(REPORT_ID_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 128)
+        .map(str::to_string);
+    // Spawned, so a caller that gives up mid-way cannot cut an addition short and leave the
+    // report's record unsettled.
+    let limits = state.limits.clone();
+    let added = tokio::spawn(async move { limits.add_usage(id.as_deref(), &usage).await });
+    match added.await {
+        Ok(Ok(())) => StatusCode::NO_CONTENT.into_response(),
+        Ok(Err(e)) => (StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n")).into_response(),
+        Err(e) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("the token report was not added: {e}\n"),
+        )
+            .into_response(),
     }
 }
+
+/// The request header naming a token report (the filter's `user_limits::REPORT_ID_HEADER`).
+const REPORT_ID_HEADER: &str = "x-pd-report-id";
 
 /// The first snapshot newer than `version`, or the current one after `wait`. Returns early
 /// when pd-control shuts down (its control loop drops the sender), so a held poll never

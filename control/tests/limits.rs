@@ -338,6 +338,71 @@ async fn checks_count_against_aibrix_records_and_survive_a_redis_outage() {
     assert!(metric(&base, "pd_control_user_limit_errors_total").await >= 4.0);
 }
 
+/// `POST /v1/limits/usage` of `body` under report id `id`: the status.
+async fn usage_as(base: &str, id: &str, body: &Value) -> u16 {
+    client()
+        .post(format!("{base}/v1/limits/usage"))
+        .header("x-pd-report-id", id)
+        .body(body.to_string())
+        .send()
+        .await
+        .expect("sent")
+        .status()
+        .as_u16()
+}
+
+/// A token report the filter sends again under the same `x-pd-report-id` (its answer was lost,
+/// or Redis took only some users) adds each user's tokens once: the users added the first
+/// time are skipped and counted as duplicates. Without an id, or under a new one, a report
+/// is always added.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_sent_again_adds_each_user_once() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let Some(redis) = Redis::start(free_port(), dir.path()) else {
+        return;
+    };
+    redis.wait_ready().await;
+    let mut db = redis.connection().await;
+    let (_service, base) = start(&fleet(dir.path()), Some(redis.url()), false).await;
+    let erin_tpm = "aibrix:erin_TPM_CURRENT:60000:counter";
+    let alice_tpm = "aibrix:alice_TPM_CURRENT:60000:counter";
+    let _: () = db.set(erin_tpm, "not a number").await.expect("set");
+    let report = json!({"alice": 7, "erin": 5});
+    // erin's counter cannot take it: 503, alice's tokens added.
+    assert_eq!(usage_as(&base, "vm1-1", &report).await, 503);
+    let tokens = |db: &mut redis::aio::MultiplexedConnection, key: &'static str| {
+        let mut db = db.clone();
+        async move { db.get::<_, Option<i64>>(key).await.expect("get") }
+    };
+    assert_eq!(tokens(&mut db, alice_tpm).await, Some(7));
+    // Sent again once erin's counter is sound: erin added, alice not again.
+    let _: () = db.del(erin_tpm).await.expect("del");
+    assert_eq!(usage_as(&base, "vm1-1", &report).await, 204);
+    assert_eq!(tokens(&mut db, alice_tpm).await, Some(7));
+    assert_eq!(tokens(&mut db, erin_tpm).await, Some(5));
+    assert_eq!(
+        metric(&base, "pd_control_user_usage_duplicates_total").await,
+        1.0
+    );
+    // A third copy (its 204 lost on the way back) adds nothing.
+    assert_eq!(usage_as(&base, "vm1-1", &report).await, 204);
+    assert_eq!(tokens(&mut db, alice_tpm).await, Some(7));
+    assert_eq!(tokens(&mut db, erin_tpm).await, Some(5));
+    assert_eq!(
+        metric(&base, "pd_control_user_usage_duplicates_total").await,
+        3.0
+    );
+    // The next report, and a report without an id, are added.
+    assert_eq!(usage_as(&base, "vm1-2", &report).await, 204);
+    assert_eq!(usage(&base, report.clone()).await, 204);
+    assert_eq!(tokens(&mut db, alice_tpm).await, Some(21));
+    assert_eq!(tokens(&mut db, erin_tpm).await, Some(15));
+    assert_eq!(
+        metric(&base, "pd_control_user_tokens_total").await,
+        7.0 + 5.0 + 24.0
+    );
+}
+
 /// A model's rate alone (AIBrix's `requestsPerSecond` as the filter sends it): increment,
 /// then check, taking a refused request back so that refusals do not use up the window; the
 /// window rule of the user counters; concurrent checks never over-admit; a broken counter and

@@ -223,6 +223,62 @@ fn answers_count_against_the_users_tpm_and_a_limited_stream_must_carry_its_usage
     stack.wait_ledger_zero();
 }
 
+/// A token report pd-control could not add (Redis refused the user's counter) goes again on
+/// the next ticks, and counts once Redis takes it: the answer's tokens are not lost to a
+/// short store failure.
+#[test]
+fn a_token_report_that_failed_is_sent_again_until_it_counts() {
+    let Some(store) = Store::start() else {
+        return;
+    };
+    store.user(json!({"name": "erin", "rpm": 100, "tpm": 100000}));
+    let stack = start(&store, "");
+    // Hold erin's request at its pod, admitted, while her counter is broken.
+    for pod in ["c-0", "c-1"] {
+        stack.arm_fault(json!({"pod": pod, "kind": "hang_before_headers"}));
+    }
+    let gateway = stack.gateway.clone();
+    let client = std::thread::spawn(move || {
+        let headers = [("routing-strategy", "random"), ("user", "erin")];
+        http::post_json(
+            &gateway,
+            "/v1/chat/completions",
+            &headers,
+            &question(false, false),
+        )
+    });
+    stack.wait_for_legs("full", 1);
+    let key = "aibrix:erin_TPM_CURRENT:60000:counter";
+    store.redis.command(&["SET", key, "broken"]);
+    stack.clear_faults();
+    let answer = client.join().expect("client thread");
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    let tokens = total_tokens(&answer);
+    // Refused, then sent again: at least two failed attempts, nothing given up.
+    eventually(Duration::from_secs(30), || {
+        let failures = stack.stat("pd_router_user_token_report_failures_total");
+        (failures >= 2)
+            .then_some(())
+            .ok_or(format!("{failures} failed token reports so far"))
+    });
+    assert_eq!(stack.stat("pd_router_user_tokens_reported_total"), 0);
+    store.redis.command(&["DEL", key]);
+    eventually(Duration::from_secs(30), || {
+        let counted = store.counter("erin", "TPM");
+        (counted == tokens).then_some(()).ok_or(format!(
+            "erin's TPM counter reads {counted}, the answer used {tokens}"
+        ))
+    });
+    eventually(Duration::from_secs(10), || {
+        let reported = stack.stat("pd_router_user_tokens_reported_total");
+        (reported == tokens)
+            .then_some(())
+            .ok_or(format!("{reported} tokens reported of {tokens}"))
+    });
+    assert_eq!(stack.stat("pd_router_user_tokens_unreported_total"), 0);
+    stack.wait_ledger_zero();
+}
+
 #[test]
 fn a_models_request_rate_is_held_to_its_profile() {
     let Some(store) = Store::start() else {

@@ -170,12 +170,33 @@ pub fn user_of(header: Option<String>) -> Result<Option<String>, RouteError> {
     }
 }
 
-/// Tokens used per user since the last report, one VM's worth.
+/// How long a report that did not arrive is sent again: a user's TPM counter covers a
+/// minute, so tokens older than that no longer change any admission.
+pub const RESEND_FOR_MS: u64 = 60_000;
+
+/// The request header naming a token report, so that pd-control adds a report sent again
+/// (after a timeout, or a Redis failure that took only some users) once per user.
+pub const REPORT_ID_HEADER: &str = "x-pd-report-id";
+
+/// One token report: `{"user": tokens, ...}`, its id and token total, and when it was first
+/// sent.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Report {
+    pub id: String,
+    pub body: Vec<u8>,
+    pub tokens: u64,
+    pub first_sent_ms: u64,
+}
+
+/// Tokens used per user since the last report, one VM's worth, and the report that did not
+/// arrive, if any, sent again before anything newer.
 #[derive(Debug, Default)]
 pub struct UsageBook {
     pending: HashMap<String, u64>,
     /// Tokens dropped because [`MAX_PENDING_USERS`] users were already waiting.
     pub dropped: u64,
+    resend: Option<Report>,
+    reports: u64,
 }
 
 impl UsageBook {
@@ -193,18 +214,40 @@ impl UsageBook {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.pending.is_empty()
+        self.pending.is_empty() && self.resend.is_none()
     }
 
-    /// Empties the book into a report body (`{"user": tokens, ...}`) and its token total.
-    pub fn take(&mut self) -> Option<(Vec<u8>, u64)> {
+    /// The next report to send: the one that did not arrive, unchanged (same id, so
+    /// pd-control skips the users it already added), else the tokens gathered since, under a
+    /// new id `<id_prefix>-<n>` (the prefix tells this VM's reports from every other's).
+    pub fn take(&mut self, id_prefix: &str, now_ms: u64) -> Option<Report> {
+        if let Some(report) = self.resend.take() {
+            return Some(report);
+        }
         if self.pending.is_empty() {
             return None;
         }
         let pending = std::mem::take(&mut self.pending);
-        let total = pending.values().fold(0u64, |a, b| a.saturating_add(*b));
+        let tokens = pending.values().fold(0u64, |a, b| a.saturating_add(*b));
         let body = serde_json::to_vec(&pending).ok()?;
-        Some((body, total))
+        self.reports += 1;
+        Some(Report {
+            id: format!("{id_prefix}-{}", self.reports),
+            body,
+            tokens,
+            first_sent_ms: now_ms,
+        })
+    }
+
+    /// `report` did not arrive (or not whole): kept to be sent again while it is younger
+    /// than [`RESEND_FOR_MS`]. Returns the tokens given up on (0 when kept).
+    pub fn failed(&mut self, report: Report, now_ms: u64) -> u64 {
+        if now_ms.saturating_sub(report.first_sent_ms) >= RESEND_FOR_MS {
+            return report.tokens;
+        }
+        let tokens = self.resend.take().map_or(0, |older| older.tokens);
+        self.resend = Some(report);
+        tokens
     }
 }
 
@@ -405,13 +448,15 @@ mod tests {
     #[test]
     fn the_book_sums_per_user_and_bounds_the_number_of_users() {
         let mut book = UsageBook::default();
-        assert!(book.take().is_none());
+        assert!(book.take("vm", 0).is_none());
         book.add("a", 5);
         book.add("a", 7);
         book.add("b", 0);
         book.add("b", 1);
-        let (body, total) = book.take().expect("a report");
+        let report = book.take("vm", 0).expect("a report");
+        let (body, total) = (report.body, report.tokens);
         assert_eq!(total, 13);
+        assert_eq!(report.id, "vm-1");
         let sent: std::collections::HashMap<String, u64> =
             serde_json::from_slice(&body).expect("json");
         assert_eq!(sent.len(), 2);
@@ -423,9 +468,31 @@ mod tests {
         assert_eq!(book.dropped, 6);
         book.add("u0", 1);
         assert_eq!(
-            book.take().map(|(_, t)| t),
+            book.take("vm", 0).map(|r| r.tokens),
             Some(2 * MAX_PENDING_USERS as u64 + 1)
         );
+    }
+
+    #[test]
+    fn a_report_that_did_not_arrive_goes_again_first_until_a_minute_has_passed() {
+        let mut book = UsageBook::default();
+        book.add("a", 5);
+        let first = book.take("vm7", 1_000).expect("a report");
+        book.add("b", 3);
+        assert_eq!(book.failed(first.clone(), 2_000), 0, "kept");
+        // The same report, same id, before the newer tokens.
+        assert_eq!(book.take("vm7", 3_000), Some(first.clone()));
+        let next = book.take("vm7", 3_000).expect("the newer tokens");
+        assert_eq!((next.id.as_str(), next.tokens), ("vm7-2", 3));
+        assert!(book.is_empty());
+        // Failing again later than a minute after it was first sent: given up.
+        assert_eq!(book.failed(first.clone(), 61_000), 5);
+        assert!(book.is_empty());
+        // Two failed reports at once (only one is ever in flight, but be safe): the older
+        // one is given up for the newer.
+        assert_eq!(book.failed(first, 2_000), 0);
+        assert_eq!(book.failed(next, 3_000), 5);
+        assert_eq!(book.take("vm7", 3_000).map(|r| r.tokens), Some(3));
     }
 
     #[test]

@@ -136,9 +136,13 @@ pub struct Metrics {
     /// `pd_router_user_tokens_reported_total`: answer tokens reported to pd-control for the
     /// users' TPM counters.
     pub user_tokens_reported: Option<u32>,
-    /// `pd_router_user_tokens_unreported_total`: tokens whose report failed or did not fit
+    /// `pd_router_user_tokens_unreported_total`: tokens given up on, their report failing
+    /// for a minute (`user_limits::RESEND_FOR_MS`), or that did not fit
     /// (`user_limits::MAX_PENDING_USERS`): the users' TPM counters miss them.
     pub user_tokens_unreported: Option<u32>,
+    /// `pd_router_user_token_report_failures_total`: token reports pd-control did not take
+    /// whole (no answer, or not 2xx); each is sent again on the next tick.
+    pub user_token_report_failures: Option<u32>,
     /// `pd_router_prefix_batches_missed_total`: other workers' prefix-event batches a worker
     /// could no longer read (their ring had moved on; `core::prefix::log`).
     pub prefix_batches_missed: Option<u32>,
@@ -274,6 +278,7 @@ impl Metrics {
             rate_limit_unchecked: define(c, "pd_router_rate_limit_unchecked_total"),
             user_tokens_reported: define(c, "pd_router_user_tokens_reported_total"),
             user_tokens_unreported: define(c, "pd_router_user_tokens_unreported_total"),
+            user_token_report_failures: define(c, "pd_router_user_token_report_failures_total"),
             prefix_batches_missed: define(c, "pd_router_prefix_batches_missed_total"),
             selection_us: define(MetricType::Histogram, "pd_router_selection_us"),
             selection_core_us: define(MetricType::Histogram, "pd_router_selection_core_us"),

@@ -64,8 +64,9 @@ pub struct Root {
     other_replicas: u32,
     /// Consecutive failed replica reports, logged at powers of two.
     report_failures: u64,
-    /// The token report in flight (`host::user_limits`) and the tokens it carries.
-    usage_in_flight: Option<(u32, u64)>,
+    /// The token report in flight (`host::user_limits`): the call's token and the report,
+    /// handed back to the book if it does not arrive.
+    usage_in_flight: Option<(u32, crate::core::user_limits::Report)>,
     usage_failures: u64,
     /// Publishes this VM's outstanding charges and reclaims those of dead VMs.
     journal: crate::host::journal::JournalWriter,
@@ -218,43 +219,53 @@ impl Root {
         if self.usage_in_flight.is_some() {
             return;
         }
+        let now = now_ms();
+        let prefix = format!("{:x}", self.token);
         let (report, plugin) = {
             let mut vm = self.vm.borrow_mut();
             let dropped = std::mem::take(&mut vm.user_usage.dropped);
             Metrics::add(vm.metrics.user_tokens_unreported, dropped);
-            let Some(report) = vm.user_usage.take() else {
+            let Some(report) = vm.user_usage.take(&prefix, now) else {
                 return;
             };
             (report, vm.plugin.clone())
         };
-        let (body, tokens) = report;
-        match crate::host::user_limits::send_usage(&plugin, &body) {
-            Ok(token) => self.usage_in_flight = Some((token, tokens)),
-            Err(e) => self.usage_failed(tokens, format!("cannot send the token report: {e}")),
+        match crate::host::user_limits::send_usage(&plugin, &report.id, &report.body) {
+            Ok(token) => self.usage_in_flight = Some((token, report)),
+            Err(e) => self.usage_failed(report, format!("cannot send the token report: {e}")),
         }
     }
 
-    fn on_usage_answer(&mut self, tokens: u64) {
+    fn on_usage_answer(&mut self, report: crate::core::user_limits::Report) {
         self.usage_in_flight = None;
         let status = self
             .get_http_call_response_header(":status")
             .unwrap_or_default();
         if status == "204" || status == "200" {
             self.usage_failures = 0;
-            Metrics::add(self.vm.borrow().metrics.user_tokens_reported, tokens);
+            Metrics::add(self.vm.borrow().metrics.user_tokens_reported, report.tokens);
         } else {
-            self.usage_failed(tokens, format!("token report answered status {status:?}"));
+            self.usage_failed(report, format!("token report answered status {status:?}"));
         }
     }
 
-    /// A lost report is not sent again: the users' TPM counters undercount by its tokens,
-    /// which `pd_router_user_tokens_unreported_total` shows.
-    fn usage_failed(&mut self, tokens: u64, why: String) {
-        Metrics::add(self.vm.borrow().metrics.user_tokens_unreported, tokens);
+    /// A report that did not arrive (or arrived only in part) goes again on the next ticks,
+    /// under the same id, for as long as its tokens still fall in the users' TPM minute;
+    /// after that its tokens are given up, and `pd_router_user_tokens_unreported_total`
+    /// counts them.
+    fn usage_failed(&mut self, report: crate::core::user_limits::Report, why: String) {
+        let tokens = report.tokens;
+        let given_up = {
+            let mut vm = self.vm.borrow_mut();
+            let given_up = vm.user_usage.failed(report, now_ms());
+            Metrics::add(vm.metrics.user_tokens_unreported, given_up);
+            Metrics::add(vm.metrics.user_token_report_failures, 1);
+            given_up
+        };
         self.usage_failures += 1;
         if self.usage_failures.is_power_of_two() {
             log::warn!(
-                "{why}: {tokens} tokens not counted against their users' TPM ({} consecutive failures)",
+                "{why}: {tokens} tokens not counted against their users' TPM yet, {given_up} given up ({} consecutive failures)",
                 self.usage_failures
             );
         }
@@ -587,8 +598,14 @@ impl Context for Root {
         if self.report_in_flight == Some(token) {
             return self.on_report_answer(body_size);
         }
-        if let Some((_, tokens)) = self.usage_in_flight.filter(|(t, _)| *t == token) {
-            return self.on_usage_answer(tokens);
+        if self
+            .usage_in_flight
+            .as_ref()
+            .is_some_and(|(t, _)| *t == token)
+        {
+            if let Some((_, report)) = self.usage_in_flight.take() {
+                return self.on_usage_answer(report);
+            }
         }
         if self.fetch_in_flight != Some(token) {
             let status = self

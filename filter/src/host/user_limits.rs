@@ -6,7 +6,7 @@ use std::time::Duration;
 use proxy_wasm::hostcalls;
 
 use crate::core::config::PluginConfig;
-use crate::core::user_limits::{ADMIT_PATH, USAGE_PATH};
+use crate::core::user_limits::{ADMIT_PATH, REPORT_ID_HEADER, USAGE_PATH};
 
 /// Asks pd-control to admit a request (`user_limits::admission_body`); returns the call's
 /// token.
@@ -14,27 +14,28 @@ pub fn send_admission(plugin: &PluginConfig, body: &[u8]) -> Result<u32, String>
     send(
         plugin,
         ADMIT_PATH,
-        "application/json",
+        None,
         body,
         Duration::from_millis(plugin.rate_limits_timeout_ms),
     )
 }
 
-/// Sends a token report (`UsageBook::take`); returns the call's token.
-pub fn send_usage(plugin: &PluginConfig, body: &[u8]) -> Result<u32, String> {
+/// Sends a token report (`UsageBook::take`) under its id; returns the call's token.
+pub fn send_usage(plugin: &PluginConfig, id: &str, body: &[u8]) -> Result<u32, String> {
     send(
         plugin,
         USAGE_PATH,
-        "application/json",
+        Some(id),
         body,
         Duration::from_millis(plugin.fetch_timeout_ms),
     )
 }
 
+/// POSTs a JSON `body` to pd-control; `report_id` names a token report.
 fn send(
     plugin: &PluginConfig,
     path: &str,
-    content_type: &str,
+    report_id: Option<&str>,
     body: &[u8],
     timeout: Duration,
 ) -> Result<u32, String> {
@@ -43,8 +44,11 @@ fn send(
         (":method", "POST"),
         (":path", path),
         (":authority", plugin.control_authority.as_str()),
-        ("content-type", content_type),
+        ("content-type", "application/json"),
     ];
+    if let Some(id) = report_id {
+        headers.push((REPORT_ID_HEADER, id));
+    }
     if let Some(value) = authorization.as_deref() {
         headers.push(("authorization", value));
     }
