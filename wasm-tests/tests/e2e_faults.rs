@@ -922,6 +922,29 @@ fn a_pod_pd_control_cannot_reach_costs_no_request_on_any_worker() {
     assert_clean_end(&stack, &fleet_pods(&fleet));
 }
 
+/// A pod already dead when pd-control starts (here pd-control restarts after the pod's engine
+/// died, so it never heard from that pod) is marked unreachable too, once another pod of its
+/// model has answered: the sibling proves pd-control reaches the model's pods, so the dead
+/// pod's refusals are taken at their word. No request goes there.
+#[test]
+fn a_pod_dead_before_pd_control_restarts_is_still_marked_unreachable() {
+    let fleet = Fleet::new(MODEL).combined("c-0").combined("c-1");
+    let mut stack = start_checked(fleet.clone(), &[]);
+    wait_scraped(&stack, &["c-0", "c-1"]);
+    stack.arm_fault(json!({"pod": "c-0", "kind": "crash"}));
+    stack.restart_control(&[]);
+    stack.wait_snapshot_adopted(|snap| marked_unreachable(snap, "c-0", true));
+    let single = [("routing-strategy", "least-request")];
+    for n in 0..12 {
+        let r = stack.chat(&single, &question(n));
+        assert_success(&r);
+        assert_eq!(r.header("target-pod"), Some("c-1"), "{}", describe(&r));
+    }
+    assert_eq!(stack.stat("pd_router_ejections_total"), 0, "nothing failed");
+    stack.clear_faults();
+    stack.wait_snapshot_adopted(|snap| marked_unreachable(snap, "c-0", false));
+}
+
 /// A decode pod that dies while its pair's prefill runs: once pd-control has marked it, the
 /// decode leg goes to the roleset's other decode pod when the prefill answers (vLLM pulls the
 /// KV from the prefill pod, whichever decode pod asks), and the request succeeds where it

@@ -86,9 +86,8 @@ struct PodState {
     metrics: PodMetrics,
     last_success: Option<Instant>,
     last_failed: bool,
-    /// Scrapes in a row that could not connect, counted only once the pod has answered at
-    /// this target (a port never reached may be a wrong port or a network policy, not a
-    /// dead engine).
+    /// Scrapes in a row that could not connect, counted once the pod has answered at this
+    /// target or another pod of its model has answered (see `ScrapeBook::answered_models`).
     refused: u32,
     /// When the engine last made progress or was idle (see `stall`); none before its first
     /// answered scrape.
@@ -153,6 +152,12 @@ pub struct ScrapeBook {
     /// How long running requests may go without progress before the pod counts as stalled;
     /// zero never.
     stalled_after: Duration,
+    /// Models at least one of whose pods has answered a scrape since pd-control started.
+    /// Until then a pod's refusals say nothing (every port unreachable may be a network
+    /// policy that lets the gateway in but not pd-control); after, a pod of the model that
+    /// refuses is taken at its word, even one that never answered: a pod still loading its
+    /// engine, or one already dead when pd-control restarted.
+    answered_models: HashSet<String>,
 }
 
 /// Whether `state` has held running requests without progress for `after` (zero: never).
@@ -181,6 +186,7 @@ impl ScrapeBook {
             stale_bound,
             unreachable_after,
             stalled_after: Duration::ZERO,
+            answered_models: HashSet::new(),
         }
     }
 
@@ -299,9 +305,14 @@ impl ScrapeBook {
                     tracing::info!(pod = %job.key, url = %job.url, "pod answers again; routable");
                 }
                 state.refused = 0;
+                if !self.answered_models.contains(&job.model) {
+                    self.answered_models.insert(job.model.clone());
+                }
             }
             Err(error) => {
-                if error.is_connect() && state.last_success.is_some() {
+                let trusted =
+                    state.last_success.is_some() || self.answered_models.contains(&job.model);
+                if error.is_connect() && trusted {
                     state.refused = state.refused.saturating_add(1);
                     if state.refused == self.unreachable_after {
                         tracing::warn!(
@@ -497,7 +508,7 @@ mod tests {
                 });
             }
         };
-        // b never answered: a port never reached may be a wrong port or a network policy.
+        // No pod of the model has answered yet: every port unreachable may be a network policy.
         for _ in 0..5 {
             round(&mut book, Some(refused()), Some(refused()));
         }
@@ -546,6 +557,39 @@ mod tests {
             off.apply(with(&jobs[0], t0, refused()));
         }
         assert!(!off.unreachable(&fleet[0]), "0 turns the check off");
+    }
+
+    #[test]
+    fn a_pod_that_never_answered_is_unreachable_once_a_pod_of_its_model_has() {
+        let mut book = ScrapeBook::new(Duration::from_millis(150), 3);
+        let mut other = pod("c", "10.0.0.3", true);
+        other.model = "other".into();
+        let fleet = vec![
+            pod("a", "10.0.0.1", true),
+            pod("b", "10.0.0.2", true),
+            other,
+        ];
+        let t0 = Instant::now();
+        // a answers; b (its engine still loading, say) and c refuse, three times.
+        for _ in 0..3 {
+            let jobs = book.plan(&fleet, t0);
+            for job in &jobs {
+                book.apply(if job.key.ends_with("/a") {
+                    ok(job, t0, 1.0, 0.0)
+                } else {
+                    with(job, t0, refused())
+                });
+            }
+        }
+        assert!(!book.unreachable(&fleet[0]));
+        assert!(
+            book.unreachable(&fleet[1]),
+            "a sibling answered: b is taken at its word"
+        );
+        assert!(
+            !book.unreachable(&fleet[2]),
+            "no pod of c's model ever answered: no verdict"
+        );
     }
 
     #[test]
