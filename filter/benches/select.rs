@@ -2,11 +2,13 @@
 //! the scratch buffers a VM keeps between requests; and the default policies on a fleet that
 //! was never scraped and carries no load (what `envoy/bench-v8.sh` measures inside Envoy);
 //! and what an `external-filter` header adds before the selection; and the single-pod
-//! strategies (one strategy, session-affinity, a blend of three) over standard pods.
+//! strategies (one strategy, session-affinity, vtc-basic, a blend of three) over standard
+//! pods.
 //! Run with `cargo bench -p pd-router-filter --bench select`.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use pd_router_filter::core::ledger::Ledger;
+use pd_router_filter::core::pd::vtc::{TokenTracker, VtcAsk, VtcSettings};
 use pd_router_filter::core::pd::{self, PdDefaults, PdSettings};
 use pd_router_filter::core::score::{DecodePolicy, PrefillPolicy};
 
@@ -116,6 +118,28 @@ fn single_pod(c: &mut Criterion) {
         }
         group.bench_function(BenchmarkId::new("session_affinity", pods), |b| {
             b.iter(|| session_affinity::select(&model, hint, &mut rng).expect("a pod"))
+        });
+        // vtc-basic as the host runs it: the user's place (among 1000 users), the running
+        // counts, the pick, the charge.
+        let vtc = VtcSettings::default();
+        let now = 1_800_000_000_000;
+        let mut tracker = TokenTracker::default();
+        for u in 0..1000u32 {
+            tracker.charge(&format!("user{u}"), 100.0 * f64::from(u + 1), now, &vtc);
+        }
+        group.bench_function(BenchmarkId::new("vtc_basic", pods), |b| {
+            b.iter(|| {
+                let ask = VtcAsk {
+                    user: Some("user500"),
+                    prompt_bytes: 2000,
+                    now_ms: now,
+                };
+                let place = ask.place(&model, &mut tracker, &vtc);
+                let running = pd::single::running_by_slot(&model, &ledger, true);
+                let pod = pd::vtc::select_vtc(&model, place, &running, &vtc, &mut rng);
+                ask.charge(&mut tracker, &vtc);
+                pod.expect("a pod")
+            })
         });
         group.bench_function(BenchmarkId::new("blend3", pods), |b| {
             b.iter(|| {

@@ -391,6 +391,11 @@ impl Root {
         let age = vm.prefix_settings.eviction_age_ms;
         vm.prefix.evict_older_than(now, age);
         vm.sessions.prune(now);
+        // Users idle for a whole window give their memory back (at most once a second).
+        let state = &mut *vm;
+        if state.vtc.users() > 0 {
+            state.vtc.sweep(now, &state.defaults.env.single.vtc);
+        }
         drop(vm);
         crate::host::holds::expire(&self.vm, now);
         if now >= self.next_adoption_show {
