@@ -240,21 +240,25 @@ pub fn place(user_tokens: f64, bounds: (f64, f64), pods: usize, s: &VtcSettings)
     }
 }
 
-/// Every standard pod's score by slot, lower is better, without the tie-breaking draw:
-/// `fairness × |index − place| + utilization × min(running / max_pod_load, 1)`. Other slots
-/// are NaN. `running` is by slot (0 where missing).
+/// One standard pod's score, lower is better, without the tie-breaking draw:
+/// `fairness × |index − place| + utilization × min(running / max_pod_load, 1)`.
+fn score(index: usize, place: f64, running: u32, s: &VtcSettings) -> f64 {
+    let utilization = if s.max_pod_load > 0.0 {
+        (f64::from(running) / s.max_pod_load).min(1.0)
+    } else {
+        1.0
+    };
+    s.fairness_weight * (index as f64 - place).abs() + s.utilization_weight * utilization
+}
+
+/// Every standard pod's [`score`] by slot, for a blend; other slots are NaN. `running` is
+/// by slot (0 where missing).
 pub fn scores(model: &ModelView, place: f64, running: &[u32], s: &VtcSettings) -> Vec<f64> {
     let mut out = vec![f64::NAN; model.pods.len()];
     for (index, &slot) in model.others.iter().enumerate() {
-        let load = f64::from(running.get(slot).copied().unwrap_or(0));
-        let utilization = if s.max_pod_load > 0.0 {
-            (load / s.max_pod_load).min(1.0)
-        } else {
-            1.0
-        };
-        let fairness = (index as f64 - place).abs();
+        let load = running.get(slot).copied().unwrap_or(0);
         if let Some(o) = out.get_mut(slot) {
-            *o = s.fairness_weight * fairness + s.utilization_weight * utilization;
+            *o = score(index, place, load, s);
         }
     }
     out
@@ -306,11 +310,10 @@ pub fn select_vtc(
     let pod = match place {
         None => pods[rng.usize(..pods.len())],
         Some(place) => {
-            let scores = scores(model, place, running, s);
             let mut best = MinPicker::new();
-            for &slot in pods {
-                let score = scores.get(slot).copied().unwrap_or(f64::NAN);
-                best.offer(score + rng.f64() * 0.1, slot, rng);
+            for (index, &slot) in pods.iter().enumerate() {
+                let load = running.get(slot).copied().unwrap_or(0);
+                best.offer(score(index, place, load, s) + rng.f64() * 0.1, slot, rng);
             }
             best.item().unwrap_or(pods[0])
         }
