@@ -608,15 +608,17 @@ fn a_failed_prefill_leg_answers_x_error_pd_prefill_and_releases_its_charges() {
         .pod("vllm-d-0", "decode", "group-0")
         .pod("vllm-p-1", "prefill", "group-1")
         .pod("vllm-d-1", "decode", "group-1");
-    // pd-sim does not serve dead-p-0: its address refuses connections. Passive ejection and
-    // prefill failover are off: this test is about the charges of failed legs, so the dead
-    // pod must stay chosen and its failures reach the client.
+    // pd-sim does not serve dead-p-0: its address refuses connections. Passive ejection,
+    // prefill failover and pd-control's reachability mark are off: this test is about the
+    // charges of failed legs, so the dead pod must stay chosen and its failures reach the
+    // client.
     let simulated = fleet.without("dead-p-0");
     let stack = Stack::start_opts(
         fleet,
         simulated,
         &Options {
             envoy_env: LEAST_REQUEST,
+            control_args: &["--unreachable-after", "0"],
             plugin_extra: r#""eject_after_failures": 0, "prefill_failover": 0"#,
             ..Options::default()
         },
