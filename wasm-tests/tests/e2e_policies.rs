@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use pd_wasm_tests::http;
-use pd_wasm_tests::stack::{eventually, Fleet, Stack};
+use pd_wasm_tests::stack::{eventually, Fleet, Options, Stack};
 use serde_json::json;
 
 const MODEL: &str = "tok-model";
@@ -799,14 +799,24 @@ fn aibrix_load_strategies_read_the_shared_running_counts() {
 /// `vtc-basic` in real Envoy: users are placed on the line of standard pods by their recent
 /// tokens. On one connection (one worker, whose counters these are), a user sending long
 /// prompts moves to the far end of the line, away from a user sending short ones, who keeps
-/// the first pod; requests without a `user` are drawn at random; PD pods never serve.
+/// the first pod; the explanation gives each user's place; requests without a `user` are drawn
+/// at random; PD pods never serve.
 #[test]
 fn vtc_basic_keeps_a_heavy_user_apart_from_a_light_one() {
-    let stack = Stack::start(pair_and_three_standard_pods());
+    let fleet = pair_and_three_standard_pods();
+    let stack = Stack::start_opts(
+        fleet.clone(),
+        fleet,
+        &Options {
+            explain: true,
+            ..Options::default()
+        },
+    );
     let mut conn = http::KeepAlive::connect(&stack.gateway).expect("connect");
+    // The pod and the explanation of one request.
     let mut send = |user: Option<&str>, prompt: &str| {
         let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2});
-        let mut headers = vec![("routing-strategy", "vtc-basic")];
+        let mut headers = vec![("routing-strategy", "vtc-basic"), ("x-pd-explain", "1")];
         if let Some(u) = user {
             headers.push(("user", u));
         }
@@ -817,7 +827,8 @@ fn vtc_basic_keeps_a_heavy_user_apart_from_a_light_one() {
         assert_eq!(r.header("routing-strategy"), Some("vtc-basic"));
         let pod = r.header("target-pod").expect("target-pod").to_string();
         assert!(pod.starts_with('c'), "{pod}");
-        pod
+        let why = r.header("x-pd-explain").unwrap_or_default().to_string();
+        (pod, why)
     };
     let long = "a long retrieved passage of text ".repeat(250);
     // Alone, the heavy user sits at its total over itself: the middle of three pods.
@@ -826,15 +837,29 @@ fn vtc_basic_keeps_a_heavy_user_apart_from_a_light_one() {
     }
     let mut light = std::collections::BTreeSet::new();
     let mut heavy = std::collections::BTreeSet::new();
+    let mut why = (String::new(), String::new());
     for _ in 0..10 {
-        light.insert(send(Some("light"), "hi"));
-        heavy.insert(send(Some("heavy"), &long));
+        let (pod, light_why) = send(Some("light"), "hi");
+        light.insert(pod);
+        let (pod, heavy_why) = send(Some("heavy"), &long);
+        heavy.insert(pod);
+        why = (light_why, heavy_why);
     }
     assert_eq!(light.len(), 1, "the light user keeps one pod: {light:?}");
     assert_eq!(heavy.len(), 1, "the heavy user keeps one pod: {heavy:?}");
     assert_ne!(light, heavy, "and they are not the same pod");
+    // The explanation gives each user's place on the line of three pods: the light user at
+    // its start, the heavy one at its end.
+    assert!(
+        why.0.starts_with("strategy=vtc-basic; place=0.00; pick=c"),
+        "{why:?}"
+    );
+    assert!(
+        why.1.starts_with("strategy=vtc-basic; place=2.00; pick=c"),
+        "{why:?}"
+    );
 
-    let anyone: std::collections::BTreeSet<_> = (0..30).map(|_| send(None, "hi")).collect();
+    let anyone: std::collections::BTreeSet<_> = (0..30).map(|_| send(None, "hi").0).collect();
     assert!(anyone.len() >= 2, "no user: drawn at random, {anyone:?}");
     let entries = stack.sim_requests();
     assert_eq!(entries.len(), 3 + 20 + 30, "one leg per request");

@@ -140,6 +140,8 @@ struct Observed {
     /// Filled by the selection only when the client asked and the plugin allows it.
     explain: Option<Box<Explain>>,
     explain_header: Option<String>,
+    /// vtc-basic's place for the user on the pod line, for the explanation.
+    vtc_place: Option<f64>,
 }
 
 pub struct PdHttp {
@@ -655,9 +657,12 @@ impl PdHttp {
         self.obs.times.routed_us = Some(now_us());
         if self.obs.explain.is_some() && self.obs.explain_header.is_none() {
             // Non-PD strategies have no cascade to explain: name the strategy and the pick.
-            let via = via
+            let mut via = via
                 .map(|v| format!("via={}; ", v.name()))
                 .unwrap_or_default();
+            if let Some(place) = self.obs.vtc_place {
+                via.push_str(&format!("place={place:.2}; "));
+            }
             let mut line = format!(
                 "strategy={strategy}; {via}pick={}",
                 model.pods[target.pod()].name
@@ -921,6 +926,9 @@ impl PdHttp {
             now_ms: now,
         });
         let vtc_place = vtc_ask.and_then(|a| a.place(model, &mut vm.vtc, vtc_settings));
+        if self.obs.explain.is_some() {
+            self.obs.vtc_place = vtc_place;
+        }
         let rng = &mut vm.rng;
         let hint = session_affinity::SessionHint {
             session_id: self
