@@ -140,6 +140,15 @@ async fn checks(base: &str, outcome: &str) -> f64 {
     .await
 }
 
+/// A `redis-server` accepting connections, and the test's own connection to it; `None` when
+/// the binary is missing.
+async fn store(dir: &Path) -> Option<(Redis, redis::aio::MultiplexedConnection)> {
+    let redis = Redis::start(free_port(), dir)?;
+    redis.wait_ready().await;
+    let db = redis.connection().await;
+    Some((redis, db))
+}
+
 /// Writes user records (`aibrix-users/<name>` → JSON), as AIBrix's user API stores them.
 async fn seed(db: &mut redis::aio::MultiplexedConnection, records: &[(&str, &str)]) {
     for (key, record) in records {
@@ -152,11 +161,9 @@ const ALICE_RPM: &str = "aibrix:alice_RPM_CURRENT:60000:counter";
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn checks_count_against_aibrix_records_and_survive_a_redis_outage() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let Some(redis) = Redis::start(free_port(), dir.path()) else {
+    let Some((redis, mut db)) = store(dir.path()).await else {
         return;
     };
-    redis.wait_ready().await;
-    let mut db = redis.connection().await;
     seed(
         &mut db,
         &[
@@ -358,11 +365,9 @@ async fn usage_as(base: &str, id: &str, body: &Value) -> u16 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_report_sent_again_adds_each_user_once() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let Some(redis) = Redis::start(free_port(), dir.path()) else {
+    let Some((redis, mut db)) = store(dir.path()).await else {
         return;
     };
-    redis.wait_ready().await;
-    let mut db = redis.connection().await;
     let (_service, base) = start(&fleet(dir.path()), Some(redis.url()), false).await;
     let erin_tpm = "aibrix:erin_TPM_CURRENT:60000:counter";
     let alice_tpm = "aibrix:alice_TPM_CURRENT:60000:counter";
@@ -410,11 +415,9 @@ async fn a_report_sent_again_adds_each_user_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn model_rates_are_counted_with_a_take_back() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let Some(redis) = Redis::start(free_port(), dir.path()) else {
+    let Some((redis, mut db)) = store(dir.path()).await else {
         return;
     };
-    redis.wait_ready().await;
-    let mut db = redis.connection().await;
     let (_service, base) = start(&fleet(dir.path()), Some(redis.url()), false).await;
 
     // llama: 2 requests per 30 s.
@@ -534,11 +537,9 @@ async fn model_rates_are_counted_with_a_take_back() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn user_and_model_are_checked_in_order() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let Some(redis) = Redis::start(free_port(), dir.path()) else {
+    let Some((redis, mut db)) = store(dir.path()).await else {
         return;
     };
-    redis.wait_ready().await;
-    let mut db = redis.connection().await;
     seed(
         &mut db,
         &[
