@@ -143,8 +143,7 @@ async fn checks(base: &str, outcome: &str) -> f64 {
 /// A `redis-server` accepting connections, and the test's own connection to it; `None` when
 /// the binary is missing.
 async fn store(dir: &Path) -> Option<(Redis, redis::aio::MultiplexedConnection)> {
-    let redis = Redis::start(free_port(), dir)?;
-    redis.wait_ready().await;
+    let redis = Redis::start_ready(dir).await?;
     let db = redis.connection().await;
     Some((redis, db))
 }
@@ -759,10 +758,9 @@ async fn the_aibrix_variable_turns_limits_off() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_the_user_store_every_user_has_the_default_limits() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let Some(redis) = Redis::start(free_port(), dir.path()) else {
+    let Some(redis) = Redis::start_ready(dir.path()).await else {
         return;
     };
-    redis.wait_ready().await;
     let fleet = fleet(dir.path());
     let control = Binary::start(
         &fleet,

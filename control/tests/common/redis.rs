@@ -51,6 +51,48 @@ impl Redis {
         .await;
     }
 
+    /// A server on a free port, answering: the port is probed free, but another test's
+    /// process may take it before redis-server binds (which then exits, while the other
+    /// process answers). So the server must report this child's process id, else another
+    /// port is tried. `None` when the binary is missing.
+    pub async fn start_ready(dir: &Path) -> Option<Redis> {
+        for _ in 0..5 {
+            let mut redis = Redis::start(free_port(), dir)?;
+            if redis.answers_as_itself().await {
+                return Some(redis);
+            }
+        }
+        panic!("redis-server did not start on any of five free ports");
+    }
+
+    /// Waits (up to the deadline) until the server on this port reports this child's process
+    /// id; false once the child exited or another process answered.
+    async fn answers_as_itself(&mut self) -> bool {
+        let pid = format!("process_id:{}", self.child.id());
+        let start = std::time::Instant::now();
+        while start.elapsed() < super::DEADLINE {
+            if !matches!(self.child.try_wait(), Ok(None)) {
+                return false;
+            }
+            let info = tokio::time::timeout(super::POLL * 10, self.info_server()).await;
+            if let Ok(Some(info)) = info {
+                return info.lines().any(|l| l.trim() == pid);
+            }
+            tokio::time::sleep(super::POLL).await;
+        }
+        false
+    }
+
+    async fn info_server(&self) -> Option<String> {
+        let client = redis::Client::open(self.url()).ok()?;
+        let mut conn = client.get_multiplexed_async_connection().await.ok()?;
+        redis::cmd("INFO")
+            .arg("server")
+            .query_async::<String>(&mut conn)
+            .await
+            .ok()
+    }
+
     /// A connection of the test's own, to seed and inspect keys.
     pub async fn connection(&self) -> redis::aio::MultiplexedConnection {
         redis::Client::open(self.url())
