@@ -86,8 +86,8 @@ pub struct Config {
     #[arg(long, value_name = "N", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
     pub scrape_concurrency: u32,
 
-    /// A pod that answered a scrape before and whose engine then refuses this many scrape
-    /// connections in a row (refused, no route, or no answer to the connection attempt within
+    /// A pod that answered a scrape before (or of whose model another pod has) and whose
+    /// engine refuses this many scrape connections in a row (refused, no route, or no answer to the connection attempt within
     /// half `--scrape-timeout`) is marked unreachable in the snapshot: the gateway routes
     /// around it at once, on every worker and replica, well before Kubernetes marks it unready
     /// (or, with a fleet file, ever does). Its first answered scrape clears the mark. `0`
