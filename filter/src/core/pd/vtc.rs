@@ -545,4 +545,78 @@ mod tests {
         assert_eq!(place(4500.0, (1000.0, 5000.0), 4, &s), 1.5);
         assert_eq!(place(10.0, (0.0, 0.0), 1, &s), 0.0);
     }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Charge { user: usize, tokens: u32, dt: u64 },
+        Tokens { user: usize, dt: u64 },
+        Sweep { dt: u64 },
+    }
+
+    fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        prop_oneof![
+            4 => (0..5usize, 1..1000u32, 0..3000u64)
+                .prop_map(|(user, tokens, dt)| Op::Charge { user, tokens, dt }),
+            2 => (0..5usize, 0..3000u64).prop_map(|(user, dt)| Op::Tokens { user, dt }),
+            1 => (0..5000u64).prop_map(|dt| Op::Sweep { dt }),
+        ]
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+        /// Whatever the order of charges, reads and sweeps: a user's tokens are the sum of its
+        /// charges whose bucket is still in the window, every total is its buckets' sum, and
+        /// the ordered multiset holds exactly the positive totals (so the bounds are their
+        /// min and max).
+        #[test]
+        fn the_window_and_the_bounds_agree_with_a_log_of_charges(
+            ops in proptest::collection::vec(op(), 1..80),
+        ) {
+            let s = VtcSettings { window_ms: 10_000, bucket_ms: 1000, ..VtcSettings::default() };
+            let users = ["a", "b", "c", "d", "e"];
+            let mut t = TokenTracker::default();
+            let mut log: Vec<(usize, u64, f64)> = Vec::new();
+            let mut now = 1_000u64;
+            for op in ops {
+                match op {
+                    Op::Charge { user, tokens, dt } => {
+                        now += dt;
+                        t.charge(users[user], f64::from(tokens), now, &s);
+                        log.push((user, now - now % 1000, f64::from(tokens)));
+                    }
+                    Op::Tokens { user, dt } => {
+                        now += dt;
+                        let cutoff = now.saturating_sub(s.window_ms);
+                        let want: f64 = log
+                            .iter()
+                            .filter(|(u, at, _)| *u == user && *at >= cutoff)
+                            .map(|(_, _, n)| n)
+                            .sum();
+                        proptest::prop_assert_eq!(t.tokens(users[user], now, &s), want);
+                    }
+                    Op::Sweep { dt } => {
+                        now += dt;
+                        t.sweep(now, &s);
+                    }
+                }
+                let mut positive: Vec<u64> = Vec::new();
+                for w in t.users.values() {
+                    let sum: f64 = w.buckets.iter().map(|(_, n)| n).sum();
+                    proptest::prop_assert_eq!(w.total, sum);
+                    if w.total > EMPTY {
+                        positive.push(w.total.to_bits());
+                    }
+                }
+                positive.sort_unstable();
+                let held: Vec<u64> = t
+                    .totals
+                    .iter()
+                    .flat_map(|(bits, n)| std::iter::repeat_n(*bits, *n as usize))
+                    .collect();
+                proptest::prop_assert_eq!(held, positive);
+            }
+        }
+    }
 }
