@@ -506,6 +506,16 @@ impl Stack {
         Stack::start_inner(fleet, simulated, options, None, &[])
     }
 
+    /// [`Stack::start`] with routing explanations allowed (`"explain": true`), so a request
+    /// carrying `x-pd-explain: 1` gets one.
+    pub fn start_explained(fleet: Fleet) -> Stack {
+        let options = Options {
+            explain: true,
+            ..Options::default()
+        };
+        Stack::start_opts(fleet.clone(), fleet, &options)
+    }
+
     /// Like [`Stack::start_full`] with extra pd-control arguments (e.g. `--redis URL`).
     pub fn start_with_control_args(
         fleet: Fleet,

@@ -447,15 +447,7 @@ fn a_known_load_shows_up_with_contract_names_labels_and_values() {
 
 #[test]
 fn an_explanation_is_returned_only_when_asked_and_names_the_pick() {
-    let fleet = fleet();
-    let stack = Stack::start_opts(
-        fleet.clone(),
-        fleet,
-        &Options {
-            explain: true,
-            ..Options::default()
-        },
-    );
+    let stack = Stack::start_explained(fleet());
     let mut headers = PD.to_vec();
     headers.push(("x-pd-explain", "1"));
     let r = stack.chat(&headers, &chat(false, 2));

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use pd_wasm_tests::http;
-use pd_wasm_tests::stack::{eventually, Fleet, Options, Stack};
+use pd_wasm_tests::stack::{eventually, Fleet, Stack};
 use serde_json::json;
 
 const MODEL: &str = "tok-model";
@@ -803,15 +803,7 @@ fn aibrix_load_strategies_read_the_shared_running_counts() {
 /// at random; PD pods never serve.
 #[test]
 fn vtc_basic_keeps_a_heavy_user_apart_from_a_light_one() {
-    let fleet = pair_and_three_standard_pods();
-    let stack = Stack::start_opts(
-        fleet.clone(),
-        fleet,
-        &Options {
-            explain: true,
-            ..Options::default()
-        },
-    );
+    let stack = Stack::start_explained(pair_and_three_standard_pods());
     let mut conn = http::KeepAlive::connect(&stack.gateway).expect("connect");
     // The pod and the explanation of one request.
     let mut send = |user: Option<&str>, prompt: &str| {

@@ -54,6 +54,18 @@ impl Store {
     }
 }
 
+impl Store {
+    /// Waits until `user`'s TPM counter reads `want` (the filter reports from its ticks).
+    fn wait_tpm(&self, user: &str, want: u64, within: Duration) {
+        eventually(within, || {
+            let counted = self.counter(user, "TPM");
+            (counted == want)
+                .then_some(())
+                .ok_or(format!("{user}'s TPM counter reads {counted}, want {want}"))
+        });
+    }
+}
+
 impl Drop for Store {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.dir);
@@ -192,21 +204,11 @@ fn answers_count_against_the_users_tpm_and_a_limited_stream_must_carry_its_usage
     assert_eq!(streamed.status, 200, "{}", streamed.text());
     let first = total_tokens(&streamed);
     assert!(first > 0 && first < 20, "the stream used {first} tokens");
-    eventually(Duration::from_secs(10), || {
-        let counted = store.counter("bob", "TPM");
-        (counted == first).then_some(()).ok_or(format!(
-            "bob's TPM counter reads {counted}, the stream used {first}"
-        ))
-    });
+    store.wait_tpm("bob", first, Duration::from_secs(10));
     let whole = chat(&stack, Some("bob"), question(false, false));
     assert_eq!(whole.status, 200, "{}", whole.text());
     let second = total_tokens(&whole);
-    eventually(Duration::from_secs(10), || {
-        let counted = store.counter("bob", "TPM");
-        (counted == first + second).then_some(()).ok_or(format!(
-            "bob's TPM counter reads {counted}, the answers used {first} + {second}"
-        ))
-    });
+    store.wait_tpm("bob", first + second, Duration::from_secs(10));
     assert!(first + second >= 20, "the test needs bob over 20 tokens");
     let refused = chat(&stack, Some("bob"), question(false, false));
     assert_eq!(refused.status, 429, "{}", refused.text());
@@ -263,12 +265,7 @@ fn a_token_report_that_failed_is_sent_again_until_it_counts() {
     });
     assert_eq!(stack.stat("pd_router_user_tokens_reported_total"), 0);
     store.redis.command(&["DEL", key]);
-    eventually(Duration::from_secs(30), || {
-        let counted = store.counter("erin", "TPM");
-        (counted == tokens).then_some(()).ok_or(format!(
-            "erin's TPM counter reads {counted}, the answer used {tokens}"
-        ))
-    });
+    store.wait_tpm("erin", tokens, Duration::from_secs(30));
     eventually(Duration::from_secs(10), || {
         let reported = stack.stat("pd_router_user_tokens_reported_total");
         (reported == tokens)
