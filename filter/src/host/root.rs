@@ -237,7 +237,6 @@ impl Root {
     }
 
     fn on_usage_answer(&mut self, report: crate::core::user_limits::Report) {
-        self.usage_in_flight = None;
         let status = self
             .get_http_call_response_header(":status")
             .unwrap_or_default();
@@ -393,9 +392,7 @@ impl Root {
         vm.sessions.prune(now);
         // Users idle for a whole window give their memory back (at most once a second).
         let state = &mut *vm;
-        if state.vtc.users() > 0 {
-            state.vtc.sweep(now, &state.defaults.env.single.vtc);
-        }
+        state.vtc.sweep(now, &state.defaults.env.single.vtc);
         drop(vm);
         crate::host::holds::expire(&self.vm, now);
         if now >= self.next_adoption_show {
@@ -603,14 +600,8 @@ impl Context for Root {
         if self.report_in_flight == Some(token) {
             return self.on_report_answer(body_size);
         }
-        if self
-            .usage_in_flight
-            .as_ref()
-            .is_some_and(|(t, _)| *t == token)
-        {
-            if let Some((_, report)) = self.usage_in_flight.take() {
-                return self.on_usage_answer(report);
-            }
+        if let Some((_, report)) = self.usage_in_flight.take_if(|(t, _)| *t == token) {
+            return self.on_usage_answer(report);
         }
         if self.fetch_in_flight != Some(token) {
             let status = self
