@@ -172,8 +172,10 @@ start_sim() { # name fleet admin-port args...
 }
 
 start_control() { # name fleet port
+  seed_eds "$RUN/eds-$3"
   start_server 30 "$1" grep -q "pd-control: listening" "$RUN/$1.out" -- \
-    "$BIN/pd-control" --fleet "$2" --listen "127.0.0.1:$3" --refresh-interval 50ms
+    "$BIN/pd-control" --fleet "$2" --listen "127.0.0.1:$3" --refresh-interval 50ms \
+    --eds-file "$RUN/eds-$3/pd-pods.json"
 }
 
 loaded_vms() { # admin-port concurrency
@@ -186,7 +188,8 @@ start_envoy_pd() { # name listen admin control-port [env...]
   local name=$1 port=$2 admin=$3 control=$4; shift 4
   sed -e "s#@LISTEN_ADDR@#127.0.0.1#; s#@LISTEN_PORT@#$port#; s#@ADMIN_PORT@#$admin#" \
       -e "s#@WASM_PATH@#$WASM#; s#@CONTROL_ADDR@#127.0.0.1#; s#@CONTROL_PORT@#$control#" \
-      -e "s#@REFRESH_MS@#50#; s#@ACCESS_LOG@#/dev/null#" envoy/envoy.yaml.tmpl > "$RUN/$name.yaml"
+      -e "s#@REFRESH_MS@#50#; s#@ACCESS_LOG@#/dev/null#; s#@EDS_DIR@#$(realpath "$RUN/eds-$control")#g" \
+      envoy/envoy.yaml.tmpl > "$RUN/$name.yaml"
   start_server 30 "$name" loaded_vms "$admin" 2 -- env "$@" "$ENVOY" -c "$RUN/$name.yaml" \
     --concurrency 2 --disable-hot-restart -l warn
   ENVOY_PID=$LAST_PID

@@ -63,7 +63,8 @@ envoy/stack.sh up "$fleet" 1 "$PORT" "$PROFILE" >/dev/null
 # pd-router beside the stack's own Envoy (which stays idle), on the same pd-control.
 sed -e "s#@LISTEN_ADDR@#127.0.0.1#; s#@LISTEN_PORT@#$((PORT + 1))#; s#@ADMIN_PORT@#$((ADMIN_PORT + 1))#" \
   -e "s#@WASM_PATH@#$(realpath "$WASM")#; s#@CONTROL_ADDR@#127.0.0.1#; s#@CONTROL_PORT@#$CONTROL_PORT#" \
-  -e "s#@REFRESH_MS@#${PD_REFRESH_MS:-50}#; s#@ACCESS_LOG@#/dev/null#" envoy/envoy.yaml.tmpl > "$work/pd.tmpl.yaml"
+  -e "s#@REFRESH_MS@#${PD_REFRESH_MS:-50}#; s#@ACCESS_LOG@#/dev/null#; s#@EDS_DIR@#$(realpath .run/eds)#g" \
+  envoy/envoy.yaml.tmpl > "$work/pd.tmpl.yaml"
 with_phase_log "$work/pd.tmpl.yaml" "$work/pd-router.log" > "$work/pd-router.yaml"
 render_floor $((PORT + 10)) $((ADMIN_PORT + 10)) "$PREFILL" "$DECODE" "$FLOOR" $BOOT_PORT > "$work/floor.tmpl.yaml"
 with_phase_log "$work/floor.tmpl.yaml" "$work/floor.log" > "$work/floor.yaml"

@@ -19,6 +19,17 @@ hold_measure_lock() {
   echo "$1 (pid $$, since $(date +%T))" > "$dir/measure.holder"
 }
 
+# The drop-in's retrying cluster reads DIR/pd-pods.json, which pd-control rewrites when run
+# with `--eds-file DIR/pd-pods.json`; Envoy refuses to start without the file, so a renderer
+# seeds one listing no pod (kept if already there):
+#   seed_eds DIR
+seed_eds() {
+  mkdir -p "$1"
+  [ -f "$1/pd-pods.json" ] || printf '%s\n' \
+    '{"version_info":"0","resources":[{"@type":"type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment","cluster_name":"pd_pods_retry"}]}' \
+    > "$1/pd-pods.json"
+}
+
 # The PD-hop floor filter (filter/examples/pd_floor.rs) between one prefill and one decode pod:
 #   render_floor LISTEN_PORT ADMIN_PORT PREFILL_HOST:PORT DECODE_HOST:PORT FLOOR_WASM [BOOT_PORT]
 # With BOOT_PORT the filter speaks SGLang (both legs at once, that bootstrap port), else vLLM.
@@ -26,7 +37,10 @@ render_floor() {
   local extra=
   [ -n "${6:-}" ] && extra=",\"protocol\":\"sglang\",\"bootstrap_port\":$6"
   local config="{\"prefill\":\"$3\",\"decode\":\"$4\",\"cluster\":\"pd_pods\",\"dst_header\":\"target-pod\"$extra}"
-  sed -e "s#@LISTEN_ADDR@#127.0.0.1#; s#@LISTEN_PORT@#$1#; s#@ADMIN_PORT@#$2#" \
+  # The floor names no stand-in: its retrying cluster stays empty.
+  local eds="${TMPDIR:-/tmp}/pd-router-floor-eds"
+  seed_eds "$eds"
+  sed -e "s#@EDS_DIR@#$eds#g" -e "s#@LISTEN_ADDR@#127.0.0.1#; s#@LISTEN_PORT@#$1#; s#@ADMIN_PORT@#$2#" \
     -e "s#@WASM_PATH@#$(realpath "$5")#; s#@CONTROL_ADDR@#127.0.0.1#; s#@CONTROL_PORT@#1#" \
     -e "s#@REFRESH_MS@#50#; s#@ACCESS_LOG@#/dev/null#" \
     -e "s#value: '{\"control_cluster.*#value: '$config'#" envoy/envoy.yaml.tmpl

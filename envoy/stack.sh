@@ -12,6 +12,8 @@
 # AIBRIX_* variable for the filter.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=envoy/render.sh
+source envoy/render.sh
 RUN=.run
 ADMIN_PORT=${ADMIN_PORT:-9901}
 CONTROL_PORT=${CONTROL_PORT:-18081}
@@ -55,11 +57,16 @@ up() {
     start pd-sim "$bin/pd-sim" --fleet "$fleet" --admin "127.0.0.1:$SIM_ADMIN_PORT" $timing ${SIM_ARGS:-}
     wait_for_line "$RUN/pd-sim.out" "pd-sim: serving" 30 pd-sim
   fi
-  start pd-control "$bin/pd-control" --fleet "$fleet" --listen "127.0.0.1:$CONTROL_PORT" --refresh-interval "${CONTROL_REFRESH_MS:-$REFRESH_MS}ms"
+  # The drop-in's retrying cluster reads the endpoint file pd-control writes.
+  local eds
+  eds=$(realpath "$RUN")/eds
+  seed_eds "$eds"
+  start pd-control "$bin/pd-control" --fleet "$fleet" --listen "127.0.0.1:$CONTROL_PORT" --refresh-interval "${CONTROL_REFRESH_MS:-$REFRESH_MS}ms" \
+    --eds-file "$eds/pd-pods.json"
   wait_for_line "$RUN/pd-control.out" "pd-control: listening" 30 pd-control
   sed -e "s#@LISTEN_ADDR@#127.0.0.1#; s#@LISTEN_PORT@#$port#; s#@ADMIN_PORT@#$ADMIN_PORT#" \
       -e "s#@WASM_PATH@#$(realpath "$wasm")#; s#@CONTROL_ADDR@#127.0.0.1#; s#@CONTROL_PORT@#$CONTROL_PORT#" \
-      -e "s#@REFRESH_MS@#$REFRESH_MS#; s#@ACCESS_LOG@#$RUN/access.log#" envoy/envoy.yaml.tmpl > "$RUN/envoy.yaml"
+      -e "s#@REFRESH_MS@#$REFRESH_MS#; s#@ACCESS_LOG@#$RUN/access.log#; s#@EDS_DIR@#$eds#g" envoy/envoy.yaml.tmpl > "$RUN/envoy.yaml"
   start envoy "$envoy" -c "$RUN/envoy.yaml" --concurrency "$CONCURRENCY" --disable-hot-restart \
       --log-path "$RUN/envoy.log" --file-flush-interval-msec 200 -l info
   local deadline=$((SECONDS + 30)) want=$((CONCURRENCY + 1))

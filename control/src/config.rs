@@ -146,6 +146,19 @@ pub struct Config {
     /// without, 279 KB with), which every gateway VM reads at each refresh.
     #[arg(long, value_name = "all|none|KEY,...", default_value = "all", value_parser = LabelPolicy::parse)]
     pub pod_labels: LabelPolicy,
+
+    /// Also write every pod's address (`ip:port`, ready or not) as an Envoy endpoint file
+    /// for the gateway's retrying cluster (`pd_pods_retry` of `envoy/envoy.yaml.tmpl`, read
+    /// through a path config source). Envoy retries a request whose chosen pod refuses the
+    /// connection only on a host that cluster knows; snapshots then tell the gateways they may
+    /// name a stand-in pod. Rewritten by rename when the set changes, before the snapshot
+    /// naming a new pod is served; a pod that left stays in it for 30 s.
+    #[arg(long, value_name = "FILE")]
+    pub eds_file: Option<PathBuf>,
+
+    /// The cluster name written into `--eds-file`.
+    #[arg(long, value_name = "NAME", default_value = crate::eds::DEFAULT_CLUSTER)]
+    pub eds_cluster: String,
 }
 
 /// Settings that clap would have rejected, caught again for configs built in code.
@@ -237,6 +250,8 @@ impl Config {
             user_records_off_by_env: false,
             snapshot_token_file: None,
             pod_labels: LabelPolicy::All,
+            eds_file: None,
+            eds_cluster: crate::eds::DEFAULT_CLUSTER.into(),
         }
     }
 

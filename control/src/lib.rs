@@ -9,6 +9,7 @@
 
 pub mod auth;
 pub mod config;
+pub mod eds;
 pub mod fleet;
 pub mod limits;
 pub mod redis_link;

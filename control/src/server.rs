@@ -465,6 +465,13 @@ pub fn render_metrics(
         "Fleet updates rejected (unreadable or invalid); the previous fleet was kept.",
         &plain(stats.fleet_reload_errors_total().to_string()),
     );
+    family(
+        &mut out,
+        "pd_control_eds_write_errors_total",
+        "counter",
+        "Failed writes of the retrying cluster's endpoint file (--eds-file); the previous file stays in force.",
+        &plain(stats.eds_write_errors_total().to_string()),
+    );
     if let Some(ms) = stats.last_fleet_event_ms() {
         family(
             &mut out,
@@ -518,6 +525,7 @@ mod tests {
                 labels: None,
             }],
             user_limits: false,
+            eds: false,
         };
         Published {
             version: 4,

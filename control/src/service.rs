@@ -14,6 +14,7 @@ use tokio::task::JoinHandle;
 use tokio::time::MissedTickBehavior;
 
 use crate::config::{Config, ConfigError, SourceKind, UserLimitsSetting};
+use crate::eds::{EdsError, EdsWriter};
 use crate::limits::UserLimits;
 use crate::replicas::ReplicaBook;
 use crate::scrape::{Outcome, ScrapeBook, Scraper};
@@ -41,6 +42,8 @@ pub enum Error {
     Signal(#[source] io::Error),
     #[error(transparent)]
     Token(#[from] crate::auth::TokenError),
+    #[error(transparent)]
+    Eds(#[from] EdsError),
     #[error("background task failed: {0}")]
     Task(#[from] tokio::task::JoinError),
 }
@@ -177,8 +180,16 @@ pub async fn start_with_source<S: FleetSource>(
         Scraper::new(config.scrape_timeout, concurrency).map_err(Error::Client)?;
     let book = ScrapeBook::new(config.stale_bound(), config.unreachable_after)
         .with_stalled_after(config.stalled_after);
-    let mut builder = SnapshotBuilder::with_user_limits(limits.enabled());
+    // The endpoint file goes first: Envoy must know every pod before a snapshot names it.
+    let mut eds = config
+        .eds_file
+        .as_ref()
+        .map(|path| EdsWriter::new(path, config.eds_cluster.clone()));
     let now = Instant::now();
+    if let Some(eds) = eds.as_mut() {
+        eds.update(&fleet, now)?;
+    }
+    let mut builder = SnapshotBuilder::with_user_limits(limits.enabled()).with_eds(eds.is_some());
     let first = builder.update(
         snapshot::models(&fleet, &config.pod_labels, |p| book.observe(p, now)),
         crate::unix_ms_now(),
@@ -198,6 +209,11 @@ pub async fn start_with_source<S: FleetSource>(
         stats: stats.clone(),
         interval: config.refresh_interval,
         labels: config.pod_labels.clone(),
+        eds: eds.map(|writer| EdsState {
+            writer,
+            fleet: fleet.clone(),
+            at: now,
+        }),
     };
     let tasks = vec![
         tokio::spawn(source.watch(publisher, shutdown.clone())),
@@ -283,6 +299,29 @@ struct ControlLoop {
     stats: Arc<Stats>,
     interval: Duration,
     labels: snapshot::LabelPolicy,
+    eds: Option<EdsState>,
+}
+
+/// The endpoint file's writer and the fleet it last took in.
+struct EdsState {
+    writer: EdsWriter,
+    fleet: Fleet,
+    at: Instant,
+}
+
+impl EdsState {
+    /// Takes in `fleet` when it is a new one, or once a second for pods whose linger ran out.
+    fn update(&mut self, fleet: &Fleet, now: Instant, stats: &Stats) {
+        if Arc::ptr_eq(&self.fleet, fleet) && now.duration_since(self.at) < Duration::from_secs(1) {
+            return;
+        }
+        self.fleet = fleet.clone();
+        self.at = now;
+        if let Err(e) = self.writer.update(fleet, now) {
+            stats.eds_write_error();
+            tracing::warn!("{e}; retrying within a second");
+        }
+    }
 }
 
 impl ControlLoop {
@@ -345,6 +384,9 @@ impl ControlLoop {
             });
         }
         let now = Instant::now();
+        if let Some(eds) = self.eds.as_mut() {
+            eds.update(&fleet, now, &self.stats);
+        }
         let models = snapshot::models(&fleet, &self.labels, |pod| self.book.observe(pod, now));
         let update = self.builder.update(models, crate::unix_ms_now());
         if update.changed {

@@ -66,6 +66,8 @@ pub struct Stats {
     scrape_errors_by_pod: Mutex<BTreeMap<String, u64>>,
     scrape_latency: Histogram,
     fleet_reload_errors_total: AtomicU64,
+    /// Failed writes of the retrying cluster's endpoint file (`--eds-file`).
+    eds_write_errors_total: AtomicU64,
     /// Snapshot API requests refused for a missing or wrong token.
     unauthorized_total: AtomicU64,
     /// `f64::to_bits` of the last completed round's duration in seconds.
@@ -136,6 +138,14 @@ impl Stats {
     pub fn fleet_reload_error(&self) {
         self.fleet_reload_errors_total
             .fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn eds_write_error(&self) {
+        self.eds_write_errors_total.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn eds_write_errors_total(&self) -> u64 {
+        self.eds_write_errors_total.load(Ordering::Relaxed)
     }
 
     pub fn unauthorized(&self) {

@@ -534,6 +534,15 @@ fn wasm_plugin_mirrors_the_drop_in_and_never_fails_open() {
     let (json, config) = plugin_config(&plugin);
     let (drop_in_json, host_env_keys) = drop_in();
     for (key, value) in drop_in_json.as_object().unwrap() {
+        if key == "connect_retry" {
+            // The drop-in's retrying cluster reads pd-control's endpoint file from Envoy's
+            // own filesystem; an Istio gateway has no such cluster, so it names no stand-in.
+            assert!(
+                !config.connect_retry,
+                "connect_retry without a retrying cluster"
+            );
+            continue;
+        }
         assert_eq!(
             json.get(key),
             Some(value),

@@ -413,6 +413,7 @@ async fn serves_scraped_fleet_and_follows_fleet_edits() {
         "pd_control_scrape_latency_seconds_bucket{le=\"+Inf\"} ",
         "pd_control_scrape_duration_seconds ",
         "pd_control_fleet_reload_errors_total ",
+        "pd_control_eds_write_errors_total ",
         "pd_control_fleet_event_age_seconds{source=\"file\"} ",
     ] {
         assert!(text.contains(family), "{family:?} missing from:\n{text}");

@@ -38,6 +38,7 @@ fn fleet(pods: usize) -> ModelView {
         version: 1,
         generated_unix_ms: 0,
         user_limits: false,
+        eds: false,
         models: vec![proto::Model {
             name: "m".into(),
             pods: list,

@@ -299,14 +299,33 @@ fn wasm_path() -> PathBuf {
     path
 }
 
-/// Renders `envoy/envoy.yaml.tmpl`.
+/// The retrying cluster's endpoint file in `eds_dir` (pd-control `--eds-file`).
+pub const EDS_FILE: &str = "pd-pods.json";
+
+/// Writes an endpoint file listing no pod into `eds_dir` unless one is there: Envoy refuses to
+/// start without it, and pd-control (which writes the real one) may start after Envoy.
+pub fn seed_eds(eds_dir: &Path) {
+    std::fs::create_dir_all(eds_dir).expect("EDS dir");
+    let path = eds_dir.join(EDS_FILE);
+    if !path.exists() {
+        let empty = serde_json::json!({"version_info": "0", "resources": [{
+            "@type": "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
+            "cluster_name": "pd_pods_retry",
+        }]});
+        std::fs::write(path, empty.to_string()).expect("EDS seed");
+    }
+}
+
+/// Renders `envoy/envoy.yaml.tmpl`, the retrying cluster reading `eds_dir` (seeded).
 pub fn render_envoy(
     listen_port: u16,
     admin_port: u16,
     control_port: u16,
     refresh_ms: u64,
     access_log: &Path,
+    eds_dir: &Path,
 ) -> String {
+    seed_eds(eds_dir);
     let template =
         std::fs::read_to_string(repo_root().join("envoy/envoy.yaml.tmpl")).expect("envoy template");
     template
@@ -318,6 +337,7 @@ pub fn render_envoy(
         .replace("@CONTROL_PORT@", &control_port.to_string())
         .replace("@REFRESH_MS@", &refresh_ms.to_string())
         .replace("@ACCESS_LOG@", &access_log.display().to_string())
+        .replace("@EDS_DIR@", &eds_dir.display().to_string())
 }
 
 /// Turns on `explain` in a rendered drop-in's plugin configuration.
@@ -625,6 +645,7 @@ impl Stack {
             control_port,
             50,
             &self.dir.join(format!("access-{n}.log")),
+            &self.eds_dir(),
         );
         std::fs::write(&config, with_plugin_extra(rendered, plugin_extra)).expect("envoy config");
         let log = self.dir.join(format!("envoy-{n}.log"));
@@ -678,7 +699,7 @@ impl Stack {
             std::process::id(),
             fastrand::u64(..)
         ));
-        std::fs::create_dir_all(&dir).expect("temp dir");
+        std::fs::create_dir_all(dir.join("eds")).expect("temp dir");
         let fleet_path = dir.join("fleet.yaml");
         std::fs::write(&fleet_path, fleet.to_yaml()).expect("fleet file");
         let (sim_admin_port, control_port, listen_port, admin_port) =
@@ -716,6 +737,8 @@ impl Stack {
             .arg(&stack.control)
             .arg("--refresh-interval")
             .arg("50ms")
+            .arg("--eds-file")
+            .arg(stack.eds_dir().join(EDS_FILE))
             .args(options.control_args)
             .args(control_args);
         let child = spawn_until(
@@ -734,6 +757,7 @@ impl Stack {
                 control_port,
                 options.refresh_ms,
                 &stack.access_log,
+                &stack.eds_dir(),
             ),
             Some(key_values) => {
                 let ecds_dir = dir.join("ecds");
@@ -1155,12 +1179,19 @@ impl Stack {
             .is_some_and(|(_, c)| matches!(c.try_wait(), Ok(None)))
     }
 
+    /// The directory of the retrying cluster's endpoint file, which the stack's pd-control
+    /// writes (`--eds-file`).
+    pub fn eds_dir(&self) -> PathBuf {
+        self.dir.join("eds")
+    }
+
     /// Starts pd-control again on the stack's control address (after [`Stack::kill`] of
     /// `pd-control`), with extra `args`; returns once it listens.
     pub fn restart_control(&mut self, args: &[&str]) {
         self.kill("pd-control");
         let n = self.children.len();
         let fleet = self.fleet_path.display().to_string();
+        let eds_file = self.eds_dir().join(EDS_FILE).display().to_string();
         let mut argv: Vec<&str> = vec![
             "--fleet",
             &fleet,
@@ -1168,6 +1199,8 @@ impl Stack {
             &self.control,
             "--refresh-interval",
             "50ms",
+            "--eds-file",
+            &eds_file,
         ];
         argv.extend_from_slice(args);
         // The old process just closed the port; a bind can still race its teardown for a

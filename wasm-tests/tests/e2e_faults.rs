@@ -1123,3 +1123,141 @@ fn a_decode_pod_answering_500_is_ejected_and_its_roleset_skipped() {
         None,
     );
 }
+
+/// An Envoy stat that is not the filter's (`cluster.<name>.<stat>`), 0 when absent.
+fn envoy_stat(stack: &Stack, name: &str) -> u64 {
+    let escaped = name.replace('.', "\\.");
+    http::get(&stack.admin, &format!("/stats?filter=^{escaped}$"))
+        .expect("Envoy admin")
+        .text()
+        .lines()
+        .filter_map(|l| l.split_once(": "))
+        .find(|(n, _)| *n == name)
+        .and_then(|(_, v)| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Requests pd-sim logged per pod (any leg).
+fn requests_at(stack: &Stack, pod: &str) -> usize {
+    stack
+        .sim_requests()
+        .iter()
+        .filter(|e| e["pod"] == pod)
+        .count()
+}
+
+/// A standard pod whose engine died since the last snapshot (pd-control's reachability check
+/// off here, so nothing told the gateway) refuses the connection: Envoy retries on the
+/// stand-in the filter named with the request, and the client gets its answer from the sibling
+/// instead of a 503. The dead pod hears of the failure (passive ejection takes it out), and
+/// the answer, the access log and the counters name the pod that served.
+#[test]
+fn a_standard_pod_refusing_the_connection_is_stood_in_for_by_a_sibling() {
+    use base64::Engine as _;
+    let fleet = Fleet::new(MODEL).combined("c-0").combined("c-1");
+    let stack = start(fleet.clone(), &[]);
+    // session-affinity with c-0's session id: c-0 is chosen for as long as it is in view.
+    let session = base64::engine::general_purpose::STANDARD.encode(fleet.spec("c-0").address());
+    let to_c0 = [
+        ("routing-strategy", "session-affinity"),
+        ("x-session-id", session.as_str()),
+    ];
+    let r = stack.chat(&to_c0, &question(0));
+    assert_success(&r);
+    assert_eq!(r.header("target-pod"), Some("c-0"), "{}", describe(&r));
+    assert_eq!(stack.stat("pd_router_stand_in_served_total"), 0);
+
+    stack.arm_fault(json!({"pod": "c-0", "kind": "crash"}));
+    let r = stack.chat(&to_c0, &question(1));
+    assert_success(&r);
+    assert_eq!(r.header("target-pod"), Some("c-1"), "{}", describe(&r));
+    assert_eq!(stack.stat("pd_router_stand_in_served_total"), 1);
+    assert_eq!(
+        envoy_stat(&stack, "cluster.pd_pods_retry.upstream_rq_retry_success"),
+        1
+    );
+    assert_eq!(requests_at(&stack, "c-1"), 1);
+    eventually(Duration::from_secs(5), || {
+        let lines = stack.access_log_lines();
+        lines
+            .iter()
+            .any(|l| l.contains(" 200 ") && l.contains("target=c-1"))
+            .then_some(())
+            .ok_or_else(|| format!("no 200 line naming c-1: {lines:?}"))
+    });
+
+    // Every request keeps succeeding; c-0's refusals count as failures, so it leaves the
+    // routing view and the affinity falls through to c-1 without a retry.
+    for i in 2..30 {
+        let r = stack.chat(&to_c0, &question(i));
+        assert_success(&r);
+        assert_eq!(r.header("target-pod"), Some("c-1"), "{}", describe(&r));
+    }
+    assert!(stack.stat("pd_router_ejections_total") >= 1);
+    let stood_in = stack.stat("pd_router_stand_in_served_total");
+    assert!(
+        (1..=3 * stack.concurrency as u64).contains(&stood_in),
+        "{stood_in} stand-ins: at most 3 refusals per worker before c-0 is ejected"
+    );
+    assert_eq!(requests_at(&stack, "c-1"), 29);
+    stack.clear_faults();
+    assert_clean_end(&stack, &fleet_pods(&fleet));
+}
+
+/// A decode pod that died since the last snapshot refuses the decode leg's connection; Envoy
+/// retries the leg on the roleset's other decode pod, which takes the KV from the same prefill
+/// pod (vLLM: the prefill answer names it; SGLang: the same bootstrap room). Every request
+/// succeeds, and each time the dead pod was chosen a stand-in served. pd-control is stopped
+/// first, so its last snapshot (fresh for `snapshot_stale_after_ms`) still shows the pod
+/// alive and well, as it does for the moments after a real crash; decode by least request
+/// draws between the two idle pods at random.
+fn a_decode_pod_refusing_the_connection_is_stood_in_for(engine: &str) {
+    let fleet = Fleet::new(MODEL)
+        .engine(engine)
+        .pod("p-0", "prefill", "group-0")
+        .pod("d-0", "decode", "group-0")
+        .pod("d-1", "decode", "group-0");
+    let mut stack = start(
+        fleet.clone(),
+        &[("AIBRIX_DECODE_SCORE_POLICY", "least_request")],
+    );
+    stack.wait_snapshot_adopted(|snap| {
+        let fresh = |pod: &str| {
+            snapshot_pods(snap).any(|p| {
+                p["name"] == pod && p["metrics"]["present"] == true && p["metrics"]["stale"] != true
+            })
+        };
+        (fresh("d-0") && fresh("d-1"))
+            .then_some(())
+            .ok_or_else(|| "decode pods not both scraped".to_string())
+    });
+    stack.kill("pd-control");
+    stack.arm_fault(json!({"pod": "d-0", "kind": "crash"}));
+    let chosen = |pod: &str| stack.metric("pd_selected_decode_pod_total", &[("pod", pod)]);
+    let mut sent = 0;
+    while chosen("d-0") < 1.0 {
+        assert!(sent < 50, "{sent} requests and d-0 never chosen");
+        let r = stack.chat(&PD, &question(sent));
+        sent += 1;
+        assert_success(&r);
+        assert_eq!(r.header("target-pod"), Some("d-1"), "{}", describe(&r));
+    }
+    assert_eq!(
+        stack.stat("pd_router_stand_in_served_total") as f64,
+        chosen("d-0"),
+        "every request that chose d-0 was served by d-1"
+    );
+    assert_eq!(decode_legs(&stack, "d-1").len(), sent);
+    stack.clear_faults();
+    assert_clean_end(&stack, &fleet_pods(&fleet));
+}
+
+#[test]
+fn a_vllm_decode_pod_refusing_the_connection_is_stood_in_for_by_its_roleset_sibling() {
+    a_decode_pod_refusing_the_connection_is_stood_in_for("vllm");
+}
+
+#[test]
+fn an_sglang_decode_pod_refusing_the_connection_is_stood_in_for_by_its_roleset_sibling() {
+    a_decode_pod_refusing_the_connection_is_stood_in_for("sglang");
+}

@@ -159,6 +159,8 @@ pub fn models(
 pub struct SnapshotBuilder {
     /// Carried as `Snapshot.user_limits`: fixed for the life of the process.
     user_limits: bool,
+    /// Carried as `Snapshot.eds`: pd-control writes the retrying cluster's endpoint file.
+    eds: bool,
     version: u64,
     /// Encoding of `models` without scrape timestamps: the part a version stands for.
     content: Bytes,
@@ -174,6 +176,12 @@ impl SnapshotBuilder {
         }
     }
 
+    /// The same builder, its snapshots telling the gateways whether pd-control writes the
+    /// retrying cluster's endpoint file (`--eds-file`).
+    pub fn with_eds(self, eds: bool) -> SnapshotBuilder {
+        SnapshotBuilder { eds, ..self }
+    }
+
     /// Offers new content; returns the snapshot to serve, whether it is a new version, and the
     /// live view.
     pub fn update(&mut self, models: Vec<proto::Model>, now_unix_ms: i64) -> Update {
@@ -182,6 +190,7 @@ impl SnapshotBuilder {
             generated_unix_ms: 0,
             models,
             user_limits: self.user_limits,
+            eds: self.eds,
         };
         // The version stands for what routing reads. Scrape timestamps move every round even
         // on an idle fleet; counting them would make every poll a full download and decode in
@@ -208,7 +217,7 @@ impl SnapshotBuilder {
             };
         }
         // With version and time at their defaults, prost encodes only the fields after them
-        // (models, user_limits).
+        // (models, user_limits, eds).
         let content = Bytes::from(snapshot.encode_to_vec());
         // At least the build time in ms: a restarted pd-control must serve versions above
         // those of the process before it, or every filter (which only adopts a newer version)
@@ -218,7 +227,7 @@ impl SnapshotBuilder {
         snapshot.version = self.version;
         snapshot.generated_unix_ms = now_unix_ms;
         // Protobuf fields may be concatenated, and prost writes them in tag order (version,
-        // time, models, user_limits), so header + content is byte-identical to encoding the
+        // time, models, user_limits, eds), so header + content is byte-identical to encoding the
         // whole message, without encoding the models a second time. The header holds fields
         // 1 and 2 alone: anything else set in it would be encoded twice.
         let header = proto::Snapshot {
@@ -488,14 +497,15 @@ mod tests {
     }
 
     #[test]
-    fn served_bytes_carry_the_user_limits_flag() {
+    fn served_bytes_carry_the_user_limits_and_eds_flags() {
         let fleet = [pod("a", "m")];
-        for user_limits in [false, true] {
+        for (user_limits, eds) in [(false, false), (true, false), (false, true), (true, true)] {
             let p = SnapshotBuilder::with_user_limits(user_limits)
+                .with_eds(eds)
                 .update(models(&fleet, &LabelPolicy::All, |_| metrics(1.0)), 5_000)
                 .published;
             let decoded = proto::Snapshot::decode(p.bytes.as_ref()).unwrap();
-            assert_eq!(decoded.user_limits, user_limits);
+            assert_eq!((decoded.user_limits, decoded.eds), (user_limits, eds));
             assert_eq!(
                 decoded, *p.snapshot,
                 "header + content is the whole message"

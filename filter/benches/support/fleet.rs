@@ -95,6 +95,7 @@ fn build(pods: usize, scraped: bool, standard: bool) -> (ModelView, Ledger) {
         version: 1,
         generated_unix_ms: 0,
         user_limits: false,
+        eds: false,
         models: vec![proto::Model {
             name: "m".into(),
             pods: list,

@@ -56,6 +56,7 @@ pub fn snapshot_bytes(count: usize, load: f64) -> Vec<u8> {
         version: 7,
         generated_unix_ms: 1_700_000_000_000,
         user_limits: false,
+        eds: false,
         models: vec![proto::Model {
             name: "m".into(),
             pods,

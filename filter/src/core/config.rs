@@ -74,6 +74,11 @@ pub struct PluginConfig {
     /// late, its Redis failing) is admitted (`true`) or refused with 500 `x-error-user`
     /// (`false`, the default, as AIBrix does when its Redis fails).
     pub rate_limits_fail_open: bool,
+    /// Name a second pod with every routed request (`x-pd-destinations: chosen,stand-in`,
+    /// see `pd::fallback`) for Envoy to retry on when the chosen pod refuses the connection.
+    /// Needs the retrying cluster of `envoy/envoy.yaml.tmpl` (override_host over the pods
+    /// pd-control writes with `--eds-file`); requests with no stand-in go to `pods_cluster`.
+    pub connect_retry: bool,
 }
 
 impl PluginConfig {
@@ -113,6 +118,7 @@ impl Default for PluginConfig {
             prefill_failover: 1,
             rate_limits_timeout_ms: 500,
             rate_limits_fail_open: false,
+            connect_retry: false,
         }
     }
 }

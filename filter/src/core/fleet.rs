@@ -235,6 +235,9 @@ pub struct FleetView {
     /// pd-control checks per-user limits (`Snapshot.user_limits`): a request naming a `user`
     /// is admitted by it before routing (see `core::user_limits`).
     pub user_limits: bool,
+    /// pd-control writes the retrying cluster's endpoint file (`Snapshot.eds`): stand-in pods
+    /// may be named (`PluginConfig::connect_retry`).
+    pub eds: bool,
 }
 
 impl FleetView {
@@ -259,6 +262,7 @@ impl FleetView {
             addresses: Rc::new(addresses),
             topology: Rc::from(&[][..]),
             user_limits: snapshot.user_limits,
+            eds: snapshot.eds,
         }
     }
 
@@ -320,6 +324,7 @@ impl FleetView {
             // refresh metrics onto it.
             topology: Rc::from(&[][..]),
             user_limits: self.user_limits,
+            eds: self.eds,
         }
     }
 
@@ -372,6 +377,7 @@ impl FleetView {
             topology: self.topology.clone(),
             // Part of the topology: equal topologies carry the same flag.
             user_limits: self.user_limits,
+            eds: self.eds,
         })
     }
 }
@@ -650,6 +656,7 @@ pub(crate) mod tests {
             version: 7,
             generated_unix_ms: 0,
             user_limits: false,
+            eds: false,
             models: vec![proto::Model {
                 name: "m".into(),
                 pods,

@@ -18,6 +18,10 @@ pub const FORWARDED: [&str; 6] = [
 /// Envoy's own ORIGINAL_DST header: a client must never pick the upstream with it.
 pub const ENVOY_DST_HEADER: &str = "x-envoy-original-dst-host";
 
+/// The pods the retrying cluster's `override_host` load balancer tries, in order
+/// (`ip:port,ip:port`; see `pd::fallback`). A client must never pick them either.
+pub const DESTINATIONS_HEADER: &str = "x-pd-destinations";
+
 /// What the filter needs from the request headers.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Inbound {
@@ -35,7 +39,8 @@ pub struct Inbound {
     pub explain_present: bool,
     /// The configured debug trap header is present.
     pub trap: bool,
-    /// A client-sent destination header (the plugin's or Envoy's) is present and must go.
+    /// A client-sent destination header (the plugin's, Envoy's or [`DESTINATIONS_HEADER`]) is
+    /// present and must go.
     pub dst_present: bool,
     /// [`FORWARDED`] headers present, in that order, first value of each.
     pub forwarded: Vec<(&'static str, String)>,
@@ -74,7 +79,7 @@ impl Inbound {
                 "user" => first(&mut inbound.user, value),
                 _ => {}
             }
-            if name == dst_header || name == ENVOY_DST_HEADER {
+            if name == dst_header || name == ENVOY_DST_HEADER || name == DESTINATIONS_HEADER {
                 inbound.dst_present = true;
             }
             if name == explain_header {
@@ -159,6 +164,7 @@ mod tests {
         assert!(h.dst_present && h.explain && h.explain_present);
         let h = read(&[(ENVOY_DST_HEADER, b"10.0.0.1:80"), ("x-pd-explain", b"yes")]);
         assert!(h.dst_present && !h.explain && h.explain_present);
+        assert!(read(&[(DESTINATIONS_HEADER, b"10.0.0.1:80,10.0.0.2:80")]).dst_present);
         assert!(read(&[("x-trap", b"")]).trap);
     }
 

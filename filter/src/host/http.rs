@@ -11,6 +11,7 @@ use proxy_wasm::types::Action;
 
 mod pair;
 mod redecode;
+mod stand_in;
 
 use crate::core::charges::HeldCharges;
 use crate::core::engine::{self, trtllm, vllm, Engine};
@@ -194,6 +195,9 @@ pub struct PdHttp {
     limits_checked: bool,
     /// The user an admitted request counts against.
     limited: Option<Limited>,
+    /// The stand-in pod named for Envoy's retry of a refused connection, until the response
+    /// says which pod served.
+    named: Option<stand_in::Named>,
 }
 
 /// A request waiting for pd-control to admit it under its user's and its model's limits.
@@ -272,6 +276,7 @@ impl PdHttp {
             admission: None,
             limits_checked: false,
             limited: None,
+            named: None,
         }
     }
 
@@ -676,8 +681,10 @@ impl PdHttp {
         );
         match target {
             Target::Single { pod } => {
+                let stand_in = self.stand_in_for(model, target, decision.profile.as_deref());
                 let pod = &model.pods[pod];
                 self.set_destination(&pod.address, &strategy)?;
+                self.name_destinations(&pod.key, &pod.address, stand_in);
                 self.served.target = Some(pod.key.clone());
                 self.routed = Some(Routed {
                     strategy,
@@ -697,6 +704,7 @@ impl PdHttp {
                 Ok(Action::Continue)
             }
             Target::Pair { prefill, decode } => {
+                let stand_in = self.stand_in_for(model, target, decision.profile.as_deref());
                 let (prefill, decode) = (&model.pods[prefill], &model.pods[decode]);
                 crate::section!("request_body.selected_metrics", {
                     let mut vm = self.vm.borrow_mut();
@@ -719,7 +727,7 @@ impl PdHttp {
                 }
                 let action = crate::section!(
                     "request_body.start_pair",
-                    self.start_pair(engine, req, raw, prefill, decode)
+                    self.start_pair(engine, req, raw, prefill, decode, stand_in)
                 )?;
                 Metrics::gauge_add(self.vm.borrow().metrics.prefill_outstanding, 1);
                 self.obs.prefill_outstanding = true;
@@ -1227,6 +1235,12 @@ impl PdHttp {
             "decode_leg.destination",
             self.set_destination(&address, &strategy)
         )?;
+        // A decode pod moved off the chosen one has no stand-in named for it.
+        let stand_in = pending
+            .decode
+            .stand_in
+            .filter(|_| address == pending.decode.address);
+        self.name_destinations(&pending.decode.key, &address, stand_in);
         Ok(())
     }
 }
@@ -1388,6 +1402,7 @@ impl HttpContext for PdHttp {
         crate::section_scope!("response_headers");
         let mut clock = Clock::default();
         self.send_prefix_batch(&mut clock);
+        self.check_stand_in(clock.ms());
         crate::section!("response_headers.watch", self.watch_headers());
         self.obs.response_status = crate::section!(
             "response_headers.status",

@@ -74,6 +74,7 @@ fn fleet_strategy() -> impl Strategy<Value = proto::Snapshot> {
         version: 1,
         generated_unix_ms: 5,
         user_limits: false,
+        eds: false,
         models: models
             .into_iter()
             .map(|(name, pods)| proto::Model {

@@ -6,6 +6,7 @@ pub mod bucket_serve;
 pub mod candidates;
 pub mod columns;
 pub mod explained;
+pub mod fallback;
 pub mod pick;
 pub mod select;
 pub mod session_affinity;

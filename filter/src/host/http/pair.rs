@@ -83,6 +83,7 @@ impl PdHttp {
         raw: Vec<u8>,
         prefill: &PodView,
         decode: &PodView,
+        stand_in: Option<super::stand_in::StandIn>,
     ) -> Result<Action, RouteError> {
         let endpoint = req.endpoint;
         match engine {
@@ -114,6 +115,9 @@ impl PdHttp {
                     self.edit_body(&decode_edit, raw.len())
                 )?;
                 crate::section!("sglang.destination", self.route_to(&decode.address))?;
+                // A decode pod that refused the connection never joined the bootstrap room:
+                // another decode pod of the roleset joins it with the same leg.
+                self.name_destinations(&decode.key, &decode.address, stand_in);
                 Ok(Action::Continue)
             }
             Engine::Trtllm
@@ -195,6 +199,7 @@ impl PdHttp {
                         key: decode.key.clone(),
                         roleset: decode.roleset.clone(),
                         address: decode.address.clone(),
+                        stand_in,
                     },
                     merge,
                 });

@@ -22,6 +22,8 @@ pub(super) struct ChosenDecode {
     pub key: String,
     pub roleset: String,
     pub address: String,
+    /// The decode pod named second for Envoy's retry of a refused connection.
+    pub stand_in: Option<super::stand_in::StandIn>,
 }
 
 impl PdHttp {

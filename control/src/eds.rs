@@ -1,0 +1,219 @@
+//! The Envoy endpoint file of the gateway's retrying cluster (`--eds-file`).
+//!
+//! Envoy's ORIGINAL_DST cluster reaches any address the filter names, but cannot retry on
+//! another: its host comes from one header that a retry does not change. The retrying
+//! cluster (`pd_pods_retry` in `envoy/envoy.yaml.tmpl`) uses the `override_host` load
+//! balancer instead, which takes the filter's `chosen,stand-in` list one host per attempt, but
+//! only among hosts the cluster knows. This file is how it knows them: a `DiscoveryResponse`
+//! holding one `ClusterLoadAssignment`, read through a path config source whose watched
+//! directory makes Envoy reload it when a new file is renamed into place.
+//!
+//! Every pod with an address that serves HTTP is listed, ready or not: a pod gets its IP well before it is
+//! routable, so by the time a snapshot names it, Envoy has long known it. A pod that leaves
+//! stays listed for [`LINGER`], as requests routed on an older snapshot may still name it.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crate::fleet::PodRecord;
+
+/// The retrying cluster's name in `envoy/envoy.yaml.tmpl`.
+pub const DEFAULT_CLUSTER: &str = "pd_pods_retry";
+
+/// How long a pod that left the fleet stays listed.
+pub const LINGER: Duration = Duration::from_secs(30);
+
+/// Why the endpoint file could not be written. The previous file stays in force.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot write the endpoint file {path}: {source}")]
+pub struct EdsError {
+    path: String,
+    source: std::io::Error,
+}
+
+/// Keeps the endpoint file in step with the fleet.
+#[derive(Debug)]
+pub struct EdsWriter {
+    path: PathBuf,
+    cluster: String,
+    /// `(ip, port)` → when the fleet last held it.
+    seen: BTreeMap<(String, u16), Instant>,
+    /// What the file holds now; `None` until the first write lands.
+    written: Option<Vec<(String, u16)>>,
+    version: u64,
+}
+
+impl EdsWriter {
+    pub fn new(path: impl Into<PathBuf>, cluster: impl Into<String>) -> EdsWriter {
+        EdsWriter {
+            path: path.into(),
+            cluster: cluster.into(),
+            seen: BTreeMap::new(),
+            written: None,
+            version: 0,
+        }
+    }
+
+    /// Takes in the fleet as of `now` and rewrites the file when the listed set changed (or was
+    /// never written). Returns whether it wrote.
+    pub fn update(&mut self, fleet: &[PodRecord], now: Instant) -> Result<bool, EdsError> {
+        for pod in fleet.iter().filter(|p| !p.ip.is_empty() && p.serves_http) {
+            self.seen.insert((pod.ip.clone(), pod.port), now);
+        }
+        self.seen
+            .retain(|_, last| now.saturating_duration_since(*last) <= LINGER);
+        let listed: Vec<(String, u16)> = self.seen.keys().cloned().collect();
+        if self.written.as_ref() == Some(&listed) {
+            return Ok(false);
+        }
+        self.version += 1;
+        let body = render(&self.cluster, &listed, self.version);
+        write_by_rename(&self.path, body.as_bytes()).map_err(|source| EdsError {
+            path: self.path.display().to_string(),
+            source,
+        })?;
+        self.written = Some(listed);
+        Ok(true)
+    }
+}
+
+/// The `DiscoveryResponse` Envoy's path config source reads.
+fn render(cluster: &str, endpoints: &[(String, u16)], version: u64) -> String {
+    let lb_endpoints: Vec<serde_json::Value> = endpoints
+        .iter()
+        .map(|(ip, port)| {
+            serde_json::json!({
+                "endpoint": {"address": {"socket_address": {"address": ip, "port_value": port}}}
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "version_info": version.to_string(),
+        "resources": [{
+            "@type": "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
+            "cluster_name": cluster,
+            "endpoints": [{"lb_endpoints": lb_endpoints}],
+        }],
+    })
+    .to_string()
+}
+
+/// Writes a sibling file and renames it over `path`: Envoy reloads on the move into the
+/// watched directory and never reads a half-written file.
+fn write_by_rename(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    let mut file = std::fs::File::create(&tmp)?;
+    file.write_all(bytes)?;
+    file.sync_all()?;
+    std::fs::rename(&tmp, path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(name: &str, ip: &str, port: u16) -> PodRecord {
+        PodRecord {
+            model: "m".into(),
+            namespace: "ns".into(),
+            name: name.into(),
+            ip: ip.into(),
+            port,
+            metric_port: port,
+            engine: "vllm".into(),
+            role: String::new(),
+            roleset: String::new(),
+            role_replica_index: String::new(),
+            kv_connector_type: String::new(),
+            config: String::new(),
+            sglang_bootstrap_port: 8998,
+            ready: true,
+            serves_http: true,
+            labels: Default::default(),
+            ready_since_unix_ms: 0,
+            adapters: Vec::new(),
+        }
+    }
+
+    fn listed(path: &Path) -> Vec<String> {
+        let v: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(path).expect("file")).expect("json");
+        let cla = &v["resources"][0];
+        assert_eq!(
+            cla["@type"],
+            "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+        );
+        cla["endpoints"][0]["lb_endpoints"]
+            .as_array()
+            .expect("endpoints")
+            .iter()
+            .map(|e| {
+                let a = &e["endpoint"]["address"]["socket_address"];
+                format!("{}:{}", a["address"].as_str().expect("ip"), a["port_value"])
+            })
+            .collect()
+    }
+
+    #[test]
+    fn lists_every_pod_with_an_address_and_writes_only_on_change() {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("pods.json");
+        let mut eds = EdsWriter::new(&path, "pd_pods_retry");
+        let t0 = Instant::now();
+        let mut follower = pod("d", "10.0.0.4", 8000);
+        follower.serves_http = false;
+        let fleet = vec![
+            pod("a", "10.0.0.1", 8000),
+            pod("b", "", 8000),
+            pod("c", "fd00::7", 8001),
+            follower,
+        ];
+        assert!(eds.update(&fleet, t0).expect("write"));
+        assert_eq!(listed(&path), ["10.0.0.1:8000", "fd00::7:8001"]);
+        let v: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&path).expect("file")).expect("json");
+        assert_eq!(v["resources"][0]["cluster_name"], "pd_pods_retry");
+        assert!(!eds
+            .update(&fleet, t0 + Duration::from_secs(1))
+            .expect("same"));
+        assert!(!path.with_extension("json.tmp").exists());
+    }
+
+    #[test]
+    fn a_pod_that_left_lingers_then_goes() {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("pods.json");
+        let mut eds = EdsWriter::new(&path, "c");
+        let t0 = Instant::now();
+        eds.update(
+            &[pod("a", "10.0.0.1", 8000), pod("b", "10.0.0.2", 8000)],
+            t0,
+        )
+        .expect("write");
+        let only_a = [pod("a", "10.0.0.1", 8000)];
+        assert!(!eds.update(&only_a, t0 + LINGER).expect("b lingers"));
+        assert_eq!(listed(&path), ["10.0.0.1:8000", "10.0.0.2:8000"]);
+        assert!(eds
+            .update(&only_a, t0 + LINGER + Duration::from_millis(1))
+            .expect("b goes"));
+        assert_eq!(listed(&path), ["10.0.0.1:8000"]);
+    }
+
+    #[test]
+    fn an_unwritable_path_is_an_error_and_is_tried_again() {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("missing").join("pods.json");
+        let mut eds = EdsWriter::new(&path, "c");
+        let fleet = [pod("a", "10.0.0.1", 8000)];
+        let e = eds
+            .update(&fleet, Instant::now())
+            .expect_err("no directory");
+        assert!(e.to_string().contains("missing"), "{e}");
+        std::fs::create_dir(dir.path().join("missing")).expect("mkdir");
+        assert!(eds.update(&fleet, Instant::now()).expect("written now"));
+    }
+}

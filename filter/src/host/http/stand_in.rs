@@ -1,0 +1,143 @@
+//! The stand-in pod named with a request (`PluginConfig::connect_retry`, `pd::fallback`), and
+//! what changes when Envoy had to use it.
+//!
+//! The filter names the chosen pod and a stand-in in `x-pd-destinations`; the retrying
+//! cluster's `override_host` load balancer tries them in that order, one per attempt, and
+//! retries only a refused (or reset-before-request) connection. Which one served is known
+//! only from the response: `upstream.address` names the host of the last attempt. When that
+//! is the stand-in, the chosen pod failed the request (passive ejection hears of it), the
+//! request's running charge and decode tokens move to the stand-in, and the response headers,
+//! access-log state and watchdog name the pod that actually serves.
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::HttpContext;
+
+use super::{PdHttp, STATE_DECODE_POD, STATE_TARGET_POD};
+use crate::core::fleet::{ModelView, PodView};
+use crate::core::inbound::DESTINATIONS_HEADER;
+use crate::core::pd::Target;
+use crate::host::holds;
+use crate::host::metrics::Metrics;
+
+/// A pod named second in the destinations header.
+#[derive(Debug, Clone)]
+pub(super) struct StandIn {
+    pub key: String,
+    pub name: String,
+    pub address: String,
+}
+
+impl StandIn {
+    fn of(pod: &PodView) -> StandIn {
+        StandIn {
+            key: pod.key.clone(),
+            name: pod.name.clone(),
+            address: pod.address.clone(),
+        }
+    }
+}
+
+/// The stand-in named with a request, and the pod it stands in for.
+pub(super) struct Named {
+    chosen_key: String,
+    stand_in: StandIn,
+}
+
+impl PdHttp {
+    /// A stand-in for `target`'s answering pod when the plugin retries refused connections
+    /// and pd-control lists the pods for the retrying cluster; `profile` is the request's.
+    pub(super) fn stand_in_for(
+        &self,
+        model: &ModelView,
+        target: Target,
+        profile: Option<&str>,
+    ) -> Option<StandIn> {
+        let mut vm = self.vm.borrow_mut();
+        let written = self.routed_on.as_ref().is_some_and(|fleet| fleet.eds);
+        if !vm.plugin.connect_retry || !written {
+            return None;
+        }
+        crate::core::pd::fallback::stand_in(model, target, profile, &mut vm.rng)
+            .map(|i| StandIn::of(&model.pods[i]))
+    }
+
+    /// Names `chosen` and `stand_in` (when there is one, and it is a pod of the fleet) for the
+    /// retrying cluster. Without one the header is left off, and the request takes the
+    /// ORIGINAL_DST route to `chosen` alone.
+    pub(super) fn name_destinations(
+        &mut self,
+        chosen_key: &str,
+        chosen_address: &str,
+        stand_in: Option<StandIn>,
+    ) {
+        let stand_in = stand_in.filter(|s| self.guard_target(&s.address).is_ok());
+        match stand_in {
+            Some(stand_in) => {
+                let value = format!("{chosen_address},{}", stand_in.address);
+                self.set_http_request_header(DESTINATIONS_HEADER, Some(&value));
+                self.named = Some(Named {
+                    chosen_key: chosen_key.to_string(),
+                    stand_in,
+                });
+            }
+            None => {
+                if self.named.take().is_some() {
+                    self.set_http_request_header(DESTINATIONS_HEADER, None);
+                }
+            }
+        }
+    }
+
+    /// Once the response starts: when the stand-in served, the chosen pod failed the request
+    /// and the request's charges and names move to the stand-in.
+    pub(super) fn check_stand_in(&mut self, now_ms: u64) {
+        let Some(named) = self.named.take() else {
+            return;
+        };
+        let served = hostcalls::get_property(vec!["upstream", "address"])
+            .ok()
+            .flatten();
+        if served.as_deref() != Some(named.stand_in.address.as_bytes()) {
+            return;
+        }
+        let StandIn { key, name, address } = named.stand_in;
+        log::info!(
+            "request {}: pod {} refused the connection; served by stand-in {key}",
+            self.request_id,
+            named.chosen_key
+        );
+        holds::update(&self.vm, self.id, now_ms, |held, ledger| {
+            held.move_decode(ledger, &key, now_ms)
+        });
+        self.served.target = Some(key);
+        if let Some(routed) = self.routed.as_mut() {
+            routed.pod_name = name.clone();
+            routed.pod_address = address.clone();
+        }
+        if let Some(header) = self.obs.explain_header.as_mut() {
+            header.push_str("; stand_in_served=");
+            header.push_str(&name);
+        }
+        let mut vm = self.vm.borrow_mut();
+        vm.pod_outcome(&named.chosen_key, false, now_ms);
+        if let Some(w) = vm.watched.get_mut(&self.id) {
+            w.decode_pod = name.clone();
+            w.decode_address = address;
+        }
+        Metrics::inc(vm.metrics.stand_in_served);
+        drop(vm);
+        let states: &[&str] = if self.served.prefill.is_some() {
+            &[STATE_DECODE_POD, STATE_TARGET_POD]
+        } else {
+            &[STATE_TARGET_POD]
+        };
+        for state in states {
+            if let Err(e) = hostcalls::set_property(vec![state], Some(name.as_bytes())) {
+                log::debug!(
+                    "context {}: cannot set filter state {state}: {e:?}",
+                    self.id
+                );
+            }
+        }
+    }
+}
