@@ -1137,6 +1137,11 @@ fn envoy_stat(stack: &Stack, name: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// `pd_router_stand_in_retries_total{result}`.
+fn stand_ins(stack: &Stack, result: &str) -> f64 {
+    stack.metric("pd_router_stand_in_retries_total", &[("result", result)])
+}
+
 /// Requests pd-sim logged per pod (any leg).
 fn requests_at(stack: &Stack, pod: &str) -> usize {
     stack
@@ -1165,13 +1170,13 @@ fn a_standard_pod_refusing_the_connection_is_stood_in_for_by_a_sibling() {
     let r = stack.chat(&to_c0, &question(0));
     assert_success(&r);
     assert_eq!(r.header("target-pod"), Some("c-0"), "{}", describe(&r));
-    assert_eq!(stack.stat("pd_router_stand_in_served_total"), 0);
+    assert_eq!(stand_ins(&stack, "served"), 0.0);
 
     stack.arm_fault(json!({"pod": "c-0", "kind": "crash"}));
     let r = stack.chat(&to_c0, &question(1));
     assert_success(&r);
     assert_eq!(r.header("target-pod"), Some("c-1"), "{}", describe(&r));
-    assert_eq!(stack.stat("pd_router_stand_in_served_total"), 1);
+    assert_eq!(stand_ins(&stack, "served"), 1.0);
     assert_eq!(
         envoy_stat(&stack, "cluster.pd_pods_retry.upstream_rq_retry_success"),
         1
@@ -1194,12 +1199,43 @@ fn a_standard_pod_refusing_the_connection_is_stood_in_for_by_a_sibling() {
         assert_eq!(r.header("target-pod"), Some("c-1"), "{}", describe(&r));
     }
     assert!(stack.stat("pd_router_ejections_total") >= 1);
-    let stood_in = stack.stat("pd_router_stand_in_served_total");
+    let stood_in = stand_ins(&stack, "served");
     assert!(
-        (1..=3 * stack.concurrency as u64).contains(&stood_in),
+        (1.0..=3.0 * stack.concurrency as f64).contains(&stood_in),
         "{stood_in} stand-ins: at most 3 refusals per worker before c-0 is ejected"
     );
     assert_eq!(requests_at(&stack, "c-1"), 29);
+    assert_eq!(stand_ins(&stack, "failed"), 0.0);
+    stack.clear_faults();
+    assert_clean_end(&stack, &fleet_pods(&fleet));
+}
+
+/// When the stand-in refuses too, the client gets Envoy's 503 as an OpenAI error body, both
+/// pods count the failure, and the retry is counted as failed; nothing is left charged.
+#[test]
+fn a_stand_in_refusing_too_ends_the_request_with_a_503() {
+    let fleet = Fleet::new(MODEL).combined("c-0").combined("c-1");
+    let stack = start(fleet.clone(), &[]);
+    stack.arm_fault(json!({"pod": "c-0", "kind": "crash"}));
+    stack.arm_fault(json!({"pod": "c-1", "kind": "crash"}));
+    let r = stack.chat(&[("routing-strategy", "random")], &question(0));
+    assert_eq!(r.status, 503, "{}", describe(&r));
+    let body = r.json();
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()),
+        "not an OpenAI error body: {}",
+        describe(&r)
+    );
+    assert_eq!(stand_ins(&stack, "failed"), 1.0);
+    assert_eq!(stand_ins(&stack, "served"), 0.0);
+    assert_eq!(
+        envoy_stat(&stack, "cluster.pd_pods_retry.upstream_rq_retry"),
+        1
+    );
+    assert!(stack.sim_requests().is_empty(), "no pod took the request");
+    stack.wait_ledger_zero();
     stack.clear_faults();
     assert_clean_end(&stack, &fleet_pods(&fleet));
 }
@@ -1243,7 +1279,7 @@ fn a_decode_pod_refusing_the_connection_is_stood_in_for(engine: &str) {
         assert_eq!(r.header("target-pod"), Some("d-1"), "{}", describe(&r));
     }
     assert_eq!(
-        stack.stat("pd_router_stand_in_served_total") as f64,
+        stand_ins(&stack, "served"),
         chosen("d-0"),
         "every request that chose d-0 was served by d-1"
     );

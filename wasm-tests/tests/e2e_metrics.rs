@@ -101,7 +101,7 @@ const FAMILIES: &[&str] = &[
     "pd_router_ejections_total",
     "pd_router_ejections_adopted_total",
     "pd_router_decode_rerouted_total",
-    "pd_router_stand_in_served_total",
+    "pd_router_stand_in_retries_total",
     "pd_router_rate_limit_checks_total",
     "pd_router_rate_limit_unchecked_total",
     "pd_router_user_tokens_reported_total",

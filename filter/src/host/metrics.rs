@@ -127,9 +127,10 @@ pub struct Metrics {
     /// `pd_router_decode_rerouted_total`: PD requests whose decode pod left the routing view
     /// while their prefill ran, sent to another decode pod of the roleset.
     pub decode_rerouted: Option<u32>,
-    /// `pd_router_stand_in_served_total`: requests the chosen pod refused the connection of,
-    /// served by the stand-in pod Envoy retried on (`PluginConfig::connect_retry`).
-    pub stand_in_served: Option<u32>,
+    /// `pd_router_stand_in_retries_total{result}`: requests whose chosen pod refused the
+    /// connection, retried by Envoy on the stand-in pod (`PluginConfig::connect_retry`):
+    /// `[served, failed]` (the stand-in answered, or failed too).
+    pub stand_in_retries: [Option<u32>; 2],
     /// `pd_router_rate_limit_checks_total`: requests (naming a `user`, or of a model whose
     /// profile limits its rate) whose admission was asked of pd-control (`core::user_limits`).
     pub rate_limit_checks: Option<u32>,
@@ -277,7 +278,8 @@ impl Metrics {
             ejections: define(c, "pd_router_ejections_total"),
             ejections_adopted: define(c, "pd_router_ejections_adopted_total"),
             decode_rerouted: define(c, "pd_router_decode_rerouted_total"),
-            stand_in_served: define(c, "pd_router_stand_in_served_total"),
+            stand_in_retries: ["served", "failed"]
+                .map(|result| counter("pd_router_stand_in_retries_total", &[("result", result)])),
             rate_limit_checks: define(c, "pd_router_rate_limit_checks_total"),
             rate_limit_unchecked: define(c, "pd_router_rate_limit_unchecked_total"),
             user_tokens_reported: define(c, "pd_router_user_tokens_reported_total"),

@@ -88,8 +88,9 @@ impl PdHttp {
         }
     }
 
-    /// Once the response starts: when the stand-in served, the chosen pod failed the request
-    /// and the request's charges and names move to the stand-in.
+    /// Once the response starts: when Envoy retried on the stand-in, the chosen pod failed the
+    /// request and the request's charges and names move to the stand-in (whose own outcome,
+    /// an answer or Envoy's 503 when it refused too, counts as any target's).
     pub(super) fn check_stand_in(&mut self, now_ms: u64) {
         let Some(named) = self.named.take() else {
             return;
@@ -100,11 +101,17 @@ impl PdHttp {
         if served.as_deref() != Some(named.stand_in.address.as_bytes()) {
             return;
         }
+        // An answer of the pod's own, or Envoy's reply after the stand-in failed as well.
+        let answered = hostcalls::get_property(vec!["response", "code_details"])
+            .ok()
+            .flatten()
+            .is_some_and(|d| d == b"via_upstream");
         let StandIn { key, name, address } = named.stand_in;
         log::info!(
-            "request {}: pod {} refused the connection; served by stand-in {key}",
+            "request {}: pod {} refused the connection; retried on stand-in {key}, which {}",
             self.request_id,
-            named.chosen_key
+            named.chosen_key,
+            if answered { "answered" } else { "failed too" }
         );
         holds::update(&self.vm, self.id, now_ms, |held, ledger| {
             held.move_decode(ledger, &key, now_ms)
@@ -115,7 +122,7 @@ impl PdHttp {
             routed.pod_address = address.clone();
         }
         if let Some(header) = self.obs.explain_header.as_mut() {
-            header.push_str("; stand_in_served=");
+            header.push_str("; stand_in=");
             header.push_str(&name);
         }
         let mut vm = self.vm.borrow_mut();
@@ -124,7 +131,7 @@ impl PdHttp {
             w.decode_pod = name.clone();
             w.decode_address = address;
         }
-        Metrics::inc(vm.metrics.stand_in_served);
+        Metrics::inc(vm.metrics.stand_in_retries[usize::from(!answered)]);
         drop(vm);
         let states: &[&str] = if self.served.prefill.is_some() {
             &[STATE_DECODE_POD, STATE_TARGET_POD]
