@@ -193,11 +193,12 @@ def main():
     probe_path = next((p for p in (os.path.join(args.dir, "probe.out.1"),
                                    "target/callgrind/probe.out.1") if os.path.exists(p)), None)
     probe = Profile(probe_path, args.requests) if probe_path else None
-    # envoy/callgrind.sh compare: base-N and router-N, in the order they ran.
+    # envoy/callgrind.sh compare (base-N and router-N) or noretry-N and router-N, in the
+    # order they ran.
     rounds = sorted(
         (int(m.group(2)), m.group(1) == "router", m.group(0))
         for f in os.listdir(args.dir)
-        if (m := re.match(r"(base|router)-(\d+)", f)) and f == m.group(0) + args.suffix)
+        if (m := re.match(r"(base|noretry|router)-(\d+)", f)) and f == m.group(0) + args.suffix)
     names_run = ["floor", "base", "router"] + [n for _, _, n in rounds]
     targets = [(n, p) for n in names_run if (p := load(n))]
     if not targets:

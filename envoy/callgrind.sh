@@ -18,11 +18,15 @@
 #           snapshot adoption, which run on wall time while valgrind slows requests ~40×,
 #           stay a small share.
 #   base    the same with the build BASE_WASM names (an older commit's .wasm, say).
+#   noretry the router with `connect_retry` off (no stand-in pod named; see
+#           docs/OPERATOR.md "Stand-in pods"): with FLEET naming a roleset of two decode
+#           pods, `noretry-1 router-1 noretry-2 router-2` counts what naming one costs.
 #   compare base and router alternated ROUNDS times (2), as base-N and router-N: within an
 #           afternoon the totals of one build move by more than ±1 % (Envoy's own work, the
 #           other workers' prefix-ring reads), so builds are compared in one alternated
 #           sitting, and the report's "wasm code" line (±0.3 %) is the figure for our code.
-# Environment: REQUESTS (300), WARMUP (200), BODY_BYTES (2048), MEASURED_SEED (2: prompts the
+# Environment: FLEET (a fleet file instead of one 1P1D roleset; model demo-llm, port 18000),
+# REQUESTS (300), WARMUP (200), BODY_BYTES (2048), MEASURED_SEED (2: prompts the
 # warm-up did not send; 1: its prompts again), OUT (target/callgrind),
 # PD_WASM (another build of the filter for `router`), BASE_WASM and ROUNDS (above), CG_ARGS (more valgrind flags: with
 # `--separate-threads=yes` each thread gets its own profile, `<target>.out.1-NN`, which
@@ -58,7 +62,7 @@ cargo build --profile native -p pd-control -p pd-sim
 source envoy/render.sh
 hold_measure_lock callgrind.sh
 
-envoy/fleets/pd-fleet.sh 1 > "$OUT/fleet.yaml"
+if [ -n "${FLEET:-}" ]; then cp "$FLEET" "$OUT/fleet.yaml"; else envoy/fleets/pd-fleet.sh 1 > "$OUT/fleet.yaml"; fi
 trap 'envoy/stack.sh down >/dev/null 2>&1 || true' EXIT
 REFRESH_MS=1000 CONTROL_REFRESH_MS=600000 SIM_TIMING=zero SIM_ARGS="--side-channel-host pod" \
   envoy/stack.sh up "$OUT/fleet.yaml" 1 "$PORT" native > /dev/null
@@ -110,12 +114,15 @@ for t in $targets; do
       render_floor "$FLOOR_PORT" "$FLOOR_ADMIN" 127.0.40.1:18000 127.0.40.2:18000 "$wasm" > "$OUT/$t.yaml"
       run "$t" "$OUT/$t.yaml" "$FLOOR_PORT" "$FLOOR_ADMIN" ;;
     router | router-*) run "$t" .run/envoy.yaml "$PORT" "$ADMIN_PORT" ;;
+    noretry | noretry-*)
+      sed 's/"connect_retry":true,/"connect_retry":false,/' .run/envoy.yaml > "$OUT/noretry.yaml"
+      run "$t" "$OUT/noretry.yaml" "$PORT" "$ADMIN_PORT" ;;
     base | base-*)
       [ -f "${BASE_WASM:-}" ] || { echo "base: set BASE_WASM to a built .wasm" >&2; exit 2; }
       sed -E "s#(code: \{local: \{filename: )\"[^\"]*\"#\1\"$(realpath "$BASE_WASM")\"#" \
         .run/envoy.yaml > "$OUT/base.yaml"
       run "$t" "$OUT/base.yaml" "$PORT" "$ADMIN_PORT" ;;
-    *) echo "unknown target $t (probe, floor, router, base, compare)" >&2; exit 2 ;;
+    *) echo "unknown target $t (probe, floor, router, base, noretry, compare)" >&2; exit 2 ;;
   esac
 done
 if compgen -G "$OUT/*.out.1" > /dev/null; then
