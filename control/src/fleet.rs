@@ -84,6 +84,32 @@ pub struct PodRecord {
 }
 
 impl PodRecord {
+    /// A ready vLLM pod `ns/NAME` of model `m` at `IP:8000` with nothing else set, for tests
+    /// to adjust.
+    #[cfg(test)]
+    pub(crate) fn sample(name: &str, ip: &str) -> PodRecord {
+        PodRecord {
+            model: "m".into(),
+            namespace: "ns".into(),
+            name: name.into(),
+            ip: ip.into(),
+            port: 8000,
+            metric_port: 8000,
+            engine: "vllm".into(),
+            role: String::new(),
+            roleset: String::new(),
+            role_replica_index: String::new(),
+            kv_connector_type: String::new(),
+            config: String::new(),
+            sglang_bootstrap_port: 8998,
+            ready: true,
+            serves_http: true,
+            labels: Default::default(),
+            ready_since_unix_ms: 0,
+            adapters: Vec::new(),
+        }
+    }
+
     /// The `namespace/name` key under which the router tracks a pod.
     pub fn key(&self) -> String {
         format!("{}/{}", self.namespace, self.name)

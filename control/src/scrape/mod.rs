@@ -438,24 +438,8 @@ mod tests {
 
     fn pod(name: &str, ip: &str, ready: bool) -> PodRecord {
         PodRecord {
-            model: "m".into(),
-            namespace: "ns".into(),
-            name: name.into(),
-            ip: ip.into(),
-            port: 8000,
-            metric_port: 8000,
-            engine: "vllm".into(),
-            role: String::new(),
-            roleset: String::new(),
-            role_replica_index: String::new(),
-            kv_connector_type: String::new(),
-            config: String::new(),
-            sglang_bootstrap_port: 8998,
             ready,
-            serves_http: true,
-            labels: Default::default(),
-            ready_since_unix_ms: 0,
-            adapters: Vec::new(),
+            ..PodRecord::sample(name, ip)
         }
     }
 
