@@ -18,7 +18,7 @@
 //!
 //! The stand-in is drawn at random, not scored: it serves only when the chosen pod is dead,
 //! and a dead pod's requests then spread over its siblings instead of piling onto one.
-//! Cost: one draw and a neighbour step, whatever the number of pods.
+//! Cost: one draw and, usually, one step (a walk past the siblings that do not fit).
 
 use crate::core::fleet::{ModelView, Role};
 use crate::core::pd::Target;
