@@ -1160,22 +1160,41 @@ fn requests_at(stack: &Stack, pod: &str) -> usize {
 fn a_standard_pod_refusing_the_connection_is_stood_in_for_by_a_sibling() {
     use base64::Engine as _;
     let fleet = Fleet::new(MODEL).combined("c-0").combined("c-1");
-    let stack = start(fleet.clone(), &[]);
+    let stack = Stack::start_opts(
+        fleet.clone(),
+        fleet.clone(),
+        &Options {
+            control_args: NO_REACHABILITY_CHECK,
+            explain: true,
+            ..Options::default()
+        },
+    );
     // session-affinity with c-0's session id: c-0 is chosen for as long as it is in view.
     let session = base64::engine::general_purpose::STANDARD.encode(fleet.spec("c-0").address());
     let to_c0 = [
         ("routing-strategy", "session-affinity"),
         ("x-session-id", session.as_str()),
     ];
-    let r = stack.chat(&to_c0, &question(0));
+    let explained = [to_c0.as_slice(), &[("x-pd-explain", "1")]].concat();
+    let r = stack.chat(&explained, &question(0));
     assert_success(&r);
     assert_eq!(r.header("target-pod"), Some("c-0"), "{}", describe(&r));
+    let why = r.header("x-pd-explain").unwrap_or_default();
+    assert!(
+        why.contains("pick=c-0") && why.contains("stand_in=c-1") && !why.contains("stand_in_"),
+        "the explanation names the stand-in: {why}"
+    );
     assert_eq!(stand_ins(&stack, "served"), 0.0);
 
     stack.arm_fault(json!({"pod": "c-0", "kind": "crash"}));
-    let r = stack.chat(&to_c0, &question(1));
+    let r = stack.chat(&explained, &question(1));
     assert_success(&r);
     assert_eq!(r.header("target-pod"), Some("c-1"), "{}", describe(&r));
+    let why = r.header("x-pd-explain").unwrap_or_default();
+    assert!(
+        why.contains("stand_in=c-1; stand_in_served"),
+        "the explanation says the stand-in served: {why}"
+    );
     assert_eq!(stand_ins(&stack, "served"), 1.0);
     assert_eq!(
         envoy_stat(&stack, "cluster.pd_pods_retry.upstream_rq_retry_success"),

@@ -75,6 +75,10 @@ impl PdHttp {
             Some(stand_in) => {
                 let value = format!("{chosen_address},{}", stand_in.address);
                 self.set_http_request_header(DESTINATIONS_HEADER, Some(&value));
+                if let Some(header) = self.obs.explain_header.as_mut() {
+                    header.push_str("; stand_in=");
+                    header.push_str(&stand_in.name);
+                }
                 self.named = Some(Named {
                     chosen_key: chosen_key.to_string(),
                     stand_in,
@@ -122,8 +126,11 @@ impl PdHttp {
             routed.pod_address = address.clone();
         }
         if let Some(header) = self.obs.explain_header.as_mut() {
-            header.push_str("; stand_in=");
-            header.push_str(&name);
+            header.push_str(if answered {
+                "; stand_in_served"
+            } else {
+                "; stand_in_failed"
+            });
         }
         let mut vm = self.vm.borrow_mut();
         vm.pod_outcome(&named.chosen_key, false, now_ms);
