@@ -773,3 +773,77 @@ async fn a_held_poll_answers_as_soon_as_a_newer_snapshot_is_published() {
     let f = held.await.unwrap();
     assert_eq!((f.status, f.version_header), (304, Some(v)));
 }
+
+/// The `ip:port` entries of the endpoint file pd-control writes with `--eds-file`.
+fn endpoints_listed(path: &Path) -> Vec<String> {
+    let doc: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(path).expect("endpoint file")).expect("JSON");
+    let assignment = &doc["resources"][0];
+    assert_eq!(assignment["cluster_name"], "pd_pods_retry");
+    assignment["endpoints"][0]["lb_endpoints"]
+        .as_array()
+        .expect("lb_endpoints")
+        .iter()
+        .map(|e| {
+            let a = &e["endpoint"]["address"]["socket_address"];
+            format!("{}:{}", a["address"].as_str().unwrap(), a["port_value"])
+        })
+        .collect()
+}
+
+/// With `--eds-file`, the file lists every pod with an address before pd-control serves
+/// anything, snapshots say the file is written, and a pod added to the fleet is listed once a
+/// snapshot names it (the service writes the file before it publishes that snapshot; the
+/// moments between are too short for a test to observe). Without the flag, snapshots say
+/// there is none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_endpoint_file_lists_a_pod_before_a_snapshot_names_it() {
+    let (engine_a, engine_b) = (
+        FakeEngine::start(vllm_text("m", 0.0)).await,
+        FakeEngine::start(vllm_text("m", 0.0)).await,
+    );
+    let pod = |name, engine: &FakeEngine| PodSpec {
+        name,
+        model: "m",
+        role: "decode",
+        port: Some(engine.addr.port()),
+    };
+    let (dir, path) = fleet_dir(&[pod("a", &engine_a), pending()]);
+    let eds = dir.path().join("pd-pods.json");
+    let mut config = pd_control::Config::new(&path, "127.0.0.1:0".parse().unwrap());
+    config.eds_file = Some(eds.clone());
+    let service = pd_control::start(config).await.unwrap();
+    let base = format!("http://{}", service.local_addr());
+    let a = format!("127.0.0.1:{}", engine_a.addr.port());
+    let b = format!("127.0.0.1:{}", engine_b.addr.port());
+    assert_eq!(
+        endpoints_listed(&eds),
+        [a.clone()],
+        "the pod without an IP is left out"
+    );
+    let client = client();
+    assert!(snapshot(&client, &base).await.eds);
+
+    write_atomically(
+        &path,
+        &fleet_yaml(&[pod("a", &engine_a), pod("b", &engine_b), pending()]),
+    );
+    eventually("a snapshot naming b", || async {
+        find(&snapshot(&client, &base).await, "b").map(|_| ())
+    })
+    .await;
+    let mut listed = endpoints_listed(&eds);
+    listed.sort();
+    let mut want = vec![a, b];
+    want.sort();
+    assert_eq!(listed, want);
+    assert_eq!(
+        counter(&client, &base, "pd_control_eds_write_errors_total").await,
+        0.0
+    );
+    service.shutdown().await.expect("clean shutdown");
+
+    let (without, base) = start_on(&path).await;
+    assert!(!snapshot(&client, &base).await.eds);
+    without.shutdown().await.expect("clean shutdown");
+}
