@@ -818,7 +818,7 @@ async fn the_endpoint_file_lists_a_pod_before_a_snapshot_names_it() {
     let b = format!("127.0.0.1:{}", engine_b.addr.port());
     assert_eq!(
         endpoints_listed(&eds),
-        [a.clone()],
+        vec![a.clone()],
         "the pod without an IP is left out"
     );
     let client = client();
