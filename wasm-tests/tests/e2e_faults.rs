@@ -1316,3 +1316,10 @@ fn a_vllm_decode_pod_refusing_the_connection_is_stood_in_for_by_its_roleset_sibl
 fn an_sglang_decode_pod_refusing_the_connection_is_stood_in_for_by_its_roleset_sibling() {
     a_decode_pod_refusing_the_connection_is_stood_in_for("sglang");
 }
+
+#[test]
+fn a_trtllm_decode_pod_refusing_the_connection_is_stood_in_for_by_its_roleset_sibling() {
+    // TRT-LLM's default `context_first`: the generation leg follows the context answer, which
+    // names the context pod any generation pod of the roleset can pull from.
+    a_decode_pod_refusing_the_connection_is_stood_in_for("trtllm");
+}
