@@ -100,6 +100,30 @@ fn render(cluster: &str, endpoints: &[(String, u16)], version: u64) -> String {
     .to_string()
 }
 
+/// What an endpoint file lists: its cluster and its endpoints as `ip:port` (an IPv6 address
+/// as written, without brackets); `None` for a file that is not a listing of this shape. Reads
+/// back what [`EdsWriter`] wrote, for tests and for checking a deployed file.
+pub fn read_listing(path: &Path) -> Option<(String, Vec<String>)> {
+    let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(path).ok()?).ok()?;
+    let assignment = &doc["resources"][0];
+    if assignment["@type"] != "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment" {
+        return None;
+    }
+    let endpoints = assignment["endpoints"][0]["lb_endpoints"]
+        .as_array()?
+        .iter()
+        .map(|e| {
+            let a = &e["endpoint"]["address"]["socket_address"];
+            Some(format!(
+                "{}:{}",
+                a["address"].as_str()?,
+                a["port_value"].as_u64()?
+            ))
+        })
+        .collect::<Option<Vec<_>>>()?;
+    Some((assignment["cluster_name"].as_str()?.to_string(), endpoints))
+}
+
 /// Writes a sibling file and renames it over `path`: Envoy reloads on the move into the
 /// watched directory and never reads a half-written file.
 fn write_by_rename(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
@@ -124,22 +148,7 @@ mod tests {
     }
 
     fn listed(path: &Path) -> Vec<String> {
-        let v: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(path).expect("file")).expect("json");
-        let cla = &v["resources"][0];
-        assert_eq!(
-            cla["@type"],
-            "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
-        );
-        cla["endpoints"][0]["lb_endpoints"]
-            .as_array()
-            .expect("endpoints")
-            .iter()
-            .map(|e| {
-                let a = &e["endpoint"]["address"]["socket_address"];
-                format!("{}:{}", a["address"].as_str().expect("ip"), a["port_value"])
-            })
-            .collect()
+        read_listing(path).expect("an endpoint listing").1
     }
 
     #[test]
@@ -157,10 +166,9 @@ mod tests {
             follower,
         ];
         assert!(eds.update(&fleet, t0).expect("write"));
-        assert_eq!(listed(&path), ["10.0.0.1:8000", "fd00::7:8001"]);
-        let v: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(&path).expect("file")).expect("json");
-        assert_eq!(v["resources"][0]["cluster_name"], "pd_pods_retry");
+        let (cluster, endpoints) = read_listing(&path).expect("an endpoint listing");
+        assert_eq!(cluster, "pd_pods_retry");
+        assert_eq!(endpoints, ["10.0.0.1:8000", "fd00::7:8001"]);
         assert!(!eds
             .update(&fleet, t0 + Duration::from_secs(1))
             .expect("same"));

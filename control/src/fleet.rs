@@ -85,9 +85,9 @@ pub struct PodRecord {
 
 impl PodRecord {
     /// A ready vLLM pod `ns/NAME` of model `m` at `IP:8000` with nothing else set, for tests
-    /// to adjust.
-    #[cfg(test)]
-    pub(crate) fn sample(name: &str, ip: &str) -> PodRecord {
+    /// (here and in pd-sim) to adjust.
+    #[doc(hidden)]
+    pub fn sample(name: &str, ip: &str) -> PodRecord {
         PodRecord {
             model: "m".into(),
             namespace: "ns".into(),

@@ -776,19 +776,9 @@ async fn a_held_poll_answers_as_soon_as_a_newer_snapshot_is_published() {
 
 /// The `ip:port` entries of the endpoint file pd-control writes with `--eds-file`.
 fn endpoints_listed(path: &Path) -> Vec<String> {
-    let doc: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(path).expect("endpoint file")).expect("JSON");
-    let assignment = &doc["resources"][0];
-    assert_eq!(assignment["cluster_name"], "pd_pods_retry");
-    assignment["endpoints"][0]["lb_endpoints"]
-        .as_array()
-        .expect("lb_endpoints")
-        .iter()
-        .map(|e| {
-            let a = &e["endpoint"]["address"]["socket_address"];
-            format!("{}:{}", a["address"].as_str().unwrap(), a["port_value"])
-        })
-        .collect()
+    let (cluster, endpoints) = pd_control::eds::read_listing(path).expect("an endpoint listing");
+    assert_eq!(cluster, "pd_pods_retry");
+    endpoints
 }
 
 /// With `--eds-file`, the file lists every pod with an address before pd-control serves

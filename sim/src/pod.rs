@@ -624,24 +624,10 @@ mod tests {
 
     fn record(name: &str, role: &str, ip: &str) -> PodRecord {
         PodRecord {
-            model: "m".into(),
             namespace: "default".into(),
-            name: name.into(),
-            ip: ip.into(),
-            port: 8000,
-            metric_port: 8000,
-            engine: "vllm".into(),
             role: role.into(),
             roleset: "rs".into(),
-            role_replica_index: String::new(),
-            kv_connector_type: String::new(),
-            config: String::new(),
-            sglang_bootstrap_port: 8998,
-            ready: true,
-            serves_http: true,
-            labels: Default::default(),
-            ready_since_unix_ms: 0,
-            adapters: Vec::new(),
+            ..PodRecord::sample(name, ip)
         }
     }
 

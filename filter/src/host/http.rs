@@ -1070,6 +1070,35 @@ impl PdHttp {
         Ok(())
     }
 
+    /// The request is answered by pod `key` (`name`, `address`) rather than the one it was
+    /// routed to (a decode leg moved, a stand-in retried on): passive ejection's outcome, the
+    /// response headers, the watchdog and the access log's filter state follow it. Charges
+    /// are the caller's to move.
+    fn answered_by(&mut self, key: &str, name: &str, address: &str) {
+        self.served.target = Some(key.to_string());
+        if let Some(routed) = self.routed.as_mut() {
+            routed.pod_name = name.to_string();
+            routed.pod_address = address.to_string();
+        }
+        if let Some(w) = self.vm.borrow_mut().watched.get_mut(&self.id) {
+            w.decode_pod = name.to_string();
+            w.decode_address = address.to_string();
+        }
+        let states: &[&str] = if self.served.prefill.is_some() {
+            &[STATE_DECODE_POD, STATE_TARGET_POD]
+        } else {
+            &[STATE_TARGET_POD]
+        };
+        for state in states {
+            if let Err(e) = hostcalls::set_property(vec![state], Some(name.as_bytes())) {
+                log::debug!(
+                    "context {}: cannot set filter state {state}: {e:?}",
+                    self.id
+                );
+            }
+        }
+    }
+
     /// Records how the prefill pod answered its leg, for passive ejection.
     fn prefill_served(&self, status: &str, clock: &mut Clock) {
         if let (Some(pod), Some(ok)) = (&self.served.prefill, outcome::prefill_served(status)) {

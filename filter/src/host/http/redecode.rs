@@ -10,9 +10,7 @@
 use std::cell::Cell;
 use std::rc::Rc;
 
-use proxy_wasm::hostcalls;
-
-use super::{PdHttp, STATE_DECODE_POD, STATE_TARGET_POD};
+use super::PdHttp;
 use crate::host::holds;
 use crate::host::metrics::Metrics;
 use crate::host::now_ms;
@@ -80,33 +78,16 @@ impl PdHttp {
             self.request_id,
             chosen.key
         );
-        self.served.target = Some(key.clone());
-        if let Some(routed) = self.routed.as_mut() {
-            routed.pod_name = name.clone();
-            routed.pod_address = address.clone();
-        }
+        self.answered_by(key, name, address);
         if let Some(header) = self.obs.explain_header.as_mut() {
             header.push_str("; decode_moved=");
             header.push_str(name);
         }
-        let mut vm = self.vm.borrow_mut();
-        if let Some(w) = vm.watched.get_mut(&self.id) {
-            w.decode_pod = name.clone();
-            w.decode_address = address.clone();
-        }
+        let vm = self.vm.borrow();
         Metrics::inc(vm.metrics.decode_rerouted);
         // The new pod is in the current view; later checks of this request's destinations
         // go against that view.
         self.routed_on = vm.fleet.clone();
-        drop(vm);
-        for state in [STATE_DECODE_POD, STATE_TARGET_POD] {
-            if let Err(e) = hostcalls::set_property(vec![state], Some(name.as_bytes())) {
-                log::debug!(
-                    "context {}: cannot set filter state {state}: {e:?}",
-                    self.id
-                );
-            }
-        }
         address.clone()
     }
 }

@@ -12,7 +12,7 @@
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::HttpContext;
 
-use super::{PdHttp, STATE_DECODE_POD, STATE_TARGET_POD};
+use super::PdHttp;
 use crate::core::fleet::{ModelView, PodView};
 use crate::core::inbound::DESTINATIONS_HEADER;
 use crate::core::pd::Target;
@@ -120,11 +120,7 @@ impl PdHttp {
         holds::update(&self.vm, self.id, now_ms, |held, ledger| {
             held.move_decode(ledger, &key, now_ms)
         });
-        self.served.target = Some(key);
-        if let Some(routed) = self.routed.as_mut() {
-            routed.pod_name = name.clone();
-            routed.pod_address = address.clone();
-        }
+        self.answered_by(&key, &name, &address);
         if let Some(header) = self.obs.explain_header.as_mut() {
             header.push_str(if answered {
                 "; stand_in_served"
@@ -134,24 +130,6 @@ impl PdHttp {
         }
         let mut vm = self.vm.borrow_mut();
         vm.pod_outcome(&named.chosen_key, false, now_ms);
-        if let Some(w) = vm.watched.get_mut(&self.id) {
-            w.decode_pod = name.clone();
-            w.decode_address = address;
-        }
         Metrics::inc(vm.metrics.stand_in_retries[usize::from(!answered)]);
-        drop(vm);
-        let states: &[&str] = if self.served.prefill.is_some() {
-            &[STATE_DECODE_POD, STATE_TARGET_POD]
-        } else {
-            &[STATE_TARGET_POD]
-        };
-        for state in states {
-            if let Err(e) = hostcalls::set_property(vec![state], Some(name.as_bytes())) {
-                log::debug!(
-                    "context {}: cannot set filter state {state}: {e:?}",
-                    self.id
-                );
-            }
-        }
     }
 }
