@@ -24,6 +24,9 @@ use serde::{Deserialize, Serialize};
 use crate::redis_link::{LinkError, RedisLink, Retry};
 use crate::report_ids::{Claim, ReportIds};
 
+mod refund;
+pub use refund::{parse_release, Refund, ReleaseError, Released, MAX_REFUNDS};
+
 /// Prefix of the user records: `aibrix-users/{name}`, a JSON string value.
 pub const USER_KEY_PREFIX: &str = "aibrix-users/";
 /// The counting window. AIBrix writes it into the counter keys, so it is part of their names.
@@ -495,12 +498,15 @@ pub struct UserLimits {
     reports: ReportIds,
     /// Users' tokens of reports sent again that had been added already.
     duplicates_total: AtomicU64,
+    /// Model requests given back after the gateway could not route them.
+    refunds: refund::RefundCounts,
 }
 
 struct Store {
     link: RedisLink,
     admit: redis::Script,
     usage: redis::Script,
+    release: redis::Script,
 }
 
 impl UserLimits {
@@ -515,6 +521,7 @@ impl UserLimits {
             link: RedisLink::open(url)?,
             admit: redis::Script::new(ADMIT_SCRIPT),
             usage: redis::Script::new(USAGE_SCRIPT),
+            release: redis::Script::new(refund::RELEASE_SCRIPT),
         })))
     }
 
@@ -529,6 +536,7 @@ impl UserLimits {
             record_warned_ms: AtomicI64::new(i64::MIN),
             reports: ReportIds::default(),
             duplicates_total: AtomicU64::new(0),
+            refunds: Default::default(),
         }
     }
 
@@ -836,9 +844,15 @@ impl UserLimits {
                 plain(self.duplicates_total.load(Ordering::Relaxed)),
             ),
             (
+                "pd_control_model_rps_refunds_total",
+                "counter",
+                "Model requests the gateway could not route, sent back to their model's rate counter: given_back, or skipped (the window that counted them had passed, or the counter was at 0).",
+                self.refunds.samples(),
+            ),
+            (
                 "pd_control_user_limit_errors_total",
                 "counter",
-                "Redis failures of user limits: failed record reads and counter scripts of checks, model counters that cannot be incremented, and token additions not made.",
+                "Redis failures of user limits: failed record reads and counter scripts of checks, model counters that cannot be incremented, token additions not made, and releases not made.",
                 plain(self.errors_total.load(Ordering::Relaxed)),
             ),
         ]

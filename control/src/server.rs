@@ -51,6 +51,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/replicas/report", post(replica_report))
         .route("/v1/limits/admit", post(limits_admit))
         .route("/v1/limits/usage", post(limits_usage))
+        .route("/v1/limits/release", post(limits_release))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_token));
     Router::new()
         .merge(guarded)
@@ -215,6 +216,35 @@ async fn limits_usage(State(state): State<AppState>, headers: HeaderMap, body: B
         Err(e) => (
             StatusCode::INTERNAL_SERVER_ERROR,
             format!("the token report was not added: {e}\n"),
+        )
+            .into_response(),
+    }
+}
+
+/// `POST /v1/limits/release`: `{"refunds": [{"model", "rps_window_ms", "age_ms"}, ...]}`,
+/// requests the gateway admitted and then could not route, given back to their model's
+/// counter (see `limits::refund`). 200 with `{"given_back": n, "skipped": m}` (zeros when
+/// limits are off), 400 for a body outside the contract, 503 when Redis did not run it.
+/// Not repeatable: a caller that got no answer must not send the same refunds again.
+async fn limits_release(State(state): State<AppState>, body: Bytes) -> Response {
+    let refunds = match crate::limits::parse_release(&body) {
+        Ok(refunds) => refunds,
+        Err(e) => return (StatusCode::BAD_REQUEST, format!("{e}\n")).into_response(),
+    };
+    // Spawned, so a caller that gives up cannot cut the script off between sending it and
+    // counting what it did.
+    let limits = state.limits.clone();
+    let released = tokio::spawn(async move { limits.release(&refunds).await });
+    match released.await {
+        Ok(Ok(released)) => axum::Json(released).into_response(),
+        Ok(Err(e)) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("nothing given back: {e}\n"),
+        )
+            .into_response(),
+        Err(e) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("the release did not run: {e}\n"),
         )
             .into_response(),
     }

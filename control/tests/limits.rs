@@ -529,6 +529,116 @@ async fn model_rates_are_counted_with_a_take_back() {
     assert_eq!(checks(&base, "store_error").await, 3.0);
 }
 
+/// `POST /v1/limits/release` of `refunds` (`[(model, window_ms, age_ms)]`): status and body.
+async fn release(base: &str, refunds: &[(&str, u64, u64)]) -> (u16, String) {
+    let refunds: Vec<Value> = refunds
+        .iter()
+        .map(|(model, window, age)| json!({"model": model, "rps_window_ms": window, "age_ms": age}))
+        .collect();
+    let body = json!({ "refunds": refunds }).to_string().into_bytes();
+    post(base, "/v1/limits/release", body).await
+}
+
+/// A request the gateway admitted and then could not route goes back to its model's
+/// counter, but only to the window that counted it, and never below 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_request_given_back_lands_only_in_its_own_window() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let Some((redis, mut db)) = store(dir.path()).await else {
+        return;
+    };
+    let (_service, base) = start(&fleet(dir.path()), Some(redis.url()), false).await;
+    let llama = model_key("llama", 30_000);
+    let body = model_body("llama", 1, 30_000);
+    assert_eq!(admit_body(&base, &body).await["outcome"], "admitted");
+    assert_eq!(
+        admit_body(&base, &body).await["outcome"],
+        "model_rps_exceeded"
+    );
+
+    // Answered just now: the window open now counted it.
+    let answer = release(&base, &[("llama", 30_000, 0)]).await;
+    assert_eq!(answer, (200, r#"{"given_back":1,"skipped":0}"#.into()));
+    let count: i64 = db.get(&llama).await.expect("get");
+    assert_eq!(count, 0);
+    // Given back once: the counter is not driven below 0 by a second copy.
+    let answer = release(&base, &[("llama", 30_000, 0)]).await;
+    assert_eq!(answer, (200, r#"{"given_back":0,"skipped":1}"#.into()));
+    assert_eq!(db.get::<_, i64>(&llama).await.expect("get"), 0);
+    // The budget is back: the next request is admitted, the one after refused.
+    assert_eq!(admit_body(&base, &body).await["outcome"], "admitted");
+    assert_eq!(
+        admit_body(&base, &body).await["outcome"],
+        "model_rps_exceeded"
+    );
+
+    // A window that began 10 s ago holds a request answered 5 s ago, not one answered 15 s
+    // ago (that one was counted by a window since gone).
+    let _: () = db.pexpire(&llama, 20_000).await.expect("pexpire");
+    let answer = release(&base, &[("llama", 30_000, 15_000)]).await;
+    assert_eq!(answer, (200, r#"{"given_back":0,"skipped":1}"#.into()));
+    assert_eq!(db.get::<_, i64>(&llama).await.expect("get"), 1);
+    let answer = release(&base, &[("llama", 30_000, 5_000)]).await;
+    assert_eq!(answer, (200, r#"{"given_back":1,"skipped":0}"#.into()));
+    assert_eq!(db.get::<_, i64>(&llama).await.expect("get"), 0);
+    let pttl: i64 = db.pttl(&llama).await.expect("pttl");
+    assert!(pttl > 0 && pttl <= 20_000, "the window is kept: {pttl}");
+
+    // No counter, a counter that is not one: skipped, in the same call as one given back.
+    let _: () = db
+        .set(model_key("broken", 1000), "garbage")
+        .await
+        .expect("set");
+    let _: () = db.set(model_key("qwen", 1000), 3).await.expect("set");
+    let _: () = db
+        .pexpire(model_key("qwen", 1000), 1000)
+        .await
+        .expect("pexpire");
+    let answer = release(
+        &base,
+        &[("gone", 1000, 0), ("broken", 1000, 0), ("qwen", 1000, 0)],
+    )
+    .await;
+    assert_eq!(answer, (200, r#"{"given_back":1,"skipped":2}"#.into()));
+    assert_eq!(
+        db.get::<_, i64>(model_key("qwen", 1000))
+            .await
+            .expect("get"),
+        2
+    );
+    let given = r#"pd_control_model_rps_refunds_total{result="given_back"}"#;
+    assert_eq!(metric(&base, given).await, 3.0);
+    let skipped = r#"pd_control_model_rps_refunds_total{result="skipped"}"#;
+    assert_eq!(metric(&base, skipped).await, 4.0);
+
+    // Bodies outside the contract: 400, nothing given back.
+    for bad in [
+        json!({"refunds": [{"model": "qwen", "rps_window_ms": 10, "age_ms": 0}]}),
+        json!({"refunds": [{"model": "", "rps_window_ms": 1000, "age_ms": 0}]}),
+        json!({"refund": []}),
+    ] {
+        let (status, text) = post(&base, "/v1/limits/release", bad.to_string().into_bytes()).await;
+        assert_eq!(status, 400, "{bad}: {text}");
+    }
+    assert_eq!(
+        db.get::<_, i64>(model_key("qwen", 1000))
+            .await
+            .expect("get"),
+        2
+    );
+
+    // Redis gone: 503, counted as a store error.
+    let errors = metric(&base, "pd_control_user_limit_errors_total").await;
+    drop(db);
+    drop(redis);
+    let (status, text) = release(&base, &[("llama", 30_000, 0)]).await;
+    assert_eq!(status, 503, "{text}");
+    assert_eq!(
+        metric(&base, "pd_control_user_limit_errors_total").await,
+        errors + 1.0
+    );
+}
+
 /// A user and a model in one admission: the user part first; a user refusal leaves the model
 /// counter alone; a model refusal leaves the user's request counted (as AIBrix, which checks
 /// the user at the request headers, before the model). Bodies outside the contract are 400
@@ -684,6 +794,10 @@ async fn limits_turned_off_answer_disabled() {
             json!({"outcome":"disabled"})
         );
         assert_eq!(usage(&base, json!({"alice": 5})).await, 204);
+        assert_eq!(
+            release(&base, &[("llama", 1000, 0)]).await,
+            (200, r#"{"given_back":0,"skipped":0}"#.into())
+        );
         assert!(!snapshot(&base).await.user_limits, "{redis:?}");
         assert_eq!(metric(&base, "pd_control_user_limits_enabled").await, 0.0);
         assert_eq!(checks(&base, "admitted").await, 0.0);
