@@ -607,6 +607,7 @@ async fn snapshot_routes_require_the_token_when_one_is_configured() {
         (reqwest::Method::POST, "/v1/replicas/report"),
         (reqwest::Method::POST, "/v1/limits/admit"),
         (reqwest::Method::POST, "/v1/limits/usage"),
+        (reqwest::Method::POST, "/v1/limits/release"),
     ];
     let mut refused = 0.0;
     for (method, path) in &guarded {

@@ -107,6 +107,7 @@ const FAMILIES: &[&str] = &[
     "pd_router_user_tokens_reported_total",
     "pd_router_user_tokens_unreported_total",
     "pd_router_user_token_report_failures_total",
+    "pd_router_model_rps_refunds_total",
     "pd_router_prefix_batches_missed_total",
     "pd_router_snapshot_stale",
     "pd_router_snapshot_age_ms",

@@ -17,7 +17,9 @@ const MODEL: &str = "limits-llm";
 
 /// The model's config (read from its first pod): profile `metered` admits 0.01 requests per
 /// second, one per 100 s window, so a second request is refused whatever the machine's pace.
-const METERED: &str = r#"{"profiles":{"default":{"routingConfig":{"combined":true}},"metered":{"routingConfig":{"combined":true},"requestsPerSecond":0.01}}}"#;
+/// Profile `broken` shares that window but names a decode policy no gateway knows: its
+/// requests are admitted, then refused when the filter resolves their PD settings.
+const METERED: &str = r#"{"profiles":{"default":{"routingConfig":{"combined":true}},"metered":{"routingConfig":{"combined":true},"requestsPerSecond":0.01},"broken":{"routingStrategy":"pd","routingConfig":{"decodeScorePolicy":"fastest"},"requestsPerSecond":0.01}}}"#;
 
 fn fleet() -> Fleet {
     Fleet::new(MODEL)
@@ -314,6 +316,54 @@ fn a_models_request_rate_is_held_to_its_profile() {
         &[("reason", "model_rps_exceeded")],
     );
     assert_eq!(rejected, 2.0);
+    stack.wait_ledger_zero();
+}
+
+/// AIBrix does not charge a model's rate for a request it could not route: the filter gives
+/// the admitted request back to the window that counted it, and the next request is admitted.
+#[test]
+fn a_request_refused_after_its_admission_gives_its_model_count_back() {
+    let Some(store) = Store::start() else {
+        return;
+    };
+    let stack = start(&store, "");
+    let counter = "aibrix_model:limits-llm_MODEL_RPS_CURRENT:100000:counter";
+    let headers = [("routing-strategy", "pd"), ("config-profile", "broken")];
+    let path = "/v1/chat/completions";
+    let refused = http::post_json(&stack.gateway, path, &headers, &question(false, false));
+    assert_eq!(refused.status, 503, "{}", refused.text());
+    assert_eq!(
+        refused.json()["error"]["message"],
+        "error on selecting target pod"
+    );
+    assert_eq!(stack.stat("pd_router_rate_limit_checks_total"), 1);
+    eventually(Duration::from_secs(10), || {
+        let count = store.redis.command(&["GET", counter]);
+        (count.as_deref() == Some("0"))
+            .then_some(())
+            .ok_or(format!("the model's counter reads {count:?}, want 0"))
+    });
+    let sent = [("result", "sent")];
+    eventually(Duration::from_secs(10), || {
+        let n = stack.metric("pd_router_model_rps_refunds_total", &sent);
+        (n == 1.0).then_some(()).ok_or(format!("{n} refunds sent"))
+    });
+    // The window's one request is free again: admitted, and the next refused.
+    let first = chat_in(&stack, None, Some("metered"), question(false, false));
+    assert_eq!(first.status, 200, "{}", first.text());
+    let over = chat_in(&stack, None, Some("metered"), question(false, false));
+    assert_eq!(over.status, 429, "{}", over.text());
+    assert_eq!(store.redis.command(&["GET", counter]).as_deref(), Some("1"));
+    // A refusal over the rate was never counted: nothing more is given back.
+    let unsent = [("result", "unsent")];
+    assert_eq!(
+        stack.metric("pd_router_model_rps_refunds_total", &unsent),
+        0.0
+    );
+    assert_eq!(
+        stack.metric("pd_router_model_rps_refunds_total", &sent),
+        1.0
+    );
     stack.wait_ledger_zero();
 }
 

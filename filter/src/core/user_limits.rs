@@ -14,6 +14,9 @@ use serde::Deserialize;
 use crate::core::errors::RouteError;
 use crate::core::obs::usage;
 
+mod refunds;
+pub use refunds::{Charge, RefundBook, Refunds, MAX_PENDING_REFUNDS, RELEASE_PATH};
+
 pub const ADMIT_PATH: &str = "/v1/limits/admit";
 pub const USAGE_PATH: &str = "/v1/limits/usage";
 /// Longest user name sent for admission; pd-control refuses longer ones.
@@ -83,6 +86,9 @@ pub const MAX_PENDING_USERS: usize = 4096;
 enum Answer {
     Admitted {
         rpm: Option<i64>,
+        /// The model's count with this request; absent when the model was not counted.
+        #[serde(default)]
+        model_rps: Option<i64>,
     },
     RpmExceeded {
         rpm_limit: i64,
@@ -103,8 +109,13 @@ enum Answer {
 /// What admission decided for one request.
 #[derive(Debug, PartialEq)]
 pub enum Verdict {
-    /// Go on; `rpm` is the user's request count in the current window, when known.
-    Admitted { rpm: Option<i64> },
+    /// Go on; `rpm` is the user's request count in the current window, when known;
+    /// `charged` the model's rate when the request was counted against it (to be given
+    /// back if the request cannot be routed after all).
+    Admitted {
+        rpm: Option<i64>,
+        charged: Option<ModelRps>,
+    },
     /// The user is over a limit or unknown: the client gets this refusal.
     Refused(RouteError),
     /// The limits could not be checked; the plugin's `rate_limits_fail_open` decides.
@@ -129,8 +140,14 @@ pub fn judge(ask: &Ask, status: &str, body: &[u8]) -> Verdict {
     };
     let user = ask.user.clone().unwrap_or_default();
     match answer {
-        Answer::Admitted { rpm } => Verdict::Admitted { rpm },
-        Answer::Disabled => Verdict::Admitted { rpm: None },
+        Answer::Admitted { rpm, model_rps } => Verdict::Admitted {
+            rpm,
+            charged: model_rps.and(ask.rps).and_then(ModelRps::of),
+        },
+        Answer::Disabled => Verdict::Admitted {
+            rpm: None,
+            charged: None,
+        },
         Answer::RpmExceeded { rpm_limit } => Verdict::Refused(RouteError::RpmExceeded {
             user,
             limit: rpm_limit,
@@ -363,7 +380,18 @@ mod tests {
         let admitted = br#"{"outcome":"admitted","rpm":null,"rpm_limit":null,"tpm":null,"tpm_limit":null,"model_rps":1,"rps_limit":1}"#;
         assert_eq!(
             super::judge(&ask, "200", admitted),
-            Verdict::Admitted { rpm: None }
+            Verdict::Admitted {
+                rpm: None,
+                charged: ModelRps::of(0.5)
+            }
+        );
+        let not_counted = br#"{"outcome":"disabled"}"#;
+        assert_eq!(
+            super::judge(&ask, "200", not_counted),
+            Verdict::Admitted {
+                rpm: None,
+                charged: None
+            }
         );
         let store = br#"{"outcome":"store_error","stage":"model","message":"down"}"#;
         match super::judge(&ask, "200", store) {
@@ -379,7 +407,10 @@ mod tests {
         let admitted = br#"{"outcome":"admitted","rpm":2,"rpm_limit":3,"tpm":0,"tpm_limit":3000,"model_rps":null,"rps_limit":null}"#;
         assert_eq!(
             judge("alice", "200", admitted),
-            Verdict::Admitted { rpm: Some(2) }
+            Verdict::Admitted {
+                rpm: Some(2),
+                charged: None
+            }
         );
         let rpm = br#"{"outcome":"rpm_exceeded","rpm":3,"rpm_limit":3}"#;
         assert_eq!(
@@ -403,7 +434,10 @@ mod tests {
         );
         assert_eq!(
             judge("eve", "200", br#"{"outcome":"disabled"}"#),
-            Verdict::Admitted { rpm: None }
+            Verdict::Admitted {
+                rpm: None,
+                charged: None
+            }
         );
     }
 

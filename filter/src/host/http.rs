@@ -34,7 +34,7 @@ use crate::core::route::{self, Decision};
 use crate::core::tokenize;
 use crate::core::tokens;
 use crate::core::upstream_error::{self, Rewrite, RESPONSE_UNKNOWN_HEADER};
-use crate::core::user_limits::{self, Ask, ModelRps, UsageScan, Verdict};
+use crate::core::user_limits::{self, Ask, Charge, ModelRps, UsageScan, Verdict};
 use crate::host::holds::{self, Hold};
 use crate::host::metrics::Metrics;
 use crate::host::store::SharedData;
@@ -195,6 +195,9 @@ pub struct PdHttp {
     limits_checked: bool,
     /// The user an admitted request counts against.
     limited: Option<Limited>,
+    /// The model rate this request was counted against, given back if the filter refuses it
+    /// after all (`RefundBook`).
+    charge: Option<Charge>,
     /// The stand-in pod named for Envoy's retry of a refused connection, until the response
     /// says which pod served.
     named: Option<stand_in::Named>,
@@ -276,6 +279,7 @@ impl PdHttp {
             admission: None,
             limits_checked: false,
             limited: None,
+            charge: None,
             named: None,
         }
     }
@@ -371,7 +375,12 @@ impl PdHttp {
             .unwrap_or_default();
         let Admission { ask, raw, .. } = admission;
         let admitted = match user_limits::judge(&ask, &status, &body) {
-            Verdict::Admitted { rpm } => {
+            Verdict::Admitted { rpm, charged } => {
+                self.charge = charged.map(|rps| Charge {
+                    model: ask.model,
+                    rps,
+                    answered_ms: now_ms(),
+                });
                 self.admitted(ask.user, rpm);
                 Ok(())
             }
@@ -391,6 +400,12 @@ impl PdHttp {
     fn reject(&mut self, error: RouteError) -> Action {
         self.local_reply = true;
         self.release_all(&mut Clock::default());
+        if let Some(charge) = self.charge.take() {
+            // Counted against the model's rate, never served: AIBrix does not charge it.
+            let mut vm = self.vm.borrow_mut();
+            vm.model_refunds.add(charge);
+            vm.wake();
+        }
         self.obs.outcome.get_or_insert(Outcome::rejected(&error));
         {
             let mut vm = self.vm.borrow_mut();

@@ -147,6 +147,11 @@ pub struct Metrics {
     /// `pd_router_user_token_report_failures_total`: token reports pd-control did not take
     /// whole (no answer, or not 2xx); each is sent again on the next tick.
     pub user_token_report_failures: Option<u32>,
+    /// `pd_router_model_rps_refunds_total{result}`: requests counted against their model's
+    /// rate and then refused by the filter, given back to pd-control
+    /// (`user_limits::RefundBook`): `[sent, unsent]` (pd-control took the release; or no
+    /// answer, a failure, no room, or the window over before the tick).
+    pub model_rps_refunds: [Option<u32>; 2],
     /// `pd_router_prefix_batches_missed_total`: other workers' prefix-event batches a worker
     /// could no longer read (their ring had moved on; `core::prefix::log`).
     pub prefix_batches_missed: Option<u32>,
@@ -285,6 +290,8 @@ impl Metrics {
             user_tokens_reported: define(c, "pd_router_user_tokens_reported_total"),
             user_tokens_unreported: define(c, "pd_router_user_tokens_unreported_total"),
             user_token_report_failures: define(c, "pd_router_user_token_report_failures_total"),
+            model_rps_refunds: ["sent", "unsent"]
+                .map(|result| counter("pd_router_model_rps_refunds_total", &[("result", result)])),
             prefix_batches_missed: define(c, "pd_router_prefix_batches_missed_total"),
             selection_us: define(MetricType::Histogram, "pd_router_selection_us"),
             selection_core_us: define(MetricType::Histogram, "pd_router_selection_core_us"),

@@ -115,6 +115,8 @@ pub struct VmState {
     pub pace: crate::core::pace::TickPace,
     /// Tokens this VM's answers used per limited user, until the tick reports them.
     pub user_usage: crate::core::user_limits::UsageBook,
+    /// Requests counted against their model's rate and then refused, to give back.
+    pub model_refunds: crate::core::user_limits::RefundBook,
     /// `vtc-basic`'s per-user token window (per worker, as AIBrix's is per replica).
     pub vtc: crate::core::pd::vtc::TokenTracker,
 }

@@ -68,6 +68,10 @@ pub struct Root {
     /// handed back to the book if it does not arrive.
     usage_in_flight: Option<(u32, crate::core::user_limits::Report)>,
     usage_failures: u64,
+    /// The release in flight (`host::user_limits::send_release`): the call's token and how
+    /// many requests it gives back.
+    release_in_flight: Option<(u32, u64)>,
+    release_failures: u64,
     /// Publishes this VM's outstanding charges and reclaims those of dead VMs.
     journal: crate::host::journal::JournalWriter,
 }
@@ -137,6 +141,7 @@ impl Root {
                 ejections: crate::core::ejection::Ejections::default(),
                 pace: crate::core::pace::TickPace::new(100, 10_000),
                 user_usage: Default::default(),
+                model_refunds: Default::default(),
                 vtc: Default::default(),
             })),
             context_id,
@@ -161,6 +166,8 @@ impl Root {
             report_failures: 0,
             usage_in_flight: None,
             usage_failures: 0,
+            release_in_flight: None,
+            release_failures: 0,
             journal: crate::host::journal::JournalWriter::new(seed | 1),
         }
     }
@@ -266,6 +273,54 @@ impl Root {
             log::warn!(
                 "{why}: {tokens} tokens not counted against their users' TPM yet, {given_up} given up ({} consecutive failures)",
                 self.usage_failures
+            );
+        }
+    }
+
+    /// Gives the requests this VM counted against their model's rate and then refused back to
+    /// pd-control, one release in flight at a time. Sent once (see `RefundBook`).
+    fn maybe_send_release(&mut self) {
+        if self.release_in_flight.is_some() {
+            return;
+        }
+        let (refunds, plugin) = {
+            let mut vm = self.vm.borrow_mut();
+            if vm.model_refunds.is_empty() && vm.model_refunds.lost == 0 {
+                return;
+            }
+            let refunds = vm.model_refunds.take(now_ms());
+            let lost = std::mem::take(&mut vm.model_refunds.lost);
+            Metrics::add(vm.metrics.model_rps_refunds[1], lost);
+            let Some(refunds) = refunds else {
+                return;
+            };
+            (refunds, vm.plugin.clone())
+        };
+        match crate::host::user_limits::send_release(&plugin, &refunds.body) {
+            Ok(token) => self.release_in_flight = Some((token, refunds.count)),
+            Err(e) => self.release_failed(refunds.count, format!("cannot send the release: {e}")),
+        }
+    }
+
+    fn on_release_answer(&mut self, count: u64) {
+        let status = self
+            .get_http_call_response_header(":status")
+            .unwrap_or_default();
+        if status == "200" {
+            self.release_failures = 0;
+            Metrics::add(self.vm.borrow().metrics.model_rps_refunds[0], count);
+        } else {
+            self.release_failed(count, format!("release answered status {status:?}"));
+        }
+    }
+
+    fn release_failed(&mut self, count: u64, why: String) {
+        Metrics::add(self.vm.borrow().metrics.model_rps_refunds[1], count);
+        self.release_failures += 1;
+        if self.release_failures.is_power_of_two() {
+            log::warn!(
+                "{why}: {count} requests not given back to their model's rate ({} consecutive failures)",
+                self.release_failures
             );
         }
     }
@@ -603,6 +658,9 @@ impl Context for Root {
         if let Some((_, report)) = self.usage_in_flight.take_if(|(t, _)| *t == token) {
             return self.on_usage_answer(report);
         }
+        if let Some((_, count)) = self.release_in_flight.take_if(|(t, _)| *t == token) {
+            return self.on_release_answer(count);
+        }
         if self.fetch_in_flight != Some(token) {
             let status = self
                 .get_http_call_response_header(":status")
@@ -787,6 +845,7 @@ impl RootContext for Root {
         crate::section!("tick.fetch", self.maybe_fetch(now));
         crate::section!("tick.report", self.maybe_report(now));
         crate::section!("tick.usage", self.maybe_send_usage());
+        crate::section!("tick.release", self.maybe_send_release());
         crate::section!("tick.reload", self.reload());
         crate::section!("tick.freshness", self.check_freshness(now));
         crate::section!(

@@ -1,12 +1,13 @@
 //! Calls to pd-control for rate limits (see `crate::core::user_limits`): a request's
-//! admission, sent from its HTTP context, and a VM's token report, sent from its tick.
+//! admission, sent from its HTTP context, and a VM's token report and release of requests
+//! it could not route, sent from its tick.
 
 use std::time::Duration;
 
 use proxy_wasm::hostcalls;
 
 use crate::core::config::PluginConfig;
-use crate::core::user_limits::{ADMIT_PATH, REPORT_ID_HEADER, USAGE_PATH};
+use crate::core::user_limits::{ADMIT_PATH, RELEASE_PATH, REPORT_ID_HEADER, USAGE_PATH};
 
 /// Asks pd-control to admit a request (`user_limits::admission_body`); returns the call's
 /// token.
@@ -26,6 +27,17 @@ pub fn send_usage(plugin: &PluginConfig, id: &str, body: &[u8]) -> Result<u32, S
         plugin,
         USAGE_PATH,
         Some(id),
+        body,
+        Duration::from_millis(plugin.fetch_timeout_ms),
+    )
+}
+
+/// Gives requests back to their model's rate (`RefundBook::take`); returns the call's token.
+pub fn send_release(plugin: &PluginConfig, body: &[u8]) -> Result<u32, String> {
+    send(
+        plugin,
+        RELEASE_PATH,
+        None,
         body,
         Duration::from_millis(plugin.fetch_timeout_ms),
     )
