@@ -156,9 +156,17 @@ pub struct Config {
     #[arg(long, value_name = "FILE")]
     pub eds_file: Option<PathBuf>,
 
-    /// The cluster name written into `--eds-file`.
+    /// The cluster name written into `--eds-file` and served on `--xds-listen`.
     #[arg(long, value_name = "NAME", default_value = crate::eds::DEFAULT_CLUSTER)]
     pub eds_cluster: String,
+
+    /// Also serve that endpoint listing as a gRPC EDS service (Envoy's
+    /// `EndpointDiscoveryService`, state of the world) on this address, for gateways that
+    /// cannot read `--eds-file` (an Istio ingress gateway runs in another pod). Guarded by
+    /// `--snapshot-token-file` like the snapshot. Snapshots then tell the gateways they may
+    /// name a stand-in pod, as with `--eds-file`.
+    #[arg(long, value_name = "ADDR")]
+    pub xds_listen: Option<SocketAddr>,
 }
 
 /// Settings that clap would have rejected, caught again for configs built in code.
@@ -252,6 +260,7 @@ impl Config {
             pod_labels: LabelPolicy::All,
             eds_file: None,
             eds_cluster: crate::eds::DEFAULT_CLUSTER.into(),
+            xds_listen: None,
         }
     }
 

@@ -1,12 +1,14 @@
-//! The Envoy endpoint file of the gateway's retrying cluster (`--eds-file`).
+//! The endpoints of the gateway's retrying cluster: a file (`--eds-file`) and a gRPC EDS stream
+//! (`--xds-listen`, see `xds`).
 //!
 //! Envoy's ORIGINAL_DST cluster reaches any address the filter names, but cannot retry on
 //! another: its host comes from one header that a retry does not change. The retrying
 //! cluster (`pd_pods_retry` in `envoy/envoy.yaml.tmpl`) uses the `override_host` load
 //! balancer instead, which takes the filter's `chosen,stand-in` list one host per attempt, but
-//! only among hosts the cluster knows. This file is how it knows them: a `DiscoveryResponse`
-//! holding one `ClusterLoadAssignment`, read through a path config source whose watched
-//! directory makes Envoy reload it when a new file is renamed into place.
+//! only among hosts the cluster knows. [`EdsWriter`] is how it knows them: one
+//! `ClusterLoadAssignment`, written as a `DiscoveryResponse` file that a path config source
+//! reloads when a new one is renamed into its watched directory, and handed to the EDS
+//! streams of gateways that cannot read pd-control's filesystem (an Istio gateway).
 //!
 //! Every pod with an address that serves HTTP is listed, ready or not: a pod gets its IP well before it is
 //! routable, so by the time a snapshot names it, Envoy has long known it. A pod that leaves
@@ -15,7 +17,10 @@
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
 
 use crate::fleet::PodRecord;
 
@@ -33,55 +38,92 @@ pub struct EdsError {
     source: std::io::Error,
 }
 
-/// Keeps the endpoint file in step with the fleet.
+/// The retrying cluster's endpoints at one version.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Listing {
+    pub cluster: String,
+    /// Bumped on every change of `endpoints`; 0 before the fleet was first taken in.
+    pub version: u64,
+    /// `(ip, port)`, sorted.
+    pub endpoints: Vec<(String, u16)>,
+}
+
+/// Keeps the endpoint listing in step with the fleet, in the file and for the EDS streams.
 #[derive(Debug)]
 pub struct EdsWriter {
-    path: PathBuf,
-    cluster: String,
+    path: Option<PathBuf>,
     /// `(ip, port)` → when the fleet last held it.
     seen: BTreeMap<(String, u16), Instant>,
-    /// What the file holds now; `None` until the first write lands.
-    written: Option<Vec<(String, u16)>>,
-    version: u64,
+    listing: watch::Sender<Arc<Listing>>,
+    /// The version the file holds; `None` until the first write lands.
+    written: Option<u64>,
 }
 
 impl EdsWriter {
-    pub fn new(path: impl Into<PathBuf>, cluster: impl Into<String>) -> EdsWriter {
-        EdsWriter {
-            path: path.into(),
+    /// A listing written to `path` (if any) and offered to [`EdsWriter::subscribe`]rs.
+    pub fn new(path: Option<PathBuf>, cluster: impl Into<String>) -> EdsWriter {
+        let empty = Listing {
             cluster: cluster.into(),
-            seen: BTreeMap::new(),
-            written: None,
             version: 0,
+            endpoints: Vec::new(),
+        };
+        EdsWriter {
+            path,
+            seen: BTreeMap::new(),
+            listing: watch::Sender::new(Arc::new(empty)),
+            written: None,
         }
     }
 
-    /// Takes in the fleet as of `now` and rewrites the file when the listed set changed (or was
-    /// never written). Returns whether it wrote.
+    /// The listing now and as it changes (the EDS streams' source).
+    pub fn subscribe(&self) -> watch::Receiver<Arc<Listing>> {
+        self.listing.subscribe()
+    }
+
+    /// Takes in the fleet as of `now`; a changed set gets a new version, handed to the
+    /// streams at once and written to the file (also when an earlier write failed). Returns
+    /// whether the file was written.
     pub fn update(&mut self, fleet: &[PodRecord], now: Instant) -> Result<bool, EdsError> {
         for pod in fleet.iter().filter(|p| !p.ip.is_empty() && p.serves_http) {
             self.seen.insert((pod.ip.clone(), pod.port), now);
         }
         self.seen
             .retain(|_, last| now.saturating_duration_since(*last) <= LINGER);
-        let listed: Vec<(String, u16)> = self.seen.keys().cloned().collect();
-        if self.written.as_ref() == Some(&listed) {
+        let current = self.listing.borrow().clone();
+        let fresh = current.version == 0
+            || current.endpoints.len() != self.seen.len()
+            || !current.endpoints.iter().eq(self.seen.keys());
+        let listing = if fresh {
+            let next = Arc::new(Listing {
+                cluster: current.cluster.clone(),
+                version: current.version + 1,
+                endpoints: self.seen.keys().cloned().collect(),
+            });
+            self.listing.send_replace(next.clone());
+            next
+        } else {
+            current
+        };
+        let Some(path) = &self.path else {
+            return Ok(false);
+        };
+        if self.written == Some(listing.version) {
             return Ok(false);
         }
-        self.version += 1;
-        let body = render(&self.cluster, &listed, self.version);
-        write_by_rename(&self.path, body.as_bytes()).map_err(|source| EdsError {
-            path: self.path.display().to_string(),
+        let body = render(&listing);
+        write_by_rename(path, body.as_bytes()).map_err(|source| EdsError {
+            path: path.display().to_string(),
             source,
         })?;
-        self.written = Some(listed);
+        self.written = Some(listing.version);
         Ok(true)
     }
 }
 
 /// The `DiscoveryResponse` Envoy's path config source reads.
-fn render(cluster: &str, endpoints: &[(String, u16)], version: u64) -> String {
-    let lb_endpoints: Vec<serde_json::Value> = endpoints
+fn render(listing: &Listing) -> String {
+    let lb_endpoints: Vec<serde_json::Value> = listing
+        .endpoints
         .iter()
         .map(|(ip, port)| {
             serde_json::json!({
@@ -90,10 +132,10 @@ fn render(cluster: &str, endpoints: &[(String, u16)], version: u64) -> String {
         })
         .collect();
     serde_json::json!({
-        "version_info": version.to_string(),
+        "version_info": listing.version.to_string(),
         "resources": [{
             "@type": "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
-            "cluster_name": cluster,
+            "cluster_name": listing.cluster,
             "endpoints": [{"lb_endpoints": lb_endpoints}],
         }],
     })
@@ -155,7 +197,7 @@ mod tests {
     fn lists_every_pod_with_an_address_and_writes_only_on_change() {
         let dir = tempfile::tempdir().expect("dir");
         let path = dir.path().join("pods.json");
-        let mut eds = EdsWriter::new(&path, "pd_pods_retry");
+        let mut eds = EdsWriter::new(Some(path.clone()), "pd_pods_retry");
         let t0 = Instant::now();
         let mut follower = pod("d", "10.0.0.4", 8000);
         follower.serves_http = false;
@@ -176,10 +218,31 @@ mod tests {
     }
 
     #[test]
+    fn the_streams_get_a_new_version_only_when_the_set_changes() {
+        let mut eds = EdsWriter::new(None, "pd_pods_retry");
+        let listing = eds.subscribe();
+        assert_eq!(listing.borrow().version, 0, "nothing taken in yet");
+        let t0 = Instant::now();
+        let fleet = [pod("a", "10.0.0.1", 8000)];
+        assert!(!eds.update(&fleet, t0).expect("no file to write"));
+        let first = listing.borrow().clone();
+        assert_eq!(first.version, 1);
+        assert_eq!(first.endpoints, [("10.0.0.1".to_string(), 8000)]);
+        eds.update(&fleet, t0 + Duration::from_secs(1))
+            .expect("same set");
+        assert_eq!(listing.borrow().version, 1);
+        let grown = [pod("a", "10.0.0.1", 8000), pod("b", "10.0.0.2", 8000)];
+        eds.update(&grown, t0 + Duration::from_secs(2))
+            .expect("grown");
+        assert_eq!(listing.borrow().version, 2);
+        assert_eq!(listing.borrow().endpoints.len(), 2);
+    }
+
+    #[test]
     fn a_pod_that_left_lingers_then_goes() {
         let dir = tempfile::tempdir().expect("dir");
         let path = dir.path().join("pods.json");
-        let mut eds = EdsWriter::new(&path, "c");
+        let mut eds = EdsWriter::new(Some(path.clone()), "c");
         let t0 = Instant::now();
         eds.update(
             &[pod("a", "10.0.0.1", 8000), pod("b", "10.0.0.2", 8000)],
@@ -199,7 +262,7 @@ mod tests {
     fn an_unwritable_path_is_an_error_and_is_tried_again() {
         let dir = tempfile::tempdir().expect("dir");
         let path = dir.path().join("missing").join("pods.json");
-        let mut eds = EdsWriter::new(&path, "c");
+        let mut eds = EdsWriter::new(Some(path.clone()), "c");
         let fleet = [pod("a", "10.0.0.1", 8000)];
         let e = eds
             .update(&fleet, Instant::now())

@@ -21,6 +21,7 @@ pub mod service;
 pub mod snapshot;
 pub mod sources;
 pub mod stats;
+pub mod xds;
 
 pub use config::Config;
 pub use service::{run, start, start_with_source, Error, Service};

@@ -502,6 +502,20 @@ pub fn render_metrics(
         "Failed writes of the retrying cluster's endpoint file (--eds-file); the previous file stays in force.",
         &plain(stats.eds_write_errors_total().to_string()),
     );
+    family(
+        &mut out,
+        "pd_control_xds_streams",
+        "gauge",
+        "Gateways' EDS streams open on --xds-listen (one per retrying cluster per gateway process).",
+        &plain(stats.xds_streams().to_string()),
+    );
+    family(
+        &mut out,
+        "pd_control_xds_nacks_total",
+        "counter",
+        "Endpoint listings a gateway refused (a NACK on its EDS stream); it keeps the previous one.",
+        &plain(stats.xds_nacks_total().to_string()),
+    );
     if let Some(ms) = stats.last_fleet_event_ms() {
         family(
             &mut out,

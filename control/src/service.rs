@@ -52,6 +52,7 @@ pub enum Error {
 /// the runtime stops.
 pub struct Service {
     local_addr: SocketAddr,
+    xds_addr: Option<SocketAddr>,
     stats: Arc<Stats>,
     snapshots: watch::Receiver<Arc<Published>>,
     shutdown: watch::Sender<bool>,
@@ -62,6 +63,11 @@ pub struct Service {
 impl Service {
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// Where the EDS service listens (`--xds-listen`), once bound.
+    pub fn xds_addr(&self) -> Option<SocketAddr> {
+        self.xds_addr
     }
 
     pub fn stats(&self) -> &Arc<Stats> {
@@ -180,15 +186,29 @@ pub async fn start_with_source<S: FleetSource>(
         Scraper::new(config.scrape_timeout, concurrency).map_err(Error::Client)?;
     let book = ScrapeBook::new(config.stale_bound(), config.unreachable_after)
         .with_stalled_after(config.stalled_after);
-    // The endpoint file goes first: Envoy must know every pod before a snapshot names it.
-    let mut eds = config
-        .eds_file
-        .as_ref()
-        .map(|path| EdsWriter::new(path, config.eds_cluster.clone()));
+    // The endpoint listing goes first: Envoy must know every pod before a snapshot names it.
+    let mut eds = (config.eds_file.is_some() || config.xds_listen.is_some())
+        .then(|| EdsWriter::new(config.eds_file.clone(), config.eds_cluster.clone()));
     let now = Instant::now();
     if let Some(eds) = eds.as_mut() {
         eds.update(&fleet, now)?;
     }
+    let xds_listener = match config.xds_listen {
+        Some(addr) => Some(
+            TcpListener::bind(addr)
+                .await
+                .map_err(|source| Error::Bind { addr, source })?,
+        ),
+        None => None,
+    };
+    let xds_addr = match &xds_listener {
+        Some(listener) => Some(listener.local_addr().map_err(|source| Error::Bind {
+            addr: config.listen,
+            source,
+        })?),
+        None => None,
+    };
+    let listing = eds.as_ref().map(EdsWriter::subscribe);
     let mut builder = SnapshotBuilder::with_user_limits(limits.enabled()).with_eds(eds.is_some());
     let first = builder.update(
         snapshot::models(&fleet, &config.pod_labels, |p| book.observe(p, now)),
@@ -215,10 +235,27 @@ pub async fn start_with_source<S: FleetSource>(
             at: now,
         }),
     };
-    let tasks = vec![
+    let mut tasks = vec![
         tokio::spawn(source.watch(publisher, shutdown.clone())),
         tokio::spawn(control.run(shutdown.clone())),
     ];
+    if let (Some(listener), Some(listing)) = (xds_listener, listing) {
+        let service = crate::xds::service(listing, stats.clone(), token.clone());
+        let mut stop = shutdown.clone();
+        tasks.push(tokio::spawn(async move {
+            let served = tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming_shutdown(
+                    tonic::transport::server::TcpIncoming::from(listener),
+                    async move { stop.requested().await },
+                )
+                .await;
+            if let Err(e) = served {
+                tracing::error!("the EDS service stopped: {e}");
+            }
+        }));
+        tracing::info!(addr = ?xds_addr, "serving the retrying cluster's endpoints over EDS");
+    }
 
     let guarded = token.is_some();
     let app = server::router(AppState {
@@ -244,6 +281,7 @@ pub async fn start_with_source<S: FleetSource>(
 
     Ok(Service {
         local_addr,
+        xds_addr,
         stats,
         snapshots: snapshots_rx,
         shutdown: shutdown_tx,

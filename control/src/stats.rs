@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Upper bounds (seconds) of the scrape-latency histogram: a loopback scrape takes about a
@@ -70,6 +70,9 @@ pub struct Stats {
     eds_write_errors_total: AtomicU64,
     /// Snapshot API requests refused for a missing or wrong token.
     unauthorized_total: AtomicU64,
+    /// EDS streams open now (`--xds-listen`), and the listings gateways refused.
+    xds_streams: AtomicI64,
+    xds_nacks_total: AtomicU64,
     /// `f64::to_bits` of the last completed round's duration in seconds.
     scrape_duration_bits: AtomicU64,
     /// Unix ms of the last fleet change the source delivered (0 = none yet).
@@ -148,6 +151,24 @@ impl Stats {
         self.eds_write_errors_total.load(Ordering::Relaxed)
     }
 
+    /// An EDS stream opens; the guard counts it until the stream ends.
+    pub fn xds_stream(self: &Arc<Self>) -> XdsStream {
+        self.xds_streams.fetch_add(1, Ordering::Relaxed);
+        XdsStream(self.clone())
+    }
+
+    pub fn xds_streams(&self) -> i64 {
+        self.xds_streams.load(Ordering::Relaxed)
+    }
+
+    pub fn xds_nack(&self) {
+        self.xds_nacks_total.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn xds_nacks_total(&self) -> u64 {
+        self.xds_nacks_total.load(Ordering::Relaxed)
+    }
+
     pub fn unauthorized(&self) {
         self.unauthorized_total.fetch_add(1, Ordering::Relaxed);
     }
@@ -217,6 +238,15 @@ pub struct PollWaiting<'a>(&'a Stats);
 impl Drop for PollWaiting<'_> {
     fn drop(&mut self) {
         self.0.polls_waiting.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// An open EDS stream, counted in [`Stats::xds_streams`] until dropped.
+pub struct XdsStream(Arc<Stats>);
+
+impl Drop for XdsStream {
+    fn drop(&mut self) {
+        self.0.xds_streams.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

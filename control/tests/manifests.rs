@@ -282,15 +282,22 @@ fn network_policy_restricts_pd_control_ingress_to_its_port() {
             "every peer names its namespace"
         );
     }
-    let service_port = k.services[0]
+    let service_ports: Vec<Option<IntOrString>> = k.services[0]
         .spec
         .as_ref()
         .and_then(|s| s.ports.as_ref())
-        .expect("ports")[0]
-        .port;
-    let ports = rule.ports.as_ref().expect("ports");
-    assert_eq!(ports.len(), 1);
-    assert_eq!(ports[0].port, Some(IntOrString::Int(service_port)));
+        .expect("ports")
+        .iter()
+        .map(|p| Some(IntOrString::Int(p.port)))
+        .collect();
+    let ports: Vec<Option<IntOrString>> = rule
+        .ports
+        .as_ref()
+        .expect("ports")
+        .iter()
+        .map(|p| p.port.clone())
+        .collect();
+    assert_eq!(ports, service_ports, "exactly the Service's ports");
 }
 
 fn container<'a>(containers: &'a [Container], name: &str) -> &'a Container {
@@ -358,6 +365,37 @@ fn control_deployment_matches_its_cli_service_and_account() {
         assert_eq!(get.port, IntOrString::String(port_name.clone()));
         assert!(matches!(get.path.as_deref(), Some("/readyz" | "/healthz")));
     }
+
+    // The EDS service of the gateway's retrying cluster listens on a declared port too, which
+    // the Service offers as gRPC.
+    let xds = config
+        .xds_listen
+        .expect("--xds-listen (stand-in pods on the gateway)");
+    let xds_port = control
+        .ports
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|p| p.container_port == i32::from(xds.port()))
+        .expect("--xds-listen port is a declared containerPort");
+    let xds_name = xds_port.name.clone().expect("named port");
+    let svc_ports = k.services[0]
+        .spec
+        .as_ref()
+        .and_then(|s| s.ports.clone())
+        .unwrap_or_default();
+    let offered = svc_ports
+        .iter()
+        .find(|p| p.target_port == Some(IntOrString::String(xds_name.clone())))
+        .expect("the Service offers the EDS port");
+    assert!(
+        offered
+            .name
+            .as_deref()
+            .unwrap_or_default()
+            .starts_with("grpc"),
+        "Istio protocol by port name: gRPC"
+    );
 
     // pd-control watches Kubernetes itself: no fleet file, no sidecar.
     assert_eq!(
@@ -534,15 +572,6 @@ fn wasm_plugin_mirrors_the_drop_in_and_never_fails_open() {
     let (json, config) = plugin_config(&plugin);
     let (drop_in_json, host_env_keys) = drop_in();
     for (key, value) in drop_in_json.as_object().unwrap() {
-        if key == "connect_retry" {
-            // The drop-in's retrying cluster reads pd-control's endpoint file from Envoy's
-            // own filesystem; an Istio gateway has no such cluster, so it names no stand-in.
-            assert!(
-                !config.connect_retry,
-                "connect_retry without a retrying cluster"
-            );
-            continue;
-        }
         assert_eq!(
             json.get(key),
             Some(value),
@@ -636,6 +665,81 @@ fn envoy_filters_add_the_clusters_the_plugin_names() {
     assert_eq!(config.control_authority, fqdn);
     let port = svc.spec.as_ref().unwrap().ports.as_ref().unwrap()[0].port;
     assert_eq!(address["port_value"].as_i64(), Some(i64::from(port)));
+
+    // The retrying cluster balances as the drop-in's does, fed by pd-control's EDS service.
+    let retry = &clusters["pd_pods_retry"];
+    let drop_in_retry = drop_in_cluster("pd_pods_retry");
+    assert_eq!(retry["type"].as_str(), Some("EDS"));
+    for key in [
+        "load_balancing_policy",
+        "circuit_breakers",
+        "connect_timeout",
+    ] {
+        assert_eq!(retry[key], drop_in_retry[key], "pd_pods_retry.{key}");
+    }
+    let source = &retry["eds_cluster_config"]["eds_config"]["api_config_source"];
+    assert_eq!(source["api_type"].as_str(), Some("GRPC"));
+    let xds_cluster = source["grpc_services"][0]["envoy_grpc"]["cluster_name"]
+        .as_str()
+        .expect("an Envoy gRPC service");
+    let xds = &clusters[xds_cluster];
+    assert!(
+        !xds["typed_extension_protocol_options"]
+            ["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]["explicit_http_config"]
+            ["http2_protocol_options"]
+            .is_null(),
+        "gRPC needs HTTP/2"
+    );
+    let address = &xds["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+        ["socket_address"];
+    assert_eq!(address["address"].as_str(), Some(fqdn.as_str()));
+    let grpc_port = svc
+        .spec
+        .as_ref()
+        .unwrap()
+        .ports
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|p| p.name.as_deref().is_some_and(|n| n.starts_with("grpc")))
+        .expect("the Service's gRPC port")
+        .port;
+    assert_eq!(address["port_value"].as_i64(), Some(i64::from(grpc_port)));
+    assert!(config.connect_retry, "the plugin names stand-ins");
+}
+
+/// The drop-in (envoy/envoy.yaml.tmpl) as YAML, its `@PLACEHOLDER@`s filled.
+fn drop_in_yaml() -> Yaml {
+    let text = read("envoy/envoy.yaml.tmpl");
+    let mut filled = String::with_capacity(text.len());
+    let mut rest = text.as_str();
+    while let Some(at) = rest.find('@') {
+        filled.push_str(&rest[..at]);
+        let after = &rest[at + 1..];
+        let name_len = after
+            .find(|c: char| !(c.is_ascii_uppercase() || c == '_'))
+            .unwrap_or(after.len());
+        if name_len > 0 && after[name_len..].starts_with('@') {
+            filled.push_str("placeholder");
+            rest = &after[name_len + 1..];
+        } else {
+            filled.push('@');
+            rest = after;
+        }
+    }
+    filled.push_str(rest);
+    serde_yaml::from_str(&filled).expect("the drop-in is YAML")
+}
+
+/// One cluster of the drop-in, by name.
+fn drop_in_cluster(name: &str) -> Yaml {
+    drop_in_yaml()["static_resources"]["clusters"]
+        .as_sequence()
+        .expect("clusters")
+        .iter()
+        .find(|c| c["name"].as_str() == Some(name))
+        .unwrap_or_else(|| panic!("no cluster {name} in the drop-in"))
+        .clone()
 }
 
 #[test]
@@ -652,17 +756,32 @@ fn gateway_route_points_the_named_route_at_pd_pods() {
         .into_iter()
         .filter(|(p, _)| p["applyTo"].as_str() == Some("HTTP_ROUTE"))
         .collect();
-    assert_eq!(routes.len(), 1);
-    let (patch, _) = &routes[0];
+    assert_eq!(routes.len(), 2);
+    for (patch, _) in &routes {
+        assert_eq!(
+            patch["match"]["routeConfiguration"]["vhost"]["route"]["name"].as_str(),
+            Some(route_name)
+        );
+    }
+    let by_operation = |operation: &str| {
+        routes
+            .iter()
+            .find(|(p, _)| p["patch"]["operation"].as_str() == Some(operation))
+            .map(|(p, _)| p["patch"]["value"].clone())
+            .unwrap_or_else(|| panic!("no {operation} route patch"))
+    };
     assert_eq!(
-        patch["match"]["routeConfiguration"]["vhost"]["route"]["name"].as_str(),
-        Some(route_name)
-    );
-    assert_eq!(patch["patch"]["operation"].as_str(), Some("MERGE"));
-    assert_eq!(
-        patch["patch"]["value"]["route"]["cluster"].as_str(),
+        by_operation("MERGE")["route"]["cluster"].as_str(),
         Some(config.pods_cluster.as_str())
     );
+    // Before it, the drop-in's first route: stand-in requests to the retrying cluster.
+    let stand_in = by_operation("INSERT_BEFORE");
+    let drop_in_routes = &drop_in_yaml()["static_resources"]["listeners"][0]["filter_chains"][0]
+        ["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]["routes"];
+    let first = &drop_in_routes[0];
+    assert_eq!(first["route"]["cluster"].as_str(), Some("pd_pods_retry"));
+    assert_eq!(stand_in["match"], first["match"]);
+    assert_eq!(stand_in["route"], first["route"]);
 }
 
 #[test]

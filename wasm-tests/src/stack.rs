@@ -340,6 +340,53 @@ pub fn render_envoy(
         .replace("@EDS_DIR@", &eds_dir.display().to_string())
 }
 
+/// Points a rendered drop-in's retrying cluster at pd-control's gRPC EDS service at `xds`
+/// instead of the endpoint file, the way `envoy/istio/envoyfilter-clusters.yaml` configures
+/// an Istio gateway: an `api_config_source` of type GRPC over a plain HTTP/2 cluster.
+pub fn eds_over_grpc(rendered: String, xds: &str) -> String {
+    let (host, port) = xds.rsplit_once(':').expect("host:port");
+    let file_source = rendered
+        .lines()
+        .position(|l| l.trim() == "path_config_source:")
+        .expect("the drop-in's retrying cluster reads a path config source");
+    let lines: Vec<&str> = rendered.lines().collect();
+    let indent = " ".repeat(lines[file_source].len() - lines[file_source].trim_start().len());
+    let grpc_source = [
+        "api_config_source:",
+        "  api_type: GRPC",
+        "  transport_api_version: V3",
+        "  grpc_services: [{envoy_grpc: {cluster_name: pd_control_xds}}]",
+        "resource_api_version: V3",
+    ]
+    .map(|l| format!("{indent}{l}"));
+    // The path source is three lines: the key, its `path` and its `watched_directory`.
+    let mut out: Vec<String> = lines[..file_source].iter().map(|l| l.to_string()).collect();
+    out.extend(grpc_source);
+    out.extend(lines[file_source + 3..].iter().map(|l| l.to_string()));
+    let clusters = out
+        .iter()
+        .position(|l| l.trim() == "clusters:")
+        .expect("a clusters list");
+    let xds_cluster = format!(
+        "  - name: pd_control_xds
+    type: STATIC
+    connect_timeout: 1s
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        \"@type\": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: {{http2_protocol_options: {{}}}}
+    load_assignment:
+      cluster_name: pd_control_xds
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{address: {{socket_address: {{address: {host}, port_value: {port}}}}}}}"
+    );
+    out.insert(clusters + 1, xds_cluster);
+    let mut joined = out.join("\n");
+    joined.push('\n');
+    joined
+}
+
 /// Turns on `explain` in a rendered drop-in's plugin configuration.
 fn enable_explain(rendered: String) -> String {
     const KEY: &str = "\"refresh_ms\":";
@@ -430,6 +477,9 @@ pub struct Options<'a> {
     pub plugin_extra: &'a str,
     /// Extra pd-control arguments (e.g. `--unreachable-after 0`).
     pub control_args: &'a [&'a str],
+    /// The retrying cluster learns its pods from pd-control's gRPC EDS service
+    /// (`--xds-listen`, as an Istio gateway does) instead of the endpoint file.
+    pub eds_over_grpc: bool,
 }
 
 impl Default for Options<'_> {
@@ -442,6 +492,7 @@ impl Default for Options<'_> {
             refresh_ms: 50,
             plugin_extra: "",
             control_args: &[],
+            eds_over_grpc: false,
         }
     }
 }
@@ -461,6 +512,9 @@ pub struct Stack {
     pub ecds_dir: Option<PathBuf>,
     /// Envoy's access log (the drop-in's format).
     pub access_log: PathBuf,
+    /// pd-control's EDS service (`127.0.0.1:port`) when the stack was started with
+    /// [`Options::eds_over_grpc`]; the endpoint file is not written then.
+    pub xds: Option<String>,
     children: Vec<(String, Child)>,
 }
 
@@ -715,6 +769,9 @@ impl Stack {
             concurrency,
             ecds_dir: None,
             access_log: dir.join("access.log"),
+            xds: options
+                .eds_over_grpc
+                .then(|| format!("127.0.0.1:{}", free_port())),
             children: Vec::new(),
         };
 
@@ -737,8 +794,7 @@ impl Stack {
             .arg(&stack.control)
             .arg("--refresh-interval")
             .arg("50ms")
-            .arg("--eds-file")
-            .arg(stack.eds_dir().join(EDS_FILE))
+            .args(stack.endpoint_args())
             .args(options.control_args)
             .args(control_args);
         let child = spawn_until(
@@ -779,6 +835,10 @@ impl Stack {
             rendered
         };
         let rendered = with_plugin_extra(rendered, options.plugin_extra);
+        let rendered = match &stack.xds {
+            Some(xds) => eds_over_grpc(rendered, xds),
+            None => rendered,
+        };
         std::fs::write(&config, rendered).expect("envoy config");
         let mut envoy = Command::new(envoy_bin());
         envoy
@@ -848,6 +908,14 @@ impl Stack {
             .expect("admin")
             .text();
         crate::prom::Scrape::parse(&text).sum(name, labels)
+    }
+
+    /// Sum of pd-control's Prometheus series `name` (all labels), 0 when absent.
+    pub fn control_metric(&self, name: &str) -> f64 {
+        let text = http::get(&self.control, "/metrics")
+            .expect("pd-control metrics")
+            .text();
+        crate::prom::Scrape::parse(&text).sum(name, &[])
     }
 
     /// See [`wait_ledger_zero`] (10 s).
@@ -1179,6 +1247,18 @@ impl Stack {
             .is_some_and(|(_, c)| matches!(c.try_wait(), Ok(None)))
     }
 
+    /// pd-control's arguments feeding the retrying cluster: the endpoint file, or the EDS
+    /// service.
+    fn endpoint_args(&self) -> Vec<String> {
+        match &self.xds {
+            Some(xds) => vec!["--xds-listen".into(), xds.clone()],
+            None => vec![
+                "--eds-file".into(),
+                self.eds_dir().join(EDS_FILE).display().to_string(),
+            ],
+        }
+    }
+
     /// The directory of the retrying cluster's endpoint file, which the stack's pd-control
     /// writes (`--eds-file`).
     pub fn eds_dir(&self) -> PathBuf {
@@ -1191,7 +1271,7 @@ impl Stack {
         self.kill("pd-control");
         let n = self.children.len();
         let fleet = self.fleet_path.display().to_string();
-        let eds_file = self.eds_dir().join(EDS_FILE).display().to_string();
+        let endpoints = self.endpoint_args();
         let mut argv: Vec<&str> = vec![
             "--fleet",
             &fleet,
@@ -1199,9 +1279,8 @@ impl Stack {
             &self.control,
             "--refresh-interval",
             "50ms",
-            "--eds-file",
-            &eds_file,
         ];
+        argv.extend(endpoints.iter().map(String::as_str));
         argv.extend_from_slice(args);
         // The old process just closed the port; a bind can still race its teardown for a
         // moment, so a failed start is retried against a deadline.

@@ -500,17 +500,10 @@ fn the_snapshot_token_gates_the_fetch_and_the_api_is_not_on_the_data_listener() 
 }
 
 /// A pd-control gauge or counter (0 when absent).
-fn control_metric(stack: &Stack, name: &str) -> f64 {
-    let text = http::get(&stack.control, "/metrics")
-        .expect("pd-control")
-        .text();
-    pd_wasm_tests::prom::Scrape::parse(&text).sum(name, &[])
-}
-
 /// Waits until pd-control holds exactly `want` snapshot polls (`when` explains the wait).
 fn wait_polls_held(stack: &Stack, want: f64, within: Duration, when: &str) {
     eventually(within, || {
-        let waiting = control_metric(stack, "pd_control_snapshot_polls_waiting");
+        let waiting = stack.control_metric("pd_control_snapshot_polls_waiting");
         (waiting == want)
             .then_some(())
             .ok_or(format!("{waiting} polls held {when}"))

@@ -1229,6 +1229,76 @@ fn a_standard_pod_refusing_the_connection_is_stood_in_for_by_a_sibling() {
     assert_clean_end(&stack, &fleet_pods(&fleet));
 }
 
+/// The hosts Envoy's retrying cluster knows, `ip:port`, from the admin `/clusters` page.
+fn retry_cluster_hosts(stack: &Stack) -> Vec<String> {
+    let text = http::get(&stack.admin, "/clusters")
+        .expect("Envoy admin")
+        .text();
+    let mut hosts: Vec<String> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("pd_pods_retry::")?.split_once("::cx_active"))
+        .map(|(host, _)| host.to_string())
+        .collect();
+    hosts.sort();
+    hosts
+}
+
+/// The retrying cluster of a gateway that cannot read pd-control's endpoint file (an Istio
+/// gateway) learns the pods from pd-control's gRPC EDS service instead: Envoy starts with the
+/// listing, follows a fleet edit pushed on the stream, and a crashed pod's request is served
+/// by its stand-in as with the file.
+#[test]
+fn the_retrying_cluster_can_learn_its_pods_over_grpc_eds() {
+    let fleet = Fleet::new(MODEL).combined("c-0").combined("c-1");
+    let simulated = fleet.clone().combined("c-2");
+    let mut stack = Stack::start_opts(
+        fleet.clone(),
+        simulated.clone(),
+        &Options {
+            control_args: NO_REACHABILITY_CHECK,
+            eds_over_grpc: true,
+            ..Options::default()
+        },
+    );
+    // pd-control writes no endpoint file here (the seeded one lists no pod, and the
+    // cluster does not read it): the stream is the only source.
+    let address = |pod: &str| simulated.spec(pod).address();
+    assert_eq!(
+        retry_cluster_hosts(&stack),
+        [address("c-0"), address("c-1")]
+    );
+    assert_eq!(stack.control_metric("pd_control_xds_streams"), 1.0);
+
+    stack.write_fleet(simulated.clone());
+    eventually(Duration::from_secs(10), || {
+        let hosts = retry_cluster_hosts(&stack);
+        (hosts.len() == 3)
+            .then_some(())
+            .ok_or(format!("the retrying cluster holds {hosts:?}"))
+    });
+    assert_eq!(
+        retry_cluster_hosts(&stack),
+        [address("c-0"), address("c-1"), address("c-2")]
+    );
+
+    stack.arm_fault(json!({"pod": "c-0", "kind": "crash"}));
+    let session = {
+        use base64::Engine as _;
+        base64::engine::general_purpose::STANDARD.encode(address("c-0"))
+    };
+    let to_c0 = [
+        ("routing-strategy", "session-affinity"),
+        ("x-session-id", session.as_str()),
+    ];
+    let r = stack.chat(&to_c0, &question(0));
+    assert_success(&r);
+    assert_ne!(r.header("target-pod"), Some("c-0"), "{}", describe(&r));
+    assert_eq!(stand_ins(&stack, "served"), 1.0);
+    assert_eq!(stack.control_metric("pd_control_xds_nacks_total"), 0.0);
+    stack.clear_faults();
+    assert_clean_end(&stack, &fleet_pods(&simulated));
+}
+
 /// When the stand-in refuses too, the client gets Envoy's 503 as an OpenAI error body, both
 /// pods count the failure, and the retry is counted as failed; nothing is left charged.
 #[test]

@@ -1,0 +1,333 @@
+//! The retrying cluster's endpoints as a gRPC EDS service (`--xds-listen`).
+//!
+//! A gateway that cannot read pd-control's endpoint file (an Istio ingress gateway: another
+//! pod) gets the same listing over Envoy's state-of-the-world EDS protocol: its retrying
+//! cluster names this service as its `api_config_source`, subscribes to the cluster's name,
+//! and every change of the listing (`eds::EdsWriter`, which hands it over before the snapshot
+//! naming a new pod is published) is pushed on every open stream.
+//!
+//! Only what EDS needs: one resource (the cluster's `ClusterLoadAssignment`) under the
+//! listing's version, answered to the names asked for; ACKs are read and dropped, NACKs
+//! logged and counted (the gateway keeps its previous listing). Guarded by the snapshot token
+//! when one is configured (`authorization: Bearer` in the gRPC service's `initial_metadata`).
+
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::config::core::v3::{address, socket_address, Address, SocketAddress};
+use envoy_types::pb::envoy::config::endpoint::v3::{
+    lb_endpoint, ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints,
+};
+use envoy_types::pb::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+};
+use envoy_types::pb::envoy::service::endpoint::v3::endpoint_discovery_service_server::{
+    EndpointDiscoveryService, EndpointDiscoveryServiceServer,
+};
+use envoy_types::pb::google::protobuf::Any;
+use prost::Message;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::auth::SnapshotToken;
+use crate::eds::Listing;
+use crate::stats::Stats;
+
+pub const EDS_TYPE_URL: &str = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment";
+
+/// The EDS service over one [`Listing`] watch.
+pub struct EdsService {
+    listing: watch::Receiver<Arc<Listing>>,
+    stats: Arc<Stats>,
+}
+
+/// Refuses a stream without the snapshot token, when one is configured.
+#[derive(Clone)]
+pub struct TokenCheck {
+    token: Option<Arc<SnapshotToken>>,
+    stats: Arc<Stats>,
+}
+
+impl tonic::service::Interceptor for TokenCheck {
+    fn call(&mut self, request: Request<()>) -> Result<Request<()>, Status> {
+        let Some(token) = &self.token else {
+            return Ok(request);
+        };
+        let header = request
+            .metadata()
+            .get("authorization")
+            .and_then(|v| http::HeaderValue::from_bytes(v.as_bytes()).ok());
+        if token.authorizes(header.as_ref()) {
+            Ok(request)
+        } else {
+            self.stats.unauthorized();
+            Err(Status::unauthenticated("missing or wrong bearer token"))
+        }
+    }
+}
+
+/// The EDS service as served: behind the token check.
+pub type Served = tonic::service::interceptor::InterceptedService<
+    EndpointDiscoveryServiceServer<EdsService>,
+    TokenCheck,
+>;
+
+pub fn service(
+    listing: watch::Receiver<Arc<Listing>>,
+    stats: Arc<Stats>,
+    token: Option<Arc<SnapshotToken>>,
+) -> Served {
+    let check = TokenCheck {
+        token,
+        stats: stats.clone(),
+    };
+    EndpointDiscoveryServiceServer::with_interceptor(EdsService { listing, stats }, check)
+}
+
+/// The response for `names` (empty: every resource, i.e. ours) at `listing`'s version.
+pub fn response(listing: &Listing, names: &[String], nonce: u64) -> DiscoveryResponse {
+    let wanted = names.is_empty() || names.contains(&listing.cluster);
+    let resources = if wanted {
+        vec![Any {
+            type_url: EDS_TYPE_URL.into(),
+            value: assignment(listing).encode_to_vec(),
+        }]
+    } else {
+        Vec::new()
+    };
+    DiscoveryResponse {
+        version_info: listing.version.to_string(),
+        resources,
+        type_url: EDS_TYPE_URL.into(),
+        nonce: nonce.to_string(),
+        ..Default::default()
+    }
+}
+
+/// The listing as Envoy's `ClusterLoadAssignment`.
+pub fn assignment(listing: &Listing) -> ClusterLoadAssignment {
+    let lb_endpoints = listing
+        .endpoints
+        .iter()
+        .map(|(ip, port)| LbEndpoint {
+            host_identifier: Some(lb_endpoint::HostIdentifier::Endpoint(Endpoint {
+                address: Some(Address {
+                    address: Some(address::Address::SocketAddress(SocketAddress {
+                        address: ip.clone(),
+                        port_specifier: Some(socket_address::PortSpecifier::PortValue(u32::from(
+                            *port,
+                        ))),
+                        ..Default::default()
+                    })),
+                }),
+                ..Default::default()
+            })),
+            ..Default::default()
+        })
+        .collect();
+    ClusterLoadAssignment {
+        cluster_name: listing.cluster.clone(),
+        endpoints: vec![LocalityLbEndpoints {
+            lb_endpoints,
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
+/// One stream's state: what it subscribed to and what it was last sent.
+struct Subscription {
+    names: Option<Vec<String>>,
+    sent_version: Option<u64>,
+    nonce: u64,
+}
+
+impl Subscription {
+    /// Takes in a request; whether it asks for something not sent yet. An ACK (the last
+    /// nonce, same names) asks for nothing; a NACK is counted and asks for nothing either:
+    /// the same listing would be refused again, so the next change is what is sent.
+    fn request(&mut self, request: &DiscoveryRequest, stats: &Stats) -> bool {
+        if let Some(error) = &request.error_detail {
+            stats.xds_nack();
+            tracing::warn!(
+                version = %request.version_info,
+                error = %error.message,
+                "a gateway refused the endpoint listing; it keeps its previous one"
+            );
+        }
+        if self.names.as_deref() != Some(request.resource_names.as_slice()) {
+            self.names = Some(request.resource_names.clone());
+            self.sent_version = None;
+            return true;
+        }
+        // Envoy reconnecting says which version it holds, with no nonce: send if it is old.
+        request.response_nonce.is_empty()
+            && request.version_info != self.sent_version.map(|v| v.to_string()).unwrap_or_default()
+    }
+
+    /// The response to send now, if the subscriber lacks `listing`.
+    fn due(&mut self, listing: &Listing, force: bool) -> Option<DiscoveryResponse> {
+        let names = self.names.as_ref()?;
+        if !force && self.sent_version == Some(listing.version) {
+            return None;
+        }
+        self.nonce += 1;
+        self.sent_version = Some(listing.version);
+        Some(response(listing, names, self.nonce))
+    }
+}
+
+#[tonic::async_trait]
+impl EndpointDiscoveryService for EdsService {
+    type StreamEndpointsStream = ReceiverStream<Result<DiscoveryResponse, Status>>;
+    type DeltaEndpointsStream = ReceiverStream<Result<DeltaDiscoveryResponse, Status>>;
+
+    async fn stream_endpoints(
+        &self,
+        request: Request<Streaming<DiscoveryRequest>>,
+    ) -> Result<Response<Self::StreamEndpointsStream>, Status> {
+        let mut inbound = request.into_inner();
+        let mut listing = self.listing.clone();
+        let stats = self.stats.clone();
+        let (tx, rx) = mpsc::channel(4);
+        tokio::spawn(async move {
+            let _open = stats.xds_stream();
+            let mut subscription = Subscription {
+                names: None,
+                sent_version: None,
+                nonce: 0,
+            };
+            loop {
+                let force = tokio::select! {
+                    message = inbound.message() => match message {
+                        Ok(Some(request)) => subscription.request(&request, &stats),
+                        // The gateway closed the stream or it broke: it reconnects itself.
+                        Ok(None) | Err(_) => return,
+                    },
+                    changed = listing.changed() => {
+                        if changed.is_err() {
+                            return; // pd-control is stopping
+                        }
+                        false
+                    }
+                };
+                let current = listing.borrow_and_update().clone();
+                if let Some(response) = subscription.due(&current, force) {
+                    if tx.send(Ok(response)).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn delta_endpoints(
+        &self,
+        _request: Request<Streaming<DeltaDiscoveryRequest>>,
+    ) -> Result<Response<Self::DeltaEndpointsStream>, Status> {
+        Err(Status::unimplemented(
+            "delta EDS is not served; use the state-of-the-world stream (api_type: GRPC)",
+        ))
+    }
+
+    async fn fetch_endpoints(
+        &self,
+        request: Request<DiscoveryRequest>,
+    ) -> Result<Response<DiscoveryResponse>, Status> {
+        let listing = self.listing.borrow().clone();
+        let names = request.into_inner().resource_names;
+        Ok(Response::new(response(&listing, &names, 0)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn listing(version: u64) -> Listing {
+        Listing {
+            cluster: "pd_pods_retry".into(),
+            version,
+            endpoints: vec![("10.0.0.1".into(), 8000), ("fd00::7".into(), 8001)],
+        }
+    }
+
+    fn request(names: &[&str], version: &str, nonce: &str) -> DiscoveryRequest {
+        DiscoveryRequest {
+            resource_names: names.iter().map(|n| n.to_string()).collect(),
+            version_info: version.into(),
+            response_nonce: nonce.into(),
+            type_url: EDS_TYPE_URL.into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_assignment_lists_every_endpoint_under_the_cluster_name() {
+        let r = response(&listing(3), &["pd_pods_retry".into()], 7);
+        assert_eq!((r.version_info.as_str(), r.nonce.as_str()), ("3", "7"));
+        assert_eq!(r.resources.len(), 1);
+        let cla = ClusterLoadAssignment::decode(r.resources[0].value.as_slice()).expect("decodes");
+        assert_eq!(cla.cluster_name, "pd_pods_retry");
+        let listed: Vec<String> = cla.endpoints[0]
+            .lb_endpoints
+            .iter()
+            .map(|e| match &e.host_identifier {
+                Some(lb_endpoint::HostIdentifier::Endpoint(ep)) => {
+                    match ep.address.as_ref().and_then(|a| a.address.as_ref()) {
+                        Some(address::Address::SocketAddress(sa)) => {
+                            format!("{}:{:?}", sa.address, sa.port_specifier)
+                        }
+                        other => panic!("{other:?}"),
+                    }
+                }
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(
+            listed,
+            [
+                "10.0.0.1:Some(PortValue(8000))",
+                "fd00::7:Some(PortValue(8001))"
+            ]
+        );
+        assert!(
+            response(&listing(3), &["other".into()], 1)
+                .resources
+                .is_empty(),
+            "a name it does not serve gets no resource"
+        );
+        assert_eq!(response(&listing(3), &[], 1).resources.len(), 1, "wildcard");
+    }
+
+    #[test]
+    fn a_subscriber_gets_each_version_once_and_acks_ask_for_nothing() {
+        let stats = Stats::default();
+        let mut sub = Subscription {
+            names: None,
+            sent_version: None,
+            nonce: 0,
+        };
+        assert!(sub.due(&listing(1), false).is_none(), "nothing asked yet");
+        assert!(sub.request(&request(&["pd_pods_retry"], "", ""), &stats));
+        let first = sub.due(&listing(1), true).expect("the first answer");
+        assert_eq!(first.nonce, "1");
+        assert!(
+            !sub.request(&request(&["pd_pods_retry"], "1", "1"), &stats),
+            "an ACK"
+        );
+        assert!(sub.due(&listing(1), false).is_none());
+        assert_eq!(
+            sub.due(&listing(2), false).expect("a change").version_info,
+            "2"
+        );
+        let mut nack = request(&["pd_pods_retry"], "1", "2");
+        nack.error_detail = Some(Default::default());
+        assert!(!sub.request(&nack, &stats));
+        assert_eq!(stats.xds_nacks_total(), 1);
+        // A reconnect that holds an older version, without a nonce, is sent the current one.
+        assert!(sub.request(&request(&["pd_pods_retry"], "1", ""), &stats));
+        assert!(!sub.request(&request(&["pd_pods_retry"], "2", ""), &stats));
+    }
+}
