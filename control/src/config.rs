@@ -98,7 +98,9 @@ pub struct Config {
     /// A pod whose engine holds running requests while no token or request counter moves
     /// (without counters: no throughput gauge is above zero) for this long is marked stalled in the snapshot (a
     /// hung GPU usually leaves the HTTP server answering): the gateway routes around it until
-    /// its counters move again. `0s` turns the check off.
+    /// its counters move again. So is a pod whose scrapes all time out on an accepted
+    /// connection for this long (a wedged server), until one is answered. `0s` turns both
+    /// checks off.
     #[arg(long, value_name = "DURATION", default_value = "15s", value_parser = parse_duration)]
     pub stalled_after: Duration,
 

@@ -31,6 +31,9 @@ pub enum FaultKind {
     Crash,
     /// Stop accepting connections while open ones carry on (a port that refuses).
     Refuse,
+    /// Accept every connection and answer nothing, `/metrics` included, until cleared: an
+    /// engine whose server loop is stuck (its port open, its process alive).
+    Wedge,
 }
 
 impl FaultKind {
@@ -43,6 +46,7 @@ impl FaultKind {
             FaultKind::Slow { .. } => "slow",
             FaultKind::Crash => "crash",
             FaultKind::Refuse => "refuse",
+            FaultKind::Wedge => "wedge",
         }
     }
 
@@ -195,6 +199,19 @@ impl Faults {
         })
     }
 
+    /// A `wedge` fault's hold on a request that is not a leg (`/metrics`), when one is
+    /// armed: wait on it. It is not counted against `times`.
+    pub fn wedged(&self) -> Option<Drawn> {
+        let armed = self.lock();
+        armed
+            .iter()
+            .any(|f| f.kind == FaultKind::Wedge)
+            .then(|| Drawn {
+                kind: FaultKind::Wedge,
+                release: self.cleared.subscribe(),
+            })
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<FaultSpec>> {
         self.armed.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -263,5 +280,21 @@ mod tests {
         first.released().await;
         second.released().await;
         assert!(f.draw(Leg::Full).is_none());
+    }
+
+    #[tokio::test]
+    async fn a_wedge_holds_every_metrics_read_until_cleared() {
+        let f = Faults::default();
+        assert!(f.wedged().is_none());
+        f.arm(spec(r#"{"kind":"wedge","times":1}"#)).unwrap();
+        let metrics = f.wedged().expect("wedged");
+        assert!(
+            f.wedged().is_some(),
+            "a metrics read does not count against times"
+        );
+        assert_eq!(f.draw(Leg::Full).map(|d| d.kind), Some(FaultKind::Wedge));
+        f.clear();
+        metrics.released().await;
+        assert!(f.wedged().is_none());
     }
 }

@@ -175,6 +175,9 @@ pub fn exposition(pod: &PodState) -> String {
 }
 
 async fn trtllm_iteration_stats(State(ctx): State<PodCtx>) -> Response {
+    if let Some(wedge) = ctx.pod.faults.wedged() {
+        wedge.released().await;
+    }
     let m = ctx.pod.metrics();
     let iter = if m.running + m.waiting > 0 {
         ctx.pod.next_iteration()
@@ -190,6 +193,9 @@ async fn trtllm_iteration_stats(State(ctx): State<PodCtx>) -> Response {
 }
 
 async fn metrics_page(State(ctx): State<PodCtx>) -> Response {
+    if let Some(wedge) = ctx.pod.faults.wedged() {
+        wedge.released().await;
+    }
     let text = exposition(&ctx.pod);
     (
         [(
@@ -583,6 +589,10 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
                             return error_response(&err, engine, endpoint);
                         }
                     }
+                    drawn.released().await;
+                    None
+                }
+                FaultKind::Wedge => {
                     drawn.released().await;
                     None
                 }

@@ -1053,6 +1053,52 @@ fn a_pod_sitting_on_its_requests_is_routed_around_until_it_moves_again() {
     assert_clean_end(&stack, &fleet_pods(&fleet));
 }
 
+/// An engine whose server is wedged (its port takes connections and answers nothing, its
+/// `/metrics` included) cannot show a stall in its readings and refuses nothing, so neither
+/// other mark fits; pd-control marks it stalled once its scrapes have timed out for
+/// `--stalled-after`, and every worker routes around it. Unwedged, it is routed to again.
+#[test]
+fn a_wedged_engine_is_marked_stalled_and_routed_around() {
+    let fleet = Fleet::new(MODEL).combined("c-0").combined("c-1");
+    let stack = Stack::start_opts(
+        fleet.clone(),
+        fleet.clone(),
+        &Options {
+            control_args: &["--scrape-timeout", "200ms", "--stalled-after", "600ms"],
+            ..Options::default()
+        },
+    );
+    let random = [("routing-strategy", "random")];
+    wait_scraped(&stack, &["c-0", "c-1"]);
+    stack.arm_fault(json!({"pod": "c-0", "kind": "wedge"}));
+    stack.wait_snapshot_adopted(|snap| marked(snap, "c-0", "stalled", true));
+    assert_eq!(control_pods(&stack, "other", "stalled"), Some(1.0));
+    // Logged with the next scrape's timeout, which may come after the snapshot.
+    eventually(Duration::from_secs(10), || {
+        let log = std::fs::read_to_string(stack.dir.join("pd-control.log")).unwrap_or_default();
+        log.contains("answered none; marked stalled")
+            .then_some(())
+            .ok_or_else(|| "pd-control has not logged the mark".to_string())
+    });
+    for i in 0..12 {
+        let r = stack.chat(&random, &question(i));
+        assert_success(&r);
+        assert_eq!(r.header("target-pod"), Some("c-1"), "{}", describe(&r));
+    }
+
+    stack.clear_faults();
+    stack.wait_snapshot_adopted(|snap| marked(snap, "c-0", "stalled", false));
+    until_routed_to(
+        &stack,
+        &random,
+        "target-pod",
+        "c-0",
+        100,
+        Duration::from_secs(15),
+    );
+    assert_clean_end(&stack, &fleet_pods(&fleet));
+}
+
 /// A worker that ejects a pod tells the others, which take it out at once: requests on one
 /// connection (one worker) see the pod fail 3 times and eject it, and then requests on fresh
 /// connections, which land on every worker, never reach it. Without the notice each worker

@@ -96,6 +96,10 @@ struct PodState {
     still: bool,
     /// Whether the log last said the pod is stalled (the mark itself follows the clock).
     stall_logged: bool,
+    /// When the scrapes began to time out on an accepted connection, in a row: an engine
+    /// whose server takes connections and answers nothing (a wedged event loop) is as stuck
+    /// as one whose running requests do not move, and its readings cannot show either.
+    hung_since: Option<Instant>,
     drain: DrainWindow,
 }
 
@@ -115,6 +119,7 @@ impl PodState {
             progress_at: None,
             still: false,
             stall_logged: false,
+            hung_since: None,
             drain: DrainWindow::default(),
         }
     }
@@ -160,14 +165,38 @@ pub struct ScrapeBook {
     answered_models: HashSet<String>,
 }
 
-/// Whether `state` has held running requests without progress for `after` (zero: never).
+/// Whether `state` has held running requests without progress for `after` (zero: never), or
+/// has answered no scrape it accepted for that long.
 fn stalled_state(state: &PodState, after: Duration, now: Instant) -> bool {
+    let held_for =
+        |since: Option<Instant>| since.is_some_and(|at| now.saturating_duration_since(at) >= after);
     !after.is_zero()
-        && state.still
-        && !state.last_failed
-        && state
-            .progress_at
-            .is_some_and(|at| now.saturating_duration_since(at) >= after)
+        && ((state.still && !state.last_failed && held_for(state.progress_at))
+            || held_for(state.hung_since))
+}
+
+/// Logs a pod's turn into or out of the stalled mark, once per turn.
+fn log_stall(state: &mut PodState, key: &str, after: Duration, now: Instant) {
+    let stalled = stalled_state(state, after, now);
+    if stalled == state.stall_logged {
+        return;
+    }
+    state.stall_logged = stalled;
+    if !stalled {
+        tracing::info!(pod = %key, "pod makes progress again; routable");
+    } else if state.hung_since.is_some() {
+        tracing::warn!(
+            pod = %key,
+            "pod has accepted every scrape connection for {after:?} and answered none; \
+             marked stalled, so the gateway routes around it"
+        );
+    } else {
+        tracing::warn!(
+            pod = %key,
+            "pod has held running requests for {after:?} with no token or request \
+             counter moving; marked stalled, so the gateway routes around it"
+        );
+    }
 }
 
 /// Only pods that can serve are scraped, as AIBrix does: a starting or terminating pod's
@@ -287,20 +316,8 @@ impl ScrapeBook {
                 state.last = Some((reading, finished));
                 state.last_success = Some(finished);
                 state.last_failed = false;
-                let stalled = stalled_state(state, self.stalled_after, finished);
-                if stalled != state.stall_logged {
-                    state.stall_logged = stalled;
-                    if stalled {
-                        tracing::warn!(
-                            pod = %job.key,
-                            "pod has held running requests for {:?} with no token or request \
-                             counter moving; marked stalled, so the gateway routes around it",
-                            self.stalled_after
-                        );
-                    } else {
-                        tracing::info!(pod = %job.key, "pod makes progress again; routable");
-                    }
-                }
+                state.hung_since = None;
+                log_stall(state, &job.key, self.stalled_after, finished);
                 if state.refused >= self.unreachable_after && self.unreachable_after > 0 {
                     tracing::info!(pod = %job.key, url = %job.url, "pod answers again; routable");
                 }
@@ -326,6 +343,13 @@ impl ScrapeBook {
                     // It accepted the connection: alive, if unwell (ejection's business).
                     state.refused = 0;
                 }
+                // Only silence counts towards hung: an error answer is an answer.
+                if matches!(error, ScrapeError::Timeout(_)) {
+                    state.hung_since.get_or_insert(finished);
+                } else {
+                    state.hung_since = None;
+                }
+                log_stall(state, &job.key, self.stalled_after, finished);
                 // Warn on the transition only: a down pod would otherwise log 20 lines a second.
                 if state.last_failed {
                     tracing::debug!(pod = %job.key, url = %job.url, %error, "metrics scrape failed");
@@ -629,6 +653,47 @@ mod tests {
             off.apply(ok(&jobs[0], at(ms), 2.0, 100.0));
         }
         assert!(!off.stalled(&fleet[0], at(9_000)), "off unless asked for");
+    }
+
+    #[test]
+    fn a_pod_that_answers_no_scrape_it_accepted_is_marked_stalled() {
+        let mut book = ScrapeBook::new(Duration::from_millis(150), 3)
+            .with_stalled_after(Duration::from_secs(2));
+        let fleet = vec![pod("a", "10.0.0.1", true)];
+        let t0 = Instant::now();
+        let at = |ms| t0 + Duration::from_millis(ms);
+        let outcome = |book: &mut ScrapeBook, ms: u64, made: fn(&Job, Instant) -> Outcome| {
+            let jobs = book.plan(&fleet, at(ms));
+            book.apply(made(&jobs[0], at(ms)));
+        };
+        outcome(&mut book, 0, |job, at| ok(job, at, 0.0, 0.0));
+        for ms in [1_000, 2_000] {
+            outcome(&mut book, ms, failed);
+        }
+        assert!(!book.stalled(&fleet[0], at(2_999)), "silent for under 2 s");
+        assert!(book.stalled(&fleet[0], at(3_000)), "silent since 1 s");
+        assert!(!book.unreachable(&fleet[0]), "it took the connections");
+        // An error answer is an answer: the silence is over.
+        outcome(&mut book, 3_000, |job, at| {
+            with(
+                job,
+                at,
+                ScrapeError::Status(reqwest::StatusCode::INTERNAL_SERVER_ERROR),
+            )
+        });
+        assert!(!book.stalled(&fleet[0], at(9_000)));
+        for ms in [4_000, 5_000, 6_000] {
+            outcome(&mut book, ms, failed);
+        }
+        assert!(book.stalled(&fleet[0], at(6_000)));
+        outcome(&mut book, 6_500, |job, at| ok(job, at, 1.0, 10.0));
+        assert!(!book.stalled(&fleet[0], at(6_500)), "answered again");
+        // Refusals are the unreachable mark's business, not this one's.
+        for ms in [7_000, 8_000, 9_000, 10_000] {
+            outcome(&mut book, ms, |job, at| with(job, at, refused()));
+        }
+        assert!(!book.stalled(&fleet[0], at(12_000)));
+        assert!(book.unreachable(&fleet[0]));
     }
 
     #[test]
