@@ -11,6 +11,7 @@ use redis::AsyncCommands;
 use serde_json::{json, Value};
 
 mod common;
+use common::metric;
 use common::redis::{free_port, Redis};
 
 fn client() -> reqwest::Client {
@@ -115,21 +116,6 @@ async fn snapshot(base: &str) -> proto::Snapshot {
         .expect("snapshot");
     assert_eq!(resp.status(), 200);
     proto::Snapshot::decode(resp.bytes().await.expect("body")).expect("snapshot decodes")
-}
-
-/// The sample `name` (labels included, as printed) from `/metrics`.
-async fn metric(base: &str, name: &str) -> f64 {
-    let text = client()
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .expect("metrics text");
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or_else(|| panic!("{name} missing from /metrics:\n{text}"))
 }
 
 async fn checks(base: &str, outcome: &str) -> f64 {

@@ -14,7 +14,7 @@ use prost::Message;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use common::eventually;
+use common::{eventually, metric};
 use pd_control::xds::EDS_TYPE_URL;
 
 const TOKEN: &str = "xds-t0ken";
@@ -75,23 +75,6 @@ fn endpoints(response: &DiscoveryResponse) -> Vec<String> {
             format!("{}:{port}", sa.address)
         })
         .collect()
-}
-
-async fn metric(base: &str, name: &str) -> f64 {
-    let text = reqwest::Client::builder()
-        .no_proxy()
-        .build()
-        .expect("client")
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .expect("metrics text");
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or_else(|| panic!("{name} missing"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

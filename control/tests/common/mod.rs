@@ -26,3 +26,23 @@ where
         tokio::time::sleep(POLL).await;
     }
 }
+
+/// The sample `name` (labels included, as printed) from pd-control's `/metrics` at `base`.
+// Only some tests read metrics this way; the others compile it unused.
+#[allow(dead_code)]
+pub async fn metric(base: &str, name: &str) -> f64 {
+    let text = reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .expect("client")
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("metrics text");
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("{name} missing from /metrics:\n{text}"))
+}
