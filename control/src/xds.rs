@@ -39,6 +39,10 @@ pub const EDS_TYPE_URL: &str = "type.googleapis.com/envoy.config.endpoint.v3.Clu
 pub struct EdsService {
     listing: watch::Receiver<Arc<Listing>>,
     stats: Arc<Stats>,
+    /// When this process started serving (Unix ms): the prefix of every version it sends, so
+    /// a restarted pd-control, whose listing versions start again at 1, never sends a version
+    /// string Envoy already holds for other endpoints.
+    instance: i64,
 }
 
 /// Refuses a stream without the snapshot token, when one is configured.
@@ -81,11 +85,25 @@ pub fn service(
         token,
         stats: stats.clone(),
     };
-    EndpointDiscoveryServiceServer::with_interceptor(EdsService { listing, stats }, check)
+    let instance = crate::unix_ms_now();
+    EndpointDiscoveryServiceServer::with_interceptor(
+        EdsService {
+            listing,
+            stats,
+            instance,
+        },
+        check,
+    )
 }
 
-/// The response for `names` (empty: every resource, i.e. ours) at `listing`'s version.
-pub fn response(listing: &Listing, names: &[String], nonce: u64) -> DiscoveryResponse {
+/// The response for `names` (empty: every resource, i.e. ours) at `listing`'s version, as
+/// served by the process started at `instance`.
+pub fn response(
+    listing: &Listing,
+    instance: i64,
+    names: &[String],
+    nonce: u64,
+) -> DiscoveryResponse {
     let wanted = names.is_empty() || names.contains(&listing.cluster);
     let resources = if wanted {
         vec![Any {
@@ -96,7 +114,7 @@ pub fn response(listing: &Listing, names: &[String], nonce: u64) -> DiscoveryRes
         Vec::new()
     };
     DiscoveryResponse {
-        version_info: listing.version.to_string(),
+        version_info: format!("{instance}-{}", listing.version),
         resources,
         type_url: EDS_TYPE_URL.into(),
         nonce: nonce.to_string(),
@@ -137,14 +155,24 @@ pub fn assignment(listing: &Listing) -> ClusterLoadAssignment {
 
 /// One stream's state: what it subscribed to and what it was last sent.
 struct Subscription {
+    instance: i64,
     names: Option<Vec<String>>,
     sent_version: Option<u64>,
     nonce: u64,
 }
 
 impl Subscription {
-    /// Takes in a request; whether it asks for something not sent yet. An ACK (the last
-    /// nonce, same names) asks for nothing; a NACK is counted and asks for nothing either:
+    fn new(instance: i64) -> Subscription {
+        Subscription {
+            instance,
+            names: None,
+            sent_version: None,
+            nonce: 0,
+        }
+    }
+
+    /// Takes in a request; whether it asks for something not sent yet: a first request, or
+    /// other names. An ACK (same names) asks for nothing; so does a NACK, which is counted:
     /// the same listing would be refused again, so the next change is what is sent.
     fn request(&mut self, request: &DiscoveryRequest, stats: &Stats) -> bool {
         if let Some(error) = &request.error_detail {
@@ -155,25 +183,22 @@ impl Subscription {
                 "a gateway refused the endpoint listing; it keeps its previous one"
             );
         }
-        if self.names.as_deref() != Some(request.resource_names.as_slice()) {
-            self.names = Some(request.resource_names.clone());
-            self.sent_version = None;
-            return true;
+        if self.names.as_deref() == Some(request.resource_names.as_slice()) {
+            return false;
         }
-        // Envoy reconnecting says which version it holds, with no nonce: send if it is old.
-        request.response_nonce.is_empty()
-            && request.version_info != self.sent_version.map(|v| v.to_string()).unwrap_or_default()
+        self.names = Some(request.resource_names.clone());
+        true
     }
 
-    /// The response to send now, if the subscriber lacks `listing`.
-    fn due(&mut self, listing: &Listing, force: bool) -> Option<DiscoveryResponse> {
+    /// The response to send now, if the subscriber lacks `listing` (or asked again).
+    fn due(&mut self, listing: &Listing, asked: bool) -> Option<DiscoveryResponse> {
         let names = self.names.as_ref()?;
-        if !force && self.sent_version == Some(listing.version) {
+        if !asked && self.sent_version == Some(listing.version) {
             return None;
         }
         self.nonce += 1;
         self.sent_version = Some(listing.version);
-        Some(response(listing, names, self.nonce))
+        Some(response(listing, self.instance, names, self.nonce))
     }
 }
 
@@ -189,16 +214,13 @@ impl EndpointDiscoveryService for EdsService {
         let mut inbound = request.into_inner();
         let mut listing = self.listing.clone();
         let stats = self.stats.clone();
+        let instance = self.instance;
         let (tx, rx) = mpsc::channel(4);
         tokio::spawn(async move {
             let _open = stats.xds_stream();
-            let mut subscription = Subscription {
-                names: None,
-                sent_version: None,
-                nonce: 0,
-            };
+            let mut subscription = Subscription::new(instance);
             loop {
-                let force = tokio::select! {
+                let asked = tokio::select! {
                     message = inbound.message() => match message {
                         Ok(Some(request)) => subscription.request(&request, &stats),
                         // The gateway closed the stream or it broke: it reconnects itself.
@@ -212,7 +234,7 @@ impl EndpointDiscoveryService for EdsService {
                     }
                 };
                 let current = listing.borrow_and_update().clone();
-                if let Some(response) = subscription.due(&current, force) {
+                if let Some(response) = subscription.due(&current, asked) {
                     if tx.send(Ok(response)).await.is_err() {
                         return;
                     }
@@ -237,7 +259,7 @@ impl EndpointDiscoveryService for EdsService {
     ) -> Result<Response<DiscoveryResponse>, Status> {
         let listing = self.listing.borrow().clone();
         let names = request.into_inner().resource_names;
-        Ok(Response::new(response(&listing, &names, 0)))
+        Ok(Response::new(response(&listing, self.instance, &names, 0)))
     }
 }
 
@@ -265,8 +287,8 @@ mod tests {
 
     #[test]
     fn the_assignment_lists_every_endpoint_under_the_cluster_name() {
-        let r = response(&listing(3), &["pd_pods_retry".into()], 7);
-        assert_eq!((r.version_info.as_str(), r.nonce.as_str()), ("3", "7"));
+        let r = response(&listing(3), 42, &["pd_pods_retry".into()], 7);
+        assert_eq!((r.version_info.as_str(), r.nonce.as_str()), ("42-3", "7"));
         assert_eq!(r.resources.len(), 1);
         let cla = ClusterLoadAssignment::decode(r.resources[0].value.as_slice()).expect("decodes");
         assert_eq!(cla.cluster_name, "pd_pods_retry");
@@ -293,41 +315,52 @@ mod tests {
             ]
         );
         assert!(
-            response(&listing(3), &["other".into()], 1)
+            response(&listing(3), 42, &["other".into()], 1)
                 .resources
                 .is_empty(),
             "a name it does not serve gets no resource"
         );
-        assert_eq!(response(&listing(3), &[], 1).resources.len(), 1, "wildcard");
+        assert_eq!(
+            response(&listing(3), 42, &[], 1).resources.len(),
+            1,
+            "wildcard"
+        );
     }
 
     #[test]
     fn a_subscriber_gets_each_version_once_and_acks_ask_for_nothing() {
         let stats = Stats::default();
-        let mut sub = Subscription {
-            names: None,
-            sent_version: None,
-            nonce: 0,
-        };
+        let mut sub = Subscription::new(42);
         assert!(sub.due(&listing(1), false).is_none(), "nothing asked yet");
         assert!(sub.request(&request(&["pd_pods_retry"], "", ""), &stats));
         let first = sub.due(&listing(1), true).expect("the first answer");
-        assert_eq!(first.nonce, "1");
+        assert_eq!(
+            (first.version_info.as_str(), first.nonce.as_str()),
+            ("42-1", "1")
+        );
         assert!(
-            !sub.request(&request(&["pd_pods_retry"], "1", "1"), &stats),
+            !sub.request(&request(&["pd_pods_retry"], "42-1", "1"), &stats),
             "an ACK"
         );
         assert!(sub.due(&listing(1), false).is_none());
         assert_eq!(
             sub.due(&listing(2), false).expect("a change").version_info,
-            "2"
+            "42-2"
         );
-        let mut nack = request(&["pd_pods_retry"], "1", "2");
+        let mut nack = request(&["pd_pods_retry"], "42-1", "2");
         nack.error_detail = Some(Default::default());
         assert!(!sub.request(&nack, &stats));
         assert_eq!(stats.xds_nacks_total(), 1);
-        // A reconnect that holds an older version, without a nonce, is sent the current one.
-        assert!(sub.request(&request(&["pd_pods_retry"], "1", ""), &stats));
-        assert!(!sub.request(&request(&["pd_pods_retry"], "2", ""), &stats));
+        assert!(
+            sub.due(&listing(2), false).is_none(),
+            "refused: wait for a change"
+        );
+        // Other names: answered at once, for those names.
+        assert!(sub.request(&request(&["other"], "42-2", "2"), &stats));
+        assert!(sub
+            .due(&listing(2), true)
+            .expect("answered")
+            .resources
+            .is_empty());
     }
 }

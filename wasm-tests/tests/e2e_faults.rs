@@ -1294,7 +1294,8 @@ fn retry_cluster_hosts(stack: &Stack) -> Vec<String> {
 #[test]
 fn the_retrying_cluster_can_learn_its_pods_over_grpc_eds() {
     let fleet = Fleet::new(MODEL).combined("c-0").combined("c-1");
-    let simulated = fleet.clone().combined("c-2");
+    let grown = fleet.clone().combined("c-2");
+    let simulated = grown.clone().combined("c-3");
     let mut stack = Stack::start_opts(
         fleet.clone(),
         simulated.clone(),
@@ -1313,17 +1314,16 @@ fn the_retrying_cluster_can_learn_its_pods_over_grpc_eds() {
     );
     assert_eq!(stack.control_metric("pd_control_xds_streams"), 1.0);
 
-    stack.write_fleet(simulated.clone());
-    eventually(Duration::from_secs(10), || {
-        let hosts = retry_cluster_hosts(&stack);
-        (hosts.len() == 3)
-            .then_some(())
-            .ok_or(format!("the retrying cluster holds {hosts:?}"))
-    });
-    assert_eq!(
-        retry_cluster_hosts(&stack),
-        [address("c-0"), address("c-1"), address("c-2")]
-    );
+    let wait_hosts = |stack: &Stack, want: Vec<String>| {
+        eventually(Duration::from_secs(15), || {
+            let hosts = retry_cluster_hosts(stack);
+            (hosts == want)
+                .then_some(())
+                .ok_or(format!("the retrying cluster holds {hosts:?}, want {want:?}"))
+        })
+    };
+    stack.write_fleet(grown.clone());
+    wait_hosts(&stack, ["c-0", "c-1", "c-2"].map(address).to_vec());
 
     stack.arm_fault(json!({"pod": "c-0", "kind": "crash"}));
     let session = {
@@ -1340,6 +1340,13 @@ fn the_retrying_cluster_can_learn_its_pods_over_grpc_eds() {
     assert_eq!(stand_ins(&stack, "served"), 1.0);
     assert_eq!(stack.control_metric("pd_control_xds_nacks_total"), 0.0);
     stack.clear_faults();
+
+    // A restarted pd-control: Envoy reconnects to it (keeping its hosts meanwhile) and
+    // follows its changes.
+    stack.restart_control(NO_REACHABILITY_CHECK);
+    stack.write_fleet(simulated.clone());
+    wait_hosts(&stack, ["c-0", "c-1", "c-2", "c-3"].map(address).to_vec());
+    assert_eq!(stack.control_metric("pd_control_xds_streams"), 1.0);
     assert_clean_end(&stack, &fleet_pods(&simulated));
 }
 
