@@ -511,6 +511,13 @@ pub fn render_metrics(
     );
     family(
         &mut out,
+        "pd_control_xds_acks_total",
+        "counter",
+        "Endpoint listings gateways took (an ACK on their EDS stream). Until the first, snapshots say the gateways' retrying cluster may not know the pods (no stand-ins), unless --eds-file is written too.",
+        &plain(stats.xds_acks_total().to_string()),
+    );
+    family(
+        &mut out,
         "pd_control_xds_nacks_total",
         "counter",
         "Endpoint listings a gateway refused (a NACK on its EDS stream); it keeps the previous one.",

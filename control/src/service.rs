@@ -209,7 +209,10 @@ pub async fn start_with_source<S: FleetSource>(
         None => None,
     };
     let listing = eds.as_ref().map(EdsWriter::subscribe);
-    let mut builder = SnapshotBuilder::with_user_limits(limits.enabled()).with_eds(eds.is_some());
+    // Stand-ins are named only where the retrying cluster knows the pods: always with the
+    // file (Envoy reads it at start), over EDS once a gateway has taken a listing.
+    let file = config.eds_file.is_some();
+    let mut builder = SnapshotBuilder::with_user_limits(limits.enabled()).with_eds(file);
     let first = builder.update(
         snapshot::models(&fleet, &config.pod_labels, |p| book.observe(p, now)),
         crate::unix_ms_now(),
@@ -231,6 +234,7 @@ pub async fn start_with_source<S: FleetSource>(
         labels: config.pod_labels.clone(),
         eds: eds.map(|writer| EdsState {
             writer,
+            file,
             fleet: fleet.clone(),
             at: now,
         }),
@@ -340,9 +344,11 @@ struct ControlLoop {
     eds: Option<EdsState>,
 }
 
-/// The endpoint file's writer and the fleet it last took in.
+/// The endpoint listing's writer and the fleet it last took in.
 struct EdsState {
     writer: EdsWriter,
+    /// The listing is written to a file (`--eds-file`), not only served over EDS.
+    file: bool,
     fleet: Fleet,
     at: Instant,
 }
@@ -424,6 +430,7 @@ impl ControlLoop {
         let now = Instant::now();
         if let Some(eds) = self.eds.as_mut() {
             eds.update(&fleet, now, &self.stats);
+            self.builder.set_eds(eds.file || self.stats.xds_acked());
         }
         let models = snapshot::models(&fleet, &self.labels, |pod| self.book.observe(pod, now));
         let update = self.builder.update(models, crate::unix_ms_now());

@@ -72,6 +72,7 @@ pub struct Stats {
     unauthorized_total: AtomicU64,
     /// EDS streams open now (`--xds-listen`), and the listings gateways refused.
     xds_streams: AtomicI64,
+    xds_acks_total: AtomicU64,
     xds_nacks_total: AtomicU64,
     /// `f64::to_bits` of the last completed round's duration in seconds.
     scrape_duration_bits: AtomicU64,
@@ -159,6 +160,19 @@ impl Stats {
 
     pub fn xds_streams(&self) -> i64 {
         self.xds_streams.load(Ordering::Relaxed)
+    }
+
+    pub fn xds_ack(&self) {
+        self.xds_acks_total.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Whether a gateway has taken an endpoint listing over EDS since this process started.
+    pub fn xds_acked(&self) -> bool {
+        self.xds_acks_total() > 0
+    }
+
+    pub fn xds_acks_total(&self) -> u64 {
+        self.xds_acks_total.load(Ordering::Relaxed)
     }
 
     pub fn xds_nack(&self) {

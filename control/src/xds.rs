@@ -172,8 +172,9 @@ impl Subscription {
     }
 
     /// Takes in a request; whether it asks for something not sent yet: a first request, or
-    /// other names. An ACK (same names) asks for nothing; so does a NACK, which is counted:
-    /// the same listing would be refused again, so the next change is what is sent.
+    /// other names. An ACK (same names, the last nonce) asks for nothing and is counted (the
+    /// gateways' retrying cluster knows the pods: snapshots may say so); so does a NACK,
+    /// counted apart: the same listing would be refused again, so the next change is sent.
     fn request(&mut self, request: &DiscoveryRequest, stats: &Stats) -> bool {
         if let Some(error) = &request.error_detail {
             stats.xds_nack();
@@ -184,6 +185,9 @@ impl Subscription {
             );
         }
         if self.names.as_deref() == Some(request.resource_names.as_slice()) {
+            if request.error_detail.is_none() && request.response_nonce == self.nonce.to_string() {
+                stats.xds_ack();
+            }
             return false;
         }
         self.names = Some(request.resource_names.clone());
@@ -332,6 +336,7 @@ mod tests {
         let stats = Stats::default();
         let mut sub = Subscription::new(42);
         assert!(sub.due(&listing(1), false).is_none(), "nothing asked yet");
+        assert!(!stats.xds_acked());
         assert!(sub.request(&request(&["pd_pods_retry"], "", ""), &stats));
         let first = sub.due(&listing(1), true).expect("the first answer");
         assert_eq!(
@@ -351,6 +356,7 @@ mod tests {
         nack.error_detail = Some(Default::default());
         assert!(!sub.request(&nack, &stats));
         assert_eq!(stats.xds_nacks_total(), 1);
+        assert_eq!(stats.xds_acks_total(), 1, "a NACK is no ACK");
         assert!(
             sub.due(&listing(2), false).is_none(),
             "refused: wait for a change"

@@ -15,6 +15,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 use common::{eventually, metric};
+use pd_control::proto;
 use pd_control::xds::EDS_TYPE_URL;
 
 const TOKEN: &str = "xds-t0ken";
@@ -77,6 +78,23 @@ fn endpoints(response: &DiscoveryResponse) -> Vec<String> {
         .collect()
 }
 
+/// Whether the snapshot served now tells gateways they may name stand-ins.
+async fn snapshot_says_eds(base: &str) -> bool {
+    let bytes = reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .expect("client")
+        .get(format!("{base}/v1/snapshot"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .expect("snapshot")
+        .bytes()
+        .await
+        .expect("snapshot body");
+    proto::Snapshot::decode(bytes).expect("a snapshot").eds
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_eds_stream_sends_the_listing_and_every_change_behind_the_token() {
     let dir = tempfile::tempdir().expect("dir");
@@ -121,10 +139,18 @@ async fn the_eds_stream_sends_the_listing_and_every_change_behind_the_token() {
     assert_eq!(endpoints(&first), ["127.0.9.1:8000"]);
     assert_eq!(metric(&base, "pd_control_xds_streams").await, 1.0);
 
-    // An ACK asks for nothing; the fleet edit is the next thing on the stream.
+    // No gateway has taken a listing yet: no stand-ins (its cluster may know no pod).
+    assert!(!snapshot_says_eds(&base).await);
+    // An ACK asks for nothing, and tells pd-control a gateway knows the pods; the fleet edit
+    // is the next thing on the stream.
     tx.send(subscribe(&first.version_info, &first.nonce))
         .await
         .expect("ack");
+    eventually("a snapshot naming stand-ins", || async {
+        snapshot_says_eds(&base).await.then_some(())
+    })
+    .await;
+    assert_eq!(metric(&base, "pd_control_xds_acks_total").await, 1.0);
     write_fleet(&fleet, &[("a", "127.0.9.1"), ("b", "127.0.9.2")]);
     let second = stream.message().await.expect("a response").expect("open");
     assert_eq!(endpoints(&second), ["127.0.9.1:8000", "127.0.9.2:8000"]);

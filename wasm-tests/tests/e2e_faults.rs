@@ -1317,13 +1317,20 @@ fn the_retrying_cluster_can_learn_its_pods_over_grpc_eds() {
     let wait_hosts = |stack: &Stack, want: Vec<String>| {
         eventually(Duration::from_secs(15), || {
             let hosts = retry_cluster_hosts(stack);
-            (hosts == want)
-                .then_some(())
-                .ok_or(format!("the retrying cluster holds {hosts:?}, want {want:?}"))
+            (hosts == want).then_some(()).ok_or(format!(
+                "the retrying cluster holds {hosts:?}, want {want:?}"
+            ))
         })
     };
     stack.write_fleet(grown.clone());
     wait_hosts(&stack, ["c-0", "c-1", "c-2"].map(address).to_vec());
+    // Envoy took the listing (its ACK): the snapshots every worker routes on name stand-ins.
+    stack.wait_snapshot_adopted(|snap| {
+        (snap["eds"] == true)
+            .then_some(())
+            .ok_or_else(|| "the snapshot names no stand-ins".to_string())
+    });
+    assert!(stack.control_metric("pd_control_xds_acks_total") >= 1.0);
 
     stack.arm_fault(json!({"pod": "c-0", "kind": "crash"}));
     let session = {

@@ -159,7 +159,8 @@ pub fn models(
 pub struct SnapshotBuilder {
     /// Carried as `Snapshot.user_limits`: fixed for the life of the process.
     user_limits: bool,
-    /// Carried as `Snapshot.eds`: pd-control writes the retrying cluster's endpoint file.
+    /// Carried as `Snapshot.eds`: the gateways' retrying cluster knows the pods (pd-control
+    /// writes its endpoint file, or a gateway took the listing over EDS).
     eds: bool,
     version: u64,
     /// Encoding of `models` without scrape timestamps: the part a version stands for.
@@ -180,6 +181,12 @@ impl SnapshotBuilder {
     /// retrying cluster's endpoint file (`--eds-file`).
     pub fn with_eds(self, eds: bool) -> SnapshotBuilder {
         SnapshotBuilder { eds, ..self }
+    }
+
+    /// Changes what the next snapshots say of the retrying cluster (a new version if it
+    /// differs).
+    pub fn set_eds(&mut self, eds: bool) {
+        self.eds = eds;
     }
 
     /// Offers new content; returns the snapshot to serve, whether it is a new version, and the
