@@ -1357,6 +1357,65 @@ fn the_retrying_cluster_can_learn_its_pods_over_grpc_eds() {
     assert_clean_end(&stack, &fleet_pods(&simulated));
 }
 
+/// A gateway whose retrying cluster does not know the pods (its endpoint listing stopped
+/// matching the snapshots: here the file emptied behind a stopped pd-control) must not keep
+/// failing named requests: the first on each worker fails with Envoy's `no healthy upstream`
+/// (no host tried), and that worker then names no stand-in for a while, so every later
+/// request routes as without stand-ins and succeeds.
+#[test]
+fn a_retrying_cluster_that_lacks_the_pods_turns_stand_ins_off() {
+    let fleet = Fleet::new(MODEL).combined("c-0").combined("c-1");
+    let mut stack = start(fleet.clone(), &[]);
+    stack.wait_snapshot_adopted(|snap| {
+        (snap["eds"] == true)
+            .then_some(())
+            .ok_or_else(|| "the snapshot names no stand-ins".to_string())
+    });
+    stack.kill("pd-control");
+    let file = stack.eds_dir().join(pd_wasm_tests::stack::EDS_FILE);
+    let tmp = stack.eds_dir().join("empty.tmp");
+    let empty = json!({"version_info": "emptied", "resources": [{
+        "@type": "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
+        "cluster_name": "pd_pods_retry"}]});
+    std::fs::write(&tmp, empty.to_string()).expect("listing");
+    std::fs::rename(&tmp, &file).expect("listing in place");
+    eventually(Duration::from_secs(10), || {
+        let hosts = retry_cluster_hosts(&stack);
+        hosts
+            .is_empty()
+            .then_some(())
+            .ok_or(format!("the retrying cluster still holds {hosts:?}"))
+    });
+
+    let mut failed = 0;
+    for i in 0..24 {
+        let r = stack.chat(&[("routing-strategy", "random")], &question(i));
+        if r.status == 503 {
+            failed += 1;
+            assert!(
+                r.json()["error"]["message"].is_string(),
+                "an OpenAI error body: {}",
+                describe(&r)
+            );
+        } else {
+            assert_success(&r);
+        }
+    }
+    assert!(
+        (1..=stack.concurrency).contains(&failed),
+        "{failed} requests failed: at most the first on each worker"
+    );
+    assert_eq!(stand_ins(&stack, "no_host"), failed as f64);
+    assert_eq!(stand_ins(&stack, "served") + stand_ins(&stack, "failed"), 0.0);
+    assert_eq!(
+        stack.stat("pd_router_ejections_total"),
+        0,
+        "the failure was the gateway's, not the pod's"
+    );
+    stack.wait_for_log("the retrying cluster knows neither");
+    assert_clean_end(&stack, &fleet_pods(&fleet));
+}
+
 /// When the stand-in refuses too, the client gets Envoy's 503 as an OpenAI error body, both
 /// pods count the failure, and the retry is counted as failed; nothing is left charged.
 #[test]

@@ -129,8 +129,9 @@ pub struct Metrics {
     pub decode_rerouted: Option<u32>,
     /// `pd_router_stand_in_retries_total{result}`: requests whose chosen pod refused the
     /// connection, retried by Envoy on the stand-in pod (`PluginConfig::connect_retry`):
-    /// `[served, failed]` (the stand-in answered, or failed too).
-    pub stand_in_retries: [Option<u32>; 2],
+    /// `[served, failed, no_host]` (the stand-in answered, or failed too; or the retrying
+    /// cluster knew neither pod, which turns naming off for a while, `StandInBreaker`).
+    pub stand_in_retries: [Option<u32>; 3],
     /// `pd_router_rate_limit_checks_total`: requests (naming a `user`, or of a model whose
     /// profile limits its rate) whose admission was asked of pd-control (`core::user_limits`).
     pub rate_limit_checks: Option<u32>,
@@ -283,7 +284,7 @@ impl Metrics {
             ejections: define(c, "pd_router_ejections_total"),
             ejections_adopted: define(c, "pd_router_ejections_adopted_total"),
             decode_rerouted: define(c, "pd_router_decode_rerouted_total"),
-            stand_in_retries: ["served", "failed"]
+            stand_in_retries: ["served", "failed", "no_host"]
                 .map(|result| counter("pd_router_stand_in_retries_total", &[("result", result)])),
             rate_limit_checks: define(c, "pd_router_rate_limit_checks_total"),
             rate_limit_unchecked: define(c, "pd_router_rate_limit_unchecked_total"),

@@ -111,6 +111,8 @@ pub struct VmState {
     pub watchdog_fired: hashbrown::HashSet<u32>,
     /// Pods this VM took out of its routing view after repeated failures.
     pub ejections: crate::core::ejection::Ejections,
+    /// Off for a while once this worker's retrying cluster showed it lacks the pods.
+    pub stand_in_breaker: crate::core::pd::stand_in_breaker::StandInBreaker,
     /// The root timer's period: slow while the VM has nothing to do.
     pub pace: crate::core::pace::TickPace,
     /// Tokens this VM's answers used per limited user, until the tick reports them.

@@ -139,6 +139,7 @@ impl Root {
                 watchdog_metrics: WatchdogMetrics::default(),
                 watchdog_fired: hashbrown::HashSet::new(),
                 ejections: crate::core::ejection::Ejections::default(),
+                stand_in_breaker: Default::default(),
                 pace: crate::core::pace::TickPace::new(100, 10_000),
                 user_usage: Default::default(),
                 model_refunds: Default::default(),

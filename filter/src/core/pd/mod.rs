@@ -12,6 +12,7 @@ pub mod select;
 pub mod session_affinity;
 pub mod settings;
 pub mod single;
+pub mod stand_in_breaker;
 pub mod top_k;
 pub mod vtc;
 

@@ -54,7 +54,8 @@ impl PdHttp {
     ) -> Option<StandIn> {
         let mut vm = self.vm.borrow_mut();
         let written = self.routed_on.as_ref().is_some_and(|fleet| fleet.eds);
-        if !vm.plugin.connect_retry || !written {
+        if !vm.plugin.connect_retry || !written || !vm.stand_in_breaker.allows(crate::host::now_ms)
+        {
             return None;
         }
         crate::core::pd::fallback::stand_in(model, target, profile, &mut vm.rng)
@@ -101,15 +102,23 @@ impl PdHttp {
         };
         let served = hostcalls::get_property(vec!["upstream", "address"])
             .ok()
+            .flatten()
+            .filter(|a| !a.is_empty());
+        let details = hostcalls::get_property(vec!["response", "code_details"])
+            .ok()
             .flatten();
-        if served.as_deref() != Some(named.stand_in.address.as_bytes()) {
+        let Some(served) = served else {
+            if details.as_deref() == Some(b"no_healthy_upstream".as_slice()) {
+                self.stand_ins_found_no_host(&named, now_ms);
+            }
+            return;
+        };
+        self.vm.borrow_mut().stand_in_breaker.reached();
+        if served != named.stand_in.address.as_bytes() {
             return;
         }
         // An answer of the pod's own, or Envoy's reply after the stand-in failed as well.
-        let answered = hostcalls::get_property(vec!["response", "code_details"])
-            .ok()
-            .flatten()
-            .is_some_and(|d| d == b"via_upstream");
+        let answered = details.is_some_and(|d| d == b"via_upstream");
         let StandIn { key, name, address } = named.stand_in;
         log::info!(
             "request {}: pod {} refused the connection; retried on stand-in {key}, which {}",
@@ -131,5 +140,29 @@ impl PdHttp {
         let mut vm = self.vm.borrow_mut();
         vm.pod_outcome(&named.chosen_key, false, now_ms);
         Metrics::inc(vm.metrics.stand_in_retries[usize::from(!answered)]);
+    }
+
+    /// The retrying cluster knew neither named pod (Envoy tried no host): this gateway's
+    /// cluster is not in step with the snapshots, so this worker stops naming stand-ins for
+    /// a while (`StandInBreaker`); its requests route as without them. This one request has
+    /// failed with Envoy's 503.
+    fn stand_ins_found_no_host(&mut self, named: &Named, now_ms: u64) {
+        if let Some(header) = self.obs.explain_header.as_mut() {
+            header.push_str("; stand_in_no_host");
+        }
+        // Neither pod was tried: the failure is the gateway's, not the chosen pod's.
+        self.served.target = None;
+        let mut vm = self.vm.borrow_mut();
+        let cool_ms = vm.stand_in_breaker.no_host(now_ms);
+        Metrics::inc(vm.metrics.stand_in_retries[2]);
+        log::warn!(
+            "request {}: the retrying cluster knows neither {} nor stand-in {}: is pd-control's \
+             endpoint listing reaching this gateway (--eds-file read by Envoy, or its EDS \
+             stream)? no stand-ins from this worker for {} s",
+            self.request_id,
+            named.chosen_key,
+            named.stand_in.key,
+            cool_ms / 1000
+        );
     }
 }
