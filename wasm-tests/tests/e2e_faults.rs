@@ -1406,7 +1406,10 @@ fn a_retrying_cluster_that_lacks_the_pods_turns_stand_ins_off() {
         "{failed} requests failed: at most the first on each worker"
     );
     assert_eq!(stand_ins(&stack, "no_host"), failed as f64);
-    assert_eq!(stand_ins(&stack, "served") + stand_ins(&stack, "failed"), 0.0);
+    assert_eq!(
+        stand_ins(&stack, "served") + stand_ins(&stack, "failed"),
+        0.0
+    );
     assert_eq!(
         stack.stat("pd_router_ejections_total"),
         0,
