@@ -176,5 +176,26 @@ async fn the_eds_stream_sends_the_listing_and_every_change_behind_the_token() {
         (metric(&base, "pd_control_xds_streams").await == 0.0).then_some(())
     })
     .await;
-    service.shutdown().await.expect("clean shutdown");
+
+    // A gateway still connected does not hold pd-control's shutdown: its stream ends.
+    let (tx, rx) = mpsc::channel(4);
+    tx.send(subscribe("", "")).await.expect("queued");
+    let mut request = tonic::Request::new(ReceiverStream::new(rx));
+    let bearer = format!("Bearer {TOKEN}").parse().expect("metadata");
+    request.metadata_mut().insert("authorization", bearer);
+    let mut open = client
+        .stream_endpoints(request)
+        .await
+        .expect("with the token")
+        .into_inner();
+    open.message().await.expect("a response").expect("open");
+    tokio::time::timeout(std::time::Duration::from_secs(20), service.shutdown())
+        .await
+        .expect("shutdown does not wait for the gateway")
+        .expect("clean shutdown");
+    assert!(
+        !matches!(open.message().await, Ok(Some(_))),
+        "the stream ended with the service"
+    );
+    drop(tx);
 }
