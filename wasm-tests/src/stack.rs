@@ -340,48 +340,55 @@ pub fn render_envoy(
         .replace("@EDS_DIR@", &eds_dir.display().to_string())
 }
 
-/// Points a rendered drop-in's retrying cluster at pd-control's gRPC EDS service at `xds`
-/// instead of the endpoint file, the way `envoy/istio/envoyfilter-clusters.yaml` configures
-/// an Istio gateway: an `api_config_source` of type GRPC over a plain HTTP/2 cluster.
+/// Points a rendered drop-in's retrying cluster at pd-control's gRPC EDS service at `xds`: its
+/// `pd_pods_retry` is replaced by the clusters `envoy/istio/envoyfilter-clusters.yaml` adds to an
+/// Istio gateway (`pd_pods_retry` over EDS and `pd_control_xds`, the latter pointed at `xds`),
+/// so the Istio manifests' cluster configuration is what this Envoy loads and runs.
 pub fn eds_over_grpc(rendered: String, xds: &str) -> String {
+    use serde::Deserialize as _;
     let (host, port) = xds.rsplit_once(':').expect("host:port");
-    let file_source = rendered
-        .lines()
-        .position(|l| l.trim() == "path_config_source:")
-        .expect("the drop-in's retrying cluster reads a path config source");
+    let port: u16 = port.parse().expect("a port");
+    let text = std::fs::read_to_string(repo_root().join("envoy/istio/envoyfilter-clusters.yaml"))
+        .expect("the Istio cluster patches");
+    let mut clusters = std::collections::BTreeMap::new();
+    for doc in serde_yaml::Deserializer::from_str(&text) {
+        let doc = serde_yaml::Value::deserialize(doc).expect("YAML");
+        for patch in doc["spec"]["configPatches"]
+            .as_sequence()
+            .into_iter()
+            .flatten()
+        {
+            let value = &patch["patch"]["value"];
+            if let Some(name) = value["name"].as_str() {
+                let json = serde_json::to_value(value).expect("JSON-shaped YAML");
+                clusters.insert(name.to_string(), json);
+            }
+        }
+    }
+    let retry = clusters
+        .remove("pd_pods_retry")
+        .expect("Istio's pd_pods_retry");
+    let mut xds_cluster = clusters
+        .remove("pd_control_xds")
+        .expect("Istio's pd_control_xds");
+    xds_cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+        ["socket_address"] = serde_json::json!({"address": host, "port_value": port});
     let lines: Vec<&str> = rendered.lines().collect();
-    let indent = " ".repeat(lines[file_source].len() - lines[file_source].trim_start().len());
-    let grpc_source = [
-        "api_config_source:",
-        "  api_type: GRPC",
-        "  transport_api_version: V3",
-        "  grpc_services: [{envoy_grpc: {cluster_name: pd_control_xds}}]",
-        "resource_api_version: V3",
-    ]
-    .map(|l| format!("{indent}{l}"));
-    // The path source is three lines: the key, its `path` and its `watched_directory`.
-    let mut out: Vec<String> = lines[..file_source].iter().map(|l| l.to_string()).collect();
-    out.extend(grpc_source);
-    out.extend(lines[file_source + 3..].iter().map(|l| l.to_string()));
-    let clusters = out
+    let start = lines
         .iter()
-        .position(|l| l.trim() == "clusters:")
-        .expect("a clusters list");
-    let xds_cluster = format!(
-        "  - name: pd_control_xds
-    type: STATIC
-    connect_timeout: 1s
-    typed_extension_protocol_options:
-      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
-        \"@type\": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-        explicit_http_config: {{http2_protocol_options: {{}}}}
-    load_assignment:
-      cluster_name: pd_control_xds
-      endpoints:
-      - lb_endpoints:
-        - endpoint: {{address: {{socket_address: {{address: {host}, port_value: {port}}}}}}}"
-    );
-    out.insert(clusters + 1, xds_cluster);
+        .position(|l| *l == "  - name: pd_pods_retry")
+        .expect("the drop-in's retrying cluster");
+    let end = start
+        + 1
+        + lines[start + 1..]
+            .iter()
+            .position(|l| l.starts_with("  - ") || l.starts_with("  #"))
+            .expect("a cluster after the retrying one");
+    // JSON is YAML: one flow-style list item per cluster.
+    let mut out: Vec<String> = lines[..start].iter().map(|l| l.to_string()).collect();
+    out.push(format!("  - {retry}"));
+    out.push(format!("  - {xds_cluster}"));
+    out.extend(lines[end..].iter().map(|l| l.to_string()));
     let mut joined = out.join("\n");
     joined.push('\n');
     joined
