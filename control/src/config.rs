@@ -99,7 +99,7 @@ pub struct Config {
     /// (without counters: no throughput gauge is above zero) for this long is marked stalled in the snapshot (a
     /// hung GPU usually leaves the HTTP server answering): the gateway routes around it until
     /// its counters move again. So is a pod whose scrapes all time out on an accepted
-    /// connection for this long (a wedged server), until one is answered. `0s` turns both
+    /// connection for this long, three at least (a wedged server), until one is answered. `0s` turns both
     /// checks off.
     #[arg(long, value_name = "DURATION", default_value = "15s", value_parser = parse_duration)]
     pub stalled_after: Duration,

@@ -1071,7 +1071,7 @@ fn a_wedged_engine_is_marked_stalled_and_routed_around() {
         fleet.clone(),
         fleet.clone(),
         &Options {
-            control_args: &["--scrape-timeout", "200ms", "--stalled-after", "600ms"],
+            control_args: &["--scrape-timeout", "300ms", "--stalled-after", "1s"],
             ..Options::default()
         },
     );

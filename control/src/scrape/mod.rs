@@ -100,6 +100,8 @@ struct PodState {
     /// whose server takes connections and answers nothing (a wedged event loop) is as stuck
     /// as one whose running requests do not move, and its readings cannot show either.
     hung_since: Option<Instant>,
+    /// How many scrapes of that run timed out.
+    hung_scrapes: u32,
     drain: DrainWindow,
 }
 
@@ -120,6 +122,7 @@ impl PodState {
             still: false,
             stall_logged: false,
             hung_since: None,
+            hung_scrapes: 0,
             drain: DrainWindow::default(),
         }
     }
@@ -172,8 +175,12 @@ fn stalled_state(state: &PodState, after: Duration, now: Instant) -> bool {
         |since: Option<Instant>| since.is_some_and(|at| now.saturating_duration_since(at) >= after);
     !after.is_zero()
         && ((state.still && !state.last_failed && held_for(state.progress_at))
-            || held_for(state.hung_since))
+            || (state.hung_scrapes >= HUNG_SCRAPES && held_for(state.hung_since)))
 }
+
+/// Timed-out scrapes in a row that may mark a pod stalled (with `--stalled-after` elapsed):
+/// one slow answer on a busy node is not a wedged server.
+const HUNG_SCRAPES: u32 = 3;
 
 /// Logs a pod's turn into or out of the stalled mark, once per turn.
 fn log_stall(state: &mut PodState, key: &str, after: Duration, now: Instant) {
@@ -317,6 +324,7 @@ impl ScrapeBook {
                 state.last_success = Some(finished);
                 state.last_failed = false;
                 state.hung_since = None;
+                state.hung_scrapes = 0;
                 log_stall(state, &job.key, self.stalled_after, finished);
                 if state.refused >= self.unreachable_after && self.unreachable_after > 0 {
                     tracing::info!(pod = %job.key, url = %job.url, "pod answers again; routable");
@@ -346,8 +354,10 @@ impl ScrapeBook {
                 // Only silence counts towards hung: an error answer is an answer.
                 if matches!(error, ScrapeError::Timeout(_)) {
                     state.hung_since.get_or_insert(finished);
+                    state.hung_scrapes = state.hung_scrapes.saturating_add(1);
                 } else {
                     state.hung_since = None;
+                    state.hung_scrapes = 0;
                 }
                 log_stall(state, &job.key, self.stalled_after, finished);
                 // Warn on the transition only: a down pod would otherwise log 20 lines a second.
@@ -671,7 +681,16 @@ mod tests {
             outcome(&mut book, ms, failed);
         }
         assert!(!book.stalled(&fleet[0], at(2_999)), "silent for under 2 s");
-        assert!(book.stalled(&fleet[0], at(3_000)), "silent since 1 s");
+        assert!(
+            !book.stalled(&fleet[0], at(9_000)),
+            "two timeouts: a slow node, not yet a wedged server"
+        );
+        outcome(&mut book, 2_500, failed);
+        assert!(!book.stalled(&fleet[0], at(2_999)), "silent for under 2 s");
+        assert!(
+            book.stalled(&fleet[0], at(3_000)),
+            "silent since 1 s, 3 timeouts"
+        );
         assert!(!book.unreachable(&fleet[0]), "it took the connections");
         // An error answer is an answer: the silence is over.
         outcome(&mut book, 3_000, |job, at| {
@@ -686,6 +705,7 @@ mod tests {
             outcome(&mut book, ms, failed);
         }
         assert!(book.stalled(&fleet[0], at(6_000)));
+        assert!(book.observe(&fleet[0], at(6_000)).stalled);
         outcome(&mut book, 6_500, |job, at| ok(job, at, 1.0, 10.0));
         assert!(!book.stalled(&fleet[0], at(6_500)), "answered again");
         // Refusals are the unreachable mark's business, not this one's.
