@@ -162,8 +162,9 @@ impl Stats {
         self.xds_streams.load(Ordering::Relaxed)
     }
 
-    pub fn xds_ack(&self) {
-        self.xds_acks_total.fetch_add(1, Ordering::Relaxed);
+    /// Counts an ACK; whether it is the first since this process started.
+    pub fn xds_ack(&self) -> bool {
+        self.xds_acks_total.fetch_add(1, Ordering::Relaxed) == 0
     }
 
     /// Whether a gateway has taken an endpoint listing over EDS since this process started.

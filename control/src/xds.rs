@@ -185,8 +185,14 @@ impl Subscription {
             );
         }
         if self.names.as_deref() == Some(request.resource_names.as_slice()) {
-            if request.error_detail.is_none() && request.response_nonce == self.nonce.to_string() {
-                stats.xds_ack();
+            if request.error_detail.is_none()
+                && request.response_nonce == self.nonce.to_string()
+                && stats.xds_ack()
+            {
+                tracing::info!(
+                    version = %request.version_info,
+                    "a gateway took the endpoint listing; snapshots now let gateways name stand-in pods"
+                );
             }
             return false;
         }
