@@ -40,6 +40,8 @@ pub struct AppState {
     pub source_kind: &'static str,
     /// `--snapshot-token-file`: required on the snapshot, replica and limits routes when set.
     pub token: Option<Arc<SnapshotToken>>,
+    /// Whether a polling gateway's retrying cluster holds the endpoint listing.
+    pub eds_here: crate::xds::EdsHere,
 }
 
 pub fn router(state: AppState) -> Router {
@@ -120,18 +122,33 @@ fn query_u64(query: &HashMap<String, String>, name: &str) -> Result<Option<u64>,
 async fn snapshot(
     State(state): State<AppState>,
     Query(query): Query<HashMap<String, String>>,
+    headers: HeaderMap,
 ) -> Response {
-    let (held, wait_ms) = match (query_u64(&query, "version"), query_u64(&query, "wait_ms")) {
+    let node = headers
+        .get(crate::xds::NODE_HEADER)
+        .and_then(|v| v.to_str().ok());
+    let mut response = snapshot_answer(&state, &query).await;
+    // Answered at the end of a held poll: an ACK that came meanwhile counts.
+    if let Some(here) = state.eds_here.answer(node) {
+        response
+            .headers_mut()
+            .insert(crate::xds::EDS_HERE_HEADER, HeaderValue::from_static(here));
+    }
+    response
+}
+
+async fn snapshot_answer(state: &AppState, query: &HashMap<String, String>) -> Response {
+    let (held, wait_ms) = match (query_u64(query, "version"), query_u64(query, "wait_ms")) {
         (Ok(held), Ok(wait_ms)) => (held, wait_ms.unwrap_or(0)),
         (Err(message), _) | (_, Err(message)) => {
             return (StatusCode::BAD_REQUEST, message).into_response()
         }
     };
-    let mut published = current(&state);
+    let mut published = current(state);
     if held == Some(published.version) && wait_ms > 0 {
         let wait = Duration::from_millis(wait_ms).min(MAX_POLL_WAIT);
         let _waiting = state.stats.poll_waiting();
-        published = newer_than(&state, published.version, wait).await;
+        published = newer_than(state, published.version, wait).await;
     }
     if held == Some(published.version) {
         state.stats.poll_answered(PollAnswer::NotModified);

@@ -243,8 +243,13 @@ pub async fn start_with_source<S: FleetSource>(
         tokio::spawn(source.watch(publisher, shutdown.clone())),
         tokio::spawn(control.run(shutdown.clone())),
     ];
+    let eds_here = match (&config.eds_file, &xds_listener) {
+        (Some(_), _) => crate::xds::EdsHere::File,
+        (None, Some(_)) => crate::xds::EdsHere::Nodes(Default::default()),
+        (None, None) => crate::xds::EdsHere::Off,
+    };
     if let (Some(listener), Some(listing)) = (xds_listener, listing) {
-        let service = crate::xds::service(listing, stats.clone(), token.clone());
+        let service = crate::xds::service(listing, stats.clone(), token.clone(), eds_here.clone());
         let mut stop = shutdown.clone();
         tasks.push(tokio::spawn(async move {
             let served = tonic::transport::Server::builder()
@@ -270,6 +275,7 @@ pub async fn start_with_source<S: FleetSource>(
         limits,
         source_kind,
         token,
+        eds_here,
     });
     let mut server_shutdown = shutdown;
     let server = tokio::spawn(async move {

@@ -35,10 +35,55 @@ use crate::stats::Stats;
 
 pub const EDS_TYPE_URL: &str = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment";
 
+/// The snapshot poll's header naming the polling gateway's Envoy node (`node.id`).
+pub const NODE_HEADER: &str = "x-pd-node";
+/// The answer's header saying whether that gateway's retrying cluster has the listing
+/// (`1`/`0`); sent whenever pd-control provides one.
+pub const EDS_HERE_HEADER: &str = "x-pd-eds-here";
+
+/// Which gateways' retrying clusters hold the listing, as the snapshot polls ask.
+#[derive(Debug, Clone)]
+pub enum EdsHere {
+    /// No listing is provided (neither `--eds-file` nor `--xds-listen`): no header.
+    Off,
+    /// The endpoint file: every gateway reading it has it.
+    File,
+    /// Over EDS only: the Envoy nodes that ACKed a listing.
+    Nodes(Arc<std::sync::Mutex<std::collections::HashSet<String>>>),
+}
+
+impl EdsHere {
+    /// The header value for a poll from `node` (`None` when no header is due).
+    pub fn answer(&self, node: Option<&str>) -> Option<&'static str> {
+        let here = match self {
+            EdsHere::Off => return None,
+            EdsHere::File => true,
+            EdsHere::Nodes(nodes) => node.is_some_and(|n| {
+                nodes
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .contains(n)
+            }),
+        };
+        Some(if here { "1" } else { "0" })
+    }
+
+    fn acked(&self, node: &str) {
+        if let EdsHere::Nodes(nodes) = self {
+            nodes
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .insert(node.to_string());
+        }
+    }
+}
+
 /// The EDS service over one [`Listing`] watch.
 pub struct EdsService {
     listing: watch::Receiver<Arc<Listing>>,
     stats: Arc<Stats>,
+    /// Where the nodes that ACKed are recorded for the snapshot polls.
+    here: EdsHere,
     /// When this process started serving (Unix ms): the prefix of every version it sends, so
     /// a restarted pd-control, whose listing versions start again at 1, never sends a version
     /// string Envoy already holds for other endpoints.
@@ -80,6 +125,7 @@ pub fn service(
     listing: watch::Receiver<Arc<Listing>>,
     stats: Arc<Stats>,
     token: Option<Arc<SnapshotToken>>,
+    here: EdsHere,
 ) -> Served {
     let check = TokenCheck {
         token,
@@ -90,6 +136,7 @@ pub fn service(
         EdsService {
             listing,
             stats,
+            here,
             instance,
         },
         check,
@@ -156,6 +203,8 @@ pub fn assignment(listing: &Listing) -> ClusterLoadAssignment {
 /// One stream's state: what it subscribed to and what it was last sent.
 struct Subscription {
     instance: i64,
+    /// The subscriber's Envoy node id, from its first request.
+    node: Option<String>,
     names: Option<Vec<String>>,
     sent_version: Option<u64>,
     nonce: u64,
@@ -165,6 +214,7 @@ impl Subscription {
     fn new(instance: i64) -> Subscription {
         Subscription {
             instance,
+            node: None,
             names: None,
             sent_version: None,
             nonce: 0,
@@ -175,7 +225,10 @@ impl Subscription {
     /// other names. An ACK (same names, the last nonce) asks for nothing and is counted (the
     /// gateways' retrying cluster knows the pods: snapshots may say so); so does a NACK,
     /// counted apart: the same listing would be refused again, so the next change is sent.
-    fn request(&mut self, request: &DiscoveryRequest, stats: &Stats) -> bool {
+    fn request(&mut self, request: &DiscoveryRequest, stats: &Stats, here: &EdsHere) -> bool {
+        if self.node.is_none() {
+            self.node = request.node.as_ref().map(|n| n.id.clone());
+        }
         if let Some(error) = &request.error_detail {
             stats.xds_nack();
             tracing::warn!(
@@ -185,14 +238,17 @@ impl Subscription {
             );
         }
         if self.names.as_deref() == Some(request.resource_names.as_slice()) {
-            if request.error_detail.is_none()
-                && request.response_nonce == self.nonce.to_string()
-                && stats.xds_ack()
-            {
-                tracing::info!(
-                    version = %request.version_info,
-                    "a gateway took the endpoint listing; snapshots now let gateways name stand-in pods"
-                );
+            if request.error_detail.is_none() && request.response_nonce == self.nonce.to_string() {
+                if let Some(node) = &self.node {
+                    here.acked(node);
+                }
+                if stats.xds_ack() {
+                    tracing::info!(
+                        version = %request.version_info,
+                        node = self.node.as_deref().unwrap_or_default(),
+                        "a gateway took the endpoint listing; snapshots now let gateways name stand-in pods"
+                    );
+                }
             }
             return false;
         }
@@ -224,6 +280,7 @@ impl EndpointDiscoveryService for EdsService {
         let mut inbound = request.into_inner();
         let mut listing = self.listing.clone();
         let stats = self.stats.clone();
+        let here = self.here.clone();
         let instance = self.instance;
         let (tx, rx) = mpsc::channel(4);
         tokio::spawn(async move {
@@ -232,7 +289,7 @@ impl EndpointDiscoveryService for EdsService {
             loop {
                 let asked = tokio::select! {
                     message = inbound.message() => match message {
-                        Ok(Some(request)) => subscription.request(&request, &stats),
+                        Ok(Some(request)) => subscription.request(&request, &stats, &here),
                         // The gateway closed the stream or it broke: it reconnects itself.
                         Ok(None) | Err(_) => return,
                     },
@@ -340,19 +397,29 @@ mod tests {
     #[test]
     fn a_subscriber_gets_each_version_once_and_acks_ask_for_nothing() {
         let stats = Stats::default();
+        let here = EdsHere::Nodes(Default::default());
         let mut sub = Subscription::new(42);
         assert!(sub.due(&listing(1), false).is_none(), "nothing asked yet");
         assert!(!stats.xds_acked());
-        assert!(sub.request(&request(&["pd_pods_retry"], "", ""), &stats));
+        let mut first_request = request(&["pd_pods_retry"], "", "");
+        first_request.node = Some(envoy_types::pb::envoy::config::core::v3::Node {
+            id: "gw-1".into(),
+            ..Default::default()
+        });
+        assert!(sub.request(&first_request, &stats, &here));
         let first = sub.due(&listing(1), true).expect("the first answer");
         assert_eq!(
             (first.version_info.as_str(), first.nonce.as_str()),
             ("42-1", "1")
         );
+        assert_eq!(here.answer(Some("gw-1")), Some("0"), "sent, not yet taken");
         assert!(
-            !sub.request(&request(&["pd_pods_retry"], "42-1", "1"), &stats),
+            !sub.request(&request(&["pd_pods_retry"], "42-1", "1"), &stats, &here),
             "an ACK"
         );
+        assert_eq!(here.answer(Some("gw-1")), Some("1"), "that node has it");
+        assert_eq!(here.answer(Some("gw-2")), Some("0"), "another has not");
+        assert_eq!(here.answer(None), Some("0"));
         assert!(sub.due(&listing(1), false).is_none());
         assert_eq!(
             sub.due(&listing(2), false).expect("a change").version_info,
@@ -360,7 +427,7 @@ mod tests {
         );
         let mut nack = request(&["pd_pods_retry"], "42-1", "2");
         nack.error_detail = Some(Default::default());
-        assert!(!sub.request(&nack, &stats));
+        assert!(!sub.request(&nack, &stats, &here));
         assert_eq!(stats.xds_nacks_total(), 1);
         assert_eq!(stats.xds_acks_total(), 1, "a NACK is no ACK");
         assert!(
@@ -368,11 +435,13 @@ mod tests {
             "refused: wait for a change"
         );
         // Other names: answered at once, for those names.
-        assert!(sub.request(&request(&["other"], "42-2", "2"), &stats));
+        assert!(sub.request(&request(&["other"], "42-2", "2"), &stats, &here));
         assert!(sub
             .due(&listing(2), true)
             .expect("answered")
             .resources
             .is_empty());
+        assert_eq!(EdsHere::File.answer(None), Some("1"));
+        assert_eq!(EdsHere::Off.answer(Some("gw-1")), None);
     }
 }

@@ -38,6 +38,10 @@ fn write_fleet(path: &Path, pods: &[(&str, &str)]) {
 
 fn subscribe(version: &str, nonce: &str) -> DiscoveryRequest {
     DiscoveryRequest {
+        node: Some(envoy_types::pb::envoy::config::core::v3::Node {
+            id: "gw-1".into(),
+            ..Default::default()
+        }),
         resource_names: vec!["pd_pods_retry".into()],
         type_url: EDS_TYPE_URL.into(),
         version_info: version.into(),
@@ -78,21 +82,29 @@ fn endpoints(response: &DiscoveryResponse) -> Vec<String> {
         .collect()
 }
 
-/// Whether the snapshot served now tells gateways they may name stand-ins.
-async fn snapshot_says_eds(base: &str) -> bool {
-    let bytes = reqwest::Client::builder()
+/// Whether the snapshot served now tells gateways they may name stand-ins, and what it says
+/// of the retrying cluster of the gateway whose Envoy node is `node` (`x-pd-eds-here`).
+async fn snapshot_says_eds(base: &str, node: &str) -> (bool, Option<String>) {
+    let response = reqwest::Client::builder()
         .no_proxy()
         .build()
         .expect("client")
         .get(format!("{base}/v1/snapshot"))
         .bearer_auth(TOKEN)
+        .header("x-pd-node", node)
         .send()
         .await
-        .expect("snapshot")
-        .bytes()
-        .await
-        .expect("snapshot body");
-    proto::Snapshot::decode(bytes).expect("a snapshot").eds
+        .expect("snapshot");
+    let here = response
+        .headers()
+        .get("x-pd-eds-here")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let bytes = response.bytes().await.expect("snapshot body");
+    (
+        proto::Snapshot::decode(bytes).expect("a snapshot").eds,
+        here,
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -140,16 +152,24 @@ async fn the_eds_stream_sends_the_listing_and_every_change_behind_the_token() {
     assert_eq!(metric(&base, "pd_control_xds_streams").await, 1.0);
 
     // No gateway has taken a listing yet: no stand-ins (its cluster may know no pod).
-    assert!(!snapshot_says_eds(&base).await);
+    assert_eq!(
+        snapshot_says_eds(&base, "gw-1").await,
+        (false, Some("0".into()))
+    );
     // An ACK asks for nothing, and tells pd-control a gateway knows the pods; the fleet edit
     // is the next thing on the stream.
     tx.send(subscribe(&first.version_info, &first.nonce))
         .await
         .expect("ack");
     eventually("a snapshot naming stand-ins", || async {
-        snapshot_says_eds(&base).await.then_some(())
+        (snapshot_says_eds(&base, "gw-1").await == (true, Some("1".into()))).then_some(())
     })
     .await;
+    // Only for the gateway that took it: another one's cluster may still be empty.
+    assert_eq!(
+        snapshot_says_eds(&base, "gw-2").await,
+        (true, Some("0".into()))
+    );
     assert_eq!(metric(&base, "pd_control_xds_acks_total").await, 1.0);
     write_fleet(&fleet, &[("a", "127.0.9.1"), ("b", "127.0.9.2")]);
     let second = stream.message().await.expect("a response").expect("open");

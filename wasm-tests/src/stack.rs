@@ -669,7 +669,21 @@ impl Stack {
     /// Like [`Stack::add_gateway`], polling the pd-control at `control` (see
     /// [`Stack::add_control`]).
     pub fn add_gateway_via(&mut self, control: &str, envoy_env: &[(&str, &str)]) -> Gateway {
-        let (gateway, log) = self.spawn_gateway(control.to_string(), envoy_env, "");
+        let (gateway, log) = self.spawn_gateway(control.to_string(), envoy_env, "", |c| c);
+        self.wait_gateway_loaded(&gateway, &log);
+        gateway
+    }
+
+    /// Like [`Stack::add_gateway`], its rendered drop-in passed through `edit` first (another
+    /// node id, another retrying cluster).
+    pub fn add_gateway_edited(&mut self, edit: impl FnOnce(String) -> String) -> Gateway {
+        let control = self.control.clone();
+        let (gateway, log) = self.spawn_gateway(control, &[], "", edit);
+        self.wait_gateway_loaded(&gateway, &log);
+        gateway
+    }
+
+    fn wait_gateway_loaded(&self, gateway: &Gateway, log: &Path) {
         let expected = (self.concurrency + 1) as u64;
         eventually(Duration::from_secs(30), || {
             (gateway.stat("pd_router_fleet_loaded_vms") >= expected)
@@ -681,7 +695,6 @@ impl Stack {
                     )
                 })
         });
-        gateway
     }
 
     /// Starts one more Envoy (`--concurrency` as the stack's) polling pd-control at
@@ -691,6 +704,7 @@ impl Stack {
         control: String,
         envoy_env: &[(&str, &str)],
         plugin_extra: &str,
+        edit: impl FnOnce(String) -> String,
     ) -> (Gateway, PathBuf) {
         let (listen_port, admin_port) = (free_port(), free_port());
         let n = self.children.len();
@@ -708,7 +722,8 @@ impl Stack {
             &self.dir.join(format!("access-{n}.log")),
             &self.eds_dir(),
         );
-        std::fs::write(&config, with_plugin_extra(rendered, plugin_extra)).expect("envoy config");
+        std::fs::write(&config, edit(with_plugin_extra(rendered, plugin_extra)))
+            .expect("envoy config");
         let log = self.dir.join(format!("envoy-{n}.log"));
         let child = Command::new(envoy_bin())
             .arg("-c")
@@ -911,10 +926,7 @@ impl Stack {
 
     /// Sum of the Prometheus series `name` whose labels include `labels`, 0 when absent.
     pub fn metric(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
-        let text = http::get(&self.admin, "/stats/prometheus")
-            .expect("admin")
-            .text();
-        crate::prom::Scrape::parse(&text).sum(name, labels)
+        admin_metric(&self.admin, name, labels)
     }
 
     /// Sum of pd-control's Prometheus series `name` (all labels), 0 when absent.
@@ -1209,6 +1221,11 @@ impl Gateway {
         admin_stat(&self.admin, name)
     }
 
+    /// See [`Stack::metric`].
+    pub fn metric(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        admin_metric(&self.admin, name, labels)
+    }
+
     /// See [`wait_ledger_zero`] (10 s).
     pub fn wait_ledger_zero(&self) {
         wait_ledger_zero(&self.admin, Duration::from_secs(10));
@@ -1225,6 +1242,12 @@ impl Drop for Stack {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
     }
+}
+
+/// Sum of the Prometheus series `name` (labels including `labels`) on the Envoy admin `admin`.
+fn admin_metric(admin: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let text = http::get(admin, "/stats/prometheus").expect("admin").text();
+    crate::prom::Scrape::parse(&text).sum(name, labels)
 }
 
 /// Adds `extra` (JSON members without braces) to a rendered drop-in's plugin configuration.
@@ -1328,7 +1351,7 @@ impl Stack {
     /// plugin configuration, and does not wait for it to load a snapshot (it may never).
     pub fn add_gateway_with_plugin(&mut self, plugin_extra: &str) -> Gateway {
         let n = self.children.len();
-        let (gateway, _) = self.spawn_gateway(self.control.clone(), &[], plugin_extra);
+        let (gateway, _) = self.spawn_gateway(self.control.clone(), &[], plugin_extra, |c| c);
         eventually(Duration::from_secs(30), || {
             http::get(&gateway.admin, "/ready")
                 .ok()

@@ -1357,6 +1357,76 @@ fn the_retrying_cluster_can_learn_its_pods_over_grpc_eds() {
     assert_clean_end(&stack, &fleet_pods(&simulated));
 }
 
+/// With pd-control's listing on EDS alone, only a gateway whose own stream took it names
+/// stand-ins: pd-control answers each snapshot poll for the polling Envoy node
+/// (`x-pd-node` → `x-pd-eds-here`). Gateway B (another node, its EDS source unreachable, so
+/// its retrying cluster is empty) routes as without stand-ins and never tries its empty
+/// cluster; gateway A, whose stream took the listing, has a crashed pod stood in for.
+#[test]
+fn only_a_gateway_whose_cluster_took_the_listing_names_stand_ins() {
+    let fleet = Fleet::new(MODEL).combined("c-0").combined("c-1");
+    let mut stack = Stack::start_opts(
+        fleet.clone(),
+        fleet.clone(),
+        &Options {
+            control_args: NO_REACHABILITY_CHECK,
+            eds_over_grpc: true,
+            ..Options::default()
+        },
+    );
+    stack.wait_snapshot_adopted(|snap| {
+        (snap["eds"] == true)
+            .then_some(())
+            .ok_or_else(|| "the snapshot names no stand-ins".to_string())
+    });
+    let nowhere = format!("127.0.0.1:{}", pd_wasm_tests::stack::free_port());
+    let b = stack.add_gateway_edited(|config| {
+        let config = config.replace(
+            "node: {id: pd-router, cluster: pd-router}",
+            "node: {id: gateway-b, cluster: pd-router}",
+        );
+        // An EDS source that never answers: the cluster starts empty after 1 s.
+        pd_wasm_tests::stack::eds_over_grpc(config, &nowhere).replacen(
+            "\"resource_api_version\":\"V3\"",
+            "\"initial_fetch_timeout\":\"1s\",\"resource_api_version\":\"V3\"",
+            1,
+        )
+    });
+    let session = {
+        use base64::Engine as _;
+        base64::engine::general_purpose::STANDARD.encode(fleet.spec("c-0").address())
+    };
+    let to_c0 = [
+        ("routing-strategy", "session-affinity"),
+        ("x-session-id", session.as_str()),
+    ];
+    let random = [("routing-strategy", "random")];
+    for i in 0..8 {
+        let path = "/v1/chat/completions";
+        let r = http::post_json(&b.gateway, path, &random, &chat(false, 4 + i));
+        assert_success(&r);
+    }
+    assert_eq!(
+        b.metric("pd_router_stand_in_retries_total", &[("result", "no_host")]),
+        0.0,
+        "B never sent a request into its empty cluster"
+    );
+
+    stack.arm_fault(json!({"pod": "c-0", "kind": "crash"}));
+    let path = "/v1/chat/completions";
+    let via_b = http::post_json(&b.gateway, path, &to_c0, &chat(false, 4));
+    assert_eq!(via_b.status, 503, "no stand-in at B: {}", describe(&via_b));
+    assert_eq!(
+        b.metric("pd_router_stand_in_retries_total", &[("result", "no_host")]),
+        0.0
+    );
+    let via_a = stack.chat(&to_c0, &question(1));
+    assert_success(&via_a);
+    assert_eq!(stand_ins(&stack, "served"), 1.0);
+    stack.clear_faults();
+    assert_clean_end(&stack, &fleet_pods(&fleet));
+}
+
 /// A gateway whose retrying cluster does not know the pods (its endpoint listing stopped
 /// matching the snapshots: here the file emptied behind a stopped pd-control) must not keep
 /// failing named requests: the first on each worker fails with Envoy's `no healthy upstream`

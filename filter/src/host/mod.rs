@@ -113,6 +113,9 @@ pub struct VmState {
     pub ejections: crate::core::ejection::Ejections,
     /// Off for a while once this worker's retrying cluster showed it lacks the pods.
     pub stand_in_breaker: crate::core::pd::stand_in_breaker::StandInBreaker,
+    /// Whether this Envoy's retrying cluster took pd-control's endpoint listing, as the last
+    /// poll said (`None`: not said; the snapshot's flag decides). Read at each tick.
+    pub eds_here: Option<bool>,
     /// The root timer's period: slow while the VM has nothing to do.
     pub pace: crate::core::pace::TickPace,
     /// Tokens this VM's answers used per limited user, until the tick reports them.

@@ -140,6 +140,7 @@ impl Root {
                 watchdog_fired: hashbrown::HashSet::new(),
                 ejections: crate::core::ejection::Ejections::default(),
                 stand_in_breaker: Default::default(),
+                eds_here: None,
                 pace: crate::core::pace::TickPace::new(100, 10_000),
                 user_usage: Default::default(),
                 model_refunds: Default::default(),
@@ -385,6 +386,11 @@ impl Root {
         let version = view.version;
         let (version_gauge, loaded_gauge) = {
             let mut vm = self.vm.borrow_mut();
+            // The poll that brought this snapshot said what it says of this gateway's retrying
+            // cluster before publishing it: a VM routing on it knows that too.
+            if vm.plugin.connect_retry {
+                vm.eds_here = snapshot::eds_here();
+            }
             // Nearly every snapshot only brings new metrics: the pod set is the one in hand.
             let same_pods = self
                 .latest
@@ -517,6 +523,15 @@ impl Root {
         }
     }
 
+    /// This Envoy's node id (`xds.node.id`), which its EDS stream names too: pd-control answers
+    /// each poll with whether that node's retrying cluster took the endpoint listing.
+    fn node_id(&self) -> Option<String> {
+        // Envoy 1.40 answers `xds.node.id` (the older `node.id` path reads nothing).
+        self.get_property(vec!["xds", "node", "id"])
+            .and_then(|id| String::from_utf8(id).ok())
+            .filter(|id| !id.is_empty())
+    }
+
     fn maybe_fetch(&mut self, now: u64) {
         let plugin = self.vm.borrow().plugin.clone();
         let lease_ms = (plugin.refresh_ms * 5).max(1_000);
@@ -531,15 +546,7 @@ impl Root {
             return;
         }
         let have = snapshot::published_version();
-        match snapshot::fetch_request(
-            &plugin.control_cluster,
-            &plugin.control_authority,
-            &plugin.snapshot_path,
-            have,
-            plugin.poll_wait_ms(),
-            &plugin.snapshot_token,
-            Duration::from_millis(plugin.fetch_timeout_ms),
-        ) {
+        match snapshot::fetch_request(&plugin, have, self.node_id().as_deref()) {
             Ok(token) => self.fetch_in_flight = Some(token),
             Err(e) => self.fetch_failed(
                 "dispatch",
@@ -677,6 +684,10 @@ impl Context for Root {
             .get_http_call_response_header(":status")
             .unwrap_or_default();
         let version_header = self.get_http_call_response_header("x-pd-snapshot-version");
+        if matches!(status.as_str(), "200" | "304") {
+            let here = self.get_http_call_response_header(snapshot::EDS_HERE_HEADER);
+            snapshot::set_eds_here(here.as_deref());
+        }
         match status.as_str() {
             "304" => return self.fetch_succeeded(),
             "200" => {}
@@ -849,6 +860,12 @@ impl RootContext for Root {
         crate::section!("tick.release", self.maybe_send_release());
         crate::section!("tick.reload", self.reload());
         crate::section!("tick.freshness", self.check_freshness(now));
+        {
+            let mut vm = self.vm.borrow_mut();
+            if vm.plugin.connect_retry {
+                vm.eds_here = snapshot::eds_here();
+            }
+        }
         crate::section!(
             "tick.replicas",
             crate::host::replicas::refresh(&mut self.vm.borrow_mut(), now)

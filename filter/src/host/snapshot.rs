@@ -27,6 +27,13 @@ pub const QUEUES_KEY: &str = "pd/queues";
 /// little-endian milliseconds: every VM judges the snapshot's freshness from it, not only
 /// the lease holder that polls.
 pub const CONFIRMED_KEY: &str = "pd/snapshot/confirmed";
+/// Whether this Envoy's retrying cluster holds pd-control's endpoint listing, as the last
+/// poll's answer said (`1`, `0`, empty when it did not say).
+pub const EDS_HERE_KEY: &str = "pd/snapshot/eds_here";
+/// The poll's header naming this Envoy's node, and the answer's saying whether that node's
+/// retrying cluster took the listing (pd-control `xds::EdsHere`).
+pub const NODE_HEADER: &str = "x-pd-node";
+pub const EDS_HERE_HEADER: &str = "x-pd-eds-here";
 /// [`Tally`] of the VMs routing on the newest snapshot.
 pub const ADOPTED_KEY: &str = "pd/snapshot/adopted";
 
@@ -110,6 +117,27 @@ pub fn confirmed_at() -> Option<u64> {
             .get(..8)
             .and_then(|b| b.try_into().ok())
             .map(u64::from_le_bytes),
+        _ => None,
+    }
+}
+
+/// Records what the last poll's answer said of this Envoy's retrying cluster, for every VM.
+pub fn set_eds_here(answer: Option<&str>) {
+    let value = answer.map(str::trim).unwrap_or_default();
+    if let Err(e) = SharedData.set(EDS_HERE_KEY, value.as_bytes(), None) {
+        log::warn!("cannot record the endpoint listing's state: {e}");
+    }
+}
+
+/// Whether this Envoy's retrying cluster holds the listing: `None` when pd-control did not
+/// say (an older one, or no poll answered yet), so the snapshot's own flag decides.
+pub fn eds_here() -> Option<bool> {
+    match SharedData.get(EDS_HERE_KEY) {
+        Ok((Some(bytes), _)) => match bytes.as_slice() {
+            b"1" => Some(true),
+            b"0" => Some(false),
+            _ => None,
+        },
         _ => None,
     }
 }
@@ -297,30 +325,33 @@ pub fn broadcast(queues: &[u32], tag: u8, payload: &[u8]) {
 
 /// Sends a snapshot poll. The version we hold lets pd-control answer 304, and `wait_ms`
 /// lets it hold that answer until a newer version exists (a long poll; an older pd-control
-/// ignores the parameter and answers at once). `timeout` covers one answer, on top of the wait.
+/// ignores the parameter and answers at once). `fetch_timeout_ms` covers one answer, on top
+/// of the wait. `node` (this Envoy's node id) lets pd-control say whether this gateway's
+/// retrying cluster took its endpoint listing (`EDS_HERE_HEADER`).
 pub fn fetch_request(
-    cluster: &str,
-    authority: &str,
-    path: &str,
+    plugin: &crate::core::config::PluginConfig,
     have: u64,
-    wait_ms: u64,
-    token: &str,
-    timeout: Duration,
+    node: Option<&str>,
 ) -> Result<u32, proxy_wasm::types::Status> {
+    let wait_ms = plugin.poll_wait_ms();
+    let path = &plugin.snapshot_path;
     let path = if wait_ms > 0 && have > 0 {
         format!("{path}?version={have}&wait_ms={wait_ms}")
     } else {
         format!("{path}?version={have}")
     };
-    let timeout = timeout + Duration::from_millis(wait_ms);
-    let authorization = bearer(token);
+    let timeout = Duration::from_millis(plugin.fetch_timeout_ms) + Duration::from_millis(wait_ms);
+    let authorization = bearer(&plugin.snapshot_token);
     let mut headers = vec![
         (":method", "GET"),
         (":path", path.as_str()),
-        (":authority", authority),
+        (":authority", plugin.control_authority.as_str()),
     ];
     if let Some(value) = authorization.as_deref() {
         headers.push(("authorization", value));
     }
-    hostcalls::dispatch_http_call(cluster, headers, None, vec![], timeout)
+    if let Some(node) = node {
+        headers.push((NODE_HEADER, node));
+    }
+    hostcalls::dispatch_http_call(&plugin.control_cluster, headers, None, vec![], timeout)
 }

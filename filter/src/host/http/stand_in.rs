@@ -53,7 +53,10 @@ impl PdHttp {
         profile: Option<&str>,
     ) -> Option<StandIn> {
         let mut vm = self.vm.borrow_mut();
-        let written = self.routed_on.as_ref().is_some_and(|fleet| fleet.eds);
+        // The snapshot says the gateways' clusters may hold the pods, and pd-control has not
+        // said this gateway's does not (its EDS stream never took a listing).
+        let written =
+            self.routed_on.as_ref().is_some_and(|fleet| fleet.eds) && vm.eds_here != Some(false);
         if !vm.plugin.connect_retry || !written || !vm.stand_in_breaker.allows(crate::host::now_ms)
         {
             return None;
