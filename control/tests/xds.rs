@@ -50,6 +50,29 @@ fn subscribe(version: &str, nonce: &str) -> DiscoveryRequest {
     }
 }
 
+type Client = EndpointDiscoveryServiceClient<tonic::transport::Channel>;
+
+/// An EDS stream opened with the token, its first request (a subscription) sent: the
+/// sender for the next requests and the stream of responses.
+async fn subscribed(
+    client: &mut Client,
+) -> (
+    mpsc::Sender<DiscoveryRequest>,
+    tonic::Streaming<DiscoveryResponse>,
+) {
+    let (tx, rx) = mpsc::channel(4);
+    tx.send(subscribe("", "")).await.expect("queued");
+    let mut request = tonic::Request::new(ReceiverStream::new(rx));
+    let bearer = format!("Bearer {TOKEN}").parse().expect("metadata");
+    request.metadata_mut().insert("authorization", bearer);
+    let stream = client
+        .stream_endpoints(request)
+        .await
+        .expect("with the token")
+        .into_inner();
+    (tx, stream)
+}
+
 /// The `ip:port` endpoints of a response's one assignment.
 fn endpoints(response: &DiscoveryResponse) -> Vec<String> {
     assert_eq!(response.type_url, EDS_TYPE_URL);
@@ -137,16 +160,7 @@ async fn the_eds_stream_sends_the_listing_and_every_change_behind_the_token() {
         1.0
     );
 
-    let (tx, rx) = mpsc::channel(4);
-    tx.send(subscribe("", "")).await.expect("queued");
-    let mut request = tonic::Request::new(ReceiverStream::new(rx));
-    let bearer = format!("Bearer {TOKEN}").parse().expect("metadata");
-    request.metadata_mut().insert("authorization", bearer);
-    let mut stream = client
-        .stream_endpoints(request)
-        .await
-        .expect("with the token")
-        .into_inner();
+    let (tx, mut stream) = subscribed(&mut client).await;
     let first = stream.message().await.expect("a response").expect("open");
     assert_eq!(endpoints(&first), ["127.0.9.1:8000"]);
     assert_eq!(metric(&base, "pd_control_xds_streams").await, 1.0);
@@ -198,16 +212,7 @@ async fn the_eds_stream_sends_the_listing_and_every_change_behind_the_token() {
     .await;
 
     // A gateway still connected does not hold pd-control's shutdown: its stream ends.
-    let (tx, rx) = mpsc::channel(4);
-    tx.send(subscribe("", "")).await.expect("queued");
-    let mut request = tonic::Request::new(ReceiverStream::new(rx));
-    let bearer = format!("Bearer {TOKEN}").parse().expect("metadata");
-    request.metadata_mut().insert("authorization", bearer);
-    let mut open = client
-        .stream_endpoints(request)
-        .await
-        .expect("with the token")
-        .into_inner();
+    let (tx, mut open) = subscribed(&mut client).await;
     open.message().await.expect("a response").expect("open");
     tokio::time::timeout(std::time::Duration::from_secs(20), service.shutdown())
         .await
