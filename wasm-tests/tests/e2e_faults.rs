@@ -1181,6 +1181,22 @@ fn envoy_stat(stack: &Stack, name: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// session-affinity's session id for the pod at `address`: requests carrying it choose that
+/// pod for as long as it is in view.
+fn session_id(address: &str) -> String {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD.encode(address)
+}
+
+/// Waits until every VM routes on a snapshot that lets it name stand-ins.
+fn wait_stand_ins_allowed(stack: &Stack) {
+    stack.wait_snapshot_adopted(|snap| {
+        (snap["eds"] == true)
+            .then_some(())
+            .ok_or_else(|| "the snapshot names no stand-ins".to_string())
+    });
+}
+
 /// `pd_router_stand_in_retries_total{result}`.
 fn stand_ins(stack: &Stack, result: &str) -> f64 {
     stack.metric("pd_router_stand_in_retries_total", &[("result", result)])
@@ -1202,7 +1218,6 @@ fn requests_at(stack: &Stack, pod: &str) -> usize {
 /// the answer, the access log and the counters name the pod that served.
 #[test]
 fn a_standard_pod_refusing_the_connection_is_stood_in_for_by_a_sibling() {
-    use base64::Engine as _;
     let fleet = Fleet::new(MODEL).combined("c-0").combined("c-1");
     let stack = Stack::start_opts(
         fleet.clone(),
@@ -1214,7 +1229,7 @@ fn a_standard_pod_refusing_the_connection_is_stood_in_for_by_a_sibling() {
         },
     );
     // session-affinity with c-0's session id: c-0 is chosen for as long as it is in view.
-    let session = base64::engine::general_purpose::STANDARD.encode(fleet.spec("c-0").address());
+    let session = session_id(&fleet.spec("c-0").address());
     let to_c0 = [
         ("routing-strategy", "session-affinity"),
         ("x-session-id", session.as_str()),
@@ -1325,18 +1340,11 @@ fn the_retrying_cluster_can_learn_its_pods_over_grpc_eds() {
     stack.write_fleet(grown.clone());
     wait_hosts(&stack, ["c-0", "c-1", "c-2"].map(address).to_vec());
     // Envoy took the listing (its ACK): the snapshots every worker routes on name stand-ins.
-    stack.wait_snapshot_adopted(|snap| {
-        (snap["eds"] == true)
-            .then_some(())
-            .ok_or_else(|| "the snapshot names no stand-ins".to_string())
-    });
+    wait_stand_ins_allowed(&stack);
     assert!(stack.control_metric("pd_control_xds_acks_total") >= 1.0);
 
     stack.arm_fault(json!({"pod": "c-0", "kind": "crash"}));
-    let session = {
-        use base64::Engine as _;
-        base64::engine::general_purpose::STANDARD.encode(address("c-0"))
-    };
+    let session = session_id(&address("c-0"));
     let to_c0 = [
         ("routing-strategy", "session-affinity"),
         ("x-session-id", session.as_str()),
@@ -1374,11 +1382,7 @@ fn only_a_gateway_whose_cluster_took_the_listing_names_stand_ins() {
             ..Options::default()
         },
     );
-    stack.wait_snapshot_adopted(|snap| {
-        (snap["eds"] == true)
-            .then_some(())
-            .ok_or_else(|| "the snapshot names no stand-ins".to_string())
-    });
+    wait_stand_ins_allowed(&stack);
     let nowhere = format!("127.0.0.1:{}", pd_wasm_tests::stack::free_port());
     let b = stack.add_gateway_edited(|config| {
         let config = config.replace(
@@ -1392,10 +1396,7 @@ fn only_a_gateway_whose_cluster_took_the_listing_names_stand_ins() {
             1,
         )
     });
-    let session = {
-        use base64::Engine as _;
-        base64::engine::general_purpose::STANDARD.encode(fleet.spec("c-0").address())
-    };
+    let session = session_id(&fleet.spec("c-0").address());
     let to_c0 = [
         ("routing-strategy", "session-affinity"),
         ("x-session-id", session.as_str()),
@@ -1436,11 +1437,7 @@ fn only_a_gateway_whose_cluster_took_the_listing_names_stand_ins() {
 fn a_retrying_cluster_that_lacks_the_pods_turns_stand_ins_off() {
     let fleet = Fleet::new(MODEL).combined("c-0").combined("c-1");
     let mut stack = start(fleet.clone(), &[]);
-    stack.wait_snapshot_adopted(|snap| {
-        (snap["eds"] == true)
-            .then_some(())
-            .ok_or_else(|| "the snapshot names no stand-ins".to_string())
-    });
+    wait_stand_ins_allowed(&stack);
     stack.kill("pd-control");
     let file = stack.eds_dir().join(pd_wasm_tests::stack::EDS_FILE);
     let tmp = stack.eds_dir().join("empty.tmp");
