@@ -193,20 +193,17 @@ pub async fn start_with_source<S: FleetSource>(
     if let Some(eds) = eds.as_mut() {
         eds.update(&fleet, now)?;
     }
-    let xds_listener = match config.xds_listen {
-        Some(addr) => Some(
-            TcpListener::bind(addr)
-                .await
-                .map_err(|source| Error::Bind { addr, source })?,
-        ),
-        None => None,
-    };
-    let xds_addr = match &xds_listener {
-        Some(listener) => Some(listener.local_addr().map_err(|source| Error::Bind {
-            addr: config.listen,
-            source,
-        })?),
-        None => None,
+    let (xds_listener, xds_addr) = match config.xds_listen {
+        Some(addr) => {
+            let bound = async {
+                let listener = TcpListener::bind(addr).await?;
+                let local = listener.local_addr()?;
+                Ok::<_, io::Error>((listener, local))
+            };
+            let (listener, local) = bound.await.map_err(|source| Error::Bind { addr, source })?;
+            (Some(listener), Some(local))
+        }
+        None => (None, None),
     };
     let listing = eds.as_ref().map(EdsWriter::subscribe);
     // Stand-ins are named only where the retrying cluster knows the pods: always with the
@@ -251,18 +248,11 @@ pub async fn start_with_source<S: FleetSource>(
     if let (Some(listener), Some(listing)) = (xds_listener, listing) {
         let service = crate::xds::service(listing, stats.clone(), token.clone(), eds_here.clone());
         let mut stop = shutdown.clone();
-        tasks.push(tokio::spawn(async move {
-            let served = tonic::transport::Server::builder()
-                .add_service(service)
-                .serve_with_incoming_shutdown(
-                    tonic::transport::server::TcpIncoming::from(listener),
-                    async move { stop.requested().await },
-                )
-                .await;
-            if let Err(e) = served {
-                tracing::error!("the EDS service stopped: {e}");
-            }
-        }));
+        tasks.push(tokio::spawn(crate::xds::serve(
+            listener,
+            service,
+            async move { stop.requested().await },
+        )));
         tracing::info!(addr = ?xds_addr, "serving the retrying cluster's endpoints over EDS");
     }
 

@@ -143,6 +143,21 @@ pub fn service(
     )
 }
 
+/// Serves `service` on `listener` until `stop` resolves (its open streams end with it).
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    service: Served,
+    stop: impl std::future::Future<Output = ()> + Send,
+) {
+    let served = tonic::transport::Server::builder()
+        .add_service(service)
+        .serve_with_incoming_shutdown(tonic::transport::server::TcpIncoming::from(listener), stop)
+        .await;
+    if let Err(e) = served {
+        tracing::error!("the EDS service stopped: {e}");
+    }
+}
+
 /// The response for `names` (empty: every resource, i.e. ours) at `listing`'s version, as
 /// served by the process started at `instance`.
 pub fn response(
