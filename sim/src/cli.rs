@@ -85,6 +85,10 @@ pub struct SimArgs {
     /// overwrite) or `pod` (its own IP, as with `VLLM_NIXL_SIDE_CHANNEL_HOST` set).
     #[arg(long, default_value = "localhost", value_parser = ["localhost", "pod"])]
     pub side_channel_host: String,
+    /// Also export xLLM's `engine_utilization` gauge (the signal AIBrix's `least-utilization`
+    /// reads) beside the engine's own families, as the pod's batch occupancy.
+    #[arg(long)]
+    pub utilization_gauge: bool,
 }
 
 impl SimArgs {
@@ -111,6 +115,7 @@ impl SimArgs {
             trtllm_python_transceiver: self.trtllm_transceiver == "python",
             vllm_neuron: self.vllm_connector == "nixl",
             side_channel_host_is_pod_ip: self.side_channel_host == "pod",
+            utilization_gauge: self.utilization_gauge,
         }
     }
 }

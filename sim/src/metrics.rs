@@ -464,6 +464,18 @@ pub fn render(model: &str, m: &MetricsSnapshot) -> String {
     out
 }
 
+/// xLLM's `engine_utilization` gauge, which AIBrix's `least-utilization` reads: here the
+/// share of the batch slots (`--max-num-seqs`) running requests hold, 0..1.
+pub fn render_utilization(model: &str, m: &MetricsSnapshot, max_num_seqs: usize) -> String {
+    let occupancy = (m.running as f64 / max_num_seqs.max(1) as f64).min(1.0);
+    format!(
+        "# HELP engine_utilization Engine utilization.\n\
+         # TYPE engine_utilization gauge\n\
+         engine_utilization{{model_name=\"{model}\"}} {}\n",
+        go_float(occupancy)
+    )
+}
+
 /// SGLang's `engine_type` label for a pod role: `prefill`, `decode`, else `unified`.
 pub fn sglang_engine_type(role: &str) -> &'static str {
     match role {
@@ -793,6 +805,24 @@ mod tests {
                 "x_count{engine=\"0\",model_name=\"m\"} 3.0",
                 "x_sum{engine=\"0\",model_name=\"m\"} 5.55",
             ]
+        );
+    }
+
+    #[test]
+    fn the_utilization_gauge_is_batch_occupancy_read_back_by_pd_control() {
+        let mut m = MetricsSnapshot::new();
+        m.running = 3;
+        let text = render_utilization("m", &m, 4);
+        let r = pd_control::scrape::engine::parse_reading(
+            text.as_bytes(),
+            pd_control::scrape::engine::Engine::Sglang,
+            "m",
+        );
+        assert_eq!(r.utilization, Some(0.75));
+        m.running = 9;
+        assert!(
+            render_utilization("m", &m, 4).contains("} 1.0\n"),
+            "capped at 1"
         );
     }
 

@@ -54,6 +54,8 @@ pub struct SimConfig {
     /// `VLLM_NIXL_SIDE_CHANNEL_HOST` is set to the pod IP: what routers that copy
     /// `kv_transfer_params` verbatim (vllm-router) need.
     pub side_channel_host_is_pod_ip: bool,
+    /// Export xLLM's `engine_utilization` gauge too (see [`crate::metrics::render_utilization`]).
+    pub utilization_gauge: bool,
 }
 
 impl Default for SimConfig {
@@ -71,6 +73,7 @@ impl Default for SimConfig {
             trtllm_python_transceiver: true,
             vllm_neuron: false,
             side_channel_host_is_pod_ip: false,
+            utilization_gauge: false,
         }
     }
 }

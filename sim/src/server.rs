@@ -165,13 +165,21 @@ fn served_name<'a>(record: &'a pd_control::fleet::PodRecord, body: &Value) -> &'
 pub fn exposition(pod: &PodState) -> String {
     let record = &pod.record;
     let m = pod.metrics();
-    match Engine::from_label(&record.engine) {
+    let mut text = match Engine::from_label(&record.engine) {
         Engine::Vllm => metrics::render(&record.model, &m),
         Engine::Sglang => {
             metrics::render_sglang(&record.model, metrics::sglang_engine_type(&record.role), &m)
         }
         Engine::Trtllm => metrics::render_trtllm(&record.model, std::process::id(), &m),
+    };
+    if pod.config.utilization_gauge {
+        text.push_str(&metrics::render_utilization(
+            &record.model,
+            &m,
+            pod.config.max_num_seqs,
+        ));
     }
+    text
 }
 
 async fn trtllm_iteration_stats(State(ctx): State<PodCtx>) -> Response {

@@ -859,3 +859,72 @@ fn vtc_basic_keeps_a_heavy_user_apart_from_a_light_one() {
         .iter()
         .all(|e| e["pod"].as_str().is_some_and(|p| p.starts_with('c'))));
 }
+
+/// AIBrix's `least-utilization` and `least-busy-time` in real Envoy (two workers): both are
+/// served, not refused. No pod exports a busy-time ratio, so `least-busy-time` draws among
+/// the standard pods as AIBrix does. With pd-sim exporting xLLM's `engine_utilization`
+/// gauge, a standard pod holding two streams reports itself busier, pd-control carries the
+/// gauge in the snapshot, and `least-utilization` sends nothing there.
+#[test]
+fn least_utilization_avoids_the_pod_whose_engine_reports_itself_busy() {
+    let fleet = pair_and_three_standard_pods();
+    let stack = Stack::start_full(fleet.clone(), fleet, 2, &[], &["--utilization-gauge"]);
+    let send = |strategy: &str, prompt: &str| {
+        let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2});
+        let r = http::post_json(
+            &stack.gateway,
+            "/v1/completions",
+            &[("routing-strategy", strategy)],
+            &body,
+        );
+        assert_eq!(r.status, 200, "{strategy}: {}", r.text());
+        assert_eq!(r.header("routing-strategy"), Some(strategy));
+        r.header("target-pod").expect("target-pod").to_string()
+    };
+
+    let drawn: std::collections::BTreeSet<String> = (0..12)
+        .map(|i| send("least-busy-time", &format!("drawn {i}")))
+        .collect();
+    assert!(
+        drawn.len() >= 2 && drawn.iter().all(|p| p.starts_with('c')),
+        "a draw over the standard pods: {drawn:?}"
+    );
+
+    // Two streams held on c0 after their first chunk: two of its batch slots in use.
+    stack.arm_fault(json!({"pod": "c0", "kind": "hang_after_chunks", "chunks": 1}));
+    let c0 = stack.fleet.spec("c0").address();
+    let held: Vec<_> = (0..2)
+        .map(|i| {
+            let c0 = c0.clone();
+            std::thread::spawn(move || {
+                let body = json!({"model": MODEL, "prompt": format!("held {i}"),
+                                  "max_tokens": 4, "stream": true});
+                http::post_json(&c0, "/v1/completions", &[], &body)
+            })
+        })
+        .collect();
+    let utilization = |snap: &serde_json::Value, pod: &str| {
+        pd_wasm_tests::stack::snapshot_pods(snap)
+            .find(|p| p["name"] == pod)
+            .and_then(|p| p["metrics"]["engine_utilization"].as_f64())
+    };
+    stack.wait_snapshot_adopted(|snap| {
+        let busy = utilization(snap, "c0").unwrap_or(0.0);
+        let idle = utilization(snap, "c1").unwrap_or(1.0);
+        (busy >= 2.0 / 256.0 && idle == 0.0)
+            .then_some(())
+            .ok_or_else(|| format!("c0 reports {busy}, c1 {idle}"))
+    });
+
+    let picked: Vec<String> = (0..12)
+        .map(|i| send("least-utilization", &format!("placed {i}")))
+        .collect();
+    assert!(
+        picked.iter().all(|p| p == "c1" || p == "c2"),
+        "the busy engine and the PD pods take nothing: {picked:?}"
+    );
+    stack.clear_faults();
+    for h in held {
+        assert_eq!(h.join().expect("client thread").status, 200);
+    }
+}

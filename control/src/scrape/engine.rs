@@ -81,7 +81,20 @@ struct Names {
     ttft: &'static [&'static str],
     tpot: &'static [&'static str],
     generation_prefers_gauge: bool,
+    /// The engine's utilization gauge (0..1) for `least-utilization`.
+    utilization: &'static [&'static str],
+    /// A GPU busy-time ratio (0..1) for `least-busy-time`.
+    busy_time: &'static [&'static str],
 }
+
+/// xLLM's name for its utilization gauge, the one AIBrix's `least-utilization` reads. None of
+/// the three engines exports it today; read from every engine so a build or a sidecar that
+/// adds it is used, and a pod without it stays unscored (AIBrix's rule).
+const UTILIZATION: &[&str] = &["engine_utilization"];
+
+/// AIBrix's name for the GPU busy-time ratio `least-busy-time` reads; AIBrix maps it to no
+/// engine metric, so only an exporter that adds it under this name feeds the strategy.
+const BUSY_TIME: &[&str] = &["gpu_busy_time_ratio"];
 
 static VLLM_NAMES: Names = Names {
     running: &["vllm:num_requests_running"],
@@ -100,6 +113,8 @@ static VLLM_NAMES: Names = Names {
         "vllm:time_per_output_token_seconds",
     ],
     generation_prefers_gauge: false,
+    utilization: UTILIZATION,
+    busy_time: BUSY_TIME,
 };
 
 static SGLANG_NAMES: Names = Names {
@@ -122,6 +137,8 @@ static SGLANG_NAMES: Names = Names {
     ],
     // SGLang computes it over its own logging window, smoother than a 50 ms counter delta.
     generation_prefers_gauge: true,
+    utilization: UTILIZATION,
+    busy_time: BUSY_TIME,
 };
 
 static TRTLLM_NAMES: Names = Names {
@@ -141,11 +158,15 @@ static TRTLLM_NAMES: Names = Names {
     ttft: &["trtllm_time_to_first_token_seconds"],
     tpot: &["trtllm_time_per_output_token_seconds"],
     generation_prefers_gauge: false,
+    utilization: UTILIZATION,
+    busy_time: BUSY_TIME,
 };
 
 impl Names {
-    fn scalar_lists(&self) -> [&'static [&'static str]; 9] {
+    fn scalar_lists(&self) -> [&'static [&'static str]; 11] {
         [
+            self.utilization,
+            self.busy_time,
             self.running,
             self.waiting,
             self.queued,
@@ -211,6 +232,8 @@ pub struct Reading {
     pub completed: Option<f64>,
     pub ttft: Option<Histo>,
     pub tpot: Option<Histo>,
+    pub utilization: Option<f64>,
+    pub busy_time: Option<f64>,
 }
 
 /// Extracts the sample name of an exposition line, or `None` for comments and blank lines.
@@ -305,6 +328,8 @@ pub fn parse_reading(body: impl AsRef<[u8]>, engine: Engine, model: &str) -> Rea
         completed: first(names.completed).map(|s| total(s)),
         ttft: histo(names.ttft),
         tpot: histo(names.tpot),
+        utilization: first(names.utilization).map(|s| gauge(s, Combine::Mean)),
+        busy_time: first(names.busy_time).map(|s| gauge(s, Combine::Mean)),
     }
 }
 
@@ -640,6 +665,25 @@ mod tests {
         let nan = "vllm:num_requests_running{model_name=\"m\"} NaN\nvllm:num_requests_waiting 2\n";
         let r = parse_reading(nan, Engine::Vllm, "m");
         assert_eq!((r.running, r.waiting), (None, Some(2.0)));
+    }
+
+    #[test]
+    fn utilization_gauges_are_read_from_any_engine_and_absent_when_not_exported() {
+        let body = "# TYPE engine_utilization gauge\n\
+                    engine_utilization{model_name=\"m\"} 0.25\n\
+                    engine_utilization{model_name=\"m\",engine=\"1\"} 0.75\n\
+                    gpu_busy_time_ratio 0.4\n\
+                    sglang:num_running_reqs{model_name=\"m\"} 2\n";
+        let r = parse_reading(body, Engine::Sglang, "m");
+        assert_eq!(
+            (r.utilization, r.busy_time, r.running),
+            (Some(0.5), Some(0.4), Some(2.0)),
+            "DP ranks average, as a usage fraction does"
+        );
+        for (fixture, engine) in [(VLLM_V1, Engine::Vllm), (TRTLLM, Engine::Trtllm)] {
+            let r = parse_reading(fixture, engine, "Qwen3-8B");
+            assert_eq!((r.utilization, r.busy_time), (None, None), "{engine:?}");
+        }
     }
 
     #[test]

@@ -90,7 +90,16 @@ pub fn derive(
         tpot_avg_seconds: non_negative(tpot),
         last_scrape_unix_ms: 0,
         stale: false,
+        engine_utilization: fraction(current.utilization),
+        gpu_busy_time_ratio: fraction(current.busy_time),
     }
+}
+
+/// A 0..1 gauge that strategies skip pods without: absent stays absent (unlike
+/// [`non_negative`]'s zero, which would make a pod that does not report look idle), a finite
+/// value is clamped into range, and a non-finite one counts as not reported.
+pub fn fraction(value: Option<f64>) -> Option<f64> {
+    value.filter(|v| v.is_finite()).map(|v| v.clamp(0.0, 1.0))
 }
 
 /// Proto fields have no "absent": an unexported metric reads as zero, and nothing non-finite or
@@ -251,6 +260,23 @@ mod tests {
         let m = derive(Engine::Vllm, &old, None, None);
         assert!((m.kv_cache_usage - 0.4).abs() < 1e-12);
         assert!((m.tpot_avg_seconds - 0.04).abs() < 1e-12);
+    }
+
+    #[test]
+    fn utilization_gauges_stay_absent_when_not_exported_and_are_clamped_when_they_are() {
+        let m = derive(Engine::Vllm, &Reading::default(), None, None);
+        assert_eq!((m.engine_utilization, m.gpu_busy_time_ratio), (None, None));
+        let r = Reading {
+            utilization: Some(1.5),
+            busy_time: Some(f64::NAN),
+            ..Reading::default()
+        };
+        let m = derive(Engine::Vllm, &r, None, None);
+        assert_eq!(
+            (m.engine_utilization, m.gpu_busy_time_ratio),
+            (Some(1.0), None)
+        );
+        assert_eq!(fraction(Some(-0.2)), Some(0.0));
     }
 
     #[test]

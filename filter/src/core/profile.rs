@@ -443,6 +443,13 @@ pub enum Strategy {
     /// AIBrix's Virtual Token Counter: users placed on the pod line by their recent tokens
     /// (see `pd::vtc`).
     VtcBasic,
+    /// The lowest engine utilization gauge (xLLM's `engine_utilization`); pods that do not
+    /// export it are passed over, and with none exporting it a pod is drawn at random.
+    LeastUtilization,
+    /// The lowest GPU busy-time ratio, read like `LeastUtilization`. AIBrix maps this metric
+    /// to no engine, so on vLLM, SGLang and TRT-LLM fleets both gateways draw at random;
+    /// accepted so that a profile naming it keeps routing after the move.
+    LeastBusyTime,
 }
 
 impl Strategy {
@@ -462,6 +469,8 @@ impl Strategy {
             Strategy::LeastRequestTopK => "least-request-top-k",
             Strategy::LoraAffinity => "lora-affinity",
             Strategy::VtcBasic => "vtc-basic",
+            Strategy::LeastUtilization => "least-utilization",
+            Strategy::LeastBusyTime => "least-busy-time",
         }
     }
 
@@ -481,6 +490,8 @@ impl Strategy {
             Strategy::LeastRequestTopK,
             Strategy::LoraAffinity,
             Strategy::VtcBasic,
+            Strategy::LeastUtilization,
+            Strategy::LeastBusyTime,
         ]
         .into_iter()
         .find(|s| s.name() == name)

@@ -31,6 +31,9 @@ pub fn score(strategy: Strategy, pod: &PodView, running: u32, match_pct: f64) ->
         Strategy::Throughput => metric(|m| 2.0 * m.prompt_throughput + m.generation_throughput),
         Strategy::LeastKvCache | Strategy::LeastGpuCache => metric(|m| m.kv_cache_usage),
         Strategy::LeastLatency => metric(|m| m.ttft_avg_seconds),
+        // Absent on pods whose engine does not export it: those are passed over (AIBrix's rule).
+        Strategy::LeastUtilization => pod.metrics.as_ref().and_then(|m| m.engine_utilization),
+        Strategy::LeastBusyTime => pod.metrics.as_ref().and_then(|m| m.gpu_busy_time_ratio),
         // Its score needs the user's place (see `vtc::scores`), which a pod alone cannot give.
         Strategy::VtcBasic => None,
     }
@@ -407,5 +410,35 @@ mod tests {
                 "PD pods never take a plain request"
             );
         }
+    }
+
+    #[test]
+    fn utilization_strategies_pass_over_pods_that_do_not_report_the_gauge() {
+        let mut m = model();
+        let loads = Ledger::default();
+        let mut rng = fastrand::Rng::with_seed(9);
+        let seen = |m: &ModelView, strategy, rng: &mut fastrand::Rng| {
+            (0..40)
+                .map(|_| {
+                    m.pods[one(m, strategy, &loads, &[], rng).pod()]
+                        .name
+                        .clone()
+                })
+                .collect::<std::collections::BTreeSet<_>>()
+        };
+        // No engine exports either gauge: a draw over the standard pods, as AIBrix falls back.
+        for strategy in [Strategy::LeastUtilization, Strategy::LeastBusyTime] {
+            let names = seen(&m, strategy, &mut rng);
+            assert_eq!(names, ["a", "bb"].map(String::from).into(), "{strategy:?}");
+        }
+        // "bb" reports a busier engine than "a": the lower gauge wins.
+        m.pods[0].metrics.as_mut().unwrap().engine_utilization = Some(0.3);
+        m.pods[1].metrics.as_mut().unwrap().engine_utilization = Some(0.8);
+        m.pods[1].metrics.as_mut().unwrap().gpu_busy_time_ratio = Some(0.1);
+        let names = seen(&m, Strategy::LeastUtilization, &mut rng);
+        assert_eq!(names, ["a".to_string()].into());
+        // Only "bb" reports a busy time: "a", which does not, is not taken for an idle pod.
+        let names = seen(&m, Strategy::LeastBusyTime, &mut rng);
+        assert_eq!(names, ["bb".to_string()].into());
     }
 }
