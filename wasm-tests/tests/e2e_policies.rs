@@ -928,3 +928,66 @@ fn least_utilization_avoids_the_pod_whose_engine_reports_itself_busy() {
         assert_eq!(h.join().expect("client thread").status, 200);
     }
 }
+
+/// `prefix-cache-preble` in real Envoy (two workers): a prompt more than half held goes back
+/// to the pod holding it even while that pod is the busiest, whichever worker takes it; a
+/// prompt sharing less than half of it goes to a less loaded pod, where `prefix-cache`'s
+/// formula (which still weighs 40 % of match above two running requests) would not.
+#[test]
+fn preble_lets_a_long_match_decide_and_the_load_decide_the_rest() {
+    let stack = Stack::start(pair_and_three_standard_pods());
+    let spawn_send = |prompt: String| {
+        let gateway = stack.gateway.clone();
+        std::thread::spawn(move || {
+            let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2});
+            http::post_json(
+                &gateway,
+                "/v1/completions",
+                &[("routing-strategy", "prefix-cache-preble")],
+                &body,
+            )
+        })
+    };
+    let pod_of = |r: http::Response| {
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.header("routing-strategy"), Some("prefix-cache-preble"));
+        r.header("target-pod").expect("target-pod").to_string()
+    };
+    let send = |prompt: &str| pod_of(spawn_send(prompt.to_string()).join().expect("client"));
+
+    let held = "report: ".to_string() + &"lorem ipsum dolor sit amet ".repeat(100);
+    let holder = send(&held);
+    assert!(holder.starts_with('c'), "{holder}");
+    for turn in 1..4 {
+        assert_eq!(send(&held), holder, "turn {turn}");
+    }
+
+    // Two requests for the same prompt held at its pod: it is now the busiest of the three.
+    stack.clear_sim_requests();
+    stack.arm_fault(json!({"pod": holder, "kind": "hang_before_headers"}));
+    let mut waiting: Vec<_> = (0..2).map(|_| spawn_send(held.clone())).collect();
+    let legs = stack.wait_for_legs("full", 2);
+    assert!(legs.iter().all(|e| e["pod"] == holder.as_str()), "{legs:?}");
+
+    // 40 % of the prompt, then text of its own: the load decides.
+    let cut = held.len() * 2 / 5;
+    let partly = held[..cut].to_string() + &"consectetur adipiscing elit ".repeat(60);
+    for _ in 0..4 {
+        assert_ne!(
+            send(&partly),
+            holder,
+            "the busy holder of 40 % of the prompt"
+        );
+    }
+    // The whole prompt again: back to its holder, busy as it is.
+    waiting.push(spawn_send(held.clone()));
+    let legs = stack.wait_for_legs("full", 2 + 4 + 1);
+    assert!(
+        legs.iter().filter(|e| e["pod"] == holder.as_str()).count() == 3,
+        "{legs:?}"
+    );
+    stack.clear_faults();
+    for h in waiting {
+        assert_eq!(pod_of(h.join().expect("client")), holder);
+    }
+}

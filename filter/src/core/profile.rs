@@ -450,9 +450,18 @@ pub enum Strategy {
     /// to no engine, so on vLLM, SGLang and TRT-LLM fleets both gateways draw at random;
     /// accepted so that a profile naming it keeps routing after the move.
     LeastBusyTime,
+    /// AIBrix's Preble-style rule: a prompt mostly held goes to the least-loaded holder of
+    /// its longest match, any other to the least-loaded pod (see `pd::preble`).
+    PrefixCachePreble,
 }
 
 impl Strategy {
+    /// Whether the strategy scores pods by how much of the prompt the prefix index says
+    /// they hold (the index is then looked up before the pick and told the pick after).
+    pub fn reads_prefix_index(self) -> bool {
+        matches!(self, Strategy::PrefixCache | Strategy::PrefixCachePreble)
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Strategy::Pd => "pd",
@@ -471,6 +480,7 @@ impl Strategy {
             Strategy::VtcBasic => "vtc-basic",
             Strategy::LeastUtilization => "least-utilization",
             Strategy::LeastBusyTime => "least-busy-time",
+            Strategy::PrefixCachePreble => "prefix-cache-preble",
         }
     }
 
@@ -492,6 +502,7 @@ impl Strategy {
             Strategy::VtcBasic,
             Strategy::LeastUtilization,
             Strategy::LeastBusyTime,
+            Strategy::PrefixCachePreble,
         ]
         .into_iter()
         .find(|s| s.name() == name)

@@ -67,12 +67,13 @@ enum OnePod<'a> {
 }
 
 impl OnePod<'_> {
-    /// Whether the pick scores the prefix index (`prefix-cache`, alone or in a blend).
+    /// Whether the pick scores the prefix index (`prefix-cache` or `prefix-cache-preble`,
+    /// alone or in a blend).
     fn uses_prefix_index(&self) -> bool {
         match self {
             OnePod::Any => false,
-            OnePod::Strategy(s) => *s == Strategy::PrefixCache,
-            OnePod::Blend(b) => b.items.iter().any(|(s, _)| *s == Strategy::PrefixCache),
+            OnePod::Strategy(s) => s.reads_prefix_index(),
+            OnePod::Blend(b) => b.items.iter().any(|(s, _)| s.reads_prefix_index()),
         }
     }
 

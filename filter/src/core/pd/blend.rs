@@ -17,6 +17,7 @@
 use crate::core::errors::RouteError;
 use crate::core::fleet::ModelView;
 use crate::core::ledger::Ledger;
+use crate::core::pd::preble;
 use crate::core::pd::session_affinity::{self, SessionHint, Via};
 use crate::core::pd::single::{no_standard_pod, reads_load, running_by_slot, score};
 use crate::core::pd::top_k::TopK;
@@ -71,6 +72,12 @@ pub fn select_blend(
             }));
         } else if strategy == Strategy::LeastRequestTopK {
             raw.extend(top_k.scores(model, &running, rng).into_iter().map(Some));
+        } else if strategy == Strategy::PrefixCachePreble {
+            let longest = preble::longest_match(pods, match_pct);
+            raw.extend(pods.iter().map(|&i| {
+                let load = running.get(i).copied().unwrap_or(0);
+                preble::score(load, match_pct.get(i).copied().unwrap_or(0.0), longest)
+            }));
         } else if strategy == Strategy::VtcBasic {
             let scores = vtc.map(|(place, s)| vtc::scores(model, place, &running, s));
             raw.extend(pods.iter().map(|&i| {

@@ -8,6 +8,7 @@ pub mod columns;
 pub mod explained;
 pub mod fallback;
 pub mod pick;
+pub mod preble;
 pub mod select;
 pub mod session_affinity;
 pub mod settings;

@@ -5,6 +5,7 @@
 use crate::core::errors::RouteError;
 use crate::core::fleet::{ModelView, PodView};
 use crate::core::ledger::Ledger;
+use crate::core::pd::preble;
 use crate::core::pd::top_k::TopK;
 use crate::core::pd::{MinPicker, Target};
 use crate::core::profile::Strategy;
@@ -36,6 +37,8 @@ pub fn score(strategy: Strategy, pod: &PodView, running: u32, match_pct: f64) ->
         Strategy::LeastBusyTime => pod.metrics.as_ref().and_then(|m| m.gpu_busy_time_ratio),
         // Its score needs the user's place (see `vtc::scores`), which a pod alone cannot give.
         Strategy::VtcBasic => None,
+        // Its score needs the longest match over all pods (see `preble::score`).
+        Strategy::PrefixCachePreble => None,
     }
 }
 
@@ -61,6 +64,7 @@ pub fn reads_load(strategy: Strategy) -> bool {
             | Strategy::LeastRequestTopK
             | Strategy::LoraAffinity
             | Strategy::VtcBasic
+            | Strategy::PrefixCachePreble
     )
 }
 
@@ -119,6 +123,11 @@ pub fn select_single(
     } else {
         0.0
     };
+    let longest = if strategy == Strategy::PrefixCachePreble {
+        preble::longest_match(&model.others, match_pct)
+    } else {
+        0.0
+    };
     let mut best = MinPicker::new();
     let mut any = MinPicker::new();
     for &i in &model.others {
@@ -131,6 +140,7 @@ pub fn select_single(
                 load,
                 inv_max_req,
             )),
+            Strategy::PrefixCachePreble => preble::score(load, pct, longest),
             _ => score(strategy, pod, load, pct),
         };
         match score {
@@ -440,5 +450,29 @@ mod tests {
         // Only "bb" reports a busy time: "a", which does not, is not taken for an idle pod.
         let names = seen(&m, Strategy::LeastBusyTime, &mut rng);
         assert_eq!(names, ["bb".to_string()].into());
+    }
+
+    #[test]
+    fn preble_keeps_a_mostly_held_prompt_on_its_holder_however_busy() {
+        let m = model();
+        let mut loads = Ledger::default();
+        for _ in 0..3 {
+            loads.add("ns/a", Counter::Running, 0);
+        }
+        let mut rng = fastrand::Rng::with_seed(4);
+        let mut pick = |held: f64| {
+            let mut pct = vec![0.0; m.pods.len()];
+            pct[0] = held;
+            let t = one(&m, Strategy::PrefixCachePreble, &loads, &pct, &mut rng);
+            m.pods[t.pod()].name.clone()
+        };
+        // The longest match decides once it covers over half the prompt, whatever a's load.
+        assert_eq!(pick(60.0), "a");
+        assert_eq!(
+            pick(50.0),
+            "bb",
+            "half is not more than half: the load decides"
+        );
+        assert_eq!(pick(0.0), "bb");
     }
 }
