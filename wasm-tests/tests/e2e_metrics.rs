@@ -124,6 +124,7 @@ const FAMILIES: &[&str] = &[
     "gateway_pd_decode_abort_total",
     "pd_router_remote_decode_tokens",
     "pd_router_remote_replicas",
+    "vtc_bucket_size_active",
 ];
 
 /// The family of a sample name (`x_bucket`, `x_sum`, `x_count` belong to histogram `x`).

@@ -850,6 +850,10 @@ fn vtc_basic_keeps_a_heavy_user_apart_from_a_light_one() {
         why.1.starts_with("strategy=vtc-basic; place=2.00; pick=c"),
         "{why:?}"
     );
+    // AIBrix's gauge of the bucket size: half the lightest and heaviest totals, here far
+    // above its 1000-token floor.
+    let bucket = stack.metric("vtc_bucket_size_active", &[("model", MODEL)]);
+    assert!(bucket > 10_000.0, "vtc_bucket_size_active {bucket}");
 
     let anyone: std::collections::BTreeSet<_> = (0..30).map(|_| send(None, "hi").0).collect();
     assert!(anyone.len() >= 2, "no user: drawn at random, {anyone:?}");

@@ -950,6 +950,10 @@ impl PdHttp {
             now_ms: now,
         });
         let vtc_place = vtc_ask.and_then(|a| a.place(model, &mut vm.vtc, vtc_settings));
+        if vtc_place.is_some() {
+            let bucket = pd::vtc::bucket_size(vm.vtc.bounds(vtc_settings), vtc_settings);
+            vm.metrics.vtc_bucket_size(&req.model, bucket);
+        }
         if self.obs.explain.is_some() {
             self.obs.vtc_place = vtc_place;
         }

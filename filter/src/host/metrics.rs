@@ -88,6 +88,8 @@ pub struct Metrics {
     selected_other: [Option<Option<u32>>; 2],
     /// `gateway_request_model_{success,fail}_total` per model.
     outcomes: HashMap<String, OutcomeIds>,
+    /// `vtc_bucket_size_active{model}` per model, defined on its first `vtc-basic` pick.
+    vtc_bucket: HashMap<String, Option<u32>>,
     prefill_fail: HashMap<(&'static str, u32), Option<u32>>,
     duration_buckets: [[Option<u32>; 13]; 6],
     total_buckets: [Option<u32>; 8],
@@ -485,6 +487,19 @@ impl Metrics {
             )
         });
         Metrics::inc(id);
+    }
+
+    /// Sets AIBrix's `vtc_bucket_size_active` for `model`: the adaptive bucket size (tokens)
+    /// the last `vtc-basic` placement on any worker used. Smooth is healthy; a saw-tooth says
+    /// the window or `AIBRIX_ROUTER_VTC_TOKEN_TRACKER_MIN_TOKENS` is too small.
+    pub fn vtc_bucket_size(&mut self, model: &str, tokens: f64) {
+        let id = *self.vtc_bucket.entry_ref(model).or_insert_with(|| {
+            define(
+                MetricType::Gauge,
+                &tagged("vtc_bucket_size_active", &[("model", model)]),
+            )
+        });
+        Metrics::set(id, tokens.max(0.0).round() as u64);
     }
 
     /// Counts a failed prefill leg or selection in `gateway_prefill_request_fail_total`.

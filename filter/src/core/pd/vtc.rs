@@ -229,9 +229,15 @@ fn moved(totals: &mut BTreeMap<u64, u32>, old: f64, new: f64) {
     }
 }
 
+/// The tokens one step along the pod line stands for: half the sum of the smallest and
+/// largest user totals (`bounds`), never below `min_tokens`.
+pub fn bucket_size(bounds: (f64, f64), s: &VtcSettings) -> f64 {
+    s.min_tokens.max((bounds.0 + bounds.1) / 2.0)
+}
+
 /// Where a user with `user_tokens` stands on the line of `pods` standard pods, `0..=pods−1`.
 pub fn place(user_tokens: f64, bounds: (f64, f64), pods: usize, s: &VtcSettings) -> f64 {
-    let bucket = s.min_tokens.max((bounds.0 + bounds.1) / 2.0);
+    let bucket = bucket_size(bounds, s);
     let last = pods.saturating_sub(1) as f64;
     if bucket > 0.0 {
         (user_tokens / bucket).min(last)
