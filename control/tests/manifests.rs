@@ -710,7 +710,12 @@ fn envoy_filters_add_the_clusters_the_plugin_names() {
 
 /// The drop-in (envoy/envoy.yaml.tmpl) as YAML, its `@PLACEHOLDER@`s filled.
 fn drop_in_yaml() -> Yaml {
-    let text = read("envoy/envoy.yaml.tmpl");
+    template_yaml("envoy/envoy.yaml.tmpl")
+}
+
+/// An Envoy template as YAML, its `@PLACEHOLDER@`s filled.
+fn template_yaml(rel: &str) -> Yaml {
+    let text = read(rel);
     let mut filled = String::with_capacity(text.len());
     let mut rest = text.as_str();
     while let Some(at) = rest.find('@') {
@@ -728,7 +733,46 @@ fn drop_in_yaml() -> Yaml {
         }
     }
     filled.push_str(rest);
-    serde_yaml::from_str(&filled).expect("the drop-in is YAML")
+    serde_yaml::from_str(&filled).unwrap_or_else(|e| panic!("{rel} is not YAML: {e}"))
+}
+
+/// The ECDS drop-in routes and retries as the inline one: the same routes (the stand-in route
+/// first), the same pod clusters, and a filter config that names stand-ins.
+#[test]
+fn the_ecds_drop_in_routes_and_retries_as_the_inline_one() {
+    let inline = drop_in_yaml();
+    let ecds = template_yaml("envoy/envoy-ecds.yaml.tmpl");
+    let routes = |doc: &Yaml| {
+        doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+            ["route_config"]
+            .clone()
+    };
+    assert_eq!(routes(&ecds), routes(&inline));
+    let cluster = |doc: &Yaml, name: &str| {
+        doc["static_resources"]["clusters"]
+            .as_sequence()
+            .expect("clusters")
+            .iter()
+            .find(|c| c["name"].as_str() == Some(name))
+            .unwrap_or_else(|| panic!("no cluster {name}"))
+            .clone()
+    };
+    for name in ["pd_pods", "pd_pods_retry", "pd_control"] {
+        assert_eq!(cluster(&ecds, name), cluster(&inline, name), "{name}");
+    }
+    let resource = template_yaml("envoy/ecds-pd-router.yaml.tmpl");
+    let value = resource["resources"][0]["typed_config"]["config"]["configuration"]["value"]
+        .as_str()
+        .expect("the ECDS resource's plugin configuration")
+        .replace("placeholder", "100");
+    let json: Json = serde_json::from_str(&value).expect("plugin configuration JSON");
+    assert_eq!(
+        json,
+        drop_in().0,
+        "the same plugin configuration as the inline drop-in"
+    );
+    let config = PluginConfig::parse(value.as_bytes()).expect("the filter takes it");
+    assert!(config.connect_retry, "the ECDS filter names stand-ins");
 }
 
 /// One cluster of the drop-in, by name.

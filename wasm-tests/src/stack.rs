@@ -405,14 +405,17 @@ fn enable_explain(rendered: String) -> String {
 }
 
 /// Renders `envoy/envoy-ecds.yaml.tmpl`: the drop-in whose wasm filter comes from ECDS,
-/// read from `ecds_dir/pd-router.yaml` (see [`render_ecds`]).
+/// read from `ecds_dir/pd-router.yaml` (see [`render_ecds`]), the retrying cluster reading
+/// `eds_dir` (seeded).
 pub fn render_envoy_ecds(
     listen_port: u16,
     admin_port: u16,
     control_port: u16,
     ecds_dir: &Path,
     access_log: &Path,
+    eds_dir: &Path,
 ) -> String {
+    seed_eds(eds_dir);
     let template = std::fs::read_to_string(repo_root().join("envoy/envoy-ecds.yaml.tmpl"))
         .expect("envoy ECDS template");
     template
@@ -423,6 +426,7 @@ pub fn render_envoy_ecds(
         .replace("@CONTROL_PORT@", &control_port.to_string())
         .replace("@ECDS_DIR@", &ecds_dir.display().to_string())
         .replace("@ACCESS_LOG@", &access_log.display().to_string())
+        .replace("@EDS_DIR@", &eds_dir.display().to_string())
 }
 
 /// Renders `envoy/ecds-pd-router.yaml.tmpl`, the ECDS resource holding the wasm filter
@@ -639,13 +643,16 @@ impl Stack {
     /// the wasm filter comes from an ECDS file in the test's temp dir, whose VM environment
     /// `key_values` can later be changed by [`Stack::update_ecds`].
     pub fn start_ecds(fleet: Fleet, key_values: &[(&str, &str)]) -> Stack {
-        Stack::start_inner(
-            fleet.clone(),
-            fleet,
-            &Options::default(),
-            Some(key_values),
-            &[],
-        )
+        Stack::start_ecds_opts(fleet, key_values, &Options::default())
+    }
+
+    /// [`Stack::start_ecds`] with `options` (pd-control arguments, explanations, ...).
+    pub fn start_ecds_opts(
+        fleet: Fleet,
+        key_values: &[(&str, &str)],
+        options: &Options<'_>,
+    ) -> Stack {
+        Stack::start_inner(fleet.clone(), fleet, options, Some(key_values), &[])
     }
 
     /// Kills a process of the stack by name (`envoy`, `pd-control`, `pd-sim`, `envoy-N`).
@@ -848,6 +855,7 @@ impl Stack {
                     control_port,
                     &ecds_dir,
                     &stack.access_log,
+                    &stack.eds_dir(),
                 )
             }
         };

@@ -106,3 +106,52 @@ fn an_ecds_update_reaches_an_open_keep_alive_connection_without_failures() {
         seen.len()
     );
 }
+
+/// The ECDS drop-in stands in for a dead pod as the inline one does: its filter names a
+/// sibling with each request, and a refused connection is retried there by its retrying
+/// cluster, fed from pd-control's endpoint file.
+#[test]
+fn the_ecds_drop_in_retries_a_refused_connection_on_a_stand_in() {
+    use base64::Engine as _;
+    let fleet = Fleet::new(MODEL).combined("c-0").combined("c-1");
+    let options = pd_wasm_tests::stack::Options {
+        // Nothing tells the gateway c-0 died: the refusal itself must be handled.
+        control_args: &["--unreachable-after", "0"],
+        ..Default::default()
+    };
+    let stack = Stack::start_ecds_opts(fleet.clone(), &[], &options);
+    stack.wait_snapshot_adopted(|snap| {
+        (snap["eds"] == true)
+            .then_some(())
+            .ok_or_else(|| "the snapshot names no stand-ins".to_string())
+    });
+    // session-affinity with c-0's session id: c-0 is chosen for as long as it is in view.
+    let session = base64::engine::general_purpose::STANDARD.encode(fleet.spec("c-0").address());
+    let to_c0 = [
+        ("routing-strategy", "session-affinity"),
+        ("x-session-id", session.as_str()),
+    ];
+    let r = pd_wasm_tests::http::post_json(
+        &stack.gateway,
+        "/v1/chat/completions",
+        &to_c0,
+        &chat_body(),
+    );
+    assert_eq!(r.status, 200, "{}", describe(&r));
+    assert_eq!(r.header("target-pod"), Some("c-0"), "{}", describe(&r));
+
+    stack.arm_fault(json!({"pod": "c-0", "kind": "crash"}));
+    let r = pd_wasm_tests::http::post_json(
+        &stack.gateway,
+        "/v1/chat/completions",
+        &to_c0,
+        &chat_body(),
+    );
+    assert_eq!(r.status, 200, "{}", describe(&r));
+    assert_eq!(r.header("target-pod"), Some("c-1"), "{}", describe(&r));
+    assert_eq!(
+        stack.metric("pd_router_stand_in_retries_total", &[("result", "served")]),
+        1.0
+    );
+    stack.clear_faults();
+}
