@@ -169,6 +169,11 @@ pub struct Config {
     /// name a stand-in pod, as with `--eds-file`.
     #[arg(long, value_name = "ADDR")]
     pub xds_listen: Option<SocketAddr>,
+
+    /// The `external` strategy's replica-selection service (AIBrix's
+    /// `AIBRIX_EXTERNAL_ROUTER_*`, each also a flag).
+    #[command(flatten)]
+    pub external: crate::external::config::ExternalArgs,
 }
 
 /// Settings that clap would have rejected, caught again for configs built in code.
@@ -263,6 +268,7 @@ impl Config {
             eds_file: None,
             eds_cluster: crate::eds::DEFAULT_CLUSTER.into(),
             xds_listen: None,
+            external: Default::default(),
         }
     }
 

@@ -10,6 +10,7 @@
 pub mod auth;
 pub mod config;
 pub mod eds;
+pub mod external;
 pub mod fleet;
 pub mod limits;
 pub mod redis_link;

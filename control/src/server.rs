@@ -42,6 +42,8 @@ pub struct AppState {
     pub token: Option<Arc<SnapshotToken>>,
     /// Whether a polling gateway's retrying cluster holds the endpoint listing.
     pub eds_here: crate::xds::EdsHere,
+    /// The `external` strategy's service, when configured.
+    pub external: Option<Arc<crate::external::ExternalRouter>>,
 }
 
 pub fn router(state: AppState) -> Router {
@@ -54,6 +56,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/limits/admit", post(limits_admit))
         .route("/v1/limits/usage", post(limits_usage))
         .route("/v1/limits/release", post(limits_release))
+        .route("/v1/route/external", post(route_external))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_token));
     Router::new()
         .merge(guarded)
@@ -267,6 +270,35 @@ async fn limits_release(State(state): State<AppState>, body: Bytes) -> Response 
     }
 }
 
+/// The `external` strategy: the filter's candidates in, what to do with the request out
+/// (`crate::external::Answer`). 404 when no service is configured, 400 for a body that is not
+/// an ask. Spawned, so a filter that stops waiting leaves the exchange to settle the circuit.
+async fn route_external(State(state): State<AppState>, body: Bytes) -> Response {
+    let Some(router) = state.external.clone() else {
+        return (StatusCode::NOT_FOUND, "no external router is configured\n").into_response();
+    };
+    let ask: crate::external::protocol::Ask = match serde_json::from_slice(&body) {
+        Ok(ask) => ask,
+        Err(e) => {
+            return (
+                StatusCode::BAD_REQUEST,
+                format!("not an external routing ask: {e}\n"),
+            )
+                .into_response()
+        }
+    };
+    let live = state.live.borrow().clone();
+    let decided = tokio::spawn(async move { router.decide(&ask, &live).await });
+    match decided.await {
+        Ok(answer) => axum::Json(answer).into_response(),
+        Err(e) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("the decision did not run: {e}\n"),
+        )
+            .into_response(),
+    }
+}
+
 /// The request header naming a token report (the filter's `user_limits::REPORT_ID_HEADER`).
 const REPORT_ID_HEADER: &str = "x-pd-report-id";
 
@@ -324,6 +356,11 @@ async fn metrics(State(state): State<AppState>) -> Response {
     }
     for (name, kind, help, samples) in state.limits.metrics() {
         family(&mut text, name, kind, help, &samples);
+    }
+    if let Some(router) = &state.external {
+        for (name, kind, help, samples) in router.metrics() {
+            family(&mut text, name, kind, help, &samples);
+        }
     }
     ([(header::CONTENT_TYPE, PROMETHEUS_TEXT)], text).into_response()
 }
@@ -594,6 +631,7 @@ mod tests {
             }],
             user_limits: false,
             eds: false,
+            external_router: None,
         };
         Published {
             version: 4,

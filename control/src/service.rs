@@ -44,6 +44,10 @@ pub enum Error {
     Token(#[from] crate::auth::TokenError),
     #[error(transparent)]
     Eds(#[from] EdsError),
+    #[error("invalid external router configuration: {0}")]
+    External(#[from] crate::external::config::ExternalConfigError),
+    #[error("{0}")]
+    ExternalClient(String),
     #[error("background task failed: {0}")]
     Task(#[from] tokio::task::JoinError),
 }
@@ -209,7 +213,19 @@ pub async fn start_with_source<S: FleetSource>(
     // Stand-ins are named only where the retrying cluster knows the pods: always with the
     // file (Envoy reads it at start), over EDS once a gateway has taken a listing.
     let file = config.eds_file.is_some();
-    let mut builder = SnapshotBuilder::with_user_limits(limits.enabled()).with_eds(file);
+    let external = config
+        .external
+        .resolve(|path| std::fs::read_to_string(path))?
+        .map(crate::external::ExternalRouter::new)
+        .transpose()
+        .map_err(Error::ExternalClient)?
+        .map(Arc::new);
+    if let Some(router) = &external {
+        tracing::info!(endpoint = router.endpoint(), "external router on");
+    }
+    let mut builder = SnapshotBuilder::with_user_limits(limits.enabled())
+        .with_eds(file)
+        .with_external_router(external.as_ref().map(|r| r.summary()));
     let first = builder.update(
         snapshot::models(&fleet, &config.pod_labels, |p| book.observe(p, now)),
         crate::unix_ms_now(),
@@ -266,6 +282,7 @@ pub async fn start_with_source<S: FleetSource>(
         source_kind,
         token,
         eds_here,
+        external,
     });
     let mut server_shutdown = shutdown;
     let server = tokio::spawn(async move {

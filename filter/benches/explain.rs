@@ -39,6 +39,7 @@ fn fleet(pods: usize) -> ModelView {
         generated_unix_ms: 0,
         user_limits: false,
         eds: false,
+        external_router: None,
         models: vec![proto::Model {
             name: "m".into(),
             pods: list,

@@ -162,6 +162,8 @@ pub struct SnapshotBuilder {
     /// Carried as `Snapshot.eds`: the gateways' retrying cluster knows the pods (pd-control
     /// writes its endpoint file, or a gateway took the listing over EDS).
     eds: bool,
+    /// Carried as `Snapshot.external_router`: fixed for the life of the process.
+    external_router: Option<proto::ExternalRouter>,
     version: u64,
     /// Encoding of `models` without scrape timestamps: the part a version stands for.
     content: Bytes,
@@ -183,6 +185,18 @@ impl SnapshotBuilder {
         SnapshotBuilder { eds, ..self }
     }
 
+    /// The same builder, its snapshots telling the gateways how the `external` strategy is
+    /// configured (`None`: it is off).
+    pub fn with_external_router(
+        self,
+        external_router: Option<proto::ExternalRouter>,
+    ) -> SnapshotBuilder {
+        SnapshotBuilder {
+            external_router,
+            ..self
+        }
+    }
+
     /// Changes what the next snapshots say of the retrying cluster (a new version if it
     /// differs).
     pub fn set_eds(&mut self, eds: bool) {
@@ -198,6 +212,7 @@ impl SnapshotBuilder {
             models,
             user_limits: self.user_limits,
             eds: self.eds,
+            external_router: self.external_router.clone(),
         };
         // The version stands for what routing reads. Scrape timestamps move every round even
         // on an idle fleet; counting them would make every poll a full download and decode in
