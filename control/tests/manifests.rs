@@ -916,3 +916,16 @@ fn drop_ins_extract_every_filter_label() {
         }
     }
 }
+
+/// pd-control accepts as the external router's fallback exactly the filter's single-pod
+/// strategies: not `pd` or `external`, which need their own preprocessing.
+#[test]
+fn external_router_fallbacks_are_the_filters_single_pod_strategies() {
+    use pd_router_filter::core::profile::Strategy;
+    let single: Vec<&str> = Strategy::ALL
+        .iter()
+        .filter(|s| !matches!(s, Strategy::Pd | Strategy::External))
+        .map(|s| s.name())
+        .collect();
+    assert_eq!(single, pd_control::external::config::FALLBACK_STRATEGIES);
+}

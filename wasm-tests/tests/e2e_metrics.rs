@@ -90,6 +90,7 @@ const FAMILIES: &[&str] = &[
     "pd_router_routed_total",
     "pd_router_session_affinity_total",
     "pd_router_prefill_failover_total",
+    "pd_router_external_decisions_total",
     "pd_router_rejected_total",
     "pd_router_upstream_errors_rewritten_total",
     "pd_router_fleet_version",

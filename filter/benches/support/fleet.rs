@@ -96,6 +96,7 @@ fn build(pods: usize, scraped: bool, standard: bool) -> (ModelView, Ledger) {
         generated_unix_ms: 0,
         user_limits: false,
         eds: false,
+        external_router: None,
         models: vec![proto::Model {
             name: "m".into(),
             pods: list,

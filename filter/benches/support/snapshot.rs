@@ -57,6 +57,7 @@ pub fn snapshot_bytes(count: usize, load: f64) -> Vec<u8> {
         generated_unix_ms: 1_700_000_000_000,
         user_limits: false,
         eds: false,
+        external_router: None,
         models: vec![proto::Model {
             name: "m".into(),
             pods,

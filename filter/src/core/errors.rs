@@ -85,6 +85,14 @@ pub enum RouteError {
     /// counted against the user's TPM.
     #[error("include usage for stream options not set")]
     StreamUsageRequired,
+    /// The `external` strategy's service, in Authoritative mode, refused the request
+    /// (AIBrix's fixed answer; the service's reason stays in pd-control's log).
+    #[error("external routing policy denied")]
+    ExternalDenied,
+    /// The `external` strategy's service could not decide and the configuration fails closed
+    /// (or has no usable fallback). `detail` (the failure's outcome) stays in the log.
+    #[error("external router unavailable")]
+    ExternalUnavailable { detail: String },
 }
 
 /// How Envoy's own answer to a callout it could not deliver (connection refused, reset
@@ -140,9 +148,9 @@ impl RouteError {
     /// guard refused.
     pub fn detail(&self) -> Option<&str> {
         match self {
-            RouteError::Selection { detail } | RouteError::TargetOutsideFleet(detail) => {
-                Some(detail)
-            }
+            RouteError::Selection { detail }
+            | RouteError::TargetOutsideFleet(detail)
+            | RouteError::ExternalUnavailable { detail } => Some(detail),
             _ => None,
         }
     }
@@ -167,6 +175,8 @@ impl RouteError {
             | RouteError::TpmExceeded { .. }
             | RouteError::ModelRpsExceeded { .. } => 429,
             RouteError::StreamUsageRequired => 400,
+            RouteError::ExternalDenied => 403,
+            RouteError::ExternalUnavailable { .. } => 503,
         }
     }
 
@@ -188,7 +198,9 @@ impl RouteError {
             | RouteError::Selection { .. }
             | RouteError::NoSnapshot
             | RouteError::TargetOutsideFleet(_)
-            | RouteError::InvalidRequest(_) => ("x-error-routing", "true".into()),
+            | RouteError::InvalidRequest(_)
+            | RouteError::ExternalDenied
+            | RouteError::ExternalUnavailable { .. } => ("x-error-routing", "true".into()),
             RouteError::Prefill { .. } => ("x-error-pd-prefill", "true".into()),
             RouteError::DecodeTimeout(_) => ("x-error-pd-decode", "true".into()),
             RouteError::Internal(_) => ("x-error-internal", "true".into()),
@@ -230,11 +242,13 @@ impl RouteError {
             RouteError::TpmExceeded { .. } => "tpm_exceeded",
             RouteError::ModelRpsExceeded { .. } => "model_rps_exceeded",
             RouteError::StreamUsageRequired => "stream_usage_required",
+            RouteError::ExternalDenied => "external_policy_denied",
+            RouteError::ExternalUnavailable { .. } => "external_router_unavailable",
         }
     }
 
     /// All reasons, so the host can define one counter each up front.
-    pub const REASONS: [&'static str; 22] = [
+    pub const REASONS: [&'static str; 24] = [
         "unauthorized",
         "bad_body",
         "no_messages",
@@ -257,6 +271,8 @@ impl RouteError {
         "tpm_exceeded",
         "stream_usage_required",
         "model_rps_exceeded",
+        "external_policy_denied",
+        "external_router_unavailable",
     ];
 
     /// OpenAI error body: `{"error":{"message","type","code","param"}}`.
@@ -269,6 +285,9 @@ impl RouteError {
             RouteError::RpmExceeded { .. }
             | RouteError::TpmExceeded { .. }
             | RouteError::ModelRpsExceeded { .. } => Some("rate_limit_exceeded"),
+            // AIBrix's codes, which its troubleshooting guide tells operators to look for.
+            RouteError::ExternalDenied => Some("external_policy_denied"),
+            RouteError::ExternalUnavailable { .. } => Some("external_router_unavailable"),
             _ if status == 503 => Some("service_unavailable"),
             _ => None,
         };
@@ -477,6 +496,15 @@ mod tests {
             ),
             (
                 RouteError::TargetOutsideFleet("10.0.0.9:8000".into()),
+                503,
+                "x-error-routing",
+                "true",
+            ),
+            (RouteError::ExternalDenied, 403, "x-error-routing", "true"),
+            (
+                RouteError::ExternalUnavailable {
+                    detail: "timeout".into(),
+                },
                 503,
                 "x-error-routing",
                 "true",

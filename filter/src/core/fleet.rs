@@ -238,6 +238,9 @@ pub struct FleetView {
     /// pd-control writes the retrying cluster's endpoint file (`Snapshot.eds`): stand-in pods
     /// may be named (`PluginConfig::connect_retry`).
     pub eds: bool,
+    /// How pd-control's external router is set up (`Snapshot.external_router`); `None`: the
+    /// `external` strategy is off.
+    pub external_router: Option<Rc<proto::ExternalRouter>>,
 }
 
 impl FleetView {
@@ -263,6 +266,7 @@ impl FleetView {
             topology: Rc::from(&[][..]),
             user_limits: snapshot.user_limits,
             eds: snapshot.eds,
+            external_router: snapshot.external_router.clone().map(Rc::new),
         }
     }
 
@@ -325,6 +329,7 @@ impl FleetView {
             topology: Rc::from(&[][..]),
             user_limits: self.user_limits,
             eds: self.eds,
+            external_router: self.external_router.clone(),
         }
     }
 
@@ -378,6 +383,7 @@ impl FleetView {
             // Part of the topology: equal topologies carry the same flag.
             user_limits: self.user_limits,
             eds: self.eds,
+            external_router: self.external_router.clone(),
         })
     }
 }
@@ -657,6 +663,7 @@ pub(crate) mod tests {
             generated_unix_ms: 0,
             user_limits: false,
             eds: false,
+            external_router: None,
             models: vec![proto::Model {
                 name: "m".into(),
                 pods,

@@ -8,6 +8,7 @@ pub mod ejection;
 pub mod engine;
 pub mod env;
 pub mod errors;
+pub mod external;
 pub mod fleet;
 pub mod freshness;
 pub mod guard;

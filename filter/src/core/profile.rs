@@ -453,6 +453,9 @@ pub enum Strategy {
     /// AIBrix's Preble-style rule: a prompt mostly held goes to the least-loaded holder of
     /// its longest match, any other to the least-loaded pod (see `pd::preble`).
     PrefixCachePreble,
+    /// AIBrix's external replica router: an operator's HTTP service picks the standard pod,
+    /// through pd-control (see `core::external`). Exclusive, like `pd`.
+    External,
 }
 
 impl Strategy {
@@ -481,31 +484,34 @@ impl Strategy {
             Strategy::LeastUtilization => "least-utilization",
             Strategy::LeastBusyTime => "least-busy-time",
             Strategy::PrefixCachePreble => "prefix-cache-preble",
+            Strategy::External => "external",
         }
     }
 
+    /// Every strategy the gateway implements.
+    pub const ALL: [Strategy; 18] = [
+        Strategy::Pd,
+        Strategy::Random,
+        Strategy::LeastRequest,
+        Strategy::Throughput,
+        Strategy::PrefixCache,
+        Strategy::LeastKvCache,
+        Strategy::LeastGpuCache,
+        Strategy::LeastLatency,
+        Strategy::SessionAffinity,
+        Strategy::PowerOfTwo,
+        Strategy::LoadBalance,
+        Strategy::LeastRequestTopK,
+        Strategy::LoraAffinity,
+        Strategy::VtcBasic,
+        Strategy::LeastUtilization,
+        Strategy::LeastBusyTime,
+        Strategy::PrefixCachePreble,
+        Strategy::External,
+    ];
+
     fn from_name(name: &str) -> Option<Strategy> {
-        [
-            Strategy::Pd,
-            Strategy::Random,
-            Strategy::LeastRequest,
-            Strategy::Throughput,
-            Strategy::PrefixCache,
-            Strategy::LeastKvCache,
-            Strategy::LeastGpuCache,
-            Strategy::LeastLatency,
-            Strategy::SessionAffinity,
-            Strategy::PowerOfTwo,
-            Strategy::LoadBalance,
-            Strategy::LeastRequestTopK,
-            Strategy::LoraAffinity,
-            Strategy::VtcBasic,
-            Strategy::LeastUtilization,
-            Strategy::LeastBusyTime,
-            Strategy::PrefixCachePreble,
-        ]
-        .into_iter()
-        .find(|s| s.name() == name)
+        Strategy::ALL.into_iter().find(|s| s.name() == name)
     }
 
     /// Parses a strategy value, AIBrix's multi-strategy syntax: `name[:weight]` items joined
@@ -538,6 +544,10 @@ impl Strategy {
         }
         if items.iter().any(|(s, _)| *s == Strategy::Pd) {
             return Ok(StrategySpec::One(Strategy::Pd));
+        }
+        // The external service chooses the pod itself: nothing to blend it with.
+        if items.iter().any(|(s, _)| *s == Strategy::External) {
+            return Ok(StrategySpec::One(Strategy::External));
         }
         match items.as_slice() {
             [] => Err(refuse()),

@@ -9,6 +9,7 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
 
+mod external;
 mod pair;
 mod redecode;
 mod stand_in;
@@ -28,7 +29,7 @@ use crate::core::pd::{
     self, candidates, session_affinity, PairInput, PdSettings, Step0Input, Target,
 };
 use crate::core::prefix::EventRef;
-use crate::core::profile::{Blend, Strategy};
+use crate::core::profile::{Blend, Strategy, StrategySpec};
 use crate::core::request::{self, Endpoint, RoutingRequest};
 use crate::core::route::{self, Decision};
 use crate::core::tokenize;
@@ -64,6 +65,8 @@ enum OnePod<'a> {
     Any,
     Strategy(Strategy),
     Blend(&'a Blend),
+    /// The pod in this slot, chosen already (by the `external` strategy's service).
+    Fixed(usize),
 }
 
 impl OnePod<'_> {
@@ -71,7 +74,7 @@ impl OnePod<'_> {
     /// alone or in a blend).
     fn uses_prefix_index(&self) -> bool {
         match self {
-            OnePod::Any => false,
+            OnePod::Any | OnePod::Fixed(_) => false,
             OnePod::Strategy(s) => s.reads_prefix_index(),
             OnePod::Blend(b) => b.items.iter().any(|(s, _)| s.reads_prefix_index()),
         }
@@ -80,7 +83,7 @@ impl OnePod<'_> {
     /// Whether the pick places the user by its tokens (`vtc-basic`, alone or in a blend).
     fn uses_vtc(&self) -> bool {
         match self {
-            OnePod::Any => false,
+            OnePod::Any | OnePod::Fixed(_) => false,
             OnePod::Strategy(s) => *s == Strategy::VtcBasic,
             OnePod::Blend(b) => b.items.iter().any(|(s, _)| *s == Strategy::VtcBasic),
         }
@@ -89,6 +92,7 @@ impl OnePod<'_> {
     fn name(&self) -> &str {
         match self {
             OnePod::Any => Strategy::LeastRequest.name(),
+            OnePod::Fixed(_) => Strategy::External.name(),
             OnePod::Strategy(s) => s.name(),
             OnePod::Blend(b) => &b.label,
         }
@@ -191,6 +195,10 @@ pub struct PdHttp {
     user: Option<String>,
     /// The request waits for pd-control's admission.
     admission: Option<Admission>,
+    /// An `external` request waiting for pd-control's decision.
+    external_call: Option<external::ExternalCall>,
+    /// pd-control's decision for this `external` request, consumed by the next `route`.
+    external_answer: Option<external::Pending>,
     /// pd-control admitted the request (or could not be asked, and the plugin fails open):
     /// routing it again does not ask again.
     limits_checked: bool,
@@ -278,6 +286,8 @@ impl PdHttp {
             failover: Failover::default(),
             user: None,
             admission: None,
+            external_call: None,
+            external_answer: None,
             limits_checked: false,
             limited: None,
             charge: None,
@@ -631,10 +641,24 @@ impl PdHttp {
         // A token count computes nothing on the engine: any one pod serves it, whatever the
         // strategy, and a PD-only fleet has no pod but prefill and decode ones.
         let count_only = endpoint == Endpoint::MessagesCountTokens;
-        let pick = match &decision.blend {
+        let external = if decision.strategy == Strategy::External && !count_only {
+            match self.external_pick(&fleet, model, &req, &mut raw)? {
+                // pd-control's answer routes the request again (`on_external`).
+                None => return Ok(Action::Pause),
+                pick => pick,
+            }
+        } else {
+            None
+        };
+        let pick = match (&external, &decision.blend) {
             _ if count_only => OnePod::Any,
-            Some(blend) => OnePod::Blend(blend),
-            None => OnePod::Strategy(decision.strategy),
+            (Some(external::ExternalPick::Pod(slot)), _) => OnePod::Fixed(*slot),
+            (Some(external::ExternalPick::Fallback(StrategySpec::Blend(b))), _) => OnePod::Blend(b),
+            (Some(external::ExternalPick::Fallback(StrategySpec::One(s))), _) => {
+                OnePod::Strategy(*s)
+            }
+            (None, Some(blend)) => OnePod::Blend(blend),
+            (None, None) => OnePod::Strategy(decision.strategy),
         };
         let mut via = None;
         let target = if count_only {
@@ -674,7 +698,12 @@ impl PdHttp {
             via = found;
             target
         };
-        let strategy = pick.name().to_string();
+        // An external request answers as `external`, whichever way it was decided.
+        let strategy = if external.is_some() {
+            Strategy::External.name().to_string()
+        } else {
+            pick.name().to_string()
+        };
         self.obs.times.routed_us = Some(now_us());
         if self.obs.explain.is_some() && self.obs.explain_header.is_none() {
             // Non-PD strategies have no cascade to explain: name the strategy and the pick.
@@ -970,6 +999,7 @@ impl PdHttp {
             l.set_remote(remote.clone());
             let (target, via) = match pick {
                 OnePod::Any => (pd::single::select_any(model, l, rng)?, None),
+                OnePod::Fixed(pod) => (Target::Single { pod }, None),
                 OnePod::Strategy(Strategy::SessionAffinity) => {
                     let (target, via) = session_affinity::select(model, hint, rng)?;
                     (target, Some(via))
@@ -1305,6 +1335,9 @@ impl Context for PdHttp {
         crate::section_scope!("prefill_answer");
         if let Some(admission) = self.admission.take_if(|a| a.token == token) {
             return self.on_admission(admission, body_size);
+        }
+        if let Some(call) = self.external_call.take_if(|c| c.token == token) {
+            return self.on_external(call, body_size);
         }
         if self.pending.as_ref().map(|p| p.token) != Some(token) {
             self.on_leg_response(token, body_size);

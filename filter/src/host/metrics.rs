@@ -155,6 +155,8 @@ pub struct Metrics {
     /// (`user_limits::RefundBook`): `[sent, unsent]` (pd-control took the release; or no
     /// answer, a failure, no room, or the window over before the tick).
     pub model_rps_refunds: [Option<u32>; 2],
+    /// `pd_router_external_decisions_total{result}`, by `core::external::Outcome`.
+    pub external_decisions: [Option<u32>; 6],
     /// `pd_router_prefix_batches_missed_total`: other workers' prefix-event batches a worker
     /// could no longer read (their ring had moved on; `core::prefix::log`).
     pub prefix_batches_missed: Option<u32>,
@@ -257,6 +259,8 @@ impl Metrics {
                     &[("result", via.name())],
                 )
             }),
+            external_decisions: crate::core::external::RESULTS
+                .map(|result| counter("pd_router_external_decisions_total", &[("result", result)])),
             prefill_failover: ["rerouted", "failed"]
                 .map(|result| counter("pd_router_prefill_failover_total", &[("result", result)])),
             prefill_success: counter(

@@ -12,7 +12,7 @@ use crate::core::user_limits::{ADMIT_PATH, RELEASE_PATH, REPORT_ID_HEADER, USAGE
 /// Asks pd-control to admit a request (`user_limits::admission_body`); returns the call's
 /// token.
 pub fn send_admission(plugin: &PluginConfig, body: &[u8]) -> Result<u32, String> {
-    send(
+    post(
         plugin,
         ADMIT_PATH,
         None,
@@ -23,7 +23,7 @@ pub fn send_admission(plugin: &PluginConfig, body: &[u8]) -> Result<u32, String>
 
 /// Sends a token report (`UsageBook::take`) under its id; returns the call's token.
 pub fn send_usage(plugin: &PluginConfig, id: &str, body: &[u8]) -> Result<u32, String> {
-    send(
+    post(
         plugin,
         USAGE_PATH,
         Some(id),
@@ -34,7 +34,7 @@ pub fn send_usage(plugin: &PluginConfig, id: &str, body: &[u8]) -> Result<u32, S
 
 /// Gives requests back to their model's rate (`RefundBook::take`); returns the call's token.
 pub fn send_release(plugin: &PluginConfig, body: &[u8]) -> Result<u32, String> {
-    send(
+    post(
         plugin,
         RELEASE_PATH,
         None,
@@ -43,8 +43,9 @@ pub fn send_release(plugin: &PluginConfig, body: &[u8]) -> Result<u32, String> {
     )
 }
 
-/// POSTs a JSON `body` to pd-control; `report_id` names a token report.
-fn send(
+/// POSTs a JSON `body` to pd-control's `path`; `report_id` names a token report. Returns
+/// the call's token.
+pub fn post(
     plugin: &PluginConfig,
     path: &str,
     report_id: Option<&str>,

@@ -75,6 +75,7 @@ fn fleet_strategy() -> impl Strategy<Value = proto::Snapshot> {
         generated_unix_ms: 5,
         user_limits: false,
         eds: false,
+        external_router: None,
         models: models
             .into_iter()
             .map(|(name, pods)| proto::Model {

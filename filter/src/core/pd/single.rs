@@ -39,6 +39,8 @@ pub fn score(strategy: Strategy, pod: &PodView, running: u32, match_pct: f64) ->
         Strategy::VtcBasic => None,
         // Its score needs the longest match over all pods (see `preble::score`).
         Strategy::PrefixCachePreble => None,
+        // The service's choice is not a score (and `external` never blends).
+        Strategy::External => None,
     }
 }
 

@@ -1,0 +1,137 @@
+//! The `external` strategy in the request path: ask pd-control which standard pod the
+//! operator's service chooses (the request waits, as for an admission), then route to it, to
+//! the configured fallback, or refuse (403 / 503), as `core::external::plan` says.
+
+use std::time::Duration;
+
+use proxy_wasm::traits::{Context, HttpContext};
+use proxy_wasm::types::Action;
+
+use super::PdHttp;
+use crate::core::errors::RouteError;
+use crate::core::external::{self, Answer, Outcome, Plan};
+use crate::core::fleet::{FleetView, ModelView};
+use crate::core::ledger;
+use crate::core::pd::single::{no_standard_pod, running_by_slot};
+use crate::core::profile::{Strategy, StrategySpec};
+use crate::core::request::RoutingRequest;
+use crate::host::metrics::Metrics;
+use crate::host::store::SharedData;
+
+/// A request waiting for pd-control's decision.
+pub(super) struct ExternalCall {
+    pub token: u32,
+    /// The whole request body, routed again once decided.
+    pub raw: Vec<u8>,
+}
+
+/// How an external request is routed once decided.
+pub(super) enum ExternalPick {
+    /// The standard pod in this slot of the model view.
+    Pod(usize),
+    /// The local fallback strategy.
+    Fallback(StrategySpec),
+}
+
+impl PdHttp {
+    /// The decision for an `external` request: `Ok(None)` while pd-control is being asked
+    /// (the request waits; `raw` moved into the call), else how to route it.
+    pub(super) fn external_pick(
+        &mut self,
+        fleet: &FleetView,
+        model: &ModelView,
+        req: &RoutingRequest,
+        raw: &mut Vec<u8>,
+    ) -> Result<Option<ExternalPick>, RouteError> {
+        let name = Strategy::External.name();
+        let config = fleet
+            .external_router
+            .clone()
+            .ok_or_else(|| RouteError::BadStrategy(name.into()))?;
+        if model.others.is_empty() {
+            return Err(no_standard_pod(name));
+        }
+        let (plan, outcome) = match self.external_answer.take() {
+            Some(answer) => external::plan(answer, &config),
+            // AIBrix's local fast path: nothing to advise on.
+            None if config.advisory && model.others.len() == 1 => (
+                Plan::Pod(model.pods[model.others[0]].key.clone()),
+                Outcome::Bypassed,
+            ),
+            None => match self.ask_external(&config, model, req) {
+                Ok(token) => {
+                    let raw = std::mem::take(raw);
+                    self.external_call = Some(ExternalCall { token, raw });
+                    return Ok(None);
+                }
+                Err(why) => external::plan(Err(why), &config),
+            },
+        };
+        Metrics::inc(self.vm.borrow().metrics.external_decisions[outcome as usize]);
+        let plan = match plan {
+            Plan::Pod(key) => match model.others.iter().find(|&&i| model.pods[i].key == key) {
+                Some(&slot) => return Ok(Some(ExternalPick::Pod(slot))),
+                // The service chose a pod this worker no longer routes to.
+                None => external::failed(&config, format!("the chosen pod {key} is not routable")),
+            },
+            other => other,
+        };
+        match plan {
+            Plan::Fallback(spec) => Ok(Some(ExternalPick::Fallback(spec))),
+            Plan::Refuse(error) => Err(error),
+            Plan::Pod(key) => Err(RouteError::ExternalUnavailable {
+                detail: format!("the chosen pod {key} is not routable"),
+            }),
+        }
+    }
+
+    /// Sends the ask: every standard pod with its running requests (all workers and
+    /// replicas). Returns the call's token.
+    fn ask_external(
+        &self,
+        config: &crate::proto::ExternalRouter,
+        model: &ModelView,
+        req: &RoutingRequest,
+    ) -> Result<u32, String> {
+        let vm = self.vm.borrow();
+        let mut ledger = ledger::read(&SharedData).map_err(|e| e.to_string())?;
+        ledger.set_remote(vm.remote.clone());
+        let running = running_by_slot(model, &ledger, true);
+        let traceparent = self
+            .forwarded
+            .iter()
+            .find(|(k, _)| *k == "traceparent")
+            .map(|(_, v)| v.as_str());
+        let candidates = model.others.iter().map(|&i| {
+            (
+                model.pods[i].key.as_str(),
+                running.get(i).copied().unwrap_or(0),
+            )
+        });
+        let body = external::ask_body(&self.request_id, &req.model, traceparent, candidates);
+        let timeout = Duration::from_millis(u64::from(config.timeout_ms) + external::MARGIN_MS);
+        crate::host::user_limits::post(&vm.plugin, external::ROUTE_PATH, None, &body, timeout)
+    }
+
+    /// pd-control answered (or the call failed): route the request again with the answer.
+    pub(super) fn on_external(&mut self, call: ExternalCall, body_size: usize) {
+        let status = self
+            .get_http_call_response_header(":status")
+            .unwrap_or_default();
+        let body = self
+            .get_http_call_response_body(0, body_size)
+            .unwrap_or_default();
+        self.external_answer = Some(external::parse_answer(&status, &body));
+        match self.route(call.raw) {
+            Ok(Action::Continue) => self.resume_http_request(),
+            // A fallback never leaves the request waiting again; nothing else to do.
+            Ok(_) => {}
+            Err(e) => {
+                self.reject(e);
+            }
+        }
+    }
+}
+
+/// pd-control's answer, or why there is none (the call failed, not 200, not an answer).
+pub(super) type Pending = Result<Answer, String>;
