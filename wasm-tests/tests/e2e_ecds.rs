@@ -131,24 +131,19 @@ fn the_ecds_drop_in_retries_a_refused_connection_on_a_stand_in() {
         ("routing-strategy", "session-affinity"),
         ("x-session-id", session.as_str()),
     ];
-    let r = pd_wasm_tests::http::post_json(
-        &stack.gateway,
-        "/v1/chat/completions",
-        &to_c0,
-        &chat_body(),
-    );
-    assert_eq!(r.status, 200, "{}", describe(&r));
-    assert_eq!(r.header("target-pod"), Some("c-0"), "{}", describe(&r));
-
+    let served_by = |pod: &str| {
+        let r = pd_wasm_tests::http::post_json(
+            &stack.gateway,
+            "/v1/chat/completions",
+            &to_c0,
+            &chat_body(),
+        );
+        assert_eq!(r.status, 200, "{}", describe(&r));
+        assert_eq!(r.header("target-pod"), Some(pod), "{}", describe(&r));
+    };
+    served_by("c-0");
     stack.arm_fault(json!({"pod": "c-0", "kind": "crash"}));
-    let r = pd_wasm_tests::http::post_json(
-        &stack.gateway,
-        "/v1/chat/completions",
-        &to_c0,
-        &chat_body(),
-    );
-    assert_eq!(r.status, 200, "{}", describe(&r));
-    assert_eq!(r.header("target-pod"), Some("c-1"), "{}", describe(&r));
+    served_by("c-1");
     assert_eq!(
         stack.metric("pd_router_stand_in_retries_total", &[("result", "served")]),
         1.0

@@ -378,12 +378,7 @@ impl PdHttp {
 
     /// pd-control answered the admission of this request: route it, or refuse it.
     fn on_admission(&mut self, admission: Admission, body_size: usize) {
-        let status = self
-            .get_http_call_response_header(":status")
-            .unwrap_or_default();
-        let body = self
-            .get_http_call_response_body(0, body_size)
-            .unwrap_or_default();
+        let (status, body) = self.call_answer(body_size);
         let Admission { ask, raw, .. } = admission;
         let admitted = match user_limits::judge(&ask, &status, &body) {
             Verdict::Admitted { rpm, charged } => {
@@ -398,7 +393,25 @@ impl PdHttp {
             Verdict::Refused(error) => Err(error),
             Verdict::Unchecked(error) => self.unchecked(ask.user, error),
         };
-        match admitted.and_then(|()| self.route(raw)) {
+        let routed = admitted.and_then(|()| self.route(raw));
+        self.resume_routed(routed);
+    }
+
+    /// The status and body of the side call whose answer is being handled.
+    fn call_answer(&self, body_size: usize) -> (String, Vec<u8>) {
+        let status = self
+            .get_http_call_response_header(":status")
+            .unwrap_or_default();
+        let body = self
+            .get_http_call_response_body(0, body_size)
+            .unwrap_or_default();
+        (status, body)
+    }
+
+    /// Lets a request that waited for a side call go on as `routed` says: upstream, on to a
+    /// prefill leg (whose answer resumes it), or refused.
+    fn resume_routed(&mut self, routed: Result<Action, RouteError>) {
+        match routed {
             Ok(Action::Continue) => self.resume_http_request(),
             // The prefill leg is out; its answer resumes the request.
             Ok(_) => {}

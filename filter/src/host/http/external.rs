@@ -4,9 +4,6 @@
 
 use std::time::Duration;
 
-use proxy_wasm::traits::{Context, HttpContext};
-use proxy_wasm::types::Action;
-
 use super::PdHttp;
 use crate::core::errors::RouteError;
 use crate::core::external::{self, Answer, Outcome, Plan};
@@ -115,21 +112,10 @@ impl PdHttp {
 
     /// pd-control answered (or the call failed): route the request again with the answer.
     pub(super) fn on_external(&mut self, call: ExternalCall, body_size: usize) {
-        let status = self
-            .get_http_call_response_header(":status")
-            .unwrap_or_default();
-        let body = self
-            .get_http_call_response_body(0, body_size)
-            .unwrap_or_default();
+        let (status, body) = self.call_answer(body_size);
         self.external_answer = Some(external::parse_answer(&status, &body));
-        match self.route(call.raw) {
-            Ok(Action::Continue) => self.resume_http_request(),
-            // A fallback never leaves the request waiting again; nothing else to do.
-            Ok(_) => {}
-            Err(e) => {
-                self.reject(e);
-            }
-        }
+        let routed = self.route(call.raw);
+        self.resume_routed(routed);
     }
 }
 
