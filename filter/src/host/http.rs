@@ -413,7 +413,8 @@ impl PdHttp {
     fn resume_routed(&mut self, routed: Result<Action, RouteError>) {
         match routed {
             Ok(Action::Continue) => self.resume_http_request(),
-            // The prefill leg is out; its answer resumes the request.
+            // Waiting again (a prefill leg, the external router's decision): that answer
+            // resumes the request.
             Ok(_) => {}
             Err(e) => {
                 self.reject(e);
