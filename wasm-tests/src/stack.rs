@@ -69,6 +69,17 @@ impl Fleet {
         }
     }
 
+    /// A PD pair (`p0`, `d0` of roleset `g0`), which single-pod strategies must never pick,
+    /// and three standard pods `c0`, `c1`, `c2`.
+    pub fn pair_and_three_standard(model: &str) -> Fleet {
+        Fleet::new(model)
+            .pod("p0", "prefill", "g0")
+            .pod("d0", "decode", "g0")
+            .combined("c0")
+            .combined("c1")
+            .combined("c2")
+    }
+
     /// Adds a pod; `role` "prefill"/"decode"/other, `roleset` may be empty.
     pub fn pod(mut self, name: &str, role: &str, roleset: &str) -> Fleet {
         let ip = format!("{}.{}", self.subnet, self.pods.len() + 10);

@@ -104,18 +104,10 @@ fn fake_service(mode: Mode) -> (String, Arc<Fake>) {
     (url, fake)
 }
 
-/// A PD pair the service is never offered, and three standard pods.
-fn fleet() -> Fleet {
-    Fleet::new(MODEL)
-        .pod("p0", "prefill", "g0")
-        .pod("d0", "decode", "g0")
-        .combined("c0")
-        .combined("c1")
-        .combined("c2")
-}
-
+/// Envoy and pd-control (`control_args`) over a PD pair the service is never offered and
+/// three standard pods.
 fn start(control_args: &[&str]) -> Stack {
-    let fleet = fleet();
+    let fleet = Fleet::pair_and_three_standard(MODEL);
     Stack::start_opts(
         fleet.clone(),
         fleet,

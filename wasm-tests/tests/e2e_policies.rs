@@ -527,12 +527,7 @@ fn locked_strategy_and_auto_profiles_apply_in_envoy() {
 
 /// A PD pair that single-pod strategies must never pick, and three standard pods.
 fn pair_and_three_standard_pods() -> Fleet {
-    Fleet::new(MODEL)
-        .pod("p0", "prefill", "g0")
-        .pod("d0", "decode", "g0")
-        .combined("c0")
-        .combined("c1")
-        .combined("c2")
+    Fleet::pair_and_three_standard(MODEL)
 }
 
 /// `session-affinity` in real Envoy (two workers): a conversation key keeps every turn on one
