@@ -304,6 +304,31 @@ async fn authoritative_denies_and_fails_closed() {
     assert_eq!(status, 400, "not an ask");
 }
 
+/// An https endpoint is spoken to over TLS (verified against the system's roots): a service
+/// that answers plain http there fails the handshake, a transport error, and nothing is
+/// routed by it.
+#[tokio::test]
+async fn an_https_endpoint_is_reached_over_tls() {
+    let dir = tempfile::tempdir().expect("dir");
+    let (url, fake) = fake_service(Mode::Select("t/c0")).await;
+    let (_service, base) = start(dir.path(), |e| {
+        e.endpoint = Some(url.replacen("http://", "https://", 1));
+        e.policy_mode = Some("Authoritative".into());
+        e.failure_mode = Some("FailClosed".into());
+        e.timeout = Some("2s".into());
+    })
+    .await;
+    assert_eq!(
+        ask(&base, candidates("r-1")).await.1,
+        json!({"decision": "unavailable", "reason": "transport_error"})
+    );
+    assert_eq!(
+        fake.seen.lock().unwrap().calls,
+        0,
+        "no plain request reached it"
+    );
+}
+
 #[tokio::test]
 async fn without_an_endpoint_there_is_no_external_router_and_a_bad_one_stops_the_start() {
     let dir = tempfile::tempdir().expect("dir");

@@ -9,7 +9,8 @@ use reqwest::Url;
 /// that a bad value is reported the way AIBrix reports it.
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct ExternalArgs {
-    /// The external replica router's complete operation URL (http); unset disables
+    /// The external replica router's complete operation URL (http or https, verified against
+    /// the system's roots); unset disables
     /// the `external` strategy.
     #[arg(
         long = "external-router-endpoint",
@@ -166,8 +167,6 @@ pub enum ExternalConfigError {
     Endpoint,
     #[error("AIBRIX_EXTERNAL_ROUTER_ENDPOINT scheme must be http or https")]
     Scheme,
-    #[error("AIBRIX_EXTERNAL_ROUTER_ENDPOINT: pd-control speaks plain http to the service; reach it over http (a mesh sidecar adds TLS)")]
-    Https,
     #[error("AIBRIX_EXTERNAL_ROUTER_ENDPOINT must not contain userinfo or fragment")]
     UserinfoOrFragment,
     #[error("AIBRIX_EXTERNAL_ROUTER_POLICY_MODE must be Advisory or Authoritative")]
@@ -217,9 +216,6 @@ impl ExternalArgs {
         }
         if endpoint.scheme() != "http" && endpoint.scheme() != "https" {
             return Err(E::Scheme);
-        }
-        if endpoint.scheme() == "https" {
-            return Err(E::Https);
         }
         if !endpoint.username().is_empty()
             || endpoint.password().is_some()
@@ -454,7 +450,6 @@ mod tests {
         };
         assert_eq!(with(&[("endpoint", "router:8080")]), Some(E::Endpoint));
         assert_eq!(with(&[("endpoint", "ftp://r/x")]), Some(E::Scheme));
-        assert_eq!(with(&[("endpoint", "https://r/x")]), Some(E::Https));
         assert_eq!(
             with(&[("endpoint", "http://u:p@r/x")]),
             Some(E::UserinfoOrFragment)
@@ -491,7 +486,7 @@ mod tests {
     #[test]
     fn authoritative_fail_closed_needs_no_fallback_and_reads_its_lists() {
         let c = resolve(&[
-            ("endpoint", "http://router/select"),
+            ("endpoint", "https://router/select"),
             ("policy", "Authoritative"),
             ("failure", "FailClosed"),
             ("timeout", "25ms"),

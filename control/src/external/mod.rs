@@ -10,8 +10,15 @@ pub mod config;
 pub mod protocol;
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_rustls::HttpsConnector;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
 use serde::Serialize;
 
 use circuit::{Bulkhead, Circuit, State, Token};
@@ -94,9 +101,11 @@ impl Drop for Held<'_> {
     }
 }
 
+type HttpClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
+
 pub struct ExternalRouter {
     cfg: ExternalConfig,
-    client: reqwest::Client,
+    client: HttpClient,
     bulkhead: Bulkhead,
     circuit: Circuit,
     metrics: Metrics,
@@ -104,12 +113,26 @@ pub struct ExternalRouter {
 
 impl ExternalRouter {
     pub fn new(cfg: ExternalConfig) -> Result<ExternalRouter, String> {
-        let client = reqwest::Client::builder()
-            .redirect(reqwest::redirect::Policy::none())
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let builder = hyper_rustls::HttpsConnectorBuilder::new();
+        let builder = if cfg.endpoint.scheme() == "https" {
+            builder
+                .with_provider_and_native_roots(provider)
+                .map_err(|e| format!("external router TLS (system roots): {e}"))?
+        } else {
+            // Plain http: TLS is never used, so no root store is read.
+            let tls = rustls::ClientConfig::builder_with_provider(provider)
+                .with_safe_default_protocol_versions()
+                .map_err(|e| format!("external router TLS: {e}"))?
+                .with_root_certificates(rustls::RootCertStore::empty())
+                .with_no_client_auth();
+            builder.with_tls_config(tls)
+        };
+        let connector = builder.https_or_http().enable_http1().build();
+        // No redirects (hyper follows none), no compression (none asked for), no retries.
+        let client = Client::builder(TokioExecutor::new())
             .pool_max_idle_per_host(cfg.max_inflight)
-            .timeout(cfg.timeout)
-            .build()
-            .map_err(|e| format!("external router client: {e}"))?;
+            .build(connector);
         Ok(ExternalRouter {
             bulkhead: Bulkhead::new(cfg.max_inflight),
             circuit: Circuit::new(cfg.failure_threshold, cfg.open_duration),
@@ -192,52 +215,66 @@ impl ExternalRouter {
         }
     }
 
-    /// One HTTP exchange: the body of a 200 with the protocol's media type, read up to the
-    /// response limit, or the failure's outcome.
+    /// One HTTP exchange, all of it (connecting, sending, reading) within the deadline: the
+    /// body of a 200 with the protocol's media type, read up to the response limit, or the
+    /// failure's outcome.
     async fn exchange(&self, ask: &Ask, body: Vec<u8>) -> Result<Vec<u8>, (&'static str, String)> {
-        let mut request = self
-            .client
-            .post(self.cfg.endpoint.clone())
-            .header(reqwest::header::CONTENT_TYPE, protocol::MEDIA_TYPE)
-            .header(reqwest::header::ACCEPT, protocol::MEDIA_TYPE)
-            .header("x-request-id", ask.request_id.as_str())
-            .body(body);
+        match tokio::time::timeout(self.cfg.timeout, self.exchange_unbounded(ask, body)).await {
+            Ok(result) => result,
+            Err(_) => Err((
+                "timeout",
+                format!("no answer within {:?}", self.cfg.timeout),
+            )),
+        }
+    }
+
+    async fn exchange_unbounded(
+        &self,
+        ask: &Ask,
+        body: Vec<u8>,
+    ) -> Result<Vec<u8>, (&'static str, String)> {
+        let transport = |e: &dyn std::fmt::Display| ("transport_error", e.to_string());
+        let mut request = http::Request::post(self.cfg.endpoint.as_str())
+            .header(http::header::CONTENT_TYPE, protocol::MEDIA_TYPE)
+            .header(http::header::ACCEPT, protocol::MEDIA_TYPE)
+            .header("x-request-id", ask.request_id.as_str());
         if let Some(tp) = ask.traceparent.as_deref().filter(|t| valid_traceparent(t)) {
             request = request.header("traceparent", tp);
         }
         if let Some(token) = &self.cfg.bearer_token {
-            request = request.bearer_auth(token);
+            request = request.header(http::header::AUTHORIZATION, format!("Bearer {token}"));
         }
-        let classify = |e: reqwest::Error| {
-            if e.is_timeout() {
-                ("timeout", e.to_string())
-            } else {
-                ("transport_error", e.to_string())
-            }
-        };
-        let mut response = request.send().await.map_err(classify)?;
+        let request = request
+            .body(Full::new(Bytes::from(body)))
+            .map_err(|e| transport(&e))?;
+        let response = self
+            .client
+            .request(request)
+            .await
+            .map_err(|e| transport(&e))?;
+        let (parts, mut incoming) = response.into_parts();
         let mut body = Vec::new();
-        while let Some(chunk) = response.chunk().await.map_err(classify)? {
-            body.extend_from_slice(&chunk);
-            if body.len() > self.cfg.max_response_bytes {
-                return Err((
-                    "invalid_response",
-                    "external response exceeds configured limit".into(),
-                ));
+        while let Some(frame) = incoming.frame().await {
+            let frame = frame.map_err(|e| transport(&e))?;
+            if let Some(data) = frame.data_ref() {
+                body.extend_from_slice(data);
+                if body.len() > self.cfg.max_response_bytes {
+                    return Err((
+                        "invalid_response",
+                        "external response exceeds configured limit".into(),
+                    ));
+                }
             }
         }
-        if response.status() != reqwest::StatusCode::OK {
+        if parts.status != http::StatusCode::OK {
             return Err((
                 "http_error",
-                format!(
-                    "external service returned HTTP {}",
-                    response.status().as_u16()
-                ),
+                format!("external service returned HTTP {}", parts.status.as_u16()),
             ));
         }
-        let media = response
-            .headers()
-            .get(reqwest::header::CONTENT_TYPE)
+        let media = parts
+            .headers
+            .get(http::header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
             .unwrap_or_default();
         if !protocol::is_protocol_media_type(media) {
