@@ -107,7 +107,10 @@ fn fake_service(mode: Mode) -> (String, Arc<Fake>) {
 /// Envoy and pd-control (`control_args`) over a PD pair the service is never offered and
 /// three standard pods.
 fn start(control_args: &[&str]) -> Stack {
-    let fleet = Fleet::pair_and_three_standard(MODEL);
+    start_on(Fleet::pair_and_three_standard(MODEL), control_args)
+}
+
+fn start_on(fleet: Fleet, control_args: &[&str]) -> Stack {
     Stack::start_opts(
         fleet.clone(),
         fleet,
@@ -213,4 +216,35 @@ fn without_a_service_the_strategy_is_refused() {
     assert!(r.json()["error"]["message"]
         .as_str()
         .is_some_and(|m| m == "incorrect routing strategy external"));
+}
+
+/// Advisory with a single candidate keeps AIBrix's local fast path: nothing to advise on, so
+/// the service is not asked and the one standard pod serves.
+#[test]
+fn an_advisory_router_is_not_asked_about_a_single_candidate() {
+    let (url, fake) = fake_service(Mode::Deny);
+    let fleet = Fleet::new(MODEL)
+        .pod("p0", "prefill", "g0")
+        .pod("d0", "decode", "g0")
+        .combined("c0");
+    let stack = start_on(
+        fleet,
+        &[
+            "--external-router-endpoint",
+            &url,
+            "--external-router-policy-mode",
+            "Advisory",
+            "--external-router-failure-mode",
+            "FailClosed",
+            "--external-router-fallback",
+            "random",
+        ],
+    );
+    for i in 0..3 {
+        let r = send(&stack, i);
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.header("target-pod"), Some("c0"));
+    }
+    assert_eq!(fake.seen.lock().unwrap().calls, 0);
+    assert_eq!(decisions(&stack, "bypassed"), 3.0);
 }
