@@ -116,6 +116,7 @@ fn start_on(fleet: Fleet, control_args: &[&str]) -> Stack {
         fleet,
         &Options {
             control_args,
+            explain: true,
             ..Options::default()
         },
     )
@@ -126,9 +127,14 @@ fn send(stack: &Stack, i: usize) -> http::Response {
     http::post_json(
         &stack.gateway,
         "/v1/completions",
-        &[("routing-strategy", "external")],
+        &[("routing-strategy", "external"), ("x-pd-explain", "1")],
         &body,
     )
+}
+
+/// The explanation's account of an external decision.
+fn explained(r: &http::Response) -> String {
+    r.header("x-pd-explain").unwrap_or_default().to_string()
 }
 
 fn decisions(stack: &Stack, result: &str) -> f64 {
@@ -157,6 +163,11 @@ fn the_service_chooses_the_standard_pod_and_the_fallback_covers_for_it() {
         assert_eq!(r.status, 200, "{}", r.text());
         assert_eq!(r.header("routing-strategy"), Some("external"));
         assert_eq!(r.header("target-pod"), Some("c2"), "the service's choice");
+        assert!(
+            explained(&r).starts_with("strategy=external; external=selected; pick=c2"),
+            "{}",
+            explained(&r)
+        );
     }
     assert_eq!(
         fake.seen.lock().unwrap().candidates,
@@ -173,6 +184,11 @@ fn the_service_chooses_the_standard_pod_and_the_fallback_covers_for_it() {
             assert_eq!(r.status, 200, "{}", r.text());
             assert_eq!(r.header("routing-strategy"), Some("external"));
             assert!(r.header("target-pod").is_some_and(|p| p.starts_with('c')));
+            assert!(
+                explained(&r).contains("external=fallback; pick=c"),
+                "{}",
+                explained(&r)
+            );
         }
     }
     assert_eq!(decisions(&stack, "fallback"), 8.0);
@@ -244,6 +260,11 @@ fn an_advisory_router_is_not_asked_about_a_single_candidate() {
         let r = send(&stack, i);
         assert_eq!(r.status, 200, "{}", r.text());
         assert_eq!(r.header("target-pod"), Some("c0"));
+        assert!(
+            explained(&r).contains("external=bypassed"),
+            "{}",
+            explained(&r)
+        );
     }
     assert_eq!(fake.seen.lock().unwrap().calls, 0);
     assert_eq!(decisions(&stack, "bypassed"), 3.0);

@@ -117,6 +117,13 @@ pub enum Outcome {
     Unanswered,
 }
 
+impl Outcome {
+    /// Its `result` label (and the explanation's `external=`).
+    pub fn label(self) -> &'static str {
+        RESULTS[self as usize]
+    }
+}
+
 /// The plan for `answer` (`Err`: pd-control did not answer) under `config`, and its outcome.
 pub fn plan(answer: Result<Answer, String>, config: &proto::ExternalRouter) -> (Plan, Outcome) {
     match answer {
@@ -207,6 +214,20 @@ mod tests {
         assert!(read(r#"{"decision":"selected"}"#).is_err(), "no target");
         assert!(parse_answer("503", b"{}").is_err());
         assert!(parse_answer("", b"").is_err(), "the call itself failed");
+    }
+
+    #[test]
+    fn each_outcome_has_its_own_label() {
+        let all = [
+            Outcome::Selected,
+            Outcome::Bypassed,
+            Outcome::Fallback,
+            Outcome::Denied,
+            Outcome::Unavailable,
+            Outcome::Unanswered,
+        ];
+        let labels: Vec<&str> = all.iter().map(|o| o.label()).collect();
+        assert_eq!(labels, RESULTS);
     }
 
     #[test]

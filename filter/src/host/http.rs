@@ -148,6 +148,8 @@ struct Observed {
     explain_header: Option<String>,
     /// vtc-basic's place for the user on the pod line, for the explanation.
     vtc_place: Option<f64>,
+    /// How an `external` request was decided, for the explanation.
+    external: Option<crate::core::external::Outcome>,
 }
 
 pub struct PdHttp {
@@ -726,6 +728,9 @@ impl PdHttp {
                 .unwrap_or_default();
             if let Some(place) = self.obs.vtc_place {
                 via.push_str(&format!("place={place:.2}; "));
+            }
+            if let Some(outcome) = self.obs.external {
+                via.push_str(&format!("external={}; ", outcome.label()));
             }
             let mut line = format!(
                 "strategy={strategy}; {via}pick={}",

@@ -65,6 +65,7 @@ impl PdHttp {
             },
         };
         Metrics::inc(self.vm.borrow().metrics.external_decisions[outcome as usize]);
+        self.obs.external = Some(outcome);
         let plan = match plan {
             Plan::Pod(key) => match model.others.iter().find(|&&i| model.pods[i].key == key) {
                 Some(&slot) => return Ok(Some(ExternalPick::Pod(slot))),
