@@ -36,7 +36,7 @@ enum Mode {
     NoDecision,
     Deny,
     Status(u16),
-    Slow,
+    Hung,
 }
 
 #[derive(Default)]
@@ -79,11 +79,8 @@ async fn decide(
             )
                 .into_response()
         }
-        Mode::Slow => {
-            // Longer than pd-control's deadline: the fake stands in for a service that hangs.
-            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-            json!({"decision": "NoDecision"})
-        }
+        // A service that never answers: only pd-control's deadline ends the exchange.
+        Mode::Hung => std::future::pending().await,
     };
     let answer = json!({
         "apiVersion": "routing.aibrix.ai/v1alpha1",
@@ -289,7 +286,7 @@ async fn authoritative_denies_and_fails_closed() {
         .headers
         .iter()
         .all(|(k, _)| k != "authorization"));
-    *fake.mode.lock().unwrap() = Mode::Slow;
+    *fake.mode.lock().unwrap() = Mode::Hung;
     assert_eq!(
         ask(&base, candidates("r-2")).await.1,
         json!({"decision": "unavailable", "reason": "timeout"})

@@ -106,6 +106,25 @@ fn fake_service(mode: Mode) -> (String, Arc<Fake>) {
 
 /// Envoy and pd-control (`control_args`) over a PD pair the service is never offered and
 /// three standard pods.
+/// pd-control's flags for a decision service at `url` in `policy` / `failure` mode, then `extra`.
+fn router_flags<'a>(
+    url: &'a str,
+    policy: &'a str,
+    failure: &'a str,
+    extra: &[&'a str],
+) -> Vec<&'a str> {
+    let mut flags = vec![
+        "--external-router-endpoint",
+        url,
+        "--external-router-policy-mode",
+        policy,
+        "--external-router-failure-mode",
+        failure,
+    ];
+    flags.extend_from_slice(extra);
+    flags
+}
+
 fn start(control_args: &[&str]) -> Stack {
     start_on(Fleet::pair_and_three_standard(MODEL), control_args)
 }
@@ -144,20 +163,19 @@ fn decisions(stack: &Stack, result: &str) -> f64 {
 #[test]
 fn the_service_chooses_the_standard_pod_and_the_fallback_covers_for_it() {
     let (url, fake) = fake_service(Mode::SelectLast);
-    let stack = start(&[
-        "--external-router-endpoint",
+    let stack = start(&router_flags(
         &url,
-        "--external-router-policy-mode",
         "Advisory",
-        "--external-router-failure-mode",
         "FailOpen",
-        "--external-router-fallback",
-        "least-request",
-        "--external-router-timeout",
-        "2s",
-        "--external-router-failure-threshold",
-        "100",
-    ]);
+        &[
+            "--external-router-fallback",
+            "least-request",
+            "--external-router-timeout",
+            "2s",
+            "--external-router-failure-threshold",
+            "100",
+        ],
+    ));
     for i in 0..6 {
         let r = send(&stack, i);
         assert_eq!(r.status, 200, "{}", r.text());
@@ -200,16 +218,12 @@ fn the_service_chooses_the_standard_pod_and_the_fallback_covers_for_it() {
 #[test]
 fn an_authoritative_service_refuses_and_a_failing_one_fails_closed() {
     let (url, fake) = fake_service(Mode::Deny);
-    let stack = start(&[
-        "--external-router-endpoint",
+    let stack = start(&router_flags(
         &url,
-        "--external-router-policy-mode",
         "Authoritative",
-        "--external-router-failure-mode",
         "FailClosed",
-        "--external-router-timeout",
-        "2s",
-    ]);
+        &["--external-router-timeout", "2s"],
+    ));
     let r = send(&stack, 0);
     assert_eq!(r.status, 403, "{}", r.text());
     assert_eq!(r.header("x-error-routing"), Some("true"));
@@ -245,16 +259,12 @@ fn an_advisory_router_is_not_asked_about_a_single_candidate() {
         .combined("c0");
     let stack = start_on(
         fleet,
-        &[
-            "--external-router-endpoint",
+        &router_flags(
             &url,
-            "--external-router-policy-mode",
             "Advisory",
-            "--external-router-failure-mode",
             "FailClosed",
-            "--external-router-fallback",
-            "random",
-        ],
+            &["--external-router-fallback", "random"],
+        ),
     );
     for i in 0..3 {
         let r = send(&stack, i);
