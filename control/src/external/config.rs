@@ -353,7 +353,7 @@ fn byte_size(text: &str) -> Option<usize> {
 }
 
 /// A key is a letter, then up to 127 of letters, digits and `_./-`.
-pub fn valid_key(key: &str) -> bool {
+fn valid_key(key: &str) -> bool {
     let mut chars = key.chars();
     chars.next().is_some_and(|c| c.is_ascii_alphabetic())
         && key.len() <= 128

@@ -8,7 +8,7 @@ use serde::de::{DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::config::{valid_key, ExternalConfig};
+use super::config::ExternalConfig;
 use crate::proto;
 
 pub const API_VERSION: &str = "routing.aibrix.ai/v1alpha1";
@@ -143,7 +143,7 @@ pub fn build(
                 labels
                     .iter()
                     .find(|l| &l.key == key)
-                    .filter(|l| l.value.len() <= 256 && valid_key(key))
+                    .filter(|l| l.value.len() <= 256)
                     .map(|l| (key.clone(), l.value.clone()))
             })
             .collect();

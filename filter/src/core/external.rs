@@ -128,36 +128,45 @@ impl Outcome {
 pub fn plan(answer: Result<Answer, String>, config: &proto::ExternalRouter) -> (Plan, Outcome) {
     match answer {
         Ok(Answer::Selected(id)) => (Plan::Pod(id), Outcome::Selected),
-        Ok(Answer::Fallback(_)) => (fallback(config), Outcome::Fallback),
+        Ok(Answer::Fallback(_)) => (fallback(config).into(), Outcome::Fallback),
         Ok(Answer::Denied) => (Plan::Refuse(RouteError::ExternalDenied), Outcome::Denied),
         Ok(Answer::Unavailable(reason)) => (
             Plan::Refuse(RouteError::ExternalUnavailable { detail: reason }),
             Outcome::Unavailable,
         ),
-        Err(why) => (failed(config, why), Outcome::Unanswered),
+        Err(why) => (failed(config, why).into(), Outcome::Unanswered),
     }
 }
 
-/// A failure without the service's verdict (no answer, a chosen pod gone from the view):
-/// the fallback when failing open, else 503.
-pub fn failed(config: &proto::ExternalRouter, why: String) -> Plan {
+impl From<Result<StrategySpec, RouteError>> for Plan {
+    fn from(r: Result<StrategySpec, RouteError>) -> Plan {
+        match r {
+            Ok(spec) => Plan::Fallback(spec),
+            Err(error) => Plan::Refuse(error),
+        }
+    }
+}
+
+/// A failure without the service's verdict (no answer, a chosen pod gone from the view): the
+/// fallback strategy when failing open, else the 503.
+pub fn failed(config: &proto::ExternalRouter, why: String) -> Result<StrategySpec, RouteError> {
     if config.fail_open {
         fallback(config)
     } else {
-        Plan::Refuse(RouteError::ExternalUnavailable { detail: why })
+        Err(RouteError::ExternalUnavailable { detail: why })
     }
 }
 
 /// The configured fallback, which must be a local single-pod strategy (pd-control checks it at
 /// start; a snapshot from elsewhere is checked again here).
-fn fallback(config: &proto::ExternalRouter) -> Plan {
+fn fallback(config: &proto::ExternalRouter) -> Result<StrategySpec, RouteError> {
     match Strategy::parse(&config.fallback) {
         Ok(StrategySpec::One(Strategy::Pd | Strategy::External)) | Err(_) => {
-            Plan::Refuse(RouteError::ExternalUnavailable {
+            Err(RouteError::ExternalUnavailable {
                 detail: format!("no usable fallback strategy {:?}", config.fallback),
             })
         }
-        Ok(spec) => Plan::Fallback(spec),
+        Ok(spec) => Ok(spec),
     }
 }
 

@@ -66,20 +66,15 @@ impl PdHttp {
         };
         Metrics::inc(self.vm.borrow().metrics.external_decisions[outcome as usize]);
         self.obs.external = Some(outcome);
-        let plan = match plan {
-            Plan::Pod(key) => match model.others.iter().find(|&&i| model.pods[i].key == key) {
-                Some(&slot) => return Ok(Some(ExternalPick::Pod(slot))),
-                // The service chose a pod this worker no longer routes to.
-                None => external::failed(&config, format!("the chosen pod {key} is not routable")),
-            },
-            other => other,
-        };
         match plan {
+            Plan::Pod(key) => match model.others.iter().find(|&&i| model.pods[i].key == key) {
+                Some(&slot) => Ok(Some(ExternalPick::Pod(slot))),
+                // The service chose a pod this worker no longer routes to.
+                None => external::failed(&config, format!("the chosen pod {key} is not routable"))
+                    .map(|spec| Some(ExternalPick::Fallback(spec))),
+            },
             Plan::Fallback(spec) => Ok(Some(ExternalPick::Fallback(spec))),
             Plan::Refuse(error) => Err(error),
-            Plan::Pod(key) => Err(RouteError::ExternalUnavailable {
-                detail: format!("the chosen pod {key} is not routable"),
-            }),
         }
     }
 
