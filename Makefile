@@ -70,25 +70,27 @@ lint: setup
 	cargo clippy -p pd-router-filter --target wasm32-wasip1 -- -D warnings
 
 # Every fuzz target for FUZZ_SECONDS each (libFuzzer via cargo-fuzz, nightly); findings land
-# in fuzz/artifacts/<target>/ and fail the run.
+# in fuzz/artifacts/<target>/ and fail the run. A target with a dictionary (fuzz/dicts/) gets it.
 FUZZ_SECONDS ?= 60
-FUZZ_TARGETS := request model_config snapshot prometheus sse_usage shared_state upstream_error label_selector
+FUZZ_TARGETS := request model_config snapshot prometheus external_answer sse_usage shared_state upstream_error label_selector
 fuzz:
 	@rustup toolchain list | grep -q '^nightly' || rustup toolchain install nightly --profile minimal
 	@command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
 	@set -e; for t in $(FUZZ_TARGETS); do \
 	  echo "== fuzz $$t ($(FUZZ_SECONDS) s)"; \
-	  (cd fuzz && cargo +nightly fuzz run --features control $$t -- -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=4096 2>&1 \
+	  (cd fuzz && cargo +nightly fuzz run --features control $$t -- -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=4096 \
+	    $$(test -f dicts/$$t.dict && echo -dict=dicts/$$t.dict) 2>&1 \
 	    | grep -E '^#[0-9]+.*DONE|^Done|ERROR|panicked|SUMMARY' || true); \
 	  test -z "$$(ls fuzz/artifacts/$$t 2>/dev/null)" || { echo "finding in fuzz/artifacts/$$t"; exit 1; }; \
 	done
 
-# CI's share of fuzzing, part of `make test`: every target but `prometheus` for
-# FUZZ_SMOKE_SECONDS each, on the stable toolchain (no sanitizer needs no nightly), built
-# once, optimised, with debug assertions so panics and overflows still fail the run. A finding
-# fails the run and is left in fuzz/artifacts/<target>/. `prometheus` needs pd-control, whose
-# dependency tree (kube, redis) would add ~10 CPU-minutes; `make fuzz` runs it. Cost on the
-# 2-core box: ~1.5 min cold build, ~30 s of runs (plus `cargo install cargo-fuzz` once).
+# CI's share of fuzzing, part of `make test`: every target but `prometheus` and
+# `external_answer` for FUZZ_SMOKE_SECONDS each, on the stable toolchain (no sanitizer needs no
+# nightly), built once, optimised, with debug assertions so panics and overflows still fail the
+# run. A finding fails the run and is left in fuzz/artifacts/<target>/. Those two need
+# pd-control, whose dependency tree (kube, redis) would add ~10 CPU-minutes; `make fuzz` runs
+# them. Cost on the 2-core box: ~1.5 min cold build, ~30 s of runs (plus `cargo install
+# cargo-fuzz` once).
 FUZZ_SMOKE_SECONDS ?= 5
 FUZZ_SMOKE_FLAGS := -O -a -s none
 FUZZ_SMOKE_TARGETS := request model_config snapshot sse_usage shared_state upstream_error label_selector
