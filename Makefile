@@ -90,7 +90,7 @@ fuzz:
 # run. A finding fails the run and is left in fuzz/artifacts/<target>/. Those two need
 # pd-control, whose dependency tree (kube, redis) would add ~10 CPU-minutes; `make fuzz` runs
 # them. Cost on the 2-core box: ~1.5 min cold build, ~30 s of runs (plus `cargo install
-# cargo-fuzz` once).
+# cargo-fuzz` once). Targets with a dictionary (fuzz/dicts/) get it here too.
 FUZZ_SMOKE_SECONDS ?= 5
 FUZZ_SMOKE_FLAGS := -O -a -s none
 FUZZ_SMOKE_TARGETS := request model_config snapshot sse_usage shared_state upstream_error label_selector
@@ -99,7 +99,8 @@ fuzz-smoke:
 	cd fuzz && env -u CARGO_TARGET_DIR cargo fuzz build $(FUZZ_SMOKE_FLAGS)
 	@set -e; for t in $(FUZZ_SMOKE_TARGETS); do \
 	  out=$$(cd fuzz && env -u CARGO_TARGET_DIR cargo fuzz run $(FUZZ_SMOKE_FLAGS) $$t -- \
-	    -max_total_time=$(FUZZ_SMOKE_SECONDS) -rss_limit_mb=2048 2>&1) || { echo "$$out" | tail -40; exit 1; }; \
+	    -max_total_time=$(FUZZ_SMOKE_SECONDS) -rss_limit_mb=2048 \
+	    $$(test -f dicts/$$t.dict && echo -dict=dicts/$$t.dict) 2>&1) || { echo "$$out" | tail -40; exit 1; }; \
 	  echo "fuzz-smoke $$t: $$(echo "$$out" | grep -E '^#[0-9]+.*DONE' | tail -1)"; \
 	  test -z "$$(ls fuzz/artifacts/$$t 2>/dev/null)" || { echo "finding in fuzz/artifacts/$$t"; exit 1; }; \
 	done
