@@ -35,16 +35,14 @@ fuzz_target!(|input: &[u8]| {
             Ok(Decision::Selected { id }) => assert!(ports.contains_key(&id), "chose {id:?}"),
             Ok(Decision::NoDecision) => assert!(advisory, "NoDecision accepted when authoritative"),
             Ok(Decision::Denied) => assert!(!advisory, "Denied accepted when advisory"),
-            Err(_) => {}
+            Err(_) => continue,
         }
-        if validate(data, "r1", advisory, &ports).is_ok() {
-            let v: serde_json::Value = serde_json::from_slice(data).expect("accepted, so JSON");
-            assert_eq!(
-                v.pointer("/metadata/requestId").and_then(|r| r.as_str()),
-                Some("r1"),
-                "accepted another request's answer"
-            );
-        }
+        let v: serde_json::Value = serde_json::from_slice(data).expect("accepted, so JSON");
+        assert_eq!(
+            v.pointer("/metadata/requestId").and_then(|r| r.as_str()),
+            Some("r1"),
+            "accepted another request's answer"
+        );
     }
     if let Ok(text) = std::str::from_utf8(data) {
         let _ = is_protocol_media_type(text);
