@@ -107,6 +107,19 @@ async fn fake_service(mode: Mode) -> (String, Arc<Fake>) {
     (format!("http://{addr}/v1alpha1/select"), fake)
 }
 
+/// The decision service's verdict is final and its silence refuses (`FailClosed`).
+fn authoritative_fail_closed(
+    endpoint: String,
+    timeout: &str,
+) -> impl FnOnce(&mut pd_control::external::config::ExternalArgs) + '_ {
+    move |e| {
+        e.endpoint = Some(endpoint);
+        e.policy_mode = Some("Authoritative".into());
+        e.failure_mode = Some("FailClosed".into());
+        e.timeout = Some(timeout.into());
+    }
+}
+
 async fn start(
     dir: &Path,
     external: impl FnOnce(&mut pd_control::external::config::ExternalArgs),
@@ -268,13 +281,7 @@ async fn advisory_routes_by_the_service_and_falls_back_on_no_decision_and_failur
 async fn authoritative_denies_and_fails_closed() {
     let dir = tempfile::tempdir().expect("dir");
     let (url, fake) = fake_service(Mode::Deny).await;
-    let (_service, base) = start(dir.path(), |e| {
-        e.endpoint = Some(url);
-        e.policy_mode = Some("Authoritative".into());
-        e.failure_mode = Some("FailClosed".into());
-        e.timeout = Some("100ms".into());
-    })
-    .await;
+    let (_service, base) = start(dir.path(), authoritative_fail_closed(url, "100ms")).await;
     assert_eq!(
         ask(&base, candidates("r-1")).await.1,
         json!({"decision": "denied"})
@@ -308,12 +315,10 @@ async fn authoritative_denies_and_fails_closed() {
 async fn an_https_endpoint_is_reached_over_tls() {
     let dir = tempfile::tempdir().expect("dir");
     let (url, fake) = fake_service(Mode::Select("t/c0")).await;
-    let (_service, base) = start(dir.path(), |e| {
-        e.endpoint = Some(url.replacen("http://", "https://", 1));
-        e.policy_mode = Some("Authoritative".into());
-        e.failure_mode = Some("FailClosed".into());
-        e.timeout = Some("2s".into());
-    })
+    let (_service, base) = start(
+        dir.path(),
+        authoritative_fail_closed(url.replacen("http://", "https://", 1), "2s"),
+    )
     .await;
     assert_eq!(
         ask(&base, candidates("r-1")).await.1,
