@@ -10,7 +10,7 @@
 # (REPS rounds of every target in turn) so machine drift spreads over all of them.
 # Environment: BENCH_DIR (target/bench), CARGO_TARGET_DIR, REPS, SECONDS_PER_RUN, CLIENTS_MAX,
 # BODIES ("2048 32768 262144"), OVERHEAD_TARGETS (names from the table in docs/BENCHMARKS.md),
-# PD_WASM (another build of the filter, for A/B runs),
+# PD_WASM (another build of the filter, for A/B runs), ENVOY_WORKERS (2: every Envoy's --concurrency),
 # POLICY_SECONDS, POLICY_PAIRS ("prefill:decode ..."), POLICY_LOADS ("60 90"), POLICY_PEERS (1:
 # also run sglang-router and vllm-router in the policy phase, 0: pd-router pairs only),
 # POLICY_REPS (1: rounds of the policy targets, round r on trace r; the report then gives the
@@ -54,6 +54,7 @@ else
   LOADS=${POLICY_LOADS:-"60 90"}
 fi
 CLIENTS_MAX=${CLIENTS_MAX:-32}
+ENVOY_WORKERS=${ENVOY_WORKERS:-2}
 POLICY_PEERS=${POLICY_PEERS:-1}
 POLICY_REPS=${POLICY_REPS:-1}
 
@@ -190,21 +191,21 @@ start_envoy_pd() { # name listen admin control-port [env...]
       -e "s#@WASM_PATH@#$WASM#; s#@CONTROL_ADDR@#127.0.0.1#; s#@CONTROL_PORT@#$control#" \
       -e "s#@REFRESH_MS@#50#; s#@ACCESS_LOG@#/dev/null#; s#@EDS_DIR@#$(realpath "$RUN/eds-$control")#g" \
       envoy/envoy.yaml.tmpl > "$RUN/$name.yaml"
-  start_server 30 "$name" loaded_vms "$admin" 2 -- env "$@" "$ENVOY" -c "$RUN/$name.yaml" \
-    --concurrency 2 --disable-hot-restart -l warn
+  start_server 30 "$name" loaded_vms "$admin" "$ENVOY_WORKERS" -- env "$@" "$ENVOY" -c "$RUN/$name.yaml" \
+    --concurrency "$ENVOY_WORKERS" --disable-hot-restart -l warn
   ENVOY_PID=$LAST_PID
 }
 
 start_envoy_floor() { # name listen admin prefill-ip decode-ip [sglang-bootstrap-port]
   render_floor "$2" "$3" "$4:$POD_PORT" "$5:$POD_PORT" "$FLOOR_WASM" "${6:-}" > "$RUN/$1.yaml"
   grep -q '"prefill"' "$RUN/$1.yaml" || { echo "bench: cannot configure the floor filter" >&2; exit 1; }
-  start_server 30 "$1" curl -sf "127.0.0.1:$3/ready" -- "$ENVOY" -c "$RUN/$1.yaml" --concurrency 2 \
+  start_server 30 "$1" curl -sf "127.0.0.1:$3/ready" -- "$ENVOY" -c "$RUN/$1.yaml" --concurrency "$ENVOY_WORKERS" \
     --disable-hot-restart -l warn
 }
 
 start_envoy_plain() { # name listen admin upstream-ip
   render_plain "$2" "$3" "$4" "$POD_PORT" > "$RUN/$1.yaml"
-  start_server 30 "$1" curl -sf "127.0.0.1:$3/ready" -- "$ENVOY" -c "$RUN/$1.yaml" --concurrency 2 \
+  start_server 30 "$1" curl -sf "127.0.0.1:$3/ready" -- "$ENVOY" -c "$RUN/$1.yaml" --concurrency "$ENVOY_WORKERS" \
     --disable-hot-restart -l warn
 }
 

@@ -58,6 +58,16 @@ fn start_checked(fleet: Fleet, env: &[(&str, &str)]) -> Stack {
 }
 
 fn start_with_control(fleet: Fleet, env: &[(&str, &str)], control_args: &[&str]) -> Stack {
+    start_configured(fleet, env, control_args, "")
+}
+
+/// [`start_with_control`] with `plugin_extra` as in [`Options`].
+fn start_configured(
+    fleet: Fleet,
+    env: &[(&str, &str)],
+    control_args: &[&str],
+    plugin_extra: &str,
+) -> Stack {
     let simulated = fleet.clone().pod(ROGUE, "decode", "group-9");
     Stack::start_opts(
         fleet,
@@ -65,6 +75,7 @@ fn start_with_control(fleet: Fleet, env: &[(&str, &str)], control_args: &[&str])
         &Options {
             envoy_env: env,
             control_args,
+            plugin_extra,
             ..Options::default()
         },
     )
@@ -324,10 +335,11 @@ fn two_tied_rolesets(plugin_extra: &str, control_args: &[&str]) -> (Fleet, Stack
 
 /// Prefill failures of every kind: the client gets `status` with `x-error-pd-prefill`, no
 /// decode leg is sent, and the prefill failure is counted. The fleet has one roleset, so a
-/// failover finds no other pair. Returns the stack, its ledger back at zero.
-fn prefill_failure(fault: Value, env: &[(&str, &str)], status: u16) -> Stack {
+/// failover finds no other pair. `plugin_extra` as in [`Options`]. Returns the stack, its
+/// ledger back at zero.
+fn prefill_failure(fault: Value, env: &[(&str, &str)], plugin_extra: &str, status: u16) -> Stack {
     let fleet = one_roleset();
-    let stack = start(fleet.clone(), env);
+    let stack = start_configured(fleet.clone(), env, NO_REACHABILITY_CHECK, plugin_extra);
     stack.arm_fault(fault);
     for r in ended(fire(&stack, 4, chat(false, 4))) {
         assert_error(&r, status, "x-error-pd-prefill");
@@ -361,9 +373,35 @@ fn prefill_answering_5xx_fails_the_request_with_x_error_pd_prefill() {
     let stack = prefill_failure(
         json!({"pod": "p-0", "kind": "status", "status": 503, "leg": "prefill"}),
         &[],
+        "",
         503,
     );
-    // The pod answered: it may have computed, so the request is not routed again.
+    // 503 is one of the default `prefill_failover_statuses`: each request tried to fail
+    // over, and no other pair could take it.
+    assert_eq!(failovers(&stack, "failed"), 4.0);
+    assert_eq!(failovers(&stack, "rerouted"), 0.0);
+}
+
+#[test]
+fn prefill_answers_outside_prefill_failover_statuses_are_not_routed_again() {
+    // The request's own fault: it would fail on any pod.
+    let stack = prefill_failure(
+        json!({"pod": "p-0", "kind": "status", "status": 400, "leg": "prefill"}),
+        &[],
+        "",
+        400,
+    );
+    assert_eq!(
+        failovers(&stack, "rerouted") + failovers(&stack, "failed"),
+        0.0
+    );
+    // With the list emptied, a 5xx answer passes through untried elsewhere too.
+    let stack = prefill_failure(
+        json!({"pod": "p-0", "kind": "status", "status": 500, "leg": "prefill"}),
+        &[],
+        r#""prefill_failover_statuses": []"#,
+        500,
+    );
     assert_eq!(
         failovers(&stack, "rerouted") + failovers(&stack, "failed"),
         0.0
@@ -375,13 +413,14 @@ fn prefill_timing_out_fails_the_request_with_504() {
     prefill_failure(
         json!({"pod": "p-0", "kind": "hang_before_headers", "leg": "prefill"}),
         &[("AIBRIX_PREFILL_REQUEST_TIMEOUT", "1")],
+        "",
         504,
     );
 }
 
 #[test]
 fn prefill_port_refusing_connections_fails_the_request_with_502() {
-    let stack = prefill_failure(json!({"pod": "p-0", "kind": "refuse"}), &[], 502);
+    let stack = prefill_failure(json!({"pod": "p-0", "kind": "refuse"}), &[], "", 502);
     // Each request tried to fail over, and no other pair could take it.
     assert_eq!(failovers(&stack, "failed"), 4.0);
     assert_eq!(failovers(&stack, "rerouted"), 0.0);
@@ -393,9 +432,24 @@ fn prefill_port_refusing_connections_fails_the_request_with_502() {
 /// on one worker.
 #[test]
 fn a_prefill_pod_refusing_connections_costs_no_request() {
+    prefill_failover_costs_no_request(json!({"pod": "p-0", "kind": "refuse"}));
+}
+
+/// The same for a prefill pod answering 500 to everything, as a vLLM server whose engine
+/// died does until it exits.
+#[test]
+fn a_prefill_pod_answering_500_costs_no_request() {
+    prefill_failover_costs_no_request(
+        json!({"pod": "p-0", "kind": "status", "status": 500, "leg": "prefill"}),
+    );
+}
+
+/// p-0 failing every prefill leg as `fault` says, on two tied rolesets: every request is
+/// served by the other roleset, the failed ones after one failover each.
+fn prefill_failover_costs_no_request(fault: Value) {
     // No ejection ends (and lets p-0 in again) while the test runs.
     let (fleet, stack) = two_tied_rolesets(r#""eject_base_ms": 60000"#, NO_REACHABILITY_CHECK);
-    stack.arm_fault(json!({"pod": "p-0", "kind": "refuse"}));
+    stack.arm_fault(fault);
     let workers = stack.concurrency as u64;
     let mut sent = 0;
     while !out_on_every_worker(&stack) {

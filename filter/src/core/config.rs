@@ -60,12 +60,18 @@ pub struct PluginConfig {
     pub eject_base_ms: u64,
     /// Longest ejection period.
     pub eject_max_ms: u64,
-    /// How many times a PD request whose prefill leg never reached its pod (connection
-    /// refused or reset before any answer) is routed again, without the pods that failed it,
-    /// before the client sees the failure; 0 turns failover off. Only where the decode leg
-    /// waits for the prefill answer (vLLM, TRT-LLM `context_first`), so the client has been
-    /// sent nothing.
+    /// How many times a PD request whose prefill leg failed (the pod unreachable, or one of
+    /// `prefill_failover_statuses` answered) is routed again, without the pods that failed
+    /// it, before the client sees the failure; 0 turns failover off. Only where the decode
+    /// leg waits for the prefill answer (vLLM, TRT-LLM `context_first`), so the client has
+    /// been sent nothing.
     pub prefill_failover: u32,
+    /// The prefill pod's own answers that fail over like an unreachable pod. A dying vLLM
+    /// engine answers 500 to every request until its server exits, and 502/503 come from an
+    /// engine that is not serving; a prompt that crashes engines costs at most
+    /// `prefill_failover` more pods. Empty: only unreachable pods fail over. 5xx only: a 4xx
+    /// is the request's fault and would fail anywhere.
+    pub prefill_failover_statuses: Vec<u16>,
     /// Rate limits (when pd-control checks them, `Snapshot.user_limits`): how long the
     /// admission of a request naming a `user`, or of a model whose profile limits its rate,
     /// may wait for pd-control's answer.
@@ -116,6 +122,7 @@ impl Default for PluginConfig {
             eject_base_ms: 5_000,
             eject_max_ms: 60_000,
             prefill_failover: 1,
+            prefill_failover_statuses: vec![500, 502, 503],
             rate_limits_timeout_ms: 500,
             rate_limits_fail_open: false,
             connect_retry: false,
@@ -190,6 +197,16 @@ impl PluginConfig {
             return Err(ConfigError::Field {
                 field: "prefill_failover",
                 reason: format!("must be 0..={MAX_PREFILL_FAILOVER}"),
+            });
+        }
+        if let Some(bad) = self
+            .prefill_failover_statuses
+            .iter()
+            .find(|s| !(500..=599).contains(*s))
+        {
+            return Err(ConfigError::Field {
+                field: "prefill_failover_statuses",
+                reason: format!("{bad} is not a 5xx status"),
             });
         }
         // A header value: visible ASCII only, so it can neither split the request nor
@@ -514,6 +531,34 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn prefill_failover_statuses_are_server_errors() {
+        assert_eq!(
+            PluginConfig::default().prefill_failover_statuses,
+            [500, 502, 503]
+        );
+        let none = PluginConfig::parse(br#"{"prefill_failover_statuses":[]}"#).unwrap();
+        assert!(none.prefill_failover_statuses.is_empty());
+        let more = PluginConfig::parse(br#"{"prefill_failover_statuses":[503,529]}"#).unwrap();
+        assert_eq!(more.prefill_failover_statuses, [503, 529]);
+        for bad in [
+            &br#"{"prefill_failover_statuses":[429]}"#[..],
+            br#"{"prefill_failover_statuses":[503,600]}"#,
+        ] {
+            assert!(
+                matches!(
+                    PluginConfig::parse(bad),
+                    Err(ConfigError::Field {
+                        field: "prefill_failover_statuses",
+                        ..
+                    })
+                ),
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
     }
 
     #[test]

@@ -144,6 +144,18 @@ impl RouteError {
         }
     }
 
+    /// Whether a failed prefill leg may be routed again without its pod (prefill failover):
+    /// the pod was never reached, or it answered one of `statuses` (the plugin's
+    /// `prefill_failover_statuses`). Never after a timeout: the pod may still be working, and
+    /// the client has waited one timeout already.
+    pub fn prefill_fails_over(status: &str, body: &[u8], statuses: &[u16]) -> bool {
+        match Self::prefill_failure_class(status, body) {
+            "transport" => true,
+            "http_status" => status.parse::<u16>().is_ok_and(|s| statuses.contains(&s)),
+            _ => false,
+        }
+    }
+
     /// What the log adds to the client's message: the selection's reason, the address the
     /// guard refused.
     pub fn detail(&self) -> Option<&str> {
@@ -423,6 +435,30 @@ mod tests {
                 RouteError::prefill_failure_class(status, body),
                 class,
                 "{status}"
+            );
+        }
+    }
+
+    #[test]
+    fn prefill_failover_takes_unreachable_pods_and_the_listed_answers() {
+        let undelivered = b"upstream connect error or disconnect/reset before headers. reset reason: remote connection failure";
+        let listed = [500, 502, 503];
+        let cases: [(&str, &[u8], &[u16], bool); 9] = [
+            ("", b"", &[], true),
+            ("503", undelivered, &[], true),
+            ("503", b"busy", &listed, true),
+            ("503", b"busy", &[], false),
+            ("500", b"{}", &listed, true),
+            ("501", b"{}", &listed, false),
+            ("504", b"upstream request timeout", &[504], false),
+            ("504", b"{}", &[504], true),
+            ("400", b"{}", &listed, false),
+        ];
+        for (status, body, statuses, due) in cases {
+            assert_eq!(
+                RouteError::prefill_fails_over(status, body, statuses),
+                due,
+                "{status} {statuses:?}"
             );
         }
     }

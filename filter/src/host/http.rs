@@ -1237,16 +1237,22 @@ impl PdHttp {
     }
 
     /// Routes the request again when its prefill leg never reached the pod (refused, reset
-    /// before any answer), leaving that pod out, while `prefill_failover` allows: the engine
-    /// computed nothing and the client has been sent nothing, so another pair can serve it
-    /// whole. Returns whether the request was taken over (routed again, or answered with the
-    /// failure because no other pod can take it); false leaves the failure to the caller.
+    /// before any answer) or the pod answered one of `prefill_failover_statuses`, leaving
+    /// that pod out, while `prefill_failover` allows: the client has been sent nothing, so
+    /// another pair can serve it whole. Returns whether the request was taken over (routed
+    /// again, or answered with the failure because no other pod can take it); false leaves
+    /// the failure to the caller.
     fn fail_over(&mut self, status: &str, body: &[u8], clock: &mut Clock) -> bool {
-        let allowed = self.vm.borrow().plugin.prefill_failover as usize;
-        if self.failover.excluded.len() >= allowed
-            || RouteError::prefill_failure_class(status, body) != "transport"
-            || self.served.prefill.is_none()
-        {
+        let due = {
+            let vm = self.vm.borrow();
+            self.failover.excluded.len() < vm.plugin.prefill_failover as usize
+                && RouteError::prefill_fails_over(
+                    status,
+                    body,
+                    &vm.plugin.prefill_failover_statuses,
+                )
+        };
+        if !due || self.served.prefill.is_none() {
             return false;
         }
         let (Some(pending), Some(failed)) = (self.pending.take(), self.served.prefill.take())
@@ -1256,8 +1262,12 @@ impl PdHttp {
         // The failed pair's decode charge and watchdog: the next selection brings its own.
         self.release_all(clock);
         self.vm.borrow_mut().watched.remove(&self.id);
+        let what = match RouteError::prefill_failure_class(status, body) {
+            "transport" => "unreachable".to_string(),
+            _ => format!("answered {status}"),
+        };
         log::info!(
-            "request {}: prefill pod {failed} unreachable ({}); routing again without it",
+            "request {}: prefill pod {failed} {what} ({}); routing again without it",
             self.request_id,
             String::from_utf8_lossy(&body[..body.len().min(120)])
         );
