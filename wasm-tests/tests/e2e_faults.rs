@@ -473,6 +473,15 @@ fn prefill_failover_costs_no_request(fault: Value) {
     // its own first).
     let rerouted = failovers(&stack, "rerouted") as u64;
     assert!((3..=3 * workers).contains(&rerouted), "{rerouted}");
+    // Each failed prefill call counts in AIBrix's failure counter, by transport class
+    // only: no request failed at the route step.
+    let prefill_fails =
+        |labels: &[(&str, &str)]| stack.metric("gateway_prefill_request_fail_total", labels) as u64;
+    assert_eq!(prefill_fails(&[]), rerouted);
+    assert_eq!(
+        prefill_fails(&[("status", "pd-do-prefill-request-error")]),
+        0
+    );
     assert_eq!(
         stack.metric("pd_router_routed_total", &[("kind", "pair")]),
         sent as f64,

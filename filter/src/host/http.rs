@@ -1285,6 +1285,9 @@ impl PdHttp {
         match result {
             Ok(action) => {
                 Metrics::inc(rerouted_id);
+                if let Some(failure) = &self.failover.failure {
+                    self.vm.borrow_mut().metrics.prefill_call_failed(failure);
+                }
                 if action == Action::Continue {
                     self.resume_http_request();
                 }

@@ -509,15 +509,27 @@ impl Metrics {
     /// Counts a failed prefill leg or selection in `gateway_prefill_request_fail_total`.
     pub fn prefill_failed(&mut self, error: &RouteError) {
         for labels in outcome::prefill_fail_labels(error) {
-            let id = *self.prefill_fail.entry(labels).or_insert_with(|| {
-                let code = labels.1.to_string();
-                counter(
-                    "gateway_prefill_request_fail_total",
-                    &[("status", labels.0), ("status_code", &code)],
-                )
-            });
-            Metrics::inc(id);
+            self.count_prefill_fail(labels);
         }
+    }
+
+    /// Counts a failed prefill call that prefill failover recovered from: its transport
+    /// class only, as the request itself did not fail.
+    pub fn prefill_call_failed(&mut self, error: &RouteError) {
+        if let Some(labels) = outcome::prefill_call_fail_label(error) {
+            self.count_prefill_fail(labels);
+        }
+    }
+
+    fn count_prefill_fail(&mut self, labels: (&'static str, u32)) {
+        let id = *self.prefill_fail.entry(labels).or_insert_with(|| {
+            let code = labels.1.to_string();
+            counter(
+                "gateway_prefill_request_fail_total",
+                &[("status", labels.0), ("status_code", &code)],
+            )
+        });
+        Metrics::inc(id);
     }
 
     /// Records a finished request's durations: AIBrix's bucket counters and the histograms.

@@ -131,16 +131,25 @@ pub fn prefill_served(status: &str) -> Option<bool> {
 /// `pd-filter-prefill-decode-pods-fail`/400 instead.
 pub fn prefill_fail_labels(error: &RouteError) -> Vec<(&'static str, u32)> {
     match error {
-        RouteError::Prefill { status, class, .. } => {
-            let transport = match *class {
-                "http_error" if *status == 504 => ("timeout", 504),
-                "http_error" => ("http_error", *status),
-                _ => ("error", 502),
-            };
-            vec![("pd-do-prefill-request-error", 500), transport]
-        }
+        RouteError::Prefill { .. } => std::iter::once(("pd-do-prefill-request-error", 500))
+            .chain(prefill_call_fail_label(error))
+            .collect(),
         RouteError::Selection { .. } => vec![("pd-filter-prefill-decode-pods-fail", 400)],
         _ => Vec::new(),
+    }
+}
+
+/// The one label of [`prefill_fail_labels`] that counts the failed prefill HTTP call itself,
+/// by transport class. A call that prefill failover recovered from counts only this: the
+/// call failed, the request did not.
+pub fn prefill_call_fail_label(error: &RouteError) -> Option<(&'static str, u32)> {
+    match error {
+        RouteError::Prefill { status, class, .. } => Some(match *class {
+            "http_error" if *status == 504 => ("timeout", 504),
+            "http_error" => ("http_error", *status),
+            _ => ("error", 502),
+        }),
+        _ => None,
     }
 }
 
@@ -268,5 +277,24 @@ mod tests {
             vec![("pd-filter-prefill-decode-pods-fail", 400)]
         );
         assert!(prefill_fail_labels(&RouteError::BadBody).is_empty());
+    }
+
+    #[test]
+    fn a_recovered_prefill_call_counts_its_transport_class_only() {
+        let answered = RouteError::Prefill {
+            status: 500,
+            class: "http_error",
+            detail: String::new(),
+        };
+        assert_eq!(
+            prefill_call_fail_label(&answered),
+            Some(("http_error", 500))
+        );
+        assert_eq!(
+            prefill_fail_labels(&answered),
+            vec![("pd-do-prefill-request-error", 500), ("http_error", 500)]
+        );
+        let selection = RouteError::Selection { detail: "x".into() };
+        assert_eq!(prefill_call_fail_label(&selection), None);
     }
 }
