@@ -368,6 +368,13 @@ fn failovers(stack: &Stack, result: &str) -> f64 {
     stack.metric("pd_router_prefill_failover_total", &[("result", result)])
 }
 
+fn assert_no_failover(stack: &Stack) {
+    assert_eq!(
+        failovers(stack, "rerouted") + failovers(stack, "failed"),
+        0.0
+    );
+}
+
 #[test]
 fn prefill_answering_5xx_fails_the_request_with_x_error_pd_prefill() {
     let stack = prefill_failure(
@@ -391,10 +398,7 @@ fn prefill_answers_outside_prefill_failover_statuses_are_not_routed_again() {
         "",
         400,
     );
-    assert_eq!(
-        failovers(&stack, "rerouted") + failovers(&stack, "failed"),
-        0.0
-    );
+    assert_no_failover(&stack);
     // With the list emptied, a 5xx answer passes through untried elsewhere too.
     let stack = prefill_failure(
         json!({"pod": "p-0", "kind": "status", "status": 500, "leg": "prefill"}),
@@ -402,10 +406,7 @@ fn prefill_answers_outside_prefill_failover_statuses_are_not_routed_again() {
         r#""prefill_failover_statuses": []"#,
         500,
     );
-    assert_eq!(
-        failovers(&stack, "rerouted") + failovers(&stack, "failed"),
-        0.0
-    );
+    assert_no_failover(&stack);
 }
 
 #[test]
