@@ -1223,6 +1223,16 @@ fn a_prefill_pod_refusing_connections_is_ejected_then_readmitted() {
     );
 }
 
+/// With failover off, a prefill pod's own 500s reach clients until ejection takes it out.
+#[test]
+fn a_prefill_pod_answering_500_is_ejected_then_readmitted() {
+    failing_pod_is_ejected_then_readmitted(
+        json!({"pod": "p-0", "kind": "status", "status": 500, "leg": "prefill"}),
+        500,
+        Some("x-error-pd-prefill"),
+    );
+}
+
 #[test]
 fn a_decode_pod_answering_500_is_ejected_and_its_roleset_skipped() {
     failing_pod_is_ejected_then_readmitted(
