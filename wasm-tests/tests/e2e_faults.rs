@@ -1285,6 +1285,50 @@ fn requests_at(stack: &Stack, pod: &str) -> usize {
         .count()
 }
 
+/// A client naming pods in the retrying cluster's header picks nothing: on requests the filter
+/// names no stand-in for (no pod here has a sibling) the header is dropped, so the requests
+/// go where the filter routed them, not down the retrying route to the pods the client
+/// listed.
+#[test]
+fn a_client_sent_destinations_header_picks_no_pod() {
+    let fleet = one_roleset().combined("c-0");
+    let stack = start(fleet.clone(), &[]);
+    wait_stand_ins_allowed(&stack);
+    let p0 = fleet.spec("p-0").address();
+    let d0 = fleet.spec("d-0").address();
+    let c0 = fleet.spec("c-0").address();
+    // A PD request asking for its decode leg on the prefill pod.
+    let r = stack.chat(
+        &[PD.as_slice(), &[("x-pd-destinations", p0.as_str())]].concat(),
+        &question(0),
+    );
+    assert_success(&r);
+    assert_eq!(r.header("target-pod"), Some("d-0"), "{}", describe(&r));
+    // A single-pod request asking for the decode pod instead of the standard pod.
+    let to_c0 = session_id(&c0);
+    let r = stack.chat(
+        &[
+            ("routing-strategy", "session-affinity"),
+            ("x-session-id", to_c0.as_str()),
+            ("x-pd-destinations", d0.as_str()),
+        ],
+        &question(1),
+    );
+    assert_success(&r);
+    assert_eq!(r.header("target-pod"), Some("c-0"), "{}", describe(&r));
+    assert_eq!(
+        [
+            requests_at(&stack, "p-0"),
+            requests_at(&stack, "d-0"),
+            requests_at(&stack, "c-0")
+        ],
+        [1, 1, 1],
+        "{:#?}",
+        stack.sim_requests()
+    );
+    assert_clean_end(&stack, &fleet_pods(&fleet));
+}
+
 /// A standard pod whose engine died since the last snapshot (pd-control's reachability check
 /// off here, so nothing told the gateway) refuses the connection: Envoy retries on the
 /// stand-in the filter named with the request, and the client gets its answer from the sibling

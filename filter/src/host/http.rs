@@ -20,7 +20,7 @@ use crate::core::errors::RouteError;
 use crate::core::fleet::{FleetView, ModelView};
 // Envoy's ORIGINAL_DST header is removed even when the cluster reads another one, so a
 // client can never pick an upstream through either.
-use crate::core::inbound::{Inbound, ENVOY_DST_HEADER};
+use crate::core::inbound::{Inbound, DESTINATIONS_HEADER, ENVOY_DST_HEADER};
 use crate::core::ledger::{self, Ledger};
 use crate::core::obs::outcome::{self, CutBy, Outcome};
 use crate::core::obs::timing::Instants;
@@ -1448,6 +1448,9 @@ impl HttpContext for PdHttp {
         if h.dst_present {
             self.set_http_request_header(ENVOY_DST_HEADER, None);
             self.set_http_request_header(&dst_header, None);
+            // Left on a request the filter names no stand-in for, it would send the request
+            // down the retrying route to the pods the client listed.
+            self.set_http_request_header(DESTINATIONS_HEADER, None);
         }
         self.trap_at_prefill_answer = h.trap;
         if explain_enabled {
