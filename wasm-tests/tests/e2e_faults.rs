@@ -1604,6 +1604,76 @@ fn a_retrying_cluster_that_lacks_the_pods_turns_stand_ins_off() {
     assert_clean_end(&stack, &fleet_pods(&fleet));
 }
 
+/// A standard pod answering 500 to everything (a live server over a dead engine) is stood in
+/// for as if it refused the connection: Envoy retries the request on the sibling the filter
+/// named, so the client gets its answer; the failing pod hears of the failure. With
+/// `stand_in_statuses` emptied, the 500 reaches the client.
+#[test]
+fn a_standard_pod_answering_500_is_stood_in_for_by_a_sibling() {
+    for (extra, retried) in [("", true), (r#""stand_in_statuses": []"#, false)] {
+        let fleet = Fleet::new(MODEL).combined("c-0").combined("c-1");
+        let stack = start_configured(fleet.clone(), &[], NO_REACHABILITY_CHECK, extra);
+        wait_stand_ins_allowed(&stack);
+        stack.arm_fault(json!({"pod": "c-0", "kind": "status", "status": 500, "leg": "full"}));
+        let session = session_id(&fleet.spec("c-0").address());
+        let to_c0 = [
+            ("routing-strategy", "session-affinity"),
+            ("x-session-id", session.as_str()),
+        ];
+        let r = stack.chat(&to_c0, &question(0));
+        assert_eq!(requests_at(&stack, "c-0"), 1, "{extra}");
+        if retried {
+            assert_success(&r);
+            assert_eq!(r.header("target-pod"), Some("c-1"), "{}", describe(&r));
+            assert_eq!(stand_ins(&stack, "served"), 1.0);
+            assert_eq!(requests_at(&stack, "c-1"), 1);
+        } else {
+            assert_eq!(r.status, 500, "{}", describe(&r));
+            assert_eq!(stand_ins(&stack, "served"), 0.0);
+            assert_eq!(requests_at(&stack, "c-1"), 0);
+        }
+        stack.clear_faults();
+        assert_clean_end(&stack, &fleet_pods(&fleet));
+    }
+}
+
+/// A PD decode leg is never retried on a pod's answer, only on a refused connection: the
+/// pod that answered may have pulled the KV, which the prefill pod then frees. With a
+/// sibling decode pod to stand in, d-0's 500 still reaches the client.
+#[test]
+fn a_decode_pod_answering_500_is_not_retried_on_its_sibling() {
+    let fleet = one_roleset().pod("d-1", "decode", "group-0");
+    let stack = start(
+        fleet.clone(),
+        &[("AIBRIX_DECODE_SCORE_POLICY", "least_request")],
+    );
+    wait_stand_ins_allowed(&stack);
+    stack.arm_fault(json!({"pod": "d-0", "kind": "status", "status": 500, "leg": "decode"}));
+    let chosen = |pod: &str| stack.metric("pd_selected_decode_pod_total", &[("pod", pod)]);
+    let mut sent = 0;
+    while chosen("d-0") < 1.0 {
+        assert!(sent < 50, "{sent} requests and d-0 never chosen");
+        let r = stack.chat(&PD, &question(sent));
+        sent += 1;
+        if r.header("target-pod") == Some("d-0") {
+            assert_eq!(r.status, 500, "{}", describe(&r));
+        } else {
+            assert_success(&r);
+        }
+    }
+    assert_eq!(
+        stand_ins(&stack, "served") + stand_ins(&stack, "failed"),
+        0.0
+    );
+    assert_eq!(
+        decode_legs(&stack, "d-0").len() + decode_legs(&stack, "d-1").len(),
+        sent,
+        "one decode leg per request"
+    );
+    stack.clear_faults();
+    assert_clean_end(&stack, &fleet_pods(&fleet));
+}
+
 /// When the stand-in refuses too, the client gets Envoy's 503 as an OpenAI error body, both
 /// pods count the failure, and the retry is counted as failed; nothing is left charged.
 #[test]

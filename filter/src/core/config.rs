@@ -85,6 +85,12 @@ pub struct PluginConfig {
     /// Needs the retrying cluster of `envoy/envoy.yaml.tmpl` (override_host over the pods
     /// pd-control writes with `--eds-file`); requests with no stand-in go to `pods_cluster`.
     pub connect_retry: bool,
+    /// A single-pod request (a standard pod, no KV elsewhere) is retried on its stand-in also
+    /// when the chosen pod answers one of these (Envoy's `x-envoy-retry-on:
+    /// retriable-status-codes`, set per request): a live server over a dead engine answers
+    /// 500 to everything. Never a PD decode leg: its pod may have pulled the KV, which the
+    /// prefill pod then frees. 5xx only; empty retries refused connections only.
+    pub stand_in_statuses: Vec<u16>,
 }
 
 impl PluginConfig {
@@ -126,6 +132,7 @@ impl Default for PluginConfig {
             rate_limits_timeout_ms: 500,
             rate_limits_fail_open: false,
             connect_retry: false,
+            stand_in_statuses: vec![500, 502, 503],
         }
     }
 }
@@ -199,15 +206,17 @@ impl PluginConfig {
                 reason: format!("must be 0..={MAX_PREFILL_FAILOVER}"),
             });
         }
-        if let Some(bad) = self
-            .prefill_failover_statuses
-            .iter()
-            .find(|s| !(500..=599).contains(*s))
-        {
-            return Err(ConfigError::Field {
-                field: "prefill_failover_statuses",
-                reason: format!("{bad} is not a 5xx status"),
-            });
+        let statuses = [
+            ("prefill_failover_statuses", &self.prefill_failover_statuses),
+            ("stand_in_statuses", &self.stand_in_statuses),
+        ];
+        for (field, list) in statuses {
+            if let Some(bad) = list.iter().find(|s| !(500..=599).contains(*s)) {
+                return Err(ConfigError::Field {
+                    field,
+                    reason: format!("{bad} is not a 5xx status"),
+                });
+            }
         }
         // A header value: visible ASCII only, so it can neither split the request nor
         // be mangled on the way.
@@ -550,6 +559,8 @@ mod tests {
                 br#"{"prefill_failover_statuses":[503,600]}"#,
             ],
         );
+        assert_eq!(PluginConfig::default().stand_in_statuses, [500, 502, 503]);
+        assert_refused("stand_in_statuses", &[br#"{"stand_in_statuses":[404]}"#]);
     }
 
     #[test]

@@ -748,7 +748,7 @@ impl PdHttp {
                 let stand_in = self.stand_in_for(model, target, decision.profile.as_deref());
                 let pod = &model.pods[pod];
                 self.set_destination(&pod.address, &strategy)?;
-                self.name_destinations(&pod.key, &pod.address, stand_in);
+                self.name_destinations(&pod.key, &pod.address, stand_in, true);
                 self.served.target = Some(pod.key.clone());
                 self.routed = Some(Routed {
                     strategy,
@@ -1351,7 +1351,7 @@ impl PdHttp {
             .decode
             .stand_in
             .filter(|_| address == pending.decode.address);
-        self.name_destinations(&pending.decode.key, &address, stand_in);
+        self.name_destinations(&pending.decode.key, &address, stand_in, false);
         Ok(())
     }
 }

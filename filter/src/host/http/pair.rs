@@ -117,7 +117,7 @@ impl PdHttp {
                 crate::section!("sglang.destination", self.route_to(&decode.address))?;
                 // A decode pod that refused the connection never joined the bootstrap room:
                 // another decode pod of the roleset joins it with the same leg.
-                self.name_destinations(&decode.key, &decode.address, stand_in);
+                self.name_destinations(&decode.key, &decode.address, stand_in, false);
                 Ok(Action::Continue)
             }
             Engine::Trtllm

@@ -3,7 +3,8 @@
 //!
 //! The filter names the chosen pod and a stand-in in `x-pd-destinations`; the retrying
 //! cluster's `override_host` load balancer tries them in that order, one per attempt, and
-//! retries only a refused (or reset-before-request) connection. Which one served is known
+//! retries a refused (or reset-before-request) connection, and for a pod serving the request
+//! alone its `stand_in_statuses` answers too. Which one served is known
 //! only from the response: `upstream.address` names the host of the last attempt. When that
 //! is the stand-in, the chosen pod failed the request (passive ejection hears of it), the
 //! request's running charge and decode tokens move to the stand-in, and the response headers,
@@ -41,7 +42,14 @@ impl StandIn {
 pub(super) struct Named {
     chosen_key: String,
     stand_in: StandIn,
+    /// Envoy was also asked to retry the chosen pod's own 5xx answers (`stand_in_statuses`).
+    on_answers: bool,
 }
+
+/// Envoy's router reads these per request (once, then drops them from the upstream request);
+/// Envoy's connection manager removes any a client sent.
+const RETRY_ON_HEADER: &str = "x-envoy-retry-on";
+const RETRIABLE_STATUS_CODES_HEADER: &str = "x-envoy-retriable-status-codes";
 
 impl PdHttp {
     /// A stand-in for `target`'s answering pod when the plugin retries refused connections
@@ -67,15 +75,21 @@ impl PdHttp {
 
     /// Names `chosen` and `stand_in` (when there is one, and it is a pod of the fleet) for the
     /// retrying cluster. Without one the header is left off, and the request takes the
-    /// ORIGINAL_DST route to `chosen` alone.
+    /// ORIGINAL_DST route to `chosen` alone. `whole_request`: the pod serves the request
+    /// alone (a single-pod target), so its own 5xx answers in `stand_in_statuses` may be
+    /// retried on the stand-in too; a PD decode leg's never are.
     pub(super) fn name_destinations(
         &mut self,
         chosen_key: &str,
         chosen_address: &str,
         stand_in: Option<StandIn>,
+        whole_request: bool,
     ) {
         let stand_in = stand_in.filter(|s| self.guard_target(&s.address).is_ok());
-        match stand_in {
+        let previous = self.named.take();
+        let had_named = previous.is_some();
+        let had_answers = previous.is_some_and(|n| n.on_answers);
+        let on_answers = match stand_in {
             Some(stand_in) => {
                 let value = format!("{chosen_address},{}", stand_in.address);
                 self.set_http_request_header(DESTINATIONS_HEADER, Some(&value));
@@ -83,16 +97,40 @@ impl PdHttp {
                     header.push_str("; stand_in=");
                     header.push_str(&stand_in.name);
                 }
+                let codes = whole_request
+                    .then(|| {
+                        let vm = self.vm.borrow();
+                        let list = &vm.plugin.stand_in_statuses;
+                        (!list.is_empty()).then(|| {
+                            list.iter()
+                                .map(u16::to_string)
+                                .collect::<Vec<_>>()
+                                .join(",")
+                        })
+                    })
+                    .flatten();
+                let on_answers = codes.is_some();
+                if let Some(codes) = codes {
+                    self.set_http_request_header(RETRY_ON_HEADER, Some("retriable-status-codes"));
+                    self.set_http_request_header(RETRIABLE_STATUS_CODES_HEADER, Some(&codes));
+                }
                 self.named = Some(Named {
                     chosen_key: chosen_key.to_string(),
                     stand_in,
+                    on_answers,
                 });
+                on_answers
             }
             None => {
-                if self.named.take().is_some() {
+                if had_named {
                     self.set_http_request_header(DESTINATIONS_HEADER, None);
                 }
+                false
             }
+        };
+        if had_answers && !on_answers {
+            self.set_http_request_header(RETRY_ON_HEADER, None);
+            self.set_http_request_header(RETRIABLE_STATUS_CODES_HEADER, None);
         }
     }
 
@@ -127,9 +165,14 @@ impl PdHttp {
         let answered = details().is_some_and(|d| d == b"via_upstream");
         let StandIn { key, name, address } = named.stand_in;
         log::info!(
-            "request {}: pod {} refused the connection; retried on stand-in {key}, which {}",
+            "request {}: pod {} {}; retried on stand-in {key}, which {}",
             self.request_id,
             named.chosen_key,
+            if named.on_answers {
+                "refused the connection or answered a stand_in_statuses error"
+            } else {
+                "refused the connection"
+            },
             if answered { "answered" } else { "failed too" }
         );
         holds::update(&self.vm, self.id, now_ms, |held, ledger| {
