@@ -796,6 +796,8 @@ fn gateway_route_points_the_named_route_at_pd_pods() {
     let vs = &services[0]["spec"];
     assert_eq!(vs["gateways"][0], gateways[0]["metadata"]["name"]);
     let route_name = vs["http"][0]["name"].as_str().expect("named http route");
+    // Istio's default retries would survive the MERGE below (the drop-in's route has none).
+    assert_eq!(vs["http"][0]["retries"]["attempts"].as_i64(), Some(0));
     let routes: Vec<_> = patches(rel)
         .into_iter()
         .filter(|(p, _)| p["applyTo"].as_str() == Some("HTTP_ROUTE"))

@@ -351,6 +351,22 @@ pub fn render_envoy(
         .replace("@EDS_DIR@", &eds_dir.display().to_string())
 }
 
+/// Makes a rendered drop-in's connection manager count loopback clients as internal.
+pub fn with_internal_clients(rendered: String) -> String {
+    let anchor = "          stat_prefix: pd_ingress\n";
+    assert!(
+        rendered.contains(anchor),
+        "no pd_ingress connection manager"
+    );
+    rendered.replacen(
+        anchor,
+        &format!(
+            "{anchor}          use_remote_address: true\n          internal_address_config:\n            cidr_ranges: [{{address_prefix: 127.0.0.0, prefix_len: 8}}]\n"
+        ),
+        1,
+    )
+}
+
 /// Points a rendered drop-in's retrying cluster at pd-control's gRPC EDS service at `xds`: its
 /// `pd_pods_retry` is replaced by the clusters `envoy/istio/envoyfilter-clusters.yaml` adds to an
 /// Istio gateway (`pd_pods_retry` over EDS and `pd_control_xds`, the latter pointed at `xds`),
@@ -502,6 +518,11 @@ pub struct Options<'a> {
     /// The retrying cluster learns its pods from pd-control's gRPC EDS service
     /// (`--xds-listen`, as an Istio gateway does) instead of the endpoint file.
     pub eds_over_grpc: bool,
+    /// Envoy's connection manager counts every loopback client as internal
+    /// (`use_remote_address` with `internal_address_config` 127.0.0.0/8), as a gateway whose
+    /// operator lists the clients' networks does: it then leaves their `x-envoy-*` request
+    /// headers on.
+    pub internal_clients: bool,
 }
 
 impl Default for Options<'_> {
@@ -515,6 +536,7 @@ impl Default for Options<'_> {
             plugin_extra: "",
             control_args: &[],
             eds_over_grpc: false,
+            internal_clients: false,
         }
     }
 }
@@ -879,6 +901,11 @@ impl Stack {
         let rendered = match &stack.xds {
             Some(xds) => eds_over_grpc(rendered, xds),
             None => rendered,
+        };
+        let rendered = if options.internal_clients {
+            with_internal_clients(rendered)
+        } else {
+            rendered
         };
         std::fs::write(&config, rendered).expect("envoy config");
         let mut envoy = Command::new(envoy_bin());

@@ -1674,6 +1674,46 @@ fn a_decode_pod_answering_500_is_not_retried_on_its_sibling() {
     assert_clean_end(&stack, &fleet_pods(&fleet));
 }
 
+/// A client cannot buy retries from Envoy's router, even one Envoy counts as internal (whose
+/// `x-envoy-*` headers its connection manager leaves on): with `x-envoy-retry-on: 5xx` and
+/// three retries asked for, a decode pod's 500 reaches the client after one decode leg (left
+/// on, the headers have the leg, and its KV pull, run four times on the same pod), and the
+/// pods never see the headers.
+#[test]
+fn client_sent_envoy_retry_headers_buy_no_retries() {
+    let fleet = one_roleset();
+    // Clients the connection manager counts as internal: it leaves the controls on.
+    let stack = Stack::start_opts(
+        fleet.clone(),
+        fleet.clone(),
+        &Options {
+            internal_clients: true,
+            ..Options::default()
+        },
+    );
+    stack.arm_fault(json!({"pod": "d-0", "kind": "status", "status": 500, "leg": "decode"}));
+    let controls = [
+        ("x-envoy-retry-on", "5xx,retriable-status-codes"),
+        ("x-envoy-retriable-status-codes", "500"),
+        ("x-envoy-max-retries", "3"),
+        ("x-envoy-upstream-rq-per-try-timeout-ms", "60000"),
+    ];
+    let r = stack.chat(&[PD.as_slice(), &controls].concat(), &question(0));
+    assert_eq!(r.status, 500, "{}", describe(&r));
+    let legs = decode_legs(&stack, "d-0");
+    assert_eq!(legs.len(), 1, "{legs:#?}");
+    assert_eq!(envoy_stat(&stack, "cluster.pd_pods.upstream_rq_retry"), 0);
+    let seen = stack.sim_requests();
+    for (name, _) in controls {
+        assert!(
+            seen.iter().all(|e| e["headers"].get(name).is_none()),
+            "{name} reached a pod: {seen:#?}"
+        );
+    }
+    stack.clear_faults();
+    assert_clean_end(&stack, &fleet_pods(&fleet));
+}
+
 /// When the stand-in refuses too, the client gets Envoy's 503 as an OpenAI error body, both
 /// pods count the failure, and the retry is counted as failed; nothing is left charged.
 #[test]

@@ -22,6 +22,26 @@ pub const ENVOY_DST_HEADER: &str = "x-envoy-original-dst-host";
 /// (`ip:port,ip:port`; see `pd::fallback`). A client must never pick them either.
 pub const DESTINATIONS_HEADER: &str = "x-pd-destinations";
 
+/// Request headers by which a client could steer Envoy's router: retries (a decode leg, or a
+/// whole generation, run again on the engine's cost) and timeouts (a stream with no bound).
+/// Envoy's connection manager drops them only from requests it counts as external
+/// (`use_remote_address` with `internal_address_config`), which a gateway behind another proxy,
+/// or one whose clients sit on internal addresses, never sees; so the filter drops them from
+/// every request. Retries are the filter's to ask for: it sets the retry headers itself when it
+/// names a stand-in (`host::http::stand_in`).
+pub const ENVOY_CONTROLS: [&str; 10] = [
+    "x-envoy-retry-on",
+    "x-envoy-retry-grpc-on",
+    "x-envoy-max-retries",
+    "x-envoy-retriable-status-codes",
+    "x-envoy-retriable-header-names",
+    "x-envoy-hedge-on-per-try-timeout",
+    "x-envoy-upstream-rq-timeout-ms",
+    "x-envoy-upstream-rq-per-try-timeout-ms",
+    "x-envoy-upstream-rq-timeout-alt-response",
+    "x-envoy-upstream-stream-duration-ms",
+];
+
 /// What the filter needs from the request headers.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Inbound {
@@ -42,6 +62,8 @@ pub struct Inbound {
     /// A client-sent destination header (the plugin's, Envoy's or [`DESTINATIONS_HEADER`]) is
     /// present and must go.
     pub dst_present: bool,
+    /// Bit `i` set: the client sent [`ENVOY_CONTROLS`]`[i]`, which must go.
+    pub envoy_controls: u16,
     /// [`FORWARDED`] headers present, in that order, first value of each.
     pub forwarded: Vec<(&'static str, String)>,
     /// The first forwarded header (in the client's order) whose value is not UTF-8: it
@@ -82,6 +104,11 @@ impl Inbound {
             if name == dst_header || name == ENVOY_DST_HEADER || name == DESTINATIONS_HEADER {
                 inbound.dst_present = true;
             }
+            if name.starts_with("x-envoy-") {
+                if let Some(i) = ENVOY_CONTROLS.iter().position(|c| *c == name) {
+                    inbound.envoy_controls |= 1 << i;
+                }
+            }
             if name == explain_header {
                 if !inbound.explain_present {
                     inbound.explain = value == b"1";
@@ -107,6 +134,15 @@ impl Inbound {
             .forwarded
             .sort_by_key(|(name, _)| FORWARDED.iter().position(|f| f == name));
         inbound
+    }
+
+    /// The [`ENVOY_CONTROLS`] headers the client sent.
+    pub fn envoy_controls(&self) -> impl Iterator<Item = &'static str> + '_ {
+        ENVOY_CONTROLS
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| self.envoy_controls & (1 << i) != 0)
+            .map(|(_, name)| *name)
     }
 }
 
@@ -166,6 +202,32 @@ mod tests {
         assert!(h.dst_present && !h.explain && h.explain_present);
         assert!(read(&[(DESTINATIONS_HEADER, b"10.0.0.1:80,10.0.0.2:80")]).dst_present);
         assert!(read(&[("x-trap", b"")]).trap);
+    }
+
+    /// Every retry and timeout control a client sends is listed once, in the list's order; other
+    /// `x-envoy-*` headers are not the filter's to drop.
+    #[test]
+    fn lists_the_envoy_router_controls_a_client_sent() {
+        let h = read(&[
+            ("x-envoy-max-retries", b"9"),
+            ("x-envoy-retry-on", b"5xx"),
+            ("x-envoy-attempt-count", b"1"),
+            ("x-envoy-upstream-rq-timeout-ms", b"0"),
+            ("x-envoy-retry-on", b"reset"),
+        ]);
+        let sent: Vec<&str> = h.envoy_controls().collect();
+        assert_eq!(
+            sent,
+            [
+                "x-envoy-retry-on",
+                "x-envoy-max-retries",
+                "x-envoy-upstream-rq-timeout-ms"
+            ]
+        );
+        assert!(!h.dst_present);
+        let all: Vec<(&str, &[u8])> = ENVOY_CONTROLS.iter().map(|c| (*c, &b"1"[..])).collect();
+        assert_eq!(read(&all).envoy_controls().count(), ENVOY_CONTROLS.len());
+        assert_eq!(read(&[("x-other", b"1")]).envoy_controls().count(), 0);
     }
 
     /// A value that is not UTF-8 neither panics nor is forwarded altered.

@@ -1452,6 +1452,9 @@ impl HttpContext for PdHttp {
             // down the retrying route to the pods the client listed.
             self.set_http_request_header(DESTINATIONS_HEADER, None);
         }
+        for control in h.envoy_controls() {
+            self.set_http_request_header(control, None);
+        }
         self.trap_at_prefill_answer = h.trap;
         if explain_enabled {
             if h.explain {

@@ -47,7 +47,7 @@ pub(super) struct Named {
 }
 
 /// Envoy's router reads these per request (once, then drops them from the upstream request);
-/// Envoy's connection manager removes any a client sent.
+/// the filter has already removed any a client sent (`core::inbound::ENVOY_CONTROLS`).
 const RETRY_ON_HEADER: &str = "x-envoy-retry-on";
 const RETRIABLE_STATUS_CODES_HEADER: &str = "x-envoy-retriable-status-codes";
 
