@@ -69,6 +69,44 @@ pub fn request(
         Err(e) if matches!(e.kind(), ErrorKind::BrokenPipe | ErrorKind::ConnectionReset) => Some(e),
         Err(e) => return Err(e),
     };
+    read_answer(stream, write_error)
+}
+
+/// Sends a POST whose body is chunked (no content-length), one chunk per piece, each piece
+/// its own write, as a client streaming its upload does.
+pub fn post_chunked(
+    addr: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    pieces: &[&[u8]],
+) -> std::io::Result<Response> {
+    let mut stream = TcpStream::connect(addr)?;
+    stream.set_read_timeout(Some(Duration::from_secs(60)))?;
+    stream.set_nodelay(true)?;
+    let mut head = format!(
+        "POST {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\ntransfer-encoding: chunked\r\n"
+    );
+    for (name, value) in headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    head.push_str("\r\n");
+    stream.write_all(head.as_bytes())?;
+    for piece in pieces.iter().filter(|p| !p.is_empty()) {
+        stream.write_all(format!("{:x}\r\n", piece.len()).as_bytes())?;
+        stream.write_all(piece)?;
+        stream.write_all(b"\r\n")?;
+        stream.flush()?;
+    }
+    stream.write_all(b"0\r\n\r\n")?;
+    read_answer(stream, None)
+}
+
+/// Reads a whole answer; `write_error` is a failed body write, the error to report when no
+/// answer came.
+fn read_answer(
+    mut stream: TcpStream,
+    write_error: Option<std::io::Error>,
+) -> std::io::Result<Response> {
     let mut raw = Vec::new();
     if let Err(e) = stream.read_to_end(&mut raw) {
         // A reset after part of the answer still shows what the client got (a cut stream

@@ -127,6 +127,64 @@ fn non_streaming_pd_request_goes_prefill_then_decode_of_one_roleset() {
     assert_eq!(header(&r, "x-went-into-req-headers"), "true");
 }
 
+/// A client streaming its upload (chunked, no content-length, the body cut mid-character and
+/// large enough to reach the filter in several body callbacks): the filter routes on the
+/// whole body, both legs carry the prompt intact, and a single-pod request is relayed intact.
+#[test]
+fn a_chunked_request_body_is_routed_whole() {
+    let stack = Stack::start(two_rolesets());
+    let prompt = "Prefill reads the prompt; décodé tokens follow. ".repeat(4000);
+    let body = json!({"model": MODEL, "max_tokens": 3,
+                      "messages": [{"role": "user", "content": prompt}]})
+    .to_string();
+    let bytes = body.as_bytes();
+    let cut = bytes
+        .iter()
+        .position(|b| *b >= 0x80)
+        .expect("a multi-byte character")
+        + 1;
+    let pieces = [
+        &bytes[..cut],
+        &bytes[cut..bytes.len() / 2],
+        &bytes[bytes.len() / 2..],
+    ];
+    let send = |strategy: &str| {
+        pd_wasm_tests::http::post_chunked(
+            &stack.gateway,
+            "/v1/chat/completions",
+            &[
+                ("content-type", "application/json"),
+                ("routing-strategy", strategy),
+            ],
+            &pieces,
+        )
+        .expect("chunked POST")
+    };
+    let r = send("pd");
+    assert_pd_exchange(&stack, &r);
+    let (prefill, decode) = legs(&stack, header(&r, "request-id"));
+    for leg in [&prefill[0], &decode[0]] {
+        assert_eq!(
+            leg["body"]["messages"][0]["content"].as_str(),
+            Some(prompt.as_str())
+        );
+    }
+    assert_eq!(r.json()["usage"]["completion_tokens"], 3);
+
+    let r = send("least-request");
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(header(&r, "target-pod"), "vllm-c-0");
+    let entries = stack.sim_requests();
+    let served = entries
+        .iter()
+        .find(|e| e["x_request_id"] == header(&r, "request-id"))
+        .expect("the standard pod's log entry");
+    assert_eq!(
+        served["body"]["messages"][0]["content"].as_str(),
+        Some(prompt.as_str())
+    );
+}
+
 /// Pods on IPv6 addresses (IPv6-only or dual-stack clusters): the destination Envoy dials is
 /// `[ip]:port`, while the engines' own fields (`remote_host`, `prefill-target-pod-ip`) keep
 /// the bare IP, as AIBrix writes them.
