@@ -674,9 +674,15 @@ fn envoy_filters_add_the_clusters_the_plugin_names() {
         "load_balancing_policy",
         "circuit_breakers",
         "connect_timeout",
+        "typed_extension_protocol_options",
     ] {
         assert_eq!(retry[key], drop_in_retry[key], "pd_pods_retry.{key}");
     }
+    // Idle connections to the pods closed as the drop-in closes them.
+    assert_eq!(
+        pods["typed_extension_protocol_options"],
+        drop_in_cluster("pd_pods")["typed_extension_protocol_options"]
+    );
     let source = &retry["eds_cluster_config"]["eds_config"]["api_config_source"];
     assert_eq!(source["api_type"].as_str(), Some("GRPC"));
     let xds_cluster = source["grpc_services"][0]["envoy_grpc"]["cluster_name"]
@@ -706,6 +712,44 @@ fn envoy_filters_add_the_clusters_the_plugin_names() {
         .port;
     assert_eq!(address["port_value"].as_i64(), Some(i64::from(grpc_port)));
     assert!(config.connect_retry, "the plugin names stand-ins");
+}
+
+/// The engines' API servers (uvicorn) close a kept-alive connection after 5 s without a
+/// request; every Envoy cluster of engine pods must close its idle ones sooner, or a request
+/// written as the engine closes fails unanswered.
+#[test]
+fn pod_clusters_close_idle_connections_before_the_engines_do() {
+    const ENGINE_KEEP_ALIVE_S: f64 = 5.0;
+    let idle_timeout = |cluster: &Yaml, origin: &str| -> f64 {
+        let text = cluster["typed_extension_protocol_options"]
+            ["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+            ["common_http_protocol_options"]["idle_timeout"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{origin}: no upstream idle_timeout"));
+        text.strip_suffix('s')
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("{origin}: idle_timeout {text} is not N s"))
+    };
+    let mut checked = 0;
+    for rel in [
+        "envoy/envoy.yaml.tmpl",
+        "envoy/envoy-ecds.yaml.tmpl",
+        "envoy/envoy-passthrough.yaml.tmpl",
+    ] {
+        let doc = template_yaml(rel);
+        for cluster in doc["static_resources"]["clusters"]
+            .as_sequence()
+            .expect("clusters")
+        {
+            let name = cluster["name"].as_str().unwrap_or_default();
+            if matches!(name, "pd_pods" | "pd_pods_retry" | "pod") {
+                let t = idle_timeout(cluster, &format!("{rel} {name}"));
+                assert!(t > 0.0 && t < ENGINE_KEEP_ALIVE_S, "{rel} {name}: {t} s");
+                checked += 1;
+            }
+        }
+    }
+    assert_eq!(checked, 5);
 }
 
 /// The drop-in (envoy/envoy.yaml.tmpl) as YAML, its `@PLACEHOLDER@`s filled.

@@ -89,6 +89,10 @@ pub struct SimArgs {
     /// reads) beside the engine's own families, as the pod's batch occupancy.
     #[arg(long)]
     pub utilization_gauge: bool,
+    /// Seconds a connection may carry no request before the pod closes it, as the engines'
+    /// uvicorn does (`timeout_keep_alive`, 5 s); 0 keeps connections open.
+    #[arg(long, default_value_t = 5.0)]
+    pub keep_alive_timeout_s: f64,
 }
 
 impl SimArgs {
@@ -116,6 +120,9 @@ impl SimArgs {
             vllm_neuron: self.vllm_connector == "nixl",
             side_channel_host_is_pod_ip: self.side_channel_host == "pod",
             utilization_gauge: self.utilization_gauge,
+            keep_alive: Duration::try_from_secs_f64(self.keep_alive_timeout_s)
+                .ok()
+                .filter(|d| !d.is_zero()),
         }
     }
 }

@@ -27,6 +27,7 @@ pub mod dispatch_bound;
 pub mod engine;
 pub mod faults;
 pub mod interleave;
+pub mod keep_alive;
 pub mod load;
 pub mod log;
 pub mod metrics;

@@ -56,6 +56,9 @@ pub struct SimConfig {
     pub side_channel_host_is_pod_ip: bool,
     /// Export xLLM's `engine_utilization` gauge too (see [`crate::metrics::render_utilization`]).
     pub utilization_gauge: bool,
+    /// A connection with no request in flight for this long is closed, as the engines'
+    /// uvicorn does (`crate::keep_alive`); `None` keeps it open.
+    pub keep_alive: Option<Duration>,
 }
 
 impl Default for SimConfig {
@@ -74,6 +77,7 @@ impl Default for SimConfig {
             vllm_neuron: false,
             side_channel_host_is_pod_ip: false,
             utilization_gauge: false,
+            keep_alive: Some(crate::keep_alive::ENGINE_KEEP_ALIVE),
         }
     }
 }

@@ -25,6 +25,7 @@ use crate::abort::AbortHandle;
 use crate::anthropic;
 use crate::engine;
 use crate::faults::{Drawn, FaultError, FaultKind, FaultSpec};
+use crate::keep_alive;
 use crate::log::LogEntry;
 use crate::metrics::{self, Engine};
 use crate::pod::{Job, JobSpec, KvPull, PodState, Registry};
@@ -1017,12 +1018,23 @@ impl Drop for ServeHandle {
     }
 }
 
-/// Serves `router` on an already bound listener.
-pub fn serve(listener: TcpListener, router: Router) -> std::io::Result<ServeHandle> {
+/// Serves `router` on an already bound listener; with `keep_alive`, a connection that carries
+/// no request for that long is closed, as the engines' uvicorn does (`crate::keep_alive`).
+pub fn serve(
+    listener: TcpListener,
+    router: Router,
+    keep_alive: Option<Duration>,
+) -> std::io::Result<ServeHandle> {
     let addr = listener.local_addr()?;
     let (accepting, accepting_rx) = watch::channel(true);
     let (closed_tx, closed) = watch::channel(false);
-    let task = tokio::spawn(accept_loop(listener, router, accepting_rx, closed_tx));
+    let task = tokio::spawn(accept_loop(
+        listener,
+        router,
+        keep_alive,
+        accepting_rx,
+        closed_tx,
+    ));
     Ok(ServeHandle {
         addr,
         task,
@@ -1031,9 +1043,38 @@ pub fn serve(listener: TcpListener, router: Router) -> std::io::Result<ServeHand
     })
 }
 
+async fn serve_connection(
+    stream: tokio::net::TcpStream,
+    service: TowerToHyperService<Router>,
+    keep_alive: Option<Duration>,
+) {
+    let builder = hyper::server::conn::http1::Builder::new();
+    let io = TokioIo::new(stream);
+    let Some(timeout) = keep_alive else {
+        let _ = builder.serve_connection(io, service).await;
+        return;
+    };
+    let activity = keep_alive::Activity::new();
+    let service = keep_alive::Counted {
+        inner: service,
+        activity: activity.clone(),
+    };
+    let connection = builder.serve_connection(io, service);
+    tokio::pin!(connection);
+    tokio::select! {
+        _ = connection.as_mut() => {}
+        () = keep_alive::idle_for(activity, timeout) => {
+            // Closes at once when idle; a request that raced in is answered first.
+            connection.as_mut().graceful_shutdown();
+            let _ = connection.await;
+        }
+    }
+}
+
 async fn accept_loop(
     listener: TcpListener,
     router: Router,
+    keep_alive: Option<Duration>,
     mut accepting: watch::Receiver<bool>,
     closed: watch::Sender<bool>,
 ) {
@@ -1052,11 +1093,7 @@ async fn accept_loop(
                 Ok((stream, _)) => {
                     let _ = stream.set_nodelay(true);
                     let service = TowerToHyperService::new(router.clone());
-                    connections.spawn(async move {
-                        let _ = hyper::server::conn::http1::Builder::new()
-                            .serve_connection(TokioIo::new(stream), service)
-                            .await;
-                    });
+                    connections.spawn(serve_connection(stream, service, keep_alive));
                 }
                 Err(err) => {
                     // Out of file descriptors and the like: back off instead of spinning.

@@ -212,7 +212,7 @@ impl Sim {
         });
         let mut servers = Vec::with_capacity(listeners.len());
         for listener in listeners {
-            servers.push(serve(listener, router.clone())?);
+            servers.push(serve(listener, router.clone(), state.config.keep_alive)?);
         }
         Ok(servers)
     }
@@ -425,7 +425,7 @@ pub async fn serve_admin(sim: &Arc<Sim>, addr: SocketAddr) -> std::io::Result<Se
     let listener = TcpListener::bind(addr).await.map_err(|e| {
         std::io::Error::new(e.kind(), format!("cannot bind admin address {addr}: {e}"))
     })?;
-    serve(listener, sim.admin_router())
+    serve(listener, sim.admin_router(), None)
 }
 
 /// Polls a fleet file and keeps a [`Sim`] in step with it.
