@@ -71,12 +71,14 @@ pub fn metrics_url(ip: &str, port: u16, engine: Engine) -> String {
 /// in the environment would send every scrape through it. A connection attempt gets half the
 /// scrape's bound, so a pod whose node vanished (the attempt is never answered) fails as a
 /// connection failure, which marks a pod unreachable, rather than as a slow answer, which
-/// does not.
+/// does not. Idle connections are dropped after 3 s, before the engines' uvicorn closes them
+/// (5 s): a scrape sent as the engine closes would fail as a connection error (the gateway's
+/// pod clusters do the same, docs/OPERATOR.md "Idle connections to the engines").
 pub fn client(timeout: Duration) -> Result<reqwest::Client, reqwest::Error> {
     reqwest::Client::builder()
         .no_proxy()
         .connect_timeout(timeout / 2)
-        .pool_idle_timeout(Duration::from_secs(30))
+        .pool_idle_timeout(Duration::from_secs(3))
         .pool_max_idle_per_host(2)
         .build()
 }
