@@ -185,6 +185,91 @@ fn a_chunked_request_body_is_routed_whole() {
     );
 }
 
+/// An HTTP/2 client (h2c with prior knowledge, as a front proxy or a gRPC-style SDK speaks):
+/// eight requests multiplexed on one connection, streaming and not, are each routed through
+/// their own PD exchange, and a refusal comes back as on HTTP/1.1.
+#[test]
+fn http2_clients_multiplex_pd_requests_on_one_connection() {
+    let stack = Stack::start(two_rolesets());
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let url = format!("http://{}/v1/chat/completions", stack.gateway);
+    let answers: Vec<Response> = runtime.block_on(async {
+        let client = reqwest::Client::builder()
+            .no_proxy()
+            .http2_prior_knowledge()
+            .pool_max_idle_per_host(1)
+            .build()
+            .expect("client");
+        let send = |body: Value, strategy: &'static str| {
+            let request = client
+                .post(&url)
+                .header("content-type", "application/json")
+                .header("routing-strategy", strategy)
+                .body(body.to_string());
+            async move {
+                let r = request.send().await.expect("sent");
+                assert_eq!(r.version(), reqwest::Version::HTTP_2);
+                let status = r.status().as_u16();
+                let headers = r
+                    .headers()
+                    .iter()
+                    .map(|(n, v)| (n.to_string(), v.to_str().unwrap_or("").to_string()))
+                    .collect();
+                let body = r.bytes().await.expect("whole body").to_vec();
+                Response {
+                    status,
+                    headers,
+                    body,
+                    complete: true,
+                }
+            }
+        };
+        // The first request opens the connection the others share.
+        let first = send(chat_body(false, 2), "pd").await;
+        let mut rest = Vec::new();
+        for i in 0..8u32 {
+            rest.push(send(chat_body(i % 2 == 0, 2 + i), "pd"));
+        }
+        let mut answers = vec![first];
+        answers.extend(futures_util::future::join_all(rest).await);
+        let unknown =
+            json!({"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]});
+        answers.push(send(unknown, "pd").await);
+        answers
+    });
+    let stats = pd_wasm_tests::http::get(&stack.admin, "/stats?filter=downstream_cx_http2_total")
+        .expect("Envoy admin")
+        .text();
+    assert!(
+        stats.contains("http.pd_ingress.downstream_cx_http2_total: 1\n"),
+        "one HTTP/2 connection carried them all: {stats}"
+    );
+    let (refused, routed) = answers.split_last().expect("answers");
+    let mut ids = BTreeSet::new();
+    for (i, r) in routed.iter().enumerate() {
+        assert_pd_exchange(&stack, r);
+        assert!(
+            ids.insert(header(r, "request-id").to_string()),
+            "request {i}"
+        );
+        if i > 0 && (i - 1) % 2 == 0 {
+            let text = r.text();
+            assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+        } else {
+            assert_eq!(r.json()["object"], "chat.completion");
+        }
+    }
+    assert_eq!(refused.status, 400, "{}", refused.text());
+    assert_eq!(
+        refused.header("x-error-no-model-backends"),
+        Some("no-such-model")
+    );
+    assert!(refused.json()["error"]["message"].is_string());
+}
+
 /// Pods on IPv6 addresses (IPv6-only or dual-stack clusters): the destination Envoy dials is
 /// `[ip]:port`, while the engines' own fields (`remote_host`, `prefill-target-pod-ip`) keep
 /// the bare IP, as AIBrix writes them.
