@@ -752,6 +752,23 @@ fn pod_clusters_close_idle_connections_before_the_engines_do() {
     assert_eq!(checked, 5);
 }
 
+/// Every Envoy of ours bounds its client connections the same way (the drop-ins, and the
+/// plain Envoy the benchmarks compare them with).
+#[test]
+fn every_envoy_bounds_its_client_connections() {
+    let inline = drop_in_yaml()["overload_manager"].clone();
+    let limit = inline["resource_monitors"][0]["typed_config"]["max_active_downstream_connections"]
+        .as_i64()
+        .expect("a downstream connection limit");
+    assert!(limit >= 1000, "{limit}");
+    for rel in [
+        "envoy/envoy-ecds.yaml.tmpl",
+        "envoy/envoy-passthrough.yaml.tmpl",
+    ] {
+        assert_eq!(template_yaml(rel)["overload_manager"], inline, "{rel}");
+    }
+}
+
 /// The drop-in (envoy/envoy.yaml.tmpl) as YAML, its `@PLACEHOLDER@`s filled.
 fn drop_in_yaml() -> Yaml {
     template_yaml("envoy/envoy.yaml.tmpl")
