@@ -132,6 +132,9 @@ impl ExternalRouter {
         // No redirects (hyper follows none), no compression (none asked for), no retries.
         let client = Client::builder(TokioExecutor::new())
             .pool_max_idle_per_host(cfg.max_inflight)
+            // Below the 5 s keep-alive of common Python servers (uvicorn), which close idle
+            // connections: one reused as it closes would fail the ask.
+            .pool_idle_timeout(std::time::Duration::from_secs(3))
             .build(connector);
         Ok(ExternalRouter {
             bulkhead: Bulkhead::new(cfg.max_inflight),
