@@ -479,3 +479,29 @@ fn hostile_inputs_get_their_exact_answers_and_break_nothing() {
     assert_eq!(r.status, 200, "{}", r.text());
     stack.wait_ledger_zero();
 }
+
+/// A client that starts a request and never finishes its headers is answered 408 and
+/// disconnected after the drop-in's `request_headers_timeout` (10 s), not held until the
+/// 130 s stream idle timeout; a client finishing its headers on the same gateway meanwhile is
+/// served.
+#[test]
+fn a_client_never_finishing_its_headers_is_cut_off() {
+    let fleet = Fleet::new(MODEL)
+        .pod("p0", "prefill", "g0")
+        .pod("d0", "decode", "g0");
+    let stack = Stack::start(fleet);
+    let mut raw = TcpStream::connect(&stack.gateway).expect("connect");
+    raw.set_read_timeout(Some(Duration::from_secs(60))).ok();
+    raw.write_all(b"POST /v1/completions HTTP/1.1\r\nhost: pd\r\nrouting-strategy: pd\r\n")
+        .expect("send");
+    let r = http::post_json(
+        &stack.gateway,
+        "/v1/completions",
+        &[("routing-strategy", "pd")],
+        &ok("served meanwhile"),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let mut answer = String::new();
+    let read = raw.read_to_string(&mut answer);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{read:?} {answer:.300}");
+}
