@@ -752,6 +752,30 @@ fn pod_clusters_close_idle_connections_before_the_engines_do() {
     assert_eq!(checked, 5);
 }
 
+/// The Istio gateway's connection manager gets the drop-in's timeouts.
+#[test]
+fn istio_connection_manager_keeps_the_drop_ins_timeouts() {
+    let hcm = |doc: &Yaml| {
+        doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+            .clone()
+    };
+    let inline = hcm(&drop_in_yaml());
+    let patches: Vec<Yaml> = patches("envoy/istio/envoyfilter-clusters.yaml")
+        .into_iter()
+        .filter(|(p, _)| p["applyTo"].as_str() == Some("NETWORK_FILTER"))
+        .map(|(p, _)| p["patch"]["value"]["typed_config"].clone())
+        .collect();
+    assert_eq!(patches.len(), 1);
+    for key in [
+        "stream_idle_timeout",
+        "request_headers_timeout",
+        "delayed_close_timeout",
+    ] {
+        assert!(!inline[key].is_null(), "the drop-in sets {key}");
+        assert_eq!(patches[0][key], inline[key], "{key}");
+    }
+}
+
 /// Every Envoy of ours bounds its client connections the same way (the drop-ins, and the
 /// plain Envoy the benchmarks compare them with).
 #[test]
