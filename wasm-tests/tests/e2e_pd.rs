@@ -270,6 +270,94 @@ fn http2_clients_multiplex_pd_requests_on_one_connection() {
     assert!(refused.json()["error"]["message"].is_string());
 }
 
+/// POSTs `body` to the gateway over HTTP/2 (h2c) or HTTP/1.1.
+fn post_over(stack: &Stack, http2: bool, body: Vec<u8>) -> Response {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let url = format!("http://{}/v1/completions", stack.gateway);
+    runtime.block_on(async {
+        let builder = reqwest::Client::builder().no_proxy();
+        let client = if http2 {
+            builder.http2_prior_knowledge()
+        } else {
+            builder.http1_only()
+        }
+        .build()
+        .expect("client");
+        let r = client
+            .post(&url)
+            .header("content-type", "application/json")
+            .header("routing-strategy", "pd")
+            .body(body)
+            .send()
+            .await
+            .expect("sent");
+        Response {
+            status: r.status().as_u16(),
+            headers: r
+                .headers()
+                .iter()
+                .map(|(n, v)| (n.to_string(), v.to_str().unwrap_or("").to_string()))
+                .collect(),
+            body: r.bytes().await.unwrap_or_default().to_vec(),
+            complete: true,
+        }
+    })
+}
+
+fn completion_of(bytes: usize) -> Vec<u8> {
+    json!({"model": MODEL, "max_tokens": 2, "prompt": "x".repeat(bytes)})
+        .to_string()
+        .into_bytes()
+}
+
+/// A body over the plugin's `max_request_body_bytes` (8 MiB by default, the drop-in's listener
+/// bound) is refused with 413 whatever the client speaks: Envoy's buffer limit holds for
+/// HTTP/1.1 only, and an HTTP/2 stream took 9 MiB into the VM before the filter bound it. The
+/// refusal is counted, and no pod sees the request.
+#[test]
+fn a_body_over_the_bound_is_refused_over_http2_too() {
+    let stack = Stack::start(two_rolesets());
+    let r = post_over(&stack, true, completion_of(9 * 1024 * 1024));
+    assert_eq!(r.status, 413, "{}", r.text());
+    assert_eq!(r.header("x-error-request-body-processing"), Some("true"));
+    assert_eq!(
+        r.header("x-error-response-unknown"),
+        None,
+        "the filter's own"
+    );
+    assert_eq!(
+        r.json()["error"]["message"],
+        "request body exceeds 8388608 bytes"
+    );
+    assert_eq!(
+        stack.metric("pd_router_rejected_total", &[("reason", "body_too_large")]),
+        1.0
+    );
+    assert!(stack.sim_requests().is_empty(), "no pod took the body");
+    // Below the bound, HTTP/2 bodies are routed as ever.
+    assert_pd_exchange(&stack, &post_over(&stack, true, completion_of(1024 * 1024)));
+    drop(stack);
+
+    // A lower bound applies to HTTP/1.1 too, below Envoy's own.
+    let fleet = two_rolesets();
+    let stack = Stack::start_opts(
+        fleet.clone(),
+        fleet,
+        &Options {
+            plugin_extra: r#""max_request_body_bytes":65536"#,
+            ..Options::default()
+        },
+    );
+    for http2 in [false, true] {
+        let r = post_over(&stack, http2, completion_of(100_000));
+        assert_eq!(r.status, 413, "http2 {http2}: {}", r.text());
+        assert_pd_exchange(&stack, &post_over(&stack, http2, completion_of(60_000)));
+    }
+}
+
 /// Pods on IPv6 addresses (IPv6-only or dual-stack clusters): the destination Envoy dials is
 /// `[ip]:port`, while the engines' own fields (`remote_host`, `prefill-target-pod-ip`) keep
 /// the bare IP, as AIBrix writes them.

@@ -91,6 +91,11 @@ pub struct PluginConfig {
     /// 500 to everything. Never a PD decode leg: its pod may have pulled the KV, which the
     /// prefill pod then frees. 5xx only; empty retries refused connections only.
     pub stand_in_statuses: Vec<u16>,
+    /// The largest request body the filter takes, in bytes; a larger one is refused with 413
+    /// before it is read into the VM, whose memory never shrinks. Envoy's own bound
+    /// (`per_connection_buffer_limit_bytes`, 8 MiB in the drop-ins) holds only for HTTP/1.1:
+    /// an HTTP/2 stream's buffer is bounded by its window (256 MiB by default).
+    pub max_request_body_bytes: usize,
 }
 
 impl PluginConfig {
@@ -133,9 +138,13 @@ impl Default for PluginConfig {
             rate_limits_fail_open: false,
             connect_retry: false,
             stand_in_statuses: vec![500, 502, 503],
+            max_request_body_bytes: DEFAULT_MAX_REQUEST_BODY_BYTES,
         }
     }
 }
+
+/// The drop-ins' listener buffer limit: a ~2M-token prompt at 4 bytes a token.
+pub const DEFAULT_MAX_REQUEST_BODY_BYTES: usize = 8 * 1024 * 1024;
 
 impl PluginConfig {
     pub fn parse(raw: &[u8]) -> Result<PluginConfig, ConfigError> {
@@ -217,6 +226,12 @@ impl PluginConfig {
                     reason: format!("{bad} is not a 5xx status"),
                 });
             }
+        }
+        if self.max_request_body_bytes == 0 {
+            return Err(ConfigError::Field {
+                field: "max_request_body_bytes",
+                reason: "must be above 0".into(),
+            });
         }
         // A header value: visible ASCII only, so it can neither split the request nor
         // be mangled on the way.
@@ -561,6 +576,20 @@ mod tests {
         );
         assert_eq!(PluginConfig::default().stand_in_statuses, [500, 502, 503]);
         assert_refused("stand_in_statuses", &[br#"{"stand_in_statuses":[404]}"#]);
+    }
+
+    #[test]
+    fn request_body_bound() {
+        assert_eq!(
+            PluginConfig::default().max_request_body_bytes,
+            8 * 1024 * 1024
+        );
+        let small = PluginConfig::parse(br#"{"max_request_body_bytes":65536}"#).unwrap();
+        assert_eq!(small.max_request_body_bytes, 65536);
+        assert_refused(
+            "max_request_body_bytes",
+            &[br#"{"max_request_body_bytes":0}"#],
+        );
     }
 
     #[test]

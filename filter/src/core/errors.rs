@@ -11,6 +11,9 @@ pub enum RouteError {
     Unauthorized,
     #[error("error processing request body")]
     BadBody,
+    /// The body is larger than the plugin's `max_request_body_bytes`.
+    #[error("request body exceeds {limit} bytes")]
+    BodyTooLarge { limit: usize },
     #[error("no messages in the request body")]
     NoMessages,
     #[error("unknown request path")]
@@ -171,6 +174,7 @@ impl RouteError {
         match self {
             RouteError::Unauthorized => 401,
             RouteError::BadBody | RouteError::NoMessages | RouteError::MissingField { .. } => 400,
+            RouteError::BodyTooLarge { .. } => 413,
             RouteError::UnknownPath | RouteError::PathNotForEngine { .. } => 501,
             RouteError::UnknownModel(_) | RouteError::BadStrategy(_) => 400,
             RouteError::NoRoutablePods(_)
@@ -198,6 +202,7 @@ impl RouteError {
         let header = match self {
             RouteError::Unauthorized => return None,
             RouteError::BadBody
+            | RouteError::BodyTooLarge { .. }
             | RouteError::NoMessages
             | RouteError::MissingField { .. }
             | RouteError::UnknownPath => ("x-error-request-body-processing", "true".into()),
@@ -234,6 +239,7 @@ impl RouteError {
         match self {
             RouteError::Unauthorized => "unauthorized",
             RouteError::BadBody => "bad_body",
+            RouteError::BodyTooLarge { .. } => "body_too_large",
             RouteError::NoMessages => "no_messages",
             RouteError::MissingField { .. } => "missing_field",
             RouteError::UnknownPath => "unknown_path",
@@ -260,9 +266,10 @@ impl RouteError {
     }
 
     /// All reasons, so the host can define one counter each up front.
-    pub const REASONS: [&'static str; 24] = [
+    pub const REASONS: [&'static str; 25] = [
         "unauthorized",
         "bad_body",
+        "body_too_large",
         "no_messages",
         "missing_field",
         "unknown_path",

@@ -184,6 +184,9 @@ pub struct PdHttp {
     obs: Observed,
     /// The filter answered this request itself: its own error bodies are never rewritten.
     local_reply: bool,
+    /// The body was refused as too large: the answer is this filter's 413 or, when Envoy's
+    /// buffer limit fired in the same moment, Envoy's; only the latter is rewritten.
+    body_refused: bool,
     /// An `external-filter` selector narrowed the pods this request may go to: a decode pod
     /// that leaves is not replaced by one the selector did not choose.
     narrowed: bool,
@@ -283,6 +286,7 @@ impl PdHttp {
             legs: pair::Legs::default(),
             obs: Observed::default(),
             local_reply: false,
+            body_refused: false,
             narrowed: false,
             error_rewrite: None,
             failover: Failover::default(),
@@ -446,6 +450,7 @@ impl PdHttp {
             error,
             RouteError::UnknownPath
                 | RouteError::BadBody
+                | RouteError::BodyTooLarge { .. }
                 | RouteError::NoMessages
                 | RouteError::Unauthorized
         ) {
@@ -1505,6 +1510,16 @@ impl HttpContext for PdHttp {
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         crate::section_scope!("request_body");
+        let limit = self.vm.borrow().plugin.max_request_body_bytes;
+        if body_size > limit {
+            // Refused before a byte of it is copied into the VM, and before the rest arrives.
+            // Over HTTP/1.1 Envoy's own buffer limit may answer first, with its plain-text
+            // 413: that one is rewritten like any error answer (see `on_http_response_headers`).
+            let action = self.reject(RouteError::BodyTooLarge { limit });
+            self.local_reply = false;
+            self.body_refused = true;
+            return action;
+        }
         if !end_of_stream {
             return Action::Pause;
         }
@@ -1557,6 +1572,14 @@ impl HttpContext for PdHttp {
                 self.set_http_response_header("prefill-target-pod", Some(name));
                 self.set_http_response_header("prefill-target-pod-ip", Some(ip));
             }
+        }
+        if self.body_refused
+            && self
+                .get_http_response_header("x-error-request-body-processing")
+                .is_some()
+        {
+            // This filter's own 413, not Envoy's.
+            self.local_reply = true;
         }
         self.error_rewrite = self.error_rewrite_for(end_of_stream);
         if self.error_rewrite.is_some() {
