@@ -1674,6 +1674,29 @@ fn a_decode_pod_answering_500_is_not_retried_on_its_sibling() {
     assert_clean_end(&stack, &fleet_pods(&fleet));
 }
 
+/// Envoy closes a pod connection left idle for its 3 s, before the engine's own keep-alive
+/// (pd-sim's 5 s, as uvicorn's) would: a pod never closes a connection under Envoy, so no
+/// request is ever written on one the pod is closing.
+#[test]
+fn idle_pod_connections_are_closed_by_envoy_before_the_engine_closes_them() {
+    let fleet = one_roleset();
+    let stack = start(fleet.clone(), &[]);
+    assert_success(&stack.chat(&PD, &question(0)));
+    let opened = envoy_stat(&stack, "cluster.pd_pods.upstream_cx_total");
+    assert!(opened >= 2, "a prefill and a decode connection: {opened}");
+    eventually(Duration::from_secs(20), || {
+        let idle = envoy_stat(&stack, "cluster.pd_pods.upstream_cx_idle_timeout");
+        (idle >= opened)
+            .then_some(())
+            .ok_or(format!("{idle} of {opened} closed for idleness"))
+    });
+    assert_eq!(
+        envoy_stat(&stack, "cluster.pd_pods.upstream_cx_destroy_remote"),
+        0
+    );
+    assert_clean_end(&stack, &fleet_pods(&fleet));
+}
+
 /// A client cannot buy retries from Envoy's router, even one Envoy counts as internal (whose
 /// `x-envoy-*` headers its connection manager leaves on): with `x-envoy-retry-on: 5xx` and
 /// three retries asked for, a decode pod's 500 reaches the client after one decode leg (left
