@@ -1674,6 +1674,60 @@ fn a_decode_pod_answering_500_is_not_retried_on_its_sibling() {
     assert_clean_end(&stack, &fleet_pods(&fleet));
 }
 
+/// Taking a gateway out of service (docs/OPERATOR.md "Taking a gateway out of service"):
+/// draining its listeners while a generation streams refuses new connections at once, lets
+/// that generation finish whole, and the filter's accounting ends at zero as on any other
+/// request.
+#[test]
+fn a_drained_gateway_lets_a_running_generation_finish() {
+    let fleet = one_roleset();
+    let stack = start(fleet.clone(), &[]);
+    let (first_chunk_tx, first_chunk_rx) = mpsc::channel();
+    let addr = stack.gateway.clone();
+    let reader = std::thread::spawn(move || {
+        // About 2 s of tokens at pd-sim's decode pace: the drain lands mid-stream.
+        let mut s = open_request(&addr, &chat(true, 1000));
+        s.set_read_timeout(Some(ALL_ENDED)).ok();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        let n = s.read(&mut buf).expect("first bytes");
+        got.extend_from_slice(&buf[..n]);
+        first_chunk_tx.send(()).expect("signal");
+        while !got.ends_with(b"0\r\n\r\n") {
+            match s.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                Err(e) => panic!("the stream was lost in the drain: {e}"),
+            }
+        }
+        String::from_utf8_lossy(&got).into_owned()
+    });
+    first_chunk_rx.recv().expect("first chunk");
+    let r = http::request(&stack.admin, "POST", "/drain_listeners", &[], &[]).expect("Envoy admin");
+    assert_eq!(r.status, 200, "{}", r.text());
+    eventually(ALL_ENDED, || match TcpStream::connect(&stack.gateway) {
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => Ok(()),
+        other => Err(format!("the listener still answers: {other:?}")),
+    });
+    assert!(
+        !reader.is_finished(),
+        "the drain came after the stream ended"
+    );
+    let stream = reader.join().expect("reader");
+    assert!(stream.starts_with("HTTP/1.1 200"), "{stream:.300}");
+    assert!(
+        stream.contains("data: [DONE]"),
+        "the whole stream arrived: {stream}"
+    );
+    eventually(ALL_ENDED, || {
+        let active = envoy_stat(&stack, "http.pd_ingress.downstream_rq_active");
+        (active == 0)
+            .then_some(())
+            .ok_or(format!("{active} requests still active"))
+    });
+    stack.wait_ledger_zero();
+}
+
 /// Envoy closes a pod connection left idle for its 3 s, before the engine's own keep-alive
 /// (pd-sim's 5 s, as uvicorn's) would: a pod never closes a connection under Envoy, so no
 /// request is ever written on one the pod is closing.
