@@ -523,6 +523,9 @@ pub struct Options<'a> {
     /// operator lists the clients' networks does: it then leaves their `x-envoy-*` request
     /// headers on.
     pub internal_clients: bool,
+    /// The router keeps its per-request dynamic statistics (Envoy's default, and Istio's),
+    /// which the drop-in switches off.
+    pub dynamic_stats: bool,
 }
 
 impl Default for Options<'_> {
@@ -537,6 +540,7 @@ impl Default for Options<'_> {
             control_args: &[],
             eds_over_grpc: false,
             internal_clients: false,
+            dynamic_stats: false,
         }
     }
 }
@@ -904,6 +908,15 @@ impl Stack {
         };
         let rendered = if options.internal_clients {
             with_internal_clients(rendered)
+        } else {
+            rendered
+        };
+        let rendered = if options.dynamic_stats {
+            assert!(
+                rendered.contains("dynamic_stats: false"),
+                "no router stats switch"
+            );
+            rendered.replacen("dynamic_stats: false", "dynamic_stats: true", 1)
         } else {
             rendered
         };

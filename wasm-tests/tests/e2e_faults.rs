@@ -1755,7 +1755,7 @@ fn idle_pod_connections_are_closed_by_envoy_before_the_engine_closes_them() {
 /// `x-envoy-*` headers its connection manager leaves on): with `x-envoy-retry-on: 5xx` and
 /// three retries asked for, a decode pod's 500 reaches the client after one decode leg (left
 /// on, the headers have the leg, and its KV pull, run four times on the same pod), and the
-/// pods never see the headers.
+/// pods never see the headers; nor can it name statistics of its own.
 #[test]
 fn client_sent_envoy_retry_headers_buy_no_retries() {
     let fleet = one_roleset();
@@ -1765,6 +1765,8 @@ fn client_sent_envoy_retry_headers_buy_no_retries() {
         fleet.clone(),
         &Options {
             internal_clients: true,
+            // As a stock or Istio Envoy: x-envoy-upstream-alt-stat-name would name statistics.
+            dynamic_stats: true,
             ..Options::default()
         },
     );
@@ -1774,12 +1776,25 @@ fn client_sent_envoy_retry_headers_buy_no_retries() {
         ("x-envoy-retriable-status-codes", "500"),
         ("x-envoy-max-retries", "3"),
         ("x-envoy-upstream-rq-per-try-timeout-ms", "60000"),
+        ("x-envoy-upstream-alt-stat-name", "client_made_up"),
     ];
     let r = stack.chat(&[PD.as_slice(), &controls].concat(), &question(0));
     assert_eq!(r.status, 500, "{}", describe(&r));
     let legs = decode_legs(&stack, "d-0");
     assert_eq!(legs.len(), 1, "{legs:#?}");
     assert_eq!(envoy_stat(&stack, "cluster.pd_pods.upstream_rq_retry"), 0);
+    let stats = http::get(&stack.admin, "/stats")
+        .expect("Envoy admin")
+        .text();
+    assert!(
+        !stats.contains("client_made_up"),
+        "a client named statistics: {}",
+        stats
+            .lines()
+            .filter(|l| l.contains("client_made_up"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
     let seen = stack.sim_requests();
     for (name, _) in controls {
         assert!(

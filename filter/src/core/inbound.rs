@@ -28,8 +28,9 @@ pub const DESTINATIONS_HEADER: &str = "x-pd-destinations";
 /// (`use_remote_address` with `internal_address_config`), which a gateway behind another proxy,
 /// or one whose clients sit on internal addresses, never sees; so the filter drops them from
 /// every request. Retries are the filter's to ask for: it sets the retry headers itself when it
-/// names a stand-in (`host::http::stand_in`).
-pub const ENVOY_CONTROLS: [&str; 10] = [
+/// names a stand-in (`host::http::stand_in`). `x-envoy-upstream-alt-stat-name` would have the
+/// router keep statistics under any name a client makes up: memory without bound.
+pub const ENVOY_CONTROLS: [&str; 11] = [
     "x-envoy-retry-on",
     "x-envoy-retry-grpc-on",
     "x-envoy-max-retries",
@@ -40,6 +41,7 @@ pub const ENVOY_CONTROLS: [&str; 10] = [
     "x-envoy-upstream-rq-per-try-timeout-ms",
     "x-envoy-upstream-rq-timeout-alt-response",
     "x-envoy-upstream-stream-duration-ms",
+    "x-envoy-upstream-alt-stat-name",
 ];
 
 /// What the filter needs from the request headers.
