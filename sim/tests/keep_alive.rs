@@ -64,6 +64,11 @@ fn connect(addr: &str) -> TcpStream {
     stream
 }
 
+/// Runs the socket exchange `f` off the runtime that serves the pod.
+async fn blocking(f: impl FnOnce() + Send + 'static) {
+    tokio::task::spawn_blocking(f).await.expect("join");
+}
+
 const HEALTH: &str = "GET /health HTTP/1.1\r\nhost: pod\r\n\r\n";
 
 fn head_done(got: &[u8]) -> bool {
@@ -78,7 +83,7 @@ async fn an_idle_connection_is_closed_after_the_keep_alive_timeout() {
         ..SimConfig::default()
     })
     .await;
-    tokio::task::spawn_blocking(move || {
+    blocking(move || {
         let mut stream = connect(&addr);
         // Two requests on one connection: it is kept alive between them.
         for _ in 0..2 {
@@ -89,8 +94,7 @@ async fn an_idle_connection_is_closed_after_the_keep_alive_timeout() {
         wait_closed(&mut stream);
         assert!(idle.elapsed() >= timeout - Duration::from_millis(20));
     })
-    .await
-    .expect("join");
+    .await;
 }
 
 /// A streamed answer that runs about ten times the timeout is sent whole; the close comes a timeout
@@ -107,7 +111,7 @@ async fn a_response_outlasting_the_timeout_is_not_cut() {
         ..SimConfig::default()
     })
     .await;
-    tokio::task::spawn_blocking(move || {
+    blocking(move || {
         let mut stream = connect(&addr);
         let body = r#"{"model":"m","prompt":"hello","max_tokens":20,"stream":true}"#;
         let request = format!(
@@ -126,8 +130,7 @@ async fn a_response_outlasting_the_timeout_is_not_cut() {
         wait_closed(&mut stream);
         assert!(ended.elapsed() >= timeout - Duration::from_millis(10));
     })
-    .await
-    .expect("join");
+    .await;
 }
 
 /// With no timeout the pod keeps an idle connection open: a request long after the first
@@ -144,7 +147,7 @@ async fn without_a_timeout_connections_stay_open() {
         ..SimConfig::default()
     })
     .await;
-    tokio::task::spawn_blocking(move || {
+    blocking(move || {
         let mut kept = connect(&addr);
         let mut timed = connect(&timed_addr);
         assert!(exchange(&mut kept, HEALTH, head_done).starts_with("HTTP/1.1 200"));
@@ -152,6 +155,5 @@ async fn without_a_timeout_connections_stay_open() {
         wait_closed(&mut timed);
         assert!(exchange(&mut kept, HEALTH, head_done).starts_with("HTTP/1.1 200"));
     })
-    .await
-    .expect("join");
+    .await;
 }

@@ -185,24 +185,51 @@ fn a_chunked_request_body_is_routed_whole() {
     );
 }
 
+/// A runtime for the async HTTP/2 client.
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+/// An HTTP/2 client (h2c with prior knowledge, one connection) or an HTTP/1.1 one.
+fn client(http2: bool) -> reqwest::Client {
+    let builder = reqwest::Client::builder().no_proxy();
+    let builder = if http2 {
+        builder.http2_prior_knowledge().pool_max_idle_per_host(1)
+    } else {
+        builder.http1_only()
+    };
+    builder.build().expect("client")
+}
+
+/// The whole answer, as the blocking client's [`Response`].
+async fn answer(r: reqwest::Response) -> Response {
+    let status = r.status().as_u16();
+    let headers = r
+        .headers()
+        .iter()
+        .map(|(n, v)| (n.to_string(), v.to_str().unwrap_or("").to_string()))
+        .collect();
+    let body = r.bytes().await.expect("whole body").to_vec();
+    Response {
+        status,
+        headers,
+        body,
+        complete: true,
+    }
+}
+
 /// An HTTP/2 client (h2c with prior knowledge, as a front proxy or a gRPC-style SDK speaks):
 /// eight requests multiplexed on one connection, streaming and not, are each routed through
 /// their own PD exchange, and a refusal comes back as on HTTP/1.1.
 #[test]
 fn http2_clients_multiplex_pd_requests_on_one_connection() {
     let stack = Stack::start(two_rolesets());
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
     let url = format!("http://{}/v1/chat/completions", stack.gateway);
-    let answers: Vec<Response> = runtime.block_on(async {
-        let client = reqwest::Client::builder()
-            .no_proxy()
-            .http2_prior_knowledge()
-            .pool_max_idle_per_host(1)
-            .build()
-            .expect("client");
+    let answers: Vec<Response> = runtime().block_on(async {
+        let client = client(true);
         let send = |body: Value, strategy: &'static str| {
             let request = client
                 .post(&url)
@@ -212,19 +239,7 @@ fn http2_clients_multiplex_pd_requests_on_one_connection() {
             async move {
                 let r = request.send().await.expect("sent");
                 assert_eq!(r.version(), reqwest::Version::HTTP_2);
-                let status = r.status().as_u16();
-                let headers = r
-                    .headers()
-                    .iter()
-                    .map(|(n, v)| (n.to_string(), v.to_str().unwrap_or("").to_string()))
-                    .collect();
-                let body = r.bytes().await.expect("whole body").to_vec();
-                Response {
-                    status,
-                    headers,
-                    body,
-                    complete: true,
-                }
+                answer(r).await
             }
         };
         // The first request opens the connection the others share.
@@ -272,21 +287,9 @@ fn http2_clients_multiplex_pd_requests_on_one_connection() {
 
 /// POSTs `body` to the gateway over HTTP/2 (h2c) or HTTP/1.1.
 fn post_over(stack: &Stack, http2: bool, body: Vec<u8>) -> Response {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
     let url = format!("http://{}/v1/completions", stack.gateway);
-    runtime.block_on(async {
-        let builder = reqwest::Client::builder().no_proxy();
-        let client = if http2 {
-            builder.http2_prior_knowledge()
-        } else {
-            builder.http1_only()
-        }
-        .build()
-        .expect("client");
-        let r = client
+    runtime().block_on(async {
+        let r = client(http2)
             .post(&url)
             .header("content-type", "application/json")
             .header("routing-strategy", "pd")
@@ -294,16 +297,7 @@ fn post_over(stack: &Stack, http2: bool, body: Vec<u8>) -> Response {
             .send()
             .await
             .expect("sent");
-        Response {
-            status: r.status().as_u16(),
-            headers: r
-                .headers()
-                .iter()
-                .map(|(n, v)| (n.to_string(), v.to_str().unwrap_or("").to_string()))
-                .collect(),
-            body: r.bytes().await.unwrap_or_default().to_vec(),
-            complete: true,
-        }
+        answer(r).await
     })
 }
 

@@ -1515,10 +1515,8 @@ impl HttpContext for PdHttp {
             // Refused before a byte of it is copied into the VM, and before the rest arrives.
             // Over HTTP/1.1 Envoy's own buffer limit may answer first, with its plain-text
             // 413: that one is rewritten like any error answer (see `on_http_response_headers`).
-            let action = self.reject(RouteError::BodyTooLarge { limit });
-            self.local_reply = false;
             self.body_refused = true;
-            return action;
+            return self.reject(RouteError::BodyTooLarge { limit });
         }
         if !end_of_stream {
             return Action::Pause;
@@ -1576,10 +1574,10 @@ impl HttpContext for PdHttp {
         if self.body_refused
             && self
                 .get_http_response_header("x-error-request-body-processing")
-                .is_some()
+                .is_none()
         {
-            // This filter's own 413, not Envoy's.
-            self.local_reply = true;
+            // Envoy's plain 413, not this filter's: an error answer like any other.
+            self.local_reply = false;
         }
         self.error_rewrite = self.error_rewrite_for(end_of_stream);
         if self.error_rewrite.is_some() {
