@@ -49,18 +49,13 @@ pub fn request(
     headers: &[(&str, &str)],
     body: &[u8],
 ) -> std::io::Result<Response> {
-    let mut stream = TcpStream::connect(addr)?;
-    stream.set_read_timeout(Some(Duration::from_secs(60)))?;
-    stream.set_nodelay(true)?;
-    let mut head = format!("{method} {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n");
-    for (name, value) in headers {
-        head.push_str(&format!("{name}: {value}\r\n"));
-    }
-    if !body.is_empty() || method == "POST" {
-        head.push_str(&format!("content-length: {}\r\n", body.len()));
-    }
-    head.push_str("\r\n");
-    stream.write_all(head.as_bytes())?;
+    let length = (!body.is_empty() || method == "POST").then(|| body.len().to_string());
+    let framing: Vec<(&str, &str)> = length
+        .as_deref()
+        .map(|n| ("content-length", n))
+        .into_iter()
+        .collect();
+    let mut stream = send_head(addr, method, path, headers, &framing)?;
     // A server may answer before it has read the whole body and close the connection (Envoy's
     // 413 for a body over its buffer limit): the write then fails, but the answer that came
     // before the close is still there to read, as any HTTP client would.
@@ -80,17 +75,8 @@ pub fn post_chunked(
     headers: &[(&str, &str)],
     pieces: &[&[u8]],
 ) -> std::io::Result<Response> {
-    let mut stream = TcpStream::connect(addr)?;
-    stream.set_read_timeout(Some(Duration::from_secs(60)))?;
-    stream.set_nodelay(true)?;
-    let mut head = format!(
-        "POST {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\ntransfer-encoding: chunked\r\n"
-    );
-    for (name, value) in headers {
-        head.push_str(&format!("{name}: {value}\r\n"));
-    }
-    head.push_str("\r\n");
-    stream.write_all(head.as_bytes())?;
+    let framing = [("transfer-encoding", "chunked")];
+    let mut stream = send_head(addr, "POST", path, headers, &framing)?;
     for piece in pieces.iter().filter(|p| !p.is_empty()) {
         stream.write_all(format!("{:x}\r\n", piece.len()).as_bytes())?;
         stream.write_all(piece)?;
@@ -99,6 +85,27 @@ pub fn post_chunked(
     }
     stream.write_all(b"0\r\n\r\n")?;
     read_answer(stream, None)
+}
+
+/// Connects (one connection per request, `connection: close`) and sends the request line and
+/// headers: the client's, then the body's `framing`.
+fn send_head(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    framing: &[(&str, &str)],
+) -> std::io::Result<TcpStream> {
+    let mut stream = TcpStream::connect(addr)?;
+    stream.set_read_timeout(Some(Duration::from_secs(60)))?;
+    stream.set_nodelay(true)?;
+    let mut head = format!("{method} {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n");
+    for (name, value) in headers.iter().chain(framing) {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    head.push_str("\r\n");
+    stream.write_all(head.as_bytes())?;
+    Ok(stream)
 }
 
 /// Reads a whole answer; `write_error` is a failed body write, the error to report when no
