@@ -277,35 +277,22 @@ pub struct UsageScan {
     total: Option<u64>,
     input: Option<u64>,
     output: Option<u64>,
-    /// The end of the previous chunk, scanned again with the next so a key or number cut
-    /// between two chunks is still read whole.
-    carry: Vec<u8>,
+    /// Where the last chunk ended, so a key or number cut between two chunks is read whole.
+    seam: usage::Seam,
 }
-
-const CARRY_BYTES: usize = 48;
 
 impl UsageScan {
     pub fn feed(&mut self, chunk: &[u8]) {
-        let joined;
-        let text: &[u8] = if self.carry.is_empty() {
-            chunk
-        } else {
-            let mut buf = std::mem::take(&mut self.carry);
-            buf.extend_from_slice(chunk);
-            joined = buf;
-            &joined
-        };
+        let seam = &self.seam;
         let read = |key: &[u8], slot: &mut Option<u64>| {
-            if let Some(n) = usage::generated_tokens(text, key) {
+            if let Some(n) = seam.read(chunk, key) {
                 *slot = Some(n);
             }
         };
         read(b"\"total_tokens\"", &mut self.total);
         read(b"\"input_tokens\"", &mut self.input);
         read(b"\"output_tokens\"", &mut self.output);
-        let keep = text.len().min(CARRY_BYTES);
-        self.carry.clear();
-        self.carry.extend_from_slice(&text[text.len() - keep..]);
+        self.seam.keep(chunk);
     }
 
     pub fn tokens(&self) -> Option<u64> {

@@ -139,6 +139,8 @@ struct Observed {
     response_status: Option<u32>,
     /// Streams that asked for a usage chunk: their chunks are scanned for completion tokens.
     scan_usage: bool,
+    /// Where the last scanned chunk ended: a usage event cut in two is still read.
+    usage_seam: usage::Seam,
     /// `gateway_prefill_outstanding_requests` was raised for this request's prefill leg.
     prefill_outstanding: bool,
     /// Selection plus charge, microseconds (PD pairs).
@@ -1614,13 +1616,11 @@ impl HttpContext for PdHttp {
                 .endpoint
                 .unwrap_or(Endpoint::ChatCompletions)
                 .usage_output_key();
-            if let Some(n) = self
-                .obs
-                .scan_usage
-                .then(|| usage::generated_tokens(&chunk, key))
-                .flatten()
-            {
-                self.obs.times.completion_tokens = Some(n);
+            if self.obs.scan_usage {
+                if let Some(n) = self.obs.usage_seam.read(&chunk, key) {
+                    self.obs.times.completion_tokens = Some(n);
+                }
+                self.obs.usage_seam.keep(&chunk);
             }
         }
         if end_of_stream {
