@@ -525,6 +525,35 @@ fn locked_strategy_and_auto_profiles_apply_in_envoy() {
     assert_eq!(r.header("x-aibrix-config-profile"), None);
 }
 
+/// An operator's "effectively never" in a model's annotation (timeouts of 1e20 s) is taken as
+/// the longest bound a call can carry: the requests are routed on every worker. Before, the
+/// prefill call's `Duration::from_secs_f64` panicked and trapped each worker's VM, so every
+/// request of every model failed, and the watchdog's deadline overflowed.
+#[test]
+fn huge_timeouts_in_a_profile_route_like_long_ones() {
+    let config = r#"{"profiles":{"default":{"routingStrategy":"pd","routingConfig":{"pd":{
+        "prefillRequestTimeout":1e20,"decodeAbortTimeout":1e20,
+        "decodeFirstResponseTimeout":1e18,"decodeResponseTimeout":1e300,
+        "decodeStreamIdleTimeout":1e18}}}}}"#;
+    let fleet = Fleet::new(MODEL)
+        .pod("p0", "prefill", "g0")
+        .config(config)
+        .pod("d0", "decode", "g0");
+    let stack = Stack::start(fleet);
+    // More requests than workers, each on its own connection, streamed and not.
+    for i in 0..6 {
+        let stream = i % 2 == 1;
+        let body =
+            json!({"model": MODEL, "prompt": "hello there", "max_tokens": 3, "stream": stream});
+        let r = http::post_json(&stack.gateway, "/v1/completions", &[], &body);
+        assert_eq!(r.status, 200, "request {i}: {}", r.text());
+        assert_eq!(r.header("prefill-target-pod"), Some("p0"));
+        if stream {
+            assert!(r.text().contains("[DONE]"), "a whole stream: {}", r.text());
+        }
+    }
+}
+
 /// A PD pair that single-pod strategies must never pick, and three standard pods.
 fn pair_and_three_standard_pods() -> Fleet {
     Fleet::pair_and_three_standard(MODEL)

@@ -262,33 +262,30 @@ pub fn new_tokens(
 struct Session {
     prompt_tokens: u64,
     last_seen_ms: u64,
+    /// The TTL of the profile that recorded it: the janitor keeps each entry as long as
+    /// the request that wrote it was promised, whatever the other profiles' TTLs.
+    ttl_ms: u64,
 }
 
 /// The last prompt size per `(model, x-aibrix-session-key)`, for rule 1 of [`new_tokens`].
+/// One table serves every profile; each request brings its profile's TTL
+/// (`tokenLoadSessionTTLSeconds`, else `AIBRIX_TOKEN_LOAD_SESSION_TTL_SECONDS`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct SessionTable {
-    ttl_ms: u64,
     capacity: usize,
     entries: HashMap<String, Session>,
 }
 
 impl SessionTable {
-    pub fn new(ttl_s: u64, capacity: usize) -> SessionTable {
+    pub fn new(capacity: usize) -> SessionTable {
         SessionTable {
-            ttl_ms: ttl_s.saturating_mul(1000),
             capacity,
             entries: HashMap::new(),
         }
     }
 
     pub fn from_settings(s: &TokenLoadSettings) -> SessionTable {
-        SessionTable::new(s.session_ttl_s, s.max_sessions)
-    }
-
-    /// A session TTL of 0 turns the rule off (prefill pods that cannot reach a
-    /// conversation's earlier KV must be charged the whole prompt).
-    pub fn enabled(&self) -> bool {
-        self.ttl_ms > 0
+        SessionTable::new(s.max_sessions)
     }
 
     pub fn len(&self) -> usize {
@@ -310,33 +307,39 @@ impl SessionTable {
         format!("{model}\0{session}")
     }
 
-    fn is_expired(&self, s: &Session, now_ms: u64) -> bool {
-        now_ms.saturating_sub(s.last_seen_ms) > self.ttl_ms
+    fn is_expired(s: &Session, now_ms: u64, ttl_ms: u64) -> bool {
+        now_ms.saturating_sub(s.last_seen_ms) > ttl_ms
     }
 
     /// Rule 1: records `prompt_tokens` as the session's current size and returns the growth
-    /// since the previous, unexpired size, if it grew. `None` (fall through to rules 2/3) when
-    /// the rule is off, the key is empty or longer than 256 bytes, the session is new or
-    /// expired, the prompt did not grow, or the table is full (a new key is then not recorded).
+    /// since the previous size, if it grew and is younger than `ttl_s` (the request's
+    /// profile's session TTL). `None` (fall through to rules 2/3) when the rule is off for
+    /// the profile (`ttl_s` 0: nothing is recorded either, as prefill pods that cannot reach
+    /// a conversation's earlier KV must be charged the whole prompt), the key is empty or
+    /// longer than 256 bytes, the session is new or expired, the prompt did not grow, or the
+    /// table is full (a new key is then not recorded).
     pub fn new_tokens(
         &mut self,
         model: &str,
         session_key: &str,
         prompt_tokens: u64,
         now_ms: u64,
+        ttl_s: u64,
     ) -> Option<u64> {
-        if !self.enabled() || session_key.is_empty() || session_key.len() > MAX_SESSION_KEY_BYTES {
+        let ttl_ms = ttl_s.saturating_mul(1000);
+        if ttl_ms == 0 || session_key.is_empty() || session_key.len() > MAX_SESSION_KEY_BYTES {
             return None;
         }
         let key = SessionTable::key(model, session_key);
         let current = Session {
             prompt_tokens,
             last_seen_ms: now_ms,
+            ttl_ms,
         };
         let previous = match self.entries.get(&key).copied() {
             Some(prev) => {
                 self.entries.insert(key, current);
-                (!self.is_expired(&prev, now_ms)).then_some(prev.prompt_tokens)
+                (!SessionTable::is_expired(&prev, now_ms, ttl_ms)).then_some(prev.prompt_tokens)
             }
             None if self.is_full() => return None,
             None => {
@@ -349,12 +352,12 @@ impl SessionTable {
             .map(|last| prompt_tokens - last)
     }
 
-    /// Janitor: forgets sessions idle longer than the TTL, returning how many.
+    /// Janitor: forgets sessions idle longer than the TTL they were recorded with, returning
+    /// how many.
     pub fn prune(&mut self, now_ms: u64) -> usize {
         let before = self.entries.len();
-        let ttl_ms = self.ttl_ms;
         self.entries
-            .retain(|_, s| now_ms.saturating_sub(s.last_seen_ms) <= ttl_ms);
+            .retain(|_, s| !SessionTable::is_expired(s, now_ms, s.ttl_ms));
         before - self.entries.len()
     }
 }
@@ -691,34 +694,34 @@ mod tests {
 
     #[test]
     fn session_growth_and_no_growth() {
-        let mut t = SessionTable::new(1800, 100);
+        let mut t = SessionTable::new(100);
         // First turn: nothing known, recorded.
-        assert_eq!(t.new_tokens("m", "s1", 1000, 0), None);
+        assert_eq!(t.new_tokens("m", "s1", 1000, 0, 1800), None);
         // The conversation grew: charge the growth.
-        assert_eq!(t.new_tokens("m", "s1", 1500, 1000), Some(500));
+        assert_eq!(t.new_tokens("m", "s1", 1500, 1000, 1800), Some(500));
         // A shorter prompt (new conversation under the same key): whole prompt, re-based.
-        assert_eq!(t.new_tokens("m", "s1", 400, 2000), None);
-        assert_eq!(t.new_tokens("m", "s1", 450, 3000), Some(50));
+        assert_eq!(t.new_tokens("m", "s1", 400, 2000, 1800), None);
+        assert_eq!(t.new_tokens("m", "s1", 450, 3000, 1800), Some(50));
         // Same size: no growth.
-        assert_eq!(t.new_tokens("m", "s1", 450, 4000), None);
+        assert_eq!(t.new_tokens("m", "s1", 450, 4000, 1800), None);
         // Keys are per model.
-        assert_eq!(t.new_tokens("other", "s1", 5000, 5000), None);
+        assert_eq!(t.new_tokens("other", "s1", 5000, 5000, 1800), None);
         assert_eq!(t.len(), 2);
         // Empty keys are ignored.
-        assert_eq!(t.new_tokens("m", "", 10, 0), None);
+        assert_eq!(t.new_tokens("m", "", 10, 0, 1800), None);
         assert_eq!(t.len(), 2);
     }
 
     #[test]
     fn session_ttl_expiry_and_prune() {
-        let mut t = SessionTable::new(10, 100);
-        assert_eq!(t.new_tokens("m", "s", 100, 0), None);
+        let mut t = SessionTable::new(100);
+        assert_eq!(t.new_tokens("m", "s", 100, 0, 10), None);
         // Exactly at the TTL the size is still remembered.
-        assert_eq!(t.new_tokens("m", "s", 200, 10_000), Some(100));
+        assert_eq!(t.new_tokens("m", "s", 200, 10_000, 10), Some(100));
         // Past the TTL it is not, but the new size is recorded.
-        assert_eq!(t.new_tokens("m", "s", 300, 20_001), None);
-        assert_eq!(t.new_tokens("m", "s", 350, 20_002), Some(50));
-        assert_eq!(t.new_tokens("m", "t", 1, 25_000), None);
+        assert_eq!(t.new_tokens("m", "s", 300, 20_001, 10), None);
+        assert_eq!(t.new_tokens("m", "s", 350, 20_002, 10), Some(50));
+        assert_eq!(t.new_tokens("m", "t", 1, 25_000, 10), None);
         assert_eq!(t.prune(30_002), 0);
         assert_eq!(t.prune(30_003), 1);
         assert_eq!(t.len(), 1);
@@ -732,48 +735,65 @@ mod tests {
         let (s, _) =
             TokenLoadSettings::from_lookup(env(&[("AIBRIX_TOKEN_LOAD_SESSION_TTL_SECONDS", "0")]));
         let mut t = SessionTable::from_settings(&s);
-        assert!(!t.enabled());
-        assert_eq!(t.new_tokens("m", "s", 100, 0), None);
-        assert_eq!(t.new_tokens("m", "s", 200, 1), None);
+        assert_eq!(t.new_tokens("m", "s", 100, 0, s.session_ttl_s), None);
+        assert_eq!(t.new_tokens("m", "s", 200, 1, s.session_ttl_s), None);
         assert!(t.is_empty(), "nothing is recorded");
     }
 
     #[test]
+    fn each_profile_brings_its_own_session_ttl() {
+        let mut t = SessionTable::new(100);
+        // A profile with the rule off records nothing and charges no delta...
+        assert_eq!(t.new_tokens("m", "s", 100, 0, 0), None);
+        assert_eq!(t.new_tokens("m", "s", 200, 1, 0), None);
+        assert!(t.is_empty());
+        // ...while another profile's requests on the same table keep the rule.
+        assert_eq!(t.new_tokens("m", "s", 100, 2, 1800), None);
+        assert_eq!(t.new_tokens("m", "s", 300, 3, 1800), Some(200));
+        // A short TTL and a long one: the janitor keeps each entry for its own.
+        assert_eq!(t.new_tokens("m", "short", 10, 0, 5), None);
+        assert_eq!(t.prune(5_001), 1, "short is gone, s is kept");
+        assert_eq!(t.new_tokens("m", "s", 400, 1_800_003, 1800), Some(100));
+        // The size a request compares against expires on that request's own TTL.
+        assert_eq!(t.new_tokens("m", "s", 500, 1_810_004, 10), None);
+    }
+
+    #[test]
     fn session_table_full_refuses_new_keys_only() {
-        let mut t = SessionTable::new(1800, 2);
-        assert_eq!(t.new_tokens("m", "a", 100, 0), None);
-        assert_eq!(t.new_tokens("m", "b", 100, 0), None);
+        let mut t = SessionTable::new(2);
+        assert_eq!(t.new_tokens("m", "a", 100, 0, 1800), None);
+        assert_eq!(t.new_tokens("m", "b", 100, 0, 1800), None);
         assert!(t.is_full());
         // A new key is not recorded, so its next turn gets no delta either.
-        assert_eq!(t.new_tokens("m", "c", 100, 0), None);
-        assert_eq!(t.new_tokens("m", "c", 300, 1), None);
+        assert_eq!(t.new_tokens("m", "c", 100, 0, 1800), None);
+        assert_eq!(t.new_tokens("m", "c", 300, 1, 1800), None);
         assert_eq!(t.len(), 2);
         // Known keys keep working.
-        assert_eq!(t.new_tokens("m", "a", 250, 2), Some(150));
+        assert_eq!(t.new_tokens("m", "a", 250, 2, 1800), Some(150));
         // Once the janitor forgets idle ones, new keys are admitted again.
         assert_eq!(
             t.prune(1_800_002),
             1,
             "b idle past the TTL, a refreshed at 2"
         );
-        assert_eq!(t.new_tokens("m", "c", 300, 1_800_003), None);
-        assert_eq!(t.new_tokens("m", "c", 400, 1_800_004), Some(100));
+        assert_eq!(t.new_tokens("m", "c", 300, 1_800_003, 1800), None);
+        assert_eq!(t.new_tokens("m", "c", 400, 1_800_004, 1800), Some(100));
     }
 
     #[test]
     fn session_keys_over_256_bytes_are_ignored() {
-        let mut t = SessionTable::new(1800, 100);
+        let mut t = SessionTable::new(100);
         let at_limit = "k".repeat(MAX_SESSION_KEY_BYTES);
         let over = "k".repeat(MAX_SESSION_KEY_BYTES + 1);
-        assert_eq!(t.new_tokens("m", &at_limit, 100, 0), None);
-        assert_eq!(t.new_tokens("m", &at_limit, 150, 1), Some(50));
-        assert_eq!(t.new_tokens("m", &over, 100, 0), None);
-        assert_eq!(t.new_tokens("m", &over, 150, 1), None);
+        assert_eq!(t.new_tokens("m", &at_limit, 100, 0, 1800), None);
+        assert_eq!(t.new_tokens("m", &at_limit, 150, 1, 1800), Some(50));
+        assert_eq!(t.new_tokens("m", &over, 100, 0, 1800), None);
+        assert_eq!(t.new_tokens("m", &over, 150, 1, 1800), None);
         assert_eq!(t.len(), 1);
         // Length is in bytes: 104 characters, 260 bytes.
         let wide = "é€".repeat(52);
         assert!(wide.len() > MAX_SESSION_KEY_BYTES);
-        assert_eq!(t.new_tokens("m", &wide, 100, 0), None);
+        assert_eq!(t.new_tokens("m", &wide, 100, 0, 1800), None);
         assert_eq!(t.len(), 1);
     }
 

@@ -155,11 +155,11 @@ impl Watchdog {
             return None;
         }
         match self.last_chunk {
-            None => (self.first_ms > 0).then_some((armed + self.first_ms, Phase::FirstResponse)),
+            None => (self.first_ms > 0)
+                .then_some((armed.saturating_add(self.first_ms), Phase::FirstResponse)),
             Some(_) if !self.stream => None,
-            Some(t) => {
-                (self.idle_ms > 0).then_some((t.max(armed) + self.idle_ms, Phase::StreamIdle))
-            }
+            Some(t) => (self.idle_ms > 0)
+                .then_some((t.max(armed).saturating_add(self.idle_ms), Phase::StreamIdle)),
         }
     }
 
@@ -202,6 +202,21 @@ mod tests {
             response_s: response,
             stream_idle_s: idle,
             ..WatchdogSettings::default()
+        }
+    }
+
+    #[test]
+    fn an_effectively_infinite_bound_never_fires_and_never_overflows() {
+        let now = 1_700_000_000_000;
+        for (first, idle) in [(1e17, 0.0), (1e300, 0.0), (f64::MAX, 0.0), (0.0, 1e20)] {
+            let mut w = Watchdog::new(&settings(first, 0.0, idle), true).expect("a bound is set");
+            w.arm(now);
+            if idle > 0.0 {
+                w.on_headers();
+                w.on_chunk(now, false);
+            }
+            assert_eq!(w.poll(now + 1), None, "({first}, {idle})");
+            assert_eq!(w.poll(u64::MAX - 1), None, "({first}, {idle})");
         }
     }
 

@@ -3,7 +3,6 @@
 
 use std::borrow::Cow;
 use std::rc::Rc;
-use std::time::Duration;
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
@@ -14,6 +13,7 @@ mod pair;
 mod redecode;
 mod stand_in;
 
+use crate::core::call_timeout::call_timeout;
 use crate::core::charges::HeldCharges;
 use crate::core::engine::{self, trtllm, vllm, Engine};
 use crate::core::errors::RouteError;
@@ -824,7 +824,13 @@ impl PdHttp {
             &self.session_key,
             settings.prefill_policy.uses_token_ledger(),
         ) {
-            (Some(key), true) => vm.sessions.new_tokens(&req.model, key, prompt_tokens, now),
+            (Some(key), true) => vm.sessions.new_tokens(
+                &req.model,
+                key,
+                prompt_tokens,
+                now,
+                settings.tokens.session_ttl_s,
+            ),
             _ => None,
         };
         let profile = decision.profile.as_deref();
@@ -1108,7 +1114,7 @@ impl PdHttp {
                 headers,
                 Some(body),
                 vec![],
-                Duration::from_secs_f64(timeout_s),
+                call_timeout(timeout_s),
             )
         )
         .map_err(|e| RouteError::Prefill {

@@ -7,6 +7,7 @@ use std::time::Duration;
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{MetricType, Status};
 
+use crate::core::call_timeout::call_timeout;
 use crate::core::engine::trtllm::{self, ServerInfo};
 use crate::core::engine::{sglang, EngineDefaults};
 use crate::core::watchdog::Phase;
@@ -153,7 +154,8 @@ impl EngineState {
         self.aborts.push(PendingAbort {
             address: order.address.to_string(),
             rid: rid.to_string(),
-            timeout: Duration::from_secs_f64(order.timeout_s),
+            timeout: call_timeout(order.timeout_s),
+            // `as` saturates: a huge delay is "never", not a wrap.
             retry_delay_ms: (order.retry_s.max(0.0) * 1000.0) as u64,
             attempt: 0,
             due_ms: 0,
