@@ -22,6 +22,8 @@ use pd_wasm_tests::http::{self, Response};
 use pd_wasm_tests::stack::{eventually, snapshot_pods, Fleet, Options, Stack};
 use serde_json::{json, Value};
 
+mod async_client;
+
 const MODEL: &str = "fault-llm";
 /// A pod pd-sim serves under the model but the fleet file never lists.
 const ROGUE: &str = "rogue-d-9";
@@ -746,6 +748,62 @@ fn a_client_leaving_mid_prefill_releases_everything_it_held() {
         decode_legs(&stack, "d-0").len() == 1,
         "only the final check's request reached the decode pod"
     );
+}
+
+/// A client behind an HTTP/2 front proxy pressing "stop": its stream is reset (RST_STREAM)
+/// mid-generation while its connection stays up. Envoy names that `http2.remote_reset`, not
+/// `downstream_*`; read as the pod's doing, each cancel counted as a 502 cut and as a failure
+/// of the decode pod, and three of them ejected a healthy pod.
+#[test]
+fn an_http2_client_cancelling_its_stream_is_not_blamed_on_the_pod() {
+    let fleet = one_roleset();
+    let stack = start(fleet.clone(), &[]);
+    let cancels = 3; // the default `eject_after_failures`
+    async_client::runtime().block_on(async {
+        let client = async_client::client(true);
+        for _ in 0..cancels {
+            let mut r = client
+                .post(format!("http://{}/v1/chat/completions", stack.gateway))
+                .header("routing-strategy", "pd")
+                .header("content-type", "application/json")
+                .body(chat(true, 200).to_string())
+                .send()
+                .await
+                .expect("response headers");
+            assert_eq!(r.status().as_u16(), 200);
+            let first = r.chunk().await.expect("a first chunk");
+            assert!(first.is_some_and(|c| !c.is_empty()));
+            drop(r); // resets the stream; the connection (in `client`) stays open
+        }
+        // One whole request after them on the same connection: its frames follow the last
+        // reset, which this single-threaded runtime only writes while a request awaits.
+        let r = client
+            .post(format!("http://{}/v1/chat/completions", stack.gateway))
+            .header("routing-strategy", "pd")
+            .header("content-type", "application/json")
+            .body(chat(false, 2).to_string())
+            .send()
+            .await
+            .expect("response headers");
+        assert_success(&async_client::answer(r).await);
+        eventually(Duration::from_secs(10), || {
+            let cancelled = fail_count(&stack, "response_cut", "499");
+            (cancelled == f64::from(cancels))
+                .then_some(())
+                .ok_or_else(|| format!("{cancelled} of {cancels} cancels counted as the client's"))
+        });
+        assert_eq!(
+            envoy_stat(&stack, "http.pd_ingress.downstream_cx_http2_total"),
+            1
+        );
+    });
+    assert_eq!(fail_count(&stack, "response_cut", "502"), 0.0);
+    assert_eq!(
+        stack.stat("pd_router_ejections_total"),
+        0,
+        "d-0 did nothing wrong"
+    );
+    assert_clean_end(&stack, &fleet_pods(&fleet));
 }
 
 #[test]

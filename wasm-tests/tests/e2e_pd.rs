@@ -7,6 +7,9 @@ use pd_wasm_tests::http::Response;
 use pd_wasm_tests::stack::{Fleet, Options, Stack};
 use serde_json::{json, Value};
 
+mod async_client;
+use async_client::{answer, client, runtime};
+
 const MODEL: &str = "llama-pd";
 const LEAST_REQUEST: &[(&str, &str)] = &[
     ("AIBRIX_PREFILL_SCORE_POLICY", "least_request"),
@@ -183,42 +186,6 @@ fn a_chunked_request_body_is_routed_whole() {
         served["body"]["messages"][0]["content"].as_str(),
         Some(prompt.as_str())
     );
-}
-
-/// A runtime for the async HTTP/2 client.
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime")
-}
-
-/// An HTTP/2 client (h2c with prior knowledge, one connection) or an HTTP/1.1 one.
-fn client(http2: bool) -> reqwest::Client {
-    let builder = reqwest::Client::builder().no_proxy();
-    let builder = if http2 {
-        builder.http2_prior_knowledge().pool_max_idle_per_host(1)
-    } else {
-        builder.http1_only()
-    };
-    builder.build().expect("client")
-}
-
-/// The whole answer, as the blocking client's [`Response`].
-async fn answer(r: reqwest::Response) -> Response {
-    let status = r.status().as_u16();
-    let headers = r
-        .headers()
-        .iter()
-        .map(|(n, v)| (n.to_string(), v.to_str().unwrap_or("").to_string()))
-        .collect();
-    let body = r.bytes().await.expect("whole body").to_vec();
-    Response {
-        status,
-        headers,
-        body,
-        complete: true,
-    }
 }
 
 /// An HTTP/2 client (h2c with prior knowledge, as a front proxy or a gRPC-style SDK speaks):

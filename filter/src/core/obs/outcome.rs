@@ -38,10 +38,16 @@ pub enum CutBy {
 
 impl CutBy {
     /// Reads Envoy's `response.code_details` (e.g. `downstream_remote_disconnect`,
-    /// `upstream_reset_after_response_started{connection_termination}`): anything not naming
-    /// the downstream is the upstream's doing, the conservative reading for an operator.
+    /// `upstream_reset_after_response_started{connection_termination}`): the downstream's
+    /// words, or its codec's (`http2.remote_reset`: an HTTP/2 client or front proxy reset the
+    /// stream, Envoy's `DR` flag; upstream codecs' resets reach these details only as
+    /// `upstream_reset_*`), are the client's doing; anything else is the upstream's, the
+    /// conservative reading for an operator. A pod wrongly blamed counts towards its ejection.
     pub fn from_code_details(details: &str) -> CutBy {
-        if details.contains("downstream") {
+        const DOWNSTREAM_CODECS: [&str; 3] = ["http1.", "http2.", "http3."];
+        if details.contains("downstream")
+            || DOWNSTREAM_CODECS.iter().any(|c| details.starts_with(c))
+        {
             CutBy::Client
         } else {
             CutBy::Upstream
@@ -236,6 +242,10 @@ mod tests {
     fn a_cut_stream_blames_the_side_envoy_names() {
         let cases = [
             ("downstream_remote_disconnect", (RESPONSE_CUT, 499)),
+            ("http2.remote_reset", (RESPONSE_CUT, 499)),
+            ("http2.remote_refuse", (RESPONSE_CUT, 499)),
+            ("http3.remote_reset", (RESPONSE_CUT, 499)),
+            ("http1.codec_error", (RESPONSE_CUT, 499)),
             (
                 "upstream_reset_after_response_started{connection_termination}",
                 (RESPONSE_CUT, 502),
