@@ -130,6 +130,32 @@ fn non_streaming_pd_request_goes_prefill_then_decode_of_one_roleset() {
     assert_eq!(header(&r, "x-went-into-req-headers"), "true");
 }
 
+/// An HTTP/2 client ending its request with trailers (gRPC-style clients and some proxies
+/// do): the body's last DATA frame does not end the stream, the trailers do. The request is
+/// routed on its whole body like any other, PD and single-pod.
+#[test]
+fn a_request_ending_in_trailers_is_routed_on_its_whole_body() {
+    let stack = Stack::start(two_rolesets());
+    let body = chat_body(false, 3).to_string();
+    let send = |strategy: &str| {
+        runtime().block_on(async_client::post_with_trailers(
+            &stack.gateway,
+            "/v1/chat/completions",
+            &[
+                ("content-type", "application/json"),
+                ("routing-strategy", strategy),
+            ],
+            body.as_bytes(),
+        ))
+    };
+    let r = send("pd");
+    assert_pd_exchange(&stack, &r);
+    assert_eq!(r.json()["usage"]["completion_tokens"], 3);
+    let r = send("least-request");
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(header(&r, "target-pod"), "vllm-c-0");
+}
+
 /// A client streaming its upload (chunked, no content-length, the body cut mid-character and
 /// large enough to reach the filter in several body callbacks): the filter routes on the
 /// whole body, both legs carry the prompt intact, and a single-pod request is relayed intact.

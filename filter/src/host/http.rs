@@ -189,6 +189,9 @@ pub struct PdHttp {
     /// The body was refused as too large: the answer is this filter's 413 or, when Envoy's
     /// buffer limit fired in the same moment, Envoy's; only the latter is rewritten.
     body_refused: bool,
+    /// The request body buffered so far: routed on when trailers, not a body chunk, end the
+    /// request.
+    request_body_bytes: usize,
     /// An `external-filter` selector narrowed the pods this request may go to: a decode pod
     /// that leaves is not replaced by one the selector did not choose.
     narrowed: bool,
@@ -289,6 +292,7 @@ impl PdHttp {
             obs: Observed::default(),
             local_reply: false,
             body_refused: false,
+            request_body_bytes: 0,
             narrowed: false,
             error_rewrite: None,
             failover: Failover::default(),
@@ -568,6 +572,19 @@ impl PdHttp {
 
     fn release_all(&mut self, clock: &mut Clock) {
         self.release_stage(HeldCharges::release_rest, clock);
+    }
+
+    /// Reads the whole buffered request body and routes on it, or answers why not.
+    fn route_body(&mut self) -> Action {
+        let raw = crate::section!(
+            "request_body.read",
+            self.get_http_request_body(0, self.request_body_bytes)
+                .unwrap_or_default()
+        );
+        match self.route(raw) {
+            Ok(action) => action,
+            Err(e) => self.reject(e),
+        }
     }
 
     /// Routes the request whose whole body is `raw`, kept by a PD request for its decode leg.
@@ -1526,17 +1543,18 @@ impl HttpContext for PdHttp {
             self.body_refused = true;
             return self.reject(RouteError::BodyTooLarge { limit });
         }
+        self.request_body_bytes = body_size;
         if !end_of_stream {
             return Action::Pause;
         }
-        let raw = crate::section!(
-            "request_body.read",
-            self.get_http_request_body(0, body_size).unwrap_or_default()
-        );
-        match self.route(raw) {
-            Ok(action) => action,
-            Err(e) => self.reject(e),
-        }
+        self.route_body()
+    }
+
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        // Trailers end this request (HTTP/2 trailers, or chunked HTTP/1.1's): no body chunk
+        // came with end_of_stream, and the body buffered so far is the whole body. Without
+        // this the request went on unrouted. The trailers themselves are passed on.
+        self.route_body()
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {

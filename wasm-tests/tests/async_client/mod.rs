@@ -1,5 +1,6 @@
 //! An async client for the tests that need what the blocking one cannot do: HTTP/2
-//! (several streams on one connection, a stream cancelled while its connection stays).
+//! (several streams on one connection, a stream cancelled while its connection stays, a
+//! body followed by trailers).
 // Each test crate that includes this module uses its own part of it.
 #![allow(dead_code)]
 
@@ -33,6 +34,52 @@ pub async fn answer(r: reqwest::Response) -> Response {
         .map(|(n, v)| (n.to_string(), v.to_str().unwrap_or("").to_string()))
         .collect();
     let body = r.bytes().await.expect("whole body").to_vec();
+    Response {
+        status,
+        headers,
+        body,
+        complete: true,
+    }
+}
+
+/// POSTs `body` over a fresh h2c connection as one DATA frame followed by trailers (so the
+/// body's last frame does not end the stream), and reads the whole answer.
+pub async fn post_with_trailers(
+    addr: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> Response {
+    let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let (send, connection) = h2::client::handshake(tcp).await.expect("h2 handshake");
+    tokio::spawn(connection);
+    let mut send = send.ready().await.expect("a stream");
+    let mut request = http::Request::post(format!("http://{addr}{path}"));
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let request = request.body(()).expect("request");
+    let (answer, mut stream) = send.send_request(request, false).expect("headers sent");
+    stream
+        .send_data(body.to_vec().into(), false)
+        .expect("body sent");
+    let mut trailers = http::HeaderMap::new();
+    trailers.insert("x-checksum", http::HeaderValue::from_static("none"));
+    stream.send_trailers(trailers).expect("trailers sent");
+    let answer = answer.await.expect("response headers");
+    let status = answer.status().as_u16();
+    let headers = answer
+        .headers()
+        .iter()
+        .map(|(n, v)| (n.to_string(), v.to_str().unwrap_or("").to_string()))
+        .collect();
+    let mut received = answer.into_body();
+    let mut body = Vec::new();
+    while let Some(chunk) = received.data().await {
+        let chunk = chunk.expect("body chunk");
+        let _ = received.flow_control().release_capacity(chunk.len());
+        body.extend_from_slice(&chunk);
+    }
     Response {
         status,
         headers,
