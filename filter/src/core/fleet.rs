@@ -86,6 +86,16 @@ impl PodView {
         self.role == Role::Other && self.routing_config(profile).is_some_and(|rc| rc.combined)
     }
 
+    /// A standard pod that runs whole requests whatever profile a request resolves to on it:
+    /// every profile it has is `combined`, and so is its fallback profile, which a request
+    /// naming none of them gets.
+    fn combined_for_every_profile(&self) -> bool {
+        self.role == Role::Other
+            && self.config.as_ref().is_some_and(|c| {
+                c.profile(None).is_some() && c.profiles.values().all(|p| p.routing_config.combined)
+            })
+    }
+
     /// Whether the pod's prompt-length range holds `len`; a pod without a range holds all.
     pub fn accepts_prompt_len(&self, profile: Option<&str>, len: i64) -> bool {
         self.routing_config(profile)
@@ -585,9 +595,16 @@ impl ModelView {
         self.standard_by_key.get(key).copied()
     }
 
-    /// Whether a request could be routed at all: a complete roleset or a standard pod.
-    pub fn has_route(&self) -> bool {
-        !self.rolesets.is_empty() || !self.others.is_empty()
+    /// The kinds of request the view has a route for.
+    fn routes(&self) -> Routes {
+        Routes {
+            pd: !self.rolesets.is_empty()
+                || self
+                    .others
+                    .iter()
+                    .any(|&i| self.pods[i].combined_for_every_profile()),
+            single: !self.others.is_empty(),
+        }
     }
 
     /// The view of only the pods `keep` accepts (the `external-filter` header's selector).
@@ -605,10 +622,13 @@ impl ModelView {
         view
     }
 
-    /// The view without the pods `leaves` names (by key), or `None` when none of them is
-    /// here or when removing them would leave the model with no route at all: then the
-    /// model keeps every pod (better a suspect pod than a certain 503, as Envoy's panic
-    /// threshold does). The pods leave as ejected ones.
+    /// The view without the pods `leaves` names (by key), or `None` when none of them
+    /// leaves. The fallback is per kind of request, since a request can only take a route of
+    /// its own kind: when the pods leaving would take the last route of a kind the model had
+    /// (a PD request's pair or combined pod, a single-pod strategy's standard pod), the ones
+    /// serving that kind stay (better a suspect pod than a certain 503, as Envoy's panic
+    /// threshold does); `None` as well when no pod is left to leave. The pods leave as
+    /// ejected ones.
     pub fn without(&self, leaves: impl Fn(&str) -> bool) -> Option<ModelView> {
         self.without_because(|key| leaves(key).then_some(LeftOut::Ejected))
     }
@@ -618,10 +638,26 @@ impl ModelView {
         if !self.pods.iter().any(|p| leaves(&p.key).is_some()) {
             return None;
         }
+        let view = self.keeping(&leaves, |_| false);
+        let lost = self.routes().lost_in(view.routes());
+        let view = if lost.pd || lost.single {
+            self.keeping(&leaves, |pod| lost.served_by(pod))
+        } else {
+            view
+        };
+        (view.pods.len() < self.pods.len()).then_some(view)
+    }
+
+    /// The view without the pods `leaves` names, but for those `stays` keeps.
+    fn keeping(
+        &self,
+        leaves: &impl Fn(&str) -> Option<LeftOut>,
+        stays: impl Fn(&PodView) -> bool,
+    ) -> ModelView {
         let mut left_out = (*self.left_out).clone();
         let mut pods = Vec::with_capacity(self.pods.len());
         for pod in &self.pods {
-            match leaves(&pod.key) {
+            match leaves(&pod.key).filter(|_| !stays(pod)) {
                 Some(why) => left_out.push((pod.name.clone(), why)),
                 None => pods.push(pod.clone()),
             }
@@ -634,7 +670,34 @@ impl ModelView {
             ..ModelView::default()
         };
         view.assemble();
-        view.has_route().then_some(view)
+        view
+    }
+}
+
+/// The kinds of request a view can route, each on its own pods: a PD request on a complete
+/// roleset or, failing one, a standard pod that is `combined` whatever the request's profile
+/// (Step 0's fallback); a single-pod strategy's request on any standard pod. Prompt-length
+/// ranges are the request's affair, not the view's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Routes {
+    pd: bool,
+    single: bool,
+}
+
+impl Routes {
+    /// The kinds routable here and not in `after`.
+    fn lost_in(self, after: Routes) -> Routes {
+        Routes {
+            pd: self.pd && !after.pd,
+            single: self.single && !after.single,
+        }
+    }
+
+    /// Whether `pod` can serve one of the kinds in `self`.
+    fn served_by(self, pod: &PodView) -> bool {
+        let pd_pod = matches!(pod.role, Role::Prefill | Role::Decode);
+        (self.pd && (pd_pod || pod.combined_for_every_profile()))
+            || (self.single && pod.role == Role::Other)
     }
 }
 
@@ -713,6 +776,67 @@ pub(crate) mod tests {
         assert_eq!(all.models["m"].pods.len(), 5);
     }
 
+    const COMBINED: &str = r#"{"profiles":{"default":{"routingConfig":{"combined":true}}}}"#;
+
+    #[test]
+    fn the_last_route_of_each_kind_of_request_keeps_its_pods() {
+        let names =
+            |m: &ModelView| -> Vec<String> { m.pods.iter().map(|p| p.name.clone()).collect() };
+        let plain = |name| pod(name, "", "", true);
+        // A plain standard pod is no route for a PD request: the pair keeps its decode pod.
+        let fleet = FleetView::from_snapshot(&snapshot(vec![
+            pod("p0", "prefill", "g0", true),
+            pod("d0", "decode", "g0", true),
+            plain("s0"),
+        ]));
+        let m = &fleet.models["m"];
+        assert!(
+            m.without(|k| k == "ns/d0").is_none(),
+            "d0 stays for PD requests"
+        );
+        assert!(
+            m.without(|k| k == "ns/s0").is_none(),
+            "s0 stays for single-pod ones"
+        );
+        // Each kind keeps only its own pods: d1 leaves (g0 remains), s0 stays (the last).
+        let fleet = FleetView::from_snapshot(&snapshot(vec![
+            pod("p0", "prefill", "g0", true),
+            pod("d0", "decode", "g0", true),
+            pod("p1", "prefill", "g1", true),
+            pod("d1", "decode", "g1", true),
+            plain("s0"),
+        ]));
+        let m = &fleet.models["m"];
+        let view = m
+            .without(|k| k == "ns/d1" || k == "ns/s0")
+            .expect("d1 leaves");
+        assert_eq!(names(&view), ["p0", "d0", "p1", "s0"]);
+        assert_eq!(*view.left_out, [("d1".to_string(), LeftOut::Ejected)]);
+        // A pod combined whatever the profile is a PD route: the decode pod may leave.
+        let fleet = FleetView::from_snapshot(&snapshot(vec![
+            pod("p0", "prefill", "g0", true),
+            pod("d0", "decode", "g0", true),
+            proto::Pod {
+                config: COMBINED.into(),
+                ..plain("c0")
+            },
+        ]));
+        let view = fleet.models["m"]
+            .without(|k| k == "ns/d0")
+            .expect("c0 serves PD");
+        assert_eq!(names(&view), ["p0", "c0"]);
+        // One combined under a named profile only is not: a request without it gets none.
+        let fleet = FleetView::from_snapshot(&snapshot(vec![
+            pod("p0", "prefill", "g0", true),
+            pod("d0", "decode", "g0", true),
+            proto::Pod {
+                config: r#"{"profiles":{"pd":{"routingConfig":{"combined":true}}}}"#.into(),
+                ..plain("c0")
+            },
+        ]));
+        assert!(fleet.models["m"].without(|k| k == "ns/d0").is_none());
+    }
+
     #[test]
     fn pods_pd_control_cannot_reach_or_finds_stalled_leave_the_view_unless_nothing_would_be_left() {
         use prost::Message;
@@ -771,14 +895,17 @@ pub(crate) mod tests {
         ]));
         assert_eq!(all.models["m"].rolesets.len(), 1);
 
-        // A stalled engine is avoided alike.
+        // A stalled engine is avoided alike (a PD request still has the combined pod).
         let stalled = FleetView::from_snapshot(&snapshot(vec![
             pod("p0", "prefill", "g0", true),
             proto::Pod {
                 stalled: true,
                 ..pod("d0", "decode", "g0", true)
             },
-            pod("c1", "all", "", true),
+            proto::Pod {
+                config: COMBINED.into(),
+                ..pod("c1", "all", "", true)
+            },
         ]));
         let m = &stalled.models["m"];
         assert!(m.rolesets.is_empty());

@@ -196,7 +196,16 @@ impl RoutingConfig {
             int_field(map, "promptLenBucketMaxLength", &mut invalid).unwrap_or(0);
         rc.prefill_score_policy = str_field(map, "prefillScorePolicy", &mut invalid);
         rc.decode_score_policy = str_field(map, "decodeScorePolicy", &mut invalid);
-        rc.bucket_serve_mode = str_field(map, "bucketServeMode", &mut invalid);
+        rc.bucket_serve_mode = str_field(map, "bucketServeMode", &mut invalid).filter(|mode| {
+            // An unknown mode is dropped (the env mode applies) and named in the warning.
+            let known = mode
+                .parse::<crate::core::pd::bucket_serve::BucketServeMode>()
+                .is_ok();
+            if !known {
+                invalid.push("bucketServeMode".into());
+            }
+            known
+        });
         rc.hints = Hints {
             prompt_tokens_gte: int_field(map, "promptTokensGte", &mut invalid),
             prompt_tokens_lt: int_field(map, "promptTokensLt", &mut invalid),
@@ -616,7 +625,7 @@ mod tests {
             r#"{"profiles":{"default":{"routingConfig":{
                 "decodeScoreRatioThreshold": 2.5, "minMatchPct": 140, "tokenLoadTTLSeconds": 0,
                 "prefillRequestTimeout": -1, "pd": {"decodeScoreRatioThreshold": 3, "hybridCacheLoadFactor": 0},
-                "combined": "yes", "promptLenBucketMinLength": 10}}}}"#,
+                "combined": "yes", "promptLenBucketMinLength": 10, "bucketServeMode": "fastest"}}}}"#,
         )
         .unwrap();
         let rc = &c.profile(None).unwrap().routing_config;
@@ -635,11 +644,17 @@ mod tests {
         assert_eq!(rc.knobs.prefill_request_timeout, None);
         assert!(!rc.combined);
         assert_eq!(rc.prompt_len_bucket_min_length, 10);
+        assert_eq!(rc.bucket_serve_mode, None);
         let mut invalid = rc.invalid.clone();
         invalid.sort();
         assert_eq!(
             invalid,
-            ["combined", "minMatchPct", "prefillRequestTimeout"]
+            [
+                "bucketServeMode",
+                "combined",
+                "minMatchPct",
+                "prefillRequestTimeout"
+            ]
         );
     }
 

@@ -5,7 +5,8 @@ use crate::core::config::EnvSettings;
 use crate::core::errors::{sanitize_header, RouteError};
 use crate::core::fleet::ModelView;
 use crate::core::profile::{
-    resolve_strategy, Blend, RoutingConfig, Strategy, StrategySpec, AUTO_PROFILE,
+    resolve_strategy, Blend, Hints, ModelConfig, RoutingConfig, Strategy, StrategySpec,
+    AUTO_PROFILE,
 };
 use crate::core::request::RoutingRequest;
 
@@ -48,6 +49,17 @@ pub fn decide(
     let (profile, auto_profile) = match (config, requested) {
         (Some(c), Some(p)) if p.eq_ignore_ascii_case(AUTO_PROFILE) => {
             boundaries.extend(c.prompt_hint_boundaries());
+            // The count also decides Step 0's bucket, and the profile that fixes the buckets
+            // is not known yet: every profile auto may pick brings its pods' edges.
+            for name in auto_candidates(c) {
+                let on = c
+                    .profile(Some(name))
+                    .and_then(|p| p.routing_config.prompt_length_bucketing)
+                    .unwrap_or(env.pd.prompt_length_bucketing);
+                if on {
+                    push_bucket_edges(model, Some(name), &mut boundaries);
+                }
+            }
             let len = tokens(&boundaries);
             prompt_len = Some(len);
             let max_tokens = req.max_tokens;
@@ -88,16 +100,7 @@ pub fn decide(
     let prompt_len = match (strategy, bucketing, prompt_len) {
         (_, _, Some(len)) => len,
         (Strategy::Pd, true, None) => {
-            boundaries.clear();
-            for pod in &model.pods {
-                if let Some((min, max)) = pod
-                    .routing_config(profile.as_deref())
-                    .and_then(RoutingConfig::prompt_range)
-                {
-                    boundaries.push(min);
-                    boundaries.push(max);
-                }
-            }
+            push_bucket_edges(model, profile.as_deref(), &mut boundaries);
             tokens(&boundaries)
         }
         _ => 0,
@@ -112,6 +115,34 @@ pub fn decide(
         routing_config,
         requests_per_second,
     })
+}
+
+/// The profile names `config-profile: auto` can resolve to: those with a hint, and the
+/// fallback name (what it resolves to when no hinted profile matches).
+fn auto_candidates(c: &ModelConfig) -> impl Iterator<Item = &str> {
+    c.profiles
+        .iter()
+        .filter(|(_, p)| p.routing_config.hints != Hints::default())
+        .map(|(name, _)| name.as_str())
+        .chain(std::iter::once(c.fallback_name()))
+}
+
+/// Appends the prompt-length range edges of the pods under `profile`: the boundaries Step 0
+/// compares the prompt with, so the count is exact wherever one of them could change the
+/// bucket. A range equal to the previous pod's is skipped (a roleset's pods usually share
+/// theirs), which keeps the list near two entries per roleset.
+fn push_bucket_edges(model: &ModelView, profile: Option<&str>, out: &mut Vec<i64>) {
+    let mut last = None;
+    for pod in &model.pods {
+        let range = pod
+            .routing_config(profile)
+            .and_then(RoutingConfig::prompt_range);
+        if let Some((min, max)) = range.filter(|r| last != Some(*r)) {
+            out.push(min);
+            out.push(max);
+            last = Some((min, max));
+        }
+    }
 }
 
 #[cfg(test)]
@@ -189,6 +220,78 @@ mod tests {
             (false, 0),
             "no count without a use for it"
         );
+    }
+
+    /// A stand-in for `tokenize::prompt_tokens_if_needed` on a prompt whose cheap bounds
+    /// are `lo..=hi` and whose exact count is `exact`.
+    fn counted(lo: i64, hi: i64, exact: i64) -> impl Fn(&[i64]) -> i64 {
+        move |b: &[i64]| {
+            if b.iter().any(|e| (lo..=hi).contains(e)) {
+                exact
+            } else {
+                lo
+            }
+        }
+    }
+
+    #[test]
+    fn an_auto_pick_counts_exactly_at_the_bucket_edges_of_the_profiles_it_may_pick() {
+        // 3 000 CJK characters: the cheap bounds say 71..=12 000, the count is 3 000. No hint
+        // boundary lies in between, so only the bucket edge 2048 asks for the exact count.
+        let config = |range: &str| {
+            format!(
+                r#"{{"profiles":{{"default":{{"routingStrategy":"random"}},
+                "chat":{{"routingStrategy":"pd","routingConfig":{{"promptTokensLt":100000,
+                "promptLengthBucketing":true,{range}}}}}}}}}"#
+            )
+        };
+        let short = config(r#""promptLenBucketMaxLength":2048"#);
+        let long = config(r#""promptLenBucketMinLength":2049"#);
+        let pods = [
+            ("p0", "prefill", "g0", &short),
+            ("d0", "decode", "g0", &short),
+            ("p1", "prefill", "g1", &long),
+            ("d1", "decode", "g1", &long),
+        ];
+        let snap = snapshot(
+            pods.iter()
+                .map(|(name, role, roleset, config)| {
+                    let mut p = pod(name, role, roleset, true);
+                    p.config = config.to_string();
+                    p
+                })
+                .collect(),
+        );
+        let m = FleetView::from_snapshot(&snap).models["m"].clone();
+        let env = EnvSettings::default();
+        let d = decide(
+            &m,
+            &req(None),
+            None,
+            Some("auto"),
+            &env,
+            &counted(71, 12_000, 3_000),
+        )
+        .unwrap();
+        assert_eq!(
+            (d.auto_profile.as_deref(), d.strategy, d.bucketing),
+            (Some("chat"), Strategy::Pd, true)
+        );
+        assert_eq!(
+            d.prompt_len, 3_000,
+            "the bucket is matched on the exact count"
+        );
+        // Far from every edge, the cheap bound stands (no exact count).
+        let d = decide(
+            &m,
+            &req(None),
+            None,
+            Some("auto"),
+            &env,
+            &counted(100, 120, 110),
+        )
+        .unwrap();
+        assert_eq!(d.prompt_len, 100);
     }
 
     #[test]

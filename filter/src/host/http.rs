@@ -767,9 +767,15 @@ impl PdHttp {
             "request_body.filter_state",
             self.log_state(model, target, &strategy, decision.profile.as_deref())
         );
+        // The stand-in must fit Step 0's bucket as the chosen pod did (PD decisions only).
+        let step0 = Step0Input {
+            profile: decision.profile.as_deref(),
+            bucketing: decision.bucketing && decision.strategy == Strategy::Pd,
+            prompt_len: decision.prompt_len,
+        };
         match target {
             Target::Single { pod } => {
-                let stand_in = self.stand_in_for(model, target, decision.profile.as_deref());
+                let stand_in = self.stand_in_for(model, target, step0);
                 let pod = &model.pods[pod];
                 self.set_destination(&pod.address, &strategy)?;
                 self.name_destinations(&pod.key, &pod.address, stand_in, true);
@@ -792,7 +798,7 @@ impl PdHttp {
                 Ok(Action::Continue)
             }
             Target::Pair { prefill, decode } => {
-                let stand_in = self.stand_in_for(model, target, decision.profile.as_deref());
+                let stand_in = self.stand_in_for(model, target, step0);
                 let (prefill, decode) = (&model.pods[prefill], &model.pods[decode]);
                 crate::section!("request_body.selected_metrics", {
                     let mut vm = self.vm.borrow_mut();

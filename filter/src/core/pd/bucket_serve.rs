@@ -66,8 +66,9 @@ impl FromStr for BucketServeMode {
 }
 
 impl BucketServeMode {
-    /// Parses a name, keeping the default (`Throughput`) for one it does not know, as the
-    /// gateway does for a profile's `bucketServeMode`.
+    /// Parses a name, keeping the default (`Throughput`) for one it does not know: the
+    /// planner's own reading of a mode name. A profile's unknown `bucketServeMode` is dropped
+    /// instead, so the env mode applies (`PdSettings::resolve`).
     pub fn normalize(name: &str) -> BucketServeMode {
         name.parse().unwrap_or_default()
     }

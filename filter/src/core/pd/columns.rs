@@ -15,6 +15,7 @@
 
 use crate::core::fleet::{PodView, Roleset};
 use crate::core::ledger::PodId;
+use crate::core::pd::MinPicker;
 use crate::core::score::decode::{
     self, free_percent, usable, ConductorParts, DecodeMaxima, DecodeStats, LbParts,
 };
@@ -183,32 +184,29 @@ impl PrefillSet {
     }
 }
 
-/// Lowest (first of equals, strict <) and highest of a stream of `(position, value)` of
-/// finite values, as the Step 2 checks read them.
+/// Lowest and highest of a stream of `(position, value)` of finite values, as the Step 2
+/// checks read them. Ties at the lowest are broken uniformly at random, [`MinPicker`]'s rule:
+/// AIBrix scans a shuffled list with strict <, and a fixed order would send every request
+/// to the first of several idle pods until the next scrape.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MinMax {
-    min_at: usize,
-    min: f64,
+    min: MinPicker,
     max: f64,
 }
 
 impl Default for MinMax {
     fn default() -> Self {
         MinMax {
-            min_at: usize::MAX,
-            min: f64::INFINITY,
+            min: MinPicker::new(),
             max: f64::NEG_INFINITY,
         }
     }
 }
 
 impl MinMax {
-    pub fn push(&mut self, at: usize, v: f64) {
+    pub fn push(&mut self, at: usize, v: f64, rng: &mut fastrand::Rng) {
         debug_assert!(v.is_finite());
-        if v < self.min {
-            self.min_at = at;
-            self.min = v;
-        }
+        self.min.offer(v, at, rng);
         // Finite values: a comparison, not `f64::max` (whose NaN rule costs extra in wasm).
         if v > self.max {
             self.max = v;
@@ -217,7 +215,41 @@ impl MinMax {
 
     /// `((position of the minimum, minimum), maximum)`, `None` for an empty stream.
     pub fn get(&self) -> Option<((usize, f64), f64)> {
-        (self.min_at != usize::MAX).then_some(((self.min_at, self.min), self.max))
+        self.min.best.map(|(min, at)| ((at, min), self.max))
+    }
+}
+
+/// The throughput check's figures, fixed with the candidate set, where no random state is at
+/// hand: the lowest and highest reported throughput, and every position at the lowest (in
+/// [`DecodeSet::slowest`]) for the request to draw from.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Span {
+    pub min: f64,
+    pub max: f64,
+}
+
+impl Span {
+    /// Widens `span` by the value `v` at position `at`, keeping `slowest` the positions at
+    /// the lowest value.
+    fn push(span: &mut Option<Span>, slowest: &mut Vec<usize>, at: usize, v: f64) {
+        match span {
+            None => {
+                *span = Some(Span { min: v, max: v });
+                slowest.push(at);
+            }
+            Some(s) => {
+                if v < s.min {
+                    s.min = v;
+                    slowest.clear();
+                    slowest.push(at);
+                } else if v == s.min {
+                    slowest.push(at);
+                }
+                if v > s.max {
+                    s.max = v;
+                }
+            }
+        }
     }
 }
 
@@ -228,8 +260,8 @@ pub struct DecodeFixed {
     pub max_throughput: f64,
     /// `max(1, free percents)`.
     pub max_free: f64,
-    /// Step 2 check 2: over the pods reporting throughput.
-    pub throughputs: MinMax,
+    /// Step 2 check 2: over the pods reporting throughput (`None` when none does).
+    pub throughputs: Option<Span>,
     /// Step 2 check 3 applies: the set is not empty and every pod drains (finite rate > 0).
     pub all_draining: bool,
     /// Decode `token_load`: mean of the own rates the set has, the rate of the others.
@@ -253,6 +285,8 @@ pub struct DecodeSet {
     pub conductor: Vec<ConductorParts>,
     pub runs: Vec<Run>,
     pub fixed: DecodeFixed,
+    /// Positions at the lowest reported throughput, in candidate order.
+    pub slowest: Vec<usize>,
 }
 
 impl DecodeSet {
@@ -268,10 +302,11 @@ impl DecodeSet {
         self.lb.clear();
         self.conductor.clear();
         self.runs.clear();
+        self.slowest.clear();
         let mut fixed = DecodeFixed {
             max_throughput: 1.0,
             max_free: 1.0,
-            throughputs: MinMax::default(),
+            throughputs: None,
             all_draining: true,
             own_rate_mean: None,
         };
@@ -289,7 +324,7 @@ impl DecodeSet {
                 .max(reported(throughput).unwrap_or(0.0));
             fixed.max_free = fixed.max_free.max(cols.free[slot]);
             if let Some(t) = reported(throughput) {
-                fixed.throughputs.push(at, t);
+                Span::push(&mut fixed.throughputs, &mut self.slowest, at, t);
             }
             let drain = cols.drain[slot];
             fixed.all_draining &= drain.is_finite() && drain > 0.0;

@@ -93,7 +93,7 @@ pub fn select_pair_explained(
 
     // Step 2: decode imbalance (not under token_load, which replaces what it measures).
     if s.decode_policy.runs_fast_path() {
-        if let Some(pick) = crate::core::score::decode::decode_fast_path(&batch, &s.decode) {
+        if let Some(pick) = crate::core::score::decode::decode_fast_path(&batch, &s.decode, rng) {
             let chosen = decode[pick.index];
             let roleset = roleset_of(model, chosen);
             decode = vec![chosen];

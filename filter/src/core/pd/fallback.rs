@@ -14,6 +14,8 @@
 //!   from the prefill pod, which any decode pod of the roleset can pull from or join);
 //! - a standard pod: another standard pod, combined under the request's profile when the
 //!   chosen one is (a PD request's whole-request pod), any otherwise;
+//! - with prompt-length bucketing, a decode or combined stand-in also holds the prompt in its
+//!   range, as Step 0 requires of the pod it stands in for;
 //! - a prefill or decode pod serving alone (a token count): none.
 //!
 //! The stand-in is drawn at random, not scored: it serves only when the chosen pod is dead,
@@ -21,27 +23,50 @@
 //! Cost: one draw and, usually, one step (a walk past the siblings that do not fit).
 
 use crate::core::fleet::{ModelView, Role};
-use crate::core::pd::Target;
+use crate::core::pd::{Step0Input, Target};
 
-/// A pod other than `target`'s answering one that may serve the request if that one refuses
-/// the connection; `None` when no such pod is in `model`. `profile` is the request's.
+/// [`stand_in_fitting`] for a request routed without prompt-length bucketing; `profile` is
+/// the request's. A caller that buckets passes its Step 0 input to [`stand_in_fitting`].
 pub fn stand_in(
     model: &ModelView,
     target: Target,
     profile: Option<&str>,
     rng: &mut fastrand::Rng,
 ) -> Option<usize> {
+    let request = Step0Input {
+        profile,
+        bucketing: false,
+        prompt_len: 0,
+    };
+    stand_in_fitting(model, target, request, rng)
+}
+
+/// A pod other than `target`'s answering one that may serve the request if that one refuses
+/// the connection; `None` when no such pod is in `model`. `request` is what Step 0 ran with:
+/// with bucketing on, a decode or combined stand-in must hold the prompt in its range, as
+/// Step 0 required of the chosen pod (a pod of another bucket is never a fallback). A plain
+/// standard pod's stand-in is any standard pod: single-pod strategies do not bucket.
+pub fn stand_in_fitting(
+    model: &ModelView,
+    target: Target,
+    request: Step0Input<'_>,
+    rng: &mut fastrand::Rng,
+) -> Option<usize> {
     let chosen = target.pod();
     let pod = model.pods.get(chosen)?;
+    let profile = request.profile;
+    let in_range = |j: usize| {
+        !request.bucketing || model.pods[j].accepts_prompt_len(profile, request.prompt_len)
+    };
     match target {
         Target::Pair { decode, .. } => {
             let roleset = model.rolesets.get(pod.roleset_idx?)?;
-            draw(&roleset.decode, decode, rng, |_| true)
+            draw(&roleset.decode, decode, rng, in_range)
         }
         Target::Single { pod: i } if pod.role == Role::Other => {
             let combined = pod.is_combined(profile);
             draw(&model.others, i, rng, |j| {
-                !combined || model.pods[j].is_combined(profile)
+                !combined || (model.pods[j].is_combined(profile) && in_range(j))
             })
         }
         Target::Single { .. } => None,
@@ -152,6 +177,55 @@ mod tests {
         let plain = index(&model, "plain");
         let got = stand_in(&model, Target::Single { pod: plain }, Some("pd"), &mut rng);
         assert!(got.is_some_and(|g| g != plain));
+    }
+
+    /// `p` with the `pd` profile's prompt-length range `[min, max]` (and `combined` for a
+    /// standard pod).
+    fn ranged(mut p: proto::Pod, min: i64, max: i64) -> proto::Pod {
+        let combined = p.role.is_empty();
+        p.config = format!(
+            r#"{{"profiles":{{"pd":{{"routingConfig":{{"combined":{combined},
+            "promptLenBucketMinLength":{min},"promptLenBucketMaxLength":{max}}}}}}}}}"#
+        );
+        p
+    }
+
+    #[test]
+    fn with_bucketing_a_stand_in_holds_the_prompt_in_its_range() {
+        let model = view(vec![
+            ranged(pod("c-short", "", "", true), 0, 2048),
+            ranged(pod("c-long", "", "", true), 2049, 0),
+            ranged(pod("c-any", "", "", true), 0, 0),
+            ranged(pod("p", "prefill", "a", true), 0, 0),
+            ranged(pod("d-short", "decode", "a", true), 0, 2048),
+            ranged(pod("d-long", "decode", "a", true), 2049, 0),
+            ranged(pod("d-any", "decode", "a", true), 0, 0),
+        ]);
+        let long = Step0Input {
+            profile: Some("pd"),
+            bucketing: true,
+            prompt_len: 3000,
+        };
+        let mut rng = fastrand::Rng::with_seed(5);
+        let single = Target::Single {
+            pod: index(&model, "c-long"),
+        };
+        let pair = Target::Pair {
+            prefill: index(&model, "p"),
+            decode: index(&model, "d-long"),
+        };
+        for _ in 0..50 {
+            let got = stand_in_fitting(&model, single, long, &mut rng);
+            assert_eq!(got, Some(index(&model, "c-any")), "c-short is too short");
+            let got = stand_in_fitting(&model, pair, long, &mut rng);
+            assert_eq!(got, Some(index(&model, "d-any")), "d-short is too short");
+        }
+        // Without bucketing the ranges do not matter.
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..100 {
+            seen.extend(stand_in(&model, single, Some("pd"), &mut rng));
+        }
+        assert!(seen.contains(&index(&model, "c-short")), "{seen:?}");
     }
 
     #[test]

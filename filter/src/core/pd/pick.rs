@@ -8,6 +8,7 @@
 /// next tie that replaces the kept one. After `n` ties the next replacement comes at tie `m`
 /// with `P(m > j) = n / j`, i.e. `m = floor(n / u) + 1` for `u` uniform in (0, 1]: the same
 /// 1/i chance of being kept as one draw per tie, with about ln(ties) draws.
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MinPicker {
     pub best: Option<(f64, usize)>,
     /// Items tied at the current minimum so far.

@@ -220,10 +220,15 @@ fn narrow(
 }
 
 /// The per-request figures of the decode candidates: whether any has the running metric
-/// (then cold-start scores apply to the others), the highest count (`max(1, counts)`), and
-/// the lowest and highest count among those with the metric (Step 2 check 1).
-fn decode_counts(set: &DecodeSet, counts: &[u32]) -> (bool, f64, MinMax) {
-    let (mut any_ready, mut max_count, mut ready) = (false, 1.0f64, MinMax::default());
+/// (then cold-start scores apply to the others) and the highest count (`max(1, counts)`).
+/// `ready` is handed each position and count of a pod with the metric (Step 2 check 1's
+/// stream), in the same pass.
+fn decode_counts(
+    set: &DecodeSet,
+    counts: &[u32],
+    mut ready: impl FnMut(usize, f64),
+) -> (bool, f64) {
+    let (mut any_ready, mut max_count) = (false, 1.0f64);
     for (k, (&count, &fresh)) in counts.iter().zip(&set.fresh).enumerate() {
         let count_f = f64::from(count);
         // Counts are never NaN: a comparison, not `f64::max` (whose NaN rule costs extra
@@ -234,34 +239,42 @@ fn decode_counts(set: &DecodeSet, counts: &[u32]) -> (bool, f64, MinMax) {
         // "Metrics ready": the engine has been scraped, or this gateway has routed to it.
         if fresh || count > 0 {
             any_ready = true;
-            ready.push(k, count_f);
+            ready(k, count_f);
         }
     }
-    (any_ready, max_count, ready)
+    (any_ready, max_count)
 }
 
 /// Step 2 (see `score::decode::decode_fast_path`, whose rules these are): three checks in
-/// order, the first that fires picks a position.
+/// order, the first that fires picks a position; ties at a minimum go to a uniformly random
+/// one, with the same draws as the plain statement makes.
 fn decode_fast_path(
     set: &DecodeSet,
     counts: &[u32],
     ready: MinMax,
     th: &decode::DecodeThresholds,
+    rng: &mut fastrand::Rng,
 ) -> Option<(usize, FastPathCheck)> {
     if let Some(((at, min), max)) = ready.get() {
         if max - min >= th.count_spread {
             return Some((at, FastPathCheck::CountSpread));
         }
     }
-    if let Some(((at, min), max)) = set.fixed.throughputs.get() {
-        if max - min > th.throughput_spread {
-            return Some((at, FastPathCheck::ThroughputSpread));
+    if let Some(span) = set.fixed.throughputs {
+        if span.max - span.min > th.throughput_spread {
+            let j = match set.slowest.len() {
+                n if n > 1 => rng.usize(..n),
+                _ => 0,
+            };
+            if let Some(&at) = set.slowest.get(j) {
+                return Some((at, FastPathCheck::ThroughputSpread));
+            }
         }
     }
     if set.fixed.all_draining {
         let mut scores = MinMax::default();
         for (k, (&count, &divisor)) in counts.iter().zip(&set.drain_divisor).enumerate() {
-            scores.push(k, f64::from(count) / divisor);
+            scores.push(k, f64::from(count) / divisor, rng);
         }
         if let Some(((at, min), max)) = scores.get() {
             if min > 0.0 && max / min > th.drain_ratio {
@@ -457,12 +470,19 @@ pub fn select_pair(
         dcounts,
         decode_rows,
     );
-    let (mut any_ready, mut max_count, ready) = decode_counts(dset, dcounts);
+    // Step 2 check 1's stream is read in the same pass, when Step 2 runs.
+    let fast_path = s.decode_policy.runs_fast_path();
+    let mut ready = MinMax::default();
+    let (mut any_ready, mut max_count) = if fast_path {
+        decode_counts(dset, dcounts, |k, count| ready.push(k, count, rng))
+    } else {
+        decode_counts(dset, dcounts, |_, _| {})
+    };
     let mut narrowed = false;
 
     // Step 2: decode imbalance (not under token_load, which replaces what it measures).
-    if s.decode_policy.runs_fast_path() {
-        if let Some((k, check)) = decode_fast_path(dset, dcounts, ready, &s.decode) {
+    if fast_path {
+        if let Some((k, check)) = decode_fast_path(dset, dcounts, ready, &s.decode, rng) {
             let roleset = dset.roleset[k];
             narrow(&dset.slot, dcounts, decode_rows, slots, |j| j == k);
             decode_set.fill(cols, slots.iter().copied());
@@ -567,7 +587,7 @@ pub fn select_pair(
     // Step 4: decode scoring, with cold-start scores for pods the gateway has no signal for.
     // Maxima are relative to the candidates still in play, as in AIBrix.
     if narrowed {
-        (any_ready, max_count, _) = decode_counts(dset, dcounts);
+        (any_ready, max_count) = decode_counts(dset, dcounts, |_, _| {});
     }
     let policy = s.decode_policy;
     let cold_starts = policy.uses_cold_start() && any_ready;

@@ -126,9 +126,11 @@ impl PdSettings {
             bucket_serve: rc
                 .and_then(|rc| rc.bucket_serve)
                 .unwrap_or(d.bucket_serve.enabled),
+            // An unknown mode is an invalid value: dropped, so the env default applies (spec
+            // §8.2), not replaced by the built-in default.
             bucket_serve_mode: rc
                 .and_then(|rc| rc.bucket_serve_mode.as_deref())
-                .map(BucketServeMode::normalize)
+                .and_then(|mode| mode.parse().ok())
                 .unwrap_or(d.bucket_serve.mode),
         })
     }
@@ -194,5 +196,27 @@ mod tests {
         assert!(
             matches!(err, RouteError::Selection { detail } if detail.contains("unknown decodeScorePolicy \"fastest\""))
         );
+    }
+
+    #[test]
+    fn an_unknown_bucket_serve_mode_in_a_profile_keeps_the_env_mode() {
+        let (d, _) = PdDefaults::from_lookup(|k| match k {
+            "AIBRIX_BUCKET_SERVE_MODE" => Some("rps".into()),
+            _ => None,
+        });
+        let mode = |json: &str| {
+            PdSettings::resolve(&d, Some(&rc(json)))
+                .unwrap()
+                .bucket_serve_mode
+        };
+        assert_eq!(
+            mode(r#"{"bucketServeMode":"fastest"}"#),
+            BucketServeMode::Rps
+        );
+        assert_eq!(
+            mode(r#"{"bucketServeMode":" Throughput "}"#),
+            BucketServeMode::Throughput
+        );
+        assert_eq!(mode(r#"{"bucketServe":true}"#), BucketServeMode::Rps);
     }
 }

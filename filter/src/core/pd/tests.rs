@@ -232,3 +232,73 @@ fn sigma_filter_skips_an_overloaded_prefill_pod() {
         );
     }
 }
+
+/// Three 1P1D rolesets whose decode pods report `(throughput, drain rate)` and hold
+/// `running` requests in the ledger.
+fn decode_fleet(signals: [(f64, f64); 3], running: [u32; 3]) -> (ModelView, Ledger) {
+    let mut pods = Vec::new();
+    let mut ledger = Ledger::default();
+    for (r, ((throughput, drain_rate), running)) in signals.into_iter().zip(running).enumerate() {
+        pods.push(pod(&format!("p{r}"), "prefill", &format!("g{r}"), true));
+        let mut d = pod(&format!("d{r}"), "decode", &format!("g{r}"), true);
+        d.metrics = Some(proto::PodMetrics {
+            present: true,
+            generation_throughput: throughput,
+            drain_rate,
+            ..Default::default()
+        });
+        pods.push(d);
+        for _ in 0..running {
+            ledger.add(
+                &format!("ns/d{r}"),
+                crate::core::ledger::Counter::Running,
+                0,
+            );
+        }
+    }
+    (model(pods), ledger)
+}
+
+#[test]
+fn decode_fast_path_ties_go_to_any_of_the_tied_pods() {
+    use crate::core::score::decode::FastPathCheck::*;
+    // d0 and d1 tie at the minimum, d2 is far off: a check fires on every request until the
+    // next scrape, and must spread them over d0 and d1, never d2.
+    let cases = [
+        // 0 tok/s twice against 3000.
+        (
+            [(0.0, 0.0), (0.0, 0.0), (3000.0, 0.0)],
+            [0, 0, 0],
+            ThroughputSpread,
+        ),
+        // 0 running twice against 17.
+        ([(0.0, 0.0); 3], [0, 0, 17], CountSpread),
+        // Drain scores 1, 1, 8.
+        ([(0.0, 1.0); 3], [1, 1, 8], DrainRatio),
+    ];
+    let s = settings(PrefillPolicy::LeastRequest, DecodePolicy::LoadBalancing);
+    let bucketing = Step0Input {
+        bucketing: true,
+        ..STEP0
+    };
+    for (signals, running, check) in cases {
+        let (m, ledger) = decode_fleet(signals, running);
+        // The snapshot's candidate sets, per-request ones (bucketing), the plain cascade.
+        for (how, step0) in [("all", STEP0), ("listed", bucketing), ("plain", STEP0)] {
+            let mut seen = std::collections::BTreeSet::new();
+            for seed in 0..64 {
+                let mut rng = fastrand::Rng::with_seed(seed);
+                let sel = if how == "plain" {
+                    explained::select_pd(&m, step0, &ledger, input(&s, &[], 10), &mut rng)
+                } else {
+                    select_pd(&m, step0, &ledger, input(&s, &[], 10), &mut rng)
+                }
+                .unwrap();
+                assert_eq!(sel.fast_paths.decode, Some(check), "{how}");
+                seen.insert(names(&m, sel.target).1);
+            }
+            let want = ["d0".to_string(), "d1".to_string()].into();
+            assert_eq!(seen, want, "{check:?} {how}");
+        }
+    }
+}

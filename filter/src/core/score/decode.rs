@@ -1,11 +1,13 @@
 //! Decode-side inputs, the batch maxima every decode policy normalises by, the four decode
 //! scores, the cold-start score, and the Step 2 load-imbalance fast path.
 //!
-//! A [`DecodeBatch`] is built once per selection from the candidates in the caller's (shuffled)
-//! order; the fast path and the scores then read the same derived numbers, as in AIBrix where
-//! Step 2 computes the maxima that Step 4 reuses.
+//! A [`DecodeBatch`] is built once per selection from the candidates in the caller's order
+//! (the fast path draws among ties instead of shuffling); the fast path and the scores then
+//! read the same derived numbers, as in AIBrix where Step 2 computes the maxima that Step 4
+//! reuses.
 
 use super::DecodePolicy;
+use crate::core::pd::MinPicker;
 
 /// What the selection knows about one decode pod.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -331,17 +333,19 @@ pub struct FastPathPick {
     pub check: FastPathCheck,
 }
 
-/// Lowest and highest of `(index, value)`; the lowest keeps the first on ties (strict <), so
-/// the caller's shuffle decides between equals.
-fn min_max(values: impl Iterator<Item = (usize, f64)>) -> Option<((usize, f64), f64)> {
-    let mut out: Option<((usize, f64), f64)> = None;
+/// Lowest and highest of `(index, value)`; ties at the lowest are broken uniformly at random
+/// ([`MinPicker`]'s rule), as AIBrix's strict < over a shuffled list does.
+fn min_max(
+    values: impl Iterator<Item = (usize, f64)>,
+    rng: &mut fastrand::Rng,
+) -> Option<((usize, f64), f64)> {
+    let mut min = MinPicker::new();
+    let mut max = f64::NEG_INFINITY;
     for (i, v) in values {
-        out = Some(match out {
-            None => ((i, v), v),
-            Some(((bi, bv), max)) => (if v < bv { (i, v) } else { (bi, bv) }, max.max(v)),
-        });
+        min.offer(v, i, rng);
+        max = max.max(v);
     }
-    out
+    min.best.map(|(v, i)| ((i, v), max))
 }
 
 /// The drain score's denominator floor, so a near-zero rate cannot make a pod look infinite.
@@ -355,8 +359,15 @@ const MIN_DRAIN_RATE: f64 = 0.1;
 /// 3. Only if **every** pod reports a drain rate > 0: `score = count / max(drain, 0.1)`; if
 ///    `min > 0` and `max/min > drain_ratio` → the lowest score (fastest estimated drain).
 ///
-/// The caller skips this under decode `token_load`.
-pub fn decode_fast_path(batch: &DecodeBatch, th: &DecodeThresholds) -> Option<FastPathPick> {
+/// Ties at a minimum go to a uniformly random pod. The optimised selection fixes the
+/// throughput figures with the candidate set, so that check draws once among the slowest
+/// after it fires; the other two break ties as they scan. The caller skips this under decode
+/// `token_load`.
+pub fn decode_fast_path(
+    batch: &DecodeBatch,
+    th: &DecodeThresholds,
+    rng: &mut fastrand::Rng,
+) -> Option<FastPathPick> {
     let counted = batch
         .inputs
         .iter()
@@ -364,7 +375,7 @@ pub fn decode_fast_path(batch: &DecodeBatch, th: &DecodeThresholds) -> Option<Fa
         .enumerate()
         .filter(|(_, (input, _))| input.has_running_metric)
         .map(|(i, (_, s))| (i, s.count));
-    if let Some(((index, min), max)) = min_max(counted) {
+    if let Some(((index, min), max)) = min_max(counted, rng) {
         if max - min >= th.count_spread {
             return Some(FastPathPick {
                 index,
@@ -373,13 +384,21 @@ pub fn decode_fast_path(batch: &DecodeBatch, th: &DecodeThresholds) -> Option<Fa
         }
     }
 
-    let observed = batch
-        .inputs
-        .iter()
-        .enumerate()
-        .filter_map(|(i, input)| usable(input.throughput).map(|t| (i, t)));
-    if let Some(((index, min), max)) = min_max(observed) {
-        if max - min > th.throughput_spread {
+    let observed = || {
+        batch
+            .inputs
+            .iter()
+            .enumerate()
+            .filter_map(|(i, input)| usable(input.throughput).map(|t| (i, t)))
+    };
+    let (mut min, mut max) = (f64::INFINITY, f64::NEG_INFINITY);
+    for (_, t) in observed() {
+        (min, max) = (min.min(t), max.max(t));
+    }
+    if max - min > th.throughput_spread {
+        let slowest = observed().filter(|&(_, t)| t == min).count();
+        let j = if slowest > 1 { rng.usize(..slowest) } else { 0 };
+        if let Some((index, _)) = observed().filter(|&(_, t)| t == min).nth(j) {
             return Some(FastPathPick {
                 index,
                 check: FastPathCheck::ThroughputSpread,
@@ -405,7 +424,7 @@ pub fn decode_fast_path(batch: &DecodeBatch, th: &DecodeThresholds) -> Option<Fa
                     .max(MIN_DRAIN_RATE);
                 (i, s.count / drain)
             });
-        if let Some(((index, min), max)) = min_max(scores) {
+        if let Some(((index, min), max)) = min_max(scores, rng) {
             if min > 0.0 && max / min > th.drain_ratio {
                 return Some(FastPathPick {
                     index,
@@ -465,7 +484,22 @@ mod tests {
     }
 
     fn pick(b: &DecodeBatch) -> Option<(usize, FastPathCheck)> {
-        decode_fast_path(b, &DecodeThresholds::default()).map(|p| (p.index, p.check))
+        let mut rng = fastrand::Rng::with_seed(1);
+        decode_fast_path(b, &DecodeThresholds::default(), &mut rng).map(|p| (p.index, p.check))
+    }
+
+    /// The pods `b`'s fast path picks over many draws, and by which check.
+    fn picks(b: &DecodeBatch) -> (std::collections::BTreeSet<usize>, Option<FastPathCheck>) {
+        let mut rng = fastrand::Rng::with_seed(7);
+        let mut seen = std::collections::BTreeSet::new();
+        let mut check = None;
+        for _ in 0..200 {
+            if let Some(p) = decode_fast_path(b, &DecodeThresholds::default(), &mut rng) {
+                seen.insert(p.index);
+                check = Some(p.check);
+            }
+        }
+        (seen, check)
     }
 
     #[test]
@@ -540,13 +574,32 @@ mod tests {
         // … but its pending count still raises maxCount for scoring.
         let b = DecodeBatch::new(vec![cold(9), pod(3, None, None)]);
         assert_eq!(b.maxima().count, 9.0);
-        // Ties at the minimum keep the first in the caller's order.
+    }
+
+    #[test]
+    fn ties_at_a_minimum_go_to_any_of_the_tied_pods() {
+        use FastPathCheck::*;
+        let set = |picked: &[usize]| picked.iter().copied().collect();
         let b = DecodeBatch::new(vec![
             pod(40, None, None),
             pod(1, None, None),
             pod(1, None, None),
         ]);
-        assert_eq!(pick(&b), Some((1, CountSpread)));
+        assert_eq!(picks(&b), (set(&[1, 2]), Some(CountSpread)));
+        // Two idle pods and a busy one: every request until the next scrape would go to the
+        // first idle pod if ties were not broken.
+        let b = DecodeBatch::new(vec![
+            pod(3, Some(0.0), None),
+            pod(3, Some(0.0), None),
+            pod(3, Some(3000.0), None),
+        ]);
+        assert_eq!(picks(&b), (set(&[0, 1]), Some(ThroughputSpread)));
+        let b = DecodeBatch::new(vec![
+            draining(8, Some(1.0)),
+            draining(2, Some(1.0)),
+            draining(2, Some(1.0)),
+        ]);
+        assert_eq!(picks(&b), (set(&[1, 2]), Some(DrainRatio)));
     }
 
     #[test]
@@ -576,7 +629,7 @@ mod tests {
         };
         let b = DecodeBatch::new(vec![pod(5, None, None), pod(3, None, None)]);
         assert_eq!(
-            decode_fast_path(&b, &th),
+            decode_fast_path(&b, &th, &mut fastrand::Rng::with_seed(1)),
             Some(FastPathPick {
                 index: 1,
                 check: CountSpread

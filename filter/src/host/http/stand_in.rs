@@ -16,7 +16,7 @@ use proxy_wasm::traits::HttpContext;
 use super::PdHttp;
 use crate::core::fleet::{ModelView, PodView};
 use crate::core::inbound::DESTINATIONS_HEADER;
-use crate::core::pd::Target;
+use crate::core::pd::{Step0Input, Target};
 use crate::host::holds;
 use crate::host::metrics::Metrics;
 
@@ -53,12 +53,13 @@ const RETRIABLE_STATUS_CODES_HEADER: &str = "x-envoy-retriable-status-codes";
 
 impl PdHttp {
     /// A stand-in for `target`'s answering pod when the plugin retries refused connections
-    /// and pd-control lists the pods for the retrying cluster; `profile` is the request's.
+    /// and pd-control lists the pods for the retrying cluster; `request` is what Step 0 ran
+    /// with (bucketing only for PD decisions: single-pod strategies do not bucket).
     pub(super) fn stand_in_for(
         &self,
         model: &ModelView,
         target: Target,
-        profile: Option<&str>,
+        request: Step0Input<'_>,
     ) -> Option<StandIn> {
         let mut vm = self.vm.borrow_mut();
         // The snapshot says the gateways' clusters may hold the pods, and pd-control has not
@@ -69,7 +70,7 @@ impl PdHttp {
         {
             return None;
         }
-        crate::core::pd::fallback::stand_in(model, target, profile, &mut vm.rng)
+        crate::core::pd::fallback::stand_in_fitting(model, target, request, &mut vm.rng)
             .map(|i| StandIn::of(&model.pods[i]))
     }
 
