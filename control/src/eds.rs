@@ -17,7 +17,7 @@
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
@@ -57,6 +57,10 @@ pub struct EdsWriter {
     listing: watch::Sender<Arc<Listing>>,
     /// The version the file holds; `None` until the first write lands.
     written: Option<u64>,
+    /// The newest version on disk, held by each blocking write while it runs: writes go one
+    /// at a time, and an older listing never replaces a newer one, even from a write that
+    /// outlived the update that started it.
+    on_disk: Arc<Mutex<u64>>,
 }
 
 impl EdsWriter {
@@ -72,6 +76,7 @@ impl EdsWriter {
             seen: BTreeMap::new(),
             listing: watch::Sender::new(Arc::new(empty)),
             written: None,
+            on_disk: Arc::new(Mutex::new(0)),
         }
     }
 
@@ -82,8 +87,36 @@ impl EdsWriter {
 
     /// Takes in the fleet as of `now`; a changed set gets a new version, handed to the
     /// streams at once and written to the file (also when an earlier write failed). Returns
-    /// whether the file was written.
-    pub fn update(&mut self, fleet: &[PodRecord], now: Instant) -> Result<bool, EdsError> {
+    /// whether the file was written. The write (rendering, `fsync`, rename) runs on tokio's
+    /// blocking pool, not on the async workers that serve snapshots; it is awaited, so the
+    /// caller still publishes a snapshot only once the file lists its pods.
+    pub async fn update(&mut self, fleet: &[PodRecord], now: Instant) -> Result<bool, EdsError> {
+        let listing = self.take_in(fleet, now);
+        let Some(path) = &self.path else {
+            return Ok(false);
+        };
+        if self.written == Some(listing.version) {
+            return Ok(false);
+        }
+        let error = |source| EdsError {
+            path: path.display().to_string(),
+            source,
+        };
+        let (on_disk, file) = (self.on_disk.clone(), path.clone());
+        let version = listing.version;
+        let written = tokio::task::spawn_blocking(move || {
+            write_newer(&on_disk, &file, version, render(&listing).as_bytes())
+        })
+        .await
+        .map_err(|join| error(std::io::Error::other(join)))?
+        .map_err(error)?;
+        self.written = Some(version);
+        Ok(written)
+    }
+
+    /// Takes in the fleet as of `now` and returns the listing, under a new version (handed to
+    /// the streams) when its set of endpoints changed.
+    fn take_in(&mut self, fleet: &[PodRecord], now: Instant) -> Arc<Listing> {
         for pod in fleet.iter().filter(|p| !p.ip.is_empty() && p.serves_http) {
             self.seen.insert((pod.ip.clone(), pod.port), now);
         }
@@ -93,31 +126,34 @@ impl EdsWriter {
         let fresh = current.version == 0
             || current.endpoints.len() != self.seen.len()
             || !current.endpoints.iter().eq(self.seen.keys());
-        let listing = if fresh {
-            let next = Arc::new(Listing {
-                cluster: current.cluster.clone(),
-                version: current.version + 1,
-                endpoints: self.seen.keys().cloned().collect(),
-            });
-            self.listing.send_replace(next.clone());
-            next
-        } else {
-            current
-        };
-        let Some(path) = &self.path else {
-            return Ok(false);
-        };
-        if self.written == Some(listing.version) {
-            return Ok(false);
+        if !fresh {
+            return current;
         }
-        let body = render(&listing);
-        write_by_rename(path, body.as_bytes()).map_err(|source| EdsError {
-            path: path.display().to_string(),
-            source,
-        })?;
-        self.written = Some(listing.version);
-        Ok(true)
+        let next = Arc::new(Listing {
+            cluster: current.cluster.clone(),
+            version: current.version + 1,
+            endpoints: self.seen.keys().cloned().collect(),
+        });
+        self.listing.send_replace(next.clone());
+        next
     }
+}
+
+/// Writes `bytes`, the listing at `version`, unless `on_disk` says the file already holds
+/// that version or a newer one; returns whether it wrote. Blocking.
+fn write_newer(
+    on_disk: &Mutex<u64>,
+    path: &Path,
+    version: u64,
+    bytes: &[u8],
+) -> std::io::Result<bool> {
+    let mut newest = on_disk.lock().unwrap_or_else(PoisonError::into_inner);
+    if *newest >= version {
+        return Ok(false);
+    }
+    write_by_rename(path, bytes)?;
+    *newest = version;
+    Ok(true)
 }
 
 /// The `DiscoveryResponse` Envoy's path config source reads.
@@ -193,8 +229,8 @@ mod tests {
         read_listing(path).expect("an endpoint listing").1
     }
 
-    #[test]
-    fn lists_every_pod_with_an_address_and_writes_only_on_change() {
+    #[tokio::test]
+    async fn lists_every_pod_with_an_address_and_writes_only_on_change() {
         let dir = tempfile::tempdir().expect("dir");
         let path = dir.path().join("pods.json");
         let mut eds = EdsWriter::new(Some(path.clone()), "pd_pods_retry");
@@ -207,39 +243,42 @@ mod tests {
             pod("c", "fd00::7", 8001),
             follower,
         ];
-        assert!(eds.update(&fleet, t0).expect("write"));
+        assert!(eds.update(&fleet, t0).await.expect("write"));
         let (cluster, endpoints) = read_listing(&path).expect("an endpoint listing");
         assert_eq!(cluster, "pd_pods_retry");
         assert_eq!(endpoints, ["10.0.0.1:8000", "fd00::7:8001"]);
         assert!(!eds
             .update(&fleet, t0 + Duration::from_secs(1))
+            .await
             .expect("same"));
         assert!(!path.with_extension("json.tmp").exists());
     }
 
-    #[test]
-    fn the_streams_get_a_new_version_only_when_the_set_changes() {
+    #[tokio::test]
+    async fn the_streams_get_a_new_version_only_when_the_set_changes() {
         let mut eds = EdsWriter::new(None, "pd_pods_retry");
         let listing = eds.subscribe();
         assert_eq!(listing.borrow().version, 0, "nothing taken in yet");
         let t0 = Instant::now();
         let fleet = [pod("a", "10.0.0.1", 8000)];
-        assert!(!eds.update(&fleet, t0).expect("no file to write"));
+        assert!(!eds.update(&fleet, t0).await.expect("no file to write"));
         let first = listing.borrow().clone();
         assert_eq!(first.version, 1);
         assert_eq!(first.endpoints, [("10.0.0.1".to_string(), 8000)]);
         eds.update(&fleet, t0 + Duration::from_secs(1))
+            .await
             .expect("same set");
         assert_eq!(listing.borrow().version, 1);
         let grown = [pod("a", "10.0.0.1", 8000), pod("b", "10.0.0.2", 8000)];
         eds.update(&grown, t0 + Duration::from_secs(2))
+            .await
             .expect("grown");
         assert_eq!(listing.borrow().version, 2);
         assert_eq!(listing.borrow().endpoints.len(), 2);
     }
 
-    #[test]
-    fn a_pod_that_left_lingers_then_goes() {
+    #[tokio::test]
+    async fn a_pod_that_left_lingers_then_goes() {
         let dir = tempfile::tempdir().expect("dir");
         let path = dir.path().join("pods.json");
         let mut eds = EdsWriter::new(Some(path.clone()), "c");
@@ -248,27 +287,55 @@ mod tests {
             &[pod("a", "10.0.0.1", 8000), pod("b", "10.0.0.2", 8000)],
             t0,
         )
+        .await
         .expect("write");
         let only_a = [pod("a", "10.0.0.1", 8000)];
-        assert!(!eds.update(&only_a, t0 + LINGER).expect("b lingers"));
+        assert!(!eds.update(&only_a, t0 + LINGER).await.expect("b lingers"));
         assert_eq!(listed(&path), ["10.0.0.1:8000", "10.0.0.2:8000"]);
         assert!(eds
             .update(&only_a, t0 + LINGER + Duration::from_millis(1))
+            .await
             .expect("b goes"));
         assert_eq!(listed(&path), ["10.0.0.1:8000"]);
     }
 
-    #[test]
-    fn an_unwritable_path_is_an_error_and_is_tried_again() {
+    #[tokio::test]
+    async fn an_unwritable_path_is_an_error_and_is_tried_again() {
         let dir = tempfile::tempdir().expect("dir");
         let path = dir.path().join("missing").join("pods.json");
         let mut eds = EdsWriter::new(Some(path.clone()), "c");
         let fleet = [pod("a", "10.0.0.1", 8000)];
         let e = eds
             .update(&fleet, Instant::now())
+            .await
             .expect_err("no directory");
         assert!(e.to_string().contains("missing"), "{e}");
         std::fs::create_dir(dir.path().join("missing")).expect("mkdir");
-        assert!(eds.update(&fleet, Instant::now()).expect("written now"));
+        assert!(eds
+            .update(&fleet, Instant::now())
+            .await
+            .expect("written now"));
+    }
+
+    #[test]
+    fn an_older_listing_never_replaces_a_newer_one() {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("pods.json");
+        let listing = |version, ip: &str| Listing {
+            cluster: "c".into(),
+            version,
+            endpoints: vec![(ip.into(), 8000)],
+        };
+        let on_disk = Mutex::new(0);
+        let v2 = render(&listing(2, "10.0.0.2"));
+        assert!(write_newer(&on_disk, &path, 2, v2.as_bytes()).expect("write"));
+        // A write of version 1 that ran late (its update was dropped mid-way, say).
+        let v1 = render(&listing(1, "10.0.0.1"));
+        assert!(!write_newer(&on_disk, &path, 1, v1.as_bytes()).expect("skipped"));
+        assert!(!write_newer(&on_disk, &path, 2, v2.as_bytes()).expect("there already"));
+        assert_eq!(listed(&path), ["10.0.0.2:8000"]);
+        let v3 = render(&listing(3, "10.0.0.3"));
+        assert!(write_newer(&on_disk, &path, 3, v3.as_bytes()).expect("newer"));
+        assert_eq!(listed(&path), ["10.0.0.3:8000"]);
     }
 }

@@ -266,6 +266,12 @@ pub const KIND_MODEL_ADAPTER: &str = "ModelAdapter";
 /// Parses fleet YAML into Kubernetes Pods and AIBrix `ModelAdapter`s, in file order: Pod
 /// documents, `List`/`PodList` documents of Pods, and `ModelAdapter` documents or items.
 pub fn parse_objects(text: &str) -> Result<(Vec<Pod>, Vec<AdapterRecord>), FleetError> {
+    parse_documents(text).map(|(pods, adapters, _)| (pods, adapters))
+}
+
+/// [`parse_objects`], with how many documents held anything (not empty, not `null`).
+fn parse_documents(text: &str) -> Result<(Vec<Pod>, Vec<AdapterRecord>, usize), FleetError> {
+    let mut documents = 0;
     let mut pods = Vec::new();
     let mut adapters = Vec::new();
     let is_adapter = |v: &serde_yaml::Value| v["kind"].as_str() == Some(KIND_MODEL_ADAPTER);
@@ -275,6 +281,7 @@ pub fn parse_objects(text: &str) -> Result<(Vec<Pod>, Vec<AdapterRecord>), Fleet
         if value.is_null() {
             continue; // an empty document, e.g. a trailing `---`
         }
+        documents += 1;
         let probe: KindProbe = serde_yaml::from_value(value.clone())
             .map_err(|source| FleetError::Yaml { index, source })?;
         match probe.kind.as_deref() {
@@ -303,7 +310,7 @@ pub fn parse_objects(text: &str) -> Result<(Vec<Pod>, Vec<AdapterRecord>), Fleet
             }
         }
     }
-    Ok((pods, adapters))
+    Ok((pods, adapters, documents))
 }
 
 /// Parses fleet YAML into Kubernetes Pods, in file order (adapters left out).
@@ -331,9 +338,23 @@ pub fn assign_adapters(records: &mut [PodRecord], adapters: &[AdapterRecord]) {
 /// Parses fleet YAML straight into model-serving pod records, adapters assigned.
 pub fn parse_records(text: &str) -> Result<Vec<PodRecord>, FleetError> {
     let (pods, adapters) = parse_objects(text)?;
+    Ok(records_of(&pods, &adapters))
+}
+
+/// The model-serving pods among `pods`, adapters assigned.
+fn records_of(pods: &[Pod], adapters: &[AdapterRecord]) -> Vec<PodRecord> {
     let mut records: Vec<PodRecord> = pods.iter().filter_map(PodRecord::from_pod).collect();
-    assign_adapters(&mut records, &adapters);
-    Ok(records)
+    assign_adapters(&mut records, adapters);
+    records
+}
+
+/// [`parse_records`] for a fleet source, which must tell "no pods" from "nothing written":
+/// `None` when the text holds no document at all (empty, whitespace, comments, bare `---`),
+/// which is what a file truncated for rewriting (`cmd > fleet.yaml`) reads as. A fleet with
+/// no pods is still a document (`kind: List` with `items: []`).
+pub fn parse_written_records(text: &str) -> Result<Option<Vec<PodRecord>>, FleetError> {
+    let (pods, adapters, documents) = parse_documents(text)?;
+    Ok((documents > 0).then(|| records_of(&pods, &adapters)))
 }
 
 /// Reads and parses a fleet file.
@@ -495,6 +516,18 @@ metadata: {name: pending, namespace: ns}
         assert_eq!(p.address(), "[fd00::7]:8000");
         assert_eq!(p.metrics_address(), "[fd00::7]:9100");
         assert_eq!(host_port("10.0.0.1", 80), "10.0.0.1:80");
+    }
+
+    #[test]
+    fn text_without_a_document_is_not_a_fleet_but_an_empty_list_is() {
+        for nothing in ["", "  \n \n", "# being regenerated\n", "---\n---\n", "~\n"] {
+            assert_eq!(parse_written_records(nothing).unwrap(), None, "{nothing:?}");
+            assert_eq!(parse_records(nothing).unwrap(), [], "{nothing:?}");
+        }
+        let none = parse_written_records("apiVersion: v1\nkind: List\nitems: []\n").unwrap();
+        assert_eq!(none, Some(Vec::new()));
+        let unrelated = "kind: Pod\nmetadata: {name: x}\n";
+        assert_eq!(parse_written_records(unrelated).unwrap(), Some(Vec::new()));
     }
 
     #[test]

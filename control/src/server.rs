@@ -1,6 +1,6 @@
 //! The HTTP API: the snapshot for filters, a JSON view for people, health and own metrics.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::Duration;
@@ -381,6 +381,19 @@ fn family(out: &mut String, name: &str, kind: &str, help: &str, samples: &[(Stri
     }
 }
 
+/// Every pod of the snapshot once, as `(namespace, name)`, sorted. A pod appears under each
+/// model it serves (its base model and every LoRA adapter it loaded), and a series per
+/// appearance would repeat one label set, which Prometheus refuses as a duplicate.
+fn fleet_pods(published: &Published) -> BTreeSet<(&str, &str)> {
+    published
+        .snapshot
+        .models
+        .iter()
+        .flat_map(|m| &m.pods)
+        .map(|p| (p.namespace.as_str(), p.name.as_str()))
+        .collect()
+}
+
 /// pd-control's own metrics in the Prometheus text format, at `now_ms`.
 pub fn render_metrics(
     published: &Published,
@@ -453,18 +466,15 @@ pub fn render_metrics(
         &samples,
     );
 
-    let samples: Vec<(String, String)> = published
-        .snapshot
-        .models
-        .iter()
-        .flat_map(|m| &m.pods)
-        .map(|p| {
-            let key = format!("{}/{}", p.namespace, p.name);
+    let samples: Vec<(String, String)> = fleet_pods(published)
+        .into_iter()
+        .map(|(namespace, name)| {
+            let key = format!("{namespace}/{name}");
             (
                 format!(
                     "{{namespace=\"{}\",pod=\"{}\"}}",
-                    label(&p.namespace),
-                    label(&p.name)
+                    label(namespace),
+                    label(name)
                 ),
                 stats.scrape_errors_of(&key).to_string(),
             )
@@ -546,7 +556,7 @@ pub fn render_metrics(
         &mut out,
         "pd_control_fleet_reload_errors_total",
         "counter",
-        "Fleet updates rejected (unreadable or invalid); the previous fleet was kept.",
+        "Fleet updates rejected (unreadable, invalid, or holding no document); the previous fleet was kept.",
         &plain(stats.fleet_reload_errors_total().to_string()),
     );
     family(
@@ -675,6 +685,34 @@ mod tests {
             !text.contains("gone"),
             "only pods of the served snapshot are exported"
         );
+    }
+
+    #[test]
+    fn a_pod_serving_lora_adapters_is_one_series() {
+        let mut published = published();
+        let snapshot = Arc::make_mut(&mut published.snapshot);
+        let base = snapshot.models[0].pods.clone();
+        // p0 has loaded two adapters: it sits under its model and under each of them.
+        for adapter in ["chat-lora", "sql-lora"] {
+            snapshot.models.push(proto::Model {
+                name: adapter.into(),
+                pods: vec![base[0].clone()],
+                labels: None,
+            });
+        }
+        let stats = Stats::default();
+        stats.scrape_error("ns/p0");
+        let text = render_metrics(&published, &stats, "file", 12_500);
+        let p0 = "pd_control_scrape_errors_total{namespace=\"ns\",pod=\"p0\"} 1";
+        assert_eq!(text.lines().filter(|l| *l == p0).count(), 1, "{text}");
+        let mut series = BTreeSet::new();
+        for sample in text.lines().filter(|l| !l.starts_with('#')) {
+            let (name_and_labels, _) = sample.rsplit_once(' ').expect("a sample");
+            assert!(
+                series.insert(name_and_labels),
+                "{name_and_labels} twice in:\n{text}"
+            );
+        }
     }
 
     #[test]

@@ -195,7 +195,7 @@ pub async fn start_with_source<S: FleetSource>(
         .then(|| EdsWriter::new(config.eds_file.clone(), config.eds_cluster.clone()));
     let now = Instant::now();
     if let Some(eds) = eds.as_mut() {
-        eds.update(&fleet, now)?;
+        eds.update(&fleet, now).await?;
     }
     let (xds_listener, xds_addr) = match config.xds_listen {
         Some(addr) => {
@@ -368,13 +368,13 @@ struct EdsState {
 
 impl EdsState {
     /// Takes in `fleet` when it is a new one, or once a second for pods whose linger ran out.
-    fn update(&mut self, fleet: &Fleet, now: Instant, stats: &Stats) {
+    async fn update(&mut self, fleet: &Fleet, now: Instant, stats: &Stats) {
         if Arc::ptr_eq(&self.fleet, fleet) && now.duration_since(self.at) < Duration::from_secs(1) {
             return;
         }
         self.fleet = fleet.clone();
         self.at = now;
-        if let Err(e) = self.writer.update(fleet, now) {
+        if let Err(e) = self.writer.update(fleet, now).await {
             stats.eds_write_error();
             tracing::warn!("{e}; retrying within a second");
         }
@@ -389,15 +389,15 @@ impl ControlLoop {
         loop {
             tokio::select! {
                 _ = shutdown.requested() => return,
-                _ = ticker.tick() => self.tick(),
-                Some(outcome) = self.outcomes.recv() => self.apply(outcome),
+                _ = ticker.tick() => self.tick().await,
+                Some(outcome) = self.outcomes.recv() => self.apply(outcome).await,
                 // A fleet edit shows up at once rather than on the next tick.
-                Ok(()) = self.fleet.changed() => self.publish(),
+                Ok(()) = self.fleet.changed() => self.publish().await,
             }
         }
     }
 
-    fn tick(&mut self) {
+    async fn tick(&mut self) {
         let fleet = self.fleet.borrow_and_update().clone();
         let jobs = self.book.plan(&fleet, Instant::now());
         if jobs.is_empty() && self.book.idle() {
@@ -408,10 +408,10 @@ impl ControlLoop {
             self.scraper.spawn(job);
         }
         // Also catches staleness, which changes with time alone.
-        self.publish();
+        self.publish().await;
     }
 
-    fn apply(&mut self, outcome: Outcome) {
+    async fn apply(&mut self, outcome: Outcome) {
         match &outcome.result {
             Err(crate::scrape::ScrapeError::Closed) => {}
             Err(_) => {
@@ -423,12 +423,14 @@ impl ControlLoop {
         if let Some(duration) = self.book.apply(outcome) {
             // Publish before recording, so a caller that sees /readyz succeed also sees the
             // metrics of that first round.
-            self.publish();
+            self.publish().await;
             self.stats.round_finished(duration);
         }
     }
 
-    fn publish(&mut self) {
+    /// Builds and publishes the snapshot, after the endpoint listing took in the fleet (the
+    /// file written, off the async workers): Envoy must know a pod before a snapshot names it.
+    async fn publish(&mut self) {
         let fleet = self.fleet.borrow_and_update().clone();
         if self.stats.has_scrape_errors() {
             // Error counts of pods that left would otherwise stay exported for ever.
@@ -442,7 +444,7 @@ impl ControlLoop {
         }
         let now = Instant::now();
         if let Some(eds) = self.eds.as_mut() {
-            eds.update(&fleet, now, &self.stats);
+            eds.update(&fleet, now, &self.stats).await;
             self.builder.set_eds(eds.file || self.stats.xds_acked());
         }
         let models = snapshot::models(&fleet, &self.labels, |pod| self.book.observe(pod, now));

@@ -48,8 +48,11 @@ pub enum EdsHere {
     Off,
     /// The endpoint file: every gateway reading it has it.
     File,
-    /// Over EDS only: the Envoy nodes that ACKed a listing.
-    Nodes(Arc<std::sync::Mutex<std::collections::HashSet<String>>>),
+    /// Over EDS only: per Envoy node, its open streams that ACKed a listing. Counted, not
+    /// just named, so a node is forgotten when its last such stream ends: a gateway restarted
+    /// under the same node id holds nothing until its new stream ACKs, while one stream of
+    /// several closing leaves the node's other clusters counted.
+    Nodes(Arc<std::sync::Mutex<std::collections::HashMap<String, usize>>>),
 }
 
 impl EdsHere {
@@ -62,19 +65,56 @@ impl EdsHere {
                 nodes
                     .lock()
                     .unwrap_or_else(std::sync::PoisonError::into_inner)
-                    .contains(n)
+                    .contains_key(n)
             }),
         };
         Some(if here { "1" } else { "0" })
     }
 
-    fn acked(&self, node: &str) {
-        if let EdsHere::Nodes(nodes) = self {
-            nodes
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .insert(node.to_string());
+    /// Counts a stream of `node` that ACKed; the count is taken back when the returned mark
+    /// drops with the stream. `None` where nodes are not tracked.
+    fn hold(&self, node: &str) -> Option<Held> {
+        let EdsHere::Nodes(nodes) = self else {
+            return None;
+        };
+        *nodes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .entry(node.to_string())
+            .or_default() += 1;
+        Some(Held {
+            here: self.clone(),
+            node: node.to_string(),
+        })
+    }
+
+    fn release(&self, node: &str) {
+        let EdsHere::Nodes(nodes) = self else {
+            return;
+        };
+        let mut nodes = nodes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(streams) = nodes.get_mut(node) {
+            *streams = streams.saturating_sub(1);
+            if *streams == 0 {
+                nodes.remove(node);
+            }
         }
+    }
+}
+
+/// One open stream's count in [`EdsHere::Nodes`], given back when the stream ends (its task
+/// returns, however it returns).
+#[derive(Debug)]
+struct Held {
+    here: EdsHere,
+    node: String,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.here.release(&self.node);
     }
 }
 
@@ -223,6 +263,8 @@ struct Subscription {
     names: Option<Vec<String>>,
     sent_version: Option<u64>,
     nonce: u64,
+    /// This stream's count for its node once it ACKed, given back with the subscription.
+    held: Option<Held>,
 }
 
 impl Subscription {
@@ -233,6 +275,7 @@ impl Subscription {
             names: None,
             sent_version: None,
             nonce: 0,
+            held: None,
         }
     }
 
@@ -254,8 +297,8 @@ impl Subscription {
         }
         if self.names.as_deref() == Some(request.resource_names.as_slice()) {
             if request.error_detail.is_none() && request.response_nonce == self.nonce.to_string() {
-                if let Some(node) = &self.node {
-                    here.acked(node);
+                if let (None, Some(node)) = (&self.held, &self.node) {
+                    self.held = here.hold(node);
                 }
                 if stats.xds_ack() {
                     tracing::info!(
@@ -300,6 +343,7 @@ impl EndpointDiscoveryService for EdsService {
         let (tx, rx) = mpsc::channel(4);
         tokio::spawn(async move {
             let _open = stats.xds_stream();
+            // Dropped before `_open`: by the time the stream gauge falls, the node's count has.
             let mut subscription = Subscription::new(instance);
             loop {
                 let asked = tokio::select! {
@@ -458,5 +502,49 @@ mod tests {
             .is_empty());
         assert_eq!(EdsHere::File.answer(None), Some("1"));
         assert_eq!(EdsHere::Off.answer(Some("gw-1")), None);
+    }
+
+    /// A stream of `node` that subscribed, was answered and ACKed.
+    fn acked(node: &str, stats: &Stats, here: &EdsHere) -> Subscription {
+        let mut sub = Subscription::new(42);
+        let mut first = request(&["pd_pods_retry"], "", "");
+        first.node = Some(envoy_types::pb::envoy::config::core::v3::Node {
+            id: node.into(),
+            ..Default::default()
+        });
+        assert!(sub.request(&first, stats, here));
+        let answer = sub.due(&listing(1), true).expect("the first answer");
+        let ack = request(&["pd_pods_retry"], &answer.version_info, &answer.nonce);
+        assert!(!sub.request(&ack, stats, here));
+        assert!(!sub.request(&ack, stats, here), "an ACK again counts once");
+        sub
+    }
+
+    #[test]
+    fn a_node_is_forgotten_when_its_last_acked_stream_ends() {
+        let stats = Stats::default();
+        let here = EdsHere::Nodes(Default::default());
+        let one = acked("gw-1", &stats, &here);
+        let two = acked("gw-1", &stats, &here);
+        drop(one);
+        assert_eq!(
+            here.answer(Some("gw-1")),
+            Some("1"),
+            "its other stream holds it"
+        );
+        drop(two);
+        assert_eq!(here.answer(Some("gw-1")), Some("0"), "no stream holds it");
+
+        // Restarted under the same id: nothing held until the new stream ACKs.
+        let mut restarted = Subscription::new(43);
+        let mut first = request(&["pd_pods_retry"], "", "");
+        first.node = Some(envoy_types::pb::envoy::config::core::v3::Node {
+            id: "gw-1".into(),
+            ..Default::default()
+        });
+        assert!(restarted.request(&first, &stats, &here));
+        assert!(restarted.due(&listing(1), true).is_some());
+        assert_eq!(here.answer(Some("gw-1")), Some("0"), "sent, not yet taken");
+        assert!(EdsHere::File.hold("gw-1").is_none());
     }
 }

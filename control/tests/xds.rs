@@ -210,6 +210,12 @@ async fn the_eds_stream_sends_the_listing_and_every_change_behind_the_token() {
         (metric(&base, "pd_control_xds_streams").await == 0.0).then_some(())
     })
     .await;
+    // Its node is forgotten with it: restarted under the same id, the gateway's new cluster
+    // holds nothing until it takes a listing.
+    assert_eq!(
+        snapshot_says_eds(&base, "gw-1").await,
+        (true, Some("0".into()))
+    );
 
     // A gateway still connected does not hold pd-control's shutdown: its stream ends.
     let (tx, mut open) = subscribed(&mut client).await;

@@ -9,6 +9,12 @@
 //! elapsed time would change with every scrape, and every change is a new snapshot every VM
 //! adopts, which would keep an idle gateway from ever going quiet. A pod younger than the
 //! window (or a pd-control younger than it) reads low for its first minute.
+//!
+//! A counter that falls restarted from zero (the AIBrix rule, `rates::counter_delta`). One
+//! that rises further than any engine finishes requests in a second is a glitched read (one
+//! sample of 1e12 between values near 1000 would read as ~1.7e10 requests a second for a whole
+//! minute): it is not counted, and becomes the base only if the next read stays up there.
+//! Falls are never second-guessed, so a restart is counted exactly as before.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -19,6 +25,10 @@ use super::rates::counter_delta;
 pub const WINDOW: Duration = Duration::from_secs(60);
 /// One kept sample a second bounds a pod's history at about 61 entries, at any scrape rate.
 const SAMPLE_EVERY: Duration = Duration::from_secs(1);
+/// More requests than one engine finishes in a second (vLLM's largest batches finish some
+/// thousands): growth beyond this per second, and beyond this within any second, is a
+/// glitched read, not requests.
+pub const IMPOSSIBLE_PER_SECOND: f64 = 1e6;
 
 /// The finished-request counter of one pod over the last [`WINDOW`].
 #[derive(Debug, Default)]
@@ -27,7 +37,11 @@ pub struct DrainWindow {
     samples: VecDeque<(Instant, f64)>,
     /// Requests finished since tracking began, engine restarts folded in.
     total: f64,
-    last_raw: Option<f64>,
+    /// The last counter read taken, and when: the base of the next read's growth.
+    last_raw: Option<(Instant, f64)>,
+    /// A read that rose impossibly far above `last_raw`: not counted, and taken as the base
+    /// only if the next read is at least as high.
+    suspect: Option<f64>,
 }
 
 impl DrainWindow {
@@ -35,10 +49,7 @@ impl DrainWindow {
     /// returns the requests finished in the last [`WINDOW`], per second.
     pub fn observe(&mut self, at: Instant, completed: Option<f64>) -> Option<f64> {
         let raw = completed.filter(|v| v.is_finite() && *v >= 0.0)?;
-        if let Some(previous) = self.last_raw {
-            self.total += counter_delta(previous, raw);
-        }
-        self.last_raw = Some(raw);
+        self.take(at, raw);
         let due = self
             .samples
             .back()
@@ -52,6 +63,29 @@ impl DrainWindow {
         }
         let (_, base) = *self.samples.front()?;
         Some((self.total - base) / WINDOW.as_secs_f64())
+    }
+
+    /// Adds a counter read's growth to `total`, unless it is an impossible rise.
+    fn take(&mut self, at: Instant, raw: f64) {
+        let Some((then, previous)) = self.last_raw else {
+            self.last_raw = Some((at, raw));
+            return;
+        };
+        let seconds = at.saturating_duration_since(then).as_secs_f64().max(1.0);
+        if raw - previous > IMPOSSIBLE_PER_SECOND * seconds {
+            if self.suspect.is_some_and(|suspect| raw >= suspect) {
+                // Read twice up there: the counter did move. Growth counts from here on; the
+                // jump itself, which no engine could make, does not.
+                self.suspect = None;
+                self.last_raw = Some((at, raw));
+            } else {
+                self.suspect = Some(raw);
+            }
+            return;
+        }
+        self.suspect = None;
+        self.total += counter_delta(previous, raw);
+        self.last_raw = Some((at, raw));
     }
 }
 
@@ -146,5 +180,53 @@ mod tests {
         assert!((rate - 14.0 / 60.0).abs() < 1e-9, "10 + 4 finished: {rate}");
         assert_eq!(w.observe(t0 + 3 * s, None), None);
         assert_eq!(DrainWindow::default().observe(t0, Some(f64::NAN)), None);
+    }
+
+    #[test]
+    fn one_glitched_read_does_not_inflate_the_minute() {
+        let t0 = Instant::now();
+        let mut w = DrainWindow::default();
+        let step = Duration::from_millis(50);
+        // 10/s around 1000, one read of 1e12 in the middle.
+        let counts = |i: usize| {
+            if i == 300 {
+                1e12
+            } else {
+                1000.0 + (i / 2) as f64
+            }
+        };
+        feed(&mut w, t0, 0, 600, step, &counts);
+        let rate = w.observe(t0 + step * 600, Some(counts(600))).unwrap();
+        assert!(
+            (rate - 5.0).abs() < 0.1,
+            "30 s of 10/s over the minute: {rate}"
+        );
+    }
+
+    #[test]
+    fn a_restart_after_a_glitch_counts_from_zero_and_a_lasting_jump_becomes_the_base() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs(1);
+        let mut w = DrainWindow::default();
+        w.observe(t0, Some(1000.0));
+        w.observe(t0 + s, Some(1e12));
+        let rate = w.observe(t0 + 2 * s, Some(6.0)).unwrap();
+        assert!(
+            (rate - 6.0 / 60.0).abs() < 1e-9,
+            "restarted: 6 finished, {rate}"
+        );
+
+        let mut w = DrainWindow::default();
+        w.observe(t0, Some(1000.0));
+        w.observe(t0 + s, Some(5e9));
+        w.observe(t0 + 2 * s, Some(5e9 + 3.0));
+        let rate = w.observe(t0 + 3 * s, Some(5e9 + 9.0)).unwrap();
+        assert!(
+            (rate - 6.0 / 60.0).abs() < 1e-9,
+            "counted from the new base: {rate}"
+        );
+        // Plain growth, however fast an engine could go, is counted.
+        let rate = w.observe(t0 + 13 * s, Some(5e9 + 9.0 + 600.0)).unwrap();
+        assert!((rate - 606.0 / 60.0).abs() < 1e-9, "{rate}");
     }
 }

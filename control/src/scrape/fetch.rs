@@ -24,6 +24,13 @@ pub enum ScrapeError {
     Http(#[from] reqwest::Error),
     #[error("HTTP status {0}")]
     Status(reqwest::StatusCode),
+    /// Redirects are not followed: a pod's answer must not send the scraper to another
+    /// address, nor charge that address's failures to the pod.
+    #[error("HTTP status {status}: redirect to {location:?} not followed; scrape the engine's metrics port and path")]
+    Redirect {
+        status: reqwest::StatusCode,
+        location: String,
+    },
     #[error("response exceeds {MAX_BODY_BYTES} bytes")]
     TooLarge,
     #[error("scraper is shutting down")]
@@ -73,10 +80,12 @@ pub fn metrics_url(ip: &str, port: u16, engine: Engine) -> String {
 /// connection failure, which marks a pod unreachable, rather than as a slow answer, which
 /// does not. Idle connections are dropped after 3 s, before the engines' uvicorn closes them
 /// (5 s): a scrape sent as the engine closes would fail as a connection error (the gateway's
-/// pod clusters do the same, docs/OPERATOR.md "Idle connections to the engines").
+/// pod clusters do the same, docs/OPERATOR.md "Idle connections to the engines"). Redirects
+/// are answers, not followed (see [`ScrapeError::Redirect`]).
 pub fn client(timeout: Duration) -> Result<reqwest::Client, reqwest::Error> {
     reqwest::Client::builder()
         .no_proxy()
+        .redirect(reqwest::redirect::Policy::none())
         .connect_timeout(timeout / 2)
         .pool_idle_timeout(Duration::from_secs(3))
         .pool_max_idle_per_host(2)
@@ -123,6 +132,19 @@ pub async fn scrape_timed(
     (result, elapsed)
 }
 
+/// Longest `Location` quoted in a [`ScrapeError::Redirect`]: it is the pod's text, logged.
+const MAX_LOCATION_CHARS: usize = 200;
+
+/// A redirect's `Location`, for the log: as sent, cut to [`MAX_LOCATION_CHARS`].
+fn location_of(response: &reqwest::Response) -> String {
+    let location = response
+        .headers()
+        .get(reqwest::header::LOCATION)
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+        .unwrap_or_default();
+    location.chars().take(MAX_LOCATION_CHARS).collect()
+}
+
 /// The body as sent: [`parse_reading`] reads bytes, so it is neither validated nor copied here.
 async fn fetch_body(client: &reqwest::Client, url: &str) -> Result<Vec<u8>, ScrapeError> {
     // Plain text, not OpenMetrics: prometheus_client switches formats on Accept.
@@ -132,8 +154,15 @@ async fn fetch_body(client: &reqwest::Client, url: &str) -> Result<Vec<u8>, Scra
         .send()
         .await
         .map_err(ScrapeError::of_send)?;
-    if !response.status().is_success() {
-        return Err(ScrapeError::Status(response.status()));
+    let status = response.status();
+    if status.is_redirection() {
+        return Err(ScrapeError::Redirect {
+            status,
+            location: location_of(&response),
+        });
+    }
+    if !status.is_success() {
+        return Err(ScrapeError::Status(status));
     }
     let mut body = Vec::new();
     while let Some(chunk) = response.chunk().await? {
@@ -171,6 +200,17 @@ mod tests {
         let refused = scrape_of(&format!("http://127.0.0.1:{port}/metrics")).await;
         assert!(matches!(&refused, Err(e) if e.is_connect()), "{refused:?}");
 
+        let answer = "HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\n\r\n";
+        let addr = answering(answer.into()).await;
+        let failed = scrape_of(&format!("http://{addr}/metrics")).await;
+        assert!(
+            matches!(&failed, Err(ScrapeError::Status(s)) if s.as_u16() == 500),
+            "{failed:?}"
+        );
+    }
+
+    /// A one-connection server answering `answer` to the first request, on loopback.
+    async fn answering(answer: String) -> std::net::SocketAddr {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
@@ -180,14 +220,31 @@ mod tests {
             let (mut conn, _) = listener.accept().await.expect("accept");
             let mut request = [0u8; 1024];
             let _ = conn.read(&mut request).await;
-            let answer = "HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\n\r\n";
             conn.write_all(answer.as_bytes()).await.expect("write");
         });
-        let failed = scrape_of(&format!("http://{addr}/metrics")).await;
-        assert!(
-            matches!(&failed, Err(ScrapeError::Status(s)) if s.as_u16() == 500),
-            "{failed:?}"
+        addr
+    }
+
+    #[tokio::test]
+    async fn a_redirect_is_a_failed_scrape_not_followed() {
+        // Where the pod points: a closed port, so following it would fail as a connection
+        // failure and mark the pod unreachable.
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let elsewhere = format!("http://{}/metrics", closed.local_addr().expect("addr"));
+        drop(closed);
+        let answer =
+            format!("HTTP/1.1 302 Found\r\nlocation: {elsewhere}\r\ncontent-length: 0\r\n\r\n");
+        let addr = answering(answer).await;
+        let result = scrape_of(&format!("http://{addr}/metrics")).await;
+        let Err(error @ ScrapeError::Redirect { status, location }) = &result else {
+            panic!("{result:?}");
+        };
+        assert_eq!(
+            (status.as_u16(), location.as_str()),
+            (302, elsewhere.as_str())
         );
+        assert!(!error.is_connect(), "the pod answered");
+        assert!(error.to_string().contains("not followed"), "{error}");
     }
 
     #[test]

@@ -29,6 +29,13 @@ pub enum SourceError {
     Fleet(#[from] FleetError),
     #[error("fleet file {path} is not UTF-8")]
     NotUtf8 { path: String },
+    /// Also what a file truncated for rewriting reads as, so it never stands for "no pods".
+    #[error(
+        "fleet file {path} holds no YAML document; a fleet without pods is `kind: List` with `items: []`"
+    )]
+    Empty { path: String },
+    #[error("fleet file {path} kept changing over {reads} reads; is something still writing it?")]
+    Unsettled { path: String, reads: u32 },
     #[error(transparent)]
     Kubernetes(#[from] KubeError),
 }
