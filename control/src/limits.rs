@@ -22,7 +22,7 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 
 use crate::redis_link::{LinkError, RedisLink, Retry};
-use crate::report_ids::{Claim, ReportIds};
+use crate::report_ids::{Claim, ReportIds, REMEMBER};
 
 mod refund;
 pub use refund::{parse_release, Refund, ReleaseError, Released, MAX_REFUNDS};
@@ -373,25 +373,42 @@ return {1, rpm, tpm, 0}
 ";
 
 /// Adds tokens to users' token counters, with the window rule of [`ADMIT_SCRIPT`].
-/// KEYS: token counters. ARGV: window ms, then the tokens of each key.
-/// Returns one flag per key: 1 added, 0 refused by Redis (a counter that is not an integer),
-/// which leaves the other users' additions standing.
+/// KEYS: n token counters, then (for a report with an id) their n report markers. ARGV:
+/// window ms, how long a marker is kept (ms, 0 without markers), then the tokens of each key.
+/// Returns one flag per counter: 1 added, 2 added before under this report (its marker is
+/// set: the earlier call ran though its answer was lost, or another pd-control took the
+/// report), 0 refused by Redis (a counter that is not an integer), which leaves the other
+/// users' additions standing. Marker and addition happen in one script, so a report is added
+/// once per user whichever pd-control replica gets each copy, and however its answers fare.
 const USAGE_SCRIPT: &str = r"
-local window = ARGV[1]
+local window, remember = ARGV[1], tonumber(ARGV[2])
+local n = #KEYS
+if remember > 0 then n = n / 2 end
 local added = {}
-for i, key in ipairs(KEYS) do
-  local total = redis.pcall('INCRBY', key, ARGV[i + 1])
-  if type(total) == 'table' and total.err then
-    added[i] = 0
+for i = 1, n do
+  local key = KEYS[i]
+  if remember > 0 and not redis.call('SET', KEYS[n + i], 1, 'NX', 'PX', remember) then
+    added[i] = 2
   else
-    if redis.call('PTTL', key) == -1 then
-      redis.call('PEXPIRE', key, window)
+    local total = redis.pcall('INCRBY', key, ARGV[i + 2])
+    if type(total) == 'table' and total.err then
+      if remember > 0 then redis.call('DEL', KEYS[n + i]) end
+      added[i] = 0
+    else
+      if redis.call('PTTL', key) == -1 then
+        redis.call('PEXPIRE', key, window)
+      end
+      added[i] = 1
     end
-    added[i] = 1
   end
 end
 return added
 ";
+
+/// The key marking `user`'s tokens of report `id` as added (see [`USAGE_SCRIPT`]).
+pub fn usage_report_key(id: &str, user: &str) -> String {
+    format!("pd-router:usage-report:{id}:{user}")
+}
 
 /// Reads the admit script's reply, given the user's limits and the model's rate when asked.
 fn verdict(reply: &[i64], user: Option<Limits>, model: Option<&ModelRps>) -> Option<Answer> {
@@ -703,7 +720,7 @@ impl UserLimits {
         let skipped = usage.len() - todo.len();
         self.duplicates_total
             .fetch_add(skipped as u64, Ordering::Relaxed);
-        let (added, reason) = self.add_each(store, &todo).await;
+        let (added, reason) = self.add_each(store, id, &todo).await;
         if let Some(id) = id {
             let names = todo.iter().zip(&added).filter(|(_, ok)| **ok);
             self.reports
@@ -723,20 +740,35 @@ impl UserLimits {
         })
     }
 
-    /// Adds `usage` batch by batch; whether each user's tokens were added, and why the last
-    /// that was not.
-    async fn add_each(&self, store: &Store, usage: &[(String, i64)]) -> (Vec<bool>, String) {
+    /// Adds `usage` (of report `id`, when it has one) batch by batch; whether each user's
+    /// tokens were added, and why the last that was not.
+    async fn add_each(
+        &self,
+        store: &Store,
+        id: Option<&str>,
+        usage: &[(String, i64)],
+    ) -> (Vec<bool>, String) {
         let mut added = Vec::with_capacity(usage.len());
         let mut reason = String::new();
+        let remember_ms = id.map_or(0, |_| REMEMBER.as_millis());
         for batch in usage.chunks(USAGE_BATCH) {
-            let keys: Vec<String> = batch.iter().map(|(name, _)| tpm_key(name)).collect();
+            let counters = batch.iter().map(|(name, _)| tpm_key(name));
+            let markers = id.into_iter().flat_map(|id| {
+                batch
+                    .iter()
+                    .map(move |(name, _)| usage_report_key(id, name))
+            });
+            let keys: Vec<String> = counters.chain(markers).collect();
             let answer = store
                 .link
                 .call(Retry::Never, |mut conn| {
                     let mut invocation = store.usage.prepare_invoke();
-                    invocation.arg(WINDOW_MS);
-                    for (key, (_, tokens)) in keys.iter().zip(batch) {
-                        invocation.key(key).arg(*tokens);
+                    invocation.arg(WINDOW_MS).arg(remember_ms as u64);
+                    for key in &keys {
+                        invocation.key(key);
+                    }
+                    for (_, tokens) in batch {
+                        invocation.arg(*tokens);
                     }
                     async move { invocation.invoke_async::<Vec<i64>>(&mut conn).await }
                 })
@@ -745,14 +777,20 @@ impl UserLimits {
                 Ok(flags) => {
                     self.redis_ok();
                     for (i, (name, tokens)) in batch.iter().enumerate() {
-                        let ok = flags.get(i) == Some(&1);
-                        if ok {
-                            self.tokens_total
-                                .fetch_add(tokens.unsigned_abs(), Ordering::Relaxed);
-                        } else {
-                            reason = format!("the token counter of {name} is not an integer");
+                        let flag = flags.get(i).copied();
+                        match flag {
+                            Some(1) => {
+                                self.tokens_total
+                                    .fetch_add(tokens.unsigned_abs(), Ordering::Relaxed);
+                            }
+                            Some(2) => {
+                                self.duplicates_total.fetch_add(1, Ordering::Relaxed);
+                            }
+                            _ => {
+                                reason = format!("the token counter of {name} is not an integer");
+                            }
                         }
-                        added.push(ok);
+                        added.push(matches!(flag, Some(1 | 2)));
                     }
                 }
                 Err(e) => {

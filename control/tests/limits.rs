@@ -393,6 +393,46 @@ async fn a_report_sent_again_adds_each_user_once() {
     );
 }
 
+/// A report whose answer was lost is sent again, and may reach another pd-control replica
+/// (or the same one, which had counted the lost attempt as failed): Redis itself remembers
+/// which users of the report were added, so each user's tokens count once across replicas.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_reaching_two_replicas_adds_each_user_once() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let Some((redis, mut db)) = store(dir.path()).await else {
+        return;
+    };
+    let fleet = fleet(dir.path());
+    let (_a, a) = start(&fleet, Some(redis.url()), false).await;
+    let (_b, b) = start(&fleet, Some(redis.url()), false).await;
+    let alice_tpm = "aibrix:alice_TPM_CURRENT:60000:counter";
+    let report = json!({"alice": 7, "bob": 5});
+    assert_eq!(usage_as(&a, "vm3-1", &report).await, 204);
+    assert_eq!(
+        usage_as(&b, "vm3-1", &report).await,
+        204,
+        "already added: done"
+    );
+    let alice: Option<i64> = db.get(alice_tpm).await.expect("get");
+    assert_eq!(alice, Some(7));
+    assert_eq!(
+        metric(&b, "pd_control_user_usage_duplicates_total").await,
+        2.0
+    );
+    assert_eq!(metric(&b, "pd_control_user_tokens_total").await, 0.0);
+    // The marker lives as long as a report may be sent again, then goes.
+    let ttl: i64 = db.pttl(limits_key("vm3-1", "alice")).await.expect("pttl");
+    assert!((1..=120_000).contains(&ttl), "{ttl}");
+    // Another report is added on either replica.
+    assert_eq!(usage_as(&b, "vm3-2", &report).await, 204);
+    let alice: Option<i64> = db.get(alice_tpm).await.expect("get");
+    assert_eq!(alice, Some(14));
+}
+
+fn limits_key(id: &str, user: &str) -> String {
+    pd_control::limits::usage_report_key(id, user)
+}
+
 /// A model's rate alone (AIBrix's `requestsPerSecond` as the filter sends it): increment,
 /// then check, taking a refused request back so that refusals do not use up the window; the
 /// window rule of the user counters; concurrent checks never over-admit; a broken counter and
