@@ -22,8 +22,13 @@ pub enum FaultKind {
     /// Send the response headers and `chunks` stream events, then stall until cleared. An
     /// unstreamed response stalls right after its headers.
     HangAfterChunks { chunks: u64 },
-    /// Answer `status` with an OpenAI-style error body instead of serving the request.
-    Status { status: u16 },
+    /// Answer `status` with an OpenAI-style error body instead of serving the request, after
+    /// `delay_ms` (default 0): a leg that fails once its partner has started answering.
+    Status {
+        status: u16,
+        #[serde(default)]
+        delay_ms: u64,
+    },
     /// Serve the request normally after an extra `delay_ms`.
     Slow { delay_ms: u64 },
     /// Stop listening and drop every open connection (a process that died); cleared, the pod
@@ -94,7 +99,7 @@ impl FaultSpec {
         if let Some(leg) = &self.leg {
             parse_leg(leg)?;
         }
-        if let FaultKind::Status { status } = self.kind {
+        if let FaultKind::Status { status, .. } = self.kind {
             if !(400..=599).contains(&status) {
                 return Err(FaultError::NotAnErrorStatus(status));
             }
@@ -232,7 +237,10 @@ mod tests {
         assert_eq!(s.pod.as_deref(), Some("p0"));
         assert_eq!(
             spec(r#"{"kind":"status","status":503}"#).kind,
-            FaultKind::Status { status: 503 }
+            FaultKind::Status {
+                status: 503,
+                delay_ms: 0
+            }
         );
         assert!(serde_json::from_str::<FaultSpec>(r#"{"kind":"explode"}"#).is_err());
     }

@@ -428,7 +428,10 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
         .or_else(|| trt_leg.as_ref().map(TrtLeg::log_value));
     let fault = pod.faults.draw(req.leg);
     entry.fault = fault.as_ref().map(|f| f.kind.name().to_string());
-    if let Some(FaultKind::Status { status }) = fault.as_ref().map(|f| f.kind) {
+    if let Some(FaultKind::Status { status, delay_ms }) = fault.as_ref().map(|f| f.kind) {
+        if delay_ms > 0 {
+            tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+        }
         return reject(entry, ApiError::injected(status));
     }
 

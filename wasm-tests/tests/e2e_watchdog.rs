@@ -221,6 +221,64 @@ fn failed_sglang_prefill_answers_x_error_pd_prefill_and_aborts_the_decode() {
     stack.wait_ledger_zero();
 }
 
+/// The SGLang prefill leg fails after the decode pod has started its streamed answer (its
+/// headers are out, it waits for the KV): the stream is cut at once rather than left waiting
+/// for the engine's transfer timeout, and the request counts as the prefill's failure, not
+/// as the decode pod's answer.
+#[test]
+fn an_sglang_prefill_failing_after_the_decode_answered_cuts_the_stream() {
+    let fleet = fleet();
+    let stack = Stack::start_opts(
+        fleet.clone(),
+        fleet,
+        &pd_wasm_tests::stack::Options {
+            envoy_env: &env(&[]),
+            // Without the cut, the stream would end with pd-sim's transfer error after this.
+            sim_args: &["--pd-transfer-timeout-s", "4"],
+            ..Default::default()
+        },
+    );
+    stack.arm_fault(
+        json!({"pod": "sg-p-0", "kind": "status", "status": 500, "delay_ms": 400,
+                          "leg": "prefill", "times": 2}),
+    );
+    for _ in 0..2 {
+        let started = Instant::now();
+        let r = stack.chat(&[("routing-strategy", "pd")], &chat(true, 4));
+        assert_eq!(
+            r.status,
+            200,
+            "the decode pod's headers were out: {}",
+            r.text()
+        );
+        assert!(!r.complete, "the stream is cut: {}", r.text());
+        assert!(
+            started.elapsed() < Duration::from_secs(4),
+            "not the transfer timeout"
+        );
+    }
+    eventually(Duration::from_secs(10), || {
+        match fail_count(&stack, "pd_prefill_failure", "500") {
+            2.0 => Ok(()),
+            n => Err(format!("{n} prefill failures counted")),
+        }
+    });
+    assert_eq!(
+        fail_count(&stack, "response_cut", "502"),
+        0.0,
+        "not the decode pod's cut"
+    );
+    stack.clear_faults();
+    stack.wait_ledger_zero();
+}
+
+fn fail_count(stack: &Stack, status: &str, code: &str) -> f64 {
+    stack.metric(
+        "gateway_request_model_fail_total",
+        &[("status", status), ("status_code", code)],
+    )
+}
+
 #[test]
 fn no_abort_goes_to_a_decode_pod_that_left_the_fleet() {
     let fleet = fleet();

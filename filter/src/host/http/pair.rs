@@ -16,6 +16,7 @@ use crate::core::engine::trtllm::{self, ScheduleStyle, ServerInfo};
 use crate::core::engine::{vllm, Engine};
 use crate::core::errors::RouteError;
 use crate::core::fleet::PodView;
+use crate::core::obs::outcome::Outcome;
 use crate::core::request::{Endpoint, RoutingRequest};
 use crate::core::watchdog::{Watchdog, WatchdogSettings};
 use crate::host::legs::{self, AbortCause, AbortOrder, SERVER_INFO_TIMEOUT};
@@ -35,7 +36,6 @@ pub enum Merge {
 /// A prefill (context) leg that runs beside the decode request.
 struct AsyncPrefill {
     token: u32,
-    engine: Engine,
     rid: Option<String>,
     decode_address: String,
 }
@@ -105,7 +105,6 @@ impl PdHttp {
                 let token = self.dispatch_prefill(endpoint, &prefill.address, &prefill_body)?;
                 self.legs.async_prefill = Some(AsyncPrefill {
                     token,
-                    engine,
                     rid: Some(rid.clone()),
                     decode_address: decode.address.clone(),
                 });
@@ -226,7 +225,6 @@ impl PdHttp {
         let token = self.dispatch_prefill(endpoint, prefill_address, &ctx)?;
         self.legs.async_prefill = Some(AsyncPrefill {
             token,
-            engine: Engine::Trtllm,
             rid: None,
             decode_address: decode_address.to_string(),
         });
@@ -331,14 +329,20 @@ impl PdHttp {
             return;
         }
         self.vm.borrow_mut().metrics.prefill_failed(&error);
-        if leg.engine == Engine::Trtllm {
-            // GEN is already answering: reset, so the engine cancels the generation.
-            if let Err(e) = hostcalls::reset_http_response() {
-                log::warn!(
-                    "request {}: cannot reset the stream: {e:?}",
-                    self.request_id
-                );
-            }
+        // The request's outcome is the prefill's failure, not the cut stream's: the decode pod
+        // is not to blame for it, the prefill pod was counted above.
+        self.obs.outcome = Some(Outcome::PrefillFailure {
+            code: error.status(),
+        });
+
+        // The decode pod is already answering and will never get its KV: cut the stream as
+        // the watchdog would (the client sees a truncated answer, not a wait for the engine's
+        // bootstrap timeout), and the engine cancels the generation as its client leaves.
+        if let Err(e) = hostcalls::reset_http_response() {
+            log::warn!(
+                "request {}: cannot reset the stream: {e:?}",
+                self.request_id
+            );
         }
     }
 
