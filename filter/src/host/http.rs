@@ -1297,6 +1297,14 @@ impl PdHttp {
         };
         // The failed pair's decode charge and watchdog: the next selection brings its own.
         self.release_all(clock);
+        if self.vm.borrow().holds.contains_key(&self.id) {
+            // The ledger did not take the release: a new selection's hold would replace this
+            // one and its charges would stay on the pods for good. The failure goes to the
+            // client instead, and the request's end (or the TTL janitor) releases them.
+            self.pending = Some(pending);
+            self.served.prefill = Some(failed);
+            return false;
+        }
         self.vm.borrow_mut().watched.remove(&self.id);
         let what = match RouteError::prefill_failure_class(status, body) {
             "transport" => "unreachable".to_string(),
