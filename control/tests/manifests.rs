@@ -626,6 +626,31 @@ fn patches(rel: &str) -> Vec<(Yaml, Yaml)> {
     out
 }
 
+/// Every Istio object and the NetworkPolicy select the same gateway proxies as the plugin, and
+/// that is a gateway of pd-router's own: on the mesh's shared `istio: ingressgateway` every
+/// other host's requests would meet the filter (501 for their paths) and these timeouts.
+#[test]
+fn everything_targets_one_dedicated_gateway() {
+    let selector = wasm_plugin()["spec"]["selector"]["matchLabels"].clone();
+    assert_ne!(
+        selector["istio"].as_str(),
+        Some("ingressgateway"),
+        "not the shared ingress gateway"
+    );
+    let gateways = one_of("envoy/istio/gateway-route.yaml", "Gateway");
+    assert_eq!(gateways[0]["spec"]["selector"], selector);
+    for rel in [
+        "envoy/istio/gateway-route.yaml",
+        "envoy/istio/envoyfilter-clusters.yaml",
+        "envoy/istio/envoyfilter-wasm-fallback.yaml",
+    ] {
+        patches(rel); // asserts each EnvoyFilter's workloadSelector
+    }
+    let policy = documents("envoy/kubernetes/networkpolicy.yaml");
+    let peer = &policy[0]["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"];
+    assert_eq!(*peer, selector, "pd-control admits that gateway");
+}
+
 #[test]
 fn envoy_filters_add_the_clusters_the_plugin_names() {
     let (_, config) = plugin_config(&wasm_plugin());
@@ -915,6 +940,68 @@ fn gateway_route_points_the_named_route_at_pd_pods() {
     assert_eq!(stand_in["route"], first["route"]);
 }
 
+/// Every route to the pods has no total timeout (it would cut a long generation's stream
+/// mid-answer) and an hour's `max_stream_duration` instead: the drop-ins' routes, the Istio
+/// route's MERGE and inserted stand-in route, and the VirtualService itself (whose own
+/// timeout Istio would otherwise write into the route).
+#[test]
+fn no_route_cuts_a_long_generation() {
+    let drop_in_routes = |doc: &Yaml| {
+        doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+            ["route_config"]["virtual_hosts"][0]["routes"]
+            .as_sequence()
+            .expect("routes")
+            .iter()
+            .map(|r| r["route"].clone())
+            .collect::<Vec<_>>()
+    };
+    let mut routes = drop_in_routes(&drop_in_yaml());
+    routes.extend(drop_in_routes(&template_yaml("envoy/envoy-ecds.yaml.tmpl")));
+    let rel = "envoy/istio/gateway-route.yaml";
+    routes.extend(
+        patches(rel)
+            .into_iter()
+            .filter(|(p, _)| p["applyTo"].as_str() == Some("HTTP_ROUTE"))
+            .map(|(p, _)| p["patch"]["value"]["route"].clone()),
+    );
+    assert_eq!(routes.len(), 6);
+    for route in &routes {
+        assert_eq!(route["timeout"].as_str(), Some("0s"), "{route:?}");
+        assert_eq!(
+            route["max_stream_duration"]["max_stream_duration"].as_str(),
+            Some("3600s"),
+            "{route:?}"
+        );
+    }
+    let services = one_of(rel, "VirtualService");
+    assert_eq!(
+        services[0]["spec"]["http"][0]["timeout"].as_str(),
+        Some("0s")
+    );
+}
+
+/// pd-control's cluster carries per-request calls (admissions, the external router), so
+/// like the pod clusters it is not held to Envoy's default 1024 requests at once, in the
+/// drop-ins and on Istio alike.
+#[test]
+fn pd_controls_cluster_is_not_held_to_envoys_default_limits() {
+    let istio: Vec<Yaml> = patches("envoy/istio/envoyfilter-clusters.yaml")
+        .into_iter()
+        .filter(|(p, _)| p["patch"]["value"]["name"].as_str() == Some("pd_control"))
+        .map(|(p, _)| p["patch"]["value"].clone())
+        .collect();
+    assert_eq!(istio.len(), 1);
+    for cluster in [drop_in_cluster("pd_control"), istio[0].clone()] {
+        let limits = &cluster["circuit_breakers"]["thresholds"][0];
+        for key in ["max_connections", "max_pending_requests", "max_requests"] {
+            assert!(
+                limits[key].as_u64().is_some_and(|n| n >= 100_000),
+                "{key}: {cluster:?}"
+            );
+        }
+    }
+}
+
 #[test]
 fn every_istio_document_names_itself() {
     for file in yaml_files("envoy/istio") {
@@ -953,23 +1040,42 @@ fn fallback_envoy_filter_carries_the_drop_in_wasm_config() {
         Some(true)
     );
     assert_eq!(config["failure_policy"].as_str(), Some("FAIL_RELOAD"));
-    let keys: Vec<String> = config["vm_config"]["environment_variables"]["host_env_keys"]
+    // The environment: the WasmPlugin's INLINE values inline, every other drop-in key from
+    // the host, none in both (Envoy rejects a key listed twice).
+    let env = &config["vm_config"]["environment_variables"];
+    let host: Vec<String> = env["host_env_keys"]
         .as_sequence()
         .unwrap()
         .iter()
         .map(|k| k.as_str().unwrap().to_string())
         .collect();
-    assert_eq!(keys, host_env_keys);
+    let inline: BTreeMap<String, String> = env["key_values"]
+        .as_mapping()
+        .expect("key_values")
+        .iter()
+        .map(|(k, v)| (k.as_str().unwrap().into(), v.as_str().unwrap().into()))
+        .collect();
+    let plugin_inline: BTreeMap<String, String> = wasm_plugin()["spec"]["vmConfig"]["env"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .filter_map(|e| Some((e["name"].as_str()?.into(), e["value"].as_str()?.into())))
+        .collect();
+    assert_eq!(inline, plugin_inline, "the WasmPlugin's inline values");
+    assert!(host.iter().all(|k| !inline.contains_key(k)), "{host:?}");
+    let mut all: Vec<String> = host.iter().chain(inline.keys()).cloned().collect();
+    let mut expected = host_env_keys.clone();
+    all.sort();
+    expected.sort();
+    assert_eq!(all, expected, "every variable of the drop-in");
+    // The plugin configuration: the WasmPlugin's, every key (stand-ins named included).
     let raw = config["configuration"]["value"].as_str().unwrap();
     PluginConfig::parse(raw.as_bytes()).expect("the filter accepts the fallback configuration");
     let json: Json = serde_json::from_str(raw).unwrap();
-    for (key, value) in json.as_object().unwrap() {
-        assert_eq!(
-            plugin_json.get(key),
-            Some(value),
-            "{key} differs from wasmplugin.yaml"
-        );
-    }
+    assert_eq!(
+        json, plugin_json,
+        "the fallback's plugin configuration is wasmplugin.yaml's"
+    );
 }
 
 // ---- Metrics labels ------------------------------------------------------------------------

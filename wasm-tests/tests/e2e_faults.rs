@@ -1436,13 +1436,15 @@ fn a_standard_pod_refusing_the_connection_is_stood_in_for_by_a_sibling() {
         1
     );
     assert_eq!(requests_at(&stack, "c-1"), 1);
+    // The access log names the stand-in and, in Envoy's own field, the host the retry reached.
+    let c1 = format!("upstream={}", fleet.spec("c-1").address());
     eventually(Duration::from_secs(5), || {
         let lines = stack.access_log_lines();
         lines
             .iter()
-            .any(|l| l.contains(" 200 ") && l.contains("target=c-1"))
+            .any(|l| l.contains(" 200 ") && l.contains("target=c-1") && l.contains(&c1))
             .then_some(())
-            .ok_or_else(|| format!("no 200 line naming c-1: {lines:?}"))
+            .ok_or_else(|| format!("no 200 line naming c-1 and {c1}: {lines:?}"))
     });
 
     // Every request keeps succeeding; c-0's refusals count as failures, so it leaves the

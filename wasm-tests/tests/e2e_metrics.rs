@@ -412,10 +412,16 @@ fn a_known_load_shows_up_with_contract_names_labels_and_values() {
     assert!(line.contains(&format!(" prefill={prefill} ")), "{line}");
     assert!(line.contains(&format!(" decode={decode} ")), "{line}");
     assert!(line.contains(&format!(" target={decode} ")), "{line}");
-    let selection_us = line
-        .rsplit_once("selection_us=")
-        .and_then(|(_, v)| v.trim().parse::<u64>().ok());
+    let field = |name: &str| {
+        line.split_whitespace()
+            .find_map(|f| f.strip_prefix(name)?.strip_prefix('='))
+    };
+    let selection_us = field("selection_us").and_then(|v| v.parse::<u64>().ok());
     assert!(selection_us.is_some(), "selection time in µs: {line}");
+    // Envoy's own fields: no response flag, the pod answered, and which address it was at.
+    assert_eq!(field("flags"), Some("-"), "{line}");
+    assert_eq!(field("details"), Some("via_upstream"), "{line}");
+    assert!(field("upstream").is_some_and(|u| u.contains(':')), "{line}");
 
     // The dashboard: valid JSON, and every metric its queries use exists in these scrapes.
     let control = Scrape::parse(
