@@ -182,6 +182,9 @@ enum Garbage {
     BadVersion,
     /// The connection closes without an answer.
     Hangup,
+    /// Not garbage: 200 and a real snapshot under [`BOGUS_VERSION`], as a pd-control whose
+    /// clock runs far ahead would serve it.
+    Ahead,
 }
 
 const GARBAGE: [Garbage; 7] = [
@@ -206,8 +209,9 @@ struct FakeControl {
 }
 
 impl FakeControl {
-    /// Serves garbage on `addr` (the real pd-control's address, now free) until dropped.
-    fn start(addr: &str, snapshot: Vec<u8>) -> FakeControl {
+    /// Serves `kinds` in turn on `addr` (the real pd-control's address, now free) until
+    /// dropped.
+    fn start(addr: &str, snapshot: Vec<u8>, kinds: &'static [Garbage]) -> FakeControl {
         let listener = eventually(Duration::from_secs(10), || {
             TcpListener::bind(addr).map_err(|e| format!("cannot bind {addr}: {e}"))
         });
@@ -221,7 +225,7 @@ impl FakeControl {
                 }
                 let Ok(mut conn) = conn else { continue };
                 let n = served_t.fetch_add(1, Ordering::SeqCst);
-                answer(&mut conn, GARBAGE[n % GARBAGE.len()], &snapshot);
+                answer(&mut conn, kinds[n % kinds.len()], &snapshot);
             }
         });
         FakeControl {
@@ -287,6 +291,11 @@ fn answer(conn: &mut std::net::TcpStream, kind: Garbage, snapshot: &[u8]) {
             snapshot.to_vec(),
         ),
         Garbage::Hangup => return,
+        Garbage::Ahead => (
+            "200 OK",
+            vec![("x-pd-snapshot-version", &bogus)],
+            snapshot.to_vec(),
+        ),
     };
     let mut out = format!(
         "HTTP/1.1 {status}\r\ncontent-length: {}\r\nconnection: close\r\n",
@@ -321,7 +330,7 @@ fn pd_control_answering_garbage_keeps_the_last_good_snapshot_and_counts_each_fai
     let before: Vec<f64> = reasons.iter().map(|r| fetch_errors(&stack, r)).collect();
 
     stack.kill("pd-control");
-    let fake = FakeControl::start(&stack.control.clone(), snapshot);
+    let fake = FakeControl::start(&stack.control.clone(), snapshot, &GARBAGE);
     // The version in use once the real pd-control is gone (it may have published one more
     // between the read above and its end): from here on only garbage could change it.
     eventually(Duration::from_secs(10), || {
@@ -379,6 +388,60 @@ fn pd_control_answering_garbage_keeps_the_last_good_snapshot_and_counts_each_fai
     wait_until_g1_unrouted(&stack);
     stack.wait_ledger_zero();
     eprintln!("garbage served for {garbage_for:?}");
+}
+
+/// pd-control's versions are its clock's milliseconds: one that served a version far ahead
+/// (its node's clock ran ahead) and is replaced by one on a sound clock serves versions below
+/// the one the gateway holds. The gateway follows the new one: its snapshots answer polls
+/// that named the published version, so they are pd-control's current state. Before, they
+/// were dropped as older and the gateway routed on the old pods until the clock caught up.
+#[test]
+fn a_pd_control_whose_versions_went_back_is_followed() {
+    let fleet = two_pairs();
+    let mut stack = Stack::start_opts(
+        fleet.clone(),
+        fleet.clone(),
+        &Options {
+            envoy_env: &LEDGER_ENV,
+            ..Options::default()
+        },
+    );
+    routed(&stack);
+    let snapshot = http::get(&stack.control, "/v1/snapshot")
+        .expect("pd-control")
+        .body;
+    stack.kill("pd-control");
+    let ahead = FakeControl::start(&stack.control.clone(), snapshot, &[Garbage::Ahead]);
+    // A second poll follows the handling of the first answer: the far version is published.
+    eventually(Duration::from_secs(10), || {
+        (ahead.served.load(Ordering::SeqCst) >= 2)
+            .then_some(())
+            .ok_or_else(|| "the clock-ahead pd-control was not polled twice".to_string())
+    });
+    routed(&stack);
+    let held = stack.stat("pd_router_fleet_version");
+    drop(ahead);
+    stack.write_fleet(fleet.without("p1").without("d1"));
+    stack.restart_control(&[]);
+    eventually(Duration::from_secs(20), || {
+        let v = stack.stat("pd_router_fleet_version");
+        (v > held && v < BOGUS_VERSION)
+            .then_some(())
+            .ok_or_else(|| format!("the new pd-control's snapshot not adopted ({v}, held {held})"))
+    });
+    wait_until_g1_unrouted(&stack);
+    // Every worker follows: twenty requests, none to the departed pair (a worker still on
+    // the old pods would send it about half of its requests).
+    stack.clear_sim_requests();
+    for _ in 0..20 {
+        routed(&stack);
+    }
+    let reached = pods_reached(&stack);
+    assert!(
+        !reached.contains("p1") && !reached.contains("d1"),
+        "{reached:?}"
+    );
+    stack.wait_ledger_zero();
 }
 
 const TOKEN: &str = "e2e-Sn4pshot_T0ken";

@@ -6,6 +6,19 @@
 //! worker has caught up: `pd_router_fleet_version` alone is whichever VM wrote it last.
 //! Each adoption is tallied in one shared record, reset whenever a newer version arrives.
 
+/// Whether a snapshot pd-control answered (`fetched`) replaces the `published` one, given the
+/// version the poll named (`polled_with`). A newer version always does. An older one does
+/// only when the poll named the published version: pd-control answers at once with its own
+/// snapshot when that is not the version named, so its current one is `fetched`, and it was
+/// restarted on a clock behind the last (or another replica answered). Without this a
+/// gateway would keep routing on the old pods until pd-control's clock passed the version it
+/// last adopted (unbounded after a clock far ahead), polling a full snapshot every tick. An
+/// older answer to a poll that named an older version still loses: two fetchers overlapped
+/// while the lease changed hands, and the newer publication stands.
+pub fn supersedes(published: u64, polled_with: u64, fetched: u64) -> bool {
+    fetched > published || (fetched != published && polled_with == published)
+}
+
 /// `version` (8 bytes LE) then `vms` (4 bytes LE).
 pub const ENCODED_LEN: usize = 12;
 
@@ -18,16 +31,21 @@ pub struct Tally {
 }
 
 impl Tally {
-    /// The tally after one VM adopted `version`. An adoption of an older version than the
-    /// tallied one leaves it alone: that VM is already behind and will adopt again.
-    pub fn adopted(self, version: u64) -> Tally {
-        match version.cmp(&self.version) {
-            std::cmp::Ordering::Greater => Tally { version, vms: 1 },
-            std::cmp::Ordering::Equal => Tally {
+    /// The tally after one VM adopted `version` while `published` is the process's snapshot.
+    /// The published version is the newest by definition (it may be numerically older, see
+    /// [`supersedes`]): an adoption of it starts a new count or adds to its count; one of any
+    /// other version leaves the tally alone (that VM is behind and will adopt again).
+    pub fn adopted(self, version: u64, published: u64) -> Tally {
+        if version != published {
+            return self;
+        }
+        if version == self.version {
+            Tally {
                 version,
                 vms: self.vms.saturating_add(1),
-            },
-            std::cmp::Ordering::Less => self,
+            }
+        } else {
+            Tally { version, vms: 1 }
         }
     }
 
@@ -54,19 +72,47 @@ mod tests {
     use super::*;
 
     #[test]
-    fn adoptions_count_per_version_and_reset_on_a_newer_one() {
-        let steps: [(u64, Tally); 6] = [
-            (5, Tally { version: 5, vms: 1 }),
-            (5, Tally { version: 5, vms: 2 }),
-            (4, Tally { version: 5, vms: 2 }),
-            (5, Tally { version: 5, vms: 3 }),
-            (7, Tally { version: 7, vms: 1 }),
-            (7, Tally { version: 7, vms: 2 }),
+    fn adoptions_count_per_published_version_and_reset_on_another() {
+        // (adopted, published, tally after)
+        let steps: [(u64, u64, Tally); 8] = [
+            (5, 5, Tally { version: 5, vms: 1 }),
+            (5, 5, Tally { version: 5, vms: 2 }),
+            (4, 5, Tally { version: 5, vms: 2 }),
+            (5, 5, Tally { version: 5, vms: 3 }),
+            (5, 7, Tally { version: 5, vms: 3 }),
+            (7, 7, Tally { version: 7, vms: 1 }),
+            (7, 7, Tally { version: 7, vms: 2 }),
+            // pd-control restarted behind: the older published version counts from one.
+            (3, 3, Tally { version: 3, vms: 1 }),
         ];
         let mut tally = Tally::default();
-        for (version, expected) in steps {
-            tally = tally.adopted(version);
-            assert_eq!(tally, expected, "after adopting {version}");
+        for (version, published, expected) in steps {
+            tally = tally.adopted(version, published);
+            assert_eq!(tally, expected, "after adopting {version} of {published}");
+        }
+    }
+
+    #[test]
+    fn a_snapshot_supersedes_the_published_one_when_newer_or_pd_controls_own() {
+        // (published, polled with, fetched, replaces)
+        let cases = [
+            (5, 5, 6, true),
+            (5, 3, 6, true),
+            (5, 5, 5, false),
+            // pd-control answered a poll for 5 with 3: 3 is what it holds now.
+            (5, 5, 3, true),
+            (u64::MAX / 2, u64::MAX / 2, 1_700_000_000_000, true),
+            // A poll for 3 answered 4 after another fetcher published 5: 5 stands.
+            (5, 3, 4, false),
+            (5, 3, 5, false),
+            (0, 0, 1, true),
+        ];
+        for (published, polled, fetched, replaces) in cases {
+            assert_eq!(
+                supersedes(published, polled, fetched),
+                replaces,
+                "({published}, {polled}, {fetched})"
+            );
         }
     }
 
@@ -88,6 +134,6 @@ mod tests {
             version: 1,
             vms: u32::MAX,
         };
-        assert_eq!(t.adopted(1).vms, u32::MAX);
+        assert_eq!(t.adopted(1, 1).vms, u32::MAX);
     }
 }

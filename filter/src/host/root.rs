@@ -36,6 +36,8 @@ pub struct Root {
     vm_id: String,
     queue: Option<NoticeQueue>,
     fetch_in_flight: Option<u32>,
+    /// The version the poll in flight named (the published one when it was sent).
+    polled_with: u64,
     /// Polls this VM may send as soon as an answer brings a new version (`core::poll`).
     follow_ups: FollowUps,
     loaded_once: bool,
@@ -151,6 +153,7 @@ impl Root {
             vm_id: String::new(),
             queue: None,
             fetch_in_flight: None,
+            polled_with: 0,
             follow_ups: FollowUps::default(),
             loaded_once: false,
             latest: None,
@@ -547,7 +550,10 @@ impl Root {
         }
         let have = snapshot::published_version();
         match snapshot::fetch_request(&plugin, have, self.node_id().as_deref()) {
-            Ok(token) => self.fetch_in_flight = Some(token),
+            Ok(token) => {
+                self.fetch_in_flight = Some(token);
+                self.polled_with = have;
+            }
             Err(e) => self.fetch_failed(
                 "dispatch",
                 format!("cannot poll cluster {}: {e:?}", plugin.control_cluster),
@@ -720,7 +726,7 @@ impl Context for Root {
         self.fetch_succeeded();
         // Versions move with load: more may follow soon, poll again at the fast period.
         self.vm.borrow_mut().wake();
-        match snapshot::publish(version, &body) {
+        match snapshot::publish(version, self.polled_with, &body) {
             Ok(true) => {
                 snapshot::notify_all(&self.vm_id, version, now_ms());
                 self.adopt(view);

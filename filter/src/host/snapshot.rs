@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use proxy_wasm::hostcalls;
 
-use crate::core::adoption::Tally;
+use crate::core::adoption::{supersedes, Tally};
 use crate::core::fleet::FleetView;
 use crate::core::ledger::{Store, StoreError};
 use crate::host::store::SharedData;
@@ -87,7 +87,7 @@ pub fn record_adoption(version: u64) -> Result<Tally, StoreError> {
             .as_deref()
             .and_then(Tally::decode)
             .unwrap_or_default()
-            .adopted(version);
+            .adopted(version, published_version());
         if SharedData.set(ADOPTED_KEY, &tally.encode(), cas)? {
             return Ok(tally);
         }
@@ -147,10 +147,11 @@ pub fn bearer(token: &str) -> Option<String> {
     (!token.is_empty()).then(|| format!("Bearer {token}"))
 }
 
-/// Decodes the published snapshot when it is newer than `have`; `previous` (the VM's last
-/// decoded view) spares the full decode when only metrics changed.
+/// Decodes the published snapshot when it is not the one this VM has (`have`): published is
+/// newest even when numerically older (see `core::adoption::supersedes`); `previous` (the
+/// VM's last decoded view) spares the full decode when only metrics changed.
 pub fn load_newer(have: u64, previous: Option<&FleetView>) -> Result<Option<FleetView>, String> {
-    if published_version() <= have {
+    if published_version() == have {
         return Ok(None);
     }
     let (bytes, _) = SharedData.get(SNAPSHOT_KEY).map_err(|e| e.to_string())?;
@@ -160,12 +161,13 @@ pub fn load_newer(have: u64, previous: Option<&FleetView>) -> Result<Option<Flee
     }
     let view = FleetView::decode_after(&bytes[8..], previous)
         .map_err(|e| format!("cannot decode snapshot: {e}"))?;
-    Ok((view.version > have).then_some(view))
+    Ok((view.version != have).then_some(view))
 }
 
-/// Stores a snapshot unless a newer one is already there (two fetchers may overlap while a
-/// lease changes hands; the newer version must win).
-pub fn publish(version: u64, proto: &[u8]) -> Result<bool, StoreError> {
+/// Stores a snapshot pd-control answered to a poll that named `polled_with`, when it
+/// supersedes the one there (`core::adoption::supersedes`: two fetchers may overlap while a
+/// lease changes hands, and the newer publication must win).
+pub fn publish(version: u64, polled_with: u64, proto: &[u8]) -> Result<bool, StoreError> {
     for _ in 0..16 {
         let (current, cas) = SharedData.get(SNAPSHOT_KEY)?;
         let current_version = current
@@ -174,7 +176,13 @@ pub fn publish(version: u64, proto: &[u8]) -> Result<bool, StoreError> {
             .and_then(|b| b.try_into().ok())
             .map(u64::from_le_bytes)
             .unwrap_or(0);
-        if current_version >= version {
+        if !supersedes(current_version, polled_with, version) {
+            // The version key is written after the snapshot, without CAS: two overlapping
+            // fetchers can leave it naming the other's snapshot. Mend it here, or every poll
+            // would name that version and fetch the whole snapshot again.
+            if current_version != 0 && published_version() != current_version {
+                SharedData.set(VERSION_KEY, &current_version.to_le_bytes(), None)?;
+            }
             return Ok(false);
         }
         let mut value = Vec::with_capacity(8 + proto.len());
