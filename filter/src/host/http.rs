@@ -1452,7 +1452,7 @@ impl Context for PdHttp {
         match self.finish_prefill(&status, &body) {
             Ok(()) => {
                 Metrics::inc(success);
-                crate::section!("prefill_answer.arm_watchdog", self.arm_watchdog(&mut clock));
+                crate::section!("prefill_answer.arm_watchdog", self.arm_watchdog());
                 self.obs.times.prefill_end_us = Some(clock.us());
                 self.resume_http_request();
             }
@@ -1630,7 +1630,7 @@ impl HttpContext for PdHttp {
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         crate::section_scope!("response_body");
         let mut clock = Clock::default();
-        self.watch_chunk(body_size, end_of_stream, &mut clock);
+        self.watch_chunk(body_size, end_of_stream);
         let t = &mut self.obs.times;
         if body_size > 0 && t.first_token_us.is_none() {
             t.first_token_us = Some(clock.us());

@@ -258,6 +258,20 @@ pub fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
+/// Milliseconds on Envoy's monotonic clock (WASI `clock_time_get`, `CLOCK_MONOTONIC`), from an
+/// origin of this VM's own: for deadlines the VM both sets and checks (the decode watchdog).
+/// The wall clock of `now_ms` may step with NTP or a VM migration; a step forward of a
+/// minute read as elapsed time would fire every running request's watchdog at once (mass
+/// 504s and cut streams), a step back would hold them all.
+pub fn steady_ms() -> u64 {
+    thread_local! {
+        static ORIGIN: std::time::Instant = std::time::Instant::now();
+    }
+    // The first reading is a few ms after the origin (0 is "never armed" nowhere, but keep
+    // every reading positive anyway).
+    ORIGIN.with(|origin| origin.elapsed().as_millis() as u64 + 1)
+}
+
 /// Nanoseconds since the Unix epoch from the host clock, for durations inside the VM.
 pub fn now_ns() -> u128 {
     proxy_wasm::hostcalls::get_current_time()

@@ -891,7 +891,7 @@ impl RootContext for Root {
         crate::section!("tick.journal", self.journal.tick(&self.vm, now));
         crate::section!(
             "tick.watchdog",
-            crate::host::watchdog::tick(&self.vm, self.context_id, now)
+            crate::host::watchdog::tick(&self.vm, self.context_id)
         );
         let mut vm = self.vm.borrow_mut();
         let (cluster, dst) = (vm.plugin.pods_cluster.clone(), vm.plugin.dst_header.clone());

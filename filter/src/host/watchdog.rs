@@ -67,13 +67,15 @@ type FiredWatch = (
 
 /// Checks every watched request of the VM; `root_id` is the calling root context, made
 /// effective again afterwards.
-pub fn tick(vm: &SharedVm, root_id: u32, now: u64) {
+pub fn tick(vm: &SharedVm, root_id: u32) {
+    // Watchdogs are armed and fed on the monotonic clock (`host::steady_ms`).
+    let steady = crate::host::steady_ms();
     let fired: Vec<FiredWatch> = {
         let mut vm = vm.borrow_mut();
         vm.watched
             .iter_mut()
             .filter_map(|(id, w)| {
-                w.watchdog.poll(now).map(|fire| {
+                w.watchdog.poll(steady).map(|fire| {
                     (
                         *id,
                         fire,

@@ -307,7 +307,7 @@ impl PdHttp {
         let success = self.vm.borrow().metrics.prefill_success;
         if status == "200" {
             Metrics::inc(success);
-            self.arm_watchdog(&mut clock);
+            self.arm_watchdog();
             return;
         }
         let error = RouteError::prefill_answer(status, body, "http_status");
@@ -363,9 +363,9 @@ impl PdHttp {
     }
 
     /// The prefill succeeded: the decode pod owes the answer from now on.
-    pub(super) fn arm_watchdog(&mut self, clock: &mut Clock) {
+    pub(super) fn arm_watchdog(&mut self) {
         if let Some(w) = self.vm.borrow_mut().watched.get_mut(&self.id) {
-            w.watchdog.arm(clock.ms());
+            w.watchdog.arm(crate::host::steady_ms());
         }
     }
 
@@ -376,12 +376,12 @@ impl PdHttp {
         }
     }
 
-    pub(super) fn watch_chunk(&mut self, size: usize, end: bool, clock: &mut Clock) {
+    pub(super) fn watch_chunk(&mut self, size: usize, end: bool) {
         if size == 0 && !end {
             return;
         }
         if let Some(w) = self.vm.borrow_mut().watched.get_mut(&self.id) {
-            w.watchdog.on_chunk(clock.ms(), end);
+            w.watchdog.on_chunk(crate::host::steady_ms(), end);
         }
     }
 
