@@ -376,18 +376,25 @@ fn pd_control_answering_garbage_keeps_the_last_good_snapshot_and_counts_each_fai
     let garbage_for = started.elapsed();
 
     // The real pd-control comes back with a changed fleet: its snapshot is adopted.
+    real_control_returns_without_g1(&mut stack, &fleet, fake, version_held);
+    stack.wait_ledger_zero();
+    eprintln!("garbage served for {garbage_for:?}");
+}
+
+/// Ends `fake` and starts the real pd-control again on `fleet` less roleset g1; waits until
+/// the gateway adopted one of its snapshots (a version above `held`, below the fake's) and
+/// routes no more to g1.
+fn real_control_returns_without_g1(stack: &mut Stack, fleet: &Fleet, fake: FakeControl, held: u64) {
     drop(fake);
     stack.write_fleet(fleet.without("p1").without("d1"));
     stack.restart_control(&[]);
     eventually(Duration::from_secs(20), || {
         let v = stack.stat("pd_router_fleet_version");
-        (v > version_held && v < BOGUS_VERSION)
+        (v > held && v < BOGUS_VERSION)
             .then_some(())
-            .ok_or_else(|| format!("version {v} not adopted (was {version_held})"))
+            .ok_or_else(|| format!("the real pd-control's snapshot not adopted ({v}, held {held})"))
     });
-    wait_until_g1_unrouted(&stack);
-    stack.wait_ledger_zero();
-    eprintln!("garbage served for {garbage_for:?}");
+    wait_until_g1_unrouted(stack);
 }
 
 /// pd-control's versions are its clock's milliseconds: one that served a version far ahead
@@ -420,16 +427,7 @@ fn a_pd_control_whose_versions_went_back_is_followed() {
     });
     routed(&stack);
     let held = stack.stat("pd_router_fleet_version");
-    drop(ahead);
-    stack.write_fleet(fleet.without("p1").without("d1"));
-    stack.restart_control(&[]);
-    eventually(Duration::from_secs(20), || {
-        let v = stack.stat("pd_router_fleet_version");
-        (v > held && v < BOGUS_VERSION)
-            .then_some(())
-            .ok_or_else(|| format!("the new pd-control's snapshot not adopted ({v}, held {held})"))
-    });
-    wait_until_g1_unrouted(&stack);
+    real_control_returns_without_g1(&mut stack, &fleet, ahead, held);
     // Every worker follows: twenty requests, none to the departed pair (a worker still on
     // the old pods would send it about half of its requests).
     stack.clear_sim_requests();

@@ -762,14 +762,7 @@ fn an_http2_client_cancelling_its_stream_is_not_blamed_on_the_pod() {
     async_client::runtime().block_on(async {
         let client = async_client::client(true);
         for _ in 0..cancels {
-            let mut r = client
-                .post(format!("http://{}/v1/chat/completions", stack.gateway))
-                .header("routing-strategy", "pd")
-                .header("content-type", "application/json")
-                .body(chat(true, 200).to_string())
-                .send()
-                .await
-                .expect("response headers");
+            let mut r = async_client::pd_chat(&client, &stack.gateway, &chat(true, 200)).await;
             assert_eq!(r.status().as_u16(), 200);
             let first = r.chunk().await.expect("a first chunk");
             assert!(first.is_some_and(|c| !c.is_empty()));
@@ -777,14 +770,7 @@ fn an_http2_client_cancelling_its_stream_is_not_blamed_on_the_pod() {
         }
         // One whole request after them on the same connection: its frames follow the last
         // reset, which this single-threaded runtime only writes while a request awaits.
-        let r = client
-            .post(format!("http://{}/v1/chat/completions", stack.gateway))
-            .header("routing-strategy", "pd")
-            .header("content-type", "application/json")
-            .body(chat(false, 2).to_string())
-            .send()
-            .await
-            .expect("response headers");
+        let r = async_client::pd_chat(&client, &stack.gateway, &chat(false, 2)).await;
         assert_success(&async_client::answer(r).await);
         eventually(Duration::from_secs(10), || {
             let cancelled = fail_count(&stack, "response_cut", "499");

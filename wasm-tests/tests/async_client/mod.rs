@@ -28,11 +28,7 @@ pub fn client(http2: bool) -> reqwest::Client {
 /// The whole answer, as the blocking client's [`Response`].
 pub async fn answer(r: reqwest::Response) -> Response {
     let status = r.status().as_u16();
-    let headers = r
-        .headers()
-        .iter()
-        .map(|(n, v)| (n.to_string(), v.to_str().unwrap_or("").to_string()))
-        .collect();
+    let headers = pairs(r.headers());
     let body = r.bytes().await.expect("whole body").to_vec();
     Response {
         status,
@@ -68,11 +64,7 @@ pub async fn post_with_trailers(
     stream.send_trailers(trailers).expect("trailers sent");
     let answer = answer.await.expect("response headers");
     let status = answer.status().as_u16();
-    let headers = answer
-        .headers()
-        .iter()
-        .map(|(n, v)| (n.to_string(), v.to_str().unwrap_or("").to_string()))
-        .collect();
+    let headers = pairs(answer.headers());
     let mut received = answer.into_body();
     let mut body = Vec::new();
     while let Some(chunk) = received.data().await {
@@ -86,4 +78,28 @@ pub async fn post_with_trailers(
         body,
         complete: true,
     }
+}
+
+/// Response headers as the blocking client's [`Response`] holds them.
+fn pairs(headers: &http::HeaderMap) -> Vec<(String, String)> {
+    headers
+        .iter()
+        .map(|(n, v)| (n.to_string(), v.to_str().unwrap_or("").to_string()))
+        .collect()
+}
+
+/// POSTs a chat body to the gateway with `routing-strategy: pd` on `client`.
+pub async fn pd_chat(
+    client: &reqwest::Client,
+    gateway: &str,
+    body: &serde_json::Value,
+) -> reqwest::Response {
+    client
+        .post(format!("http://{gateway}/v1/chat/completions"))
+        .header("routing-strategy", "pd")
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+        .expect("response headers")
 }
