@@ -312,19 +312,8 @@ fn answer(conn: &mut std::net::TcpStream, kind: Garbage, snapshot: &[u8]) {
 #[test]
 fn pd_control_answering_garbage_keeps_the_last_good_snapshot_and_counts_each_failure() {
     let fleet = two_pairs();
-    let mut stack = Stack::start_opts(
-        fleet.clone(),
-        fleet.clone(),
-        &Options {
-            envoy_env: &LEDGER_ENV,
-            ..Options::default()
-        },
-    );
-    routed(&stack);
+    let (mut stack, snapshot) = routing_with_snapshot(&fleet);
     let version_before = stack.stat("pd_router_fleet_version");
-    let snapshot = http::get(&stack.control, "/v1/snapshot")
-        .expect("pd-control")
-        .body;
     assert!(snapshot.len() > 8, "a real snapshot to mangle");
     let reasons = ["undecodable", "status", "no_version", "unreachable"];
     let before: Vec<f64> = reasons.iter().map(|r| fetch_errors(&stack, r)).collect();
@@ -381,6 +370,24 @@ fn pd_control_answering_garbage_keeps_the_last_good_snapshot_and_counts_each_fai
     eprintln!("garbage served for {garbage_for:?}");
 }
 
+/// A stack on `fleet` under the token-load policies that has routed a request, and the
+/// snapshot pd-control serves (for a fake pd-control to serve as it is, or mangled).
+fn routing_with_snapshot(fleet: &Fleet) -> (Stack, Vec<u8>) {
+    let stack = Stack::start_opts(
+        fleet.clone(),
+        fleet.clone(),
+        &Options {
+            envoy_env: &LEDGER_ENV,
+            ..Options::default()
+        },
+    );
+    routed(&stack);
+    let snapshot = http::get(&stack.control, "/v1/snapshot")
+        .expect("pd-control")
+        .body;
+    (stack, snapshot)
+}
+
 /// Ends `fake` and starts the real pd-control again on `fleet` less roleset g1; waits until
 /// the gateway adopted one of its snapshots (a version above `held`, below the fake's) and
 /// routes no more to g1.
@@ -405,18 +412,7 @@ fn real_control_returns_without_g1(stack: &mut Stack, fleet: &Fleet, fake: FakeC
 #[test]
 fn a_pd_control_whose_versions_went_back_is_followed() {
     let fleet = two_pairs();
-    let mut stack = Stack::start_opts(
-        fleet.clone(),
-        fleet.clone(),
-        &Options {
-            envoy_env: &LEDGER_ENV,
-            ..Options::default()
-        },
-    );
-    routed(&stack);
-    let snapshot = http::get(&stack.control, "/v1/snapshot")
-        .expect("pd-control")
-        .body;
+    let (mut stack, snapshot) = routing_with_snapshot(&fleet);
     stack.kill("pd-control");
     let ahead = FakeControl::start(&stack.control.clone(), snapshot, &[Garbage::Ahead]);
     // A second poll follows the handling of the first answer: the far version is published.
