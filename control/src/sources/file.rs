@@ -42,15 +42,21 @@ pub struct FileSource {
     last_read_error: Option<String>,
 }
 
-/// Reads [`FileSource::load`] makes, one refresh apart, for the file to hold still before
+/// Reads [`FileSource::load`] makes, one poll period apart, for the file to hold still before
 /// start-up gives up on it.
 pub const LOAD_READS: u32 = 20;
 
+/// The longest the file goes unread: a change is taken on the second read that sees it, so
+/// with a long refresh interval (pd-control scraping rarely) a fleet edit, and start-up,
+/// would otherwise wait two of them. Reading a small file once a second costs nothing.
+const MAX_POLL: Duration = Duration::from_secs(1);
+
 impl FileSource {
+    /// Polls `path` every `interval` (pd-control's refresh interval), at most [`MAX_POLL`].
     pub fn new(path: impl Into<PathBuf>, interval: Duration) -> FileSource {
         FileSource {
             path: path.into(),
-            interval,
+            interval: interval.min(MAX_POLL),
             last_bytes: None,
             settling: None,
             last_read_error: None,
@@ -118,7 +124,7 @@ impl FleetSource for FileSource {
     }
 
     /// The first fleet, by the same rule as every re-read: bytes two reads agree on, holding a
-    /// document. Start-up waits a refresh for the second read; a file still changing after
+    /// document. Start-up waits a poll period for the second read; a file still changing after
     /// [`LOAD_READS`] reads is an error rather than a fleet picked mid-write.
     async fn load(&mut self) -> Result<Vec<PodRecord>, SourceError> {
         self.last_bytes = None;
