@@ -1889,7 +1889,9 @@ fn a_stand_in_refusing_too_ends_the_request_with_a_503() {
 /// first, so its last snapshot (fresh for `snapshot_stale_after_ms`) still shows the pod
 /// alive and well, as it does for the moments after a real crash; decode by least request
 /// draws between the two idle pods at random.
-fn a_decode_pod_refusing_the_connection_is_stood_in_for(engine: &str) {
+/// One roleset of `engine` with two decode pods, both scraped, then pd-control gone (so no
+/// mark keeps d-0 out of the routing view) and d-0 crashed: its connections are refused.
+fn decode_pod_d0_refusing(engine: &str) -> (Fleet, Stack) {
     let fleet = Fleet::new(MODEL)
         .engine(engine)
         .pod("p-0", "prefill", "group-0")
@@ -1911,6 +1913,42 @@ fn a_decode_pod_refusing_the_connection_is_stood_in_for(engine: &str) {
     });
     stack.kill("pd-control");
     stack.arm_fault(json!({"pod": "d-0", "kind": "crash"}));
+    (fleet, stack)
+}
+
+/// An SGLang decode leg refused by its chosen pod runs on the stand-in; when the prefill
+/// leg then fails, the abort goes where the decode request waits for its KV (the stand-in),
+/// not to the pod that refused it.
+#[test]
+fn an_sglang_abort_follows_the_decode_leg_to_its_stand_in() {
+    let (fleet, stack) = decode_pod_d0_refusing("sglang");
+    stack.arm_fault(
+        json!({"pod": "p-0", "kind": "status", "status": 500, "delay_ms": 300, "leg": "prefill"}),
+    );
+    let chosen = |pod: &str| stack.metric("pd_selected_decode_pod_total", &[("pod", pod)]);
+    let mut sent = 0;
+    while chosen("d-0") < 1.0 {
+        assert!(sent < 50, "{sent} requests and d-0 never chosen");
+        let r = stack.chat(&PD, &question(sent));
+        sent += 1;
+        assert_error(&r, 500, "x-error-pd-prefill");
+    }
+    eventually(Duration::from_secs(10), || {
+        let aborts = stack
+            .sim_requests()
+            .into_iter()
+            .filter(|e| e["path"] == "/abort_request" && e["pod"] == "d-1")
+            .count();
+        (aborts == sent)
+            .then_some(())
+            .ok_or_else(|| format!("{aborts} of {sent} aborts reached d-1"))
+    });
+    stack.clear_faults();
+    assert_clean_end(&stack, &fleet_pods(&fleet));
+}
+
+fn a_decode_pod_refusing_the_connection_is_stood_in_for(engine: &str) {
+    let (fleet, stack) = decode_pod_d0_refusing(engine);
     let chosen = |pod: &str| stack.metric("pd_selected_decode_pod_total", &[("pod", pod)]);
     let mut sent = 0;
     while chosen("d-0") < 1.0 {

@@ -312,11 +312,13 @@ impl PdHttp {
         }
         let error = RouteError::prefill_answer(status, body, "http_status");
         log::warn!("request {}: {error}", self.request_id);
-        // The decode pod will never get its KV: stop the watchdog, ask the pod to drop it.
+        // The decode pod will never get its KV: stop the watchdog, ask the pod to drop it
+        // (the stand-in, when the chosen one refused the connection and Envoy retried there).
         self.vm.borrow_mut().watched.remove(&self.id);
         let settings = self.legs.watch_settings;
+        let decode_address = self.answering_address(&leg.decode_address);
         self.vm.borrow_mut().engines.queue_abort(AbortOrder {
-            address: &leg.decode_address,
+            address: &decode_address,
             rid: leg.rid.as_deref(),
             timeout_s: settings.abort_timeout_s,
             retry_s: settings.abort_retry_delay_s,

@@ -135,6 +135,22 @@ impl PdHttp {
         }
     }
 
+    /// Where the request is now: its stand-in when Envoy retried it there (the chosen pod
+    /// refused the connection), else `chosen`. A host call only when a stand-in was named.
+    pub(super) fn answering_address(&self, chosen: &str) -> String {
+        let Some(named) = &self.named else {
+            return chosen.to_string();
+        };
+        let at = hostcalls::get_property(vec!["upstream", "address"])
+            .ok()
+            .flatten();
+        if at.as_deref() == Some(named.stand_in.address.as_bytes()) {
+            named.stand_in.address.clone()
+        } else {
+            chosen.to_string()
+        }
+    }
+
     /// Once the response starts: when Envoy retried on the stand-in, the chosen pod failed the
     /// request and the request's charges and names move to the stand-in (whose own outcome,
     /// an answer or Envoy's 503 when it refused too, counts as any target's).
