@@ -1695,18 +1695,13 @@ fn a_decode_pod_answering_500_is_not_retried_on_its_sibling() {
     );
     wait_stand_ins_allowed(&stack);
     stack.arm_fault(json!({"pod": "d-0", "kind": "status", "status": 500, "leg": "decode"}));
-    let chosen = |pod: &str| stack.metric("pd_selected_decode_pod_total", &[("pod", pod)]);
-    let mut sent = 0;
-    while chosen("d-0") < 1.0 {
-        assert!(sent < 50, "{sent} requests and d-0 never chosen");
-        let r = stack.chat(&PD, &question(sent));
-        sent += 1;
+    let sent = send_until_d0_chosen(&stack, |r| {
         if r.header("target-pod") == Some("d-0") {
-            assert_eq!(r.status, 500, "{}", describe(&r));
+            assert_eq!(r.status, 500, "{}", describe(r));
         } else {
-            assert_success(&r);
+            assert_success(r);
         }
-    }
+    });
     assert_eq!(
         stand_ins(&stack, "served") + stand_ins(&stack, "failed"),
         0.0
@@ -1889,6 +1884,23 @@ fn a_stand_in_refusing_too_ends_the_request_with_a_503() {
 /// first, so its last snapshot (fresh for `snapshot_stale_after_ms`) still shows the pod
 /// alive and well, as it does for the moments after a real crash; decode by least request
 /// draws between the two idle pods at random.
+/// Times the selection picked `pod` as a decode pod.
+fn decode_chosen(stack: &Stack, pod: &str) -> f64 {
+    stack.metric("pd_selected_decode_pod_total", &[("pod", pod)])
+}
+
+/// Sends PD questions, each answer checked by `check`, until d-0 was chosen as a decode pod
+/// once (at most 50); returns how many were sent.
+fn send_until_d0_chosen(stack: &Stack, check: impl Fn(&Response)) -> usize {
+    let mut sent = 0;
+    while decode_chosen(stack, "d-0") < 1.0 {
+        assert!(sent < 50, "{sent} requests and d-0 never chosen");
+        check(&stack.chat(&PD, &question(sent)));
+        sent += 1;
+    }
+    sent
+}
+
 /// One roleset of `engine` with two decode pods, both scraped, then pd-control gone (so no
 /// mark keeps d-0 out of the routing view) and d-0 crashed: its connections are refused.
 fn decode_pod_d0_refusing(engine: &str) -> (Fleet, Stack) {
@@ -1925,14 +1937,7 @@ fn an_sglang_abort_follows_the_decode_leg_to_its_stand_in() {
     stack.arm_fault(
         json!({"pod": "p-0", "kind": "status", "status": 500, "delay_ms": 300, "leg": "prefill"}),
     );
-    let chosen = |pod: &str| stack.metric("pd_selected_decode_pod_total", &[("pod", pod)]);
-    let mut sent = 0;
-    while chosen("d-0") < 1.0 {
-        assert!(sent < 50, "{sent} requests and d-0 never chosen");
-        let r = stack.chat(&PD, &question(sent));
-        sent += 1;
-        assert_error(&r, 500, "x-error-pd-prefill");
-    }
+    let sent = send_until_d0_chosen(&stack, |r| assert_error(r, 500, "x-error-pd-prefill"));
     eventually(Duration::from_secs(10), || {
         let aborts = stack
             .sim_requests()
@@ -1949,18 +1954,13 @@ fn an_sglang_abort_follows_the_decode_leg_to_its_stand_in() {
 
 fn a_decode_pod_refusing_the_connection_is_stood_in_for(engine: &str) {
     let (fleet, stack) = decode_pod_d0_refusing(engine);
-    let chosen = |pod: &str| stack.metric("pd_selected_decode_pod_total", &[("pod", pod)]);
-    let mut sent = 0;
-    while chosen("d-0") < 1.0 {
-        assert!(sent < 50, "{sent} requests and d-0 never chosen");
-        let r = stack.chat(&PD, &question(sent));
-        sent += 1;
-        assert_success(&r);
-        assert_eq!(r.header("target-pod"), Some("d-1"), "{}", describe(&r));
-    }
+    let sent = send_until_d0_chosen(&stack, |r| {
+        assert_success(r);
+        assert_eq!(r.header("target-pod"), Some("d-1"), "{}", describe(r));
+    });
     assert_eq!(
         stand_ins(&stack, "served"),
-        chosen("d-0"),
+        decode_chosen(&stack, "d-0"),
         "every request that chose d-0 was served by d-1"
     );
     assert_eq!(decode_legs(&stack, "d-1").len(), sent);

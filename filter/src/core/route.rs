@@ -264,15 +264,10 @@ mod tests {
         );
         let m = FleetView::from_snapshot(&snap).models["m"].clone();
         let env = EnvSettings::default();
-        let d = decide(
-            &m,
-            &req(None),
-            None,
-            Some("auto"),
-            &env,
-            &counted(71, 12_000, 3_000),
-        )
-        .unwrap();
+        let auto = |tokens: &dyn Fn(&[i64]) -> i64| {
+            decide(&m, &req(None), None, Some("auto"), &env, tokens).unwrap()
+        };
+        let d = auto(&counted(71, 12_000, 3_000));
         assert_eq!(
             (d.auto_profile.as_deref(), d.strategy, d.bucketing),
             (Some("chat"), Strategy::Pd, true)
@@ -282,15 +277,7 @@ mod tests {
             "the bucket is matched on the exact count"
         );
         // Far from every edge, the cheap bound stands (no exact count).
-        let d = decide(
-            &m,
-            &req(None),
-            None,
-            Some("auto"),
-            &env,
-            &counted(100, 120, 110),
-        )
-        .unwrap();
+        let d = auto(&counted(100, 120, 110));
         assert_eq!(d.prompt_len, 100);
     }
 
