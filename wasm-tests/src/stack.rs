@@ -693,6 +693,19 @@ impl Stack {
     }
 
     /// Kills a process of the stack by name (`envoy`, `pd-control`, `pd-sim`, `envoy-N`).
+    /// Sends `signal` (e.g. `libc::SIGSTOP`) to the process started as `name`.
+    pub fn signal(&self, name: &str, signal: i32) {
+        let (_, child) = self
+            .children
+            .iter()
+            .find(|(n, _)| n == name)
+            .unwrap_or_else(|| panic!("no process named {name}"));
+        let pid = i32::try_from(child.id()).expect("pid");
+        // SAFETY: kill(2) on a child this stack started and has not reaped.
+        let rc = unsafe { libc::kill(pid, signal) };
+        assert_eq!(rc, 0, "kill({pid}, {signal}) failed");
+    }
+
     pub fn kill(&mut self, name: &str) {
         let (_, child) = self
             .children

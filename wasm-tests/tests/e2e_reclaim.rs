@@ -89,3 +89,107 @@ fn a_trapped_vms_charges_are_released_and_the_worker_recovers() {
     pd_wasm_tests::stack::wait_ledger_zero(&stack.admin, Duration::from_secs(10));
     drop(trapped);
 }
+
+/// `listener.<address>.worker_<n>.downstream_cx_active` of the data listener, by worker.
+fn active_connections_by_worker(stack: &Stack) -> Vec<u64> {
+    let prefix = format!("listener.{}.", stack.gateway.replace(':', "_"));
+    let stats = http::get(&stack.admin, "/stats?filter=downstream_cx_active")
+        .expect("admin")
+        .text();
+    (0..stack.concurrency)
+        .map(|w| {
+            let name = format!("{prefix}worker_{w}.downstream_cx_active");
+            stats
+                .lines()
+                .filter_map(|l| l.split_once(": "))
+                .find(|(n, _)| *n == name)
+                .and_then(|(_, v)| v.trim().parse().ok())
+                .unwrap_or(0)
+        })
+        .collect()
+}
+
+fn running_on(stack: &Stack, pod: &str) -> f64 {
+    stack.metric("pd_router_running_requests", &[("pod_name", pod)])
+}
+
+/// A pause of the whole gateway process longer than the journals' silence bound (a frozen
+/// container, a VM resumed after migration, a wall clock stepped forward) makes no worker
+/// reclaim another's charges: every journal stood still only because every VM did, and the
+/// first VM to wake sees the others write within a tick. Before, it released the other
+/// workers' in-flight charges, and pods read less loaded than they were.
+#[test]
+fn a_paused_gateway_keeps_every_workers_charges() {
+    let fleet = Fleet::new(MODEL)
+        .pod("p0", "prefill", "g0")
+        .pod("d0", "decode", "g0");
+    let env = [
+        ("AIBRIX_PREFILL_SCORE_POLICY", "token_load"),
+        ("AIBRIX_DECODE_SCORE_POLICY", "token_load"),
+    ];
+    let stack = Stack::start_full(fleet.clone(), fleet, 2, &env, &[]);
+    // Decode answers its headers and a first chunk, then holds every stream until cleared.
+    stack
+        .arm_fault(json!({"pod": "d0", "kind": "hang_after_chunks", "chunks": 1, "leg": "decode"}));
+
+    // Streams on both workers: new connections until each worker holds at least two.
+    let body = json!({"model": MODEL, "prompt": "a prompt worth charging ".repeat(40),
+                      "max_tokens": 50, "stream": true})
+    .to_string();
+    let request = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: pd\r\ncontent-type: application/json\r\n\
+         routing-strategy: pd\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut streams = Vec::new();
+    while active_connections_by_worker(&stack).iter().any(|n| *n < 2) {
+        assert!(streams.len() < 40, "connections never reached both workers");
+        let mut s = std::net::TcpStream::connect(&stack.gateway).expect("connect");
+        std::io::Write::write_all(&mut s, request.as_bytes()).expect("send");
+        streams.push(s);
+        // Counted once the listener accepted it, so the next check sees it.
+        let opened = streams.len() as u64;
+        pd_wasm_tests::stack::eventually(Duration::from_secs(10), || {
+            let n: u64 = active_connections_by_worker(&stack).iter().sum();
+            (n >= opened)
+                .then_some(())
+                .ok_or(format!("{n} of {opened} accepted"))
+        });
+    }
+    let n = streams.len();
+    stack.wait_for_legs("decode", n);
+    pd_wasm_tests::stack::eventually(Duration::from_secs(10), || {
+        let running = running_on(&stack, "d0");
+        (running == n as f64)
+            .then_some(())
+            .ok_or(format!("d0 runs {running} of {n} streams"))
+    });
+
+    // The pause is the fault under test, so it is timed: past the 10 s silence bound.
+    stack.signal("envoy", libc::SIGSTOP);
+    std::thread::sleep(Duration::from_millis(11_500));
+    stack.signal("envoy", libc::SIGCONT);
+
+    // Every VM scans about once a second: over three seconds each has scanned the others'
+    // journals a few times, and the charges of every stream are still there.
+    let until = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < until {
+        let running = running_on(&stack, "d0");
+        assert_eq!(
+            running,
+            n as f64,
+            "a worker reclaimed another's charges after the pause; log:\n{}",
+            stack.envoy_log()
+        );
+    }
+    let log = stack.envoy_log();
+    assert!(
+        !log.contains("released the charges of") && !log.contains("declared dead"),
+        "{log}"
+    );
+
+    // The streams end and release exactly what they charged: no double release.
+    stack.clear_faults();
+    stack.wait_ledger_zero();
+    drop(streams);
+}

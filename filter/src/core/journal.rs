@@ -2,6 +2,12 @@
 //! every tick with a heartbeat, so that when a VM traps (its hold registry dies with it) a
 //! live VM can release what the dead one held instead of leaving it on the ledger for good.
 //!
+//! The heartbeat is a sequence number, not a time: a live VM is one whose sequence moves, as
+//! another VM sees it over its own scans ([`Liveness`]). A time written by the VM and compared
+//! with the reader's clock made every other VM look dead after a pause of the whole process
+//! (a frozen container, a VM resumed after migration) or a forward step of the wall clock:
+//! the first VM to tick afterwards released every other VM's in-flight charges.
+//!
 //! The journal is rewritten whenever the VM's holds change (right after the ledger write that
 //! changed them), so it matches the ledger except inside that one step; each hold keeps its
 //! encoded record, so a rewrite copies records rather than re-encoding every hold. The tick
@@ -22,8 +28,9 @@ pub enum JournalError {
 /// A decoded journal.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Journal {
-    /// When its VM last wrote it, ms since the epoch.
-    pub heartbeat_ms: u64,
+    /// Its VM's write sequence: it changes on every write (see [`Liveness`]), and a reclaim
+    /// names it so the VM can tell which of its holds the reclaim released.
+    pub seq: u64,
     pub holds: Vec<HeldCharges>,
 }
 
@@ -39,19 +46,19 @@ impl Journal {
     }
 }
 
-/// Encodes the holds of one VM with its heartbeat.
-pub fn encode<'a>(heartbeat_ms: u64, holds: impl Iterator<Item = &'a HeldCharges>) -> Vec<u8> {
+/// Encodes the holds of one VM with its write sequence.
+pub fn encode<'a>(seq: u64, holds: impl Iterator<Item = &'a HeldCharges>) -> Vec<u8> {
     let records: Vec<Vec<u8>> = holds.map(record).collect();
-    assemble(heartbeat_ms, records.iter().map(Vec::as_slice))
+    assemble(seq, records.iter().map(Vec::as_slice))
 }
 
 /// A journal from per-hold records (see [`record`]); empty records are skipped. Holds keep
 /// their record and only re-encode it when their charges change, so writing the journal on
 /// every change costs a copy of the records, not a re-encoding of every hold.
-pub fn assemble<'a>(heartbeat_ms: u64, records: impl Iterator<Item = &'a [u8]>) -> Vec<u8> {
+pub fn assemble<'a>(seq: u64, records: impl Iterator<Item = &'a [u8]>) -> Vec<u8> {
     let mut out = Vec::with_capacity(256);
     out.extend_from_slice(&MAGIC);
-    out.extend_from_slice(&heartbeat_ms.to_le_bytes());
+    out.extend_from_slice(&seq.to_le_bytes());
     let count_at = out.len();
     out.extend_from_slice(&0u32.to_le_bytes());
     let mut count = 0u32;
@@ -152,7 +159,7 @@ pub fn decode(bytes: &[u8]) -> Result<Journal, JournalError> {
     if r.take(4)? != MAGIC {
         return Err(JournalError::Malformed);
     }
-    let heartbeat_ms = r.u64()?;
+    let seq = r.u64()?;
     let count = r.u32()?;
     let mut holds = Vec::with_capacity((count as usize).min(4096));
     for _ in 0..count {
@@ -192,10 +199,7 @@ pub fn decode(bytes: &[u8]) -> Result<Journal, JournalError> {
         }
         holds.push(held);
     }
-    Ok(Journal {
-        heartbeat_ms,
-        holds,
-    })
+    Ok(Journal { seq, holds })
 }
 
 /// Releases everything a dead VM's journal says it held; returns how many requests' charges.
@@ -204,6 +208,57 @@ pub fn reclaim(journal: &Journal, ledger: &mut Ledger, now_ms: u64) -> usize {
         held.release_rest(ledger, now_ms);
     }
     journal.holds.len()
+}
+
+/// A journal whose sequence stood still this long on the watcher's own clock…
+pub const DEAD_AFTER_MS: u64 = 10_000;
+/// …and over this many of the watcher's own scans is its VM's last word. The scans are what
+/// a pause of the whole process cannot fake: the watcher wakes with every other VM, and the
+/// VMs that are alive write within a tick (at most a second), long before these scans pass.
+pub const DEAD_AFTER_SCANS: u32 = 5;
+
+/// One VM's view of which other VMs' journals went silent. Judged only by whether a journal's
+/// sequence changes between this VM's own scans, timed on this VM's own monotonic clock: no
+/// clock of another VM, and no wall clock, is read.
+#[derive(Debug, Default)]
+pub struct Liveness {
+    watched: hashbrown::HashMap<u64, Watch>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Watch {
+    seq: u64,
+    since_ms: u64,
+    scans: u32,
+}
+
+impl Liveness {
+    /// Records that journal `token` reads `seq` at `now_ms` (the watcher's monotonic clock);
+    /// when it has read the same for [`DEAD_AFTER_MS`] and [`DEAD_AFTER_SCANS`] scans, returns
+    /// for how long (ms).
+    pub fn observe(&mut self, token: u64, seq: u64, now_ms: u64) -> Option<u64> {
+        let w = self.watched.entry(token).or_insert(Watch {
+            seq,
+            since_ms: now_ms,
+            scans: 0,
+        });
+        if w.seq != seq {
+            *w = Watch {
+                seq,
+                since_ms: now_ms,
+                scans: 0,
+            };
+            return None;
+        }
+        w.scans = w.scans.saturating_add(1);
+        let silent = now_ms.saturating_sub(w.since_ms);
+        (silent >= DEAD_AFTER_MS && w.scans >= DEAD_AFTER_SCANS).then_some(silent)
+    }
+
+    /// Forgets journals no longer registered (reclaimed, or taken off by another VM).
+    pub fn retain(&mut self, registered: &[u64]) {
+        self.watched.retain(|t, _| registered.contains(t));
+    }
 }
 
 #[cfg(test)]
@@ -231,7 +286,7 @@ mod tests {
         let done = HeldCharges::default();
         let bytes = encode(42, [&a, &b, &done].into_iter());
         let j = decode(&bytes).unwrap();
-        assert_eq!(j.heartbeat_ms, 42);
+        assert_eq!(j.seq, 42);
         assert_eq!(j.holds, vec![a, b], "empty holds are left out");
     }
 
@@ -262,5 +317,45 @@ mod tests {
         let mut ok = encode(1, std::iter::empty());
         ok[12] = 5; // claims five holds, has none
         assert_eq!(decode(&ok), Err(JournalError::Malformed));
+    }
+
+    #[test]
+    fn a_journal_is_dead_only_when_it_stood_still_over_time_and_scans() {
+        let mut l = Liveness::default();
+        // First read: the watch starts.
+        assert_eq!(l.observe(7, 3, 1_000), None);
+        // The whole process paused 15 s: the first scan after it reads the same sequence, but
+        // one scan is no evidence (the VM had no chance to write yet).
+        assert_eq!(l.observe(7, 3, 16_000), None);
+        // The VM writes at its first tick: the watch starts over.
+        assert_eq!(l.observe(7, 4, 16_050), None);
+        for i in 1..=DEAD_AFTER_SCANS as u64 {
+            assert_eq!(l.observe(7, 4, 16_050 + i * 1_000), None, "scan {i}");
+        }
+        // Enough scans, not enough time.
+        assert_eq!(l.observe(7, 4, 16_050 + 9_000), None);
+        // Both.
+        assert_eq!(l.observe(7, 4, 16_050 + 10_000), Some(10_000));
+        // Another journal is watched on its own.
+        assert_eq!(l.observe(8, 1, 26_050), None);
+    }
+
+    #[test]
+    fn many_scans_in_a_short_time_are_not_silence() {
+        let mut l = Liveness::default();
+        for i in 0..100 {
+            assert_eq!(l.observe(1, 9, i * 10), None, "scan at {} ms", i * 10);
+        }
+    }
+
+    #[test]
+    fn forgotten_journals_start_a_new_watch() {
+        let mut l = Liveness::default();
+        l.observe(5, 1, 0);
+        for i in 1..=10 {
+            l.observe(5, 1, i * 1_000);
+        }
+        l.retain(&[]);
+        assert_eq!(l.observe(5, 1, 11_000), None, "a new watch starts");
     }
 }

@@ -18,16 +18,26 @@ pub struct Hold {
     pub request_id: String,
     /// The charges' journal record (`crate::core::journal::record`), kept current with them.
     pub record: Vec<u8>,
+    /// The sequence of the VM's last journal when the hold was made: every journal written
+    /// with a greater sequence has it, so a reclaim of journal `s` released it iff this < `s`.
+    pub journaled_after: u64,
 }
 
 impl Hold {
-    pub fn new(charges: HeldCharges, since_ms: u64, ttl_ms: u64, request_id: String) -> Hold {
+    pub fn new(
+        charges: HeldCharges,
+        since_ms: u64,
+        ttl_ms: u64,
+        request_id: String,
+        journaled_after: u64,
+    ) -> Hold {
         Hold {
             record: crate::core::journal::record(&charges),
             charges,
             since_ms,
             ttl_ms,
             request_id,
+            journaled_after,
         }
     }
 }
@@ -59,17 +69,12 @@ pub fn release(
     now: u64,
     stage: fn(&HeldCharges, &mut Ledger, u64) -> HeldCharges,
 ) {
-    update(vm, id, now, |held, l| stage(held, l, now));
+    update(vm, id, |held, l| stage(held, l, now));
 }
 
 /// Runs `change` on request `id`'s charges in a CAS round (a release stage, a moved decode
 /// charge), keeping the result only once the write landed.
-pub fn update(
-    vm: &SharedVm,
-    id: u32,
-    now: u64,
-    change: impl Fn(&HeldCharges, &mut Ledger) -> HeldCharges,
-) {
+pub fn update(vm: &SharedVm, id: u32, change: impl Fn(&HeldCharges, &mut Ledger) -> HeldCharges) {
     let Some(held) = vm.borrow().holds.get(&id).map(|h| h.charges.clone()) else {
         return;
     };
@@ -87,7 +92,7 @@ pub fn update(
                 h.record = crate::core::journal::record(&next);
                 h.charges = next;
             }
-            crate::host::journal::write(&vm, now);
+            crate::host::journal::write(&vm);
         }
         Err(e) => log::error!("cannot release the charges of context {id}: {e}"),
     }

@@ -549,9 +549,10 @@ impl PdHttp {
             now,
             ttl_s.saturating_mul(1000),
             self.request_id.clone(),
+            vm.journal_seq.get(),
         );
         vm.holds.insert(self.id, hold);
-        crate::host::journal::write(vm, now);
+        crate::host::journal::write(vm);
     }
 
     /// Publishes the prefix-event batch this request's event joined, unless another request

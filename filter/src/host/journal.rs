@@ -1,10 +1,11 @@
 //! Charges of VMs that trapped: every VM writes its journal (see `crate::core::journal`) to
-//! shared data on each tick; about once a second each VM looks for journals whose heartbeat
-//! stopped more than [`DEAD_AFTER_MS`] ago, and the one that wins the registry CAS releases
-//! what they held. Envoy's FAIL_RELOAD replaces a trapped VM with a fresh one, whose new
-//! token starts a new journal; the old one would otherwise pin load on its pods for ever.
+//! shared data on each tick; about once a second each VM reads the others' journals, and one
+//! whose sequence stood still over its reader's scans ([`Liveness`]) is dead: the VM that wins
+//! the registry CAS releases what it held. Envoy's FAIL_RELOAD replaces a trapped VM with a
+//! fresh one, whose new token starts a new journal; the old one would otherwise pin load on
+//! its pods for ever.
 
-use crate::core::journal::{self, Journal};
+use crate::core::journal::{self, Journal, Liveness, DEAD_AFTER_MS};
 use crate::core::ledger::{self, Store, StoreError};
 use crate::host::holds::charged_pods;
 use crate::host::metrics::Metrics;
@@ -12,84 +13,164 @@ use crate::host::store::SharedData;
 use crate::host::{SharedVm, VmState};
 
 const REGISTRY_KEY: &str = "pd/journals";
-/// A VM silent this long is dead: workers tick every refresh interval (50 ms by default),
-/// so ten seconds is far beyond any pause of a live one.
-pub const DEAD_AFTER_MS: u64 = 10_000;
 const SCAN_EVERY_MS: u64 = 1_000;
-/// What a reclaimed journal is overwritten with, followed by the heartbeat it had: a VM that
-/// was only stalled finds it and forgets the holds the reclaim released.
-const RECLAIMED: &[u8; 4] = b"PDJR";
 
 pub struct JournalWriter {
     token: u64,
-    key: String,
+    /// Where a reclaim of this VM's journal is recorded (see [`reclaimed_key`]).
+    reclaimed_key: String,
     registered: bool,
+    /// On this VM's monotonic clock (`host::steady_ms`).
     next_scan: u64,
+    liveness: Liveness,
 }
 
 pub fn key_of(token: u64) -> String {
     format!("pd/journal/{token:016x}")
 }
 
+/// A key of its own, not the journal's: the VM rewrites its journal whenever its holds
+/// change, which would erase a marker left there before the VM's next tick could read it
+/// (and the VM would then release the reclaimed charges a second time).
+fn reclaimed_key(token: u64) -> String {
+    format!("pd/journal-reclaimed/{token:016x}")
+}
+
 impl JournalWriter {
     pub fn new(token: u64) -> JournalWriter {
         JournalWriter {
             token,
-            key: key_of(token),
+            reclaimed_key: reclaimed_key(token),
             registered: false,
             next_scan: 0,
+            liveness: Liveness::default(),
         }
     }
 
     /// Writes this VM's journal and, about once a second, reclaims dead VMs' charges.
-    pub fn tick(&mut self, vm: &SharedVm, now: u64) {
+    pub fn tick(&mut self, vm: &SharedVm) {
         self.forget_reclaimed(vm);
-        if !write(&vm.borrow(), now) {
+        if !write(&vm.borrow()) {
             return;
         }
         if !self.registered {
             self.registered = register(self.token).is_ok();
         }
+        let now = crate::host::steady_ms();
         if now >= self.next_scan {
             self.next_scan = now + SCAN_EVERY_MS;
-            if let Err(e) = reclaim_dead(self.token, vm, now) {
+            if let Err(e) = self.reclaim_dead(vm, now) {
                 log::warn!("hold journal scan: {e}");
             }
         }
     }
 
-    /// A stalled VM declared dead finds its journal replaced by the marker: the holds it had
-    /// then were released by the reclaim, so it drops them (releasing them again would
-    /// subtract other requests' load) and registers anew.
+    /// A VM that was declared dead (it stopped writing for a long time while the others
+    /// scanned) finds the reclaim's marker: the holds its reclaimed journal had were released,
+    /// so it drops them (releasing them again would subtract other requests' load) and
+    /// registers anew. Holds made after that journal are kept.
     fn forget_reclaimed(&mut self, vm: &SharedVm) {
-        let Ok((Some(bytes), _)) = SharedData.get(&self.key) else {
+        let Ok((Some(bytes), _)) = SharedData.get(&self.reclaimed_key) else {
             return;
         };
-        let Some(rest) = bytes.strip_prefix(RECLAIMED.as_slice()) else {
-            return;
-        };
-        let heartbeat = rest
+        let Some(seq) = bytes
             .get(..8)
             .and_then(|b| b.try_into().ok())
             .map(u64::from_le_bytes)
-            .unwrap_or(u64::MAX);
+        else {
+            return;
+        };
         let mut vm = vm.borrow_mut();
         let before = vm.holds.len();
-        vm.holds.retain(|_, h| h.since_ms >= heartbeat);
+        vm.holds.retain(|_, h| h.journaled_after >= seq);
         log::error!(
             "this VM was silent past {} s and declared dead: {} requests' charges were released by another VM",
             DEAD_AFTER_MS / 1000,
             before - vm.holds.len()
         );
+        drop(vm);
+        let _ = SharedData.set(&self.reclaimed_key, &[], None);
         self.registered = false;
+    }
+
+    /// Reads the other registered journals; those [`Liveness`] finds dead are taken off the
+    /// registry (one CAS: only one VM wins and reclaims) and their charges released.
+    fn reclaim_dead(&mut self, vm: &SharedVm, now: u64) -> Result<(), StoreError> {
+        let (value, cas) = SharedData.get(REGISTRY_KEY)?;
+        let tokens = parse(value.as_deref());
+        self.liveness.retain(&tokens);
+        // (token, its journal when readable, how long it has been silent)
+        let mut dead: Vec<(u64, Option<Journal>, u64)> = Vec::new();
+        for &t in tokens.iter().filter(|t| **t != self.token) {
+            let journal = match SharedData.get(&key_of(t))? {
+                (Some(bytes), _) => journal::decode(&bytes).ok(),
+                (None, _) => None,
+            };
+            // An unreadable journal watches as a sequence that never moves: its VM, if alive,
+            // rewrites it within a tick.
+            let seq = journal.as_ref().map_or(u64::MAX, |j| j.seq);
+            if let Some(silent) = self.liveness.observe(t, seq, now) {
+                dead.push((t, journal, silent));
+            }
+        }
+        if dead.is_empty() {
+            return Ok(());
+        }
+        let alive: Vec<u64> = tokens
+            .iter()
+            .copied()
+            .filter(|t| !dead.iter().any(|(d, _, _)| d == t))
+            .collect();
+        if !SharedData.set(REGISTRY_KEY, render(&alive).as_bytes(), cas)? {
+            return Ok(()); // another VM won this round; it reclaims
+        }
+        for (token, journal, silent) in dead {
+            crate::host::prefix_sharing::forget(token);
+            // Its journal goes (the VM rewrites it if it was alive after all).
+            let _ = SharedData.set(&key_of(token), &[], None);
+            let Some(journal) = journal else {
+                // Nothing to release; a VM alive after all re-registers on the marker.
+                let _ = SharedData.set(&reclaimed_key(token), &0u64.to_le_bytes(), None);
+                continue;
+            };
+            let reclaimed = ledger::update(&SharedData, |l| {
+                Ok::<_, StoreError>(journal::reclaim(&journal, l, crate::host::now_ms()))
+            });
+            match reclaimed {
+                Ok(n) => {
+                    if n > 0 {
+                        log::warn!(
+                            "released the charges of {n} requests held by a VM silent for {} s (it trapped or stopped)",
+                            silent / 1000
+                        );
+                    }
+                    let mut state = vm.borrow_mut();
+                    // The dead VM's pods may be new to this one: the next sync shows them at 0.
+                    state
+                        .metrics
+                        .track_pods(journal.holds.iter().flat_map(charged_pods));
+                    let legs = journal.prefill_legs_in_flight() as i64;
+                    Metrics::gauge_add(state.metrics.prefill_outstanding, -legs);
+                    drop(state);
+                    let _ = SharedData.set(&reclaimed_key(token), &journal.seq.to_le_bytes(), None);
+                }
+                Err(e) => log::error!("cannot release a dead VM's charges: {e}"),
+            }
+        }
+        Ok(())
     }
 }
 
-/// Rewrites the VM's journal from its holds' records; false when shared data refused it.
-pub fn write(vm: &VmState, now: u64) -> bool {
-    let bytes = journal::assemble(now, vm.holds.values().map(|h| h.record.as_slice()));
+/// Rewrites the VM's journal from its holds' records under the next sequence; false when
+/// shared data refused it.
+pub fn write(vm: &VmState) -> bool {
+    let seq = vm.journal_seq.get().wrapping_add(1);
+    let bytes = journal::assemble(seq, vm.holds.values().map(|h| h.record.as_slice()));
     match SharedData.set(&vm.journal_key, &bytes, None) {
-        Ok(_) => true,
+        Ok(_) => {
+            vm.journal_seq.set(seq);
+            true
+        }
         Err(e) => {
             log::warn!("cannot write the hold journal: {e}");
             false
@@ -123,65 +204,4 @@ fn register(token: u64) -> Result<(), StoreError> {
         }
     }
     Err(StoreError::Contention(16))
-}
-
-/// Finds journals silent past [`DEAD_AFTER_MS`], takes them off the registry (one CAS: only
-/// one VM wins and reclaims) and releases their charges.
-fn reclaim_dead(own: u64, vm: &SharedVm, now: u64) -> Result<(), StoreError> {
-    let (value, cas) = SharedData.get(REGISTRY_KEY)?;
-    let tokens = parse(value.as_deref());
-    let mut dead: Vec<(u64, Option<Journal>)> = Vec::new();
-    for &t in tokens.iter().filter(|t| **t != own) {
-        match SharedData.get(&key_of(t))? {
-            (Some(bytes), _) => match journal::decode(&bytes) {
-                Ok(j) if now.saturating_sub(j.heartbeat_ms) > DEAD_AFTER_MS => {
-                    dead.push((t, Some(j)))
-                }
-                Ok(_) => {}
-                Err(_) => dead.push((t, None)),
-            },
-            (None, _) => dead.push((t, None)),
-        }
-    }
-    if dead.is_empty() {
-        return Ok(());
-    }
-    let alive: Vec<u64> = tokens
-        .iter()
-        .copied()
-        .filter(|t| !dead.iter().any(|(d, _)| d == t))
-        .collect();
-    if !SharedData.set(REGISTRY_KEY, render(&alive).as_bytes(), cas)? {
-        return Ok(()); // another VM won this round; it reclaims
-    }
-    for (token, journal) in dead {
-        crate::host::prefix_sharing::forget(token);
-        let Some(journal) = journal else { continue };
-        let reclaimed = ledger::update(&SharedData, |l| {
-            Ok::<_, StoreError>(journal::reclaim(&journal, l, now))
-        });
-        match reclaimed {
-            Ok(n) => {
-                if n > 0 {
-                    log::warn!(
-                        "released the charges of {n} requests held by a VM silent for {} s (it trapped or stopped)",
-                        now.saturating_sub(journal.heartbeat_ms) / 1000
-                    );
-                }
-                let mut state = vm.borrow_mut();
-                // The dead VM's pods may be new to this one: the next sync shows them at 0.
-                state
-                    .metrics
-                    .track_pods(journal.holds.iter().flat_map(charged_pods));
-                let legs = journal.prefill_legs_in_flight() as i64;
-                Metrics::gauge_add(state.metrics.prefill_outstanding, -legs);
-                drop(state);
-                let mut marker = RECLAIMED.to_vec();
-                marker.extend_from_slice(&journal.heartbeat_ms.to_le_bytes());
-                let _ = SharedData.set(&key_of(token), &marker, None);
-            }
-            Err(e) => log::error!("cannot release a dead VM's charges: {e}"),
-        }
-    }
-    Ok(())
 }

@@ -102,6 +102,9 @@ pub struct VmState {
     pub debug_trap_header: Option<String>,
     /// Shared-data key of this VM's hold journal (`host::journal`).
     pub journal_key: String,
+    /// The sequence of the journal last written (`host::journal::write`); a hold made after
+    /// it is not in that journal yet.
+    pub journal_seq: std::cell::Cell<u64>,
     /// Engine protocol state: `/server_info` cache, queued aborts, rid counter.
     pub engines: legs::EngineState,
     /// Requests of this VM under the decode watchdog, by HTTP context id.

@@ -136,6 +136,7 @@ impl Root {
                 other_replicas: 0,
                 debug_trap_header: None,
                 journal_key: crate::host::journal::key_of(seed | 1),
+                journal_seq: Default::default(),
                 engines: EngineState::new(EngineDefaults::default()),
                 watched: hashbrown::HashMap::new(),
                 watchdog_metrics: WatchdogMetrics::default(),
@@ -888,7 +889,7 @@ impl RootContext for Root {
             crate::section!("tick.gauges", self.sync_ledger_gauges());
         }
         crate::section!("tick.ejections", self.apply_ejections(now));
-        crate::section!("tick.journal", self.journal.tick(&self.vm, now));
+        crate::section!("tick.journal", self.journal.tick(&self.vm));
         crate::section!(
             "tick.watchdog",
             crate::host::watchdog::tick(&self.vm, self.context_id)

@@ -65,7 +65,7 @@ impl PdHttp {
         // The least-loaded candidate is picked in the same CAS round that moves the charges.
         let picked = Cell::new(0);
         let now = now_ms();
-        holds::update(&self.vm, self.id, now, |held, ledger| {
+        holds::update(&self.vm, self.id, |held, ledger| {
             let best = (0..candidates.len())
                 .min_by_key(|&i| ledger.counts_of(&candidates[i].0).running)
                 .unwrap_or(0);

@@ -192,7 +192,7 @@ impl PdHttp {
             },
             if answered { "answered" } else { "failed too" }
         );
-        holds::update(&self.vm, self.id, now_ms, |held, ledger| {
+        holds::update(&self.vm, self.id, |held, ledger| {
             held.move_decode(ledger, &key, now_ms)
         });
         self.answered_by(&key, &name, &address);
