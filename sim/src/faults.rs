@@ -28,6 +28,10 @@ pub enum FaultKind {
         status: u16,
         #[serde(default)]
         delay_ms: u64,
+        /// Send the status and headers at once and hold the error body until the fault is
+        /// cleared: an error answer whose body stalls.
+        #[serde(default)]
+        stall_body: bool,
     },
     /// Serve the request normally after an extra `delay_ms`.
     Slow { delay_ms: u64 },
@@ -239,9 +243,17 @@ mod tests {
             spec(r#"{"kind":"status","status":503}"#).kind,
             FaultKind::Status {
                 status: 503,
-                delay_ms: 0
+                delay_ms: 0,
+                stall_body: false
             }
         );
+        assert!(matches!(
+            spec(r#"{"kind":"status","status":500,"stall_body":true}"#).kind,
+            FaultKind::Status {
+                stall_body: true,
+                ..
+            }
+        ));
         assert!(serde_json::from_str::<FaultSpec>(r#"{"kind":"explode"}"#).is_err());
     }
 

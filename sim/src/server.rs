@@ -428,11 +428,20 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
         .or_else(|| trt_leg.as_ref().map(TrtLeg::log_value));
     let fault = pod.faults.draw(req.leg);
     entry.fault = fault.as_ref().map(|f| f.kind.name().to_string());
-    if let Some(FaultKind::Status { status, delay_ms }) = fault.as_ref().map(|f| f.kind) {
+    if let Some(FaultKind::Status {
+        status,
+        delay_ms,
+        stall_body,
+    }) = fault.as_ref().map(|f| f.kind)
+    {
         if delay_ms > 0 {
             tokio::time::sleep(Duration::from_millis(delay_ms)).await;
         }
-        return reject(entry, ApiError::injected(status));
+        let answer = reject(entry, ApiError::injected(status));
+        return match fault.filter(|_| stall_body) {
+            Some(drawn) => stalled_body(answer, drawn),
+            None => answer,
+        };
     }
 
     let id = endpoint.response_id(x_request_id.as_deref());
@@ -740,6 +749,18 @@ async fn server_info(State(ctx): State<PodCtx>, headers: HeaderMap) -> Response 
 struct Stall {
     chunks: u64,
     drawn: Drawn,
+}
+
+/// `answer` with its status and headers at once and its body once the fault is released.
+fn stalled_body(answer: Response, drawn: Drawn) -> Response {
+    let (parts, body) = answer.into_parts();
+    let body = futures_util::stream::once(async move {
+        drawn.released().await;
+        axum::body::to_bytes(body, usize::MAX)
+            .await
+            .map_err(std::io::Error::other)
+    });
+    Response::from_parts(parts, Body::from_stream(body))
 }
 
 /// An unstreamed answer whose headers go out at once and whose body waits for the fault's

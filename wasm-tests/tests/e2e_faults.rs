@@ -287,6 +287,28 @@ fn decode_hanging_before_its_first_token_gets_504_from_the_watchdog() {
         assert_error(&r, 504, "x-error-pd-decode");
     }
     assert_eq!(fail_count(&stack, "pd_decode_watchdog", "504"), 4.0);
+    let rejected = |reason| stack.metric("pd_router_rejected_total", &[("reason", reason)]);
+    assert_eq!(rejected("pd_decode_watchdog"), 4.0, "local replies");
+    stack.clear_faults();
+    assert_clean_end(&stack, &fleet_pods(&fleet));
+}
+
+/// A decode pod that sends an error status and then stalls its body: the filter holds those
+/// headers (it rewrites error bodies), so the client has none yet and the watchdog answers
+/// 504 with `x-error-pd-decode`, not a reset without any status.
+#[test]
+fn a_decode_error_whose_body_stalls_gets_504_from_the_watchdog() {
+    let fleet = one_roleset();
+    let stack = start(
+        fleet.clone(),
+        &[("AIBRIX_DECODE_FIRST_RESPONSE_TIMEOUT", "1")],
+    );
+    stack.arm_fault(json!({"pod": "d-0", "kind": "status", "status": 503,
+                           "stall_body": true, "leg": "decode"}));
+    for r in ended(fire(&stack, 2, chat(true, 8))) {
+        assert_error(&r, 504, "x-error-pd-decode");
+    }
+    assert_eq!(fail_count(&stack, "pd_decode_watchdog", "504"), 2.0);
     stack.clear_faults();
     assert_clean_end(&stack, &fleet_pods(&fleet));
 }
@@ -308,6 +330,14 @@ fn decode_stalling_after_some_chunks_is_cut_by_the_watchdog() {
             &[("phase", "stream_idle")]
         ),
         4.0
+    );
+    assert_eq!(
+        stack.metric(
+            "pd_router_rejected_total",
+            &[("reason", "pd_decode_watchdog")]
+        ),
+        0.0,
+        "a cut stream is no local reply"
     );
     stack.clear_faults();
     assert_clean_end(&stack, &fleet_pods(&fleet));
@@ -389,6 +419,40 @@ fn prefill_answering_5xx_fails_the_request_with_x_error_pd_prefill() {
     // over, and no other pair could take it.
     assert_eq!(failovers(&stack, "failed"), 4.0);
     assert_eq!(failovers(&stack, "rerouted"), 0.0);
+}
+
+/// A failover whose new selection fails for another reason than "no pod left" still answers
+/// the prefill's failure, as the client would get it without failover, not the re-route's
+/// selection error: here the other roleset serves another prompt-length bucket.
+#[test]
+fn a_failover_that_finds_no_pair_answers_the_prefills_failure() {
+    let range = |min: u32, max: u32| {
+        format!(
+            r#"{{"profiles":{{"default":{{"routingStrategy":"pd","routingConfig":{{"promptLenBucketMinLength":{min},"promptLenBucketMaxLength":{max}}}}}}}}}"#
+        )
+    };
+    let fleet = Fleet::new(MODEL)
+        .pod("short-p", "prefill", "short")
+        .config(&range(0, 15))
+        .pod("short-d", "decode", "short")
+        .config(&range(0, 15))
+        .pod("long-p", "prefill", "long")
+        .config(&range(16, 4096))
+        .pod("long-d", "decode", "long")
+        .config(&range(16, 4096));
+    let stack = start(fleet.clone(), &[("AIBRIX_PROMPT_LENGTH_BUCKETING", "true")]);
+    stack.arm_fault(json!({"pod": "short-p", "kind": "status", "status": 503, "leg": "prefill"}));
+    // " hello" is one token: a 10-token prompt only the short roleset serves.
+    let body = json!({"model": MODEL, "prompt": " hello".repeat(10), "max_tokens": 2});
+    for _ in 0..2 {
+        let r = http::post_json(&stack.gateway, "/v1/completions", &PD, &body);
+        assert_error(&r, 503, "x-error-pd-prefill");
+        assert_eq!(r.header("x-error-routing"), None, "{}", describe(&r));
+    }
+    assert_eq!(failovers(&stack, "failed"), 2.0);
+    assert_eq!(fail_count(&stack, "pd_prefill_failure", "503"), 2.0);
+    stack.clear_faults();
+    assert_clean_end(&stack, &fleet_pods(&fleet));
 }
 
 #[test]

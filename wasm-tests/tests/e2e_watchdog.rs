@@ -214,6 +214,9 @@ fn failed_sglang_prefill_answers_x_error_pd_prefill_and_aborts_the_decode() {
         0.0,
         "not a watchdog failure"
     );
+    // The failed call counts by the pod's status, as vLLM's prefill calls do.
+    assert_eq!(prefill_call_fail_count(&stack, "http_error", "500"), 1.0);
+    assert_eq!(prefill_call_fail_count(&stack, "error", "502"), 0.0);
     stack.clear_faults();
     // The gateway keeps serving once the pod recovers.
     let ok = stack.chat(&[("routing-strategy", "pd")], &chat(false, 2));
@@ -268,8 +271,17 @@ fn an_sglang_prefill_failing_after_the_decode_answered_cuts_the_stream() {
         0.0,
         "not the decode pod's cut"
     );
+    assert_eq!(prefill_call_fail_count(&stack, "http_error", "500"), 2.0);
     stack.clear_faults();
     stack.wait_ledger_zero();
+}
+
+/// `gateway_prefill_request_fail_total` of one transport class and status.
+fn prefill_call_fail_count(stack: &Stack, status: &str, code: &str) -> f64 {
+    stack.metric(
+        "gateway_prefill_request_fail_total",
+        &[("status", status), ("status_code", code)],
+    )
 }
 
 fn fail_count(stack: &Stack, status: &str, code: &str) -> f64 {

@@ -474,7 +474,12 @@ impl PdHttp {
         }
         let body = error.body();
         if let Err(e) = hostcalls::send_http_response(error.status(), headers, Some(&body)) {
-            log::error!("context {}: cannot send local reply: {e:?}", self.id);
+            // Paused with no answer coming, the client would wait for Envoy's idle timeout.
+            log::error!(
+                "context {}: cannot send local reply: {e:?}; resetting the stream",
+                self.id
+            );
+            let _ = hostcalls::reset_http_response();
         }
         Action::Pause
     }
@@ -1340,7 +1345,16 @@ impl PdHttp {
             Err(e) => {
                 Metrics::inc(failed_id);
                 self.routed = None;
-                self.reject(e);
+                // The client gets the prefill's failure, as without failover: why no other
+                // pair could take the request is the gateway's business (and logged).
+                let failure = match self.failover.failure.take() {
+                    Some(failure) => {
+                        log::info!("request {}: no other pair: {e}", self.request_id);
+                        failure
+                    }
+                    None => e,
+                };
+                self.reject(failure);
             }
         }
         true
@@ -1577,7 +1591,6 @@ impl HttpContext for PdHttp {
         let mut clock = Clock::default();
         self.send_prefix_batch(&mut clock);
         self.check_stand_in(clock.ms());
-        crate::section!("response_headers.watch", self.watch_headers());
         self.obs.response_status = crate::section!(
             "response_headers.status",
             self.get_http_response_header(":status")
@@ -1622,9 +1635,11 @@ impl HttpContext for PdHttp {
         }
         self.error_rewrite = self.error_rewrite_for(end_of_stream);
         if self.error_rewrite.is_some() {
-            // Held until the body is in: its length and type change with it.
+            // Held until the body is in: its length and type change with it. The client has
+            // no headers yet, so a watchdog firing meanwhile still answers 504.
             return Action::Pause;
         }
+        crate::section!("response_headers.watch", self.watch_headers());
         Action::Continue
     }
 
@@ -1641,6 +1656,7 @@ impl HttpContext for PdHttp {
                 return Action::Pause;
             }
             self.obs.times.end_us = Some(clock.us());
+            self.watch_headers();
             self.answer_error(rewrite, body_size);
             return Action::Continue;
         }

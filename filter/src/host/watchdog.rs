@@ -114,9 +114,12 @@ pub fn tick(vm: &SharedVm, root_id: u32) {
                 hostcalls::reset_http_response()
             } else {
                 let error = RouteError::DecodeTimeout(watchdog::message(&pod, &fire));
+                // A local reply like any refusal (a cut stream is not one).
+                vm.borrow().metrics.rejected(&error);
                 let header = error.header();
                 let headers = crate::core::errors::reply_headers(&header, &request_id);
                 hostcalls::send_http_response(504, headers, Some(&error.body()))
+                    .or_else(|_| hostcalls::reset_http_response())
             };
             if let Err(e) = result {
                 log::warn!("request {request_id}: cannot end the stream: {e:?}");

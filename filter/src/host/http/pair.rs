@@ -310,7 +310,7 @@ impl PdHttp {
             self.arm_watchdog();
             return;
         }
-        let error = RouteError::prefill_answer(status, body, "http_status");
+        let error = RouteError::prefill_answer(status, body, "http_error");
         log::warn!("request {}: {error}", self.request_id);
         // The decode pod will never get its KV: stop the watchdog, ask the pod to drop it
         // (the stand-in, when the chosen one refused the connection and Envoy retried there).
