@@ -62,9 +62,16 @@ impl PrefixSettings {
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> (PrefixSettings, Vec<String>) {
         let d = PrefixSettings::default();
         let mut r = crate::core::env::EnvReader::new(get);
-        let tokenizer = crate::core::tokenize::TokenizerKind::from_env(
-            r.string("AIBRIX_PREFIX_CACHE_TOKENIZER_TYPE").as_deref(),
-        );
+        let tokenizer_value = r.string("AIBRIX_PREFIX_CACHE_TOKENIZER_TYPE");
+        let tokenizer = crate::core::tokenize::TokenizerKind::from_env(tokenizer_value.as_deref());
+        if let Some(v) = tokenizer_value.filter(|v| !matches!(v.as_str(), "character" | "tiktoken"))
+        {
+            // AIBrix falls back as silently; a typo of `tiktoken` would change every prefix
+            // match without a word.
+            r.warnings.push(format!(
+                "AIBRIX_PREFIX_CACHE_TOKENIZER_TYPE={v:?} is neither \"character\" nor \"tiktoken\"; using character"
+            ));
+        }
         let block_size = r.count("AIBRIX_PREFIX_CACHE_BLOCK_SIZE", d.block_size as u64) as usize;
         let capacity = r.count("AIBRIX_PREFIX_CACHE_BLOCK_NUMBER", d.capacity as u64) as usize;
         let interval_s = r.count(
@@ -108,6 +115,7 @@ pub fn apply_min_match(pct: u32, min_match_pct: u32) -> u32 {
 mod tests {
     use super::reference::ReferenceIndex;
     use super::*;
+    use crate::core::tokenize::TokenizerKind;
     use proptest::prelude::*;
 
     #[test]
@@ -135,6 +143,26 @@ mod tests {
         assert_eq!(settings, PrefixSettings::default());
         assert_eq!(warnings.len(), 1, "{warnings:?}");
         assert!(warnings[0].contains("no effect"));
+    }
+
+    #[test]
+    fn an_unknown_tokenizer_falls_back_to_character_with_a_warning() {
+        for (value, want, warned) in [
+            ("tiktoken", TokenizerKind::Tiktoken, false),
+            ("character", TokenizerKind::Character, false),
+            ("Tiktoken", TokenizerKind::Character, true),
+            ("remote", TokenizerKind::Character, true),
+        ] {
+            let (settings, warnings) = PrefixSettings::from_lookup(|k| {
+                (k == "AIBRIX_PREFIX_CACHE_TOKENIZER_TYPE").then(|| value.to_string())
+            });
+            assert_eq!(settings.tokenizer, want, "{value}");
+            assert_eq!(
+                warnings.iter().any(|w| w.contains(value)),
+                warned,
+                "{value}: {warnings:?}"
+            );
+        }
     }
 
     /// Index with one-byte blocks, so a prompt "abcd" is four blocks.
