@@ -490,9 +490,10 @@ const ECDS_FILE: &str = "pd-router.yaml";
 
 /// Writes the ECDS resource atomically: a temp file in the watched directory, then a rename
 /// over the resource (the rename is the event Envoy's `watched_directory` reacts to).
-fn write_ecds(ecds_dir: &Path, key_values: &[(&str, &str)]) {
+fn write_ecds(ecds_dir: &Path, key_values: &[(&str, &str)], plugin_extra: &str) {
     let tmp = ecds_dir.join(format!(".{ECDS_FILE}.tmp"));
-    std::fs::write(&tmp, render_ecds(50, key_values)).expect("ECDS file");
+    let rendered = with_plugin_extra(render_ecds(50, key_values), plugin_extra);
+    std::fs::write(&tmp, rendered).expect("ECDS file");
     std::fs::rename(&tmp, ecds_dir.join(ECDS_FILE)).expect("rename ECDS file");
 }
 
@@ -692,8 +693,8 @@ impl Stack {
         Stack::start_inner(fleet.clone(), fleet, options, Some(key_values), &[])
     }
 
-    /// Kills a process of the stack by name (`envoy`, `pd-control`, `pd-sim`, `envoy-N`).
-    /// Sends `signal` (e.g. `libc::SIGSTOP`) to the process started as `name`.
+    /// Sends `signal` (e.g. `libc::SIGSTOP`) to the process started as `name` (`envoy`,
+    /// `pd-control`, `pd-sim`, `envoy-N`).
     pub fn signal(&self, name: &str, signal: i32) {
         let (_, child) = self
             .children
@@ -706,6 +707,7 @@ impl Stack {
         assert_eq!(rc, 0, "kill({pid}, {signal}) failed");
     }
 
+    /// Kills a process of the stack by name (`envoy`, `pd-control`, `pd-sim`, `envoy-N`).
     pub fn kill(&mut self, name: &str) {
         let (_, child) = self
             .children
@@ -811,11 +813,65 @@ impl Stack {
     /// Rewrites the ECDS resource (atomically) with new VM `key_values`; Envoy picks it up
     /// asynchronously, so callers poll for its effect.
     pub fn update_ecds(&self, key_values: &[(&str, &str)]) {
+        self.update_ecds_with(key_values, "");
+    }
+
+    /// [`Stack::update_ecds`] with `plugin_extra` in the plugin configuration (as in
+    /// [`Options`]).
+    pub fn update_ecds_with(&self, key_values: &[(&str, &str)], plugin_extra: &str) {
         let dir = self
             .ecds_dir
             .as_ref()
             .expect("update_ecds needs a stack started by start_ecds");
-        write_ecds(dir, key_values);
+        write_ecds(dir, key_values, plugin_extra);
+    }
+
+    /// `listener.<address>.worker_<n>.downstream_cx_active` of the data listener, by worker.
+    pub fn active_connections_by_worker(&self) -> Vec<u64> {
+        let prefix = format!("listener.{}.", self.gateway.replace(':', "_"));
+        let stats = http::get(&self.admin, "/stats?filter=downstream_cx_active")
+            .expect("admin")
+            .text();
+        (0..self.concurrency)
+            .map(|w| {
+                let name = format!("{prefix}worker_{w}.downstream_cx_active");
+                stats
+                    .lines()
+                    .filter_map(|l| l.split_once(": "))
+                    .find(|(n, _)| *n == name)
+                    .and_then(|(_, v)| v.trim().parse().ok())
+                    .unwrap_or(0)
+            })
+            .collect()
+    }
+
+    /// Sends `request` (raw HTTP/1.1) on new connections, never read, until every worker holds
+    /// at least `per_worker` of them; returns the connections (dropping them closes them).
+    pub fn connections_on_every_worker(
+        &self,
+        request: &str,
+        per_worker: u64,
+    ) -> Vec<std::net::TcpStream> {
+        let mut open = Vec::new();
+        while self
+            .active_connections_by_worker()
+            .iter()
+            .any(|n| *n < per_worker)
+        {
+            assert!(open.len() < 40, "connections never reached every worker");
+            let mut s = std::net::TcpStream::connect(&self.gateway).expect("connect");
+            std::io::Write::write_all(&mut s, request.as_bytes()).expect("send");
+            open.push(s);
+            // Counted once the listener accepted it, so the next check sees it.
+            let opened = open.len() as u64;
+            eventually(Duration::from_secs(10), || {
+                let n: u64 = self.active_connections_by_worker().iter().sum();
+                (n >= opened)
+                    .then_some(())
+                    .ok_or(format!("{n} of {opened} accepted"))
+            });
+        }
+        open
     }
 
     fn start_inner(
@@ -897,7 +953,7 @@ impl Stack {
             Some(key_values) => {
                 let ecds_dir = dir.join("ecds");
                 std::fs::create_dir_all(&ecds_dir).expect("ECDS dir");
-                write_ecds(&ecds_dir, key_values);
+                write_ecds(&ecds_dir, key_values, options.plugin_extra);
                 stack.ecds_dir = Some(ecds_dir.clone());
                 render_envoy_ecds(
                     listen_port,
@@ -914,7 +970,11 @@ impl Stack {
         } else {
             rendered
         };
-        let rendered = with_plugin_extra(rendered, options.plugin_extra);
+        // With ECDS the plugin configuration is in the ECDS file (above).
+        let rendered = match ecds {
+            None => with_plugin_extra(rendered, options.plugin_extra),
+            Some(_) => rendered,
+        };
         let rendered = match &stack.xds {
             Some(xds) => eds_over_grpc(rendered, xds),
             None => rendered,

@@ -513,6 +513,10 @@ fn the_snapshot_token_gates_the_fetch_and_the_api_is_not_on_the_data_listener() 
     }
     assert_eq!(wrong.stat("pd_router_fleet_loaded_vms"), 0);
     assert_eq!(
+        wrong.metric("pd_router_rejected_total", &[("reason", "no_snapshot")]),
+        4.0
+    );
+    assert_eq!(
         fetch_errors(&stack, "unauthorized"),
         unauthorized_before,
         "the right token is never refused"
@@ -553,6 +557,23 @@ fn the_snapshot_token_gates_the_fetch_and_the_api_is_not_on_the_data_listener() 
             );
         }
     }
+    // Nine refusals of an unknown path, on the request headers.
+    assert_eq!(
+        stack.metric("pd_router_rejected_total", &[("reason", "unknown_path")]),
+        9.0
+    );
+    assert_eq!(
+        stack.metric(
+            "gateway_request_model_fail_total",
+            &[
+                ("model", "unknown"),
+                ("status", "request_headers_fail"),
+                ("status_code", "501")
+            ]
+        ),
+        9.0
+    );
+    assert_eq!(stack.metric("pd_router_rejected_total", &[]), 9.0);
     stack.wait_ledger_zero();
 }
 

@@ -150,3 +150,67 @@ fn the_ecds_drop_in_retries_a_refused_connection_on_a_stand_in() {
     );
     stack.clear_faults();
 }
+
+/// A token rotation: pd-control restarts with a new snapshot token and ECDS gives the gateway
+/// the new one. Streams still open on every worker keep the superseded configuration's root
+/// contexts alive; those must leave snapshot polling to the new configuration, or a fleet
+/// change would not reach the gateway until the last old stream ended (they poll with the old
+/// token and get 401s).
+#[test]
+fn a_rotated_snapshot_token_is_polled_with_while_old_streams_live() {
+    let fleet = Fleet::new(MODEL)
+        .pod("p-0", "prefill", "g0")
+        .pod("d-0", "decode", "g0")
+        .pod("p-1", "prefill", "g1")
+        .pod("d-1", "decode", "g1");
+    let env = [("ROUTING_ALGORITHM", "pd")];
+    let options = pd_wasm_tests::stack::Options {
+        plugin_extra: r#""snapshot_token":"old-T0ken""#,
+        ..Default::default()
+    };
+    let mut stack = Stack::start_ecds_opts(fleet.clone(), &env, &options);
+
+    // Streams held open by both decode pods, on every worker, under the old configuration.
+    for pod in ["d-0", "d-1"] {
+        stack.arm_fault(
+            json!({"pod": pod, "kind": "hang_after_chunks", "chunks": 1, "leg": "decode"}),
+        );
+    }
+    let body = json!({"model": MODEL, "stream": true, "max_tokens": 20,
+                      "messages": [{"role": "user", "content": "hold this stream open"}]})
+    .to_string();
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: pd\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let streams = stack.connections_on_every_worker(&request, 2);
+    stack.wait_for_legs("decode", streams.len());
+
+    // The rotation: pd-control requires the new token, and ECDS hands it to the gateway.
+    let token_file = stack.dir.join("snapshot-token");
+    std::fs::write(&token_file, "new-T0ken\n").expect("token file");
+    let token_arg = token_file.display().to_string();
+    stack.restart_control(&["--snapshot-token-file", &token_arg]);
+    stack.update_ecds_with(&env, r#""snapshot_token":"new-T0ken""#);
+
+    // A fleet change reaches the gateway while the old streams still run.
+    let version_before = stack.stat("pd_router_fleet_version");
+    stack.write_fleet(fleet.without("p-1").without("d-1"));
+    pd_wasm_tests::stack::eventually(Duration::from_secs(20), || {
+        (stack.stat("pd_router_fleet_version") > version_before)
+            .then_some(())
+            .ok_or_else(|| {
+                format!(
+                    "the gateway never got the new fleet; log:\n{}",
+                    stack.envoy_log()
+                )
+            })
+    });
+    assert!(
+        streams.iter().all(|s| s.peer_addr().is_ok()),
+        "the old streams were still open"
+    );
+    stack.clear_faults();
+    drop(streams);
+}

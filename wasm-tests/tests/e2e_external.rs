@@ -231,10 +231,14 @@ fn an_authoritative_service_refuses_and_a_failing_one_fails_closed() {
     *fake.mode.lock().unwrap() = Mode::Fail;
     let r = send(&stack, 1);
     assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(r.header("x-error-routing"), Some("true"));
     assert_eq!(r.json()["error"]["code"], "external_router_unavailable");
     assert!(stack.sim_requests().is_empty(), "no pod saw either request");
     assert_eq!(decisions(&stack, "denied"), 1.0);
     assert_eq!(decisions(&stack, "unavailable"), 1.0);
+    let rejected = |reason| stack.metric("pd_router_rejected_total", &[("reason", reason)]);
+    assert_eq!(rejected("external_policy_denied"), 1.0);
+    assert_eq!(rejected("external_router_unavailable"), 1.0);
 }
 
 #[test]
@@ -246,6 +250,10 @@ fn without_a_service_the_strategy_is_refused() {
     assert!(r.json()["error"]["message"]
         .as_str()
         .is_some_and(|m| m == "incorrect routing strategy external"));
+    assert_eq!(
+        stack.metric("pd_router_rejected_total", &[("reason", "bad_strategy")]),
+        1.0
+    );
 }
 
 /// Advisory with a single candidate keeps AIBrix's local fast path: nothing to advise on, so

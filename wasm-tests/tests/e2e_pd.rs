@@ -803,14 +803,43 @@ fn errors_have_status_header_and_openai_body() {
         "unknown request path",
     );
 
-    // Refusals are counted by reason.
+    // Refusals are counted by reason: one of each above.
     let scrape = stack.scrape();
-    for reason in ["bad_body", "unknown_model", "selection"] {
-        assert!(
-            scrape.sum("pd_router_rejected_total", &[("reason", reason)]) >= 1.0,
+    for reason in [
+        "bad_body",
+        "no_messages",
+        "unknown_model",
+        "no_routable_pods",
+        "selection",
+        "bad_strategy",
+        "unknown_path",
+    ] {
+        assert_eq!(
+            scrape.sum("pd_router_rejected_total", &[("reason", reason)]),
+            1.0,
             "{reason}"
         );
     }
+    assert_eq!(scrape.sum("pd_router_rejected_total", &[]), 7.0);
+    // The unknown path is refused on its headers, before any model is read.
+    assert_eq!(
+        scrape.sum(
+            "gateway_request_model_fail_total",
+            &[("status", "request_headers_fail")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        scrape.value(
+            "gateway_request_model_fail_total",
+            &[
+                ("model", "unknown"),
+                ("status", "request_headers_fail"),
+                ("status_code", "501")
+            ]
+        ),
+        Some(1.0)
+    );
     // Nothing reached a pod for any of them.
     assert!(
         stack.sim_requests().is_empty(),
@@ -948,6 +977,18 @@ fn with_an_api_key_set_only_requests_carrying_it_reach_a_pod() {
     );
     assert_eq!(
         stack.metric("pd_router_rejected_total", &[("reason", "unauthorized")]),
+        5.0
+    );
+    // Refused on the request headers, the unknown path among them.
+    assert_eq!(
+        stack.metric(
+            "gateway_request_model_fail_total",
+            &[
+                ("model", "unknown"),
+                ("status", "request_headers_fail"),
+                ("status_code", "401")
+            ]
+        ),
         5.0
     );
 

@@ -90,25 +90,6 @@ fn a_trapped_vms_charges_are_released_and_the_worker_recovers() {
     drop(trapped);
 }
 
-/// `listener.<address>.worker_<n>.downstream_cx_active` of the data listener, by worker.
-fn active_connections_by_worker(stack: &Stack) -> Vec<u64> {
-    let prefix = format!("listener.{}.", stack.gateway.replace(':', "_"));
-    let stats = http::get(&stack.admin, "/stats?filter=downstream_cx_active")
-        .expect("admin")
-        .text();
-    (0..stack.concurrency)
-        .map(|w| {
-            let name = format!("{prefix}worker_{w}.downstream_cx_active");
-            stats
-                .lines()
-                .filter_map(|l| l.split_once(": "))
-                .find(|(n, _)| *n == name)
-                .and_then(|(_, v)| v.trim().parse().ok())
-                .unwrap_or(0)
-        })
-        .collect()
-}
-
 fn running_on(stack: &Stack, pod: &str) -> f64 {
     stack.metric("pd_router_running_requests", &[("pod_name", pod)])
 }
@@ -132,7 +113,7 @@ fn a_paused_gateway_keeps_every_workers_charges() {
     stack
         .arm_fault(json!({"pod": "d0", "kind": "hang_after_chunks", "chunks": 1, "leg": "decode"}));
 
-    // Streams on both workers: new connections until each worker holds at least two.
+    // Streams on both workers: at least two on each.
     let body = json!({"model": MODEL, "prompt": "a prompt worth charging ".repeat(40),
                       "max_tokens": 50, "stream": true})
     .to_string();
@@ -141,21 +122,7 @@ fn a_paused_gateway_keeps_every_workers_charges() {
          routing-strategy: pd\r\ncontent-length: {}\r\n\r\n{body}",
         body.len()
     );
-    let mut streams = Vec::new();
-    while active_connections_by_worker(&stack).iter().any(|n| *n < 2) {
-        assert!(streams.len() < 40, "connections never reached both workers");
-        let mut s = std::net::TcpStream::connect(&stack.gateway).expect("connect");
-        std::io::Write::write_all(&mut s, request.as_bytes()).expect("send");
-        streams.push(s);
-        // Counted once the listener accepted it, so the next check sees it.
-        let opened = streams.len() as u64;
-        pd_wasm_tests::stack::eventually(Duration::from_secs(10), || {
-            let n: u64 = active_connections_by_worker(&stack).iter().sum();
-            (n >= opened)
-                .then_some(())
-                .ok_or(format!("{n} of {opened} accepted"))
-        });
-    }
+    let streams = stack.connections_on_every_worker(&request, 2);
     let n = streams.len();
     stack.wait_for_legs("decode", n);
     pd_wasm_tests::stack::eventually(Duration::from_secs(10), || {

@@ -33,6 +33,10 @@ pub struct Root {
     context_id: u32,
     /// Identifies this root context in the lease and the queue registry.
     token: u64,
+    /// FNV-1a 64 of the plugin configuration (`snapshot::lead_config`); 0 before it.
+    config_fp: u64,
+    /// This root's configuration was superseded by a newer one (logged once).
+    superseded: bool,
     vm_id: String,
     queue: Option<NoticeQueue>,
     fetch_in_flight: Option<u32>,
@@ -175,7 +179,26 @@ impl Root {
             release_in_flight: None,
             release_failures: 0,
             journal: crate::host::journal::JournalWriter::new(seed | 1),
+            config_fp: 0,
+            superseded: false,
         }
+    }
+
+    /// Takes or renews the lease that makes this root the one polling pd-control and
+    /// reporting to it; never for a root whose configuration was superseded.
+    fn lead(&mut self, now: u64, lease_ms: u64) -> bool {
+        if !snapshot::leads_config(self.config_fp) {
+            if !self.superseded {
+                self.superseded = true;
+                log::info!(
+                    "plugin configuration superseded: leaving snapshot polling and replica \
+                     reports to the new one"
+                );
+            }
+            return false;
+        }
+        self.superseded = false;
+        snapshot::hold_lease(self.token, now, lease_ms)
     }
 
     /// The lease holder reports this process's decode ledger to pd-control (see
@@ -186,7 +209,7 @@ impl Root {
         }
         let plugin = self.vm.borrow().plugin.clone();
         let lease_ms = (plugin.refresh_ms * 5).max(1_000);
-        if !snapshot::hold_lease(self.token, now, lease_ms) {
+        if !self.lead(now, lease_ms) {
             return;
         }
         let body = match crate::host::replicas::report_body(self.replica) {
@@ -543,10 +566,10 @@ impl Root {
             // A long poll may be held for seconds: keep the lease meanwhile, or another VM
             // would take it and poll too. A VM that dies mid-poll stops renewing, and the
             // next takes over within `lease_ms`.
-            snapshot::hold_lease(self.token, now, lease_ms);
+            self.lead(now, lease_ms);
             return;
         }
-        if !snapshot::hold_lease(self.token, now, lease_ms) {
+        if !self.lead(now, lease_ms) {
             return;
         }
         let have = snapshot::published_version();
@@ -802,6 +825,12 @@ impl RootContext for Root {
                 return false;
             }
         };
+        self.config_fp = {
+            let mut h = fnv::FnvHasher::default();
+            std::hash::Hasher::write(&mut h, &raw);
+            std::hash::Hasher::finish(&h)
+        };
+        snapshot::lead_config(self.config_fp);
         self.vm_id = self
             .get_property(vec!["plugin_vm_id"])
             .and_then(|b| String::from_utf8(b).ok())

@@ -196,6 +196,30 @@ pub fn publish(version: u64, polled_with: u64, proto: &[u8]) -> Result<bool, Sto
     Err(StoreError::Contention(16))
 }
 
+/// The fingerprint of the plugin configuration configured last (see [`lead_config`]).
+const LEAD_CONFIG_KEY: &str = "pd/lease-config";
+
+/// Names the plugin configuration a root context was just configured with (its fingerprint)
+/// as the one that polls pd-control and reports to it. After a configuration change (ECDS,
+/// LDS) the superseded root contexts live on while their streams do, up to an hour for a long
+/// answer; holding the lease, one would keep polling with the old snapshot token or cluster
+/// (after a token rotation: 401s and a stale snapshot for every worker) and the new ones
+/// would never poll.
+pub fn lead_config(fingerprint: u64) {
+    if let Err(e) = SharedData.set(LEAD_CONFIG_KEY, &fingerprint.to_le_bytes(), None) {
+        log::warn!("cannot record the plugin configuration that polls: {e}");
+    }
+}
+
+/// Whether a root context configured with `fingerprint` may take or keep the lease: its
+/// configuration is the one configured last (or none is recorded).
+pub fn leads_config(fingerprint: u64) -> bool {
+    match SharedData.get(LEAD_CONFIG_KEY) {
+        Ok((Some(v), _)) => v.as_slice() == fingerprint.to_le_bytes(),
+        _ => true,
+    }
+}
+
 /// Tries to take or renew the fetch lease; true when this VM holds it.
 pub fn hold_lease(token: u64, now: u64, lease_ms: u64) -> bool {
     let Ok((value, cas)) = SharedData.get(LEASE_KEY) else {
