@@ -90,6 +90,23 @@ fn an_ecds_update_reaches_an_open_keep_alive_connection_without_failures() {
         local,
         "one connection throughout"
     );
+    // The replaced VMs leave the count as their plugin goes: every VM logs its first snapshot
+    // once and its end once, and the gauge counts those between (Envoy makes a VM or two on
+    // the main thread for a new configuration, so the count is not simply one per thread).
+    pd_wasm_tests::stack::eventually(Duration::from_secs(10), || {
+        let log = stack.envoy_log();
+        let loaded = log
+            .lines()
+            .filter(|l| l.contains("fleet snapshot") && l.ends_with(" loaded"))
+            .count() as u64;
+        let done = log.matches("plugin done: VM").count() as u64;
+        let vms = stack.stat("pd_router_fleet_loaded_vms");
+        (done > 0 && vms == loaded - done)
+            .then_some(())
+            .ok_or(format!(
+                "{vms} VMs count as loaded; {loaded} loaded, {done} gone ({vms_before} before)"
+            ))
+    });
     eprintln!(
         "ECDS switch seen after {switched_after:?} over {} requests on {local}; \
          pd_router_fleet_loaded_vms {vms_before} -> {}",

@@ -674,12 +674,18 @@ fn routing_view(
 
 impl Context for Root {
     /// The plugin is going away (a configuration update replaced it): this VM no longer
-    /// counts among the idle ones.
+    /// counts among the idle ones nor among those with a snapshot, and hands the poll lease
+    /// on at once rather than when it expires.
     fn on_done(&mut self) -> bool {
         let vm = self.vm.borrow();
         if vm.pace.is_slow() {
             Metrics::gauge_add(vm.metrics.idle_vms, -1);
         }
+        if self.loaded_once {
+            Metrics::gauge_add(vm.metrics.fleet_loaded_vms, -1);
+        }
+        snapshot::release_lease(self.token);
+        log::info!("plugin done: VM {:x} leaves", self.token);
         true
     }
 

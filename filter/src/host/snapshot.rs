@@ -220,6 +220,22 @@ pub fn leads_config(fingerprint: u64) -> bool {
     }
 }
 
+/// Gives the fetch lease up if this VM holds it (its plugin is going away).
+pub fn release_lease(token: u64) {
+    let Ok((Some(value), cas)) = SharedData.get(LEASE_KEY) else {
+        return;
+    };
+    let held = std::str::from_utf8(&value)
+        .ok()
+        .and_then(|s| s.split_once(' '))
+        .and_then(|(h, _)| u64::from_str_radix(h, 16).ok())
+        == Some(token);
+    if held {
+        // Expired at once; a CAS so a holder that took it meanwhile keeps it.
+        let _ = SharedData.set(LEASE_KEY, format!("{token:x} 0").as_bytes(), cas);
+    }
+}
+
 /// Tries to take or renew the fetch lease; true when this VM holds it.
 pub fn hold_lease(token: u64, now: u64, lease_ms: u64) -> bool {
     let Ok((value, cas)) = SharedData.get(LEASE_KEY) else {
