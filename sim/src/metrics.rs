@@ -111,9 +111,14 @@ pub struct MetricsSnapshot {
     pub gen_throughput: f64,
     /// Prefill results computed and waiting for a decode pod to pull them.
     pub prefill_inflight: u64,
-    /// Decode legs waiting for a batch slot before their KV pull (part of `waiting`).
+    /// SGLang prefill legs waiting for their decode leg to register in the bootstrap room,
+    /// before they compute (part of `waiting`).
+    pub prefill_prealloc: u64,
+    /// Decode legs waiting for a batch slot before their KV transfer (part of `waiting`).
     pub decode_prealloc: u64,
-    /// Decode legs pulling their KV (part of `waiting`).
+    /// Decode legs waiting for their KV: an SGLang leg from its registration in the room
+    /// (its prefill may not even have computed) until it has pulled; other engines' legs
+    /// while pulling (part of `waiting`).
     pub kv_transfer: u64,
     pub ttft: Histogram,
     pub e2e: Histogram,
@@ -157,6 +162,7 @@ impl MetricsSnapshot {
             kv_capacity_tokens: 0,
             gen_throughput: 0.0,
             prefill_inflight: 0,
+            prefill_prealloc: 0,
             decode_prealloc: 0,
             kv_transfer: 0,
             ttft: Histogram::new(ttft),
@@ -490,11 +496,14 @@ pub fn sglang_engine_type(role: &str) -> &'static str {
 /// and the rank labels of rank 0; tokenizer counters and histograms `engine_type` and
 /// `model_name` only.
 ///
-/// `sglang:num_queue_reqs` excludes decode legs waiting for a batch slot before their KV pull
-/// (`num_decode_prealloc_queue_reqs`) and those pulling KV (`num_decode_transfer_queue_reqs`),
-/// which vLLM counts as waiting. The simulator has no bootstrap handshake, so
-/// `num_prefill_prealloc_queue_reqs` stays 0; `num_prefill_inflight_queue_reqs` counts prefill
-/// results waiting to be pulled.
+/// SGLang's PD queues, as its disaggregation scheduler moves requests through them: a decode
+/// leg waits for its request slot (`num_decode_prealloc_queue_reqs`), then for its prefill's
+/// KV, from its registration in the bootstrap room until it has pulled the KV
+/// (`num_decode_transfer_queue_reqs`), then runs; a prefill leg waits for its decode leg to
+/// register (`num_prefill_prealloc_queue_reqs`), computes, and holds its KV while it is sent
+/// (`num_prefill_inflight_queue_reqs`). `sglang:num_queue_reqs` is the waiting queue proper:
+/// requests waiting for a batch slot, without those in the prealloc and transfer queues
+/// (which vLLM counts as waiting).
 pub fn render_sglang(model: &str, engine_type: &str, m: &MetricsSnapshot) -> String {
     let mut out = String::with_capacity(8192);
     let sched = [
@@ -504,7 +513,9 @@ pub fn render_sglang(model: &str, engine_type: &str, m: &MetricsSnapshot) -> Str
         ("pp_rank", "0"),
         ("tp_rank", "0"),
     ];
-    let queue = m.waiting.saturating_sub(m.decode_prealloc + m.kv_transfer);
+    let queue = m
+        .waiting
+        .saturating_sub(m.prefill_prealloc + m.decode_prealloc + m.kv_transfer);
     for (name, help, value) in [
         (
             "sglang:num_running_reqs",
@@ -540,7 +551,7 @@ pub fn render_sglang(model: &str, engine_type: &str, m: &MetricsSnapshot) -> Str
         (
             "sglang:num_prefill_prealloc_queue_reqs",
             "The number of requests in the prefill prealloc queue.",
-            0.0,
+            m.prefill_prealloc as f64,
         ),
         (
             "sglang:num_prefill_inflight_queue_reqs",
@@ -919,6 +930,7 @@ mod tests {
         let mut m = MetricsSnapshot::for_engine(engine);
         m.running = 3;
         m.waiting = 5;
+        m.prefill_prealloc = 1;
         m.decode_prealloc = 1;
         m.kv_transfer = 2;
         m.kv_usage = 0.25;
@@ -972,13 +984,14 @@ mod tests {
         }
         for (name, idle_value, value) in [
             ("sglang:num_running_reqs", "0.0", "3.0"),
-            ("sglang:num_queue_reqs", "0.0", "2.0"), // 5 waiting - 1 prealloc - 2 transfer
+            // 5 waiting - 1 prefill prealloc - 1 decode prealloc - 2 transfer
+            ("sglang:num_queue_reqs", "0.0", "1.0"),
             ("sglang:num_used_tokens", "0.0", "250.0"),
             ("sglang:max_total_num_tokens", "0.0", "1000.0"),
             ("sglang:token_usage", "0.0", "0.25"),
             ("sglang:gen_throughput", "0.0", "120.5"),
             ("sglang:cache_hit_rate", "0.0", "0.25"),
-            ("sglang:num_prefill_prealloc_queue_reqs", "0.0", "0.0"),
+            ("sglang:num_prefill_prealloc_queue_reqs", "0.0", "1.0"),
             ("sglang:num_prefill_inflight_queue_reqs", "0.0", "4.0"),
             ("sglang:num_decode_prealloc_queue_reqs", "0.0", "1.0"),
             ("sglang:num_decode_transfer_queue_reqs", "0.0", "2.0"),
@@ -1164,8 +1177,8 @@ mod tests {
             Engine::Sglang,
             "org/m",
         );
-        // Waiting as AIBrix's queue score counts it: the queue (2) and the decode prealloc
-        // queue (1), not the legs pulling KV (2).
+        // Waiting as AIBrix's queue score counts it: the queue (1) and the prefill and decode
+        // prealloc queues (1 each), not the legs waiting for their KV (2).
         assert_eq!(
             (r.running, r.waiting, r.kv_cache_usage),
             (Some(3.0), Some(3.0), Some(0.25))

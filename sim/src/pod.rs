@@ -7,6 +7,7 @@
 //! reads them and a leaked "running" request would skew its decisions.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -95,7 +96,10 @@ struct Inner {
     next_block_id: u64,
     prefix: PrefixCache,
     metrics: MetricsSnapshot,
-    /// Decode legs waiting for a batch slot before their KV pull, and those pulling KV.
+    /// SGLang prefill legs waiting for their decode leg to register (bootstrap queue).
+    prefill_prealloc: u64,
+    /// Decode legs waiting for a request slot before their KV transfer, and those whose KV
+    /// is on its way (an SGLang leg from its registration in the room until it has pulled).
     decode_prealloc: u64,
     kv_transfer: u64,
     /// Start of the current generation-throughput window and the token count then.
@@ -171,6 +175,7 @@ impl PodState {
                 next_block_id: 1,
                 prefix: PrefixCache::new(capacity_blocks),
                 metrics,
+                prefill_prealloc: 0,
                 decode_prealloc: 0,
                 kv_transfer: 0,
                 throughput_mark: (Instant::now(), 0),
@@ -229,6 +234,7 @@ impl PodState {
         m.kv_usage = (held as f64 / self.config.kv_capacity_tokens.max(1) as f64).min(1.0);
         m.gen_throughput = inner.gen_throughput;
         m.prefill_inflight = inner.pinned.len() as u64;
+        m.prefill_prealloc = inner.prefill_prealloc;
         m.decode_prealloc = inner.decode_prealloc;
         m.kv_transfer = inner.kv_transfer;
         m
@@ -480,6 +486,7 @@ impl Drop for Ticket {
 /// The sub-queues of `waiting` that SGLang reports apart.
 #[derive(Debug, Clone, Copy)]
 enum Queue {
+    PrefillPrealloc,
     DecodePrealloc,
     KvTransfer,
 }
@@ -499,6 +506,7 @@ impl QueueSlot {
 
     fn counter(inner: &mut Inner, queue: Queue) -> &mut u64 {
         match queue {
+            Queue::PrefillPrealloc => &mut inner.prefill_prealloc,
             Queue::DecodePrealloc => &mut inner.decode_prealloc,
             Queue::KvTransfer => &mut inner.kv_transfer,
         }
@@ -536,6 +544,9 @@ pub struct Job {
     last_token_at: Option<Instant>,
     ticket: Ticket,
     _admission: Option<OwnedSemaphorePermit>,
+    /// An SGLang decode leg's place in the transfer queue, from its registration in the
+    /// room until its KV is pulled.
+    transfer: Option<QueueSlot>,
 }
 
 impl Job {
@@ -549,11 +560,52 @@ impl Job {
             produced: 0,
             last_token_at: None,
             _admission: None,
+            transfer: None,
         }
     }
 
     pub fn spec(&self) -> &JobSpec {
         &self.spec
+    }
+
+    /// An SGLang prefill leg before it may compute: waits for `decode` (its decode leg
+    /// registering in the bootstrap room) in the prefill bootstrap queue
+    /// (`num_prefill_prealloc_queue_reqs`), holding no batch slot.
+    pub async fn bootstrap<T, E>(
+        &mut self,
+        decode: impl Future<Output = Result<T, E>>,
+    ) -> Result<T, E> {
+        let _queued = QueueSlot::new(self.pod.clone(), Queue::PrefillPrealloc);
+        decode.await
+    }
+
+    /// An SGLang decode leg: takes its request slot in the decode prealloc queue, as SGLang
+    /// pre-allocates the KV pages before it registers with the prefill side, then waits for
+    /// `kv` (which registers it in the room) in the transfer queue. The KV pull that follows
+    /// in [`Job::next_token`] stays in the transfer queue; once it is done the request runs at
+    /// once, its slot being already held.
+    pub async fn receive_kv<T, E>(
+        &mut self,
+        kv: impl Future<Output = Result<T, E>>,
+    ) -> Result<T, E> {
+        self.admit().await;
+        let transfer = QueueSlot::new(self.pod.clone(), Queue::KvTransfer);
+        let got = kv.await;
+        if got.is_ok() {
+            self.transfer = Some(transfer);
+        }
+        got
+    }
+
+    /// Takes a batch slot; a decode leg waits for it in the decode prealloc queue.
+    async fn admit(&mut self) {
+        if self._admission.is_some() {
+            return;
+        }
+        let prealloc = (self.spec.work == Leg::Decode)
+            .then(|| QueueSlot::new(self.pod.clone(), Queue::DecodePrealloc));
+        self._admission = self.pod.seqs.clone().acquire_owned().await.ok();
+        drop(prealloc);
     }
 
     /// Waits until the next token exists and returns its index, or `None` when the request
@@ -562,12 +614,10 @@ impl Job {
         if self.produced >= self.spec.output_tokens {
             return None;
         }
-        let timing = &self.pod.config.timing;
+        let config = self.pod.config.clone();
+        let timing = &config.timing;
         if self.produced == 0 {
-            let decode = self.spec.work == Leg::Decode;
-            let prealloc = decode.then(|| QueueSlot::new(self.pod.clone(), Queue::DecodePrealloc));
-            self._admission = self.pod.seqs.clone().acquire_owned().await.ok();
-            drop(prealloc);
+            self.admit().await;
             let scheduled = match self.spec.work {
                 Leg::Prefill | Leg::Full => {
                     let _lane = match &self.pod.prefill_lane {
@@ -581,7 +631,10 @@ impl Job {
                 }
                 Leg::Decode => {
                     // vLLM counts a request as waiting while its KV is being pulled.
-                    let transfer = QueueSlot::new(self.pod.clone(), Queue::KvTransfer);
+                    let transfer = self
+                        .transfer
+                        .take()
+                        .unwrap_or_else(|| QueueSlot::new(self.pod.clone(), Queue::KvTransfer));
                     engine::spend(timing.kv_pull_time(self.spec.prompt_tokens)).await;
                     drop(transfer);
                     self.ticket.start(self.spec.prompt_tokens);
@@ -870,5 +923,140 @@ mod tests {
         let _ = task.await;
         let m = settled((0, 0, 0)).await;
         assert_eq!(m.running, 0);
+    }
+
+    /// (waiting, prefill prealloc, decode prealloc, transfer, running) of `pod`, once it
+    /// holds still at `want`.
+    async fn settles(pod: &PodState, want: (u64, u64, u64, u64, u64)) {
+        let queues = |m: MetricsSnapshot| {
+            (
+                m.waiting,
+                m.prefill_prealloc,
+                m.decode_prealloc,
+                m.kv_transfer,
+                m.running,
+            )
+        };
+        for _ in 0..400 {
+            if queues(pod.metrics()) == want {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        panic!("never reached {want:?}: {:?}", queues(pod.metrics()));
+    }
+
+    /// A gate that records when it is first polled (the leg registered in its room) and
+    /// opens when the sender fires (or fails when it is dropped).
+    fn gate() -> (
+        tokio::sync::oneshot::Sender<()>,
+        Arc<std::sync::atomic::AtomicBool>,
+        impl Future<Output = Result<(), ()>> + Send + 'static,
+    ) {
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let polled = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = polled.clone();
+        let wait = async move {
+            flag.store(true, std::sync::atomic::Ordering::SeqCst);
+            rx.await.map_err(|_| ())
+        };
+        (tx, polled, wait)
+    }
+
+    #[tokio::test]
+    async fn an_sglang_decode_leg_takes_its_slot_then_waits_for_kv_in_the_transfer_queue() {
+        let mut config = (*fast_config()).clone();
+        config.max_num_seqs = 1;
+        let pod = Arc::new(PodState::new(
+            record("d", "decode", "127.0.0.2"),
+            Arc::new(config),
+        ));
+        let mut holder = Job::new(pod.clone(), spec(Leg::Full, None), Instant::now());
+        assert_eq!(holder.next_token().await, Some(0));
+        let (kv, registered, wait) = gate();
+        let mut decode = Job::new(pod.clone(), spec(Leg::Decode, None), Instant::now());
+        let task = tokio::spawn(async move {
+            decode.receive_kv(wait).await.expect("kv arrived");
+            let first = decode.next_token().await;
+            (first, decode)
+        });
+        // The batch is full: the leg waits for its slot and has not registered yet.
+        settles(&pod, (1, 0, 1, 0, 1)).await;
+        assert!(!registered.load(std::sync::atomic::Ordering::SeqCst));
+        // Slot taken: registered, waiting for the KV in the transfer queue, not the queue.
+        while holder.next_token().await.is_some() {}
+        settles(&pod, (1, 0, 0, 1, 0)).await;
+        assert!(registered.load(std::sync::atomic::Ordering::SeqCst));
+        let text = crate::metrics::render_sglang("m", "decode", &pod.metrics());
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with("sglang:num_queue_reqs{") && l.ends_with(" 0.0")),
+            "{text}"
+        );
+        // The KV arrived: pulled, then running at once on the slot it holds.
+        kv.send(()).expect("leg waiting");
+        let (first, running) = task.await.expect("join");
+        assert_eq!(first, Some(0));
+        settles(&pod, (0, 0, 0, 0, 1)).await;
+        drop(running);
+
+        // A leg whose KV never comes leaves the transfer queue with its failure.
+        let (gone, _, wait) = gate();
+        drop(gone);
+        let mut decode = Job::new(pod.clone(), spec(Leg::Decode, None), Instant::now());
+        assert_eq!(decode.receive_kv(wait).await, Err(()));
+        settles(&pod, (1, 0, 0, 0, 0)).await;
+        drop(decode);
+        settles(&pod, (0, 0, 0, 0, 0)).await;
+    }
+
+    #[tokio::test]
+    async fn an_sglang_prefill_leg_waits_for_its_decode_leg_in_the_bootstrap_queue() {
+        let pod = Arc::new(PodState::new(
+            record("p", "prefill", "127.0.0.2"),
+            fast_config(),
+        ));
+        let (decode_registered, _, wait) = gate();
+        let mut prefill = Job::new(
+            pod.clone(),
+            spec(Leg::Prefill, Some("room")),
+            Instant::now(),
+        );
+        let task = tokio::spawn(async move {
+            prefill.bootstrap(wait).await.expect("decode registered");
+            while prefill.next_token().await.is_some() {}
+        });
+        settles(&pod, (1, 1, 0, 0, 0)).await;
+        let m = pod.metrics();
+        assert_eq!(
+            (m.prompt_tokens, m.kv_used_tokens),
+            (0, 0),
+            "nothing computed"
+        );
+        let text = crate::metrics::render_sglang("m", "prefill", &m);
+        for line in [
+            "sglang:num_prefill_prealloc_queue_reqs{engine_type=\"prefill\",model_name=\"m\",moe_ep_rank=\"0\",pp_rank=\"0\",tp_rank=\"0\"} 1.0",
+            "sglang:num_queue_reqs{engine_type=\"prefill\",model_name=\"m\",moe_ep_rank=\"0\",pp_rank=\"0\",tp_rank=\"0\"} 0.0",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line}\n{text}");
+        }
+        decode_registered.send(()).expect("leg waiting");
+        task.await.expect("join");
+        settles(&pod, (0, 0, 0, 0, 0)).await;
+        let m = pod.metrics();
+        assert_eq!(
+            (m.prompt_tokens, m.prefill_inflight),
+            (100, 1),
+            "computed, KV pinned"
+        );
+
+        // Nobody registers: the leg leaves the queue with its failure.
+        let (gone, _, wait) = gate();
+        drop(gone);
+        let mut prefill = Job::new(pod.clone(), spec(Leg::Prefill, None), Instant::now());
+        assert_eq!(prefill.bootstrap(wait).await, Err(()));
+        settles(&pod, (1, 0, 0, 0, 0)).await;
+        drop(prefill);
+        settles(&pod, (0, 0, 0, 0, 0)).await;
     }
 }

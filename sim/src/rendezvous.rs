@@ -3,7 +3,10 @@
 //!
 //! Both engines block each side until the other has shown up: the prefill (context) worker
 //! cannot push its KV before the decode (generation) worker has registered a receive
-//! session, and the decode worker cannot start before the KV arrived. Each side gives up
+//! session, and the decode worker cannot start before the KV arrived. An SGLang prefill
+//! worker does not even compute before the decode side registered (it waits in its
+//! bootstrap queue: [`Rooms::await_decode`], then [`Rooms::kv_ready`]); a TRT-LLM context
+//! worker computes first and then waits ([`Rooms::hand_over`]). Each side gives up
 //! after the engine's transfer timeout, which is what a router must cope with when it sends
 //! only one of the two legs, or sends them to workers that cannot find each other.
 
@@ -102,6 +105,33 @@ impl Rooms {
         result
     }
 
+    /// SGLang's prefill side, before it computes: waits in the bootstrap queue until the
+    /// decode side has registered for the room (in SGLang, sent the KV pages it
+    /// pre-allocated), or gives up after `timeout`. [`Rooms::kv_ready`] follows once the
+    /// prefill has computed.
+    pub async fn await_decode(&self, key: &str, timeout: Duration) -> Result<(), RendezvousError> {
+        let room = self.room(key, timeout * 2);
+        let mut arrived = room.decode_arrived.subscribe();
+        let met = matches!(
+            tokio::time::timeout(timeout, arrived.wait_for(|v| *v)).await,
+            Ok(Ok(_))
+        );
+        if met {
+            Ok(())
+        } else {
+            self.forget(key);
+            Err(RendezvousError::Timeout(timeout))
+        }
+    }
+
+    /// SGLang's prefill side, once computed: the KV goes to the decode side registered in
+    /// the room. A room that is gone (the decode side gave up) takes nothing.
+    pub fn kv_ready(&self, key: &str) {
+        if let Some(room) = self.lock().get(key) {
+            room.kv_ready.send_replace(true);
+        }
+    }
+
     /// Rooms currently open (for tests).
     pub fn open(&self) -> usize {
         self.lock().len()
@@ -125,6 +155,49 @@ mod tests {
         let prefill = tokio::spawn(async move { r.hand_over("b", t).await });
         rooms.receive("b", t).await.expect("kv arrived");
         prefill.await.expect("join").expect("decode registered");
+        assert_eq!(rooms.open(), 0);
+    }
+
+    #[tokio::test]
+    async fn an_sglang_prefill_computes_only_once_its_decode_registered() {
+        let rooms = Arc::new(Rooms::default());
+        let t = Duration::from_secs(5);
+        // Prefill first: it waits for the decode side, and the decode side for the KV.
+        let r = rooms.clone();
+        let prefill = tokio::spawn(async move { r.await_decode("a", t).await });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!prefill.is_finished(), "no decode side yet");
+        let r = rooms.clone();
+        let decode = tokio::spawn(async move { r.receive("a", t).await });
+        prefill.await.expect("join").expect("decode registered");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!decode.is_finished(), "the prefill has not computed yet");
+        rooms.kv_ready("a");
+        decode.await.expect("join").expect("kv arrived");
+        assert_eq!(rooms.open(), 0);
+
+        // Decode first: the prefill finds it registered at once.
+        let r = rooms.clone();
+        let decode = tokio::spawn(async move { r.receive("b", t).await });
+        tokio::time::timeout(Duration::from_secs(1), async {
+            while rooms.open() == 0 {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("the decode side registered");
+        rooms.await_decode("b", t).await.expect("decode registered");
+        rooms.kv_ready("b");
+        decode.await.expect("join").expect("kv arrived");
+        assert_eq!(rooms.open(), 0);
+
+        // Nobody comes: the prefill gives up and leaves no room behind.
+        let short = Duration::from_millis(30);
+        assert_eq!(
+            rooms.await_decode("c", short).await,
+            Err(RendezvousError::Timeout(short))
+        );
+        rooms.kv_ready("c");
         assert_eq!(rooms.open(), 0);
     }
 

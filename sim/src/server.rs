@@ -292,15 +292,31 @@ fn unix_secs() -> u64 {
 /// Edits a response body into the engine's shape.
 type Decorate = Box<dyn FnOnce(&mut Value) + Send>;
 
-/// Engine-specific steps around the timing model: a decode leg waiting for its KV before
-/// the first token (`gate`), a prefill leg handing its KV over before it answers
-/// (`handover`), and what the engine adds to a response body (`decorate`).
+/// Engine-specific steps around the timing model: a leg waiting for its peer leg before
+/// the first token (`gate`: a decode leg for its KV, an SGLang prefill leg for its decode
+/// leg to register), a prefill leg handing its KV over before it answers (`handover`), and
+/// what the engine adds to a response body (`decorate`).
 struct Hooks {
     engine: Engine,
     endpoint: Endpoint,
     gate: Option<BoxFuture<'static, Result<(), ApiError>>>,
+    /// Which of the engine's queues the request waits in while it passes `gate`.
+    gate_queue: GateQueue,
     handover: Option<BoxFuture<'static, Result<(), ApiError>>>,
     decorate: Option<Decorate>,
+}
+
+/// Where a request waits while it passes its [`Hooks::gate`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GateQueue {
+    /// In the waiting count only (vLLM-shaped engines: TRT-LLM's generation leg).
+    Waiting,
+    /// An SGLang decode leg: its request slot first (decode prealloc queue), then the
+    /// transfer queue until its KV arrived.
+    SglangTransfer,
+    /// An SGLang prefill leg: the bootstrap (prefill prealloc) queue until its decode leg
+    /// registered; only then may it compute.
+    SglangBootstrap,
 }
 
 impl Hooks {
@@ -309,8 +325,21 @@ impl Hooks {
             engine,
             endpoint,
             gate: None,
+            gate_queue: GateQueue::Waiting,
             handover: None,
             decorate: None,
+        }
+    }
+
+    /// Waits for the gate, if any, in its queue of `job`'s pod.
+    async fn pass_gate(&mut self, job: &mut Job) -> Result<(), ApiError> {
+        let Some(gate) = self.gate.take() else {
+            return Ok(());
+        };
+        match self.gate_queue {
+            GateQueue::Waiting => gate.await,
+            GateQueue::SglangTransfer => job.receive_kv(gate).await,
+            GateQueue::SglangBootstrap => job.bootstrap(gate).await,
         }
     }
 
@@ -481,6 +510,7 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
                     s.bootstrap_room
                 ),
             );
+            // Registers in the room, then waits for the KV: SGLang's transfer queue.
             let wait = async move {
                 registry
                     .rooms
@@ -489,17 +519,17 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
                     .map_err(|e| format!("{what} ({e})"))
             };
             hooks.gate = Some(logged_wait(pod.clone(), seq, Box::pin(wait)));
+            hooks.gate_queue = GateQueue::SglangTransfer;
             Leg::Decode
         }
         (Leg::Prefill, _, Some(s), _) => {
-            // The computed KV stays on the pod (SGLang's prefill inflight queue) until the
-            // decode worker took it or the bootstrap timed out.
+            // SGLang's bootstrap queue: the prefill computes only once the decode worker
+            // registered for the room, or fails after the bootstrap timeout.
             let key =
                 sglang::own_room_key(&record.ip, record.sglang_bootstrap_port, s.bootstrap_room);
-            pin_as = Some(key.clone());
-            let (registry, holder, what) = (
+            let (registry, waiting_key, what) = (
                 ctx.registry.clone(),
-                pod.clone(),
+                key.clone(),
                 format!(
                     "Prefill bootstrap failed for request rid={} bootstrap_room={}",
                     s.rid.as_deref().unwrap_or(""),
@@ -507,11 +537,26 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
                 ),
             );
             let wait = async move {
-                let met = registry.rooms.hand_over(&key, timeout).await;
-                holder.release_pin(&key);
-                met.map_err(|e| format!("{what} ({e})"))
+                registry
+                    .rooms
+                    .await_decode(&waiting_key, timeout)
+                    .await
+                    .map_err(|e| format!("{what} ({e})"))
             };
-            hooks.handover = Some(logged_wait(pod.clone(), seq, Box::pin(wait)));
+            hooks.gate = Some(logged_wait(pod.clone(), seq, Box::pin(wait)));
+            hooks.gate_queue = GateQueue::SglangBootstrap;
+            // Then the computed KV goes to the decode worker and stays on the pod while it
+            // is sent (SGLang's inflight queue: the decode side's pull time); the prefill
+            // answers once the transfer is done.
+            pin_as = Some(key.clone());
+            let (registry, holder) = (ctx.registry.clone(), pod.clone());
+            let transfer = pod.config.timing.kv_pull_time(req.prompt_tokens);
+            hooks.handover = Some(Box::pin(async move {
+                registry.rooms.kv_ready(&key);
+                engine::spend(transfer).await;
+                holder.release_pin(&key);
+                Ok(())
+            }));
             Leg::Prefill
         }
         (Leg::Prefill, _, _, Some(t)) => {
@@ -605,9 +650,12 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
                 FaultKind::HangBeforeHeaders => {
                     // A decode leg that meets its prefill first and hangs afterwards: the
                     // KV was taken (so the prefill answers), then the scheduler stalled.
-                    if let Some(gate) = hooks.gate.take() {
-                        if let Err(err) = gate.await {
-                            return error_response(&err, engine, endpoint);
+                    // (A prefill leg hangs before it even waits for its decode leg.)
+                    if hooks.gate_queue != GateQueue::SglangBootstrap {
+                        if let Some(gate) = hooks.gate.take() {
+                            if let Err(err) = gate.await {
+                                return error_response(&err, engine, endpoint);
+                            }
                         }
                     }
                     drawn.released().await;
@@ -797,10 +845,8 @@ async fn full_response(
     kv_out: Option<Value>,
     mut hooks: Hooks,
 ) -> Response {
-    if let Some(gate) = hooks.gate.take() {
-        if let Err(err) = gate.await {
-            return error_response(&err, hooks.engine, hooks.endpoint);
-        }
+    if let Err(err) = hooks.pass_gate(&mut job).await {
+        return error_response(&err, hooks.engine, hooks.endpoint);
     }
     let mut produced = 0;
     while job.next_token().await.is_some() {
@@ -876,15 +922,12 @@ impl StreamState {
         let text = match self.phase {
             StreamPhase::Gate => {
                 self.phase = StreamPhase::Tokens;
-                match self.opts.hooks.gate.take() {
-                    Some(gate) => match gate.await {
-                        Ok(()) => String::new(),
-                        Err(err) => {
-                            self.phase = StreamPhase::Finished;
-                            stream_error(self.meta.endpoint, &err.message)
-                        }
-                    },
-                    None => String::new(),
+                match self.opts.hooks.pass_gate(&mut self.job).await {
+                    Ok(()) => String::new(),
+                    Err(err) => {
+                        self.phase = StreamPhase::Finished;
+                        stream_error(self.meta.endpoint, &err.message)
+                    }
                 }
             }
             StreamPhase::Tokens => match self.job.next_token().await {

@@ -1,7 +1,8 @@
 //! SGLang's disaggregation wire rules (`--disaggregation-mode prefill|decode`): both legs
 //! carry the same `bootstrap_host` / `bootstrap_port` / `bootstrap_room`; the prefill
-//! worker answers only after its KV went to the decode worker that registered for the same
-//! room, and the decode worker waits for that KV. See `engine-protocols.md` §2.
+//! worker computes only once the decode worker registered for the same room and answers
+//! after its KV went there, and the decode worker waits for that KV. See
+//! `engine-protocols.md` §2.
 
 use serde_json::{json, Map, Value};
 
@@ -50,11 +51,10 @@ pub fn own_room_key(ip: &str, bootstrap_port: u16, room: u64) -> String {
     format!("sglang/{ip}:{bootstrap_port}/{room}")
 }
 
-/// Classifies a request on a pod of `role`. A decode worker refuses a request without
-/// bootstrap fields (SGLang: "without bootstrap room id"): it has nowhere to get KV from.
-/// A prefill worker, and a standard worker, serve such a request whole; a real prefill
-/// worker refuses it too, but serving it keeps the simulator usable for plain load on any
-/// pod, and a router that forgets the room still fails visibly on the decode side.
+/// Classifies a request on a pod of `role`. A prefill or decode worker refuses a request
+/// without a bootstrap room with 400 (SGLang: "Disaggregated request received without
+/// bootstrap room id"): the prefill worker has nobody to send its KV to, the decode worker
+/// nowhere to get it from. A standard (`unified`) worker serves every request whole.
 pub fn classify(obj: &Map<String, Value>, role: PodRole) -> Result<Option<SglangLeg>, ApiError> {
     let rid = match obj.get("rid") {
         None | Some(Value::Null) => None,
@@ -67,7 +67,6 @@ pub fn classify(obj: &Map<String, Value>, role: PodRole) -> Result<Option<Sglang
         PodRole::Combined => return Ok(None),
     };
     let room = match obj.get("bootstrap_room") {
-        None | Some(Value::Null) if leg == Leg::Prefill => return Ok(None),
         None | Some(Value::Null) => {
             return Err(ApiError::bad_request(
                 "Disaggregated request received without bootstrap room id",
@@ -160,15 +159,24 @@ mod tests {
         assert_eq!(leg.rid.as_deref(), Some("r-1"));
         assert!(classify(&ok, PodRole::Combined).unwrap().is_none());
 
-        assert!(classify(&obj(json!({})), PodRole::Prefill)
+        assert!(classify(&obj(json!({})), PodRole::Combined)
             .unwrap()
             .is_none());
-        assert_eq!(
-            classify(&obj(json!({})), PodRole::Decode)
-                .unwrap_err()
-                .status,
-            400
-        );
+        // Neither PD worker serves a request without a room, whatever else it carries.
+        for role in [PodRole::Prefill, PodRole::Decode] {
+            for body in [
+                json!({}),
+                json!({"bootstrap_room": null}),
+                json!({"bootstrap_host": "127.0.0.9", "bootstrap_port": 8998}),
+            ] {
+                let err = classify(&obj(body.clone()), role).unwrap_err();
+                assert_eq!(err.status, 400, "{role:?} {body}");
+                assert_eq!(
+                    err.message,
+                    "Disaggregated request received without bootstrap room id"
+                );
+            }
+        }
         let cases = [
             json!({"bootstrap_host": "h", "bootstrap_room": 1.5}),
             json!({"bootstrap_host": "h", "bootstrap_room": 9.2e18}),

@@ -144,6 +144,149 @@ async fn sglang_decode_without_its_prefill_fails_after_the_transfer_timeout() {
     assert_eq!(status, 400);
 }
 
+/// The value of the SGLang scheduler gauge `name` on the pod at `base`.
+async fn gauge(base: &str, name: &str) -> f64 {
+    let text = client()
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .expect("scrape")
+        .text()
+        .await
+        .expect("body");
+    text.lines()
+        .find(|l| l.starts_with(&format!("{name}{{")))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in\n{text}"))
+}
+
+/// Polls until the pod at `base` reports `want` for each SGLang queue gauge.
+async fn queues_settle(base: &str, want: &[(&str, f64)]) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let mut got = Vec::new();
+        for (name, _) in want {
+            got.push(gauge(base, name).await);
+        }
+        if got.iter().zip(want).all(|(g, (_, w))| g == w) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{base}: {got:?}, want {want:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_legs_wait_for_each_other_in_sglangs_pd_queues() {
+    let (_sim, prefill, decode, _f) = serve("sglang", fast()).await;
+    let body = |room: u64| {
+        json!({"model": MODEL, "prompt": "q".repeat(80), "max_tokens": 2,
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "bootstrap_room": room})
+    };
+    let spawn_post =
+        |url: String, body: Value| tokio::spawn(async move { post(&url, &body).await });
+    let (p_url, d_url) = (
+        format!("{prefill}/v1/completions"),
+        format!("{decode}/v1/completions"),
+    );
+
+    // Decode first: registered, it waits for its KV in the transfer queue, not the queue.
+    let d = spawn_post(d_url.clone(), body(1));
+    let decode_waits = [
+        ("sglang:num_decode_transfer_queue_reqs", 1.0),
+        ("sglang:num_decode_prealloc_queue_reqs", 0.0),
+        ("sglang:num_queue_reqs", 0.0),
+        ("sglang:num_running_reqs", 0.0),
+    ];
+    queues_settle(&decode, &decode_waits).await;
+    let (ps, pbody) = post(&p_url, &body(1)).await;
+    assert_eq!(ps, 200, "{pbody}");
+    let (ds, dbody) = d.await.expect("join");
+    assert_eq!(ds, 200, "{dbody}");
+
+    // Prefill first: it waits for its decode leg in the bootstrap queue, uncomputed.
+    let p = spawn_post(p_url, body(2));
+    let prefill_waits = [
+        ("sglang:num_prefill_prealloc_queue_reqs", 1.0),
+        ("sglang:num_queue_reqs", 0.0),
+        ("sglang:num_running_reqs", 0.0),
+        ("sglang:num_prefill_inflight_queue_reqs", 0.0),
+    ];
+    queues_settle(&prefill, &prefill_waits).await;
+    let (ds, dbody) = post(&d_url, &body(2)).await;
+    assert_eq!(ds, 200, "{dbody}");
+    let (ps, pbody) = p.await.expect("join");
+    assert_eq!(ps, 200, "{pbody}");
+
+    for (base, names) in [(&prefill, &prefill_waits[..]), (&decode, &decode_waits[..])] {
+        let idle: Vec<(&str, f64)> = names.iter().map(|(n, _)| (*n, 0.0)).collect();
+        queues_settle(base, &idle).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_sglang_prefill_alone_fails_its_bootstrap_without_computing() {
+    let config = SimConfig {
+        transfer_timeout: Duration::from_millis(300),
+        ..SimConfig::default()
+    };
+    let (sim, prefill, _decode, _f) = serve("sglang", config).await;
+    let body = json!({"model": MODEL, "prompt": "hello", "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": 8998, "bootstrap_room": 8, "rid": "r-8"});
+    let started = Instant::now();
+    let (status, text) = post(&format!("{prefill}/v1/completions"), &body).await;
+    assert_eq!(status, 500, "{text}");
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    let err: Value = serde_json::from_str(&text).expect("JSON");
+    assert_eq!(err["object"], "error");
+    assert!(err["message"]
+        .as_str()
+        .unwrap_or("")
+        .starts_with("Prefill bootstrap failed for request rid=r-8 bootstrap_room=8"));
+    assert_eq!(log_of(&sim, "/v1/completions")[0]["kv_pull"], "timeout");
+    assert_eq!(
+        gauge(&prefill, "sglang:num_prefill_prealloc_queue_reqs").await,
+        0.0
+    );
+    assert_eq!(
+        gauge(&prefill, "sglang:num_used_tokens").await,
+        0.0,
+        "nothing computed, no KV held"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_sglang_prefill_worker_refuses_a_request_without_a_room() {
+    let (sim, prefill, _decode, _f) = serve("sglang", fast()).await;
+    for body in [
+        json!({"model": MODEL, "prompt": "hello"}),
+        json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": true,
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": 8998}),
+    ] {
+        let path = if body.get("messages").is_some() {
+            "/v1/chat/completions"
+        } else {
+            "/v1/completions"
+        };
+        let (status, text) = post(&format!("{prefill}{path}"), &body).await;
+        assert_eq!(status, 400, "{text}");
+        let err: Value = serde_json::from_str(&text).expect("JSON");
+        assert_eq!(
+            err,
+            json!({"object": "error", "type": "BadRequestError", "param": null, "code": 400,
+                "message": "Disaggregated request received without bootstrap room id"})
+        );
+    }
+    let refused = log_of(&sim, "/v1/completions");
+    assert_eq!(refused[0]["status"], 400);
+    assert_eq!(
+        refused[0]["leg"],
+        Value::Null,
+        "refused before classification"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_abort_request_ends_a_waiting_decode_and_is_logged() {
     let (sim, _prefill, decode, _f) = serve("sglang", fast()).await;

@@ -1,7 +1,9 @@
 //! One pod per engine (vLLM, SGLang, TRT-LLM) served in-process, loaded with finished, pinned
 //! and in-flight requests, then scraped exactly as pd-control scrapes: its URL builder, HTTP
 //! client and fetch-and-parse path, and its rate derivation. The readings must agree with the
-//! simulator's own state of each pod.
+//! simulator's own state of each pod. SGLang's pod is a standard (`unified`) one, as its
+//! prefill worker serves only PD prefill legs; that worker is scraped with a prefill leg
+//! waiting in its bootstrap queue.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -98,8 +100,9 @@ fn assert_matches(pod: &Pod, r: &Reading, m: &MetricsSnapshot) {
     let who = pod.label;
     assert_eq!(r.running, Some(m.running as f64), "{who} running: {r:?}");
     let waiting = match pod.engine {
-        // SGLang's waiting queue leaves out decode legs in prealloc and KV transfer.
-        Engine::Sglang => m.waiting - m.decode_prealloc - m.kv_transfer,
+        // SGLang's waiting queue plus its prealloc queues (pd-control adds them, as AIBrix's
+        // queue score does), without the decode legs waiting for their KV.
+        Engine::Sglang => m.waiting - m.kv_transfer,
         Engine::Vllm | Engine::Trtllm => m.waiting,
     };
     assert_eq!(r.waiting, Some(waiting as f64), "{who} waiting: {r:?}");
@@ -135,6 +138,7 @@ fn assert_matches(pod: &Pod, r: &Reading, m: &MetricsSnapshot) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pd_control_reads_every_engines_exposition() {
     let ports: Vec<u16> = ENGINES.iter().map(|_| free_port()).collect();
+    let sglang_prefill_port = free_port();
     let path = std::env::temp_dir().join(format!(
         "pd-sim-engines-{}-{}.yaml",
         std::process::id(),
@@ -144,7 +148,22 @@ async fn pd_control_reads_every_engines_exposition() {
     let pods: Vec<String> = ENGINES
         .iter()
         .zip(&ports)
-        .map(|(engine, port)| pod_yaml(MODEL, &format!("{engine}-p-0"), engine, "prefill", *port))
+        .map(|(engine, port)| {
+            // SGLang's prefill worker refuses a request without a bootstrap room.
+            let role = if *engine == "sglang" {
+                "unified"
+            } else {
+                "prefill"
+            };
+            pod_yaml(MODEL, &format!("{engine}-0"), engine, role, *port)
+        })
+        .chain([pod_yaml(
+            MODEL,
+            "sglang-p-0",
+            "sglang",
+            "prefill",
+            sglang_prefill_port,
+        )])
         .collect();
     std::fs::write(&path, fleet_yaml(&pods)).expect("write fleet");
     let watcher = FleetWatcher::load(path.clone(), Duration::from_millis(50)).expect("fleet");
@@ -165,7 +184,7 @@ async fn pd_control_reads_every_engines_exposition() {
         ..SimConfig::default()
     });
     let report = sim.apply(watcher.records()).await;
-    assert_eq!((report.serving, report.failed.len()), (3, 0), "{report:?}");
+    assert_eq!((report.serving, report.failed.len()), (4, 0), "{report:?}");
 
     let pods: Vec<Pod> = ENGINES
         .iter()
@@ -186,6 +205,16 @@ async fn pd_control_reads_every_engines_exposition() {
         pods[2].url,
         format!("http://127.0.0.1:{}/prometheus/metrics", ports[2])
     );
+    let sglang_prefill = {
+        let addr = format!("127.0.0.1:{sglang_prefill_port}");
+        Pod {
+            engine: Engine::Sglang,
+            label: "sglang prefill",
+            base: format!("http://{addr}"),
+            url: metrics_url("127.0.0.1", sglang_prefill_port, Engine::Sglang),
+            state: sim.pod_state(&addr).expect("pod served"),
+        }
+    };
 
     // Idle: zero gauges, counters present.
     for pod in &pods {
@@ -205,15 +234,16 @@ async fn pd_control_reads_every_engines_exposition() {
         assert_eq!(status, 404, "{} has no /prometheus/metrics", pod.label);
     }
 
-    // Finished requests, and a prefill leg whose KV stays pinned for a decode pod.
+    // Finished requests, and a prefill leg of each engine: vLLM's and TRT-LLM's keep their KV
+    // pinned for a decode pod; SGLang's prefill worker does not even compute before a decode
+    // worker registered for the room, which none does here.
     let mut pending_prefill = None;
     for pod in &pods {
         for i in 0..2 {
             let body = json!({"model": MODEL, "prompt": format!("{i} {}", "y".repeat(200)), "max_tokens": 2});
             assert_eq!(post(&pod.base, body).await.status(), 200);
         }
-        // Each engine's own prefill leg. SGLang's answers only once a decode worker took
-        // the KV, which none does here: it stays in flight, holding its KV.
+        // Each engine's own prefill leg.
         let prefill = json!({"model": MODEL, "prompt": "z".repeat(400), "max_tokens": 1});
         let mut prefill = prefill.as_object().cloned().unwrap_or_default();
         match pod.engine {
@@ -233,30 +263,64 @@ async fn pd_control_reads_every_engines_exposition() {
                     json!({"request_type": "context_only", "disagg_request_id": 4_398_046_511_105i64}));
             }
         }
-        let (base, body) = (pod.base.clone(), Value::Object(prefill));
+        let body = Value::Object(prefill);
         if pod.engine == Engine::Sglang {
+            let base = sglang_prefill.base.clone();
             pending_prefill = Some(tokio::spawn(
                 async move { post(&base, body).await.status() },
             ));
         } else {
-            assert_eq!(post(&base, body).await.status(), 200);
+            assert_eq!(post(&pod.base, body).await.status(), 200);
         }
     }
     let deadline = Instant::now() + Duration::from_secs(5);
-    while pods[1].state.metrics().prefill_inflight != 1 {
+    while sglang_prefill.state.metrics().prefill_prealloc != 1 {
         assert!(
             Instant::now() < deadline,
-            "the SGLang prefill never finished computing"
+            "the SGLang prefill leg never reached the bootstrap queue"
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     for pod in &pods {
         let (r, m) = steady_read(pod).await;
         assert_eq!((m.running, m.waiting), (0, 0));
-        assert_eq!(m.success_length, 3, "{}", pod.label);
-        assert!(m.kv_usage > 0.0, "the pinned prefill holds KV");
-        assert_eq!(m.prefill_inflight, 1);
+        if pod.engine == Engine::Sglang {
+            assert_eq!(m.success_length, 2, "{}", pod.label);
+        } else {
+            assert_eq!(m.success_length, 3, "{}", pod.label);
+            assert!(m.kv_usage > 0.0, "the pinned prefill holds KV");
+            assert_eq!(m.prefill_inflight, 1);
+        }
         assert_matches(pod, &r, &m);
+    }
+    // The SGLang prefill leg waits in the bootstrap queue: waiting in pd-control's reading
+    // (AIBrix's queue score counts the prealloc queues), not in `num_queue_reqs`, and it has
+    // neither computed nor taken KV.
+    let (r, m) = steady_read(&sglang_prefill).await;
+    assert_eq!((m.running, m.waiting, m.prefill_prealloc), (0, 1, 1));
+    assert_eq!(
+        (m.prompt_tokens, m.kv_used_tokens, m.prefill_inflight),
+        (0, 0, 0)
+    );
+    assert_eq!(r.waiting, Some(1.0), "{r:?}");
+    assert_matches(&sglang_prefill, &r, &m);
+    let text = http()
+        .get(&sglang_prefill.url)
+        .send()
+        .await
+        .expect("GET")
+        .text()
+        .await
+        .expect("body");
+    let sched = format!(
+        r#"{{engine_type="prefill",model_name="{MODEL}",moe_ep_rank="0",pp_rank="0",tp_rank="0"}}"#
+    );
+    for line in [
+        format!("sglang:num_prefill_prealloc_queue_reqs{sched} 1.0"),
+        format!("sglang:num_queue_reqs{sched} 0.0"),
+        format!("sglang:num_prefill_inflight_queue_reqs{sched} 0.0"),
+    ] {
+        assert!(text.lines().any(|l| l == line), "{line}\n{text}");
     }
 
     // In flight: one running request per pod and one waiting behind it.
@@ -335,6 +399,16 @@ async fn pd_control_reads_every_engines_exposition() {
             "the SGLang prefill waits for its decode worker"
         );
         task.abort();
+        // The client hung up: the leg leaves the bootstrap queue as an abort.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let m = sglang_prefill.state.metrics();
+            if (m.waiting, m.prefill_prealloc, m.success_abort) == (0, 0, 1) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the leg stayed queued: {m:?}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
     }
     sim.shutdown().await;
 }
