@@ -32,6 +32,10 @@ pub enum FaultKind {
         /// cleared: an error answer whose body stalls.
         #[serde(default)]
         stall_body: bool,
+        /// Answer the status with no body at all (`content-length: 0`), as a proxy in front
+        /// of an engine may.
+        #[serde(default)]
+        empty_body: bool,
     },
     /// Serve the request normally after an extra `delay_ms`.
     Slow { delay_ms: u64 },
@@ -244,7 +248,8 @@ mod tests {
             FaultKind::Status {
                 status: 503,
                 delay_ms: 0,
-                stall_body: false
+                stall_body: false,
+                empty_body: false
             }
         );
         assert!(matches!(

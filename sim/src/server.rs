@@ -461,12 +461,18 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
         status,
         delay_ms,
         stall_body,
+        empty_body,
     }) = fault.as_ref().map(|f| f.kind)
     {
         if delay_ms > 0 {
             tokio::time::sleep(Duration::from_millis(delay_ms)).await;
         }
         let answer = reject(entry, ApiError::injected(status));
+        if empty_body {
+            let (mut parts, _) = answer.into_parts();
+            parts.headers.remove(header::CONTENT_TYPE);
+            return Response::from_parts(parts, Body::empty());
+        }
         return match fault.filter(|_| stall_body) {
             Some(drawn) => stalled_body(answer, drawn),
             None => answer,

@@ -174,3 +174,50 @@ fn pod_errors_reach_clients_in_aibrix_shape_and_the_filters_own_refusals_keep_th
     stack.wait_ledger_zero();
     assert!(!stack.envoy_log().contains("panicked"));
 }
+
+/// A pod (or a proxy in front of it) answering an error with no body at all: the client
+/// still gets the contract's JSON error, with the pod's status, its other headers and the
+/// gateway's routing headers, for a decode leg and a whole request alike.
+#[test]
+fn a_pods_error_without_a_body_gets_a_json_one() {
+    let fleet = Fleet::new(MODEL)
+        .pod("p-0", "prefill", "group-0")
+        .pod("d-0", "decode", "group-0")
+        .combined("c-0");
+    let stack = Stack::start_with(fleet, 2, &[]);
+    stack.arm_fault(
+        json!({"pod": "d-0", "kind": "status", "status": 429, "empty_body": true,
+                           "leg": "decode", "times": 1}),
+    );
+    let r = stack.chat(&PD, &chat(MODEL, false));
+    let want = json!({"error": {"message": "upstream answered 429 without a body",
+                                "type": "rate_limit_error", "code": null, "param": null}});
+    assert_rewritten(&r, 429, want, false);
+    assert_eq!(r.header("target-pod"), Some("d-0"), "{}", describe(&r));
+    assert_eq!(
+        r.header("prefill-target-pod"),
+        Some("p-0"),
+        "{}",
+        describe(&r)
+    );
+
+    stack.arm_fault(
+        json!({"pod": "c-0", "kind": "status", "status": 500, "empty_body": true,
+                           "leg": "full", "times": 1}),
+    );
+    let r = stack.chat(&[("routing-strategy", "random")], &chat(MODEL, true));
+    let want = json!({"error": {"message": "Internal server error", "type": "api_error",
+                                "code": null, "param": null}});
+    assert_rewritten(&r, 500, want, false);
+    assert_eq!(
+        stack.metric(
+            "pd_router_upstream_errors_rewritten_total",
+            &[("kind", "generated")]
+        ) + stack.metric(
+            "pd_router_upstream_errors_rewritten_total",
+            &[("kind", "internal_error")]
+        ),
+        2.0
+    );
+    stack.wait_ledger_zero();
+}

@@ -114,12 +114,14 @@ pub fn rewrite(rewrite: Rewrite, status: u32, body: &[u8]) -> ErrorAnswer {
             },
             None => {
                 let code = (status == 503).then_some("service_unavailable");
-                generated(
-                    status,
-                    &String::from_utf8_lossy(body),
-                    code,
-                    Kind::Generated,
-                )
+                let text = String::from_utf8_lossy(body);
+                let message = if text.trim().is_empty() {
+                    // An empty message tells the client nothing.
+                    format!("upstream answered {status} without a body")
+                } else {
+                    text.into_owned()
+                };
+                generated(status, &message, code, Kind::Generated)
             }
         },
     }
@@ -290,7 +292,6 @@ mod tests {
             b"{not json",
             b"<html>502</html>",
             b"\xff\xfe bytes",
-            b"",
         ] {
             let (v, kind) = answer(502, body);
             assert_eq!(kind, Kind::Generated, "{body:?}");
@@ -300,5 +301,13 @@ mod tests {
             );
         }
         assert!(!rewrite(Rewrite::FromBody, 502, b"x").marked());
+        for body in [&b""[..], b" \r\n"] {
+            let (v, kind) = answer(429, body);
+            assert_eq!(kind, Kind::Generated);
+            assert_eq!(
+                v["error"]["message"], "upstream answered 429 without a body",
+                "an empty message says nothing"
+            );
+        }
     }
 }

@@ -486,11 +486,56 @@ impl PdHttp {
 
     /// Whether the answer now in is a pod's error to rewrite (`core::upstream_error`). Not
     /// the filter's own local replies (refusals, the watchdog's 504), which are already in the
-    /// contract's shape, and not an answer without a body (nothing to put one in).
+    /// contract's shape, and not an answer whose headers ended it (see
+    /// [`PdHttp::answer_bodiless_error`]).
     fn error_rewrite_for(&self, end_of_stream: bool) -> Option<Rewrite> {
         let rewrite = Rewrite::for_status(self.obs.response_status?)?;
         let own = self.local_reply || self.vm.borrow().watchdog_fired.contains(&self.id);
         (!end_of_stream && !own).then_some(rewrite)
+    }
+
+    /// A pod's error answer that has no body (its headers ended the stream): there is no body
+    /// to put the contract's JSON error in, so the answer is replaced by a local reply with
+    /// that body, the pod's status and its headers (Envoy sends it straight to the client:
+    /// no response header has gone out yet).
+    fn answer_bodiless_error(&mut self, rewrite: Rewrite) -> Action {
+        let status = self.obs.response_status.unwrap_or(500);
+        let answer = upstream_error::rewrite(rewrite, status, &[]);
+        let pod_headers = self.get_http_response_headers();
+        let mut headers: Vec<(&str, &str)> = pod_headers
+            .iter()
+            .filter(|(name, _)| {
+                !name.starts_with(':')
+                    && !matches!(
+                        name.as_str(),
+                        "content-length"
+                            | "content-type"
+                            | "content-encoding"
+                            | "transfer-encoding"
+                            | "connection"
+                            | "date"
+                            | "server"
+                    )
+            })
+            .map(|(n, v)| (n.as_str(), v.as_str()))
+            .collect();
+        headers.push(("content-type", "application/json"));
+        if answer.marked() {
+            headers.push((RESPONSE_UNKNOWN_HEADER, "true"));
+        }
+        self.local_reply = true;
+        self.vm
+            .borrow()
+            .metrics
+            .upstream_error_rewritten(answer.kind);
+        if let Err(e) = hostcalls::send_http_response(status, headers, Some(&answer.body)) {
+            log::warn!(
+                "request {}: cannot answer the pod's bodiless {status}: {e:?}",
+                self.request_id
+            );
+            return Action::Continue;
+        }
+        Action::Pause
     }
 
     /// Puts the rewritten error in place of the pod's buffered body (`body_size` bytes) and
@@ -1632,6 +1677,11 @@ impl HttpContext for PdHttp {
         {
             // Envoy's plain 413, not this filter's: an error answer like any other.
             self.local_reply = false;
+        }
+        if end_of_stream {
+            if let Some(rewrite) = self.error_rewrite_for(false) {
+                return self.answer_bodiless_error(rewrite);
+            }
         }
         self.error_rewrite = self.error_rewrite_for(end_of_stream);
         if self.error_rewrite.is_some() {
