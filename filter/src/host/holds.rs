@@ -12,6 +12,8 @@ use crate::host::SharedVm;
 #[derive(Debug, Clone)]
 pub struct Hold {
     pub charges: HeldCharges,
+    /// When it was made, on this VM's monotonic clock (`host::steady_ms`): a step of the wall
+    /// clock must not force-release every request's charges at once.
     pub since_ms: u64,
     /// 0 = never force-released.
     pub ttl_ms: u64,
@@ -98,19 +100,20 @@ pub fn update(vm: &SharedVm, id: u32, change: impl Fn(&HeldCharges, &mut Ledger)
     }
 }
 
-/// Force-releases every hold older than its TTL; returns how many.
-pub fn expire(vm: &SharedVm, now: u64) -> usize {
+/// Force-releases every hold older than its TTL (`steady`: this VM's monotonic clock; `now`:
+/// the wall clock the ledger keeps); returns how many.
+pub fn expire(vm: &SharedVm, now: u64, steady: u64) -> usize {
     let expired: Vec<(u32, String, u64)> = vm
         .borrow()
         .holds
         .iter()
-        .filter(|(_, h)| h.ttl_ms > 0 && now.saturating_sub(h.since_ms) > h.ttl_ms)
+        .filter(|(_, h)| h.ttl_ms > 0 && steady.saturating_sub(h.since_ms) > h.ttl_ms)
         .map(|(id, h)| (*id, h.request_id.clone(), h.since_ms))
         .collect();
     for (id, request_id, since) in &expired {
         log::warn!(
             "request {request_id}: charges held for {} s without a release; force-releasing (AIBRIX_TOKEN_LOAD_TTL_SECONDS)",
-            now.saturating_sub(*since) / 1000
+            steady.saturating_sub(*since) / 1000
         );
         release(vm, *id, now, HeldCharges::release_rest);
     }

@@ -596,7 +596,7 @@ impl PdHttp {
     fn hold(&self, vm: &mut VmState, charges: HeldCharges, now: u64, ttl_s: u64) {
         let hold = Hold::new(
             charges,
-            now,
+            crate::host::steady_ms(),
             ttl_s.saturating_mul(1000),
             self.request_id.clone(),
             vm.journal_seq.get(),

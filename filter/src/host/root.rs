@@ -468,14 +468,17 @@ impl Root {
         }
     }
 
-    /// Periodic upkeep of per-VM state: prefix-index age eviction and the session table.
+    /// Periodic upkeep of per-VM state: prefix-index age eviction and the session table. Paced
+    /// on this VM's monotonic clock: a backward step of the wall clock would otherwise hold
+    /// every upkeep (and the force-release of charges) back by its size.
     fn housekeeping(&mut self, now: u64) {
-        if now < self.next_housekeeping {
+        let steady = crate::host::steady_ms();
+        if steady < self.next_housekeeping {
             return;
         }
         let mut vm = self.vm.borrow_mut();
         let interval = vm.prefix_settings.eviction_interval_ms.max(100);
-        self.next_housekeeping = now + interval;
+        self.next_housekeeping = steady + interval;
         let age = vm.prefix_settings.eviction_age_ms;
         vm.prefix.evict_older_than(now, age);
         vm.sessions.prune(now);
@@ -483,16 +486,16 @@ impl Root {
         let state = &mut *vm;
         state.vtc.sweep(now, &state.defaults.env.single.vtc);
         drop(vm);
-        crate::host::holds::expire(&self.vm, now);
-        if now >= self.next_adoption_show {
-            self.next_adoption_show = now + ADOPTION_SHOW_MS;
+        crate::host::holds::expire(&self.vm, now, steady);
+        if steady >= self.next_adoption_show {
+            self.next_adoption_show = steady + ADOPTION_SHOW_MS;
             if let Some(tally) = snapshot::adoption_tally() {
                 self.show_adoption(tally);
             }
         }
-        if now >= self.next_ledger_prune {
+        if steady >= self.next_ledger_prune {
             // Pods that left (autoscaling, rollouts) must not accumulate in the shared ledger.
-            self.next_ledger_prune = now + crate::core::tokens::IDLE_PRUNE_MS;
+            self.next_ledger_prune = steady + crate::core::tokens::IDLE_PRUNE_MS;
             let pruned = crate::core::ledger::update(&SharedData, |l| {
                 Ok::<_, crate::core::ledger::StoreError>(l.prune_idle(now))
             });
