@@ -593,7 +593,7 @@ impl PdHttp {
     }
 
     /// Records what the request now holds, with its force-release deadline.
-    fn hold(&self, vm: &mut VmState, charges: HeldCharges, now: u64, ttl_s: u64) {
+    fn hold(&self, vm: &mut VmState, charges: HeldCharges, ttl_s: u64) {
         let hold = Hold::new(
             charges,
             crate::host::steady_ms(),
@@ -986,7 +986,7 @@ impl PdHttp {
         );
         crate::section!(
             "select.hold",
-            self.hold(vm, held, now, settings.tokens.ttl_s)
+            self.hold(vm, held, settings.tokens.ttl_s)
         );
         if let Target::Pair { prefill, .. } = selected.target {
             let pod = &model.pods[prefill].key;
@@ -1146,7 +1146,7 @@ impl PdHttp {
         vm.metrics
             .charged_gauges(rows.iter().map(|(k, r)| (k.as_str(), *r)));
         let ttl_s = vm.defaults.tokens.ttl_s;
-        self.hold(vm, held, now, ttl_s);
+        self.hold(vm, held, ttl_s);
         let pod = &model.pods[target.0.pod()].key;
         self.record_prefix(vm, &req.model, pod, &stream, now);
         Ok(target)
