@@ -984,10 +984,7 @@ impl PdHttp {
             vm.metrics
                 .charged_gauges(rows.iter().map(|(k, r)| (k.as_str(), *r)))
         );
-        crate::section!(
-            "select.hold",
-            self.hold(vm, held, settings.tokens.ttl_s)
-        );
+        crate::section!("select.hold", self.hold(vm, held, settings.tokens.ttl_s));
         if let Target::Pair { prefill, .. } = selected.target {
             let pod = &model.pods[prefill].key;
             self.record_prefix(vm, &req.model, pod, &stream, now);
