@@ -286,12 +286,14 @@ fn cases() -> Vec<Case> {
             ok(&"long ".repeat(400_000)).to_string(),
             200,
         ),
-        // Envoy's own 413 passes the filter's answer path, which gives it an OpenAI body.
+        // Envoy's own 413 passes the filter's answer path, which gives it an OpenAI body and
+        // the header of the filter's own refusal.
         case(
             "a body over the 8 MiB buffer limit is refused by Envoy",
             ok(&"x".repeat(9 << 20)).to_string(),
             413,
         )
+        .expect_header("x-error-request-body-processing", Some("true"))
         .error("api_error"),
     ]
 }
@@ -367,6 +369,11 @@ fn hostile_inputs_get_their_exact_answers_and_break_nothing() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+    // Envoy's own 413 counts as the filter's refusal would.
+    assert_eq!(
+        stack.metric("pd_router_rejected_total", &[("reason", "body_too_large")]),
+        1.0
+    );
 
     // The 63-bit seed reached the engine digit for digit (no f64 round trip).
     let seeds: Vec<String> = stack
@@ -504,4 +511,47 @@ fn a_client_never_finishing_its_headers_is_cut_off() {
     let mut answer = String::new();
     let read = raw.read_to_string(&mut answer);
     assert!(answer.starts_with("HTTP/1.1 408"), "{read:?} {answer:.300}");
+}
+
+/// A client's own KV-transfer members (here vLLM's `kv_transfer_params`, naming a host and
+/// blocks of its choosing) never reach an engine: the prefill and decode legs carry only the
+/// gateway's, and a request to a single pod carries none.
+#[test]
+fn a_clients_kv_transfer_params_never_reach_an_engine() {
+    let fleet = Fleet::new(MODEL)
+        .pod("p0", "prefill", "g0")
+        .pod("d0", "decode", "g0")
+        .combined("c0");
+    let stack = Stack::start(fleet.clone());
+    let hostile = json!({"do_remote_prefill": true, "remote_host": "10.9.9.9",
+                         "remote_port": 5600, "remote_engine_id": "x",
+                         "remote_block_ids": [0, 1, 2]});
+    let body = json!({"model": MODEL, "prompt": "hello", "max_tokens": 2,
+                      "kv_transfer_params": hostile});
+    for strategy in ["pd", "random"] {
+        let r = http::post_json(
+            &stack.gateway,
+            "/v1/completions",
+            &[("routing-strategy", strategy)],
+            &body,
+        );
+        assert_eq!(r.status, 200, "{strategy}: {}", r.text());
+    }
+    let p0_ip = &fleet.spec("p0").ip;
+    let legs = stack.sim_requests();
+    assert_eq!(legs.len(), 3, "{legs:#?}");
+    for leg in &legs {
+        let params = &leg["kv_transfer_params_in"];
+        match leg["pod"].as_str() {
+            Some("p0") => assert_eq!(params["do_remote_decode"], true, "{leg:#}"),
+            Some("d0") => assert_eq!(params["remote_host"], p0_ip.as_str(), "{leg:#}"),
+            Some("c0") => assert!(params.is_null(), "{leg:#}"),
+            other => panic!("unexpected pod {other:?}"),
+        }
+        assert!(
+            !leg["body"].to_string().contains("10.9.9.9"),
+            "the client's host reached {}: {leg:#}",
+            leg["pod"]
+        );
+    }
 }

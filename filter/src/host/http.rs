@@ -648,7 +648,18 @@ impl PdHttp {
             .clone()
             .ok_or(RouteError::NoSnapshot)?;
         self.routed_on = Some(fleet.clone());
-        let req = crate::section!("request_body.parse", RoutingRequest::parse(endpoint, &raw))?;
+        let mut req = crate::section!("request_body.parse", RoutingRequest::parse(endpoint, &raw))?;
+        if let Some(clean) = crate::core::engine::without_gateway_members(&req.members, &raw) {
+            // Rare (no client sends them): the body Envoy holds and the one kept for the legs
+            // lose them, and the request is read again from the clean one.
+            log::info!(
+                "request {}: dropped the client's KV-transfer members (the gateway's to set)",
+                self.request_id
+            );
+            self.replace_body(&clean)?;
+            raw = clean;
+            req = RoutingRequest::parse(endpoint, &raw)?;
+        }
         self.obs.times.stream = req.stream;
         let user = self.limited_user(&fleet)?;
         // A limited user's stream must end with its usage, or its tokens could not be counted.
@@ -1674,6 +1685,17 @@ impl HttpContext for PdHttp {
         {
             // Envoy's plain 413, not this filter's: an error answer like any other.
             self.local_reply = false;
+        }
+        if self.obs.response_status == Some(413) && self.routed.is_none() && !self.local_reply {
+            // Envoy's own 413 (its HTTP/1.1 buffer limit took the body before the filter's
+            // bound did): the same refusal as the filter's, with its header and its count.
+            self.set_http_response_header("x-error-request-body-processing", Some("true"));
+            if !self.body_refused {
+                let limit = self.vm.borrow().plugin.max_request_body_bytes;
+                let error = RouteError::BodyTooLarge { limit };
+                self.vm.borrow().metrics.rejected(&error);
+                self.obs.outcome.get_or_insert(Outcome::rejected(&error));
+            }
         }
         if end_of_stream {
             if let Some(rewrite) = self.error_rewrite_for(false) {

@@ -12,6 +12,29 @@ use crate::core::fleet::ModelView;
 use crate::core::request::Endpoint;
 use trtllm::ScheduleStyle;
 
+/// Members through which engines hand KV caches to each other: vLLM's `kv_transfer_params`,
+/// the Neuron connector's `disagg_prefill_resp`, TRT-LLM's `disaggregated_params`. Only the
+/// gateway writes them. A client's copy would reach an engine on every leg the gateway leaves
+/// as sent (a single pod; a decode leg whose prefill answered without parameters) and make it
+/// pull KV blocks of the client's choosing from an address of the client's choosing.
+pub const GATEWAY_OWNED_MEMBERS: [&str; 3] = [
+    "kv_transfer_params",
+    "disagg_prefill_resp",
+    "disaggregated_params",
+];
+
+/// The client's body without any [`GATEWAY_OWNED_MEMBERS`]; `None` when it has none (the
+/// common case: the body goes on as sent).
+pub fn without_gateway_members(
+    members: &crate::core::json_object::Spans,
+    raw: &[u8],
+) -> Option<Vec<u8>> {
+    GATEWAY_OWNED_MEMBERS
+        .iter()
+        .any(|k| members.value(raw, k).is_some() || members.repeated(k))
+        .then(|| members.write(raw, &GATEWAY_OWNED_MEMBERS, &[]))
+}
+
 /// The `model.aibrix.ai/engine` of a PD request's pods.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Engine {
@@ -139,6 +162,33 @@ impl EngineDefaults {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_clients_kv_transfer_members_never_reach_an_engine() {
+        use crate::core::json_object::Members;
+        let clean = br#"{"model":"m","prompt":"hi","max_tokens":3}"#;
+        let spans = Members::parse(clean).unwrap().spans(clean);
+        assert_eq!(without_gateway_members(&spans, clean), None, "left as sent");
+        for body in [
+            &br#"{"model":"m","kv_transfer_params":{"do_remote_prefill":true,"remote_host":"10.9.9.9"},"prompt":"hi"}"#[..],
+            br#"{"model":"m","prompt":"hi","disaggregated_params":{"request_type":"generation_only"}}"#,
+            br#"{"disagg_prefill_resp":{},"model":"m","prompt":"hi"}"#,
+            // An escaped name is the same name to the engine's JSON parser.
+            br#"{"model":"m","kv_transfer\u005fparams":{"remote_port":1},"prompt":"hi"}"#,
+            // So is a repeated one.
+            br#"{"model":"m","kv_transfer_params":1,"kv_transfer_params":null,"prompt":"hi"}"#,
+        ] {
+            let spans = Members::parse(body).unwrap().spans(body);
+            let out = without_gateway_members(&spans, body).expect("edited");
+            let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+            assert_eq!(
+                v,
+                serde_json::json!({"model": "m", "prompt": "hi"}),
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+        }
+    }
+
     use super::*;
     use crate::core::fleet::tests::{pod, snapshot};
     use crate::core::fleet::FleetView;
