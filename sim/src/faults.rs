@@ -39,6 +39,9 @@ pub enum FaultKind {
     },
     /// Serve the request normally after an extra `delay_ms`.
     Slow { delay_ms: u64 },
+    /// Answer 200 with a JSON object of `bytes` bytes instead of serving the request: a
+    /// broken or hostile engine's answer.
+    Oversized { bytes: u64 },
     /// Stop listening and drop every open connection (a process that died); cleared, the pod
     /// listens again with empty load.
     Crash,
@@ -57,6 +60,7 @@ impl FaultKind {
             FaultKind::HangAfterChunks { .. } => "hang_after_chunks",
             FaultKind::Status { .. } => "status",
             FaultKind::Slow { .. } => "slow",
+            FaultKind::Oversized { .. } => "oversized",
             FaultKind::Crash => "crash",
             FaultKind::Refuse => "refuse",
             FaultKind::Wedge => "wedge",

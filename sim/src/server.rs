@@ -457,6 +457,22 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
         .or_else(|| trt_leg.as_ref().map(TrtLeg::log_value));
     let fault = pod.faults.draw(req.leg);
     entry.fault = fault.as_ref().map(|f| f.kind.name().to_string());
+    if let Some(FaultKind::Oversized { bytes }) = fault.as_ref().map(|f| f.kind) {
+        pod.log.push(entry);
+        let pad = usize::try_from(bytes.saturating_sub(10)).unwrap_or(usize::MAX);
+        let mut body = Vec::with_capacity(pad + 10);
+        body.extend_from_slice(b"{\"pad\":\"");
+        body.resize(body.len() + pad, b'x');
+        body.extend_from_slice(b"\"}");
+        return (
+            [(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            )],
+            body,
+        )
+            .into_response();
+    }
     if let Some(FaultKind::Status {
         status,
         delay_ms,
@@ -676,7 +692,10 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
                     None
                 }
                 FaultKind::HangAfterChunks { chunks } => Some(Stall { chunks, drawn }),
-                FaultKind::Status { .. } | FaultKind::Crash | FaultKind::Refuse => None,
+                FaultKind::Status { .. }
+                | FaultKind::Oversized { .. }
+                | FaultKind::Crash
+                | FaultKind::Refuse => None,
             },
             None => None,
         };

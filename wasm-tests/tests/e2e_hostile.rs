@@ -555,3 +555,35 @@ fn a_clients_kv_transfer_params_never_reach_an_engine() {
         );
     }
 }
+
+/// A prefill pod answering 200 with a body over Envoy's async-client buffer limit (32 MB by
+/// default; a broken or hostile engine): Envoy fails the call after its answer began and calls
+/// the filter back with no answer at all. The request fails with 502 and `x-error-pd-prefill`,
+/// and the worker keeps serving: reading the missing answer's status used to trap the VM,
+/// taking every stream of the worker along.
+#[test]
+fn a_prefill_call_envoy_fails_mid_answer_fails_only_its_request() {
+    let fleet = Fleet::new(MODEL)
+        .pod("p0", "prefill", "g0")
+        .pod("d0", "decode", "g0");
+    let stack = Stack::start(fleet);
+    stack.arm_fault(json!({"pod": "p0", "kind": "oversized", "bytes": 40 << 20,
+                           "leg": "prefill", "times": 1}));
+    let body = json!({"model": MODEL, "prompt": "hello", "max_tokens": 2});
+    let pd = [("routing-strategy", "pd")];
+    let r = http::post_json(&stack.gateway, "/v1/completions", &pd, &body);
+    assert_eq!(r.status, 502, "{}", r.text());
+    assert_eq!(r.header("x-error-pd-prefill"), Some("true"));
+    let message = r.json()["error"]["message"].to_string();
+    assert!(
+        message.contains("failed after its answer began"),
+        "{message}"
+    );
+    for _ in 0..4 {
+        let r = http::post_json(&stack.gateway, "/v1/completions", &pd, &body);
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    let log = stack.envoy_log();
+    assert!(!log.contains("panicked"), "{log}");
+    stack.wait_ledger_zero();
+}

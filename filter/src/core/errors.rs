@@ -3,6 +3,10 @@
 
 use serde_json::json;
 
+/// Of a failed call's answer, only this much is read: it is logged and quoted (256
+/// characters), and classified by its first bytes.
+pub const ERROR_BODY_READ_BYTES: usize = 4096;
+
 /// A refusal that becomes a local reply.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum RouteError {
@@ -109,6 +113,20 @@ impl RouteError {
     /// own 4xx/5xx passes through; a callout Envoy could not deliver is the pod's transport
     /// failing, a 502 (`error`), not the 503 "overloaded" Envoy synthesises; an unparsable or
     /// 499 status is a 502 too.
+    /// A side call Envoy failed after the pod began its answer: the stream was reset
+    /// mid-answer, or the answer outgrew Envoy's async-client buffer
+    /// (`http.async_response_buffer_limit`, 32 MB by default). `leg`: which call.
+    pub fn leg_call_failed(leg: &str) -> RouteError {
+        RouteError::Prefill {
+            status: 502,
+            class: "error",
+            detail: format!(
+                "the {leg} call failed after its answer began (reset mid-answer, or over \
+                 Envoy's async-client response buffer limit)"
+            ),
+        }
+    }
+
     pub fn prefill_answer(status: &str, body: &[u8], class: &'static str) -> RouteError {
         // AIBrix's cut: 256 characters, marked.
         let text = String::from_utf8_lossy(body);

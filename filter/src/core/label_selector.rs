@@ -150,8 +150,22 @@ impl Cursor<'_> {
     }
 }
 
+/// Bounds on a selector. The header is the client's: each requirement is checked against
+/// every routable pod's labels, so without them one request of `!a,!a,...` (twenty thousand
+/// requirements in Envoy's 60 KiB header limit) held a worker for a second at 1000 pods. Far
+/// above any selector an operator writes (Kubernetes' own are a few requirements).
+pub const MAX_SELECTOR_BYTES: usize = 4096;
+pub const MAX_REQUIREMENTS: usize = 64;
+pub const MAX_SET_VALUES: usize = 256;
+
 impl Selector {
     pub fn parse(text: &str) -> Result<Selector, SelectorError> {
+        if text.len() > MAX_SELECTOR_BYTES {
+            return Err(SelectorError {
+                at: MAX_SELECTOR_BYTES,
+                what: "longer than 4096 bytes",
+            });
+        }
         let mut cursor = Cursor {
             text: text.as_bytes(),
             at: 0,
@@ -160,8 +174,19 @@ impl Selector {
         if cursor.peek().is_none() {
             return Ok(Selector { requirements });
         }
+        let mut values = 0;
         loop {
-            requirements.push(cursor.requirement()?);
+            let requirement = cursor.requirement()?;
+            if let Op::In(set) | Op::NotIn(set) = &requirement.op {
+                values += set.len();
+            }
+            requirements.push(requirement);
+            if requirements.len() > MAX_REQUIREMENTS {
+                return cursor.fail("more than 64 requirements");
+            }
+            if values > MAX_SET_VALUES {
+                return cursor.fail("more than 256 values in its sets");
+            }
             match cursor.peek() {
                 None => return Ok(Selector { requirements }),
                 Some(b',') => cursor.at += 1,
@@ -195,6 +220,26 @@ impl Selector {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_selector_is_bounded() {
+        let many = vec!["!a"; MAX_REQUIREMENTS].join(",");
+        assert!(Selector::parse(&many).is_ok(), "64 requirements");
+        let err = Selector::parse(&format!("{many},!b")).unwrap_err();
+        assert_eq!(err.what, "more than 64 requirements");
+        let err = Selector::parse(&"!a,".repeat(20_000)).unwrap_err();
+        assert_eq!(err.what, "longer than 4096 bytes");
+        let set = |n: usize| {
+            (0..n)
+                .map(|i| format!("v{i}"))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        assert!(Selector::parse(&format!("k in ({})", set(MAX_SET_VALUES))).is_ok());
+        let err =
+            Selector::parse(&format!("k in ({}),j notin (x)", set(MAX_SET_VALUES))).unwrap_err();
+        assert_eq!(err.what, "more than 256 values in its sets");
+    }
     use super::*;
 
     fn labels(pairs: &[(&str, &str)]) -> Vec<(String, String)> {

@@ -411,9 +411,7 @@ impl PdHttp {
 
     /// The status and body of the side call whose answer is being handled.
     fn call_answer(&self, body_size: usize) -> (String, Vec<u8>) {
-        let status = self
-            .get_http_call_response_header(":status")
-            .unwrap_or_default();
+        let status = crate::host::call_header(":status").unwrap_or_default();
         let body = self
             .get_http_call_response_body(0, body_size)
             .unwrap_or_default();
@@ -1472,11 +1470,12 @@ impl Context for PdHttp {
     fn on_http_call_response(
         &mut self,
         token: u32,
-        _headers: usize,
+        headers: usize,
         body_size: usize,
         _trailers: usize,
     ) {
         crate::section_scope!("prefill_answer");
+        crate::host::answering_call(headers);
         if let Some(admission) = self.admission.take_if(|a| a.token == token) {
             return self.on_admission(admission, body_size);
         }
@@ -1501,12 +1500,24 @@ impl Context for PdHttp {
         crate::section!("prefill_answer.returned", self.prefill_returned());
         let status = crate::section!(
             "prefill_answer.status",
-            self.get_http_call_response_header(":status")
-                .unwrap_or_default()
+            crate::host::call_header(":status").unwrap_or_default()
         );
+        if status.is_empty() {
+            // No answer to read: Envoy failed the call after the pod began answering.
+            self.prefill_served("502", &mut clock);
+            self.routed = None;
+            self.reject(RouteError::leg_call_failed("prefill"));
+            return;
+        }
+        // A failure's body only explains it (its first bytes are logged and returned).
+        let read = if status == "200" {
+            body_size
+        } else {
+            body_size.min(crate::core::errors::ERROR_BODY_READ_BYTES)
+        };
         let body = crate::section!(
             "prefill_answer.body",
-            self.get_http_call_response_body(0, body_size)
+            self.get_http_call_response_body(0, read)
                 .unwrap_or_default()
         );
         crate::section!(

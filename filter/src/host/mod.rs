@@ -252,6 +252,30 @@ pub fn set_tick_period(period_ms: u64) {
     }
 }
 
+thread_local! {
+    static CALL_ANSWERED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Marks the side-call answer about to be handled (`headers`: how many it has). Envoy calls
+/// back with none when it failed the call after the answer began (a stream reset mid-answer,
+/// an answer over its async-client buffer limit): there is no header map then, and asking for
+/// a header is an error the SDK turns into a panic, a trap of the VM with every stream of the
+/// worker.
+pub fn answering_call(headers: usize) {
+    CALL_ANSWERED.with(|a| a.set(headers > 0));
+}
+
+/// A header of the side-call answer being handled; `None` when it has none (see
+/// [`answering_call`]).
+pub fn call_header(name: &str) -> Option<String> {
+    if !CALL_ANSWERED.with(|a| a.get()) {
+        return None;
+    }
+    proxy_wasm::hostcalls::get_map_value(proxy_wasm::types::MapType::HttpCallResponseHeaders, name)
+        .ok()
+        .flatten()
+}
+
 /// Milliseconds since the Unix epoch from the host clock.
 pub fn now_ms() -> u64 {
     proxy_wasm::hostcalls::get_current_time()

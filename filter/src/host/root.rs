@@ -273,9 +273,7 @@ impl Root {
     }
 
     fn on_usage_answer(&mut self, report: crate::core::user_limits::Report) {
-        let status = self
-            .get_http_call_response_header(":status")
-            .unwrap_or_default();
+        let status = crate::host::call_header(":status").unwrap_or_default();
         if status == "204" || status == "200" {
             self.usage_failures = 0;
             Metrics::add(self.vm.borrow().metrics.user_tokens_reported, report.tokens);
@@ -332,9 +330,7 @@ impl Root {
     }
 
     fn on_release_answer(&mut self, count: u64) {
-        let status = self
-            .get_http_call_response_header(":status")
-            .unwrap_or_default();
+        let status = crate::host::call_header(":status").unwrap_or_default();
         if status == "200" {
             self.release_failures = 0;
             Metrics::add(self.vm.borrow().metrics.model_rps_refunds[0], count);
@@ -368,9 +364,7 @@ impl Root {
 
     fn on_report_answer(&mut self, body_size: usize) {
         self.report_in_flight = None;
-        let status = self
-            .get_http_call_response_header(":status")
-            .unwrap_or_default();
+        let status = crate::host::call_header(":status").unwrap_or_default();
         if status != "200" {
             return self.report_failed(format!("replica report answered status {status:?}"));
         }
@@ -695,10 +689,11 @@ impl Context for Root {
     fn on_http_call_response(
         &mut self,
         token: u32,
-        _headers: usize,
+        headers: usize,
         body_size: usize,
         _trailers: usize,
     ) {
+        crate::host::answering_call(headers);
         if self.report_in_flight == Some(token) {
             return self.on_report_answer(body_size);
         }
@@ -709,9 +704,7 @@ impl Context for Root {
             return self.on_release_answer(count);
         }
         if self.fetch_in_flight != Some(token) {
-            let status = self
-                .get_http_call_response_header(":status")
-                .unwrap_or_default();
+            let status = crate::host::call_header(":status").unwrap_or_default();
             self.vm
                 .borrow_mut()
                 .engines
@@ -719,12 +712,10 @@ impl Context for Root {
             return;
         }
         self.fetch_in_flight = None;
-        let status = self
-            .get_http_call_response_header(":status")
-            .unwrap_or_default();
-        let version_header = self.get_http_call_response_header("x-pd-snapshot-version");
+        let status = crate::host::call_header(":status").unwrap_or_default();
+        let version_header = crate::host::call_header("x-pd-snapshot-version");
         if matches!(status.as_str(), "200" | "304") {
-            let here = self.get_http_call_response_header(snapshot::EDS_HERE_HEADER);
+            let here = crate::host::call_header(snapshot::EDS_HERE_HEADER);
             snapshot::set_eds_here(here.as_deref());
         }
         match status.as_str() {

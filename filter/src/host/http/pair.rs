@@ -5,7 +5,7 @@
 
 use crate::core::json_object::{BodyEdit, Spans};
 use proxy_wasm::hostcalls;
-use proxy_wasm::traits::{Context, HttpContext};
+use proxy_wasm::traits::HttpContext;
 use proxy_wasm::types::{Action, BufferType};
 
 use super::{PdHttp, PendingDecode};
@@ -235,21 +235,23 @@ impl PdHttp {
 
     /// Answers of the calls this module made (not the synchronous prefill).
     pub(super) fn on_leg_response(&mut self, token: u32, body_size: usize) {
-        let status = self
-            .get_http_call_response_header(":status")
-            .unwrap_or_default();
-        let body = || {
-            hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+        let status = crate::host::call_header(":status").unwrap_or_default();
+        let body = |max: usize| {
+            hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size.min(max))
                 .ok()
                 .flatten()
                 .unwrap_or_default()
         };
         if self.legs.server_info.as_ref().map(|c| c.token) == Some(token) {
-            self.on_server_info(&status, &body());
+            self.on_server_info(&status, &body(usize::MAX));
         } else if self.legs.async_prefill.as_ref().map(|p| p.token) == Some(token) {
             // A prefill that answered 200 has nothing more to say: its body is read only
-            // to explain a failure.
-            let body = if status == "200" { Vec::new() } else { body() };
+            // to explain a failure, and only its first bytes do.
+            let body = if status == "200" {
+                Vec::new()
+            } else {
+                body(crate::core::errors::ERROR_BODY_READ_BYTES)
+            };
             self.on_async_prefill(&status, &body);
         }
     }
