@@ -412,6 +412,10 @@ impl PdHttp {
     /// The status and body of the side call whose answer is being handled.
     fn call_answer(&self, body_size: usize) -> (String, Vec<u8>) {
         let status = crate::host::call_header(":status").unwrap_or_default();
+        if status.is_empty() {
+            // Envoy failed the call: there is no answer to read (see `host::answering_call`).
+            return (status, Vec::new());
+        }
         let body = self
             .get_http_call_response_body(0, body_size)
             .unwrap_or_default();

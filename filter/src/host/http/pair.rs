@@ -237,6 +237,10 @@ impl PdHttp {
     pub(super) fn on_leg_response(&mut self, token: u32, body_size: usize) {
         let status = crate::host::call_header(":status").unwrap_or_default();
         let body = |max: usize| {
+            if status.is_empty() {
+                // Envoy failed the call: there is no answer to read.
+                return Vec::new();
+            }
             hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size.min(max))
                 .ok()
                 .flatten()
