@@ -369,6 +369,18 @@ fn hostile_inputs_get_their_exact_answers_and_break_nothing() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+    // Client text in the gateway's log stays on its line and is cut short: the CR/LF model
+    // forges no line, the 10 KB one makes no 10 KB line.
+    let log = stack.envoy_log();
+    assert!(
+        log.contains("m\\r\\nx-injected: 1"),
+        "the refusal is logged, escaped"
+    );
+    assert!(!log.lines().any(|l| l.starts_with("x-injected")), "{log}");
+    assert!(
+        !log.contains(&"m".repeat(1_000)),
+        "a 10 KB model name in one line"
+    );
     // Envoy's own 413 counts as the filter's refusal would.
     assert_eq!(
         stack.metric("pd_router_rejected_total", &[("reason", "body_too_large")]),

@@ -7,6 +7,26 @@ use serde_json::json;
 /// characters), and classified by its first bytes.
 pub const ERROR_BODY_READ_BYTES: usize = 4096;
 
+/// `text` (a client's or a pod's) fit for one log line: control characters escaped, so a
+/// model name holding a newline cannot forge a line, and cut after 256 characters, so an 8 MiB
+/// name does not make an 8 MiB line.
+pub fn loggable(text: &str) -> String {
+    const MAX_CHARS: usize = 256;
+    let mut out = String::with_capacity(text.len().min(MAX_CHARS + 16));
+    for (i, c) in text.chars().enumerate() {
+        if i == MAX_CHARS {
+            out.push_str(&format!("... ({} bytes)", text.len()));
+            break;
+        }
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// A refusal that becomes a local reply.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum RouteError {
@@ -401,6 +421,16 @@ pub fn sanitize_header_len(value: &str, max: usize) -> String {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn client_text_is_one_bounded_log_line() {
+        assert_eq!(loggable("llama-3"), "llama-3");
+        assert_eq!(loggable("a\nb\r\u{1b}[31m"), "a\\nb\\r\\u{1b}[31m");
+        let long = "x".repeat(10_000);
+        let line = loggable(&long);
+        assert!(line.starts_with(&"x".repeat(256)) && line.ends_with("... (10000 bytes)"));
+        assert!(line.len() < 300);
+    }
     use super::*;
 
     #[test]

@@ -462,11 +462,15 @@ impl PdHttp {
                 | RouteError::NoMessages
                 | RouteError::Unauthorized
         ) {
+            use crate::core::errors::loggable;
+            let what = loggable(&error.to_string());
             match error.detail() {
-                Some(detail) => {
-                    log::info!("request {} refused: {error}: {detail}", self.request_id)
-                }
-                None => log::info!("request {} refused: {error}", self.request_id),
+                Some(detail) => log::info!(
+                    "request {} refused: {what}: {}",
+                    self.request_id,
+                    loggable(detail)
+                ),
+                None => log::info!("request {} refused: {what}", self.request_id),
             }
         }
         let header = error.header();
@@ -1374,7 +1378,7 @@ impl PdHttp {
         log::info!(
             "request {}: prefill pod {failed} {what} ({}); routing again without it",
             self.request_id,
-            String::from_utf8_lossy(&body[..body.len().min(120)])
+            crate::core::errors::loggable(&String::from_utf8_lossy(&body[..body.len().min(120)]))
         );
         self.failover.excluded.push(failed);
         let failed_pods = self.failover.excluded.join(",");

@@ -317,7 +317,11 @@ impl PdHttp {
             return;
         }
         let error = RouteError::prefill_answer(status, body, "http_error");
-        log::warn!("request {}: {error}", self.request_id);
+        log::warn!(
+            "request {}: {}",
+            self.request_id,
+            crate::core::errors::loggable(&error.to_string())
+        );
         // The decode pod will never get its KV: stop the watchdog, ask the pod to drop it
         // (the stand-in, when the chosen one refused the connection and Envoy retried there).
         self.vm.borrow_mut().watched.remove(&self.id);
