@@ -170,6 +170,12 @@ pub struct Config {
     #[arg(long, value_name = "ADDR")]
     pub xds_listen: Option<SocketAddr>,
 
+    /// Also serve `/metrics`, `/healthz` and `/readyz` (and nothing else) on this address, so
+    /// Prometheus can be let in to them alone: a NetworkPolicy admits ports, not paths, and
+    /// the main listener also serves the snapshot, limits and replica APIs.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_listen: Option<SocketAddr>,
+
     /// The `external` strategy's replica-selection service (AIBrix's
     /// `AIBRIX_EXTERNAL_ROUTER_*`, each also a flag).
     #[command(flatten)]
@@ -268,6 +274,7 @@ impl Config {
             eds_file: None,
             eds_cluster: crate::eds::DEFAULT_CLUSTER.into(),
             xds_listen: None,
+            metrics_listen: None,
             external: Default::default(),
         }
     }

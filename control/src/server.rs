@@ -66,6 +66,15 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
+/// What `--metrics-listen` serves: health and metrics only, never the APIs.
+pub fn metrics_router(state: AppState) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .with_state(state)
+}
+
 /// 401 without `authorization: Bearer <token>` when a token is configured.
 async fn require_token(State(state): State<AppState>, request: Request, next: Next) -> Response {
     match &state.token {

@@ -57,6 +57,7 @@ pub enum Error {
 pub struct Service {
     local_addr: SocketAddr,
     xds_addr: Option<SocketAddr>,
+    metrics_addr: Option<SocketAddr>,
     stats: Arc<Stats>,
     snapshots: watch::Receiver<Arc<Published>>,
     shutdown: watch::Sender<bool>,
@@ -72,6 +73,11 @@ impl Service {
     /// Where the EDS service listens (`--xds-listen`), once bound.
     pub fn xds_addr(&self) -> Option<SocketAddr> {
         self.xds_addr
+    }
+
+    /// Where health and metrics alone are served (`--metrics-listen`), once bound.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_addr
     }
 
     pub fn stats(&self) -> &Arc<Stats> {
@@ -209,6 +215,18 @@ pub async fn start_with_source<S: FleetSource>(
         }
         None => (None, None),
     };
+    let (metrics_listener, metrics_addr) = match config.metrics_listen {
+        Some(addr) => {
+            let bound = async {
+                let listener = TcpListener::bind(addr).await?;
+                let local = listener.local_addr()?;
+                Ok::<_, io::Error>((listener, local))
+            };
+            let (listener, local) = bound.await.map_err(|source| Error::Bind { addr, source })?;
+            (Some(listener), Some(local))
+        }
+        None => (None, None),
+    };
     let listing = eds.as_ref().map(EdsWriter::subscribe);
     // Stand-ins are named only where the retrying cluster knows the pods: always with the
     // file (Envoy reads it at start), over EDS once a gateway has taken a listing.
@@ -273,7 +291,7 @@ pub async fn start_with_source<S: FleetSource>(
     }
 
     let guarded = token.is_some();
-    let app = server::router(AppState {
+    let state = AppState {
         snapshots: snapshots_rx.clone(),
         live: live_rx,
         stats: stats.clone(),
@@ -283,7 +301,21 @@ pub async fn start_with_source<S: FleetSource>(
         token,
         eds_here,
         external,
-    });
+    };
+    if let Some(listener) = metrics_listener {
+        let app = server::metrics_router(state.clone());
+        let mut stop = shutdown.clone();
+        tasks.push(tokio::spawn(async move {
+            let served = axum::serve(listener, app)
+                .with_graceful_shutdown(async move { stop.requested().await })
+                .await;
+            if let Err(e) = served {
+                tracing::error!(error = %e, "the metrics listener failed");
+            }
+        }));
+        tracing::info!(addr = ?metrics_addr, "serving health and metrics");
+    }
+    let app = server::router(state);
     let mut server_shutdown = shutdown;
     let server = tokio::spawn(async move {
         axum::serve(listener, app)
@@ -299,6 +331,7 @@ pub async fn start_with_source<S: FleetSource>(
     Ok(Service {
         local_addr,
         xds_addr,
+        metrics_addr,
         stats,
         snapshots: snapshots_rx,
         shutdown: shutdown_tx,

@@ -241,7 +241,7 @@ fn rbac_grants_get_list_watch_on_pods_and_model_adapters_and_nothing_else() {
 
 /// The snapshot API admits only the gateway and Prometheus, on the Service's port only.
 #[test]
-fn network_policy_restricts_pd_control_ingress_to_its_port() {
+fn network_policy_admits_the_gateway_to_the_apis_and_prometheus_to_metrics_alone() {
     let k = kube();
     let policy = &k.network_policies[0];
     let deployment = &k.deployments[0];
@@ -268,36 +268,74 @@ fn network_policy_restricts_pd_control_ingress_to_its_port() {
         Some(&["Ingress".to_string()][..])
     );
     let rules = spec.ingress.as_ref().expect("ingress rules");
-    assert_eq!(rules.len(), 1, "one rule: no allow-all beside it");
-    let rule = &rules[0];
-    let from = rule.from.as_ref().expect("from: never open to all");
-    assert!(!from.is_empty());
-    for peer in from {
-        assert!(peer.ip_block.is_none(), "no address ranges");
-        assert!(
-            peer.namespace_selector
-                .as_ref()
-                .and_then(|n| n.match_labels.as_ref())
-                .is_some_and(|l| !l.is_empty()),
-            "every peer names its namespace"
-        );
-    }
-    let service_ports: Vec<Option<IntOrString>> = k.services[0]
-        .spec
-        .as_ref()
-        .and_then(|s| s.ports.as_ref())
-        .expect("ports")
-        .iter()
-        .map(|p| Some(IntOrString::Int(p.port)))
-        .collect();
-    let ports: Vec<Option<IntOrString>> = rule
+    assert_eq!(
+        rules.len(),
+        2,
+        "the gateway's rule and Prometheus's: no allow-all beside them"
+    );
+    let service = k.services[0].spec.as_ref().expect("spec");
+    let service_port = |name: &str| {
+        service
+            .ports
+            .as_ref()
+            .expect("ports")
+            .iter()
+            .find(|p| p.name.as_deref() == Some(name))
+            .map(|p| IntOrString::Int(p.port))
+            .unwrap_or_else(|| panic!("no Service port {name}"))
+    };
+    let mut service_ports: Vec<String> = service
         .ports
         .as_ref()
         .expect("ports")
         .iter()
-        .map(|p| p.port.clone())
+        .map(|p| p.port.to_string())
         .collect();
-    assert_eq!(ports, service_ports, "exactly the Service's ports");
+    let mut admitted = Vec::new();
+    let mut monitoring_ports = None;
+    for rule in rules {
+        let from = rule.from.as_ref().expect("from: never open to all");
+        assert!(!from.is_empty());
+        let mut namespaces = Vec::new();
+        for peer in from {
+            assert!(peer.ip_block.is_none(), "no address ranges");
+            let labels = peer
+                .namespace_selector
+                .as_ref()
+                .and_then(|n| n.match_labels.as_ref())
+                .filter(|l| !l.is_empty())
+                .expect("every peer names its namespace");
+            namespaces.extend(labels.values().cloned());
+        }
+        let ports: Vec<IntOrString> = rule
+            .ports
+            .as_ref()
+            .expect("ports")
+            .iter()
+            .map(|p| p.port.clone().expect("port"))
+            .collect();
+        if namespaces.iter().any(|n| n == "monitoring") {
+            assert_eq!(
+                namespaces,
+                ["monitoring"],
+                "Prometheus's rule admits no one else"
+            );
+            monitoring_ports = Some(ports.clone());
+        }
+        admitted.extend(ports.iter().map(|p| match p {
+            IntOrString::Int(n) => n.to_string(),
+            IntOrString::String(s) => s.clone(),
+        }));
+    }
+    // Prometheus reaches health and metrics alone, never the snapshot, limits or replica
+    // APIs (a NetworkPolicy admits ports, not paths).
+    assert_eq!(
+        monitoring_ports.expect("a rule for the monitoring namespace"),
+        [service_port("http-metrics")]
+    );
+    admitted.sort();
+    service_ports.sort();
+    assert_eq!(admitted, service_ports, "exactly the Service's ports");
 }
 
 fn container<'a>(containers: &'a [Container], name: &str) -> &'a Container {
@@ -396,6 +434,25 @@ fn control_deployment_matches_its_cli_service_and_account() {
             .starts_with("grpc"),
         "Istio protocol by port name: gRPC"
     );
+
+    // Health and metrics alone on a declared port the Service offers as `http-metrics` (the
+    // one port the NetworkPolicy opens to Prometheus).
+    let metrics = config
+        .metrics_listen
+        .expect("--metrics-listen (what Prometheus may reach)");
+    let metrics_port = control
+        .ports
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|p| p.container_port == i32::from(metrics.port()))
+        .expect("--metrics-listen port is a declared containerPort");
+    let metrics_name = metrics_port.name.clone().expect("named port");
+    let offered = svc_ports
+        .iter()
+        .find(|p| p.target_port == Some(IntOrString::String(metrics_name.clone())))
+        .expect("the Service offers the metrics port");
+    assert_eq!(offered.name.as_deref(), Some("http-metrics"));
 
     // pd-control watches Kubernetes itself: no fleet file, no sidecar.
     assert_eq!(

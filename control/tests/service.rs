@@ -838,3 +838,59 @@ async fn the_endpoint_file_lists_a_pod_before_a_snapshot_names_it() {
     assert!(!snapshot(&client, &base).await.eds);
     without.shutdown().await.expect("clean shutdown");
 }
+
+/// `--metrics-listen`: health, readiness and metrics on a port of their own, and nothing else
+/// there (what a NetworkPolicy admits Prometheus to); the main listener keeps serving them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_metrics_listener_serves_health_and_metrics_and_no_api() {
+    let dir = tempfile::tempdir().unwrap();
+    let fleet_path = dir.path().join("fleet.yaml");
+    write_atomically(&fleet_path, &fleet_yaml(&[pending()]));
+    let mut config = pd_control::Config::new(&fleet_path, "127.0.0.1:0".parse().unwrap());
+    config.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
+    let service = pd_control::start(config).await.unwrap();
+    let metrics_addr = service.metrics_addr().expect("bound");
+    assert_ne!(metrics_addr, service.local_addr());
+    let metrics = format!("http://{metrics_addr}");
+    let main = format!("http://{}", service.local_addr());
+    let client = client();
+    for path in ["/healthz", "/readyz", "/metrics"] {
+        let f = fetch(&client, &format!("{metrics}{path}")).await;
+        assert_eq!(f.status, 200, "{path} on the metrics listener");
+        assert_eq!(
+            fetch(&client, &format!("{main}{path}")).await.status,
+            200,
+            "{path} on the main one"
+        );
+    }
+    let f = fetch(&client, &format!("{metrics}/metrics")).await;
+    assert!(String::from_utf8_lossy(&f.body).contains("pd_control_snapshot_version"));
+    for path in ["/v1/snapshot", "/v1/snapshot.json"] {
+        assert_eq!(
+            fetch(&client, &format!("{metrics}{path}")).await.status,
+            404,
+            "{path}"
+        );
+    }
+    for path in [
+        "/v1/limits/admit",
+        "/v1/limits/usage",
+        "/v1/limits/release",
+        "/v1/replicas/report",
+        "/v1/route/external",
+    ] {
+        let status = client
+            .post(format!("{metrics}{path}"))
+            .body("{}")
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .as_u16();
+        assert_eq!(status, 404, "{path}");
+    }
+    assert_eq!(
+        fetch(&client, &format!("{main}/v1/snapshot")).await.status,
+        200
+    );
+}
