@@ -203,30 +203,8 @@ pub async fn start_with_source<S: FleetSource>(
     if let Some(eds) = eds.as_mut() {
         eds.update(&fleet, now).await?;
     }
-    let (xds_listener, xds_addr) = match config.xds_listen {
-        Some(addr) => {
-            let bound = async {
-                let listener = TcpListener::bind(addr).await?;
-                let local = listener.local_addr()?;
-                Ok::<_, io::Error>((listener, local))
-            };
-            let (listener, local) = bound.await.map_err(|source| Error::Bind { addr, source })?;
-            (Some(listener), Some(local))
-        }
-        None => (None, None),
-    };
-    let (metrics_listener, metrics_addr) = match config.metrics_listen {
-        Some(addr) => {
-            let bound = async {
-                let listener = TcpListener::bind(addr).await?;
-                let local = listener.local_addr()?;
-                Ok::<_, io::Error>((listener, local))
-            };
-            let (listener, local) = bound.await.map_err(|source| Error::Bind { addr, source })?;
-            (Some(listener), Some(local))
-        }
-        None => (None, None),
-    };
+    let (xds_listener, xds_addr) = bind_optional(config.xds_listen).await?;
+    let (metrics_listener, metrics_addr) = bind_optional(config.metrics_listen).await?;
     let listing = eds.as_ref().map(EdsWriter::subscribe);
     // Stand-ins are named only where the retrying cluster knows the pods: always with the
     // file (Envoy reads it at start), over EDS once a gateway has taken a listing.
@@ -338,6 +316,23 @@ pub async fn start_with_source<S: FleetSource>(
         server: Some(server),
         tasks,
     })
+}
+
+/// Binds an optional extra listener (`--xds-listen`, `--metrics-listen`) and the address it
+/// got (port 0 picks one).
+async fn bind_optional(
+    addr: Option<SocketAddr>,
+) -> Result<(Option<TcpListener>, Option<SocketAddr>), Error> {
+    let Some(addr) = addr else {
+        return Ok((None, None));
+    };
+    let bound = async {
+        let listener = TcpListener::bind(addr).await?;
+        let local = listener.local_addr()?;
+        Ok::<_, io::Error>((listener, local))
+    };
+    let (listener, local) = bound.await.map_err(|source| Error::Bind { addr, source })?;
+    Ok((Some(listener), Some(local)))
 }
 
 /// The binary's entry: start, announce, serve until SIGINT/SIGTERM.

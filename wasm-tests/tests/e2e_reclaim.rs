@@ -31,17 +31,23 @@ fn completion(stack: &Stack, headers: &[(&str, &str)]) -> http::Response {
     http::post_json(&stack.gateway, "/v1/completions", &all, &body)
 }
 
-#[test]
-fn a_trapped_vms_charges_are_released_and_the_worker_recovers() {
+/// One pair (p0, d0) under token_load on both sides, so every request holds charges; Envoy
+/// with two workers and `env` besides.
+fn start_charging(env: &[(&str, &str)]) -> Stack {
     let fleet = Fleet::new(MODEL)
         .pod("p0", "prefill", "g0")
         .pod("d0", "decode", "g0");
-    let env = [
+    let mut all = vec![
         ("AIBRIX_PREFILL_SCORE_POLICY", "token_load"),
         ("AIBRIX_DECODE_SCORE_POLICY", "token_load"),
-        ("PD_ROUTER_DEBUG_TRAP_HEADER", "x-pd-test-trap"),
     ];
-    let stack = Stack::start_full(fleet.clone(), fleet, 2, &env, &[]);
+    all.extend_from_slice(env);
+    Stack::start_full(fleet.clone(), fleet, 2, &all, &[])
+}
+
+#[test]
+fn a_trapped_vms_charges_are_released_and_the_worker_recovers() {
+    let stack = start_charging(&[("PD_ROUTER_DEBUG_TRAP_HEADER", "x-pd-test-trap")]);
 
     // The VM routing this request charges p0 and d0, then traps when the prefill answers.
     // Its client gets no answer (Envoy leaves a stream paused by a trapped VM to the
@@ -101,14 +107,7 @@ fn running_on(stack: &Stack, pod: &str) -> f64 {
 /// workers' in-flight charges, and pods read less loaded than they were.
 #[test]
 fn a_paused_gateway_keeps_every_workers_charges() {
-    let fleet = Fleet::new(MODEL)
-        .pod("p0", "prefill", "g0")
-        .pod("d0", "decode", "g0");
-    let env = [
-        ("AIBRIX_PREFILL_SCORE_POLICY", "token_load"),
-        ("AIBRIX_DECODE_SCORE_POLICY", "token_load"),
-    ];
-    let stack = Stack::start_full(fleet.clone(), fleet, 2, &env, &[]);
+    let stack = start_charging(&[]);
     // Decode answers its headers and a first chunk, then holds every stream until cleared.
     stack
         .arm_fault(json!({"pod": "d0", "kind": "hang_after_chunks", "chunks": 1, "leg": "decode"}));
