@@ -40,8 +40,13 @@ pub enum FaultKind {
     /// Serve the request normally after an extra `delay_ms`.
     Slow { delay_ms: u64 },
     /// Answer 200 with a JSON object of `bytes` bytes instead of serving the request: a
-    /// broken or hostile engine's answer.
-    Oversized { bytes: u64 },
+    /// broken or hostile engine's answer. With `not_json`, the 200's `bytes` bytes are plain
+    /// text, not JSON at all.
+    Oversized {
+        bytes: u64,
+        #[serde(default)]
+        not_json: bool,
+    },
     /// Stop listening and drop every open connection (a process that died); cleared, the pod
     /// listens again with empty load.
     Crash,
@@ -71,6 +76,21 @@ impl FaultKind {
     pub fn is_listener_fault(self) -> bool {
         matches!(self, FaultKind::Crash | FaultKind::Refuse)
     }
+}
+
+/// The body of an `oversized` fault's 200: `{"pad":"xx…"}` of `bytes` bytes (never shorter
+/// than its 10 bytes of framing), or with `not_json` exactly `bytes` bytes of `x`.
+pub fn oversized_body(bytes: u64, not_json: bool) -> Vec<u8> {
+    let len = usize::try_from(bytes).unwrap_or(usize::MAX);
+    if not_json {
+        return vec![b'x'; len];
+    }
+    let pad = len.saturating_sub(10);
+    let mut body = Vec::with_capacity(pad + 10);
+    body.extend_from_slice(b"{\"pad\":\"");
+    body.resize(body.len() + pad, b'x');
+    body.extend_from_slice(b"\"}");
+    body
 }
 
 /// One armed fault, as `POST /sim/faults` takes it and `GET /sim/faults` lists it.
@@ -264,6 +284,45 @@ mod tests {
             }
         ));
         assert!(serde_json::from_str::<FaultSpec>(r#"{"kind":"explode"}"#).is_err());
+    }
+
+    #[test]
+    fn an_oversized_answer_is_a_json_object_unless_not_json() {
+        let s = spec(r#"{"pod":"p0","kind":"oversized","bytes":64,"not_json":true}"#);
+        assert_eq!(
+            s.kind,
+            FaultKind::Oversized {
+                bytes: 64,
+                not_json: true
+            }
+        );
+        assert_eq!(
+            spec(r#"{"kind":"oversized","bytes":64}"#).kind,
+            FaultKind::Oversized {
+                bytes: 64,
+                not_json: false
+            },
+            "JSON unless asked"
+        );
+        let listed = serde_json::to_value(&s).unwrap();
+        assert_eq!(
+            listed,
+            serde_json::json!({"pod": "p0", "kind": "oversized", "bytes": 64, "not_json": true})
+        );
+
+        let body = oversized_body(64, false);
+        assert_eq!(body.len(), 64);
+        let object: serde_json::Value = serde_json::from_slice(&body).expect("JSON");
+        assert!(object.is_object(), "{object}");
+        let text = oversized_body(64, true);
+        assert_eq!(text.len(), 64);
+        assert!(serde_json::from_slice::<serde_json::Value>(&text).is_err());
+        assert_eq!(
+            oversized_body(3, false),
+            br#"{"pad":""}"#,
+            "at least the framing"
+        );
+        assert!(oversized_body(0, true).is_empty());
     }
 
     #[test]

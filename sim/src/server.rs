@@ -24,7 +24,7 @@ use tokio::task::{JoinHandle, JoinSet};
 use crate::abort::AbortHandle;
 use crate::anthropic;
 use crate::engine;
-use crate::faults::{Drawn, FaultError, FaultKind, FaultSpec};
+use crate::faults::{self, Drawn, FaultError, FaultKind, FaultSpec};
 use crate::keep_alive;
 use crate::log::LogEntry;
 use crate::metrics::{self, Engine};
@@ -457,19 +457,16 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
         .or_else(|| trt_leg.as_ref().map(TrtLeg::log_value));
     let fault = pod.faults.draw(req.leg);
     entry.fault = fault.as_ref().map(|f| f.kind.name().to_string());
-    if let Some(FaultKind::Oversized { bytes }) = fault.as_ref().map(|f| f.kind) {
+    if let Some(FaultKind::Oversized { bytes, not_json }) = fault.as_ref().map(|f| f.kind) {
         pod.log.push(entry);
-        let pad = usize::try_from(bytes.saturating_sub(10)).unwrap_or(usize::MAX);
-        let mut body = Vec::with_capacity(pad + 10);
-        body.extend_from_slice(b"{\"pad\":\"");
-        body.resize(body.len() + pad, b'x');
-        body.extend_from_slice(b"\"}");
+        let content_type = if not_json {
+            "text/plain"
+        } else {
+            "application/json"
+        };
         return (
-            [(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/json"),
-            )],
-            body,
+            [(header::CONTENT_TYPE, HeaderValue::from_static(content_type))],
+            faults::oversized_body(bytes, not_json),
         )
             .into_response();
     }

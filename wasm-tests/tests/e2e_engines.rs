@@ -1,8 +1,10 @@
 //! End-to-end: SGLang and TRT-LLM prefill/decode through the real `.wasm` in real Envoy
 //! (`--concurrency 2`), against pd-sim pods speaking each engine's protocol.
 
+use std::time::{Duration, Instant};
+
 use pd_wasm_tests::http::{self, Response};
-use pd_wasm_tests::stack::{Fleet, Stack};
+use pd_wasm_tests::stack::{eventually, Fleet, Options, Stack};
 use serde_json::{json, Value};
 
 const MODEL: &str = "eng-model";
@@ -315,6 +317,167 @@ fn trtllm_generation_first_without_metadata_fails_before_either_leg() {
         log.iter().all(|e| e["leg"].is_null()),
         "no inference leg was sent: {log:?}"
     );
+}
+
+/// Without the filter's answer, a generation leg waiting for a context leg that failed would
+/// end with pd-sim's transfer error after this many seconds.
+const TRANSFER_TIMEOUT_S: &str = "4";
+
+/// One TRT-LLM roleset under `generation_first` (no other pair to route to), pd-sim's
+/// transfer timeout at [`TRANSFER_TIMEOUT_S`].
+fn generation_first_roleset() -> Stack {
+    let fleet = Fleet::new(MODEL)
+        .engine("trtllm")
+        .pod("trtllm-p-0", "prefill", "group-0")
+        .pod("trtllm-d-0", "decode", "group-0");
+    let mut env = TOKEN_LOAD.to_vec();
+    env.push(("AIBRIX_TRT_SCHEDULE_STYLE", "generation_first"));
+    Stack::start_opts(
+        fleet.clone(),
+        fleet,
+        &Options {
+            envoy_env: &env,
+            sim_args: &["--pd-transfer-timeout-s", TRANSFER_TIMEOUT_S],
+            ..Options::default()
+        },
+    )
+}
+
+fn fail_count(stack: &Stack, status: &str, code: &str) -> f64 {
+    stack.metric(
+        "gateway_request_model_fail_total",
+        &[("status", status), ("status_code", code)],
+    )
+}
+
+fn prefill_fail_count(stack: &Stack, status: &str, code: &str) -> f64 {
+    stack.metric(
+        "gateway_prefill_request_fail_total",
+        &[("status", status), ("status_code", code)],
+    )
+}
+
+/// `generation_first` sends the context leg alongside the generation leg; when the context
+/// worker answers 500 while the (unstreamed) generation leg has sent no header yet, the
+/// client gets the context leg's status with `x-error-pd-prefill`, at once rather than after
+/// the engine's transfer timeout.
+#[test]
+fn trtllm_generation_first_context_failing_before_any_header_answers_its_status() {
+    let stack = generation_first_roleset();
+    stack
+        .arm_fault(json!({"pod": "trtllm-p-0", "kind": "status", "status": 500, "leg": "prefill"}));
+    let started = Instant::now();
+    let r = stack.chat(&[("routing-strategy", "pd")], &chat(false, 3));
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "not the transfer timeout: {:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        r.status,
+        500,
+        "the context worker's status passes through: {}",
+        r.text()
+    );
+    assert_eq!(header(&r, "x-error-pd-prefill"), "true");
+    assert_eq!(header(&r, "content-type"), "application/json");
+    let body = r.json();
+    let error = &body["error"];
+    assert!(
+        error["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("prefill request failed (http_error): ")),
+        "{body}"
+    );
+    assert_eq!(
+        (&error["type"], &error["code"], &error["param"]),
+        (&json!("api_error"), &Value::Null, &Value::Null),
+        "{body}"
+    );
+    let request_id = header(&r, "request-id");
+    let context: Vec<Value> = stack
+        .sim_requests()
+        .into_iter()
+        .filter(|e| e["x_request_id"] == request_id && e["leg"] == "prefill")
+        .collect();
+    assert_eq!(context.len(), 1, "{context:?}");
+    assert_eq!(
+        (&context[0]["status"], &context[0]["fault"]),
+        (&json!(500), &json!("status"))
+    );
+    assert_eq!(fail_count(&stack, "pd_prefill_failure", "500"), 1.0);
+    assert_eq!(
+        prefill_fail_count(&stack, "pd-do-prefill-request-error", "500"),
+        1.0
+    );
+    assert_eq!(prefill_fail_count(&stack, "http_error", "500"), 1.0);
+    assert_eq!(
+        stack.metric("pd_router_rejected_total", &[("reason", "prefill")]),
+        1.0,
+        "a local reply"
+    );
+    stack.clear_faults();
+    stack.wait_ledger_zero();
+    // The gateway keeps serving once the worker recovers.
+    let ok = stack.chat(&[("routing-strategy", "pd")], &chat(false, 2));
+    assert_eq!(ok.status, 200, "{}", ok.text());
+    stack.wait_ledger_zero();
+}
+
+/// The context leg fails after the generation worker's streamed answer began (its headers
+/// are out, it waits for the KV): the stream is cut at once rather than left waiting for the
+/// engine's transfer timeout, and the request counts as the context leg's failure
+/// (`pd_prefill_failure` with its status), not as the generation worker's cut stream.
+#[test]
+fn trtllm_generation_first_context_failing_after_the_generation_answered_cuts_the_stream() {
+    let stack = generation_first_roleset();
+    stack.arm_fault(json!({"pod": "trtllm-p-0", "kind": "status", "status": 500,
+                           "delay_ms": 400, "leg": "prefill", "times": 2}));
+    for _ in 0..2 {
+        let started = Instant::now();
+        let r = stack.chat(&[("routing-strategy", "pd")], &chat(true, 3));
+        assert_eq!(
+            r.status,
+            200,
+            "the generation worker's headers were out: {}",
+            r.text()
+        );
+        assert!(!r.complete, "the stream is cut: {}", r.text());
+        assert!(!r.text().contains("[DONE]"), "{}", r.text());
+        assert_eq!(r.header("x-error-pd-prefill"), None, "headers were out");
+        assert!(
+            started.elapsed() < Duration::from_secs(4),
+            "not the transfer timeout: {:?}",
+            started.elapsed()
+        );
+    }
+    eventually(Duration::from_secs(10), || {
+        match fail_count(&stack, "pd_prefill_failure", "500") {
+            2.0 => Ok(()),
+            n => Err(format!("{n} prefill failures counted")),
+        }
+    });
+    assert_eq!(
+        fail_count(&stack, "response_cut", "502"),
+        0.0,
+        "not the generation worker's cut"
+    );
+    assert_eq!(
+        stack.metric("gateway_request_model_success_total", &[]),
+        0.0
+    );
+    assert_eq!(
+        prefill_fail_count(&stack, "pd-do-prefill-request-error", "500"),
+        2.0
+    );
+    assert_eq!(prefill_fail_count(&stack, "http_error", "500"), 2.0);
+    assert_eq!(
+        stack.metric("pd_router_rejected_total", &[("reason", "prefill")]),
+        0.0,
+        "a cut stream is no local reply"
+    );
+    stack.clear_faults();
+    stack.wait_ledger_zero();
 }
 
 #[test]

@@ -493,6 +493,62 @@ fn prefill_port_refusing_connections_fails_the_request_with_502() {
     assert_eq!(failovers(&stack, "rerouted"), 0.0);
 }
 
+/// A vLLM prefill pod answering 200 with a body that is not a JSON object (a broken engine, a
+/// proxy's page): the decode leg has no KV parameters to take, so the request fails with 502
+/// `x-error-pd-prefill` (class `invalid_response`), no decode leg is sent, and the failed call
+/// counts as `error`/502. A 200 is no answer prefill failover routes again.
+#[test]
+fn a_prefill_answering_200_with_no_json_object_fails_the_request_with_502() {
+    let fleet = one_roleset();
+    let stack = start(fleet.clone(), &[]);
+    stack.arm_fault(json!({"pod": "p-0", "kind": "oversized", "bytes": 64,
+                           "not_json": true, "leg": "prefill"}));
+    let mut clients = fire(&stack, 2, chat(false, 4));
+    clients.extend(fire(&stack, 2, chat(true, 4)));
+    for r in ended(clients) {
+        assert_error(&r, 502, "x-error-pd-prefill");
+        assert_eq!(
+            r.json(),
+            json!({"error": {"message": "prefill request failed (invalid_response): the prefill response is not a JSON object",
+                             "type": "api_error", "code": null, "param": null}}),
+            "{}",
+            describe(&r)
+        );
+    }
+    let prefills: Vec<Value> = stack
+        .sim_requests()
+        .into_iter()
+        .filter(|e| e["leg"] == "prefill")
+        .collect();
+    assert_eq!(prefills.len(), 4, "one prefill leg each: {prefills:?}");
+    assert!(prefills.iter().all(|e| e["fault"] == "oversized"));
+    assert!(
+        decode_legs(&stack, "d-0").is_empty(),
+        "no decode after a failed prefill"
+    );
+    assert_eq!(fail_count(&stack, "pd_prefill_failure", "502"), 4.0);
+    let prefill_fail = |status, code| {
+        stack.metric(
+            "gateway_prefill_request_fail_total",
+            &[("status", status), ("status_code", code)],
+        )
+    };
+    assert_eq!(prefill_fail("pd-do-prefill-request-error", "500"), 4.0);
+    assert_eq!(prefill_fail("error", "502"), 4.0);
+    assert_eq!(
+        stack.metric("gateway_prefill_request_fail_total", &[]),
+        8.0,
+        "counted once per step and once per class, nothing else"
+    );
+    assert_eq!(
+        stack.metric("pd_router_rejected_total", &[("reason", "prefill")]),
+        4.0
+    );
+    assert_no_failover(&stack);
+    stack.clear_faults();
+    assert_clean_end(&stack, &fleet_pods(&fleet));
+}
+
 /// Prefill failover: a request whose prefill pod refuses the connection is routed again
 /// without that pod, so the client never sees the dead pod, on any worker, while passive
 /// ejection still takes it out of every worker's view after 3 failures (one failover each)

@@ -184,6 +184,62 @@ fn decode_stalling_mid_stream_is_cut_and_aborted() {
     stack.wait_ledger_zero();
 }
 
+/// A non-streaming request whose decode pod does not finish its answer within
+/// `AIBRIX_DECODE_RESPONSE_TIMEOUT`: no response header reached the client, so the watchdog
+/// answers 504 with `x-error-pd-decode` (a local reply) and asks the pod to drop the request.
+#[test]
+fn an_unstreamed_decode_not_finishing_in_time_gets_504_and_an_abort() {
+    let stack = Stack::start_with(fleet(), 2, &env(&[("AIBRIX_DECODE_RESPONSE_TIMEOUT", "1")]));
+    stack.arm_fault(json!({"pod": "sg-d-0", "kind": "hang_before_headers", "leg": "decode"}));
+    let started = Instant::now();
+    let r = stack.chat(&[("routing-strategy", "pd")], &chat(false, 4));
+    let took = started.elapsed();
+    assert_eq!(r.status, 504, "{}", r.text());
+    assert_eq!(header(&r, "x-error-pd-decode"), "true");
+    assert_eq!(header(&r, "content-type"), "application/json");
+    assert_eq!(
+        r.json(),
+        json!({"error": {"message": "decode pod sg-d-0 did not finish responding within 1s",
+                         "type": "api_error", "code": null, "param": null}}),
+        "the unstreamed answer's message, not the stream's"
+    );
+    assert!(
+        took >= Duration::from_secs(1),
+        "not before the bound: {took:?}"
+    );
+    assert!(
+        took <= Duration::from_secs(1) + TICK + SLACK,
+        "within a tick of the bound: {took:?}"
+    );
+    let rid = decode_rid(&stack, header(&r, "request-id"));
+    let abort = wait_for_abort(&stack, &rid);
+    assert_eq!(abort["pod"], "sg-d-0");
+    wait_abort_counted(&stack, "ok", "watchdog_first_response");
+    assert_eq!(fail_count(&stack, "pd_decode_watchdog", "504"), 1.0);
+    assert_eq!(
+        stack.metric(
+            "gateway_pd_decode_watchdog_total",
+            &[("phase", "first_response")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        stack.metric(
+            "pd_router_rejected_total",
+            &[("reason", "pd_decode_watchdog")]
+        ),
+        1.0,
+        "a local reply"
+    );
+    assert_eq!(
+        stack.metric("gateway_prefill_request_fail_total", &[]),
+        0.0,
+        "the prefill leg succeeded"
+    );
+    stack.clear_faults();
+    stack.wait_ledger_zero();
+}
+
 #[test]
 fn failed_sglang_prefill_answers_x_error_pd_prefill_and_aborts_the_decode() {
     let stack = Stack::start_with(fleet(), 2, &env(&[]));
