@@ -158,6 +158,14 @@ mod tests {
         assert_eq!(rooms.open(), 0);
     }
 
+    /// Lets every other task of this (single-threaded) test runtime run until it waits: what
+    /// has not happened then cannot happen without a new event.
+    async fn settle() {
+        for _ in 0..8 {
+            tokio::task::yield_now().await;
+        }
+    }
+
     #[tokio::test]
     async fn an_sglang_prefill_computes_only_once_its_decode_registered() {
         let rooms = Arc::new(Rooms::default());
@@ -165,12 +173,12 @@ mod tests {
         // Prefill first: it waits for the decode side, and the decode side for the KV.
         let r = rooms.clone();
         let prefill = tokio::spawn(async move { r.await_decode("a", t).await });
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        settle().await;
         assert!(!prefill.is_finished(), "no decode side yet");
         let r = rooms.clone();
         let decode = tokio::spawn(async move { r.receive("a", t).await });
         prefill.await.expect("join").expect("decode registered");
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        settle().await;
         assert!(!decode.is_finished(), "the prefill has not computed yet");
         rooms.kv_ready("a");
         decode.await.expect("join").expect("kv arrived");
