@@ -73,17 +73,7 @@ impl Rooms {
     pub async fn hand_over(&self, key: &str, timeout: Duration) -> Result<(), RendezvousError> {
         let room = self.room(key, timeout * 2);
         room.kv_ready.send_replace(true);
-        let mut arrived = room.decode_arrived.subscribe();
-        let met = matches!(
-            tokio::time::timeout(timeout, arrived.wait_for(|v| *v)).await,
-            Ok(Ok(_))
-        );
-        if met {
-            Ok(())
-        } else {
-            self.forget(key);
-            Err(RendezvousError::Timeout(timeout))
-        }
+        self.until_decode_arrived(key, &room, timeout).await
     }
 
     /// The decode side: registers, then waits for the KV, or gives up after `timeout`.
@@ -111,6 +101,16 @@ impl Rooms {
     /// prefill has computed.
     pub async fn await_decode(&self, key: &str, timeout: Duration) -> Result<(), RendezvousError> {
         let room = self.room(key, timeout * 2);
+        self.until_decode_arrived(key, &room, timeout).await
+    }
+
+    /// Waits until the decode side of `room` has registered; a room given up is forgotten.
+    async fn until_decode_arrived(
+        &self,
+        key: &str,
+        room: &Room,
+        timeout: Duration,
+    ) -> Result<(), RendezvousError> {
         let mut arrived = room.decode_arrived.subscribe();
         let met = matches!(
             tokio::time::timeout(timeout, arrived.wait_for(|v| *v)).await,
