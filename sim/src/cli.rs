@@ -93,6 +93,11 @@ pub struct SimArgs {
     /// uvicorn does (`timeout_keep_alive`, 5 s); 0 keeps connections open.
     #[arg(long, default_value_t = 5.0)]
     pub keep_alive_timeout_s: f64,
+    /// The engines' `--api-key`: vLLM pods then refuse `/v1/...` requests, SGLang pods every
+    /// request but health and metrics, without `Authorization: Bearer <key>` (TRT-LLM has no
+    /// such option).
+    #[arg(long)]
+    pub api_key: Option<String>,
 }
 
 impl SimArgs {
@@ -123,6 +128,7 @@ impl SimArgs {
             keep_alive: Duration::try_from_secs_f64(self.keep_alive_timeout_s)
                 .ok()
                 .filter(|d| !d.is_zero()),
+            api_key: self.api_key.clone(),
         }
     }
 }

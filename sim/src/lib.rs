@@ -20,6 +20,7 @@
 
 pub mod abort;
 pub mod anthropic;
+pub mod api_key;
 pub mod charts;
 pub mod cli;
 pub mod client;

@@ -60,6 +60,8 @@ pub struct SimConfig {
     /// A connection with no request in flight for this long is closed, as the engines'
     /// uvicorn does (`crate::keep_alive`); `None` keeps it open.
     pub keep_alive: Option<Duration>,
+    /// The engines' `--api-key` (`crate::api_key`); `None` leaves every route open.
+    pub api_key: Option<String>,
 }
 
 impl Default for SimConfig {
@@ -79,6 +81,7 @@ impl Default for SimConfig {
             side_channel_host_is_pod_ip: false,
             utilization_gauge: false,
             keep_alive: Some(crate::keep_alive::ENGINE_KEEP_ALIVE),
+            api_key: None,
         }
     }
 }

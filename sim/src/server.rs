@@ -94,6 +94,10 @@ pub fn pod_router(ctx: PodCtx) -> Router {
         // Engines take long-context prompts (vLLM has no body limit); axum's 2 MB default
         // would answer 413 to prompts a real pod serves.
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(axum::middleware::from_fn_with_state(
+            ctx.clone(),
+            crate::api_key::require,
+        ))
         .with_state(ctx)
 }
 

@@ -387,3 +387,51 @@ fn no_abort_goes_to_a_decode_pod_that_left_the_fleet() {
     stack.clear_faults();
     stack.wait_ledger_zero();
 }
+
+/// SGLang pods started with `--api-key` refuse any request without the key, `/abort_request`
+/// included: the gateway's aborts carry the client's `authorization` (which the legs carried),
+/// after a failed prefill and after a watchdog fire alike.
+#[test]
+fn engines_with_an_api_key_accept_the_gateways_aborts() {
+    let fleet = fleet();
+    let stack = Stack::start_opts(
+        fleet.clone(),
+        fleet,
+        &pd_wasm_tests::stack::Options {
+            envoy_env: &env(&[("AIBRIX_DECODE_FIRST_RESPONSE_TIMEOUT", "1")]),
+            sim_args: &["--api-key", "k-e2e"],
+            ..Default::default()
+        },
+    );
+    let auth = [
+        ("routing-strategy", "pd"),
+        ("authorization", "Bearer k-e2e"),
+    ];
+    let refused = stack.chat(&[("routing-strategy", "pd")], &chat(false, 2));
+    assert_eq!(
+        refused.status,
+        401,
+        "the pods ask for the key: {}",
+        refused.text()
+    );
+
+    stack.arm_fault(json!({"pod": "sg-p-0", "kind": "status", "status": 500, "leg": "prefill"}));
+    let r = stack.chat(&auth, &chat(false, 4));
+    assert_eq!(r.status, 500, "{}", r.text());
+    let prefix = format!("{}-", header(&r, "request-id"));
+    let abort = wait_for_abort_where(&stack, &prefix, |rid| rid.starts_with(&prefix));
+    assert_eq!(abort["status"], 200, "{abort}");
+    assert_eq!(abort["headers"]["authorization"], "Bearer k-e2e");
+    wait_abort_counted(&stack, "ok", "http_status");
+    stack.clear_faults();
+
+    stack.arm_fault(json!({"pod": "sg-d-0", "kind": "hang_before_headers", "leg": "decode"}));
+    let r = stack.chat(&auth, &chat(true, 4));
+    assert_eq!(r.status, 504, "{}", r.text());
+    let rid = decode_rid(&stack, header(&r, "request-id"));
+    let abort = wait_for_abort(&stack, &rid);
+    assert_eq!(abort["status"], 200, "{abort}");
+    wait_abort_counted(&stack, "ok", "watchdog_first_response");
+    stack.clear_faults();
+    stack.wait_ledger_zero();
+}

@@ -569,13 +569,19 @@ impl PdHttp {
             .upstream_error_rewritten(answer.kind);
     }
 
+    /// The value of a forwarded request header (`core::inbound::FORWARDED`).
+    fn forwarded_value(&self, name: &str) -> Option<&str> {
+        self.forwarded
+            .iter()
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| v.as_str())
+    }
+
     /// The `external-filter` header's label selector, when the request carries a non-empty
     /// one (one that does not parse is a selection failure, 503, as in AIBrix).
     fn external_filter(&self) -> Option<String> {
-        self.forwarded
-            .iter()
-            .find(|(k, _)| *k == "external-filter")
-            .map(|(_, text)| text.trim().to_string())
+        self.forwarded_value("external-filter")
+            .map(|text| text.trim().to_string())
             .filter(|text| !text.is_empty())
     }
 
@@ -1616,10 +1622,7 @@ impl HttpContext for PdHttp {
             .env
             .api_key
             .as_ref()
-            .is_some_and(|key| {
-                let authorization = self.forwarded.iter().find(|(k, _)| *k == "authorization");
-                !key.admits(authorization.map(|(_, v)| v.as_str()))
-            });
+            .is_some_and(|key| !key.admits(self.forwarded_value("authorization")));
         if refused {
             return self.reject(RouteError::Unauthorized);
         }

@@ -33,6 +33,8 @@ pub struct PendingAbort {
     /// Why the decode request is aborted ([`AbortCause::class`]), the metric's
     /// `prefill_failure_class`.
     pub class: &'static str,
+    /// See [`AbortOrder::authorization`].
+    pub authorization: Option<String>,
 }
 
 /// Why a decode request is aborted, as AIBrix labels it in
@@ -68,6 +70,10 @@ pub struct AbortOrder<'a> {
     /// The decode pod already sent response bytes: AIBrix skips the abort then
     /// (`skipped_streaming`), since the engine is producing.
     pub streaming: bool,
+    /// The client's `authorization`, which the decode leg carried: an engine started with
+    /// `--api-key` refuses an abort without it (SGLang guards every route but health and
+    /// metrics).
+    pub authorization: Option<&'a str>,
 }
 
 /// Per-VM state of the engine protocols.
@@ -160,6 +166,7 @@ impl EngineState {
             attempt: 0,
             due_ms: 0,
             class,
+            authorization: order.authorization.map(str::to_string),
         });
     }
 
@@ -197,6 +204,9 @@ impl EngineState {
             ];
             if dst_header != "x-envoy-original-dst-host" {
                 headers.push(("x-envoy-original-dst-host", a.address.as_str()));
+            }
+            if let Some(value) = a.authorization.as_deref() {
+                headers.push(("authorization", value));
             }
             match hostcalls::dispatch_http_call(
                 cluster,

@@ -16,6 +16,7 @@ use crate::host::metrics::Metrics;
 use crate::host::SharedVm;
 
 /// One request's watchdog and what a fire needs.
+#[derive(Clone)]
 pub struct Watched {
     pub watchdog: Watchdog,
     pub settings: WatchdogSettings,
@@ -24,6 +25,8 @@ pub struct Watched {
     pub decode_address: String,
     /// SGLang's request id; `None` for engines without `/abort_request`.
     pub rid: Option<String>,
+    /// The client's `authorization`, for the abort (kept only with a `rid`).
+    pub authorization: Option<String>,
 }
 
 /// Metric ids of the watchdog (per VM).
@@ -53,47 +56,27 @@ impl WatchdogMetrics {
     }
 }
 
-/// A fired watchdog: context id, the fire, request id, decode pod name and address, rid,
-/// and the abort settings.
-type FiredWatch = (
-    u32,
-    Fire,
-    String,
-    String,
-    String,
-    Option<String>,
-    WatchdogSettings,
-);
-
 /// Checks every watched request of the VM; `root_id` is the calling root context, made
 /// effective again afterwards.
 pub fn tick(vm: &SharedVm, root_id: u32) {
     // Watchdogs are armed and fed on the monotonic clock (`host::steady_ms`).
     let steady = crate::host::steady_ms();
-    let fired: Vec<FiredWatch> = {
+    // Context id, the fire, and the request's record (copied out: ending the stream re-enters
+    // the VM's state).
+    let fired: Vec<(u32, Fire, Watched)> = {
         let mut vm = vm.borrow_mut();
         vm.watched
             .iter_mut()
-            .filter_map(|(id, w)| {
-                w.watchdog.poll(steady).map(|fire| {
-                    (
-                        *id,
-                        fire,
-                        w.request_id.clone(),
-                        w.decode_pod.clone(),
-                        w.decode_address.clone(),
-                        w.rid.clone(),
-                        w.settings,
-                    )
-                })
-            })
+            .filter_map(|(id, w)| w.watchdog.poll(steady).map(|fire| (*id, fire, w.clone())))
             .collect()
     };
     if fired.is_empty() {
         return;
     }
     let metrics = vm.borrow().watchdog_metrics;
-    for (id, fire, request_id, pod, address, rid, settings) in fired {
+    for (id, fire, w) in fired {
+        let request_id = &w.request_id;
+        let pod = &w.decode_pod;
         Metrics::inc(match fire.phase {
             watchdog::Phase::FirstResponse => metrics.first_response,
             watchdog::Phase::StreamIdle => metrics.stream_idle,
@@ -113,11 +96,11 @@ pub fn tick(vm: &SharedVm, root_id: u32) {
             let result = if fire.headers_sent {
                 hostcalls::reset_http_response()
             } else {
-                let error = RouteError::DecodeTimeout(watchdog::message(&pod, &fire));
+                let error = RouteError::DecodeTimeout(watchdog::message(pod, &fire));
                 // A local reply like any refusal (a cut stream is not one).
                 vm.borrow().metrics.rejected(&error);
                 let header = error.header();
-                let headers = crate::core::errors::reply_headers(&header, &request_id);
+                let headers = crate::core::errors::reply_headers(&header, request_id);
                 hostcalls::send_http_response(504, headers, Some(&error.body()))
                     .or_else(|_| hostcalls::reset_http_response())
             };
@@ -128,12 +111,13 @@ pub fn tick(vm: &SharedVm, root_id: u32) {
         let _ = hostcalls::set_effective_context(root_id);
         // One attempt, as AIBrix makes on a watchdog fire: the pod is already unresponsive.
         vm.borrow_mut().engines.queue_abort(AbortOrder {
-            address: &address,
-            rid: rid.as_deref(),
-            timeout_s: settings.abort_timeout_s,
+            address: &w.decode_address,
+            rid: w.rid.as_deref(),
+            timeout_s: w.settings.abort_timeout_s,
             retry_s: 0.0,
             cause: AbortCause::Watchdog(fire.phase),
             streaming: false,
+            authorization: w.authorization.as_deref(),
         });
     }
 }

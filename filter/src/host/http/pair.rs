@@ -334,6 +334,7 @@ impl PdHttp {
             retry_s: settings.abort_retry_delay_s,
             cause: AbortCause::PrefillFailed(RouteError::prefill_failure_class(status, body)),
             streaming: self.legs.response_started,
+            authorization: self.forwarded_value("authorization"),
         });
         if !self.legs.response_started {
             self.routed = None;
@@ -368,6 +369,10 @@ impl PdHttp {
                 request_id: self.request_id.clone(),
                 decode_pod: decode.name.clone(),
                 decode_address: decode.address.clone(),
+                authorization: rid
+                    .as_ref()
+                    .and_then(|_| self.forwarded_value("authorization"))
+                    .map(str::to_string),
                 rid,
             };
             self.vm.borrow_mut().watched.insert(self.id, watched);
