@@ -47,6 +47,11 @@ pub enum FleetError {
     },
     #[error("fleet YAML document {index} has kind {kind:?}; expected Pod, PodList or List")]
     Kind { index: usize, kind: String },
+    #[error(
+        "fleet YAML document {index} has items but no kind: a List cut off before its \
+         `kind` line (`kubectl get -o yaml` writes it after the items)"
+    )]
+    ListWithoutKind { index: usize },
 }
 
 /// One model-serving pod, as the router sees it.
@@ -284,6 +289,12 @@ fn parse_documents(text: &str) -> Result<(Vec<Pod>, Vec<AdapterRecord>, usize), 
         documents += 1;
         let probe: KindProbe = serde_yaml::from_value(value.clone())
             .map_err(|source| FleetError::Yaml { index, source })?;
+        // `kubectl get pods -o yaml` writes `kind: List` after `items`: a file cut (or caught
+        // half-written) anywhere in the items reads as a kind-less document, which as a Pod
+        // would be no pod at all, and the fleet would lose every pod it had.
+        if probe.kind.is_none() && value.get("items").is_some() {
+            return Err(FleetError::ListWithoutKind { index });
+        }
         match probe.kind.as_deref() {
             Some("Pod") | None => pods.push(
                 serde_yaml::from_value(value)
@@ -528,6 +539,33 @@ metadata: {name: pending, namespace: ns}
         assert_eq!(none, Some(Vec::new()));
         let unrelated = "kind: Pod\nmetadata: {name: x}\n";
         assert_eq!(parse_written_records(unrelated).unwrap(), Some(Vec::new()));
+    }
+
+    /// `kubectl get pods -o yaml > fleet.yaml` caught (or cut) before its trailing `kind: List`
+    /// line: every prefix of the file that ends inside the items is refused, not read as a
+    /// fleet without pods; the whole file reads as its pods.
+    #[test]
+    fn a_kubectl_list_cut_before_its_kind_is_refused() {
+        let whole = "apiVersion: v1\nitems:\n- apiVersion: v1\n  kind: Pod\n  metadata:\n    name: a\n    labels: {model.aibrix.ai/name: m}\n  status: {podIP: 10.0.0.1}\n- apiVersion: v1\n  kind: Pod\n  metadata:\n    name: b\n    labels: {model.aibrix.ai/name: m}\n  status: {podIP: 10.0.0.2}\nkind: List\nmetadata:\n  resourceVersion: \"\"\n";
+        assert_eq!(
+            parse_written_records(whole).unwrap().map(|p| p.len()),
+            Some(2)
+        );
+        let kind_at = whole.find("kind: List").unwrap();
+        for cut in (whole.find("items:").unwrap() + 7)..kind_at {
+            if !whole.is_char_boundary(cut) || !whole[..cut].ends_with('\n') {
+                continue;
+            }
+            let text = &whole[..cut];
+            assert!(
+                matches!(
+                    parse_written_records(text),
+                    Err(FleetError::ListWithoutKind { index: 0 })
+                ),
+                "{text:?} read as {:?}",
+                parse_written_records(text)
+            );
+        }
     }
 
     #[test]
