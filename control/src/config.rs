@@ -68,6 +68,12 @@ pub struct Config {
     #[arg(long, value_name = "URL")]
     pub kube_api_url: Option<String>,
 
+    /// Kubernetes: how long start-up retries a failing first pod list (an API server being
+    /// upgraded, priority-and-fairness 429s) before giving up; 401, 403 and 404 answers fail at
+    /// once, and 0 fails on the first error.
+    #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_duration)]
+    pub kube_startup_timeout: Duration,
+
     /// Address to serve the snapshot API on (port 0 picks a free port).
     #[arg(long, value_name = "ADDR")]
     pub listen: SocketAddr,
@@ -257,6 +263,7 @@ impl Config {
             fleet: Some(fleet.into()),
             namespaces: Vec::new(),
             kube_api_url: None,
+            kube_startup_timeout: Duration::from_secs(60),
             listen,
             refresh_interval: Duration::from_millis(50),
             scrape_timeout: Duration::from_secs(1),

@@ -125,8 +125,9 @@ pub async fn start(config: Config) -> Result<Service, Error> {
         }
         (SourceKind::File, None) => Err(ConfigError::MissingFleet.into()),
         (SourceKind::Kubernetes, _) => {
-            let settings =
+            let mut settings =
                 KubeSettings::new(config.kube_api_url.clone(), config.namespaces.clone());
+            settings.startup_timeout = config.kube_startup_timeout;
             start_with_source(config, KubernetesSource::new(settings)).await
         }
     }

@@ -52,6 +52,12 @@ struct Inner {
     /// Watches resuming from a version below this are answered `410 Gone`.
     floor: u64,
     fail_lists: bool,
+    /// The status failing lists answer (500 unless set).
+    fail_status: Option<u16>,
+    /// Lists failed so far.
+    failed_lists: usize,
+    /// Leave list requests unanswered, as a server on a half-open connection does.
+    hang_lists: bool,
     /// Answer 403 to ModelAdapter requests, as a cluster without the grant does.
     deny_adapters: bool,
     lists: usize,
@@ -243,6 +249,29 @@ impl FakeApi {
         self.inner.lock().unwrap().fail_lists = fail;
     }
 
+    /// Lists fail with `status` from now on.
+    fn fail_lists_with(&self, status: u16) {
+        let mut inner = self.inner.lock().unwrap();
+        inner.fail_lists = true;
+        inner.fail_status = Some(status);
+    }
+
+    fn failed_lists(&self) -> usize {
+        self.inner.lock().unwrap().failed_lists
+    }
+
+    fn hang_lists(&self, hang: bool) {
+        self.inner.lock().unwrap().hang_lists = hang;
+    }
+
+    /// Never returns for a list request while lists hang (the client gives up, or not).
+    async fn maybe_hang(&self, q: &HashMap<String, String>) {
+        let watch = q.get("watch").map(String::as_str) == Some("true");
+        if !watch && self.inner.lock().unwrap().hang_lists {
+            std::future::pending::<()>().await;
+        }
+    }
+
     /// (lists, watches, 410s) served so far.
     fn counts(&self) -> (usize, usize, usize) {
         let inner = self.inner.lock().unwrap();
@@ -252,10 +281,13 @@ impl FakeApi {
     fn list(&self, filter: &Filter) -> Response {
         let mut inner = self.inner.lock().unwrap();
         if inner.fail_lists {
+            inner.failed_lists += 1;
+            let code = inner.fail_status.unwrap_or(500);
             let status = json!({"kind": "Status", "apiVersion": "v1", "metadata": {},
-                "status": "Failure", "code": 500, "reason": "InternalError",
+                "status": "Failure", "code": code, "reason": "InternalError",
                 "message": "etcdserver: request timed out"});
-            return (StatusCode::INTERNAL_SERVER_ERROR, axum::Json(status)).into_response();
+            let http = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            return (http, axum::Json(status)).into_response();
         }
         if filter.kind == "Pod" {
             inner.lists += 1;
@@ -386,6 +418,7 @@ async fn all_pods(
     State(api): State<FakeApi>,
     Query(q): Query<HashMap<String, String>>,
 ) -> Response {
+    api.maybe_hang(&q).await;
     api.serve("Pod", None, q)
 }
 
@@ -394,6 +427,7 @@ async fn namespaced_pods(
     Path(ns): Path<String>,
     Query(q): Query<HashMap<String, String>>,
 ) -> Response {
+    api.maybe_hang(&q).await;
     api.serve("Pod", Some(ns), q)
 }
 
@@ -868,7 +902,9 @@ async fn namespaces_restrict_the_watch() {
 async fn initial_list_failure_fails_startup() {
     let api = FakeApi::start().await;
     api.fail_lists(true);
-    let config = pd_control::Config::kubernetes(Some(api.url()), "127.0.0.1:0".parse().unwrap());
+    let mut config =
+        pd_control::Config::kubernetes(Some(api.url()), "127.0.0.1:0".parse().unwrap());
+    config.kube_startup_timeout = Duration::ZERO;
     let error = match pd_control::start(config).await {
         Ok(_) => panic!("started without an initial fleet"),
         Err(e) => e.to_string(),
@@ -883,15 +919,86 @@ async fn initial_list_failure_fails_startup() {
         .unwrap()
         .local_addr()
         .unwrap();
-    let mut source = KubernetesSource::new(KubeSettings::new(
-        Some(format!("http://{closed}")),
-        Vec::new(),
-    ));
+    let mut unreachable = KubeSettings::new(Some(format!("http://{closed}")), Vec::new());
+    unreachable.startup_timeout = Duration::ZERO;
+    let mut source = KubernetesSource::new(unreachable);
     assert!(source.load().await.is_err(), "unreachable API server");
 
     let mut bad = KubernetesSource::new(KubeSettings::new(Some("not a url".into()), Vec::new()));
     let error = bad.load().await.expect_err("bad URL rejected").to_string();
     assert!(error.contains("--kube-api-url"), "{error}");
+}
+
+/// A first list failing for a while (an API server being upgraded) is retried until it
+/// succeeds, within `--kube-startup-timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_passing_list_failure_at_start_is_retried() {
+    let api = FakeApi::start().await;
+    api.put(pod("ns", "a", "m", Some("10.0.0.1"), true));
+    api.fail_lists(true);
+    let mut source = KubernetesSource::new(settings(&api, &[]));
+    let load = tokio::spawn(async move { source.load().await.map(|pods| view(&pods)) });
+    eventually("two failed lists", || async {
+        (api.failed_lists() >= 2).then_some(())
+    })
+    .await;
+    api.fail_lists(false);
+    let pods = load.await.unwrap().expect("started once lists answer");
+    assert_eq!(pods, ["ns/a m 10.0.0.1 true"]);
+}
+
+/// A 403 (no grant) or 401 is no passing state: start-up fails at once, whatever the timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forbidden_first_list_fails_start_up_at_once() {
+    let api = FakeApi::start().await;
+    api.fail_lists_with(403);
+    let mut settings = settings(&api, &[]);
+    settings.startup_timeout = Duration::from_secs(3600);
+    let mut source = KubernetesSource::new(settings);
+    let error = tokio::time::timeout(Duration::from_secs(20), source.load())
+        .await
+        .expect("failed at once, not retried for the start-up timeout")
+        .expect_err("a forbidden list fails start-up");
+    assert!(error.to_string().contains("initial object list"), "{error}");
+    assert_eq!(api.failed_lists(), 1, "not retried");
+}
+
+/// A list the API server never answers (a half-open connection) fails after the read timeout
+/// and is retried, rather than freezing the fleet with nothing counted; once lists answer
+/// again the fleet catches up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unanswered_re_list_times_out_and_is_retried() {
+    let api = FakeApi::start().await;
+    api.put(pod("ns", "a", "m", Some("10.0.0.1"), true));
+    let mut settings = settings(&api, &[]);
+    settings.read_timeout = Duration::from_millis(500);
+    settings.watch_timeout_s = 0; // the server's default; the read timeout must not cut watches
+    let mut source = KubernetesSource::new(settings);
+    let initial = source.load().await.expect("initial list");
+    let stats = Arc::new(Stats::default());
+    let (tx, fleet) = watch::channel(Arc::new(initial));
+    let (_stop, stop_rx) = watch::channel(false);
+    let task = tokio::spawn(source.watch(
+        FleetPublisher::new(tx, stats.clone()),
+        Shutdown::new(stop_rx),
+    ));
+    eventually("the first watch", || async {
+        (api.counts().1 >= 1).then_some(())
+    })
+    .await;
+    api.hang_lists(true);
+    api.compact_with(vec![pod("ns", "b", "m", Some("10.0.0.2"), true)], &[]);
+    eventually("the hung re-list to be counted", || async {
+        (stats.fleet_reload_errors_total() >= 1).then_some(())
+    })
+    .await;
+    api.hang_lists(false);
+    eventually("the fleet to catch up", || async {
+        let pods = view(&fleet.borrow());
+        (pods == ["ns/a m 10.0.0.1 true", "ns/b m 10.0.0.2 true"]).then_some(())
+    })
+    .await;
+    task.abort();
 }
 
 /// The binary, end to end: `--source kubernetes --kube-api-url` serves the fake server's pods.

@@ -25,6 +25,18 @@
 //! published without waiting for them, and a cluster without the CRD (404) or without the grant
 //! (403) is told once in the log and otherwise routes its pods as before.
 //!
+//! Dead connections: every answer of the API server (a list, a watch's next event) is awaited at
+//! most [`KubeSettings::read_timeout`], and each watch asks the server to end it after
+//! [`KubeSettings::watch_timeout_s`] (it is then resumed from its version). Without them a list
+//! sent on a half-open connection (a control-plane node or load balancer gone without a reset)
+//! waits for the kernel, a quarter of an hour or for ever, with the fleet frozen and nothing
+//! counted; a dead watch went unnoticed for kube's 290 s default.
+//!
+//! Start-up: a failed first list is retried (with the backoff) for
+//! [`KubeSettings::startup_timeout`], since a control-plane upgrade or the API server's
+//! priority-and-fairness 429s during a mass restart are passing; 401, 403 and 404 answers, a bad
+//! URL or configuration fail at once.
+//!
 //! RBAC: the service account needs `list` and `watch` on `pods` (and on `modeladapters` in the
 //! `model.aibrix.ai` group, for adapters), cluster-wide, or in each `--namespace` (a Role per
 //! namespace is then enough).
@@ -75,6 +87,14 @@ pub struct KubeSettings {
     /// First retry delay after a failed list or watch; doubles up to `backoff_max`.
     pub backoff_min: Duration,
     pub backoff_max: Duration,
+    /// The longest any answer of the API server is awaited (kube's `read_timeout`, counted
+    /// from each request's write); above `watch_timeout_s` so a quiet healthy watch is not cut.
+    pub read_timeout: Duration,
+    /// `timeoutSeconds` of each watch request: the server ends the watch after it and it is
+    /// resumed; kube-runtime also gives up on a watch silent for this plus 5 s.
+    pub watch_timeout_s: u32,
+    /// How long start-up retries a failed first pod list before giving up (`--kube-startup-timeout`).
+    pub startup_timeout: Duration,
 }
 
 impl KubeSettings {
@@ -84,7 +104,21 @@ impl KubeSettings {
             namespaces,
             backoff_min: Duration::from_millis(500),
             backoff_max: Duration::from_secs(30),
+            read_timeout: Duration::from_secs(75),
+            watch_timeout_s: 55,
+            startup_timeout: Duration::from_secs(60),
         }
+    }
+}
+
+/// An answer no retry changes: bad credentials, a missing grant, a wrong API path.
+fn permanent(error: &watcher::Error) -> bool {
+    match error {
+        watcher::Error::InitialListFailed(kube::Error::Api(status))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(status)) => {
+            matches!(status.code, 401 | 403 | 404)
+        }
+        _ => false,
     }
 }
 
@@ -156,7 +190,9 @@ impl KubernetesSource {
     }
 
     fn watches(&self, client: kube::Client) -> BoxStream<'static, Item> {
-        let config = watcher::Config::default().labels(LABEL_MODEL);
+        let config = watcher::Config::default()
+            .labels(LABEL_MODEL)
+            .timeout(self.settings.watch_timeout_s);
         let resource = model_adapters();
         let apis: Vec<(Api<Pod>, Api<DynamicObject>)> = if self.settings.namespaces.is_empty() {
             vec![(Api::all(client.clone()), Api::all_with(client, &resource))]
@@ -182,10 +218,13 @@ impl KubernetesSource {
                     .boxed(),
             );
             streams.push(
-                watcher::watcher(adapters, watcher::Config::default())
-                    .backoff(backoff())
-                    .map(move |item| (index, Watched::Adapters(Box::new(item))))
-                    .boxed(),
+                watcher::watcher(
+                    adapters,
+                    watcher::Config::default().timeout(self.settings.watch_timeout_s),
+                )
+                .backoff(backoff())
+                .map(move |item| (index, Watched::Adapters(Box::new(item))))
+                .boxed(),
             );
         }
         stream::select_all(streams).boxed()
@@ -283,10 +322,11 @@ impl FleetSource for KubernetesSource {
 
     async fn load(&mut self) -> Result<Vec<PodRecord>, SourceError> {
         // A free function: the source holds a non-`Sync` stream, so no `&self` may cross an await.
-        let client = client(self.settings.api_url.clone()).await?;
+        let client = client(self.settings.api_url.clone(), self.settings.read_timeout).await?;
         let mut events = self.watches(client);
-        // Unlike later failures, a failed first pod list is fatal: there is no good fleet to
-        // keep. Adapters are optional and never hold the start up.
+        // Unlike later failures, a first pod list failing for good is fatal: there is no good
+        // fleet to keep. Adapters are optional and never hold the start up.
+        let started = tokio::time::Instant::now();
         while !self.state.synced() {
             let (index, item) = match events.next().await {
                 Some((index, Watched::Pods(item))) => (index, *item),
@@ -304,6 +344,15 @@ impl FleetSource for KubernetesSource {
             match item {
                 Ok(event) => {
                     self.state.apply(index, event);
+                }
+                Err(source)
+                    if !permanent(&source) && started.elapsed() < self.settings.startup_timeout =>
+                {
+                    tracing::warn!(
+                        scope = %self.scope(index),
+                        error = %source,
+                        "listing pods failed; retrying until the start-up timeout"
+                    );
                 }
                 Err(source) => {
                     return Err(KubeError::Watch {
@@ -350,8 +399,11 @@ impl FleetSource for KubernetesSource {
 }
 
 /// The client for `--kube-api-url` (no auth, plain http allowed), else in-cluster/kubeconfig.
-async fn client(api_url: Option<String>) -> Result<kube::Client, KubeError> {
-    let config = match api_url {
+async fn client(
+    api_url: Option<String>,
+    read_timeout: Duration,
+) -> Result<kube::Client, KubeError> {
+    let mut config = match api_url {
         Some(url) => {
             let uri = url
                 .parse()
@@ -363,6 +415,9 @@ async fn client(api_url: Option<String>) -> Result<kube::Client, KubeError> {
         }
         None => kube::Config::infer().await.map_err(KubeError::Infer)?,
     };
+    config.read_timeout = Some(read_timeout);
+    // From each request's write, not from when its pooled connection went idle.
+    config.reset_reader_on_write = true;
     kube::Client::try_from(config).map_err(KubeError::Client)
 }
 
