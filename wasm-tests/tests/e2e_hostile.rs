@@ -599,3 +599,36 @@ fn a_prefill_call_envoy_fails_mid_answer_fails_only_its_request() {
     assert!(!log.contains("panicked"), "{log}");
     stack.wait_ledger_zero();
 }
+
+/// A prompt of a million spaces and a letter made the cl100k encoder's regex give up and the
+/// tokenizer panic, trapping the VM with every stream of its worker. With the prefix index on
+/// `cl100k` ids every prompt is encoded: the request is routed, and the worker keeps serving.
+#[test]
+fn a_prompt_of_a_million_spaces_traps_nothing() {
+    let fleet = Fleet::new(MODEL)
+        .pod("p0", "prefill", "g0")
+        .pod("d0", "decode", "g0");
+    let stack = Stack::start_with(
+        fleet,
+        2,
+        &[
+            ("AIBRIX_PREFIX_CACHE_TOKENIZER_TYPE", "tiktoken"),
+            ("AIBRIX_PREFILL_SCORE_POLICY", "prefix_cache"),
+        ],
+    );
+    let pd = [("routing-strategy", "pd")];
+    let spaces = format!("{}x", " ".repeat(1_000_000));
+    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": spaces}],
+                      "max_tokens": 2});
+    let r = http::post_json(&stack.gateway, "/v1/chat/completions", &pd, &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    // Both workers (one connection each) still serve.
+    let small = json!({"model": MODEL, "prompt": "hello", "max_tokens": 2});
+    for _ in 0..4 {
+        let r = http::post_json(&stack.gateway, "/v1/completions", &pd, &small);
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    let log = stack.envoy_log();
+    assert!(!log.contains("panicked"), "{log}");
+    stack.wait_ledger_zero();
+}

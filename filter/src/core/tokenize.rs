@@ -21,7 +21,10 @@
 //!
 //! [`prompt_tokens_bounds`] costs about 1–2 µs per KB natively and 2–4 µs per KB in V8.
 //! Adversarial input does not blow up: `tiktoken-rs` merges long pieces with a heap, so 64 KB
-//! of one letter or of spaces (a single pre-tokenizer piece) counts in 15–18 ms natively.
+//! of one letter or of spaces (a single pre-tokenizer piece) counts in 15–18 ms natively; text
+//! goes to the encoder in segments of at most 64 KiB (its regex fails on a whitespace run of a
+//! million characters, see [`SEGMENT_BYTES`]), and bucketing counts at most
+//! [`EXACT_COUNT_MAX_BYTES`] of prompt.
 //!
 //! `bpe-openai` is about 3.5× faster, but it ships a 15 MB pre-serialised dictionary that every
 //! Envoy worker VM holds twice (data segment plus the decoded tables), and Envoy loads the module
@@ -34,6 +37,7 @@
 //! (tiktoken-go `Encode(text, nil, nil)`).
 
 use std::borrow::Cow;
+use std::collections::HashSet;
 use std::sync::OnceLock;
 
 use tiktoken_rs::CoreBPE;
@@ -103,11 +107,66 @@ fn encoder() -> Option<&'static CoreBPE> {
         .as_ref()
 }
 
+/// The longest stretch of text handed to the encoder at once. The cl100k pre-tokenizer's
+/// `\s+(?!\S)` runs in fancy-regex's backtracking VM, which keeps one stack entry per character
+/// of a whitespace run and gives up at a million; `tiktoken-rs`'s `encode_ordinary` then panics,
+/// and a panic traps the VM with every stream of its worker: one prompt of a million spaces
+/// and a letter (1 MB, under the body limit) did that.
+const SEGMENT_BYTES: usize = 64 * 1024;
+
 fn encode(text: &str) -> Vec<u32> {
-    match encoder() {
-        Some(bpe) => bpe.encode_ordinary(text),
-        None => Vec::new(),
+    let Some(bpe) = encoder() else {
+        return Vec::new();
+    };
+    let mut ids = Vec::new();
+    for segment in segments(text, SEGMENT_BYTES) {
+        // `encode` reports the regex's failure where `encode_ordinary` panics; special-token
+        // text is still plain text (none is allowed). A failed segment counts nothing, as the
+        // spec counts a tokenizer error; it cannot happen this far below the regex's limit.
+        if let Ok((segment_ids, _)) = bpe.encode(segment, &HashSet::new()) {
+            ids.extend(segment_ids);
+        }
     }
+    ids
+}
+
+/// `text` in pieces of at most `max` bytes (`max` ≥ 8). Each piece but the last ends where a
+/// pre-tokenizer piece begins when it can, so the counts add up exactly (see [`cut_point`]).
+fn segments(text: &str, max: usize) -> impl Iterator<Item = &str> {
+    let mut rest = text;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let cut = if rest.len() <= max {
+            rest.len()
+        } else {
+            cut_point(rest, max)
+        };
+        let (head, tail) = rest.split_at(cut);
+        rest = tail;
+        Some(head)
+    })
+}
+
+/// Where to end a segment of `text` (longer than `max`): before the last ASCII space in the
+/// second half of the first `max` bytes that follows a printable ASCII character. A cl100k
+/// piece holding a non-space character ends with it or with line breaks, and the pieces made of
+/// whitespace hold no other character, so a piece always begins at such a space; the regex
+/// only looks ahead, so matching from it sees what it would in the whole text. Without one
+/// (a run of whitespace, letters or CJK text longer than half a segment) the cut falls at the
+/// last character boundary, inside a piece: the count is then off by a token or two per cut.
+fn cut_point(text: &str, max: usize) -> usize {
+    let bytes = text.as_bytes();
+    let piece_start = (max / 2 + 1..=max)
+        .rev()
+        .find(|&i| bytes[i] == b' ' && bytes[i - 1].is_ascii_graphic());
+    piece_start.unwrap_or_else(|| {
+        (1..=max)
+            .rev()
+            .find(|&i| text.is_char_boundary(i))
+            .unwrap_or(text.len())
+    })
 }
 
 /// Builds the encoder now so the first request that needs it does not pay the set-up (about
@@ -161,9 +220,17 @@ pub fn prompt_tokens_bounds(text: &str) -> (usize, usize) {
     (by_length.max(by_pieces), bytes.len())
 }
 
+/// The longest prompt [`prompt_tokens_if_needed`] counts exactly. Counting costs about
+/// 0.1 µs per byte of prose and up to 0.7 µs per byte of one long piece (whitespace, one letter)
+/// natively, two to three times that in V8; an 8 MiB body of spaces would hold its worker for
+/// seconds. Past this the length is estimated, for prompts long enough that every boundary but
+/// the largest is far from them.
+pub const EXACT_COUNT_MAX_BYTES: usize = 256 * 1024;
+
 /// The prompt length to compare with `boundaries` (bucket edges, profile hint limits):
 /// the exact count when some boundary `b` lies in `min ..= max` of [`prompt_tokens_bounds`],
-/// otherwise the lower bound `min`.
+/// otherwise the lower bound `min`; past [`EXACT_COUNT_MAX_BYTES`] a boundary in the bounds
+/// gets the estimate of four bytes per token, kept within them, instead of the count.
 ///
 /// Returning `min` is safe for any range check `x < b`, `x <= b`, `x > b`, `x >= b` against a
 /// listed boundary: with no boundary inside `[min, max]`, every boundary is either below `min`
@@ -177,10 +244,12 @@ pub fn prompt_tokens_if_needed(text: &str, boundaries: &[i64]) -> usize {
     }
     let lo = i64::try_from(min).unwrap_or(i64::MAX);
     let hi = i64::try_from(max).unwrap_or(i64::MAX);
-    if boundaries.iter().any(|b| (lo..=hi).contains(b)) {
-        prompt_tokens(text)
-    } else {
+    if !boundaries.iter().any(|b| (lo..=hi).contains(b)) {
         min
+    } else if text.len() > EXACT_COUNT_MAX_BYTES {
+        (text.len() / 4).clamp(min, max)
+    } else {
+        prompt_tokens(text)
     }
 }
 
@@ -396,5 +465,67 @@ mod tests {
                 assert_eq!(got <= b, exact <= b, "{text:?} vs {b}");
             }
         }
+    }
+
+    /// A million spaces and a letter made the encoder's regex give up and `tiktoken-rs` panic
+    /// (a trapped VM); counted in segments it is a count like any, near the exact one (a run of
+    /// spaces is cut every segment, each cut costing at most a token).
+    #[test]
+    fn a_million_spaces_count_without_a_panic() {
+        for filler in [" ", "\t", "\u{a0}"] {
+            let text = format!("{}x", filler.repeat(1_000_000));
+            let tokens = prompt_tokens(&text);
+            let (min, max) = prompt_tokens_bounds(&text);
+            assert!((min..=max).contains(&tokens), "{filler:?}: {tokens}");
+        }
+        let spaces = prompt_tokens(&format!("{}x", " ".repeat(1_000_000)));
+        // 128 spaces per token, then " x"; 16 cuts.
+        let exact = 1_000_000usize.div_ceil(128);
+        assert!((exact..=exact + 2 * 16).contains(&spaces), "{spaces}");
+    }
+
+    /// Cut before a space that follows a printable character, segments add up to the whole
+    /// text's ids exactly, cut after cut.
+    #[test]
+    fn segments_cut_where_pieces_begin() {
+        let text = "The quick brown fox jumps over the lazy dog. Don't stop: x = f(y) + 42;\n\n  \
+                    indented {braces}!\tand 1234567 digits, \"quotes\" 's 'll... "
+            .repeat(40);
+        let bpe = encoder().expect("encoder");
+        let whole = bpe.encode_ordinary(&text);
+        let mut pieces = Vec::new();
+        let mut cuts = 0;
+        for segment in segments(&text, 64) {
+            assert!(segment.len() <= 64);
+            cuts += 1;
+            pieces.extend(bpe.encode_ordinary(segment));
+        }
+        assert!(cuts > 50, "{cuts}");
+        assert!(
+            pieces == whole,
+            "{} ids in pieces, {} whole",
+            pieces.len(),
+            whole.len()
+        );
+        assert!(encode(&text) == whole);
+        // Without a space to cut before, segments still cover the text, on char boundaries.
+        let cjk = "日本語のテキスト".repeat(50);
+        assert_eq!(segments(&cjk, 64).collect::<String>(), cjk);
+    }
+
+    /// Past the exact-count limit a boundary within the bounds gets the estimate, not a count.
+    #[test]
+    fn a_huge_prompt_near_a_boundary_is_estimated() {
+        let text = " ".repeat(EXACT_COUNT_MAX_BYTES + 1);
+        let (min, max) = prompt_tokens_bounds(&text);
+        let boundary = [i64::try_from(min + 1).unwrap()];
+        let estimate = prompt_tokens_if_needed(&text, &boundary);
+        assert_eq!(estimate, text.len() / 4);
+        assert!((min..=max).contains(&estimate));
+        let counted = " ".repeat(EXACT_COUNT_MAX_BYTES);
+        assert_eq!(
+            prompt_tokens_if_needed(&counted, &boundary),
+            prompt_tokens(&counted)
+        );
     }
 }
