@@ -36,6 +36,10 @@ pub enum FaultKind {
         /// of an engine may.
         #[serde(default)]
         empty_body: bool,
+        /// Add a header whose value is not UTF-8 (`x-sim-raw: \xff\xfe`, obs-text, which
+        /// HTTP allows and a proxy on the way may add).
+        #[serde(default)]
+        raw_header: bool,
     },
     /// Serve the request normally after an extra `delay_ms`.
     Slow { delay_ms: u64 },
@@ -273,7 +277,8 @@ mod tests {
                 status: 503,
                 delay_ms: 0,
                 stall_body: false,
-                empty_body: false
+                empty_body: false,
+                raw_header: false
             }
         );
         assert!(matches!(

@@ -479,12 +479,18 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
         delay_ms,
         stall_body,
         empty_body,
+        raw_header,
     }) = fault.as_ref().map(|f| f.kind)
     {
         if delay_ms > 0 {
             tokio::time::sleep(Duration::from_millis(delay_ms)).await;
         }
-        let answer = reject(entry, ApiError::injected(status));
+        let mut answer = reject(entry, ApiError::injected(status));
+        if raw_header {
+            if let Ok(value) = HeaderValue::from_bytes(b"\xff\xfe") {
+                answer.headers_mut().insert("x-sim-raw", value);
+            }
+        }
         if empty_body {
             let (mut parts, _) = answer.into_parts();
             parts.headers.remove(header::CONTENT_TYPE);

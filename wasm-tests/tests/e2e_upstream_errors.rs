@@ -221,3 +221,31 @@ fn a_pods_error_without_a_body_gets_a_json_one() {
     );
     stack.wait_ledger_zero();
 }
+
+/// A bodiless pod error carrying a header whose value is not UTF-8: the filter read the pod's
+/// headers as text to copy them into its reply, and the SDK's text getter panicked, trapping
+/// the VM with every stream of its worker. The reply leaves that header out.
+#[test]
+fn a_bodiless_pod_error_with_a_raw_header_traps_nothing() {
+    let fleet = Fleet::new(MODEL)
+        .pod("p-0", "prefill", "group-0")
+        .pod("d-0", "decode", "group-0");
+    let stack = Stack::start_with(fleet, 2, &[]);
+    stack.arm_fault(
+        json!({"pod": "d-0", "kind": "status", "status": 503, "empty_body": true,
+               "raw_header": true, "leg": "decode", "times": 1}),
+    );
+    let r = stack.chat(&PD, &chat(MODEL, false));
+    let want = json!({"error": {"message": "upstream answered 503 without a body",
+                                "type": "overloaded_error", "code": "service_unavailable",
+                                "param": null}});
+    assert_rewritten(&r, 503, want, false);
+    assert_eq!(r.header("x-sim-raw"), None, "{}", describe(&r));
+    for _ in 0..4 {
+        let ok = stack.chat(&PD, &chat(MODEL, false));
+        assert_eq!(ok.status, 200, "{}", describe(&ok));
+    }
+    let log = stack.envoy_log();
+    assert!(!log.contains("panicked"), "{log}");
+    stack.wait_ledger_zero();
+}

@@ -507,7 +507,13 @@ impl PdHttp {
     fn answer_bodiless_error(&mut self, rewrite: Rewrite) -> Action {
         let status = self.obs.response_status.unwrap_or(500);
         let answer = upstream_error::rewrite(rewrite, status, &[]);
-        let pod_headers = self.get_http_response_headers();
+        // As bytes: a value that is not UTF-8 (obs-text, RFC 9110) panics the SDK's text getter,
+        // which traps the VM; such a header is left out of the reply.
+        let pod_headers: Vec<(String, String)> = self
+            .get_http_response_headers_bytes()
+            .into_iter()
+            .filter_map(|(name, value)| Some((name, String::from_utf8(value).ok()?)))
+            .collect();
         let mut headers: Vec<(&str, &str)> = pod_headers
             .iter()
             .filter(|(name, _)| {
@@ -1702,7 +1708,7 @@ impl HttpContext for PdHttp {
         }
         if self.body_refused
             && self
-                .get_http_response_header("x-error-request-body-processing")
+                .get_http_response_header_bytes("x-error-request-body-processing")
                 .is_none()
         {
             // Envoy's plain 413, not this filter's: an error answer like any other.

@@ -266,14 +266,19 @@ pub fn answering_call(headers: usize) {
 }
 
 /// A header of the side-call answer being handled; `None` when it has none (see
-/// [`answering_call`]).
+/// [`answering_call`]) or its value is not UTF-8 (the SDK's text getter panics on one, which
+/// would trap the VM).
 pub fn call_header(name: &str) -> Option<String> {
     if !CALL_ANSWERED.with(|a| a.get()) {
         return None;
     }
-    proxy_wasm::hostcalls::get_map_value(proxy_wasm::types::MapType::HttpCallResponseHeaders, name)
-        .ok()
-        .flatten()
+    proxy_wasm::hostcalls::get_map_value_bytes(
+        proxy_wasm::types::MapType::HttpCallResponseHeaders,
+        name,
+    )
+    .ok()
+    .flatten()
+    .and_then(|value| String::from_utf8(value).ok())
 }
 
 /// Milliseconds since the Unix epoch from the host clock.
