@@ -14,6 +14,7 @@ use crate::core::fleet::{PodView, Role};
 use crate::core::obs::backlog::Backlog;
 use crate::core::obs::labels::tagged;
 use crate::core::obs::outcome::{self, Outcome};
+use crate::core::obs::series::SeriesBook;
 use crate::core::obs::timing::{self, Durations, DURATION_BUCKETS, TOTAL_BUCKETS};
 use crate::core::pd::session_affinity;
 use crate::core::upstream_error;
@@ -45,10 +46,7 @@ impl TokenGauges {
     }
 }
 
-/// Per-pod series a VM defines before new pods share one `pod="_other"` series. Envoy cannot
-/// delete a stat and a counter cannot be zeroed, so series of pods that left stay (flat) until
-/// Envoy restarts; the cap bounds that growth under heavy pod churn.
-pub const MAX_POD_SERIES: usize = 4096;
+/// Where selections of pods past [`MAX_POD_SERIES`](crate::core::obs::series::MAX_POD_SERIES) are counted.
 const OTHER_POD: &str = "_other";
 
 /// Durations with AIBrix bucket counters, in `DURATION_KINDS` order.
@@ -77,14 +75,15 @@ type OutcomeIds = HashMap<(&'static str, u32), Option<u32>>;
 
 #[derive(Default)]
 pub struct Metrics {
-    /// Per-pod ledger gauges, defined for every pod of each adopted snapshot.
-    token_gauges: HashMap<String, TokenGauges>,
+    /// Per-pod ledger gauges, defined for every pod of each adopted snapshot (up to
+    /// [`MAX_POD_SERIES`](crate::core::obs::series::MAX_POD_SERIES) pods over the VM's life; later pods have none).
+    token_gauges: SeriesBook<TokenGauges>,
     /// Pods whose ledger gauges wait to be defined, a time budget per tick
     /// ([`Metrics::define_waiting_gauges`]).
     gauge_backlog: Backlog,
     /// `pd_selected_{prefill,decode}_pod_total` per pod key.
-    selected: HashMap<String, Option<u32>>,
-    /// The shared `pod="_other"` series past [`MAX_POD_SERIES`], per side, once defined.
+    selected: SeriesBook<Option<u32>>,
+    /// The shared `pod="_other"` series past [`MAX_POD_SERIES`](crate::core::obs::series::MAX_POD_SERIES), per side, once defined.
     selected_other: [Option<Option<u32>>; 2],
     /// `gateway_request_model_{success,fail}_total` per model.
     outcomes: HashMap<String, OutcomeIds>,
@@ -186,9 +185,12 @@ fn counter(name: &str, tags: &[(&str, &str)]) -> Option<u32> {
     define(MetricType::Counter, &tagged(name, tags))
 }
 
-/// The ledger gauges of `key` in `gauges`, defined on first use.
-fn pod_gauges<'g>(gauges: &'g mut HashMap<String, TokenGauges>, key: &str) -> &'g mut TokenGauges {
-    gauges.entry_ref(key).or_insert_with(|| {
+/// The ledger gauges of `key` in `gauges`, defined on first use; `None` past the book's cap.
+fn pod_gauges<'g>(
+    gauges: &'g mut SeriesBook<TokenGauges>,
+    key: &str,
+) -> Option<&'g mut TokenGauges> {
+    gauges.series(key, || {
         let (ns, name) = key.split_once('/').unwrap_or(("", key));
         let gauge = |metric: &str| {
             define(
@@ -374,7 +376,7 @@ impl Metrics {
     /// of a request's three rounds cost more than the rounds' own work in V8.
     pub fn track_pods<'k>(&mut self, keys: impl Iterator<Item = &'k str>) {
         for key in keys {
-            if !self.token_gauges.contains_key(key) {
+            if !self.token_gauges.contains(key) && self.token_gauges.admits(key) {
                 self.gauge_backlog.push(key);
             }
         }
@@ -401,7 +403,7 @@ impl Metrics {
     /// whose values did not change since they were last written. Operators (and the fault
     /// tests) read "all back to exactly 0" from them once a load is over.
     pub fn sync_ledger_gauges(&mut self, ledger: &crate::core::ledger::Ledger) {
-        for (key, gauges) in self.token_gauges.iter_mut() {
+        for (key, gauges) in self.token_gauges.live_mut() {
             gauges.write(&ledger.row(crate::core::ledger::PodId::of(key)));
         }
     }
@@ -414,7 +416,9 @@ impl Metrics {
         rows: impl Iterator<Item = (&'k str, crate::core::ledger::Row)>,
     ) {
         for (key, row) in rows {
-            pod_gauges(&mut self.token_gauges, key).write(&row);
+            if let Some(gauges) = pod_gauges(&mut self.token_gauges, key) {
+                gauges.write(&row);
+            }
         }
     }
 
@@ -427,50 +431,44 @@ impl Metrics {
         } else {
             "pd_selected_decode_pod_total"
         };
-        let id = match self.selected.get(pod.key.as_str()) {
+        let defined = self.selected.series(&pod.key, || {
+            let ns = pod.key.split_once('/').map(|(ns, _)| ns).unwrap_or("");
+            let role = if side == 0 { "prefill" } else { "decode" };
+            counter(
+                metric,
+                &[
+                    ("namespace", ns),
+                    ("roleset", &pod.roleset),
+                    ("role", role),
+                    ("model", model),
+                    ("pod", &pod.name),
+                ],
+            )
+        });
+        let id = match defined {
             Some(id) => *id,
-            None if self.selected.len() >= MAX_POD_SERIES => *self.selected_other[side]
+            None => *self.selected_other[side]
                 .get_or_insert_with(|| counter(metric, &[("pod", OTHER_POD)])),
-            None => {
-                let ns = pod.key.split_once('/').map(|(ns, _)| ns).unwrap_or("");
-                let role = if side == 0 { "prefill" } else { "decode" };
-                let id = counter(
-                    metric,
-                    &[
-                        ("namespace", ns),
-                        ("roleset", &pod.roleset),
-                        ("role", role),
-                        ("model", model),
-                        ("pod", &pod.name),
-                    ],
-                );
-                self.selected.insert(pod.key.clone(), id);
-                id
-            }
         };
         Metrics::inc(id);
     }
 
-    /// Forgets (and zeroes the gauges of) pods that are no longer in the fleet. Counters of
-    /// such pods stay at their last value: Envoy offers no way to delete a stat, and a
-    /// Prometheus counter must not go down, so they are simply never updated again.
+    /// Zeroes the gauges of pods that are no longer in the fleet (once per departure). Their
+    /// series stay, as every stat does in Envoy (a counter must not go down either), and come
+    /// back to a pod that returns; see `core::obs::series`.
     pub fn retain_pods(&mut self, live: impl Fn(&str) -> bool) {
-        self.token_gauges.retain(|key, gauges| {
-            let keep = live(key);
-            if !keep {
-                for id in gauges.ids {
-                    Metrics::set(id, 0);
-                }
+        self.token_gauges.retire(&live, |gauges| {
+            for id in gauges.ids {
+                Metrics::set(id, 0);
             }
-            keep
         });
-        self.selected.retain(|key, _| live(key));
+        self.selected.retire(&live, |_| {});
         self.gauge_backlog.retain(live);
     }
 
-    /// Whether any per-pod series is cached (so the caller can skip building the live set).
+    /// Whether any pod in the fleet has series (so the caller can skip building the live set).
     pub fn has_pod_series(&self) -> bool {
-        !self.token_gauges.is_empty() || !self.selected.is_empty() || !self.gauge_backlog.is_empty()
+        self.token_gauges.has_live() || self.selected.has_live() || !self.gauge_backlog.is_empty()
     }
 
     /// Counts a request's outcome in `gateway_request_model_{success,fail}_total`.

@@ -7,6 +7,7 @@ pub mod backlog;
 pub mod explain;
 pub mod labels;
 pub mod outcome;
+pub mod series;
 pub mod timing;
 pub mod usage;
 
