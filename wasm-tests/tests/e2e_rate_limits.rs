@@ -256,6 +256,37 @@ fn answers_count_against_the_users_tpm_and_a_limited_stream_must_carry_its_usage
     stack.wait_ledger_zero();
 }
 
+/// `/v1/messages/count_tokens` generates nothing: a limited user's count takes no request of
+/// its limits and its `input_tokens` are not charged to its TPM (clients that count before
+/// every message were charged their prompts twice).
+#[test]
+fn a_token_count_is_no_request_and_no_usage_of_the_user() {
+    let Some(store) = Store::start() else {
+        return;
+    };
+    store.user(json!({"name": "cara", "rpm": 100, "tpm": 100000}));
+    let stack = start(&store, "");
+    let count = json!({"model": MODEL,
+        "messages": [{"role": "user", "content": "how many tokens is this prompt, roughly?"}]});
+    let counted = http::post_json(
+        &stack.gateway,
+        "/v1/messages/count_tokens",
+        &[("user", "cara")],
+        &count,
+    );
+    assert_eq!(counted.status, 200, "{}", counted.text());
+    assert!(counted.json()["input_tokens"].as_u64().unwrap_or(0) > 0);
+    assert_eq!(stack.stat("pd_router_rate_limit_checks_total"), 0);
+
+    let asked = chat(&stack, Some("cara"), question(false, false));
+    assert_eq!(asked.status, 200, "{}", asked.text());
+    assert_eq!(stack.stat("pd_router_rate_limit_checks_total"), 1);
+    // The count went first: had it been charged, the counter would read more than the chat.
+    store.wait_tpm("cara", total_tokens(&asked), Duration::from_secs(10));
+    assert_eq!(store.counter("cara", "RPM"), 1);
+    stack.wait_ledger_zero();
+}
+
 /// A token report pd-control could not add (Redis refused the user's counter) goes again on
 /// the next ticks, and counts once Redis takes it: the answer's tokens are not lost to a
 /// short store failure.

@@ -750,7 +750,14 @@ impl PdHttp {
                 )
             )?
         };
-        if let Some(ask) = self.admission_ask(user, &req.model, decision.requests_per_second) {
+        // A token count computes nothing on the engine: any one pod serves it, whatever the
+        // strategy, and a PD-only fleet has no pod but prefill and decode ones. It generates
+        // nothing either, so it takes no request of a user's or model's limits, and the
+        // `input_tokens` of its answer are no usage (clients that count before every message
+        // were charged their prompts twice).
+        let count_only = endpoint == Endpoint::MessagesCountTokens;
+        let ask = self.admission_ask(user, &req.model, decision.requests_per_second);
+        if let Some(ask) = ask.filter(|_| !count_only) {
             if self.start_admission(ask, &mut raw)? {
                 // pd-control's answer routes the request again (`on_admission`).
                 return Ok(Action::Pause);
@@ -758,9 +765,6 @@ impl PdHttp {
         }
         self.auto_profile = decision.auto_profile.clone();
         let mut engine = Engine::Vllm;
-        // A token count computes nothing on the engine: any one pod serves it, whatever the
-        // strategy, and a PD-only fleet has no pod but prefill and decode ones.
-        let count_only = endpoint == Endpoint::MessagesCountTokens;
         let external = if decision.strategy == Strategy::External && !count_only {
             match self.external_pick(&fleet, model, &req, &mut raw)? {
                 // pd-control's answer routes the request again (`on_external`).
