@@ -43,6 +43,10 @@ pub enum FaultKind {
     },
     /// Serve the request normally after an extra `delay_ms`.
     Slow { delay_ms: u64 },
+    /// Serve an unstreamed request whole (a prefill leg computes and hands its KV over), then
+    /// hold the answer until the fault is cleared and answer `status` with an error body
+    /// instead: a leg whose work was done but whose answer failed.
+    FailAfterServing { status: u16 },
     /// Answer 200 with a JSON object of `bytes` bytes instead of serving the request: a
     /// broken or hostile engine's answer. With `not_json`, the 200's `bytes` bytes are plain
     /// text, not JSON at all.
@@ -69,6 +73,7 @@ impl FaultKind {
             FaultKind::HangAfterChunks { .. } => "hang_after_chunks",
             FaultKind::Status { .. } => "status",
             FaultKind::Slow { .. } => "slow",
+            FaultKind::FailAfterServing { .. } => "fail_after_serving",
             FaultKind::Oversized { .. } => "oversized",
             FaultKind::Crash => "crash",
             FaultKind::Refuse => "refuse",

@@ -308,6 +308,9 @@ struct Hooks {
     gate_queue: GateQueue,
     handover: Option<BoxFuture<'static, Result<(), ApiError>>>,
     decorate: Option<Decorate>,
+    /// A drawn `fail_after_serving` fault: the status answered once the work is done and the
+    /// fault is released.
+    fail_after: Option<(u16, Drawn)>,
 }
 
 /// Where a request waits while it passes its [`Hooks::gate`].
@@ -332,6 +335,7 @@ impl Hooks {
             gate_queue: GateQueue::Waiting,
             handover: None,
             decorate: None,
+            fail_after: None,
         }
     }
 
@@ -699,6 +703,10 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
                     None
                 }
                 FaultKind::HangAfterChunks { chunks } => Some(Stall { chunks, drawn }),
+                FaultKind::FailAfterServing { status } => {
+                    hooks.fail_after = Some((status, drawn));
+                    None
+                }
                 FaultKind::Status { .. }
                 | FaultKind::Oversized { .. }
                 | FaultKind::Crash
@@ -888,6 +896,11 @@ async fn full_response(
         if let Err(err) = handover.await {
             return error_response(&err, hooks.engine, hooks.endpoint);
         }
+    }
+    if let Some((status, drawn)) = hooks.fail_after.take() {
+        drawn.released().await;
+        let err = ApiError::injected(status);
+        return error_response(&err, hooks.engine, hooks.endpoint);
     }
     let mut body = meta.full_body(
         &engine::output_text(produced),

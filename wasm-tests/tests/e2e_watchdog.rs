@@ -435,3 +435,57 @@ fn engines_with_an_api_key_accept_the_gateways_aborts() {
     stack.clear_faults();
     stack.wait_ledger_zero();
 }
+
+/// The SGLang prefill's answer fails after the decode pod began streaming tokens: the decode
+/// worker has the KV (it produces nothing before it arrives), so the answer is left to finish
+/// rather than cut; the failed call still counts, as one failover recovered from does.
+#[test]
+fn an_sglang_prefill_answer_failing_mid_stream_lets_the_stream_finish() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let stack = Stack::start_with(fleet(), 2, &env(&[]));
+    stack.arm_fault(
+        json!({"pod": "sg-p-0", "kind": "fail_after_serving", "status": 500,
+                           "leg": "prefill", "times": 1}),
+    );
+    // A long answer (500 tokens at pd-sim's 2 ms each): the failure arrives while it streams.
+    let body = chat(true, 500).to_string();
+    let mut conn = std::net::TcpStream::connect(&stack.gateway).expect("gateway");
+    conn.set_read_timeout(Some(Duration::from_secs(30)))
+        .expect("timeout");
+    write!(
+        conn,
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\nrouting-strategy: pd\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("request");
+    let mut reader = BufReader::new(conn);
+    let mut seen = String::new();
+    loop {
+        let mut line = String::new();
+        let n = reader.read_line(&mut line).expect("a line of the answer");
+        assert!(n > 0, "the answer ended before its first token: {seen}");
+        seen.push_str(&line);
+        if line.starts_with("data: {") {
+            break;
+        }
+    }
+    // Tokens are flowing, so the KV arrived; now the prefill's answer fails.
+    stack.clear_faults();
+    let mut rest = String::new();
+    let _ = reader.read_to_string(&mut rest);
+    seen.push_str(&rest);
+    assert!(
+        seen.contains("data: [DONE]"),
+        "the stream was cut: {}",
+        &seen[seen.len().saturating_sub(400)..]
+    );
+    eventually(Duration::from_secs(10), || {
+        match prefill_call_fail_count(&stack, "http_error", "500") {
+            1.0 => Ok(()),
+            n => Err(format!("{n} failed prefill calls counted")),
+        }
+    });
+    assert_eq!(fail_count(&stack, "pd_prefill_failure", "500"), 0.0);
+    stack.wait_ledger_zero();
+}

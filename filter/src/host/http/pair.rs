@@ -71,6 +71,9 @@ pub struct Legs {
     server_info: Option<ServerInfoCall>,
     /// Response headers went to the client: errors can no longer be a local reply.
     response_started: bool,
+    /// The decode pod sent answer bytes: it has the prefill's KV (SGLang and TRT-LLM decode
+    /// workers produce nothing before it arrives).
+    body_started: bool,
 }
 
 impl PdHttp {
@@ -322,9 +325,9 @@ impl PdHttp {
             self.request_id,
             crate::core::errors::loggable(&error.to_string())
         );
-        // The decode pod will never get its KV: stop the watchdog, ask the pod to drop it
-        // (the stand-in, when the chosen one refused the connection and Envoy retried there).
-        self.vm.borrow_mut().watched.remove(&self.id);
+        // Unless it is already answering, the decode pod will never get its KV: ask it to drop
+        // the request (the stand-in, when the chosen one refused the connection and Envoy
+        // retried there) and stop the watchdog.
         let settings = self.legs.watch_settings;
         let decode_address = self.answering_address(&leg.decode_address);
         self.vm.borrow_mut().engines.queue_abort(AbortOrder {
@@ -336,6 +339,21 @@ impl PdHttp {
             streaming: self.legs.response_started,
             authorization: self.forwarded_value("authorization"),
         });
+        if self.legs.body_started {
+            // The decode pod is producing, so its KV arrived: the prefill failed after the
+            // transfer (its answer, not its work). The generation is left to finish, under
+            // its watchdog; the failed call counts by its class, as a call failover recovered
+            // from does, since the request did not fail.
+            self.vm.borrow_mut().metrics.prefill_call_failed(&error);
+            self.arm_watchdog();
+            log::warn!(
+                "request {}: the prefill answer failed after the decode pod began its answer; \
+                 letting the answer finish",
+                self.request_id
+            );
+            return;
+        }
+        self.vm.borrow_mut().watched.remove(&self.id);
         if !self.legs.response_started {
             self.routed = None;
             self.reject(error); // counts the failed leg
@@ -397,6 +415,7 @@ impl PdHttp {
         if size == 0 && !end {
             return;
         }
+        self.legs.body_started |= size > 0;
         if let Some(w) = self.vm.borrow_mut().watched.get_mut(&self.id) {
             w.watchdog.on_chunk(crate::host::steady_ms(), end);
         }
