@@ -695,3 +695,36 @@ fn every_pod_of_a_large_fleet_gets_its_gauges_over_ticks_and_a_charged_pod_at_on
         );
     }
 }
+
+/// A pod's error answer feeds no latency: a pod shedding load with fast 503s would make the
+/// TTFT and total-time histograms (and AIBrix's duration buckets) look better the worse it
+/// gets. The error is answered first, so any sample of it flushes no later than the success's.
+#[test]
+fn an_error_answer_feeds_no_latency_histogram() {
+    let stack = Stack::start(fleet());
+    for pod in ["vllm-d-0", "vllm-d-1"] {
+        stack.arm_fault(
+            json!({"pod": pod, "kind": "status", "status": 503, "leg": "decode",
+                               "times": 1}),
+        );
+    }
+    let failed = stack.chat(PD, &chat(true, 4));
+    assert_eq!(failed.status, 503, "{}", failed.text());
+    stack.clear_faults();
+    let ok = stack.chat(PD, &chat(true, 4));
+    assert_eq!(ok.status, 200, "{}", ok.text());
+    let s = scrape_until(&stack, "the success's samples flushed", |s| {
+        s.sum("pd_router_total_time_ms_count", &[]) >= 1.0
+            && s.sum("pd_router_ttft_ms_count", &[]) >= 1.0
+    });
+    for metric in ["pd_router_total_time_ms_count", "pd_router_ttft_ms_count"] {
+        assert_eq!(s.sum(metric, &[]), 1.0, "{metric}");
+    }
+    for metric in [
+        "gateway_total_time_bucket_total",
+        "gateway_ttft_bucket_total",
+    ] {
+        assert_eq!(s.sum(metric, &[]), 1.0, "{metric}");
+    }
+    stack.wait_ledger_zero();
+}

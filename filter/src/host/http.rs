@@ -1345,7 +1345,9 @@ impl PdHttp {
         if let (Some(pod), Some(ok)) = (&self.served.target, outcome.pod_served()) {
             vm.pod_outcome(pod, ok, clock.ms());
         }
-        if matches!(outcome, Outcome::Response { .. }) {
+        // Latencies of answers only: a pod shedding load with fast 503s would otherwise make
+        // the TTFT and total-time histograms look better the worse it gets.
+        if matches!(outcome, Outcome::Response { code } if (200..300).contains(&code)) {
             let mut times = self.obs.times;
             times.end_us.get_or_insert_with(|| clock.us());
             let threshold_us = (vm.defaults.env.ttft_threshold_s * 1e6) as u64;
