@@ -235,21 +235,61 @@ pub const EXACT_COUNT_MAX_BYTES: usize = 256 * 1024;
 /// Returning `min` is safe for any range check `x < b`, `x <= b`, `x > b`, `x >= b` against a
 /// listed boundary: with no boundary inside `[min, max]`, every boundary is either below `min`
 /// or above `max`, so each check gives the same answer for `min` as for the exact count, which
-/// lies in `[min, max]`. The value is not the exact count in that case: use [`prompt_tokens`]
-/// where the number itself is reported.
+/// lies in `[min, max]`. The value is not the exact count in that case: use
+/// [`PromptLength::counted`] where the number itself matters.
 pub fn prompt_tokens_if_needed(text: &str, boundaries: &[i64]) -> usize {
-    let (min, max) = prompt_tokens_bounds(text);
-    if min == max {
-        return min;
+    PromptLength::new(text).for_boundaries(boundaries)
+}
+
+/// One prompt's length, counted at most once however many steps of a request ask for it
+/// (boundary checks, then adaptive bucket serving's picture of the traffic).
+pub struct PromptLength<'t> {
+    text: &'t str,
+    counted: std::cell::Cell<Option<usize>>,
+}
+
+impl<'t> PromptLength<'t> {
+    pub fn new(text: &'t str) -> PromptLength<'t> {
+        PromptLength {
+            text,
+            counted: std::cell::Cell::new(None),
+        }
     }
-    let lo = i64::try_from(min).unwrap_or(i64::MAX);
-    let hi = i64::try_from(max).unwrap_or(i64::MAX);
-    if !boundaries.iter().any(|b| (lo..=hi).contains(b)) {
-        min
-    } else if text.len() > EXACT_COUNT_MAX_BYTES {
-        (text.len() / 4).clamp(min, max)
-    } else {
-        prompt_tokens(text)
+
+    /// [`prompt_tokens_if_needed`], keeping a count it takes.
+    pub fn for_boundaries(&self, boundaries: &[i64]) -> usize {
+        let (min, max) = prompt_tokens_bounds(self.text);
+        if min == max {
+            return min;
+        }
+        let lo = i64::try_from(min).unwrap_or(i64::MAX);
+        let hi = i64::try_from(max).unwrap_or(i64::MAX);
+        if boundaries.iter().any(|b| (lo..=hi).contains(b)) {
+            self.counted()
+        } else {
+            min
+        }
+    }
+
+    /// The count taken so far, if one was.
+    pub fn taken(&self) -> Option<usize> {
+        self.counted.get()
+    }
+
+    /// The `cl100k_base` count, or past [`EXACT_COUNT_MAX_BYTES`] the estimate of four bytes
+    /// per token within [`prompt_tokens_bounds`].
+    pub fn counted(&self) -> usize {
+        if let Some(n) = self.counted.get() {
+            return n;
+        }
+        let n = if self.text.len() > EXACT_COUNT_MAX_BYTES {
+            let (min, max) = prompt_tokens_bounds(self.text);
+            (self.text.len() / 4).clamp(min, max)
+        } else {
+            prompt_tokens(self.text)
+        };
+        self.counted.set(Some(n));
+        n
     }
 }
 
@@ -527,5 +567,27 @@ mod tests {
             prompt_tokens_if_needed(&counted, &boundary),
             prompt_tokens(&counted)
         );
+    }
+
+    /// Routing asks for the length twice (boundary checks, then bucket serving's picture):
+    /// the count is taken once, and what bucket serving reads is the count, not the lower
+    /// bound Step 0 may have settled for (CJK's is a thirtieth of the count).
+    #[test]
+    fn a_prompt_length_is_counted_once_and_never_a_bound() {
+        let cjk = "東京の天気は今日とても良いです。".repeat(40);
+        let exact = prompt_tokens(&cjk);
+        let (min, _) = prompt_tokens_bounds(&cjk);
+        assert!(min * 5 < exact, "{min} vs {exact}");
+
+        let far = PromptLength::new(&cjk);
+        assert_eq!(far.for_boundaries(&[1 << 40]), min);
+        assert_eq!(far.taken(), None, "no boundary near: nothing counted");
+        assert_eq!(far.counted(), exact);
+
+        let near = PromptLength::new(&cjk);
+        let edge = [i64::try_from(exact).unwrap()];
+        assert_eq!(near.for_boundaries(&edge), exact);
+        assert_eq!(near.taken(), Some(exact));
+        assert_eq!(near.counted(), exact);
     }
 }

@@ -169,6 +169,8 @@ pub struct PdHttp {
     /// The profile `config-profile: auto` picked, echoed as `x-aibrix-config-profile`.
     auto_profile: Option<String>,
     session_key: Option<String>,
+    /// The prompt's cl100k count, when routing took it (see `tokenize::PromptLength`).
+    prompt_counted: Option<usize>,
     /// Testing only: trap when the prefill leg answers (see `VmState::debug_trap_header`).
     trap_at_prefill_answer: bool,
     /// The snapshot this request was routed on. Its later legs (the decode destination set
@@ -282,6 +284,7 @@ impl PdHttp {
             profile_header: None,
             auto_profile: None,
             session_key: None,
+            prompt_counted: None,
             trap_at_prefill_answer: false,
             routed_on: None,
             prefill_timeout_s: 30.0,
@@ -735,9 +738,9 @@ impl PdHttp {
             Err(failure) => return Err(failure),
         };
         let now = now_ms();
+        let length = tokenize::PromptLength::new(&req.prompt_text);
         let decision = {
             let vm = self.vm.borrow();
-            let text = &req.prompt_text;
             crate::section!(
                 "request_body.decide",
                 route::decide(
@@ -746,10 +749,11 @@ impl PdHttp {
                     self.strategy_header.as_deref(),
                     self.profile_header.as_deref(),
                     &vm.defaults.env,
-                    &|boundaries| tokenize::prompt_tokens_if_needed(text, boundaries) as i64,
+                    &|boundaries| length.for_boundaries(boundaries) as i64,
                 )
             )?
         };
+        self.prompt_counted = length.taken();
         // A token count computes nothing on the engine: any one pod serves it, whatever the
         // strategy, and a PD-only fleet has no pod but prefill and decode ones. It generates
         // nothing either, so it takes no request of a user's or model's limits, and the
@@ -942,11 +946,18 @@ impl PdHttp {
         };
         let profile = decision.profile.as_deref();
         let banded = if decision.bucketing && settings.bucket_serve {
-            vm.planner.record(&req.model, decision.prompt_len, now);
+            // The traffic's picture needs every prompt's count (Step 0's length is a lower
+            // bound unless an edge was near it, and bounds of prose and of CJK text differ
+            // fourfold): counted here unless Step 0 counted it already.
+            let len = self
+                .prompt_counted
+                .unwrap_or_else(|| tokenize::PromptLength::new(&req.prompt_text).counted());
+            let len = i64::try_from(len).unwrap_or(i64::MAX);
+            vm.planner.record(&req.model, len, now);
             let groups = candidates::bucket_groups(model, profile);
             vm.planner
                 .plan_for(&req.model, &groups, settings.bucket_serve_mode, now)
-                .and_then(|plan| plan.lookup(decision.prompt_len))
+                .and_then(|plan| plan.lookup(len))
                 .map(str::to_string)
         } else {
             None
