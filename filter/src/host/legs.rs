@@ -8,7 +8,7 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::types::{MetricType, Status};
 
 use crate::core::call_timeout::call_timeout;
-use crate::core::engine::trtllm::{self, ServerInfo};
+use crate::core::engine::trtllm::{self, ServerInfo, ServerInfoCache};
 use crate::core::engine::{sglang, EngineDefaults};
 use crate::core::watchdog::Phase;
 use crate::host::metrics::Metrics;
@@ -16,7 +16,6 @@ use crate::host::{now_ms, random_seed};
 
 /// `/server_info` lookups: 3 s, cached a minute per pod.
 pub const SERVER_INFO_TIMEOUT: Duration = Duration::from_secs(3);
-const SERVER_INFO_TTL_MS: u64 = 60_000;
 /// Shared-data key of the Snowflake counter every worker of the process draws from.
 const TRT_COUNTER_KEY: &str = "pd-router/trt-counter";
 
@@ -79,7 +78,7 @@ pub struct AbortOrder<'a> {
 /// Per-VM state of the engine protocols.
 pub struct EngineState {
     pub defaults: EngineDefaults,
-    server_info: hashbrown::HashMap<String, (ServerInfo, u64)>,
+    server_info: ServerInfoCache,
     aborts: Vec<PendingAbort>,
     abort_calls: hashbrown::HashMap<u32, PendingAbort>,
     rid_random: u32,
@@ -97,7 +96,7 @@ impl EngineState {
     pub fn new(defaults: EngineDefaults) -> EngineState {
         EngineState {
             defaults,
-            server_info: hashbrown::HashMap::new(),
+            server_info: ServerInfoCache::default(),
             aborts: Vec::new(),
             abort_calls: hashbrown::HashMap::new(),
             rid_random: random_seed() as u32,
@@ -130,18 +129,20 @@ impl EngineState {
         sglang::rid(request_id, self.rid_random, self.rid_counter)
     }
 
-    /// A cached `/server_info` of the pod at `address`, while fresh.
-    pub fn server_info(&self, address: &str, now: u64) -> Option<ServerInfo> {
-        self.server_info
-            .get(address)
-            .filter(|(_, expires)| *expires > now)
-            .map(|(info, _)| info.clone())
+    /// A cached `/server_info` of the context worker at `address` (ready since
+    /// `ready_since_ms`), while fresh.
+    pub fn server_info(&self, address: &str, ready_since_ms: u64, now: u64) -> Option<ServerInfo> {
+        self.server_info.get(address, ready_since_ms, now).cloned()
     }
 
-    pub fn cache_server_info(&mut self, address: &str, info: ServerInfo, now: u64) {
-        self.server_info.retain(|_, (_, expires)| *expires > now);
-        self.server_info
-            .insert(address.to_string(), (info, now + SERVER_INFO_TTL_MS));
+    pub fn cache_server_info(
+        &mut self,
+        address: &str,
+        ready_since_ms: u64,
+        info: ServerInfo,
+        now: u64,
+    ) {
+        self.server_info.put(address, ready_since_ms, info, now);
     }
 
     /// Queues an abort of a decode request (sent on the next tick by the root context, whose

@@ -62,6 +62,46 @@ pub struct ServerInfo {
     pub encoded_opaque_state: Option<String>,
 }
 
+/// How long a context worker's `/server_info` is reused (AIBrix: one minute).
+pub const SERVER_INFO_TTL_MS: u64 = 60_000;
+
+/// Context workers' `/server_info` answers, per address, each for the pod incarnation it came
+/// from: a worker restarted on the same IP (its container, or a new pod given the address)
+/// reports a new `ctx_info_endpoint`, and generation legs sent with the old one fail until the
+/// entry expires. The pod's ready time tells incarnations apart (it changes when Ready turns
+/// true again), as AIBrix's key of pod UID and restart counts does.
+#[derive(Debug, Default)]
+pub struct ServerInfoCache {
+    entries: hashbrown::HashMap<String, CachedServerInfo>,
+}
+
+#[derive(Debug)]
+struct CachedServerInfo {
+    info: ServerInfo,
+    ready_since_ms: u64,
+    expires_ms: u64,
+}
+
+impl ServerInfoCache {
+    /// The answer of the worker at `address` that became ready at `ready_since_ms`, while fresh.
+    pub fn get(&self, address: &str, ready_since_ms: u64, now_ms: u64) -> Option<&ServerInfo> {
+        self.entries
+            .get(address)
+            .filter(|c| c.ready_since_ms == ready_since_ms && c.expires_ms > now_ms)
+            .map(|c| &c.info)
+    }
+
+    pub fn put(&mut self, address: &str, ready_since_ms: u64, info: ServerInfo, now_ms: u64) {
+        self.entries.retain(|_, c| c.expires_ms > now_ms);
+        let entry = CachedServerInfo {
+            info,
+            ready_since_ms,
+            expires_ms: now_ms.saturating_add(SERVER_INFO_TTL_MS),
+        };
+        self.entries.insert(address.to_string(), entry);
+    }
+}
+
 /// Parses `/server_info`. Missing or invalid metadata (the C++ transceiver answers an empty
 /// `disaggregated_params`) is an error: routing fails before either leg is sent.
 pub fn parse_server_info(body: &[u8]) -> Result<ServerInfo, String> {
@@ -527,5 +567,24 @@ mod tests {
             Some(ScheduleStyle::GenerationFirst)
         );
         assert_eq!(ScheduleStyle::parse("parallel"), None);
+    }
+
+    #[test]
+    fn server_info_is_reused_only_for_the_same_worker_incarnation() {
+        let info = ServerInfo {
+            ctx_dp_rank: 0,
+            ctx_info_endpoint: "tcp://10.0.0.1:5555".into(),
+            encoded_opaque_state: None,
+        };
+        let mut cache = ServerInfoCache::default();
+        cache.put("10.0.0.1:8000", 1_000, info.clone(), 5_000);
+        assert_eq!(cache.get("10.0.0.1:8000", 1_000, 6_000), Some(&info));
+        assert_eq!(cache.get("10.0.0.1:8000", 9_000, 6_000), None, "restarted");
+        assert_eq!(cache.get("10.0.0.2:8000", 1_000, 6_000), None);
+        assert_eq!(
+            cache.get("10.0.0.1:8000", 1_000, 5_000 + SERVER_INFO_TTL_MS),
+            None,
+            "expired"
+        );
     }
 }

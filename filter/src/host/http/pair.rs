@@ -49,6 +49,8 @@ struct ServerInfoCall {
     members: Spans,
     endpoint: Endpoint,
     prefill_address: String,
+    /// When the context worker became ready: its `/server_info` is cached for that incarnation.
+    prefill_ready_since_ms: u64,
     decode_address: String,
 }
 
@@ -129,11 +131,11 @@ impl PdHttp {
                 let machine = self.vm.borrow().engines.defaults.trt_machine_id;
                 let id = legs::disagg_request_id(machine);
                 self.watch(decode, None, req.stream);
-                let cached = self
-                    .vm
-                    .borrow()
-                    .engines
-                    .server_info(&prefill.address, now_ms());
+                let cached = self.vm.borrow().engines.server_info(
+                    &prefill.address,
+                    prefill.ready_since_ms,
+                    now_ms(),
+                );
                 if let Some(info) = cached {
                     let legs = GenerationFirst {
                         endpoint,
@@ -154,6 +156,7 @@ impl PdHttp {
                     members: req.members,
                     endpoint,
                     prefill_address: prefill.address.clone(),
+                    prefill_ready_since_ms: prefill.ready_since_ms,
                     decode_address: decode.address.clone(),
                 });
                 Ok(Action::Pause)
@@ -282,6 +285,7 @@ impl PdHttp {
             .and_then(|info| {
                 self.vm.borrow_mut().engines.cache_server_info(
                     &call.prefill_address,
+                    call.prefill_ready_since_ms,
                     info.clone(),
                     now_ms(),
                 );
