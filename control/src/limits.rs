@@ -312,6 +312,30 @@ const OUTCOMES: [&str; 6] = [
     "model_rps_exceeded",
 ];
 
+/// The Lua helper the counter scripts test a `redis.pcall('INCRBY', ...)` reply with (a macro,
+/// so that `concat!` can put it in front of them): true when the counter itself refused (not
+/// an integer, another type), which fails that counter alone. A server that takes no writes
+/// (`READONLY`: a primary demoted by a failover, its clients still connected; `MASTERDOWN`;
+/// `TRYAGAIN`) fails the whole script with its own error code, so that the link drops the
+/// connection and reconnects to the new primary (see `redis_link::Fault::WrongServer`):
+/// swallowed here, it would fail every model check until pd-control restarted.
+macro_rules! counter_failed_lua {
+    () => {
+        r"
+local function counter_failed(reply)
+  if type(reply) ~= 'table' or not reply.err then
+    return false
+  end
+  local code = string.match(reply.err, '^%S+')
+  if code == 'READONLY' or code == 'MASTERDOWN' or code == 'TRYAGAIN' then
+    error(reply)
+  end
+  return true
+end
+"
+    };
+}
+
 /// The counter half of a check, atomic so that concurrent checks of one user or model (from
 /// several gateways or pd-controls) never both take the last request of a window.
 /// KEYS: with a user, its request and token counters; then, with a model, its counter.
@@ -325,7 +349,9 @@ const OUTCOMES: [&str; 6] = [
 /// A counter's window starts with its first write (the expiry is set only while it has none),
 /// so later writes never stretch it. A counter read without an expiry (left by a writer that
 /// died between its increment and its expiry) gets one, or it would refuse for ever.
-const ADMIT_SCRIPT: &str = r"
+const ADMIT_SCRIPT: &str = concat!(
+    counter_failed_lua!(),
+    r"
 local function current(key, window)
   local value = redis.call('GET', key)
   if not value then
@@ -359,7 +385,7 @@ end
 if ARGV[5] == '1' then
   local key, rps_limit, window = KEYS[model], tonumber(ARGV[6]), ARGV[7]
   local rps = redis.pcall('INCRBY', key, 1)
-  if type(rps) == 'table' and rps.err then
+  if counter_failed(rps) then
     return {4, rpm, tpm, 0}
   end
   windowed(key, window)
@@ -370,7 +396,8 @@ if ARGV[5] == '1' then
   return {1, rpm, tpm, rps}
 end
 return {1, rpm, tpm, 0}
-";
+"
+);
 
 /// Adds tokens to users' token counters, with the window rule of [`ADMIT_SCRIPT`].
 /// KEYS: n token counters, then (for a report with an id) their n report markers. ARGV:
@@ -380,7 +407,9 @@ return {1, rpm, tpm, 0}
 /// report), 0 refused by Redis (a counter that is not an integer), which leaves the other
 /// users' additions standing. Marker and addition happen in one script, so a report is added
 /// once per user whichever pd-control replica gets each copy, and however its answers fare.
-const USAGE_SCRIPT: &str = r"
+const USAGE_SCRIPT: &str = concat!(
+    counter_failed_lua!(),
+    r"
 local window, remember = ARGV[1], tonumber(ARGV[2])
 local n = #KEYS
 if remember > 0 then n = n / 2 end
@@ -391,7 +420,7 @@ for i = 1, n do
     added[i] = 2
   else
     local total = redis.pcall('INCRBY', key, ARGV[i + 2])
-    if type(total) == 'table' and total.err then
+    if counter_failed(total) then
       if remember > 0 then redis.call('DEL', KEYS[n + i]) end
       added[i] = 0
     else
@@ -403,7 +432,8 @@ for i = 1, n do
   end
 end
 return added
-";
+"
+);
 
 /// The key marking `user`'s tokens of report `id` as added (see [`USAGE_SCRIPT`]).
 pub fn usage_report_key(id: &str, user: &str) -> String {

@@ -3,7 +3,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Write as _;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::body::Bytes;
@@ -19,13 +19,14 @@ use crate::auth::SnapshotToken;
 use crate::limits::UserLimits;
 use crate::replicas::ReplicaBook;
 use crate::snapshot::Published;
-use crate::stats::{PollAnswer, Stats};
+use crate::stats::{PollAnswer, Stats, Task};
 
 /// Carries the served version on every snapshot response, including 304s, so a poller can log
 /// or compare it without decoding.
 pub const VERSION_HEADER: &str = "x-pd-snapshot-version";
 pub const PROTOBUF: &str = "application/x-protobuf";
 const PROMETHEUS_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
+const PLAIN_TEXT: &str = "text/plain; charset=utf-8";
 
 #[derive(Clone)]
 pub struct AppState {
@@ -44,6 +45,9 @@ pub struct AppState {
     pub eds_here: crate::xds::EdsHere,
     /// The `external` strategy's service, when configured.
     pub external: Option<Arc<crate::external::ExternalRouter>>,
+    /// How long the control loop may go without completing an iteration before the snapshot
+    /// counts as frozen (`crate::service::loop_stale_after`).
+    pub loop_stale_after: Duration,
 }
 
 pub fn router(state: AppState) -> Router {
@@ -130,7 +134,8 @@ fn query_u64(query: &HashMap<String, String>, name: &str) -> Result<Option<u64>,
 /// version. With `wait_ms` that answer is held until a newer version is published (answered
 /// at once, 200) or W ms pass (304): a long poll. An idle fleet then costs a gateway one poll
 /// per W instead of one per refresh period, and a new snapshot reaches it as soon as it is
-/// built instead of at its next poll.
+/// built instead of at its next poll. While the snapshot is [`frozen`] the 304 becomes a 503
+/// (with the version header and the reason), so a gateway's staleness bound runs out.
 async fn snapshot(
     State(state): State<AppState>,
     Query(query): Query<HashMap<String, String>>,
@@ -163,6 +168,20 @@ async fn snapshot_answer(state: &AppState, query: &HashMap<String, String>) -> R
         published = newer_than(state, published.version, wait).await;
     }
     if held == Some(published.version) {
+        // "Not modified" would confirm a snapshot that nothing updates any more, and the
+        // filter treats every confirmed snapshot as fresh: answer what its staleness handling
+        // counts as a failed poll instead (the version header says pd-control answered).
+        // A caller without this version still gets it below: its pods beat no pods, and the
+        // next poll, which names it, lands here.
+        if let Some(why) = frozen(state, Instant::now()) {
+            state.stats.poll_answered(PollAnswer::Frozen);
+            return respond(
+                StatusCode::SERVICE_UNAVAILABLE,
+                published.version,
+                Some(PLAIN_TEXT),
+                Body::from(why),
+            );
+        }
         state.stats.poll_answered(PollAnswer::NotModified);
         return respond(
             StatusCode::NOT_MODIFIED,
@@ -312,8 +331,8 @@ async fn route_external(State(state): State<AppState>, body: Bytes) -> Response 
 const REPORT_ID_HEADER: &str = "x-pd-report-id";
 
 /// The first snapshot newer than `version`, or the current one after `wait`. Returns early
-/// when pd-control shuts down (its control loop drops the sender), so a held poll never
-/// delays a graceful stop.
+/// when the control loop ends and drops the sender (pd-control shuts down, or the loop
+/// panicked), so a held poll never delays a graceful stop.
 async fn newer_than(state: &AppState, version: u64, wait: Duration) -> Arc<Published> {
     let mut snapshots = state.snapshots.clone();
     let newer = snapshots.wait_for(|p| p.version != version);
@@ -340,16 +359,47 @@ async fn snapshot_json(State(state): State<AppState>) -> Response {
     }
 }
 
+/// 200 while the snapshot reflects the fleet and its load and keeps doing so; 503 with the
+/// reason otherwise: before the first fleet and scrape round, once the snapshot is
+/// [`frozen`], and once the fleet source ended (the pods' metrics stay current, but pods that
+/// come and go are no longer seen).
 async fn readyz(State(state): State<AppState>) -> Response {
-    if state.stats.is_ready() {
-        (StatusCode::OK, "ready\n").into_response()
-    } else {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "waiting for the fleet and a first scrape round\n",
+    let why = if !state.stats.is_ready() {
+        Some("waiting for the fleet and a first scrape round\n".to_string())
+    } else if let Some(why) = frozen(&state, Instant::now()) {
+        Some(why)
+    } else if state.stats.has_ended(Task::FleetSource) {
+        Some(
+            "the fleet source ended: pods that come and go are no longer seen (restart pd-control)\n"
+                .to_string(),
         )
-            .into_response()
+    } else {
+        None
+    };
+    match why {
+        None => (StatusCode::OK, "ready\n").into_response(),
+        Some(why) => (StatusCode::SERVICE_UNAVAILABLE, why).into_response(),
     }
+}
+
+/// Why the served snapshot no longer follows the fleet and the pods' load, if it does not:
+/// the control loop ended, or has not completed an iteration for longer than
+/// [`AppState::loop_stale_after`] (hung on the endpoint file's disk, say).
+fn frozen(state: &AppState, now: Instant) -> Option<String> {
+    if state.stats.has_ended(Task::ControlLoop) {
+        return Some(
+            "the control loop ended: the snapshot no longer changes (restart pd-control)\n"
+                .to_string(),
+        );
+    }
+    let age = state.stats.loop_age(now);
+    (age > state.loop_stale_after).then(|| {
+        format!(
+            "the control loop has not completed an iteration for {:.1}s (bound {:.1}s): the snapshot is frozen\n",
+            age.as_secs_f64(),
+            state.loop_stale_after.as_secs_f64()
+        )
+    })
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {
@@ -359,6 +409,7 @@ async fn metrics(State(state): State<AppState>) -> Response {
         &state.stats,
         state.source_kind,
         crate::unix_ms_now(),
+        state.stats.loop_age(Instant::now()),
     );
     for (name, kind, help, value) in state.replicas.metrics() {
         family(&mut text, name, kind, help, &[(String::new(), value)]);
@@ -403,12 +454,14 @@ fn fleet_pods(published: &Published) -> BTreeSet<(&str, &str)> {
         .collect()
 }
 
-/// pd-control's own metrics in the Prometheus text format, at `now_ms`.
+/// pd-control's own metrics in the Prometheus text format, at `now_ms`, when the control
+/// loop last completed an iteration `loop_age` ago ([`Stats::loop_age`], monotonic).
 pub fn render_metrics(
     published: &Published,
     stats: &Stats,
     source_kind: &str,
     now_ms: i64,
+    loop_age: Duration,
 ) -> String {
     let mut out = String::new();
     let seconds_since = |ms: i64| (now_ms.saturating_sub(ms).max(0) as f64 / 1000.0).to_string();
@@ -427,6 +480,13 @@ pub fn render_metrics(
         "gauge",
         "Time since the served snapshot was built (it is rebuilt whenever the fleet or a pod's metrics change).",
         &plain(seconds_since(published.snapshot.generated_unix_ms)),
+    );
+    family(
+        &mut out,
+        "pd_control_loop_age_seconds",
+        "gauge",
+        "Time since the control loop last completed an iteration (it does every --refresh-interval at least); past max(10 x --refresh-interval, 5s) /readyz fails and polls get 503 instead of 304.",
+        &plain(loop_age.as_secs_f64().to_string()),
     );
 
     // Pods by model, role and readiness; every combination present in the fleet, zeros kept
@@ -549,7 +609,7 @@ pub fn render_metrics(
         &mut out,
         "pd_control_snapshot_polls_total",
         "counter",
-        "Snapshot polls answered, by answer: snapshot (200) or not_modified (304).",
+        "Snapshot polls answered, by answer: snapshot (200), not_modified (304), or frozen (503 instead of a 304: the control loop is stuck or has ended).",
         &[
             (
                 "{answer=\"snapshot\"}".to_string(),
@@ -558,6 +618,10 @@ pub fn render_metrics(
             (
                 "{answer=\"not_modified\"}".to_string(),
                 stats.polls_answered(PollAnswer::NotModified).to_string(),
+            ),
+            (
+                "{answer=\"frozen\"}".to_string(),
+                stats.polls_answered(PollAnswer::Frozen).to_string(),
             ),
         ],
     );
@@ -666,10 +730,17 @@ mod tests {
         stats.scrape_error("ns/gone");
         stats.scrape_latency(Duration::from_millis(3));
         stats.fleet_event(9_000);
-        let text = render_metrics(&published(), &stats, "kubernetes", 12_500);
+        let text = render_metrics(
+            &published(),
+            &stats,
+            "kubernetes",
+            12_500,
+            Duration::from_millis(1_250),
+        );
         for line in [
             "pd_control_snapshot_version 4",
             "pd_control_snapshot_age_seconds 2.5",
+            "pd_control_loop_age_seconds 1.25",
             "pd_control_pods{model=\"m\\\"1\",role=\"decode\",state=\"ready\"} 1",
             "pd_control_pods{model=\"m\\\"1\",role=\"decode\",state=\"not_ready\"} 1",
             "pd_control_pods{model=\"m\\\"1\",role=\"decode\",state=\"unreachable\"} 1",
@@ -711,7 +782,7 @@ mod tests {
         }
         let stats = Stats::default();
         stats.scrape_error("ns/p0");
-        let text = render_metrics(&published, &stats, "file", 12_500);
+        let text = render_metrics(&published, &stats, "file", 12_500, Duration::ZERO);
         let p0 = "pd_control_scrape_errors_total{namespace=\"ns\",pod=\"p0\"} 1";
         assert_eq!(text.lines().filter(|l| *l == p0).count(), 1, "{text}");
         let mut series = BTreeSet::new();
@@ -724,9 +795,93 @@ mod tests {
         }
     }
 
+    /// The server's state over `stats`, serving [`published`] from `snapshots`.
+    fn state(stats: Arc<Stats>, snapshots: watch::Receiver<Arc<Published>>) -> AppState {
+        AppState {
+            snapshots,
+            live: watch::channel(Arc::new(proto::Snapshot::default())).1,
+            stats,
+            replicas: Arc::new(ReplicaBook::new(Duration::from_secs(5), None).expect("book")),
+            limits: Arc::new(UserLimits::disabled()),
+            source_kind: "file",
+            token: None,
+            eds_here: crate::xds::EdsHere::Off,
+            external: None,
+            loop_stale_after: Duration::from_secs(3600),
+        }
+    }
+
+    async fn body_text(response: Response) -> String {
+        let bytes = axum::body::to_bytes(response.into_body(), 1 << 16)
+            .await
+            .expect("body");
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    /// A control loop that panicked drops the snapshot sender: a poll held for the current
+    /// version ends at once, with a 503 rather than "not modified", and `/readyz` fails.
+    #[tokio::test]
+    async fn a_control_loop_that_ended_fails_readiness_and_turns_not_modified_into_503() {
+        let stats = Arc::new(Stats::default());
+        stats.fleet_loaded();
+        stats.round_finished(Duration::ZERO);
+        let (tx, rx) = watch::channel(Arc::new(published()));
+        let state = state(stats.clone(), rx);
+        assert_eq!(readyz(State(state.clone())).await.status(), StatusCode::OK);
+        let held: HashMap<String, String> = [("version", "4"), ("wait_ms", "60000")]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let fresh: HashMap<String, String> = HashMap::new();
+
+        stats.task_ended(Task::ControlLoop);
+        drop(tx);
+        let answer = tokio::time::timeout(Duration::from_secs(5), snapshot_answer(&state, &held))
+            .await
+            .expect("answered at once");
+        assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(
+            answer.headers().get(VERSION_HEADER),
+            Some(&HeaderValue::from(4u64))
+        );
+        assert!(body_text(answer).await.contains("control loop ended"));
+        assert_eq!(
+            snapshot_answer(&state, &fresh).await.status(),
+            StatusCode::OK,
+            "a caller without the version still gets it"
+        );
+        let ready = readyz(State(state)).await;
+        assert_eq!(ready.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert!(body_text(ready).await.contains("control loop ended"));
+        assert_eq!(stats.polls_answered(PollAnswer::Frozen), 1);
+    }
+
+    #[tokio::test]
+    async fn a_loop_silent_past_its_bound_is_frozen_and_a_fleet_source_gone_is_unready() {
+        let stats = Arc::new(Stats::default());
+        stats.fleet_loaded();
+        stats.round_finished(Duration::ZERO);
+        let now = Instant::now();
+        stats.loop_turned(now);
+        let (_tx, rx) = watch::channel(Arc::new(published()));
+        let state = AppState {
+            loop_stale_after: Duration::from_secs(5),
+            ..state(stats.clone(), rx)
+        };
+        assert_eq!(frozen(&state, now + Duration::from_secs(5)), None);
+        let why = frozen(&state, now + Duration::from_secs(6)).expect("frozen");
+        assert!(why.contains("for 6.0s (bound 5.0s)"), "{why}");
+
+        stats.task_ended(Task::FleetSource);
+        assert_eq!(frozen(&state, now), None, "the loop itself still runs");
+        let ready = readyz(State(state)).await;
+        assert_eq!(ready.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert!(body_text(ready).await.contains("fleet source ended"));
+    }
+
     #[test]
     fn no_fleet_event_yet_means_no_age_sample() {
-        let text = render_metrics(&published(), &Stats::default(), "file", 1);
+        let text = render_metrics(&published(), &Stats::default(), "file", 1, Duration::ZERO);
         assert!(!text.contains("pd_control_fleet_event_age_seconds"));
         assert!(
             text.contains("pd_control_snapshot_age_seconds 0\n"),

@@ -3,11 +3,14 @@
 //! One control-loop task owns all mutable state (scrape history, snapshot versions), so nothing
 //! on the request path takes a lock: the server only clones the `Arc` of the current snapshot.
 
+use std::future::Future;
 use std::io::{self, Write as _};
 use std::net::SocketAddr;
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures_util::FutureExt as _;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
@@ -24,7 +27,7 @@ use crate::sources::{
     FileSource, Fleet, FleetPublisher, FleetSource, KubeSettings, KubernetesSource, Shutdown,
     SourceError,
 };
-use crate::stats::Stats;
+use crate::stats::{Stats, Task};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -50,6 +53,22 @@ pub enum Error {
     ExternalClient(String),
     #[error("background task failed: {0}")]
     Task(#[from] tokio::task::JoinError),
+    #[error("the {0} ended while pd-control was not shutting down")]
+    TaskEnded(String),
+}
+
+/// How long the control loop may go without completing an iteration before `/readyz` fails
+/// and snapshot polls get 503 instead of 304: `max(10 × refresh, 5 s)`.
+///
+/// A healthy loop completes one at least every `refresh` (its ticker), plus the time one
+/// iteration takes: building the snapshot (milliseconds) and, on a fleet change, the endpoint
+/// file's write with its `fsync`, which a busy or network disk can stretch to seconds. Ten
+/// ticks missed in a row is no hiccup; the 5 s floor keeps the default 50 ms interval from
+/// calling a slow `fsync` a hang (and failing readiness under disk pressure), and is half the
+/// filter's default `snapshot_stale_after_ms` (10 s), so with the defaults a gateway flags a
+/// frozen snapshot within about 5 s + its poll wait + 10 s of the loop stopping.
+pub fn loop_stale_after(refresh: Duration) -> Duration {
+    refresh.saturating_mul(10).max(Duration::from_secs(5))
 }
 
 /// A running service. Dropping it without [`Service::shutdown`] leaves the tasks running until
@@ -89,29 +108,49 @@ impl Service {
         self.snapshots.borrow().clone()
     }
 
-    /// Resolves only if the HTTP server stops by itself, which is always an error.
+    /// Resolves only on an error: the HTTP server stopped by itself, or a background task
+    /// nothing restarts (the control loop, the fleet source) ended. The binary then exits
+    /// non-zero, so that its supervisor (Kubernetes) starts it afresh rather than leaving a
+    /// service whose snapshot no longer follows the fleet.
     pub async fn stopped(&mut self) -> Result<(), Error> {
+        let stats = self.stats.clone();
+        let task_end = async move {
+            stats.task_end().await;
+            let ended = [Task::ControlLoop, Task::FleetSource]
+                .into_iter()
+                .filter(|t| stats.has_ended(*t))
+                .map(Task::name)
+                .collect::<Vec<_>>()
+                .join(" and ");
+            Error::TaskEnded(ended)
+        };
         match self.server.as_mut() {
-            Some(server) => {
-                let result = server.await;
-                self.server = None;
-                result?.map_err(Error::Serve)?;
-                Err(Error::Serve(io::Error::other("server exited")))
-            }
-            None => std::future::pending().await,
+            Some(server) => tokio::select! {
+                result = server => {
+                    self.server = None;
+                    result?.map_err(Error::Serve)?;
+                    Err(Error::Serve(io::Error::other("server exited")))
+                }
+                ended = task_end => Err(ended),
+            },
+            None => Err(task_end.await),
         }
     }
 
     /// Stops accepting requests, lets in-flight ones finish, and stops the background tasks.
+    /// A task that panicked earlier is reported, after the others and the server stopped.
     pub async fn shutdown(mut self) -> Result<(), Error> {
         let _ = self.shutdown.send(true);
+        let mut failed = None;
         for task in self.tasks.drain(..) {
-            task.await?;
+            if let Err(e) = task.await {
+                failed.get_or_insert(e);
+            }
         }
         if let Some(server) = self.server.take() {
             server.await?.map_err(Error::Serve)?;
         }
-        Ok(())
+        failed.map_or(Ok(()), |e| Err(e.into()))
     }
 }
 
@@ -196,6 +235,7 @@ pub async fn start_with_source<S: FleetSource>(
     let (scraper, outcomes) =
         Scraper::new(config.scrape_timeout, concurrency).map_err(Error::Client)?;
     let book = ScrapeBook::new(config.stale_bound(), config.unreachable_after)
+        .with_scrape_timeout(config.scrape_timeout)
         .with_stalled_after(config.stalled_after);
     // The endpoint listing goes first: Envoy must know every pod before a snapshot names it.
     let mut eds = (config.eds_file.is_some() || config.xds_listen.is_some())
@@ -250,8 +290,18 @@ pub async fn start_with_source<S: FleetSource>(
         }),
     };
     let mut tasks = vec![
-        tokio::spawn(source.watch(publisher, shutdown.clone())),
-        tokio::spawn(control.run(shutdown.clone())),
+        tokio::spawn(watched(
+            Task::FleetSource,
+            stats.clone(),
+            shutdown_tx.subscribe(),
+            source.watch(publisher, shutdown.clone()),
+        )),
+        tokio::spawn(watched(
+            Task::ControlLoop,
+            stats.clone(),
+            shutdown_tx.subscribe(),
+            control.run(shutdown.clone()),
+        )),
     ];
     let eds_here = match (&config.eds_file, &xds_listener) {
         (Some(_), _) => crate::xds::EdsHere::File,
@@ -280,6 +330,7 @@ pub async fn start_with_source<S: FleetSource>(
         token,
         eds_here,
         external,
+        loop_stale_after: loop_stale_after(config.refresh_interval),
     };
     if let Some(listener) = metrics_listener {
         let app = server::metrics_router(state.clone());
@@ -317,6 +368,34 @@ pub async fn start_with_source<S: FleetSource>(
         server: Some(server),
         tasks,
     })
+}
+
+/// Runs `work`, a task nothing restarts, and records in `stats` when it ends (returns or
+/// panics) while no shutdown was requested: `/readyz` then fails and the end is logged, where
+/// otherwise it would surface only when [`Service::shutdown`] awaits the handle. A stop with
+/// the trigger gone (the [`Service`] dropped) counts as a shutdown. A panic is passed on, so
+/// the handle still reports it.
+async fn watched(
+    task: Task,
+    stats: Arc<Stats>,
+    stop: watch::Receiver<bool>,
+    work: impl Future<Output = ()>,
+) {
+    // Unwind safety: nothing `work` held is looked at after a panic (it is dropped); only an
+    // atomic of `stats` is set.
+    let ended = AssertUnwindSafe(work).catch_unwind().await;
+    let stopping = *stop.borrow() || stop.has_changed().is_err();
+    if !stopping {
+        stats.task_ended(task);
+        tracing::error!(
+            task = task.name(),
+            panicked = ended.is_err(),
+            "a background task ended while pd-control is not shutting down; /readyz fails from now on"
+        );
+    }
+    if let Err(panic) = ended {
+        std::panic::resume_unwind(panic);
+    }
 }
 
 /// Binds an optional extra listener (`--xds-listen`, `--metrics-listen`) and the address it
@@ -415,6 +494,8 @@ impl ControlLoop {
         let mut ticker = tokio::time::interval(self.interval);
         // After a stall, one catch-up round is enough; a burst of rounds would only re-scrape.
         ticker.set_missed_tick_behavior(MissedTickBehavior::Skip);
+        // Counted from here, not from start-up (the first fleet may take long to load).
+        self.stats.loop_turned(Instant::now());
         loop {
             tokio::select! {
                 _ = shutdown.requested() => return,
@@ -423,6 +504,9 @@ impl ControlLoop {
                 // A fleet edit shows up at once rather than on the next tick.
                 Ok(()) = self.fleet.changed() => self.publish().await,
             }
+            // The heartbeat `/readyz` and the snapshot poll judge the loop by: an iteration
+            // that hangs (on the endpoint file's disk, say) stops it.
+            self.stats.loop_turned(Instant::now());
         }
     }
 
@@ -484,5 +568,54 @@ impl ControlLoop {
         }
         // Nobody waits on this one: replacing it every round wakes no poller.
         self.live.send_replace(update.live);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_loop_bound_is_ten_intervals_and_five_seconds_at_least() {
+        assert_eq!(
+            loop_stale_after(Duration::from_millis(50)),
+            Duration::from_secs(5)
+        );
+        assert_eq!(
+            loop_stale_after(Duration::from_secs(2)),
+            Duration::from_secs(20)
+        );
+        assert_eq!(loop_stale_after(Duration::MAX), Duration::MAX);
+    }
+
+    /// A task that panics or returns while the service runs is recorded; one that ends for a
+    /// shutdown (requested, or the trigger dropped) is not. A panic still reaches the handle.
+    #[tokio::test]
+    async fn a_task_that_ends_outside_a_shutdown_is_recorded() {
+        let (stop, rx) = watch::channel(false);
+        let stats = Arc::new(Stats::default());
+        let panicked = tokio::spawn(watched(
+            Task::ControlLoop,
+            stats.clone(),
+            rx.clone(),
+            async { panic!("the loop fails") },
+        ))
+        .await;
+        assert!(panicked.is_err_and(|e| e.is_panic()));
+        assert!(stats.has_ended(Task::ControlLoop));
+        assert!(!stats.has_ended(Task::FleetSource));
+
+        let stats = Arc::new(Stats::default());
+        watched(Task::FleetSource, stats.clone(), rx.clone(), async {}).await;
+        assert!(stats.has_ended(Task::FleetSource), "returned");
+
+        let stats = Arc::new(Stats::default());
+        stop.send_replace(true);
+        watched(Task::FleetSource, stats.clone(), rx.clone(), async {}).await;
+        assert!(!stats.has_ended(Task::FleetSource), "shutting down");
+        let (stop, rx) = watch::channel(false);
+        drop(stop);
+        watched(Task::ControlLoop, stats.clone(), rx, async {}).await;
+        assert!(!stats.has_ended(Task::ControlLoop), "the trigger is gone");
     }
 }

@@ -5,9 +5,9 @@
 //! copy (the per-pod error counts).
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Upper bounds (seconds) of the scrape-latency histogram: a loopback scrape takes about a
 /// millisecond, a loaded engine tens, the default timeout one second.
@@ -82,8 +82,66 @@ pub struct Stats {
     first_round_done: AtomicBool,
     /// Snapshot polls being held for a newer version right now (about one per gateway).
     polls_waiting: AtomicI64,
-    /// Snapshot polls answered, by answer: `[snapshot, not_modified]`.
-    polls_answered: [AtomicU64; 2],
+    /// Snapshot polls answered, by answer: `[snapshot, not_modified, frozen]`.
+    polls_answered: [AtomicU64; 3],
+    /// When the control loop last completed an iteration (see [`Stats::loop_turned`]).
+    loop_beat: Heartbeat,
+    /// [`Task`] bits of the background tasks that ended while no shutdown was requested.
+    tasks_ended: AtomicU8,
+    /// Wakes [`Stats::task_end`]'s waiter (the binary, which then exits).
+    task_end: tokio::sync::Notify,
+}
+
+/// A monotonic time stamp that one task writes and the server reads, without a lock: the
+/// time since `origin` (when the [`Stats`] were made) in nanoseconds (u64: 584 years).
+#[derive(Debug)]
+struct Heartbeat {
+    origin: Instant,
+    nanos: AtomicU64,
+}
+
+impl Default for Heartbeat {
+    fn default() -> Heartbeat {
+        Heartbeat {
+            origin: Instant::now(),
+            nanos: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Heartbeat {
+    fn beat(&self, at: Instant) {
+        let nanos =
+            u64::try_from(at.saturating_duration_since(self.origin).as_nanos()).unwrap_or(u64::MAX);
+        // `fetch_max`: a beat stamped before a later one never moves the heartbeat back.
+        self.nanos.fetch_max(nanos, Ordering::Relaxed);
+    }
+
+    /// Time from the last beat (or from `origin`, before the first) to `now`; zero when
+    /// `now` reads earlier.
+    fn age(&self, now: Instant) -> Duration {
+        let beat = Duration::from_nanos(self.nanos.load(Ordering::Relaxed));
+        now.saturating_duration_since(self.origin)
+            .saturating_sub(beat)
+    }
+}
+
+/// The background tasks whose end, outside a shutdown, nothing restarts: without the control
+/// loop the snapshot no longer changes, without the fleet source the fleet no longer does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Task {
+    ControlLoop = 1,
+    FleetSource = 2,
+}
+
+impl Task {
+    /// As named in `/readyz` answers and logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Task::ControlLoop => "control loop",
+            Task::FleetSource => "fleet source",
+        }
+    }
 }
 
 /// What a snapshot poll was answered with.
@@ -93,6 +151,9 @@ pub enum PollAnswer {
     Snapshot = 0,
     /// 304: the caller holds the current version.
     NotModified = 1,
+    /// 503 instead of a 304: the caller holds the current version, but the control loop is
+    /// stuck or has ended, so that version no longer follows the fleet.
+    Frozen = 2,
 }
 
 impl Stats {
@@ -235,6 +296,36 @@ impl Stats {
         f64::from_bits(self.scrape_duration_bits.load(Ordering::Relaxed))
     }
 
+    /// The control loop completed an iteration at `at`: handled a tick (which rebuilds the
+    /// snapshot), a scrape outcome or a fleet change.
+    pub fn loop_turned(&self, at: Instant) {
+        self.loop_beat.beat(at);
+    }
+
+    /// Time since the control loop last completed an iteration (since these stats were made,
+    /// before the first).
+    pub fn loop_age(&self, now: Instant) -> Duration {
+        self.loop_beat.age(now)
+    }
+
+    /// `task` ended (returned or panicked) while no shutdown was requested.
+    pub fn task_ended(&self, task: Task) {
+        self.tasks_ended.fetch_or(task as u8, Ordering::Release);
+        self.task_end.notify_one();
+    }
+
+    /// Resolves once a background task ended outside a shutdown (at once if one did).
+    pub async fn task_end(&self) {
+        if self.tasks_ended.load(Ordering::Acquire) == 0 {
+            self.task_end.notified().await;
+        }
+    }
+
+    /// Whether `task` ended outside a shutdown (nothing restarts it).
+    pub fn has_ended(&self, task: Task) -> bool {
+        self.tasks_ended.load(Ordering::Acquire) & (task as u8) != 0
+    }
+
     pub fn fleet_loaded(&self) {
         self.fleet_loaded.store(true, Ordering::Release);
     }
@@ -281,6 +372,36 @@ mod tests {
         assert_eq!(s.cumulative[5], (0.05, 2));
         assert_eq!(s.cumulative.last().copied(), Some((f64::INFINITY, 3)));
         assert!((s.sum_seconds - 9.0305).abs() < 1e-9);
+    }
+
+    #[test]
+    fn the_loop_age_runs_from_the_last_iteration_and_never_back() {
+        let s = Stats::default();
+        let t0 = Instant::now();
+        s.loop_turned(t0 + Duration::from_secs(3));
+        assert_eq!(
+            s.loop_age(t0 + Duration::from_secs(10)),
+            Duration::from_secs(7)
+        );
+        s.loop_turned(t0 + Duration::from_secs(1));
+        assert_eq!(
+            s.loop_age(t0 + Duration::from_secs(10)),
+            Duration::from_secs(7),
+            "an earlier stamp does not age the loop"
+        );
+        assert_eq!(
+            s.loop_age(t0),
+            Duration::ZERO,
+            "a clock reading before the beat"
+        );
+    }
+
+    #[test]
+    fn ended_tasks_are_told_apart() {
+        let s = Stats::default();
+        assert!(!s.has_ended(Task::ControlLoop) && !s.has_ended(Task::FleetSource));
+        s.task_ended(Task::FleetSource);
+        assert!(!s.has_ended(Task::ControlLoop) && s.has_ended(Task::FleetSource));
     }
 
     #[test]

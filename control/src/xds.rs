@@ -12,6 +12,7 @@
 //! when one is configured (`authorization: Bearer` in the gRPC service's `initial_metadata`).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use envoy_types::pb::envoy::config::core::v3::{address, socket_address, Address, SocketAddress};
 use envoy_types::pb::envoy::config::endpoint::v3::{
@@ -183,15 +184,31 @@ pub fn service(
     )
 }
 
+/// HTTP/2 PING interval on an EDS connection: a stream is quiet between listing changes, and
+/// a gateway that vanished without closing it (node lost, network cut) would otherwise hold
+/// its stream, its task and its node's count in [`EdsHere::Nodes`] for ever.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
+/// How long a PING may go unanswered before the connection is closed.
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+/// TCP keepalive idle time, for a peer whose connection is dead below HTTP/2.
+const TCP_KEEPALIVE: Duration = Duration::from_secs(60);
+
 /// Serves `service` on `listener` until `stop` resolves (its open streams end with it).
+/// Connections whose gateway stops answering are closed (see [`KEEPALIVE_INTERVAL`]).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     service: Served,
     stop: impl std::future::Future<Output = ()> + Send,
 ) {
+    // The builder's `tcp_keepalive` applies only to listeners it binds itself: this one is
+    // set on the incoming stream.
+    let incoming =
+        tonic::transport::server::TcpIncoming::from(listener).with_keepalive(Some(TCP_KEEPALIVE));
     let served = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
         .add_service(service)
-        .serve_with_incoming_shutdown(tonic::transport::server::TcpIncoming::from(listener), stop)
+        .serve_with_incoming_shutdown(incoming, stop)
         .await;
     if let Err(e) = served {
         tracing::error!("the EDS service stopped: {e}");

@@ -54,7 +54,7 @@ struct Inner {
     fail_lists: bool,
     /// The status failing lists answer (500 unless set).
     fail_status: Option<u16>,
-    /// Lists failed so far.
+    /// Pod lists failed so far (adapter lists fail too, uncounted).
     failed_lists: usize,
     /// Leave list requests unanswered, as a server on a half-open connection does.
     hang_lists: bool,
@@ -281,7 +281,9 @@ impl FakeApi {
     fn list(&self, filter: &Filter) -> Response {
         let mut inner = self.inner.lock().unwrap();
         if inner.fail_lists {
-            inner.failed_lists += 1;
+            if filter.kind == "Pod" {
+                inner.failed_lists += 1;
+            }
             let code = inner.fail_status.unwrap_or(500);
             let status = json!({"kind": "Status", "apiVersion": "v1", "metadata": {},
                 "status": "Failure", "code": code, "reason": "InternalError",

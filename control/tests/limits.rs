@@ -916,3 +916,183 @@ async fn without_the_user_store_every_user_has_the_default_limits() {
     );
     assert_eq!((&first["rpm"], &second["rpm"]), (&json!(1), &json!(2)));
 }
+
+/// The port of the redis-server at `url` (`redis://127.0.0.1:port/0`).
+fn port_of(url: &str) -> u16 {
+    url.rsplit(':')
+        .next()
+        .and_then(|rest| rest.split('/').next())
+        .and_then(|port| port.parse().ok())
+        .unwrap_or_else(|| panic!("no port in {url}"))
+}
+
+/// The address clients know Redis by (a Service, a DNS name), as a TCP forwarder: each new
+/// connection goes to the port `target` names at the time, while connections already open stay
+/// with the server they reached, as a failover that closes no client connection leaves them.
+struct Forwarder {
+    port: u16,
+    target: std::sync::Arc<std::sync::atomic::AtomicU16>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Forwarder {
+    async fn start(target: u16) -> Forwarder {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("forwarder binds");
+        let port = listener.local_addr().expect("forwarder address").port();
+        let target = std::sync::Arc::new(std::sync::atomic::AtomicU16::new(target));
+        let to = target.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                let port = to.load(std::sync::atomic::Ordering::SeqCst);
+                tokio::spawn(async move {
+                    if let Ok(mut outbound) =
+                        tokio::net::TcpStream::connect(("127.0.0.1", port)).await
+                    {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                });
+            }
+        });
+        Forwarder { port, target, task }
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    /// New connections go to `port` from now on.
+    fn point_at(&self, port: u16) {
+        self.target.store(port, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Drop for Forwarder {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A failover that leaves client connections open (Sentinel's, a managed Redis's): the old
+/// primary turns replica and refuses writes (`READONLY`) on pd-control's connection, which
+/// must be dropped so that the next call reaches the new primary by the same address. Kept,
+/// every counter write would fail until pd-control restarted. A refused write ran nothing, so
+/// the check itself is sent again on the new connection and answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failover_that_leaves_connections_open_is_followed_to_the_new_primary() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (old_dir, new_dir) = (dir.path().join("old"), dir.path().join("new"));
+    std::fs::create_dir_all(&old_dir).expect("dir");
+    std::fs::create_dir_all(&new_dir).expect("dir");
+    let Some((old, mut old_db)) = store(&old_dir).await else {
+        return;
+    };
+    let Some((new, mut new_db)) = store(&new_dir).await else {
+        return;
+    };
+    let record = r#"{"name":"alice","rpm":100,"tpm":1000}"#;
+    seed(&mut old_db, &[("aibrix-users/alice", record)]).await;
+    seed(&mut new_db, &[("aibrix-users/alice", record)]).await;
+    let address = Forwarder::start(port_of(&old.url())).await;
+    let (_service, base) = start(&fleet(dir.path()), Some(address.url()), false).await;
+    let llama = model_body("llama", 100, 60_000);
+    let llama_key = model_key("llama", 60_000);
+    let tpm = "aibrix:alice_TPM_CURRENT:60000:counter";
+
+    let answer = admit_body(&base, &llama).await;
+    assert_eq!(answer["model_rps"], 1, "{answer}");
+    assert_eq!(admit(&base, "alice").await["rpm"], 1);
+
+    // The old primary turns replica (of a primary nobody runs: it keeps its data, serves
+    // reads and refuses writes); the address now leads to the new primary.
+    let _: () = redis::cmd("REPLICAOF")
+        .arg("127.0.0.1")
+        .arg(free_port())
+        .query_async(&mut old_db)
+        .await
+        .expect("replicaof");
+    address.point_at(port_of(&new.url()));
+
+    // A model-only check first: its script's one write is an increment whose own failures
+    // (a counter that is not an integer) the script catches; a read-only server's must not be.
+    let answer = admit_body(&base, &llama).await;
+    assert_eq!(answer["outcome"], "admitted", "{answer}");
+    assert_eq!(
+        answer["model_rps"], 1,
+        "counted on the new primary: {answer}"
+    );
+    let answer = admit(&base, "alice").await;
+    assert_eq!(answer["outcome"], "admitted", "{answer}");
+    assert_eq!(answer["rpm"], 1, "counted on the new primary: {answer}");
+    assert_eq!(usage(&base, json!({"alice": 5})).await, 204);
+
+    let counted: (i64, i64) = (
+        new_db.get(&llama_key).await.expect("get"),
+        new_db.get(tpm).await.expect("get"),
+    );
+    assert_eq!(counted, (1, 5));
+    let left: (i64, i64) = (
+        old_db.get(&llama_key).await.expect("get"),
+        old_db.get(ALICE_RPM).await.expect("get"),
+    );
+    assert_eq!(left, (1, 1), "the old primary took no write");
+    assert_eq!(checks(&base, "store_error").await, 0.0);
+}
+
+/// A Redis that holds every command (`CLIENT PAUSE`, as a hung or overloaded server): the
+/// check waiting on it fails after its round trip bound, and the checks right after fail at
+/// once rather than each connecting again and waiting out a bound of its own; once Redis
+/// answers again, so do the checks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_round_trip_times_out_checks_fail_fast_for_a_while() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let Some((redis, mut db)) = store(dir.path()).await else {
+        return;
+    };
+    let (_service, base) = start(&fleet(dir.path()), Some(redis.url()), false).await;
+    let llama = model_body("llama", 100, 60_000);
+    let answer = admit_body(&base, &llama).await;
+    assert_eq!(answer["outcome"], "admitted", "{answer}");
+
+    // Long enough for both checks below, short enough that the test waits little after.
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(1500)
+        .arg("ALL")
+        .query_async(&mut db)
+        .await
+        .expect("client pause");
+    let timed_out = admit_body(&base, &llama).await;
+    assert_eq!(timed_out["outcome"], "store_error", "{timed_out}");
+    assert!(
+        timed_out["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("round trip timed out")),
+        "{timed_out}"
+    );
+    let started = std::time::Instant::now();
+    let fast = admit_body(&base, &llama).await;
+    assert_eq!(fast["outcome"], "store_error", "{fast}");
+    assert!(
+        fast["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("unreachable")),
+        "no new connect while backing off: {fast}"
+    );
+    assert!(
+        started.elapsed() < pd_control::redis_link::ROUND_TRIP,
+        "answered at once: {:?}",
+        started.elapsed()
+    );
+
+    common::eventually("checks answered again", || {
+        let base = base.clone();
+        let llama = llama.clone();
+        async move {
+            let answer = admit_body(&base, &llama).await;
+            (answer["outcome"] == "admitted").then_some(())
+        }
+    })
+    .await;
+}

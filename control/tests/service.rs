@@ -894,3 +894,232 @@ async fn the_metrics_listener_serves_health_and_metrics_and_no_api() {
         200
     );
 }
+
+/// The body of `/readyz` when it answers 503, `None` while it answers 200.
+async fn unready(client: &reqwest::Client, base: &str) -> Option<String> {
+    let f = fetch(client, &format!("{base}/readyz")).await;
+    match f.status {
+        200 => None,
+        503 => Some(String::from_utf8_lossy(&f.body).into_owned()),
+        other => panic!("/readyz answered {other}"),
+    }
+}
+
+/// A named pipe where pd-control writes the endpoint file first (`<file>.tmp`, renamed over
+/// the file): opening it for writing blocks until a reader opens it, as a write to a hung disk
+/// blocks. [`HungDisk::release`] lets the blocked write go on (it fails: a pipe has no
+/// `fsync`) and removes the pipe, so the next write lands; so does dropping it, so a failed
+/// assertion does not leave a blocked thread that the runtime's shutdown would wait for.
+#[cfg(target_os = "linux")]
+struct HungDisk(std::path::PathBuf);
+
+#[cfg(target_os = "linux")]
+impl HungDisk {
+    fn new(endpoint_file: &Path) -> HungDisk {
+        let mut pipe = endpoint_file.as_os_str().to_owned();
+        pipe.push(".tmp");
+        let pipe = std::path::PathBuf::from(pipe);
+        let made = std::process::Command::new("mkfifo")
+            .arg(&pipe)
+            .status()
+            .expect("mkfifo runs");
+        assert!(made.success(), "mkfifo {}", pipe.display());
+        HungDisk(pipe)
+    }
+
+    fn release(&self) {
+        if !self.0.exists() {
+            return;
+        }
+        // Read and write: on Linux that open never blocks, and it counts as the reader the
+        // blocked writer waits for.
+        let reader = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&self.0)
+            .expect("open the pipe");
+        std::fs::remove_file(&self.0).expect("remove the pipe");
+        drop(reader);
+    }
+}
+
+#[cfg(target_os = "linux")]
+impl Drop for HungDisk {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+/// A control loop stuck in the endpoint file's write (a hung disk) builds no snapshot: within
+/// `max(10 × --refresh-interval, 5 s)` `/readyz` says so, and a poll for the version the
+/// gateway holds is answered 503 instead of "not modified", so the gateway's staleness bound
+/// runs out instead of being reset by every poll. Both recover once the write ends.
+#[cfg(target_os = "linux")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_control_loop_hung_on_the_endpoint_file_fails_readiness_and_polls_until_it_ends() {
+    use std::time::{Duration, Instant};
+
+    let (engine_a, engine_b) = (
+        FakeEngine::start(vllm_text("m", 0.0)).await,
+        FakeEngine::start(vllm_text("m", 0.0)).await,
+    );
+    let pod = |name, engine: &FakeEngine| PodSpec {
+        name,
+        model: "m",
+        role: "decode",
+        port: Some(engine.addr.port()),
+    };
+    let (dir, path) = fleet_dir(&[pod("a", &engine_a)]);
+    let eds = dir.path().join("pd-pods.json");
+    let mut config = pd_control::Config::new(&path, "127.0.0.1:0".parse().unwrap());
+    config.eds_file = Some(eds.clone());
+    let bound = pd_control::service::loop_stale_after(config.refresh_interval);
+    let service = pd_control::start(config).await.unwrap();
+    let base = format!("http://{}", service.local_addr());
+    let client = client();
+    eventually("ready", || async {
+        unready(&client, &base).await.is_none().then_some(())
+    })
+    .await;
+    let v = snapshot(&client, &base).await.version;
+    let poll = format!("{base}/v1/snapshot?version={v}");
+    assert_eq!(fetch(&client, &poll).await.status, 304);
+
+    // The next change of the endpoint set hangs in the write.
+    let disk = HungDisk::new(&eds);
+    write_atomically(
+        &path,
+        &fleet_yaml(&[pod("a", &engine_a), pod("b", &engine_b)]),
+    );
+    let hung = Instant::now();
+    let why = eventually("/readyz to fail", || async {
+        unready(&client, &base).await
+    })
+    .await;
+    assert!(
+        hung.elapsed() < bound + Duration::from_secs(5),
+        "noticed after {:?} (bound {bound:?})",
+        hung.elapsed()
+    );
+    assert!(why.contains("control loop"), "{why}");
+    assert_eq!(fetch(&client, &format!("{base}/healthz")).await.status, 200);
+    let f = fetch(&client, &poll).await;
+    assert_eq!((f.status, f.version_header), (503, Some(v)), "no 304 now");
+    assert!(String::from_utf8_lossy(&f.body).contains("control loop"));
+    // Nothing was built meanwhile; a gateway without the version still gets it.
+    assert_eq!(snapshot(&client, &base).await.version, v);
+    assert!(counter(&client, &base, "pd_control_loop_age_seconds").await > bound.as_secs_f64());
+    assert!(
+        counter(
+            &client,
+            &base,
+            "pd_control_snapshot_polls_total{answer=\"frozen\"}"
+        )
+        .await
+            >= 1.0
+    );
+
+    // The write ends (failing); the loop turns again and retries it.
+    disk.release();
+    eventually("/readyz to recover", || async {
+        unready(&client, &base).await.is_none().then_some(())
+    })
+    .await;
+    eventually("b listed in the endpoint file", || async {
+        let listed = endpoints_listed(&eds);
+        (listed.len() == 2).then_some(())
+    })
+    .await;
+    assert!(counter(&client, &base, "pd_control_eds_write_errors_total").await >= 1.0);
+    assert!(counter(&client, &base, "pd_control_loop_age_seconds").await < bound.as_secs_f64());
+    let v = snapshot(&client, &base).await.version;
+    let f = fetch(&client, &format!("{base}/v1/snapshot?version={v}")).await;
+    assert_eq!(f.status, 304, "not modified again");
+    service.shutdown().await.expect("clean shutdown");
+}
+
+/// A fleet source that hands out an empty fleet, then ends when `end` is notified: by a
+/// panic, or by returning.
+struct EndingSource {
+    end: Arc<tokio::sync::Notify>,
+    panics: bool,
+}
+
+impl pd_control::sources::FleetSource for EndingSource {
+    fn describe(&self) -> String {
+        "a source that ends".into()
+    }
+
+    async fn load(
+        &mut self,
+    ) -> Result<Vec<pd_control::fleet::PodRecord>, pd_control::sources::SourceError> {
+        Ok(Vec::new())
+    }
+
+    async fn watch(
+        self,
+        _publisher: pd_control::sources::FleetPublisher,
+        _shutdown: pd_control::sources::Shutdown,
+    ) {
+        self.end.notified().await;
+        if self.panics {
+            panic!("the fleet source fails");
+        }
+    }
+}
+
+/// Nothing restarts a fleet source that ended: `/readyz` fails from then on (while the
+/// service is not shutting down). Its pods' metrics stay current, so snapshot polls still get
+/// "not modified".
+async fn an_ended_fleet_source_fails_readiness(panics: bool) {
+    let end = Arc::new(tokio::sync::Notify::new());
+    let source = EndingSource {
+        end: end.clone(),
+        panics,
+    };
+    let config = pd_control::Config::new("unused", "127.0.0.1:0".parse().unwrap());
+    let mut service = pd_control::start_with_source(config, source).await.unwrap();
+    let base = format!("http://{}", service.local_addr());
+    let client = client();
+    eventually("ready", || async {
+        unready(&client, &base).await.is_none().then_some(())
+    })
+    .await;
+
+    // The binary waits on `stopped()` to exit non-zero, so its supervisor starts it afresh:
+    // it must wake when the source ends while it waits.
+    let (stopped, ()) = tokio::join!(
+        tokio::time::timeout(std::time::Duration::from_secs(20), service.stopped()),
+        async { end.notify_one() },
+    );
+    let stopped = stopped.expect("stopped() resolves once the fleet source ended");
+    let error = stopped
+        .expect_err("an ended fleet source is an error")
+        .to_string();
+    assert!(error.contains("fleet source ended"), "{error}");
+    let why = eventually("/readyz to fail", || async {
+        unready(&client, &base).await
+    })
+    .await;
+    assert!(why.contains("fleet source"), "{why}");
+    assert_eq!(fetch(&client, &format!("{base}/healthz")).await.status, 200);
+    let v = snapshot(&client, &base).await.version;
+    let f = fetch(&client, &format!("{base}/v1/snapshot?version={v}")).await;
+    assert_eq!(f.status, 304, "the control loop still runs");
+    let stopped = service.shutdown().await;
+    assert_eq!(
+        stopped.is_err(),
+        panics,
+        "a panic surfaces at shutdown: {stopped:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_source_that_panics_fails_readiness() {
+    an_ended_fleet_source_fails_readiness(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_source_that_returns_fails_readiness() {
+    an_ended_fleet_source_fails_readiness(false).await;
+}

@@ -35,6 +35,10 @@ pub enum ScrapeError {
     TooLarge,
     #[error("scraper is shutting down")]
     Closed,
+    /// The scrape's code panicked (a bug, most likely on an engine's unexpected exposition):
+    /// a failed scrape, so that the pod is scraped again (see `Scraper::spawn`).
+    #[error("the scrape panicked: {0}")]
+    Panicked(String),
 }
 
 impl ScrapeError {

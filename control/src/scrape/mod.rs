@@ -15,9 +15,12 @@ pub mod rates;
 pub mod stall;
 
 use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures_util::FutureExt;
 use tokio::sync::{mpsc, Semaphore};
 
 use crate::fleet::PodRecord;
@@ -25,6 +28,10 @@ use crate::proto::PodMetrics;
 use drain::DrainWindow;
 use engine::{Engine, Reading};
 pub use fetch::ScrapeError;
+
+/// `--scrape-timeout`'s default: the scrape bound a [`ScrapeBook`] assumes until
+/// [`ScrapeBook::with_scrape_timeout`] gives it the configured one.
+pub const DEFAULT_SCRAPE_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// A scrape to perform.
 #[derive(Debug, Clone, PartialEq)]
@@ -80,9 +87,13 @@ impl Target {
 struct PodState {
     target: Target,
     epoch: u64,
-    in_flight: bool,
+    /// When the scrape in flight, if any, was planned (see `rates::is_stale`).
+    in_flight: Option<Instant>,
     /// Last successful reading and when it was taken: the base for the next rates.
     last: Option<(Reading, Instant)>,
+    /// The last reading was a bad read of a token counter (`rates::glitched`) and was not
+    /// taken as the base.
+    bad_read: bool,
     metrics: PodMetrics,
     last_success: Option<Instant>,
     last_failed: bool,
@@ -112,8 +123,9 @@ impl PodState {
         PodState {
             target,
             epoch,
-            in_flight: false,
+            in_flight: None,
             last: None,
+            bad_read: false,
             metrics: PodMetrics::default(),
             last_success: None,
             last_failed: false,
@@ -155,6 +167,9 @@ pub struct ScrapeBook {
     next_round: u64,
     next_epoch: u64,
     stale_bound: Duration,
+    /// Bound on one scrape: until then, a scrape in flight keeps fresh metrics fresh (see
+    /// `rates::is_stale`).
+    scrape_timeout: Duration,
     /// Connection failures in a row that make a pod unreachable; 0 never does.
     unreachable_after: u32,
     /// How long running requests may go without progress before the pod counts as stalled;
@@ -220,10 +235,17 @@ impl ScrapeBook {
             next_round: 1,
             next_epoch: 1,
             stale_bound,
+            scrape_timeout: DEFAULT_SCRAPE_TIMEOUT,
             unreachable_after,
             stalled_after: Duration::ZERO,
             answered_models: HashSet::new(),
         }
+    }
+
+    /// The [`Scraper`]'s bound on one scrape (`--scrape-timeout`), for staleness.
+    pub fn with_scrape_timeout(mut self, timeout: Duration) -> ScrapeBook {
+        self.scrape_timeout = timeout;
+        self
     }
 
     /// Marks pods whose running requests make no progress for `after` (zero: never).
@@ -252,10 +274,10 @@ impl ScrapeBook {
             if state.target != target {
                 *state = PodState::new(target.clone(), next_epoch);
             }
-            if state.in_flight {
+            if state.in_flight.is_some() {
                 continue;
             }
-            state.in_flight = true;
+            state.in_flight = Some(now);
             jobs.push(Job {
                 key,
                 epoch: state.epoch,
@@ -303,7 +325,7 @@ impl ScrapeBook {
         let Some(state) = self.pods.get_mut(&job.key).filter(|s| s.epoch == job.epoch) else {
             return round_done; // the pod left or was re-targeted while this scrape ran
         };
-        state.in_flight = false;
+        state.in_flight = None;
         match result {
             Ok(reading) => {
                 state.observe_progress(&reading, finished);
@@ -311,6 +333,13 @@ impl ScrapeBook {
                     .last
                     .as_ref()
                     .map(|(r, at)| (r, finished.saturating_duration_since(*at)));
+                // A bad read (a sum missing a DP rank for one scrape) is not the base of the
+                // next rates, or the rank's return would read as a burst. Unless the read
+                // before was bad too: read twice, the counter did move (a rank gone for
+                // good), and the rates count from here.
+                let keep_base = !state.bad_read
+                    && previous
+                        .is_some_and(|(last, elapsed)| rates::glitched(last, &reading, elapsed));
                 let carried = Some(&state.metrics).filter(|m| m.present);
                 let mut metrics = rates::derive(job.engine, &reading, previous, carried);
                 metrics.drain_rate =
@@ -320,7 +349,10 @@ impl ScrapeBook {
                     tracing::info!(pod = %job.key, url = %job.url, "metrics scrape recovered");
                 }
                 state.metrics = metrics;
-                state.last = Some((reading, finished));
+                state.bad_read = keep_base;
+                if !keep_base {
+                    state.last = Some((reading, finished));
+                }
                 state.last_success = Some(finished);
                 state.last_failed = false;
                 state.hung_since = None;
@@ -412,7 +444,14 @@ impl ScrapeBook {
             .filter(|s| s.metrics.present && scrapable(pod) && s.target == Target::of(pod));
         match state {
             Some(s) => PodMetrics {
-                stale: rates::is_stale(s.last_success, s.last_failed, now, self.stale_bound),
+                stale: rates::is_stale(
+                    s.last_success,
+                    s.last_failed,
+                    s.in_flight,
+                    now,
+                    self.stale_bound,
+                    self.scrape_timeout,
+                ),
                 ..s.metrics
             },
             None => PodMetrics {
@@ -450,20 +489,43 @@ impl Scraper {
         let client = self.client.clone();
         let slots = self.slots.clone();
         let timeout = self.timeout;
-        let outcomes = self.outcomes.clone();
-        tokio::spawn(async move {
-            let (result, elapsed) =
-                fetch::scrape_timed(&client, &slots, &job.url, job.engine, &job.model, timeout)
-                    .await;
-            let _ = outcomes.send(Outcome {
-                job,
-                result,
-                elapsed,
-                finished: Instant::now(),
-                finished_unix_ms: crate::unix_ms_now(),
-            });
-        });
+        let (url, engine, model) = (job.url.clone(), job.engine, job.model.clone());
+        let scrape = async move {
+            fetch::scrape_timed(&client, &slots, &url, engine, &model, timeout).await
+        };
+        tokio::spawn(deliver(job, scrape, self.outcomes.clone()));
     }
+}
+
+/// Runs `scrape` and sends `job`'s [`Outcome`], whatever becomes of the scrape: one that
+/// panics is a failed scrape ([`ScrapeError::Panicked`]). Unsent, the outcome would leave the
+/// pod in flight for ever (`ScrapeBook::plan` skips it: never scraped again, its metrics stale
+/// for good) and its round never complete.
+async fn deliver(
+    job: Job,
+    scrape: impl Future<Output = (Result<Reading, ScrapeError>, Duration)>,
+    outcomes: mpsc::UnboundedSender<Outcome>,
+) {
+    let started = Instant::now();
+    let (result, elapsed) = match AssertUnwindSafe(scrape).catch_unwind().await {
+        Ok(scraped) => scraped,
+        Err(panic) => {
+            let message = panic
+                .downcast_ref::<&str>()
+                .map(|m| m.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            // The time of the exchange is unknown; the slot wait is counted in.
+            (Err(ScrapeError::Panicked(message)), started.elapsed())
+        }
+    };
+    let _ = outcomes.send(Outcome {
+        job,
+        result,
+        elapsed,
+        finished: Instant::now(),
+        finished_unix_ms: crate::unix_ms_now(),
+    });
 }
 
 #[cfg(test)]
@@ -775,6 +837,90 @@ mod tests {
         book.apply(failed(&jobs3[0], ms(530)));
         assert!(book.metrics(&fleet[0], ms(530)).stale, "failed");
         assert!(book.idle());
+    }
+
+    #[test]
+    fn a_pod_slower_to_answer_than_the_stale_bound_stays_fresh_while_its_scrape_is_on_its_way() {
+        let mut book = ScrapeBook::new(Duration::from_millis(150), 3)
+            .with_scrape_timeout(Duration::from_secs(1));
+        let fleet = vec![pod("a", "10.0.0.1", true)];
+        let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
+        let jobs = book.plan(&fleet, t0);
+        book.apply(ok(&jobs[0], t0, 1.0, 0.0));
+        let slow = book.plan(&fleet, ms(50));
+        assert_eq!(slow.len(), 1);
+        assert!(
+            !book.metrics(&fleet[0], ms(200)).stale,
+            "answered 200 ms ago, asked again 50 ms after: on its way"
+        );
+        assert!(!book.metrics(&fleet[0], ms(1_050)).stale);
+        assert!(
+            book.metrics(&fleet[0], ms(1_051)).stale,
+            "the scrape in flight is past its timeout"
+        );
+        book.apply(ok(&slow[0], ms(260), 1.0, 0.0));
+        assert!(!book.metrics(&fleet[0], ms(300)).stale, "answered");
+        assert!(
+            book.metrics(&fleet[0], ms(411)).stale,
+            "nothing on its way: the bound alone"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_scrape_that_panics_is_a_failed_scrape_and_its_pod_is_scraped_again() {
+        let mut book = ScrapeBook::new(Duration::from_millis(150), 3);
+        let fleet = vec![pod("a", "10.0.0.1", true)];
+        let t0 = Instant::now();
+        let jobs = book.plan(&fleet, t0);
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let planned = jobs.len();
+        let scrape = async move {
+            if planned == 1 {
+                panic!("an exposition the parser did not expect");
+            }
+            (Err(ScrapeError::Closed), Duration::ZERO)
+        };
+        tokio::spawn(deliver(jobs[0].clone(), scrape, tx));
+        let outcome = rx.recv().await.expect("an outcome, panic or not");
+        assert!(
+            matches!(&outcome.result, Err(ScrapeError::Panicked(m)) if m.contains("parser")),
+            "{:?}",
+            outcome.result
+        );
+        assert!(book.apply(outcome).is_some(), "the round completes");
+        assert!(book.idle());
+        assert!(book.metrics(&fleet[0], t0).stale);
+        assert_eq!(book.plan(&fleet, t0).len(), 1, "scraped again");
+    }
+
+    #[test]
+    fn a_read_short_of_a_dp_rank_is_not_the_base_of_the_next_rates() {
+        let mut book = ScrapeBook::new(Duration::from_millis(150), 3);
+        let fleet = vec![pod("a", "10.0.0.1", true)];
+        let t0 = Instant::now();
+        let mut scrape = |ms: u64, prompt: f64| {
+            let at = t0 + Duration::from_millis(ms);
+            let jobs = book.plan(&fleet, at);
+            book.apply(ok(&jobs[0], at, 1.0, prompt));
+            book.metrics(&fleet[0], at).prompt_throughput
+        };
+        scrape(0, 8e9);
+        assert_eq!(scrape(50, 8e9 + 5_000.0), 100_000.0);
+        assert_eq!(
+            scrape(100, 7e9 + 5_000.0),
+            100_000.0,
+            "a rank missing: the last rate stands"
+        );
+        assert_eq!(
+            scrape(150, 8e9 + 25_000.0),
+            200_000.0,
+            "the rank back: 20 000 tokens over the 100 ms since the last good read"
+        );
+        // A fall read twice is believed (a rank gone for good): the rates count from there.
+        assert_eq!(scrape(200, 7e9), 200_000.0);
+        assert_eq!(scrape(250, 7e9 + 1_000.0), 200_000.0);
+        assert_eq!(scrape(300, 7e9 + 3_000.0), 40_000.0);
     }
 
     #[test]

@@ -18,11 +18,52 @@ pub fn counter_delta(previous: f64, current: f64) -> f64 {
     }
 }
 
-/// Per-second rate of a counter between two readings, if both exist and time has passed.
+/// A token counter that falls to at most this share of its previous value restarted: the
+/// engine counts again from zero, and has had little time to count since. One that falls less
+/// is a bad read, most often a sum missing one DP rank's series for a scrape (8e9 read as 7e9):
+/// taken for a restart, it would be 7e9 tokens in 50 ms, then the rank's return another 1e9.
+pub const RESTART_SHARE: f64 = 0.1;
+
+/// More tokens than any pod processes in a second (the largest multi-GPU pods count a few
+/// million, prefix-cache hits included): growth beyond this per second, and beyond this within
+/// any second (as `drain::IMPOSSIBLE_PER_SECOND`, so that one scheduler step landing in a short
+/// window is not judged on its own), is a bad read, not tokens.
+pub const IMPOSSIBLE_TOKENS_PER_SECOND: f64 = 1e8;
+
+/// Whether a token counter's move from `previous` to `current` over `elapsed` cannot be the
+/// engine's: a fall that is no restart ([`RESTART_SHARE`]) or an impossible rise
+/// ([`IMPOSSIBLE_TOKENS_PER_SECOND`]). Such a read gives no rate.
+pub fn implausible(previous: f64, current: f64, elapsed: Duration) -> bool {
+    if current < previous {
+        current > previous * RESTART_SHARE
+    } else {
+        current - previous > IMPOSSIBLE_TOKENS_PER_SECOND * elapsed.as_secs_f64().max(1.0)
+    }
+}
+
+/// Per-second rate of a token counter between two readings, if both exist, time has passed
+/// and the move is not [`implausible`].
 pub fn rate(previous: Option<f64>, current: Option<f64>, elapsed: Duration) -> Option<f64> {
     let (previous, current) = (previous?, current?);
     let seconds = elapsed.as_secs_f64();
-    (seconds > 0.0).then(|| counter_delta(previous, current) / seconds)
+    (seconds > 0.0 && !implausible(previous, current, elapsed))
+        .then(|| counter_delta(previous, current) / seconds)
+}
+
+/// The token counters the throughput rates are taken from.
+const TOKEN_COUNTERS: [fn(&Reading) -> Option<f64>; 2] =
+    [|r| r.prompt_tokens, |r| r.generation_tokens];
+
+/// Whether a token counter moved [`implausible`]ly from `previous` to `current`: the caller
+/// keeps `previous` as the base of the next rates (see `ScrapeBook::apply`), so that a read
+/// missing a DP rank for one scrape costs that scrape's rates and nothing after.
+pub fn glitched(previous: &Reading, current: &Reading, elapsed: Duration) -> bool {
+    TOKEN_COUNTERS
+        .iter()
+        .any(|pick| match (pick(previous), pick(current)) {
+            (Some(before), Some(now)) => implausible(before, now, elapsed),
+            _ => false,
+        })
 }
 
 /// Mean of the observations a histogram gained between two readings.
@@ -57,14 +98,26 @@ pub fn derive(
     };
     let counter_rate =
         |pick: fn(&Reading) -> Option<f64>| rate(prev.and_then(pick), pick(current), elapsed);
+    // A bad read gives no rate; the last one stands in for it rather than a zero, which would
+    // show a busy pod as idle for a scrape.
+    let bad_read = |pick: fn(&Reading) -> Option<f64>, last: fn(&PodMetrics) -> f64| match (
+        prev.and_then(pick),
+        pick(current),
+    ) {
+        (Some(before), Some(now)) if implausible(before, now, elapsed) => carried.map(last),
+        _ => None,
+    };
 
     let generation_rate = counter_rate(|r| r.generation_tokens);
     let generation_throughput = if engine.generation_prefers_gauge() {
         current.generation_gauge.or(generation_rate)
     } else {
         generation_rate.or(current.generation_gauge)
-    };
-    let prompt_throughput = counter_rate(|r| r.prompt_tokens).or(current.prompt_gauge);
+    }
+    .or_else(|| bad_read(|r| r.generation_tokens, |m| m.generation_throughput));
+    let prompt_throughput = counter_rate(|r| r.prompt_tokens)
+        .or(current.prompt_gauge)
+        .or_else(|| bad_read(|r| r.prompt_tokens, |m| m.prompt_throughput));
 
     // New observations first, then the last known average, then the lifetime mean: the
     // freshest figure that actually describes this pod.
@@ -113,17 +166,31 @@ pub fn non_negative(value: Option<f64>) -> f64 {
 
 /// Metrics stop describing the pod once a scrape fails or the last success is older than
 /// `bound`; a pod never scraped successfully has nothing current to offer either.
+///
+/// Except while a scrape is on its way: `in_flight` is when the pending scrape was planned.
+/// `bound` is a few refresh intervals (150 ms by default) while a scrape may take up to
+/// `scrape_timeout` (1 s), so a pod whose `/metrics` answers in 200 ms would otherwise flip
+/// between stale and fresh every cycle: half the time the gateway would hold a healthy
+/// pod's metrics as missing. A scrape planned while the metrics were fresh and not yet past its timeout
+/// is the pod being slow to answer, not failing: its metrics are at most `bound` +
+/// `scrape_timeout` old. One past its timeout (queued for a slot, or lost) no longer counts,
+/// and a scrape that fails marks the pod stale when it does.
 pub fn is_stale(
     last_success: Option<Instant>,
     last_failed: bool,
+    in_flight: Option<Instant>,
     now: Instant,
     bound: Duration,
+    scrape_timeout: Duration,
 ) -> bool {
-    match last_success {
-        _ if last_failed => true,
-        None => true,
-        Some(at) => now.saturating_duration_since(at) > bound,
-    }
+    let Some(at) = last_success.filter(|_| !last_failed) else {
+        return true;
+    };
+    let fresh_at = |t: Instant| t.saturating_duration_since(at) <= bound;
+    let answering = in_flight.is_some_and(|planned| {
+        fresh_at(planned) && now.saturating_duration_since(planned) <= scrape_timeout
+    });
+    !fresh_at(now) && !answering
 }
 
 #[cfg(test)]
@@ -141,9 +208,69 @@ mod tests {
             rate(Some(100.0), Some(150.0), Duration::from_millis(500)),
             Some(100.0)
         );
-        assert_eq!(rate(Some(100.0), Some(30.0), SECOND), Some(30.0));
+        assert_eq!(rate(Some(100.0), Some(7.0), SECOND), Some(7.0));
         assert_eq!(rate(None, Some(30.0), SECOND), None);
         assert_eq!(rate(Some(1.0), Some(2.0), Duration::ZERO), None);
+    }
+
+    #[test]
+    fn a_counter_read_short_of_a_dp_rank_is_no_restart_and_its_return_no_burst() {
+        let scrape = Duration::from_millis(50);
+        assert_eq!(
+            rate(Some(8e9), Some(7e9), scrape),
+            None,
+            "a rank's series missing: not 7e9 tokens in 50 ms"
+        );
+        assert_eq!(
+            rate(Some(7e9), Some(8e9), scrape),
+            None,
+            "the rank back: not 2e10 tokens a second"
+        );
+        assert_eq!(
+            rate(Some(8e9), Some(1000.0), scrape),
+            Some(20_000.0),
+            "a restart counts from zero, as before"
+        );
+        assert_eq!(rate(Some(8e9), Some(8e8), SECOND), Some(8e8), "a tenth");
+        assert_eq!(
+            rate(Some(1e9), Some(1e9 + 5e6), scrape),
+            Some(1e8),
+            "a scheduler step's worth in a short window is growth"
+        );
+        assert_eq!(rate(Some(0.0), Some(2e8), 2 * SECOND), Some(1e8));
+        assert_eq!(rate(Some(0.0), Some(2e8), SECOND), None);
+    }
+
+    #[test]
+    fn a_bad_read_keeps_the_last_throughput_and_only_the_bad_counter_is_judged() {
+        let at = |prompt: f64, generation: f64| Reading {
+            prompt_tokens: Some(prompt),
+            generation_tokens: Some(generation),
+            ..Reading::default()
+        };
+        let scrape = Duration::from_millis(50);
+        let first = at(8e9, 4e9);
+        let second = at(8e9 + 5000.0, 4e9 + 500.0);
+        let m2 = derive(Engine::Vllm, &second, Some((&first, scrape)), None);
+        assert_eq!(
+            (m2.prompt_throughput, m2.generation_throughput),
+            (100_000.0, 10_000.0)
+        );
+        assert!(!glitched(&first, &second, scrape));
+
+        let short = at(7e9, 4e9 + 1000.0);
+        assert!(glitched(&second, &short, scrape));
+        let m3 = derive(Engine::Vllm, &short, Some((&second, scrape)), Some(&m2));
+        assert_eq!(
+            (m3.prompt_throughput, m3.generation_throughput),
+            (100_000.0, 10_000.0),
+            "the bad prompt counter keeps its last rate; generation is read as usual"
+        );
+        let m3 = derive(Engine::Vllm, &short, Some((&second, scrape)), None);
+        assert_eq!(m3.prompt_throughput, 0.0, "nothing to keep");
+
+        let restarted = at(3000.0, 100.0);
+        assert!(!glitched(&second, &restarted, scrape));
     }
 
     #[test]
@@ -299,18 +426,41 @@ mod tests {
     #[test]
     fn staleness() {
         let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
         let bound = Duration::from_millis(150);
-        assert!(is_stale(None, false, t0, bound), "never scraped");
-        assert!(!is_stale(
-            Some(t0),
-            false,
-            t0 + Duration::from_millis(150),
-            bound
-        ));
+        let timeout = SECOND;
+        let stale =
+            |last, failed, in_flight, now| is_stale(last, failed, in_flight, now, bound, timeout);
+        assert!(stale(None, false, None, t0), "never scraped");
         assert!(
-            is_stale(Some(t0), false, t0 + Duration::from_millis(151), bound),
-            "too old"
+            stale(None, false, Some(t0), ms(10)),
+            "never scraped, one in flight"
         );
-        assert!(is_stale(Some(t0), true, t0, bound), "last scrape failed");
+        assert!(!stale(Some(t0), false, None, ms(150)));
+        assert!(stale(Some(t0), false, None, ms(151)), "too old");
+        assert!(stale(Some(t0), true, None, t0), "last scrape failed");
+        assert!(
+            stale(Some(t0), true, Some(ms(50)), ms(60)),
+            "last scrape failed, one in flight"
+        );
+    }
+
+    #[test]
+    fn a_slow_scrape_on_its_way_keeps_the_metrics_fresh_until_its_timeout() {
+        let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
+        let (bound, timeout) = (Duration::from_millis(150), SECOND);
+        let stale = |in_flight, now| is_stale(Some(t0), false, in_flight, now, bound, timeout);
+        assert!(
+            !stale(Some(ms(50)), ms(200)),
+            "a 200 ms answer on its way: not stale"
+        );
+        assert!(!stale(Some(ms(50)), ms(1_050)), "at its timeout");
+        assert!(stale(Some(ms(50)), ms(1_051)), "past its timeout");
+        assert!(
+            stale(Some(ms(151)), ms(200)),
+            "planned when the metrics were stale already"
+        );
+        assert!(stale(None, ms(200)), "nothing on its way");
     }
 }
