@@ -47,6 +47,9 @@ pub enum FaultKind {
     /// hold the answer until the fault is cleared and answer `status` with an error body
     /// instead: a leg whose work was done but whose answer failed.
     FailAfterServing { status: u16 },
+    /// Serve the request, but finish it with `finish_reason: "stop"` (an unstreamed answer):
+    /// a model whose first token is its end, which a TRT-LLM context leg reports so.
+    FinishFirst,
     /// Answer 200 with a JSON object of `bytes` bytes instead of serving the request: a
     /// broken or hostile engine's answer. With `not_json`, the 200's `bytes` bytes are plain
     /// text, not JSON at all.
@@ -74,6 +77,7 @@ impl FaultKind {
             FaultKind::Status { .. } => "status",
             FaultKind::Slow { .. } => "slow",
             FaultKind::FailAfterServing { .. } => "fail_after_serving",
+            FaultKind::FinishFirst => "finish_first",
             FaultKind::Oversized { .. } => "oversized",
             FaultKind::Crash => "crash",
             FaultKind::Refuse => "refuse",

@@ -311,6 +311,8 @@ struct Hooks {
     /// A drawn `fail_after_serving` fault: the status answered once the work is done and the
     /// fault is released.
     fail_after: Option<(u16, Drawn)>,
+    /// A drawn `finish_first` fault: the answer's `finish_reason` is `stop`.
+    finish_first: bool,
 }
 
 /// Where a request waits while it passes its [`Hooks::gate`].
@@ -336,6 +338,7 @@ impl Hooks {
             handover: None,
             decorate: None,
             fail_after: None,
+            finish_first: false,
         }
     }
 
@@ -360,6 +363,15 @@ impl Hooks {
         }
         if let Some(decorate) = self.decorate.take() {
             decorate(body);
+        }
+        if self.finish_first {
+            if let Some(choice) = body
+                .get_mut("choices")
+                .and_then(|c| c.get_mut(0))
+                .and_then(Value::as_object_mut)
+            {
+                choice.insert("finish_reason".into(), Value::from("stop"));
+            }
         }
     }
 }
@@ -705,6 +717,10 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
                 FaultKind::HangAfterChunks { chunks } => Some(Stall { chunks, drawn }),
                 FaultKind::FailAfterServing { status } => {
                     hooks.fail_after = Some((status, drawn));
+                    None
+                }
+                FaultKind::FinishFirst => {
+                    hooks.finish_first = true;
                     None
                 }
                 FaultKind::Status { .. }

@@ -258,6 +258,51 @@ fn trtllm_context_first_forwards_params_and_prompt_ids() {
     stack.wait_ledger_zero();
 }
 
+/// A TRT-LLM context leg whose first token ended the answer (`finish_reason: "stop"`) is the
+/// answer, as TRT-LLM's own disagg server has it: no generation leg, the context answer without
+/// its disaggregation members, and for a stream one chunk, the usage chunk and `[DONE]`.
+#[test]
+fn trtllm_context_answer_that_finished_is_the_answer() {
+    let stack = Stack::start_with(pair("trtllm"), 2, &TOKEN_LOAD);
+    for pod in ["trtllm-p-0", "trtllm-p-1"] {
+        stack.arm_fault(json!({"pod": pod, "kind": "finish_first", "leg": "prefill"}));
+    }
+    let pd = [("routing-strategy", "pd")];
+    let completion_legs = |r: &Response| -> Vec<String> {
+        let id = header(r, "request-id").to_string();
+        stack
+            .sim_requests()
+            .into_iter()
+            .filter(|e| e["x_request_id"] == id.as_str())
+            .filter_map(|e| e["leg"].as_str().map(str::to_string))
+            .collect()
+    };
+
+    let r = stack.chat(&pd, &chat(false, 8));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let answer = r.json();
+    assert_eq!(answer["choices"][0]["finish_reason"], "stop", "{answer}");
+    assert!(answer["choices"][0].get("disaggregated_params").is_none());
+    assert!(answer.get("prompt_token_ids").is_none());
+    assert_eq!(completion_legs(&r), ["prefill"], "no generation leg");
+
+    let mut body = chat(true, 8);
+    body["stream_options"] = json!({"include_usage": true});
+    let r = stack.chat(&pd, &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("content-type"), Some("text/event-stream"));
+    let text = r.text();
+    assert!(text.contains(r#""finish_reason":"stop""#), "{text}");
+    assert!(text.contains(r#""total_tokens""#), "{text}");
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    assert_eq!(completion_legs(&r), ["prefill"], "no generation leg");
+
+    stack.clear_faults();
+    let r = stack.chat(&pd, &chat(false, 3));
+    assert_pair(&stack, &r, 3);
+    stack.wait_ledger_zero();
+}
+
 #[test]
 fn trtllm_generation_first_sends_both_legs_with_one_id() {
     let mut env = TOKEN_LOAD.to_vec();

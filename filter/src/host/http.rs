@@ -1448,7 +1448,13 @@ impl PdHttp {
         true
     }
 
-    fn finish_prefill(&mut self, status: &str, response: &[u8]) -> Result<(), RouteError> {
+    /// Makes the decode leg from the prefill's answer; `Ok(Some(answer))` when the context
+    /// leg finished the request itself (TRT-LLM) and `answer` is the client's.
+    fn finish_prefill(
+        &mut self,
+        status: &str,
+        response: &[u8],
+    ) -> Result<Option<trtllm::FinalAnswer>, RouteError> {
         let Some(pending) = self.pending.take() else {
             return Err(RouteError::Internal(
                 "prefill answer without a pending decode".into(),
@@ -1469,7 +1475,16 @@ impl PdHttp {
                     connector,
                 )
             )?,
-            pair::Merge::Trtllm(endpoint) => {
+            pair::Merge::Trtllm {
+                endpoint,
+                stream,
+                include_usage,
+            } => {
+                if let Some(answer) =
+                    trtllm::final_context_answer(response, endpoint, stream, include_usage)
+                {
+                    return Ok(Some(answer));
+                }
                 trtllm::generation_edit(&pending.body, &pending.members, endpoint, response)?
             }
             pair::Merge::Unchanged => None,
@@ -1499,7 +1514,27 @@ impl PdHttp {
             .stand_in
             .filter(|_| address == pending.decode.address);
         self.name_destinations(&pending.decode.key, &address, stand_in, false);
-        Ok(())
+        Ok(None)
+    }
+
+    /// Answers the client with the context leg's whole answer: no generation leg is sent. The
+    /// decode pod's charge goes with the request's others when it ends.
+    fn answer_from_context(&mut self, answer: trtllm::FinalAnswer) {
+        log::debug!(
+            "request {}: the context leg finished the answer; no generation leg",
+            self.request_id
+        );
+        self.local_reply = true;
+        self.vm.borrow_mut().watched.remove(&self.id);
+        let headers = vec![
+            ("content-type", answer.content_type),
+            ("request-id", self.request_id.as_str()),
+        ];
+        if let Err(e) = hostcalls::send_http_response(200, headers, Some(&answer.body))
+            .or_else(|_| hostcalls::reset_http_response())
+        {
+            log::warn!("request {}: cannot answer: {e:?}", self.request_id);
+        }
     }
 }
 
@@ -1566,7 +1601,12 @@ impl Context for PdHttp {
         }
         let success = self.vm.borrow().metrics.prefill_success;
         match self.finish_prefill(&status, &body) {
-            Ok(()) => {
+            Ok(Some(answer)) => {
+                Metrics::inc(success);
+                self.obs.times.prefill_end_us = Some(clock.us());
+                self.answer_from_context(answer);
+            }
+            Ok(None) => {
                 Metrics::inc(success);
                 crate::section!("prefill_answer.arm_watchdog", self.arm_watchdog());
                 self.obs.times.prefill_end_us = Some(clock.us());

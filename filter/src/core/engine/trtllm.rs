@@ -275,6 +275,105 @@ fn generation_members(
     Ok(Some(GenerationMembers { params, ids }))
 }
 
+/// The client's answer when the context leg finished the request itself.
+#[derive(Debug, PartialEq)]
+pub struct FinalAnswer {
+    pub body: Vec<u8>,
+    pub content_type: &'static str,
+}
+
+/// The context answer as the client's whole answer, when no generation leg is needed: TRT-LLM's
+/// disagg server sends none when `choices[0].finish_reason` is anything but `length` or
+/// `not_finished` (the first token ended the answer: an end-of-sequence or a stop string), and
+/// answers the context response, without its `disaggregated_params`; a streaming client gets it
+/// as one chunk (plus the usage chunk it asked for) and `[DONE]`. `None` when the generation
+/// leg is needed, or the answer is not one this can read (the generation leg's merge then
+/// reports it).
+pub fn final_context_answer(
+    ctx_response: &[u8],
+    endpoint: Endpoint,
+    stream: bool,
+    include_usage: bool,
+) -> Option<FinalAnswer> {
+    let text = std::str::from_utf8(ctx_response).ok()?;
+    // A cheap look at the first choice's `finish_reason` (the answer's `prompt_token_ids`, one
+    // per prompt token, are not parsed on this path, which every context answer takes).
+    let choices = match json_scan::object(text) {
+        Some(members) => &text[json_scan::last(&members, "choices")?],
+        None => Members::parse(ctx_response).ok()?.get("choices")?.get(),
+    };
+    let list = serde_json::from_str::<Vec<&RawValue>>(choices).ok()?;
+    let first = Members::of(list.first()?).ok()?;
+    let reason = first
+        .get("finish_reason")
+        .and_then(|r| serde_json::from_str::<Option<&str>>(r.get()).ok())
+        .flatten()?;
+    if matches!(reason, "length" | "not_finished") {
+        return None;
+    }
+    let mut answer: Value = serde_json::from_slice(ctx_response).ok()?;
+    let map = answer.as_object_mut()?;
+    map.remove("prompt_token_ids");
+    map.remove("prompt_token_ids_b64");
+    for choice in map.get_mut("choices")?.as_array_mut()? {
+        if let Some(choice) = choice.as_object_mut() {
+            choice.remove("disaggregated_params");
+        }
+    }
+    if !stream {
+        return Some(FinalAnswer {
+            body: answer.to_string().into_bytes(),
+            content_type: "application/json",
+        });
+    }
+    Some(FinalAnswer {
+        body: as_stream(&answer, endpoint, include_usage).into_bytes(),
+        content_type: "text/event-stream",
+    })
+}
+
+/// A whole answer as the stream of it: one chunk with every choice's text and finish reason,
+/// the usage chunk when asked for, `[DONE]`.
+fn as_stream(answer: &Value, endpoint: Endpoint, include_usage: bool) -> String {
+    let chat = endpoint.has_messages();
+    let choices: Vec<Value> = answer["choices"]
+        .as_array()
+        .map(|choices| {
+            choices
+                .iter()
+                .map(|c| {
+                    let mut chunk = if chat {
+                        json!({"index": c["index"], "delta": {"role": "assistant",
+                            "content": c["message"]["content"]}})
+                    } else {
+                        json!({"index": c["index"], "text": c["text"]})
+                    };
+                    chunk["logprobs"] = Value::Null;
+                    chunk["finish_reason"] = c["finish_reason"].clone();
+                    chunk
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let object = if chat {
+        "chat.completion.chunk"
+    } else {
+        "text_completion"
+    };
+    let chunk = |choices: Value| {
+        json!({"id": answer["id"], "object": object, "created": answer["created"],
+               "model": answer["model"], "choices": choices})
+    };
+    let mut out = format!("data: {}\n\n", chunk(Value::Array(choices)));
+    if include_usage {
+        let mut usage = chunk(json!([]));
+        usage["usage"] = answer["usage"].clone();
+        out.push_str(&format!("data: {usage}\n\n"));
+    }
+    out.push_str("data: [DONE]\n\n");
+    out
+}
+
 /// The generation (decode) leg of `generation_first`, sent without waiting for the context.
 pub fn generation_first_body(
     raw: &[u8],
@@ -586,5 +685,80 @@ mod tests {
             None,
             "expired"
         );
+    }
+
+    fn ctx_answer(finish: &str, chat: bool) -> Vec<u8> {
+        let choice = if chat {
+            json!({"index": 0, "message": {"role": "assistant", "content": ""},
+                   "finish_reason": finish,
+                   "disaggregated_params": {"request_type": "context_only", "ctx_request_id": 7}})
+        } else {
+            json!({"index": 0, "text": "", "finish_reason": finish,
+                   "disaggregated_params": {"request_type": "context_only", "ctx_request_id": 7}})
+        };
+        json!({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+               "choices": [choice], "usage": {"prompt_tokens": 5, "completion_tokens": 1,
+               "total_tokens": 6}, "prompt_token_ids": [1, 2, 3, 4, 5]})
+        .to_string()
+        .into_bytes()
+    }
+
+    /// A context leg that finished the answer (first token EOS) is the answer: no generation
+    /// leg, the context answer without its disaggregation members, streamed when asked.
+    #[test]
+    fn a_context_answer_that_finished_is_the_clients_answer() {
+        for finish in ["length", "not_finished"] {
+            let answer = ctx_answer(finish, false);
+            assert_eq!(
+                final_context_answer(&answer, Endpoint::Completions, false, false),
+                None
+            );
+        }
+        let null = String::from_utf8(ctx_answer("x", false))
+            .unwrap()
+            .replace("\"x\"", "null");
+        assert_eq!(
+            final_context_answer(null.as_bytes(), Endpoint::Completions, false, false),
+            None,
+            "no reason given: the generation leg decides"
+        );
+
+        let whole = final_context_answer(
+            &ctx_answer("stop", false),
+            Endpoint::Completions,
+            false,
+            false,
+        )
+        .expect("final");
+        assert_eq!(whole.content_type, "application/json");
+        let v: Value = serde_json::from_slice(&whole.body).unwrap();
+        assert_eq!(v["choices"][0]["finish_reason"], "stop");
+        assert!(v["choices"][0].get("disaggregated_params").is_none());
+        assert!(v.get("prompt_token_ids").is_none());
+        assert_eq!(v["usage"]["total_tokens"], 6);
+
+        let streamed = final_context_answer(
+            &ctx_answer("stop", true),
+            Endpoint::ChatCompletions,
+            true,
+            true,
+        )
+        .expect("final");
+        assert_eq!(streamed.content_type, "text/event-stream");
+        let text = String::from_utf8(streamed.body).unwrap();
+        let events: Vec<&str> = text
+            .split("\n\n")
+            .filter(|e| !e.is_empty())
+            .map(|e| e.strip_prefix("data: ").expect("an SSE data event"))
+            .collect();
+        assert_eq!(events.len(), 3, "{text}");
+        let first: Value = serde_json::from_str(events[0]).unwrap();
+        assert_eq!(first["object"], "chat.completion.chunk");
+        assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+        assert_eq!(first["choices"][0]["finish_reason"], "stop");
+        let usage: Value = serde_json::from_str(events[1]).unwrap();
+        assert_eq!(usage["usage"]["total_tokens"], 6);
+        assert_eq!(usage["choices"], json!([]));
+        assert_eq!(events[2], "[DONE]");
     }
 }

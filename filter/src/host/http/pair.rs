@@ -28,7 +28,13 @@ use crate::host::{now_ms, Clock};
 #[derive(Debug, Clone, Copy)]
 pub enum Merge {
     Vllm(KvConnector),
-    Trtllm(Endpoint),
+    /// TRT-LLM context_first; how the client asked to be answered, for a context leg that
+    /// finishes the request itself (`trtllm::final_context_answer`).
+    Trtllm {
+        endpoint: Endpoint,
+        stream: bool,
+        include_usage: bool,
+    },
     /// An engine the router has no adapter for: the client's body as sent.
     Unchanged,
 }
@@ -173,7 +179,11 @@ impl PdHttp {
                                 id,
                                 ScheduleStyle::ContextFirst,
                             ),
-                            Merge::Trtllm(endpoint),
+                            Merge::Trtllm {
+                                endpoint,
+                                stream: req.stream,
+                                include_usage: req.include_usage,
+                            },
                         )
                     }
                     Engine::Vllm => {
