@@ -1547,7 +1547,7 @@ impl Context for PdHttp {
         _trailers: usize,
     ) {
         crate::section_scope!("prefill_answer");
-        crate::host::answering_call(headers);
+        let _answer = crate::host::answering_call(headers);
         if let Some(admission) = self.admission.take_if(|a| a.token == token) {
             return self.on_admission(admission, body_size);
         }
@@ -1731,8 +1731,8 @@ impl HttpContext for PdHttp {
         self.check_stand_in(clock.ms());
         self.obs.response_status = crate::section!(
             "response_headers.status",
-            self.get_http_response_header(":status")
-                .and_then(|s| s.parse().ok())
+            self.get_http_response_header_bytes(":status")
+                .and_then(|s| std::str::from_utf8(&s).ok()?.parse().ok())
         );
         if end_of_stream {
             self.obs.times.end_us = Some(clock.us());

@@ -261,8 +261,22 @@ thread_local! {
 /// an answer over its async-client buffer limit): there is no header map then, and asking for
 /// a header is an error the SDK turns into a panic, a trap of the VM with every stream of the
 /// worker.
-pub fn answering_call(headers: usize) {
+///
+/// The mark lasts while the returned guard lives (hold it for the whole callback): outside an
+/// answer there is no answer map either, and a stale mark would let [`call_header`] ask for one.
+#[must_use = "the answer is marked only while the guard lives"]
+pub fn answering_call(headers: usize) -> CallAnswer {
     CALL_ANSWERED.with(|a| a.set(headers > 0));
+    CallAnswer
+}
+
+/// See [`answering_call`].
+pub struct CallAnswer;
+
+impl Drop for CallAnswer {
+    fn drop(&mut self) {
+        CALL_ANSWERED.with(|a| a.set(false));
+    }
 }
 
 /// A header of the side-call answer being handled; `None` when it has none (see

@@ -693,7 +693,7 @@ impl Context for Root {
         body_size: usize,
         _trailers: usize,
     ) {
-        crate::host::answering_call(headers);
+        let _answer = crate::host::answering_call(headers);
         if self.report_in_flight == Some(token) {
             return self.on_report_answer(body_size);
         }
