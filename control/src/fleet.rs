@@ -72,7 +72,8 @@ pub struct PodRecord {
     /// Raw `model.aibrix.ai/config` annotation, parsed by the filter.
     pub config: String,
     pub sglang_bootstrap_port: u16,
-    /// Ready condition true (or absent), an IP, and no deletion timestamp.
+    /// Ready condition true (or absent), an IP, no deletion timestamp, and not ended (phase
+    /// `Failed` or `Succeeded`).
     pub ready: bool,
     /// False for non-leader members of a multi-node pod group.
     pub serves_http: bool,
@@ -155,7 +156,12 @@ impl PodRecord {
             .and_then(|s| s.conditions.as_ref())
             .and_then(|conds| conds.iter().find(|c| c.type_ == "Ready"));
         let ready_condition = ready.is_none_or(|c| c.status == "True");
-        let terminating = meta.deletion_timestamp.is_some();
+        // A pod whose containers all ended (`Failed`, `Succeeded`) serves nothing, whatever
+        // its last Ready condition says (a fleet file may carry none at all).
+        let ended = status
+            .and_then(|s| s.phase.as_deref())
+            .is_some_and(|phase| matches!(phase, "Failed" | "Succeeded"));
+        let terminating = meta.deletion_timestamp.is_some() || ended;
         let label = |key: &str| {
             labels
                 .get(key)
@@ -565,6 +571,17 @@ metadata: {name: pending, namespace: ns}
                 "{text:?} read as {:?}",
                 parse_written_records(text)
             );
+        }
+    }
+
+    #[test]
+    fn a_pod_whose_containers_ended_is_not_ready() {
+        let pod = |phase: &str| {
+            format!("kind: Pod\nmetadata:\n  name: a\n  labels: {{model.aibrix.ai/name: m}}\nstatus: {{podIP: 10.0.0.1, phase: {phase}}}\n")
+        };
+        for (phase, ready) in [("Running", true), ("Failed", false), ("Succeeded", false)] {
+            let p = &parse_records(&pod(phase)).unwrap()[0];
+            assert_eq!(p.ready, ready, "{phase}");
         }
     }
 
