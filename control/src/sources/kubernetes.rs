@@ -421,19 +421,27 @@ async fn client(
     kube::Client::try_from(config).map_err(KubeError::Client)
 }
 
-/// Exponential retry delay, reset by every successful watch item.
+/// Exponential retry delay, reset by every successful watch item, each delay drawn between half
+/// and all of its step: pd-control replicas (and scopes) that lost the API server together
+/// would otherwise come back to it in lockstep, every retry a burst of lists.
 struct RetryBackoff {
     min: Duration,
     max: Duration,
     next: Duration,
+    rng: fastrand::Rng,
 }
 
 impl RetryBackoff {
     fn new(min: Duration, max: Duration) -> RetryBackoff {
+        RetryBackoff::seeded(min, max, fastrand::Rng::new())
+    }
+
+    fn seeded(min: Duration, max: Duration, rng: fastrand::Rng) -> RetryBackoff {
         RetryBackoff {
             min,
             max,
             next: min,
+            rng,
         }
     }
 }
@@ -442,9 +450,9 @@ impl Iterator for RetryBackoff {
     type Item = Duration;
 
     fn next(&mut self) -> Option<Duration> {
-        let delay = self.next;
+        let step = self.next;
         self.next = self.next.saturating_mul(2).min(self.max);
-        Some(delay)
+        Some(step.mul_f64(0.5 + 0.5 * self.rng.f64()))
     }
 }
 
@@ -459,12 +467,25 @@ mod tests {
     use super::*;
 
     #[test]
-    fn backoff_doubles_caps_and_resets() {
-        let mut b = RetryBackoff::new(Duration::from_millis(100), Duration::from_millis(300));
-        let got: Vec<_> = b.by_ref().take(4).map(|d| d.as_millis()).collect();
-        assert_eq!(got, [100, 200, 300, 300]);
-        b.reset();
-        assert_eq!(b.next(), Some(Duration::from_millis(100)));
+    fn backoff_doubles_caps_resets_and_spreads() {
+        let ms = Duration::from_millis;
+        for seed in 0..50 {
+            let rng = fastrand::Rng::with_seed(seed);
+            let mut b = RetryBackoff::seeded(ms(100), ms(300), rng);
+            let got: Vec<_> = b.by_ref().take(4).collect();
+            for (delay, step) in got.iter().zip([100, 200, 300, 300]) {
+                assert!(
+                    *delay >= ms(step / 2) && *delay <= ms(step),
+                    "{delay:?} for a step of {step} ms"
+                );
+            }
+            b.reset();
+            assert!(b.next().is_some_and(|d| d <= ms(100)));
+        }
+        // Two replicas that failed together do not retry together.
+        let mut a = RetryBackoff::seeded(ms(1000), ms(1000), fastrand::Rng::with_seed(1));
+        let mut b = RetryBackoff::seeded(ms(1000), ms(1000), fastrand::Rng::with_seed(2));
+        assert_ne!(a.next(), b.next());
     }
 
     #[test]
