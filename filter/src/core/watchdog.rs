@@ -184,11 +184,35 @@ impl Watchdog {
 
 /// The 504 message of a watchdog that fired before the headers.
 pub fn message(pod: &str, fire: &Fire) -> String {
-    let t = fire.timeout_ms as f64 / 1000.0;
+    let t = go_duration(fire.timeout_ms);
     if fire.stream {
-        format!("decode pod {pod} did not start responding within {t}s")
+        format!("decode pod {pod} did not start responding within {t}")
     } else {
-        format!("decode pod {pod} did not finish responding within {t}s")
+        format!("decode pod {pod} did not finish responding within {t}")
+    }
+}
+
+/// `ms` as Go's `time.Duration` prints it (`500ms`, `1.5s`, `1m0s`, `1h0m0s`), which is how
+/// AIBrix's message reads: clients or alerts matching it see the same text.
+pub fn go_duration(ms: u64) -> String {
+    if ms == 0 {
+        return "0s".into();
+    }
+    if ms < 1000 {
+        return format!("{ms}ms");
+    }
+    let (h, m) = (ms / 3_600_000, ms / 60_000 % 60);
+    let (s, frac) = (ms / 1000 % 60, ms % 1000);
+    let seconds = if frac == 0 {
+        format!("{s}s")
+    } else {
+        let frac = format!("{frac:03}");
+        format!("{s}.{}s", frac.trim_end_matches('0'))
+    };
+    match (h, m) {
+        (0, 0) => seconds,
+        (0, m) => format!("{m}m{seconds}"),
+        (h, m) => format!("{h}h{m}m{seconds}"),
     }
 }
 
@@ -351,5 +375,24 @@ mod tests {
             message("d0", &fire),
             "decode pod d0 did not start responding within 1.5s"
         );
+    }
+
+    #[test]
+    fn durations_print_as_go_prints_them() {
+        let cases = [
+            (0, "0s"),
+            (500, "500ms"),
+            (1_000, "1s"),
+            (1_500, "1.5s"),
+            (2_050, "2.05s"),
+            (60_000, "1m0s"),
+            (90_500, "1m30.5s"),
+            (120_000, "2m0s"),
+            (3_600_000, "1h0m0s"),
+            (3_723_004, "1h2m3.004s"),
+        ];
+        for (ms, want) in cases {
+            assert_eq!(go_duration(ms), want, "{ms} ms");
+        }
     }
 }
