@@ -186,6 +186,34 @@ pub struct Config {
     /// `AIBRIX_EXTERNAL_ROUTER_*`, each also a flag).
     #[command(flatten)]
     pub external: crate::external::config::ExternalArgs,
+
+    /// How the HTTP listeners (`--listen`, `--metrics-listen`) bound what a client can hold.
+    /// Not flags: the defaults suit any deployment; tests shorten them.
+    #[arg(skip = HttpLimits::default())]
+    pub http_limits: HttpLimits,
+}
+
+/// What one client can hold on an HTTP listener: auth runs only once a request's headers are
+/// in, so without these, connections that never finish a request (or never send one) would
+/// each keep a task and buffers for ever, until the pod's memory or file descriptors run out
+/// and its probes, on the same port, fail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HttpLimits {
+    /// How long a connection may take to send a request's headers, counted from its opening
+    /// (or from the previous answer on a kept-alive connection); it is closed past that. A
+    /// request being answered is not timed: a snapshot poll held for its wait is unaffected.
+    pub header_read_timeout: Duration,
+    /// Open connections per listener; past it, a new connection is closed at once (logged).
+    pub max_connections: usize,
+}
+
+impl Default for HttpLimits {
+    fn default() -> HttpLimits {
+        HttpLimits {
+            header_read_timeout: Duration::from_secs(10),
+            max_connections: 10_000,
+        }
+    }
 }
 
 /// Settings that clap would have rejected, caught again for configs built in code.
@@ -283,6 +311,7 @@ impl Config {
             xds_listen: None,
             metrics_listen: None,
             external: Default::default(),
+            http_limits: HttpLimits::default(),
         }
     }
 
@@ -327,6 +356,14 @@ impl Config {
         }
         if self.scrape_timeout.is_zero() {
             return Err(ConfigError::Zero("--scrape-timeout"));
+        }
+        // A zero timeout would close every connection before its first request; no slot
+        // would refuse them all.
+        if self.http_limits.header_read_timeout.is_zero() {
+            return Err(ConfigError::Zero("the HTTP header read timeout"));
+        }
+        if self.http_limits.max_connections == 0 {
+            return Err(ConfigError::Zero("the HTTP connection cap"));
         }
         if self.scrape_concurrency == 0 {
             return Err(ConfigError::Zero("--scrape-concurrency"));

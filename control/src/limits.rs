@@ -37,6 +37,10 @@ pub const MAX_NAME_BYTES: usize = 256;
 pub const DEFAULT_RPM: i64 = 100;
 /// AIBrix's token limit for a record without one: this many tokens per allowed request.
 pub const TOKENS_PER_REQUEST: i64 = 1000;
+/// Users one usage report may name: the filter sends at most its `MAX_PENDING_USERS`
+/// (4096) per report, and a bigger one would only make one request's parsing and Redis work
+/// (and the report ids' memory) grow with the sender's whim.
+pub const MAX_USAGE_USERS: usize = 4096;
 /// Users whose token counters one script call adds to: bounds the work of one Redis call.
 const USAGE_BATCH: usize = 128;
 /// Longest model name accepted, as for user names.
@@ -490,13 +494,20 @@ pub enum UsageError {
     Name(#[from] NameError),
     #[error("{tokens} tokens for one user is more than a counter holds")]
     TooMany { tokens: u64 },
+    #[error("usage report names more than {MAX_USAGE_USERS} users")]
+    TooManyUsers,
 }
 
 /// Parses a usage report, `{"alice": 123, ...}`, into the additions to make (users with no
 /// tokens left out), in name order.
 pub fn parse_usage(body: &[u8]) -> Result<Vec<(String, i64)>, UsageError> {
-    let usage: BTreeMap<String, u64> =
-        serde_json::from_slice(body).map_err(|e| UsageError::Body(e.to_string()))?;
+    use serde::Deserializer as _;
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let usage = de
+        .deserialize_map(UsageVisitor)
+        .and_then(|usage| de.end().map(|()| usage))
+        .map_err(|e| UsageError::Body(e.to_string()))?;
+    let usage = usage?;
     let mut out = Vec::with_capacity(usage.len());
     for (name, tokens) in usage {
         user_name(name.as_bytes())?;
@@ -507,6 +518,38 @@ pub fn parse_usage(body: &[u8]) -> Result<Vec<(String, i64)>, UsageError> {
         out.push((name, tokens));
     }
     Ok(out)
+}
+
+/// Reads a usage object into a map, stopping at the [`MAX_USAGE_USERS`] + 1st entry rather
+/// than reading the whole body first.
+struct UsageVisitor;
+
+impl<'de> serde::de::Visitor<'de> for UsageVisitor {
+    type Value = Result<BTreeMap<String, u64>, UsageError>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("an object of user names to token counts")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut usage = BTreeMap::new();
+        let mut entries = 0usize;
+        while let Some((name, tokens)) = map.next_entry::<String, u64>()? {
+            entries += 1;
+            if entries > MAX_USAGE_USERS {
+                return Ok(Err(UsageError::TooManyUsers));
+            }
+            usage.insert(name, tokens);
+        }
+        Ok(Ok(usage))
+    }
+}
+
+/// The log line of an unusable record. The message names Redis keys built from user and
+/// model names that came in request bodies and may hold CR/LF, which the log writer does not
+/// escape: Debug formatting escapes them, so a name cannot forge log lines.
+fn record_warning(message: &str) -> String {
+    format!("user limits: {message:?}; its requests answer store_error")
 }
 
 /// Token additions Redis did not make.
@@ -869,7 +912,7 @@ impl UserLimits {
                 .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
                 .is_ok()
         {
-            tracing::warn!("user limits: {message}; its requests answer store_error");
+            tracing::warn!("{}", record_warning(message));
         }
     }
 
@@ -1361,5 +1404,34 @@ mod tests {
         assert!(value("pd_control_user_limit_checks_total")
             .iter()
             .all(|(_, v)| v == "0"));
+    }
+
+    #[test]
+    fn a_usage_report_names_at_most_the_filters_users() {
+        let report = |n: usize| {
+            let users: serde_json::Map<String, Value> =
+                (0..n).map(|i| (format!("u{i}"), json!(1))).collect();
+            serde_json::to_vec(&users).unwrap()
+        };
+        assert_eq!(
+            parse_usage(&report(MAX_USAGE_USERS)).unwrap().len(),
+            MAX_USAGE_USERS
+        );
+        assert!(matches!(
+            parse_usage(&report(MAX_USAGE_USERS + 1)),
+            Err(UsageError::TooManyUsers)
+        ));
+        assert!(matches!(parse_usage(b"{} x"), Err(UsageError::Body(_))));
+        assert!(matches!(parse_usage(b"[1]"), Err(UsageError::Body(_))));
+    }
+
+    #[test]
+    fn a_record_warning_cannot_forge_log_lines() {
+        let line = record_warning(&format!(
+            "user record {}: not JSON",
+            user_key("eve\r\nERROR forged")
+        ));
+        assert!(!line.contains(['\r', '\n']), "{line}");
+        assert!(line.contains("eve\\r\\nERROR forged"), "{line}");
     }
 }

@@ -23,15 +23,23 @@ use crate::redis_link::{LinkError, RedisLink, Retry};
 /// The scripted round trip: store the caller's report with its TTL, index it by expiry, drop
 /// expired entries, and return every other live report. Redis's own clock decides expiry, so
 /// pd-control replicas with skewed clocks agree.
+///
+/// The first element of the answer is a status: `ok`, or `full` when the caller is a new
+/// replica and [`MAX_REPLICAS`] others are live (its report is then not stored), so the
+/// Redis book is bounded like the local one whichever pd-control the reports reach.
 const REPORT_SCRIPT: &str = r"
 local index, prefix = KEYS[1], ARGV[1]
 local id, payload, ttl = ARGV[2], ARGV[3], tonumber(ARGV[4])
+local cap = tonumber(ARGV[5])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', index, '-inf', now)
+if not redis.call('ZSCORE', index, id) and redis.call('ZCARD', index) >= cap then
+  return {'full'}
+end
 redis.call('SET', prefix .. id, payload, 'PX', ttl)
 redis.call('ZADD', index, now + ttl, id)
-redis.call('ZREMRANGEBYSCORE', index, '-inf', now)
-local out = {}
+local out = {'ok'}
 for _, other in ipairs(redis.call('ZRANGE', index, 0, -1)) do
   if other ~= id then
     local v = redis.call('GET', prefix .. other)
@@ -41,12 +49,33 @@ end
 return out
 ";
 
+/// Shares one report may carry. A gateway reports one share per pod it routes to (the
+/// filter tracks at most 4096 pods), and without a bound a 2 MB body of ~100k shares would be
+/// kept per replica id and copied into every other replica's answer.
+pub const MAX_SHARES: usize = 4096;
+
+/// Replica ids live at once. The sender picks its id, so without a bound fresh ids, each
+/// kept for the TTL, would grow the book (and every answer's work) without limit; a new id
+/// past the bound is refused until old ones expire, while live replicas keep reporting.
+pub const MAX_REPLICAS: usize = 256;
+
+/// Largest decode-token share counted for one pod, from one replica or summed: far above any
+/// real backlog, and finite, so `f64::MAX` shares cannot sum to infinity (which the filter
+/// would drop as invalid, making the most loaded pod look idle).
+pub const MAX_DECODE_TOKENS: f64 = 1e15;
+
 #[derive(Debug, thiserror::Error)]
 pub enum ReplicaError {
     #[error("replica report does not decode: {0}")]
     Decode(#[from] prost::DecodeError),
     #[error("replica report without a replica id")]
     NoReplica,
+    #[error("replica report of {0} shares (at most {MAX_SHARES})")]
+    TooManyShares(usize),
+    #[error(
+        "{MAX_REPLICAS} replicas are live already; a new replica id is refused until one expires"
+    )]
+    TooManyReplicas,
 }
 
 /// Where the reports of all replicas are kept.
@@ -99,20 +128,27 @@ impl ReplicaBook {
         if report.replica == 0 {
             return Err(ReplicaError::NoReplica);
         }
+        if report.shares.len() > MAX_SHARES {
+            return Err(ReplicaError::TooManyShares(report.shares.len()));
+        }
         self.reports_total.fetch_add(1, Ordering::Relaxed);
-        let local_others = self.record_local(&report, now);
-        let Some(redis) = &self.redis else {
-            return Ok(sum(local_others.iter().map(Vec::as_slice)));
+        let replica = report.replica;
+        // Re-encoded, so unknown fields padding the body are not stored in Redis.
+        let payload = self.redis.as_ref().map(|_| report.encode_to_vec());
+        self.record_local(report, now)?;
+        let (Some(redis), Some(payload)) = (&self.redis, payload) else {
+            return Ok(self.local_others(replica, now));
         };
-        match redis.exchange(&report, body, self.ttl).await {
-            Ok(others) => {
+        match redis.exchange(replica, &payload, self.ttl).await {
+            Ok(Exchange::Full) => Err(ReplicaError::TooManyReplicas),
+            Ok(Exchange::Others(others)) => {
                 if !self.redis_up.swap(true, Ordering::Relaxed) {
                     tracing::info!("redis: replica shares shared through redis");
                 }
                 let decoded: Vec<Vec<DecodeShare>> = others
                     .iter()
                     .filter_map(|bytes| ReplicaReport::decode(bytes.as_slice()).ok())
-                    .filter(|r| r.replica != report.replica)
+                    .filter(|r| r.replica != replica && r.shares.len() <= MAX_SHARES)
                     .map(|r| r.shares)
                     .collect();
                 Ok(sum(decoded.iter().map(Vec::as_slice)))
@@ -126,22 +162,31 @@ impl ReplicaBook {
                         "redis unavailable ({err}); answering with the replicas that report to this pd-control"
                     );
                 }
-                Ok(sum(local_others.iter().map(Vec::as_slice)))
+                Ok(self.local_others(replica, now))
             }
         }
     }
 
-    /// Stores the report locally and returns the other live replicas' shares.
-    fn record_local(&self, report: &ReplicaReport, now: Instant) -> Vec<Vec<DecodeShare>> {
+    /// Stores the report locally (expired replicas dropped first), or refuses a new replica
+    /// id while [`MAX_REPLICAS`] are live.
+    fn record_local(&self, report: ReplicaReport, now: Instant) -> Result<(), ReplicaError> {
         let mut local = self.local.lock().unwrap_or_else(|e| e.into_inner());
-        local.insert(report.replica, (now, report.shares.clone()));
         let ttl = self.ttl;
         local.retain(|_, (seen, _)| now.duration_since(*seen) <= ttl);
-        local
+        if !local.contains_key(&report.replica) && local.len() >= MAX_REPLICAS {
+            return Err(ReplicaError::TooManyReplicas);
+        }
+        local.insert(report.replica, (now, report.shares));
+        Ok(())
+    }
+
+    /// The other live replicas' local shares, summed under the lock rather than copied out.
+    fn local_others(&self, replica: u64, now: Instant) -> RemoteShares {
+        let local = self.local.lock().unwrap_or_else(|e| e.into_inner());
+        sum(local
             .iter()
-            .filter(|(id, _)| **id != report.replica)
-            .map(|(_, (_, shares))| shares.clone())
-            .collect()
+            .filter(|(id, (seen, _))| **id != replica && now.duration_since(*seen) <= self.ttl)
+            .map(|(_, (_, shares))| shares.as_slice()))
     }
 
     /// Replicas heard from within the TTL by this pd-control.
@@ -188,26 +233,46 @@ impl ReplicaBook {
     }
 }
 
+/// What the report script answered.
+enum Exchange {
+    /// The other live replicas' payloads.
+    Others(Vec<Vec<u8>>),
+    /// [`MAX_REPLICAS`] others are live and the caller is new: not stored.
+    Full,
+}
+
 impl RedisShares {
     /// One scripted round trip. Repeating a report is harmless (it overwrites itself), so a
     /// connection broken since the last report (Redis restarted) is replaced and the call
     /// retried once, and a recovered Redis is used at once.
     async fn exchange(
         &self,
-        report: &ReplicaReport,
-        body: &[u8],
+        replica: u64,
+        payload: &[u8],
         ttl: Duration,
-    ) -> Result<Vec<Vec<u8>>, LinkError> {
+    ) -> Result<Exchange, LinkError> {
         let ttl_ms = ttl.as_millis().max(1) as u64;
         let index = format!("{}index", self.prefix);
-        let id = format!("{:016x}", report.replica);
-        self.link
+        let id = format!("{replica:016x}");
+        let mut answer = self
+            .link
             .call(Retry::OnceOnStaleConnection, |mut conn| {
                 let mut invocation = self.script.key(&index);
-                invocation.arg(&self.prefix).arg(&id).arg(body).arg(ttl_ms);
+                invocation
+                    .arg(&self.prefix)
+                    .arg(&id)
+                    .arg(payload)
+                    .arg(ttl_ms)
+                    .arg(MAX_REPLICAS);
                 async move { invocation.invoke_async::<Vec<Vec<u8>>>(&mut conn).await }
             })
-            .await
+            .await?
+            .into_iter();
+        // The script (run by its hash, so always this one) answers `ok` or `full` first.
+        Ok(match answer.next().as_deref() {
+            Some(b"full") => Exchange::Full,
+            _ => Exchange::Others(answer.collect()),
+        })
     }
 }
 
@@ -220,7 +285,7 @@ pub fn sum<'a>(reports: impl Iterator<Item = &'a [DecodeShare]>) -> RemoteShares
         for s in shares {
             let e = by_pod.entry(s.pod_id).or_default();
             if s.decode_tokens.is_finite() && s.decode_tokens > 0.0 {
-                e.0 += s.decode_tokens;
+                e.0 = (e.0 + s.decode_tokens.min(MAX_DECODE_TOKENS)).min(MAX_DECODE_TOKENS);
             }
             e.1 = e.1.saturating_add(s.running);
         }
@@ -316,5 +381,53 @@ mod tests {
             book.report(&report(0, vec![])).await,
             Err(ReplicaError::NoReplica)
         ));
+    }
+
+    #[test]
+    fn maximal_shares_sum_to_a_finite_value() {
+        let a = vec![share(1, f64::MAX, 1)];
+        let b = vec![share(1, f64::MAX, 1)];
+        let s = sum([a.as_slice(), b.as_slice()].into_iter());
+        assert_eq!(s.shares.len(), 1, "{s:?}");
+        assert!(s.shares[0].decode_tokens.is_finite(), "{s:?}");
+        assert_eq!(s.shares[0].decode_tokens, MAX_DECODE_TOKENS);
+    }
+
+    #[tokio::test]
+    async fn fresh_replica_ids_are_bounded_while_old_ones_live() {
+        let book = ReplicaBook::new(Duration::from_secs(5), None).unwrap();
+        let t0 = Instant::now();
+        let mut refused = 0;
+        for id in 1..=10_000u64 {
+            match book
+                .report_at(&report(id, vec![share(1, 1.0, 1)]), t0)
+                .await
+            {
+                Ok(_) => {}
+                Err(ReplicaError::TooManyReplicas) => refused += 1,
+                Err(e) => panic!("{e}"),
+            }
+        }
+        assert_eq!(book.live_local(), MAX_REPLICAS);
+        assert_eq!(refused, 10_000 - MAX_REPLICAS);
+        // A live replica keeps reporting; once the old ids expire, new ones get in.
+        let known = book.report_at(&report(1, vec![]), t0).await.unwrap();
+        assert_eq!(known.replicas as usize, MAX_REPLICAS - 1);
+        let later = t0 + Duration::from_secs(6);
+        assert!(book.report_at(&report(20_000, vec![]), later).await.is_ok());
+        assert_eq!(book.live_local(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_report_of_too_many_shares_is_refused() {
+        let book = ReplicaBook::new(Duration::from_secs(5), None).unwrap();
+        let shares = (0..=MAX_SHARES as u64).map(|p| share(p, 1.0, 1)).collect();
+        assert!(matches!(
+            book.report(&report(1, shares)).await,
+            Err(ReplicaError::TooManyShares(n)) if n == MAX_SHARES + 1
+        ));
+        assert_eq!(book.live_local(), 0);
+        let shares = (0..MAX_SHARES as u64).map(|p| share(p, 1.0, 1)).collect();
+        assert!(book.report(&report(1, shares)).await.is_ok());
     }
 }

@@ -249,11 +249,20 @@ async fn limits_usage(State(state): State<AppState>, headers: HeaderMap, body: B
         Ok(usage) => usage,
         Err(e) => return (StatusCode::BAD_REQUEST, format!("{e}\n")).into_response(),
     };
-    let id = headers
+    let id = match headers
         .get(REPORT_ID_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .filter(|v| !v.is_empty() && v.len() <= 128)
-        .map(str::to_string);
+        .map(|v| report_id(v.as_bytes()))
+    {
+        None => None,
+        Some(Some(id)) => Some(id),
+        Some(None) => {
+            return (
+                StatusCode::BAD_REQUEST,
+                format!("{REPORT_ID_HEADER} must be 1 to 128 of [0-9A-Za-z-]\n"),
+            )
+                .into_response()
+        }
+    };
     // Spawned, so a caller that gives up mid-way cannot cut an addition short and leave the
     // report's record unsettled.
     let limits = state.limits.clone();
@@ -329,6 +338,19 @@ async fn route_external(State(state): State<AppState>, body: Bytes) -> Response 
 
 /// The request header naming a token report (the filter's `user_limits::REPORT_ID_HEADER`).
 const REPORT_ID_HEADER: &str = "x-pd-report-id";
+
+/// A report id as the filter makes them (`<hex>-<n>`): 1 to 128 ASCII letters, digits and
+/// `-`, else `None`. The id goes into Redis keys (`pd-router:usage-report:{id}:{user}`), so a
+/// `:` in it could name another report's markers for another user, and mark that user's
+/// tokens as already added.
+fn report_id(raw: &[u8]) -> Option<String> {
+    let valid = (1..=128).contains(&raw.len())
+        && raw.iter().all(|b| b.is_ascii_alphanumeric() || *b == b'-');
+    // Only ASCII passed the check, so the conversion cannot fail.
+    valid
+        .then(|| std::str::from_utf8(raw).ok().map(str::to_string))
+        .flatten()
+}
 
 /// The first snapshot newer than `version`, or the current one after `wait`. Returns early
 /// when the control loop ends and drops the sender (pd-control shuts down, or the loop

@@ -335,22 +335,25 @@ pub async fn start_with_source<S: FleetSource>(
     if let Some(listener) = metrics_listener {
         let app = server::metrics_router(state.clone());
         let mut stop = shutdown.clone();
-        tasks.push(tokio::spawn(async move {
-            let served = axum::serve(listener, app)
-                .with_graceful_shutdown(async move { stop.requested().await })
-                .await;
-            if let Err(e) = served {
-                tracing::error!(error = %e, "the metrics listener failed");
-            }
-        }));
+        let limits = config.http_limits;
+        tasks.push(tokio::spawn(serve_http(
+            listener,
+            app,
+            limits,
+            "metrics",
+            async move { stop.requested().await },
+        )));
         tracing::info!(addr = ?metrics_addr, "serving health and metrics");
     }
     let app = server::router(state);
     let mut server_shutdown = shutdown;
+    let limits = config.http_limits;
     let server = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move { server_shutdown.requested().await })
-            .await
+        serve_http(listener, app, limits, "main", async move {
+            server_shutdown.requested().await
+        })
+        .await;
+        Ok(())
     });
     tracing::info!(
         %local_addr,
@@ -395,6 +398,127 @@ async fn watched(
     }
     if let Err(panic) = ended {
         std::panic::resume_unwind(panic);
+    }
+}
+
+/// Serves `app` on `listener` over HTTP/1.1 until `stop` resolves, then lets the requests in
+/// flight finish (idle connections close at once) and returns.
+///
+/// Not `axum::serve`: it sets no timer, so hyper's header read timeout never runs, and it
+/// takes every connection. Here a connection that has not sent a request's headers within
+/// `limits.header_read_timeout` (from its opening, or from the previous answer) is closed,
+/// and past `limits.max_connections` open ones a new connection is closed as soon as it is
+/// accepted. HTTP/1.1 only: nobody speaks HTTP/2 to these ports (Envoy's `pd_control`
+/// cluster, the probes and Prometheus use HTTP/1.1), and a cleartext HTTP/2 connection would
+/// escape the header timeout (it is per HTTP/1 request, and the protocol sniffing that
+/// precedes it waits for bytes without limit).
+async fn serve_http(
+    listener: TcpListener,
+    app: axum::Router,
+    limits: crate::config::HttpLimits,
+    name: &'static str,
+    stop: impl Future<Output = ()>,
+) {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    use hyper_util::service::TowerToHyperService;
+
+    let slots = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
+    // Set to start the connections' graceful shutdown; each holds a receiver, so the sender
+    // sees every connection gone once it has no receiver left.
+    let (closing_tx, closing_rx) = watch::channel(false);
+    let mut refused = Refusals::default();
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout);
+    tokio::pin!(stop);
+    loop {
+        let stream = tokio::select! {
+            () = &mut stop => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) if is_connection_error(&e) => continue,
+                Err(e) => {
+                    // Out of file descriptors, say: accepting again at once would spin.
+                    tracing::error!(listener = name, error = %e, "cannot accept a connection; retrying in 1 s");
+                    tokio::select! {
+                        () = &mut stop => break,
+                        () = tokio::time::sleep(Duration::from_secs(1)) => continue,
+                    }
+                }
+            },
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            drop(stream);
+            refused.note(name, limits.max_connections);
+            continue;
+        };
+        let conn =
+            builder.serve_connection(TokioIo::new(stream), TowerToHyperService::new(app.clone()));
+        let mut closing = closing_rx.clone();
+        tokio::spawn(async move {
+            tokio::pin!(conn);
+            let mut asked = false;
+            loop {
+                tokio::select! {
+                    served = conn.as_mut() => {
+                        // A client gone, a timeout, a malformed request: its connection's end.
+                        if let Err(e) = served {
+                            tracing::debug!(listener = name, error = %e, "connection ended");
+                        }
+                        break;
+                    }
+                    _ = closing.wait_for(|c| *c), if !asked => {
+                        asked = true;
+                        conn.as_mut().graceful_shutdown();
+                    }
+                }
+            }
+            drop(slot);
+            drop(closing);
+        });
+    }
+    drop(listener);
+    closing_tx.send_replace(true);
+    drop(closing_rx);
+    closing_tx.closed().await;
+}
+
+/// Accept errors of one connection only (gone before it was taken): the next accept is fine.
+fn is_connection_error(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionRefused
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::ConnectionReset
+    )
+}
+
+/// Connections closed for the connection cap, logged at most every 10 s (a flood of them must
+/// not flood the log too).
+#[derive(Default)]
+struct Refusals {
+    since_log: u64,
+    logged: Option<Instant>,
+}
+
+impl Refusals {
+    fn note(&mut self, listener: &'static str, cap: usize) {
+        self.since_log = self.since_log.saturating_add(1);
+        let now = Instant::now();
+        if self
+            .logged
+            .is_none_or(|at| now.duration_since(at) >= Duration::from_secs(10))
+        {
+            tracing::warn!(
+                listener,
+                refused = self.since_log,
+                cap,
+                "connection cap reached: new connections are closed at once"
+            );
+            self.since_log = 0;
+            self.logged = Some(now);
+        }
     }
 }
 

@@ -173,16 +173,26 @@ pub fn service(
         stats: stats.clone(),
     };
     let instance = crate::unix_ms_now();
-    EndpointDiscoveryServiceServer::with_interceptor(
-        EdsService {
-            listing,
-            stats,
-            here,
-            instance,
-        },
-        check,
-    )
+    let server = EndpointDiscoveryServiceServer::new(EdsService {
+        listing,
+        stats,
+        here,
+        instance,
+    })
+    .max_decoding_message_size(MAX_REQUEST_BYTES);
+    tonic::service::interceptor::InterceptedService::new(server, check)
 }
+
+/// The largest `DiscoveryRequest` taken (tonic's default is 4 MiB), so that a stream cannot
+/// make pd-control buffer megabytes per message. Not tens of KiB, although all it reads is
+/// the node id, the nonce and a NACK's error: Envoy sends its whole `Node` with every request
+/// (`set_node_on_first_message_only` is off by default), including the list of every
+/// extension it was built with and, under Istio, the proxy's metadata, which together reach
+/// tens of KiB; a request over the limit ends the gateway's stream.
+const MAX_REQUEST_BYTES: usize = 1024 * 1024;
+/// Streams at once on one connection (HTTP/2 `SETTINGS_MAX_CONCURRENT_STREAMS`; hyper's
+/// default is 200, h2's unbounded). A gateway opens one per EDS cluster, so one in practice.
+const MAX_STREAMS_PER_CONNECTION: u32 = 64;
 
 /// HTTP/2 PING interval on an EDS connection: a stream is quiet between listing changes, and
 /// a gateway that vanished without closing it (node lost, network cut) would otherwise hold
@@ -207,6 +217,10 @@ pub async fn serve(
     let served = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
         .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+        .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
+        // Requests being answered at once per connection: for a stream, until its response
+        // has begun (one listing); the bound for calls opened faster than they are answered.
+        .concurrency_limit_per_connection(MAX_STREAMS_PER_CONNECTION as usize)
         .add_service(service)
         .serve_with_incoming_shutdown(incoming, stop)
         .await;
@@ -366,8 +380,14 @@ impl EndpointDiscoveryService for EdsService {
                 let asked = tokio::select! {
                     message = inbound.message() => match message {
                         Ok(Some(request)) => subscription.request(&request, &stats, &here),
-                        // The gateway closed the stream or it broke: it reconnects itself.
-                        Ok(None) | Err(_) => return,
+                        // The gateway closed the stream: it reconnects itself.
+                        Ok(None) => return,
+                        // Broken, or a request refused (over `MAX_REQUEST_BYTES`): the
+                        // gateway is told why, where it still listens.
+                        Err(status) => {
+                            let _ = tx.send(Err(status)).await;
+                            return;
+                        }
                     },
                     changed = listing.changed() => {
                         if changed.is_err() {

@@ -354,3 +354,53 @@ async fn without_an_endpoint_there_is_no_external_router_and_a_bad_one_stops_the
         "{error}"
     );
 }
+
+/// A request id that cannot be an HTTP header value is the asker's mistake: refused without
+/// calling the service or touching the circuit shared by every gateway, so a valid ask after
+/// more of them than the failure threshold is still served.
+#[tokio::test]
+async fn request_ids_that_are_no_header_value_do_not_open_the_circuit() {
+    let dir = tempfile::tempdir().expect("dir");
+    let (url, fake) = fake_service(Mode::Select("t/c0")).await;
+    let (_service, base) = start(dir.path(), authoritative_fail_closed(url, "2s")).await;
+    for _ in 0..5 {
+        let (status, answer) = ask(&base, candidates("r\u{1}")).await;
+        assert_eq!(status, 200);
+        assert_ne!(answer["reason"], "circuit_open", "{answer}");
+    }
+    assert_eq!(
+        ask(&base, candidates("r-ok")).await.1,
+        json!({"decision": "selected", "target": "t/c0"})
+    );
+    assert_eq!(fake.seen.lock().unwrap().calls, 1);
+}
+
+/// A decision request that cannot be formed at all (here a token with a control character,
+/// which the header check refuses) is not the service's failure: the circuit stays closed.
+#[tokio::test]
+async fn a_request_that_cannot_be_formed_does_not_count_against_the_service() {
+    let dir = tempfile::tempdir().expect("dir");
+    let token = dir.path().join("token");
+    std::fs::write(&token, "s3\u{1}cret\n").expect("token");
+    let (url, fake) = fake_service(Mode::Select("t/c0")).await;
+    let (_service, base) = start(dir.path(), |e| {
+        authoritative_fail_closed(url, "2s")(e);
+        e.auth_token_file = Some(token.display().to_string());
+    })
+    .await;
+    for i in 0..6 {
+        assert_eq!(
+            ask(&base, candidates(&format!("r-{i}"))).await.1,
+            json!({"decision": "unavailable", "reason": "transport_error"})
+        );
+    }
+    assert_eq!(fake.seen.lock().unwrap().calls, 0);
+    assert_eq!(
+        metric(
+            &base,
+            "aibrix_gateway_external_router_circuit_state{state=\"closed\"}"
+        )
+        .await,
+        1.0
+    );
+}

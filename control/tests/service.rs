@@ -1123,3 +1123,137 @@ async fn a_fleet_source_that_panics_fails_readiness() {
 async fn a_fleet_source_that_returns_fails_readiness() {
     an_ended_fleet_source_fails_readiness(false).await;
 }
+
+/// Writes `partial` (a request cut short, or nothing) on a new connection to `addr` and reads
+/// until the server closes it, failing after `deadline`: how long the server kept it open.
+async fn closed_after(
+    addr: SocketAddr,
+    partial: &[u8],
+    deadline: std::time::Duration,
+) -> std::time::Duration {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let start = std::time::Instant::now();
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    conn.write_all(partial).await.unwrap();
+    let mut rest = Vec::new();
+    match tokio::time::timeout(deadline, conn.read_to_end(&mut rest)).await {
+        // Closed, with or without a word (a reset counts too).
+        Ok(_) => start.elapsed(),
+        Err(_) => panic!("{addr} kept a connection sending {partial:?} open for {deadline:?}"),
+    }
+}
+
+/// A config on the fleet at `path` whose HTTP listeners time out headers after `timeout`.
+fn config_with_header_timeout(path: &Path, timeout: std::time::Duration) -> pd_control::Config {
+    let mut config = pd_control::Config::new(path, "127.0.0.1:0".parse().unwrap());
+    config.http_limits.header_read_timeout = timeout;
+    config
+}
+
+/// A connection that never completes its request's headers (slowloris: the request line,
+/// then nothing) is closed after the header timeout, on the main listener and the metrics
+/// one; the service keeps answering on new connections meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_never_finishes_its_headers_is_closed() {
+    let (_dir, fleet_path) = fleet_dir(&[pending()]);
+    let timeout = std::time::Duration::from_secs(1);
+    let mut config = config_with_header_timeout(&fleet_path, timeout);
+    config.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
+    let service = pd_control::start(config).await.unwrap();
+    let client = client();
+    for addr in [service.local_addr(), service.metrics_addr().unwrap()] {
+        let stalled = tokio::spawn(closed_after(
+            addr,
+            b"GET /healthz HTTP/1.1\r\n",
+            std::time::Duration::from_secs(10),
+        ));
+        // One that sends nothing at all is closed too.
+        let silent = tokio::spawn(closed_after(addr, b"", std::time::Duration::from_secs(10)));
+        let f = fetch(&client, &format!("http://{addr}/healthz")).await;
+        assert_eq!(f.status, 200, "a new connection is served meanwhile");
+        for held in [stalled.await.unwrap(), silent.await.unwrap()] {
+            assert!(
+                held >= timeout - std::time::Duration::from_millis(50),
+                "{held:?}"
+            );
+        }
+    }
+    service.shutdown().await.unwrap();
+}
+
+/// The header timeout counts only until a request is read: a snapshot poll held longer than
+/// it is answered as usual, and its connection serves the next request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poll_held_past_the_header_timeout_is_answered() {
+    let (_dir, fleet_path) = fleet_dir(&[pending()]);
+    let timeout = std::time::Duration::from_secs(1);
+    let config = config_with_header_timeout(&fleet_path, timeout);
+    let service = pd_control::start(config).await.unwrap();
+    let base = format!("http://{}", service.local_addr());
+    let client = client();
+    let v = snapshot(&client, &base).await.version;
+    let start = std::time::Instant::now();
+    let f = fetch(
+        &client,
+        &format!("{base}/v1/snapshot?version={v}&wait_ms=2500"),
+    )
+    .await;
+    assert_eq!((f.status, f.version_header), (304, Some(v)));
+    assert!(start.elapsed() > 2 * timeout, "held for its wait");
+    assert_eq!(snapshot(&client, &base).await.version, v);
+    service.shutdown().await.unwrap();
+}
+
+/// Past the connection cap, a new connection is closed at once; once one closes, new ones are
+/// served again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_cap_are_closed_at_once() {
+    let (_dir, fleet_path) = fleet_dir(&[pending()]);
+    // Long enough that only the cap can close the second connection within the deadline.
+    let mut config = config_with_header_timeout(&fleet_path, std::time::Duration::from_secs(60));
+    config.http_limits.max_connections = 1;
+    let service = pd_control::start(config).await.unwrap();
+    let addr = service.local_addr();
+    // Accepted first (the listener takes connections in order), it holds the one slot.
+    let first = tokio::net::TcpStream::connect(addr).await.unwrap();
+    closed_after(addr, b"", std::time::Duration::from_secs(10)).await;
+    drop(first);
+    let client = client();
+    eventually(
+        "a new connection to be served once the slot is free",
+        || async {
+            let r = client.get(format!("http://{addr}/healthz")).send().await;
+            r.ok().filter(|r| r.status() == 200).map(|_| ())
+        },
+    )
+    .await;
+    service.shutdown().await.unwrap();
+}
+
+/// `x-pd-report-id` goes into Redis keys separated by `:`: only the filter's alphabet
+/// (`<hex>-<n>`) is taken, anything else is refused rather than ignored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_id_outside_letters_digits_and_dashes_is_refused() {
+    let (_dir, fleet_path) = fleet_dir(&[pending()]);
+    let (service, base) = start_on(&fleet_path).await;
+    let client = client();
+    let long = "a".repeat(129);
+    for (id, status) in [
+        ("1f3a-7", 204),
+        ("a:b", 400),
+        ("a b", 400),
+        ("a{b}", 400),
+        ("", 400),
+        (long.as_str(), 400),
+    ] {
+        let answer = client
+            .post(format!("{base}/v1/limits/usage"))
+            .header("x-pd-report-id", id)
+            .body(r#"{"alice": 5}"#)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status().as_u16(), status, "{id:?}");
+    }
+    service.shutdown().await.unwrap();
+}

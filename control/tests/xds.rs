@@ -230,3 +230,49 @@ async fn the_eds_stream_sends_the_listing_and_every_change_behind_the_token() {
     );
     drop(tx);
 }
+
+/// A request over the size limit (1 MiB; tonic's default is 4 MiB) ends its stream rather
+/// than being buffered; one the size of a real Envoy's node is taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_request_ends_its_stream() {
+    let dir = tempfile::tempdir().expect("dir");
+    let fleet = dir.path().join("fleet.yaml");
+    write_fleet(&fleet, &[("a", "127.0.9.1")]);
+    let token = dir.path().join("token");
+    std::fs::write(&token, TOKEN).expect("token");
+    let mut config = pd_control::Config::new(&fleet, "127.0.0.1:0".parse().expect("addr"));
+    config.xds_listen = Some("127.0.0.1:0".parse().expect("addr"));
+    config.snapshot_token_file = Some(token);
+    let service = pd_control::start(config).await.expect("pd-control starts");
+    let xds = format!("http://{}", service.xds_addr().expect("EDS bound"));
+    let mut client = EndpointDiscoveryServiceClient::connect(xds)
+        .await
+        .expect("connects");
+
+    let (tx, mut stream) = subscribed(&mut client).await;
+    let first = stream.message().await.expect("a response").expect("open");
+    // 100 KiB of node metadata, as Envoy's extension list and Istio's metadata can reach.
+    let mut ack = subscribe(&first.version_info, &first.nonce);
+    if let Some(node) = ack.node.as_mut() {
+        node.user_agent_name = "x".repeat(100 * 1024);
+    }
+    tx.send(ack).await.expect("ack");
+    let mut big = subscribe(&first.version_info, &first.nonce);
+    if let Some(node) = big.node.as_mut() {
+        node.user_agent_name = "x".repeat(2 * 1024 * 1024);
+    }
+    tx.send(big).await.expect("queued");
+    // Taken whole, the request would leave the stream open, waiting for the next change.
+    let ended = tokio::time::timeout(std::time::Duration::from_secs(20), stream.message())
+        .await
+        .expect("the stream ends")
+        .expect_err("with the reason");
+    assert!(
+        matches!(
+            ended.code(),
+            tonic::Code::OutOfRange | tonic::Code::ResourceExhausted
+        ),
+        "{ended:?}"
+    );
+    service.shutdown().await.expect("clean shutdown");
+}

@@ -165,6 +165,16 @@ impl ExternalRouter {
             Ok(built) => built,
             Err(e) => return self.failed("invalid_response", &e.to_string()),
         };
+        let body_len = built.body.len();
+        // Built before the circuit is asked: a request that cannot even be formed (a header
+        // value the HTTP library refuses) says nothing of the service's health, so it must
+        // not count as a failure that opens the circuit shared by every gateway.
+        let request = match self.http_request(ask, built.body) {
+            Ok(request) => request,
+            Err(e) => {
+                return self.failed("transport_error", &format!("request not formed: {e}"));
+            }
+        };
         let Some(token) = self.circuit.acquire(Instant::now()) else {
             return self.failed("circuit_open", "the circuit is open");
         };
@@ -176,7 +186,7 @@ impl ExternalRouter {
             drop(held);
             return self.failed("bulkhead_rejected", "too many exchanges in flight");
         };
-        if built.body.len() > self.cfg.max_request_bytes {
+        if body_len > self.cfg.max_request_bytes {
             drop(held);
             return self.failed(
                 "request_too_large",
@@ -184,7 +194,7 @@ impl ExternalRouter {
             );
         }
         let started = Instant::now();
-        let exchanged = self.exchange(ask, built.body).await;
+        let exchanged = self.exchange(request).await;
         self.observe(started.elapsed());
         let body = match exchanged {
             Ok(body) => body,
@@ -221,8 +231,11 @@ impl ExternalRouter {
     /// One HTTP exchange, all of it (connecting, sending, reading) within the deadline: the
     /// body of a 200 with the protocol's media type, read up to the response limit, or the
     /// failure's outcome.
-    async fn exchange(&self, ask: &Ask, body: Vec<u8>) -> Result<Vec<u8>, (&'static str, String)> {
-        match tokio::time::timeout(self.cfg.timeout, self.exchange_unbounded(ask, body)).await {
+    async fn exchange(
+        &self,
+        request: http::Request<Full<Bytes>>,
+    ) -> Result<Vec<u8>, (&'static str, String)> {
+        match tokio::time::timeout(self.cfg.timeout, self.exchange_unbounded(request)).await {
             Ok(result) => result,
             Err(_) => Err((
                 "timeout",
@@ -231,12 +244,12 @@ impl ExternalRouter {
         }
     }
 
-    async fn exchange_unbounded(
+    /// The decision request for `ask` carrying `body`.
+    fn http_request(
         &self,
         ask: &Ask,
         body: Vec<u8>,
-    ) -> Result<Vec<u8>, (&'static str, String)> {
-        let transport = |e: &dyn std::fmt::Display| ("transport_error", e.to_string());
+    ) -> Result<http::Request<Full<Bytes>>, http::Error> {
         let mut request = http::Request::post(self.cfg.endpoint.as_str())
             .header(http::header::CONTENT_TYPE, protocol::MEDIA_TYPE)
             .header(http::header::ACCEPT, protocol::MEDIA_TYPE)
@@ -247,9 +260,14 @@ impl ExternalRouter {
         if let Some(token) = &self.cfg.bearer_token {
             request = request.header(http::header::AUTHORIZATION, format!("Bearer {token}"));
         }
-        let request = request
-            .body(Full::new(Bytes::from(body)))
-            .map_err(|e| transport(&e))?;
+        request.body(Full::new(Bytes::from(body)))
+    }
+
+    async fn exchange_unbounded(
+        &self,
+        request: http::Request<Full<Bytes>>,
+    ) -> Result<Vec<u8>, (&'static str, String)> {
+        let transport = |e: &dyn std::fmt::Display| ("transport_error", e.to_string());
         let response = self
             .client
             .request(request)

@@ -2,7 +2,7 @@
 //! request built from the gateway's candidates, and the strict reading of the answer. Only what
 //! the request offered can be chosen; anything malformed is a failure, never a guess.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use serde::de::{DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
@@ -87,9 +87,15 @@ pub struct Built {
     pub ports: BTreeMap<String, u32>,
 }
 
+/// Candidates one ask may offer: the filter routes among at most 4096 pods of a model, and
+/// each candidate costs a lookup and a place in the decision request.
+pub const MAX_CANDIDATES: usize = 4096;
+
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum BuildError {
-    #[error("external request ID must be non-empty valid UTF-8 up to 256 bytes")]
+    /// The id goes out as the `x-request-id` header: a control or non-ASCII character there
+    /// would fail the HTTP request itself, the caller's mistake, not the service's.
+    #[error("external request ID must be 1 to 256 visible ASCII characters")]
     RequestId,
     #[error("external request model is empty")]
     Model,
@@ -97,6 +103,8 @@ pub enum BuildError {
     Duplicate(String),
     #[error("external candidate list is empty")]
     NoCandidate,
+    #[error("{0} external candidates (at most {MAX_CANDIDATES})")]
+    TooManyCandidates(usize),
 }
 
 /// Builds the decision request from the filter's ask and pd-control's view of the pods
@@ -107,13 +115,28 @@ pub fn build(
     ask: &Ask,
     snapshot: &proto::Snapshot,
 ) -> Result<Built, BuildError> {
-    if ask.request_id.is_empty() || ask.request_id.len() > 256 {
+    if ask.request_id.is_empty()
+        || ask.request_id.len() > 256
+        || !ask.request_id.bytes().all(|b| b.is_ascii_graphic())
+    {
         return Err(BuildError::RequestId);
+    }
+    if ask.candidates.len() > MAX_CANDIDATES {
+        return Err(BuildError::TooManyCandidates(ask.candidates.len()));
     }
     if ask.model.is_empty() {
         return Err(BuildError::Model);
     }
     let model = snapshot.models.iter().find(|m| m.name == ask.model);
+    // Ready pods by `(namespace, name)`, the first of a repeated name winning as a scan would.
+    let mut ready: HashMap<(&str, &str), (usize, &proto::Pod)> = HashMap::new();
+    for (slot, pod) in model.iter().flat_map(|m| m.pods.iter().enumerate()) {
+        if pod.ready {
+            ready
+                .entry((pod.namespace.as_str(), pod.name.as_str()))
+                .or_insert((slot, pod));
+        }
+    }
     let mut ids: Vec<&AskCandidate> = ask.candidates.iter().collect();
     ids.sort_by(|a, b| a.id.cmp(&b.id));
     let mut candidates = Vec::with_capacity(ids.len());
@@ -122,11 +145,10 @@ pub fn build(
         if ports.contains_key(&asked.id) {
             return Err(BuildError::Duplicate(asked.id.clone()));
         }
-        let found = model.and_then(|m| {
-            m.pods.iter().enumerate().find(|(_, p)| {
-                p.ready && asked.id.split_once('/') == Some((p.namespace.as_str(), p.name.as_str()))
-            })
-        });
+        let found = asked
+            .id
+            .split_once('/')
+            .and_then(|key| ready.get(&key).copied());
         let Some((slot, pod)) = found else { continue };
         if !(1..=65535).contains(&pod.port) || asked.id.len() > 256 {
             continue;
@@ -437,5 +459,82 @@ mod tests {
         assert!(!is_protocol_media_type(
             "application/vnd.aibrix.external-routing+json;version=v1"
         ));
+    }
+
+    fn config() -> ExternalConfig {
+        let args = super::super::config::ExternalArgs {
+            endpoint: Some("http://router.svc/select".into()),
+            policy_mode: Some("Advisory".into()),
+            failure_mode: Some("FailOpen".into()),
+            fallback: Some("least-request".into()),
+            ..Default::default()
+        };
+        args.resolve(|_| Err(std::io::Error::other("no token file")))
+            .unwrap()
+            .unwrap()
+    }
+
+    fn fleet(pods: usize) -> proto::Snapshot {
+        proto::Snapshot {
+            models: vec![proto::Model {
+                name: "m".into(),
+                pods: (0..pods)
+                    .map(|i| proto::Pod {
+                        namespace: "ns".into(),
+                        name: format!("p{i}"),
+                        port: 8000,
+                        ready: true,
+                        ..Default::default()
+                    })
+                    .collect(),
+                labels: None,
+            }],
+            ..Default::default()
+        }
+    }
+
+    fn asking(request_id: &str, candidates: usize) -> Ask {
+        Ask {
+            request_id: request_id.into(),
+            model: "m".into(),
+            traceparent: None,
+            candidates: (0..candidates)
+                .map(|i| AskCandidate {
+                    id: format!("ns/p{i}"),
+                    running: None,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn request_ids_that_are_no_header_value_are_the_callers_mistake() {
+        let snapshot = fleet(2);
+        assert!(build(&config(), &asking("r-1", 2), &snapshot).is_ok());
+        for bad in [
+            "",
+            "r\u{1}",
+            "r\r\nx: y",
+            "r\u{e9}",
+            "r 1",
+            &"r".repeat(257),
+        ] {
+            assert_eq!(
+                build(&config(), &asking(bad, 2), &snapshot).err(),
+                Some(BuildError::RequestId),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn candidates_are_bounded_and_looked_up_by_name() {
+        let snapshot = fleet(MAX_CANDIDATES);
+        let built = build(&config(), &asking("r", MAX_CANDIDATES), &snapshot).unwrap();
+        assert_eq!(built.ports.len(), MAX_CANDIDATES);
+        assert_eq!(
+            build(&config(), &asking("r", 100_000), &snapshot).err(),
+            Some(BuildError::TooManyCandidates(100_000))
+        );
     }
 }
