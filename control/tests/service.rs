@@ -83,6 +83,16 @@ fn pending() -> PodSpec<'static> {
     }
 }
 
+/// A decode pod of model `m` served by `engine`.
+fn decode_pod<'a>(name: &'a str, engine: &FakeEngine) -> PodSpec<'a> {
+    PodSpec {
+        name,
+        model: "m",
+        role: "decode",
+        port: Some(engine.addr.port()),
+    }
+}
+
 fn fleet_yaml(pods: &[PodSpec]) -> String {
     let mut out = String::from("apiVersion: v1\nkind: List\nitems:\n");
     for p in pods {
@@ -793,12 +803,7 @@ async fn the_endpoint_file_lists_a_pod_before_a_snapshot_names_it() {
         FakeEngine::start(vllm_text("m", 0.0)).await,
         FakeEngine::start(vllm_text("m", 0.0)).await,
     );
-    let pod = |name, engine: &FakeEngine| PodSpec {
-        name,
-        model: "m",
-        role: "decode",
-        port: Some(engine.addr.port()),
-    };
+    let pod = decode_pod;
     let (dir, path) = fleet_dir(&[pod("a", &engine_a), pending()]);
     let eds = dir.path().join("pd-pods.json");
     let mut config = pd_control::Config::new(&path, "127.0.0.1:0".parse().unwrap());
@@ -963,12 +968,7 @@ async fn a_control_loop_hung_on_the_endpoint_file_fails_readiness_and_polls_unti
         FakeEngine::start(vllm_text("m", 0.0)).await,
         FakeEngine::start(vllm_text("m", 0.0)).await,
     );
-    let pod = |name, engine: &FakeEngine| PodSpec {
-        name,
-        model: "m",
-        role: "decode",
-        port: Some(engine.addr.port()),
-    };
+    let pod = decode_pod;
     let (dir, path) = fleet_dir(&[pod("a", &engine_a)]);
     let eds = dir.path().join("pd-pods.json");
     let mut config = pd_control::Config::new(&path, "127.0.0.1:0".parse().unwrap());

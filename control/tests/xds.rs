@@ -130,8 +130,9 @@ async fn snapshot_says_eds(base: &str, node: &str) -> (bool, Option<String>) {
     )
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_eds_stream_sends_the_listing_and_every_change_behind_the_token() {
+/// pd-control on a one-pod fleet file, with the EDS service and the token; the fleet's
+/// directory (kept alive with the service) and file.
+async fn start_with_eds() -> (tempfile::TempDir, std::path::PathBuf, pd_control::Service) {
     let dir = tempfile::tempdir().expect("dir");
     let fleet = dir.path().join("fleet.yaml");
     write_fleet(&fleet, &[("a", "127.0.9.1")]);
@@ -141,6 +142,12 @@ async fn the_eds_stream_sends_the_listing_and_every_change_behind_the_token() {
     config.xds_listen = Some("127.0.0.1:0".parse().expect("addr"));
     config.snapshot_token_file = Some(token);
     let service = pd_control::start(config).await.expect("pd-control starts");
+    (dir, fleet, service)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_eds_stream_sends_the_listing_and_every_change_behind_the_token() {
+    let (_dir, fleet, service) = start_with_eds().await;
     let base = format!("http://{}", service.local_addr());
     let xds = format!("http://{}", service.xds_addr().expect("EDS bound"));
     let mut client = EndpointDiscoveryServiceClient::connect(xds)
@@ -235,15 +242,7 @@ async fn the_eds_stream_sends_the_listing_and_every_change_behind_the_token() {
 /// than being buffered; one the size of a real Envoy's node is taken.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_oversized_request_ends_its_stream() {
-    let dir = tempfile::tempdir().expect("dir");
-    let fleet = dir.path().join("fleet.yaml");
-    write_fleet(&fleet, &[("a", "127.0.9.1")]);
-    let token = dir.path().join("token");
-    std::fs::write(&token, TOKEN).expect("token");
-    let mut config = pd_control::Config::new(&fleet, "127.0.0.1:0".parse().expect("addr"));
-    config.xds_listen = Some("127.0.0.1:0".parse().expect("addr"));
-    config.snapshot_token_file = Some(token);
-    let service = pd_control::start(config).await.expect("pd-control starts");
+    let (_dir, _fleet, service) = start_with_eds().await;
     let xds = format!("http://{}", service.xds_addr().expect("EDS bound"));
     let mut client = EndpointDiscoveryServiceClient::connect(xds)
         .await
