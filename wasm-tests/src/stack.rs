@@ -527,6 +527,9 @@ pub struct Options<'a> {
     /// The router keeps its per-request dynamic statistics (Envoy's default, and Istio's),
     /// which the drop-in switches off.
     pub dynamic_stats: bool,
+    /// The drop-in's heap bound (`max_heap_size_bytes` of its overload manager) replaced by
+    /// this many bytes: a bound below Envoy's heap at start puts it in overload at once.
+    pub max_heap_bytes: Option<u64>,
 }
 
 impl Default for Options<'_> {
@@ -542,6 +545,7 @@ impl Default for Options<'_> {
             eds_over_grpc: false,
             internal_clients: false,
             dynamic_stats: false,
+            max_heap_bytes: None,
         }
     }
 }
@@ -993,6 +997,14 @@ impl Stack {
         } else {
             rendered
         };
+        let rendered = match options.max_heap_bytes {
+            Some(bytes) => {
+                let bound = "max_heap_size_bytes: 2147483648";
+                assert_eq!(rendered.matches(bound).count(), 1, "no heap bound");
+                rendered.replacen(bound, &format!("max_heap_size_bytes: {bytes}"), 1)
+            }
+            None => rendered,
+        };
         std::fs::write(&config, rendered).expect("envoy config");
         let mut envoy = Command::new(envoy_bin());
         envoy
@@ -1077,6 +1089,19 @@ impl Stack {
     /// A filter metric (`wasmcustom.<name>`) from Envoy's admin, 0 when absent.
     pub fn stat(&self, name: &str) -> u64 {
         admin_stat(&self.admin, name)
+    }
+
+    /// One of Envoy's own stats (e.g. `cluster.pd_pods.upstream_rq_retry`), `None` when Envoy
+    /// has no stat of that name.
+    pub fn envoy_stat(&self, name: &str) -> Option<u64> {
+        let escaped = name.replace('.', "\\.");
+        http::get(&self.admin, &format!("/stats?filter=^{escaped}$"))
+            .expect("Envoy admin")
+            .text()
+            .lines()
+            .filter_map(|l| l.split_once(": "))
+            .find(|(n, _)| *n == name)
+            .and_then(|(_, v)| v.trim().parse().ok())
     }
 
     /// Envoy's Prometheus output (`/stats/prometheus`), parsed.

@@ -1416,15 +1416,7 @@ fn a_decode_pod_answering_500_is_ejected_and_its_roleset_skipped() {
 
 /// An Envoy stat that is not the filter's (`cluster.<name>.<stat>`), 0 when absent.
 fn envoy_stat(stack: &Stack, name: &str) -> u64 {
-    let escaped = name.replace('.', "\\.");
-    http::get(&stack.admin, &format!("/stats?filter=^{escaped}$"))
-        .expect("Envoy admin")
-        .text()
-        .lines()
-        .filter_map(|l| l.split_once(": "))
-        .find(|(n, _)| *n == name)
-        .and_then(|(_, v)| v.trim().parse().ok())
-        .unwrap_or(0)
+    stack.envoy_stat(name).unwrap_or(0)
 }
 
 /// session-affinity's session id for the pod at `address`: requests carrying it choose that

@@ -8,7 +8,7 @@ use std::net::TcpStream;
 use std::time::Duration;
 
 use pd_wasm_tests::http;
-use pd_wasm_tests::stack::{Fleet, Stack};
+use pd_wasm_tests::stack::{eventually, Fleet, Options, Stack};
 use serde_json::{json, Value};
 
 const MODEL: &str = "hostile-llm";
@@ -631,4 +631,73 @@ fn a_prompt_of_a_million_spaces_traps_nothing() {
     let log = stack.envoy_log();
     assert!(!log.contains("panicked"), "{log}");
     stack.wait_ledger_zero();
+}
+
+/// Both drop-ins (inline filter and ECDS) bound Envoy's heap (their overload manager): under
+/// the shipped bound the monitor runs and requests are served; an Envoy over its bound (here
+/// 1 MiB, below what it holds at start) refuses each new request at once with 503 and the
+/// OpenAI error body of every other refusal, before the filter or any pod sees it, and counts
+/// it.
+#[test]
+fn an_envoy_over_its_heap_bound_refuses_new_requests_with_an_openai_error() {
+    let fleet = Fleet::new(MODEL)
+        .pod("p0", "prefill", "g0")
+        .pod("d0", "decode", "g0");
+    let pd = [("routing-strategy", "pd")];
+    let body = json!({"model": MODEL, "prompt": "hello", "max_tokens": 2});
+    let stop = "overload.envoy.overload_actions.stop_accepting_requests.active";
+    let pressure = "overload.envoy.resource_monitors.fixed_heap.pressure";
+    let start = |ecds: bool, max_heap_bytes: Option<u64>| {
+        let options = Options {
+            max_heap_bytes,
+            ..Default::default()
+        };
+        if ecds {
+            Stack::start_ecds_opts(fleet.clone(), &[], &options)
+        } else {
+            Stack::start_opts(fleet.clone(), fleet.clone(), &options)
+        }
+    };
+    for ecds in [false, true] {
+        let shipped = start(ecds, None);
+        let under = eventually(Duration::from_secs(10), || {
+            match shipped.envoy_stat(pressure) {
+                Some(p) if p > 0 => Ok(p),
+                other => Err(format!("ecds {ecds}: heap pressure {other:?}")),
+            }
+        });
+        assert!(
+            under < 95,
+            "ecds {ecds}: the shipped bound is near: {under} %"
+        );
+        assert_eq!(shipped.envoy_stat(stop), Some(0), "ecds {ecds}");
+        let r = http::post_json(&shipped.gateway, "/v1/completions", &pd, &body);
+        assert_eq!(r.status, 200, "ecds {ecds}: {}", r.text());
+        drop(shipped);
+
+        let over = start(ecds, Some(1 << 20));
+        eventually(Duration::from_secs(10), || match over.envoy_stat(stop) {
+            Some(1) => Ok(()),
+            other => Err(format!("ecds {ecds}: {stop} {other:?}")),
+        });
+        let r = http::post_json(&over.gateway, "/v1/completions", &pd, &body);
+        assert_eq!(r.status, 503, "ecds {ecds}: {}", r.text());
+        assert_eq!(
+            r.header("content-type"),
+            Some("application/json"),
+            "ecds {ecds}"
+        );
+        assert_eq!(
+            r.json(),
+            json!({"error": {"message": "envoy overloaded", "type": "overloaded_error",
+                             "code": "service_unavailable", "param": null}}),
+            "ecds {ecds}"
+        );
+        assert_eq!(
+            over.envoy_stat("http.pd_ingress.downstream_rq_overload_close"),
+            Some(1),
+            "ecds {ecds}"
+        );
+        assert!(over.sim_requests().is_empty(), "ecds {ecds}");
+    }
 }
