@@ -1073,6 +1073,22 @@ impl Stack {
         admin_metric(&self.admin, name, labels)
     }
 
+    /// `gateway_request_model_fail_total` of one failure kind and status code.
+    pub fn model_fail_count(&self, status: &str, code: &str) -> f64 {
+        self.metric(
+            "gateway_request_model_fail_total",
+            &[("status", status), ("status_code", code)],
+        )
+    }
+
+    /// `gateway_prefill_request_fail_total` of one failure class and status code.
+    pub fn prefill_fail_count(&self, status: &str, code: &str) -> f64 {
+        self.metric(
+            "gateway_prefill_request_fail_total",
+            &[("status", status), ("status_code", code)],
+        )
+    }
+
     /// Sum of pd-control's Prometheus series `name` (all labels), 0 when absent.
     pub fn control_metric(&self, name: &str) -> f64 {
         let text = http::get(&self.control, "/metrics")

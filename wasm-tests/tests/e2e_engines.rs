@@ -388,20 +388,6 @@ fn generation_first_roleset() -> Stack {
     )
 }
 
-fn fail_count(stack: &Stack, status: &str, code: &str) -> f64 {
-    stack.metric(
-        "gateway_request_model_fail_total",
-        &[("status", status), ("status_code", code)],
-    )
-}
-
-fn prefill_fail_count(stack: &Stack, status: &str, code: &str) -> f64 {
-    stack.metric(
-        "gateway_prefill_request_fail_total",
-        &[("status", status), ("status_code", code)],
-    )
-}
-
 /// `generation_first` sends the context leg alongside the generation leg; when the context
 /// worker answers 500 while the (unstreamed) generation leg has sent no header yet, the
 /// client gets the context leg's status with `x-error-pd-prefill`, at once rather than after
@@ -450,12 +436,12 @@ fn trtllm_generation_first_context_failing_before_any_header_answers_its_status(
         (&context[0]["status"], &context[0]["fault"]),
         (&json!(500), &json!("status"))
     );
-    assert_eq!(fail_count(&stack, "pd_prefill_failure", "500"), 1.0);
+    assert_eq!(stack.model_fail_count("pd_prefill_failure", "500"), 1.0);
     assert_eq!(
-        prefill_fail_count(&stack, "pd-do-prefill-request-error", "500"),
+        stack.prefill_fail_count("pd-do-prefill-request-error", "500"),
         1.0
     );
-    assert_eq!(prefill_fail_count(&stack, "http_error", "500"), 1.0);
+    assert_eq!(stack.prefill_fail_count("http_error", "500"), 1.0);
     assert_eq!(
         stack.metric("pd_router_rejected_total", &[("reason", "prefill")]),
         1.0,
@@ -497,13 +483,13 @@ fn trtllm_generation_first_context_failing_after_the_generation_answered_cuts_th
         );
     }
     eventually(Duration::from_secs(10), || {
-        match fail_count(&stack, "pd_prefill_failure", "500") {
+        match stack.model_fail_count("pd_prefill_failure", "500") {
             2.0 => Ok(()),
             n => Err(format!("{n} prefill failures counted")),
         }
     });
     assert_eq!(
-        fail_count(&stack, "response_cut", "502"),
+        stack.model_fail_count("response_cut", "502"),
         0.0,
         "not the generation worker's cut"
     );
@@ -512,10 +498,10 @@ fn trtllm_generation_first_context_failing_after_the_generation_answered_cuts_th
         0.0
     );
     assert_eq!(
-        prefill_fail_count(&stack, "pd-do-prefill-request-error", "500"),
+        stack.prefill_fail_count("pd-do-prefill-request-error", "500"),
         2.0
     );
-    assert_eq!(prefill_fail_count(&stack, "http_error", "500"), 2.0);
+    assert_eq!(stack.prefill_fail_count("http_error", "500"), 2.0);
     assert_eq!(
         stack.metric("pd_router_rejected_total", &[("reason", "prefill")]),
         0.0,

@@ -215,7 +215,7 @@ fn an_unstreamed_decode_not_finishing_in_time_gets_504_and_an_abort() {
     let abort = wait_for_abort(&stack, &rid);
     assert_eq!(abort["pod"], "sg-d-0");
     wait_abort_counted(&stack, "ok", "watchdog_first_response");
-    assert_eq!(fail_count(&stack, "pd_decode_watchdog", "504"), 1.0);
+    assert_eq!(stack.model_fail_count("pd_decode_watchdog", "504"), 1.0);
     assert_eq!(
         stack.metric(
             "gateway_pd_decode_watchdog_total",
@@ -271,8 +271,8 @@ fn failed_sglang_prefill_answers_x_error_pd_prefill_and_aborts_the_decode() {
         "not a watchdog failure"
     );
     // The failed call counts by the pod's status, as vLLM's prefill calls do.
-    assert_eq!(prefill_call_fail_count(&stack, "http_error", "500"), 1.0);
-    assert_eq!(prefill_call_fail_count(&stack, "error", "502"), 0.0);
+    assert_eq!(stack.prefill_fail_count("http_error", "500"), 1.0);
+    assert_eq!(stack.prefill_fail_count("error", "502"), 0.0);
     stack.clear_faults();
     // The gateway keeps serving once the pod recovers.
     let ok = stack.chat(&[("routing-strategy", "pd")], &chat(false, 2));
@@ -317,34 +317,19 @@ fn an_sglang_prefill_failing_after_the_decode_answered_cuts_the_stream() {
         );
     }
     eventually(Duration::from_secs(10), || {
-        match fail_count(&stack, "pd_prefill_failure", "500") {
+        match stack.model_fail_count("pd_prefill_failure", "500") {
             2.0 => Ok(()),
             n => Err(format!("{n} prefill failures counted")),
         }
     });
     assert_eq!(
-        fail_count(&stack, "response_cut", "502"),
+        stack.model_fail_count("response_cut", "502"),
         0.0,
         "not the decode pod's cut"
     );
-    assert_eq!(prefill_call_fail_count(&stack, "http_error", "500"), 2.0);
+    assert_eq!(stack.prefill_fail_count("http_error", "500"), 2.0);
     stack.clear_faults();
     stack.wait_ledger_zero();
-}
-
-/// `gateway_prefill_request_fail_total` of one transport class and status.
-fn prefill_call_fail_count(stack: &Stack, status: &str, code: &str) -> f64 {
-    stack.metric(
-        "gateway_prefill_request_fail_total",
-        &[("status", status), ("status_code", code)],
-    )
-}
-
-fn fail_count(stack: &Stack, status: &str, code: &str) -> f64 {
-    stack.metric(
-        "gateway_request_model_fail_total",
-        &[("status", status), ("status_code", code)],
-    )
 }
 
 #[test]
@@ -481,11 +466,11 @@ fn an_sglang_prefill_answer_failing_mid_stream_lets_the_stream_finish() {
         &seen[seen.len().saturating_sub(400)..]
     );
     eventually(Duration::from_secs(10), || {
-        match prefill_call_fail_count(&stack, "http_error", "500") {
+        match stack.prefill_fail_count("http_error", "500") {
             1.0 => Ok(()),
             n => Err(format!("{n} failed prefill calls counted")),
         }
     });
-    assert_eq!(fail_count(&stack, "pd_prefill_failure", "500"), 0.0);
+    assert_eq!(stack.model_fail_count("pd_prefill_failure", "500"), 0.0);
     stack.wait_ledger_zero();
 }
