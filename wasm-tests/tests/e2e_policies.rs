@@ -429,6 +429,9 @@ fn a_charge_held_past_its_ttl_is_force_released_once() {
     let env = [
         ("AIBRIX_PREFILL_SCORE_POLICY", "token_load"),
         ("AIBRIX_TOKEN_LOAD_TTL_SECONDS", "1"),
+        // The prefix index's eviction interval paces its eviction only: once an hour must
+        // not hold the force-release (or any other upkeep) back an hour.
+        ("AIBRIX_PREFIX_CACHE_EVICTION_INTERVAL_SECONDS", "3600"),
     ];
     // The prefill leg hangs at its pod until the test releases it, far past the 1 s TTL.
     let stack = Stack::start_full(fleet.clone(), fleet, 2, &env, &[]);

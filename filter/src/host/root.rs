@@ -55,6 +55,7 @@ pub struct Root {
     /// Consecutive failed polls; logged at 1, 2, 4, 8, ... so an outage does not flood the log.
     fetch_failures: u64,
     next_housekeeping: u64,
+    next_eviction: u64,
     next_ledger_prune: u64,
     /// When the per-pod ledger gauges are next rewritten from the ledger itself.
     next_gauge_sync: u64,
@@ -104,6 +105,10 @@ fn define_waiting_gauges(vm: &mut VmState) {
 const GAUGE_SYNC_MS: u64 = 200;
 /// Period of the adoption gauges' resync.
 const ADOPTION_SHOW_MS: u64 = 1_000;
+/// Period of the per-VM upkeep (force-release of charges past their TTL, sessions, VTC, the
+/// ledger janitor's checks). Fixed: the prefix index's eviction interval, an operator's knob,
+/// paces only the eviction, so a long one cannot hold charges past their TTL.
+const HOUSEKEEPING_MS: u64 = 1_000;
 /// Longest gap between two replica reports (see [`crate::core::remote::report_due`]). Well
 /// inside pd-control's replica TTL and [`replicas::REMOTE_STALE_MS`] (5 s each), so neither
 /// side ages out.
@@ -166,6 +171,7 @@ impl Root {
             freshness: Freshness::default(),
             fetch_failures: 0,
             next_housekeeping: 0,
+            next_eviction: 0,
             next_ledger_prune: 0,
             next_gauge_sync: 0,
             next_adoption_show: 0,
@@ -462,19 +468,23 @@ impl Root {
         }
     }
 
-    /// Periodic upkeep of per-VM state: prefix-index age eviction and the session table. Paced
-    /// on this VM's monotonic clock: a backward step of the wall clock would otherwise hold
-    /// every upkeep (and the force-release of charges) back by its size.
+    /// Periodic upkeep of per-VM state: prefix-index age eviction (every
+    /// `AIBRIX_PREFIX_CACHE_EVICTION_INTERVAL_SECONDS`), the rest every [`HOUSEKEEPING_MS`].
+    /// Paced on this VM's monotonic clock: a backward step of the wall clock would otherwise
+    /// hold every upkeep (and the force-release of charges) back by its size.
     fn housekeeping(&mut self, now: u64) {
         let steady = crate::host::steady_ms();
+        let mut vm = self.vm.borrow_mut();
+        if steady >= self.next_eviction {
+            let interval = vm.prefix_settings.eviction_interval_ms.max(100);
+            self.next_eviction = steady.saturating_add(interval);
+            let age = vm.prefix_settings.eviction_age_ms;
+            vm.prefix.evict_older_than(now, age);
+        }
         if steady < self.next_housekeeping {
             return;
         }
-        let mut vm = self.vm.borrow_mut();
-        let interval = vm.prefix_settings.eviction_interval_ms.max(100);
-        self.next_housekeeping = steady + interval;
-        let age = vm.prefix_settings.eviction_age_ms;
-        vm.prefix.evict_older_than(now, age);
+        self.next_housekeeping = steady + HOUSEKEEPING_MS;
         vm.sessions.prune(now);
         // Users idle for a whole window give their memory back (at most once a second).
         let state = &mut *vm;
