@@ -15,6 +15,10 @@ pub enum ConfigError {
     Field { field: &'static str, reason: String },
 }
 
+/// Slowest allowed timer tick (`refresh_ms`): the cross-worker heartbeats it carries are read
+/// as gone after about 5 s without one.
+pub const MAX_REFRESH_MS: u64 = 2_000;
+
 /// The plugin configuration (Envoy `configuration` of the wasm filter). Every key is optional.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -183,16 +187,27 @@ impl PluginConfig {
                 reason: format!("{:?} is not a lower-case header name", self.dst_header),
             });
         }
-        if !(10..=60_000).contains(&self.refresh_ms) {
+        if !self.snapshot_path.starts_with('/') {
             return Err(ConfigError::Field {
-                field: "refresh_ms",
-                reason: "must be 10..=60000".into(),
+                field: "snapshot_path",
+                reason: format!("{:?} does not start with /", self.snapshot_path),
             });
         }
-        if self.fetch_timeout_ms == 0 {
+        // The timer carries every cross-worker heartbeat (the prefix-queue registry, replica
+        // reports, the journal's liveness mark), each read as gone after about 5 s without
+        // one: a slower tick would have live workers' state dropped and their charges reclaimed.
+        if !(10..=MAX_REFRESH_MS).contains(&self.refresh_ms) {
+            return Err(ConfigError::Field {
+                field: "refresh_ms",
+                reason: format!("must be 10..={MAX_REFRESH_MS}"),
+            });
+        }
+        // Envoy takes a call's timeout as a signed 32-bit count of milliseconds: a larger one
+        // fails every call (or wraps), and every poll with it.
+        if !(1..=60_000).contains(&self.fetch_timeout_ms) {
             return Err(ConfigError::Field {
                 field: "fetch_timeout_ms",
-                reason: "must be positive".into(),
+                reason: "must be 1..=60000".into(),
             });
         }
         if !(1..=60_000).contains(&self.rate_limits_timeout_ms) {
@@ -547,6 +562,29 @@ mod tests {
                 br#"{"snapshot_token":"caf\u00e9"}"#,
             ],
         );
+    }
+
+    #[test]
+    fn periods_timeouts_and_path_are_bounded() {
+        let ok = PluginConfig::parse(
+            br#"{"refresh_ms":2000,"fetch_timeout_ms":60000,"snapshot_path":"/v1/s"}"#,
+        )
+        .unwrap();
+        assert_eq!((ok.refresh_ms, ok.fetch_timeout_ms), (2000, 60000));
+        assert_refused(
+            "refresh_ms",
+            &[br#"{"refresh_ms":2001}"#, br#"{"refresh_ms":9}"#],
+        );
+        assert_refused(
+            "fetch_timeout_ms",
+            &[
+                br#"{"fetch_timeout_ms":0}"#,
+                br#"{"fetch_timeout_ms":60001}"#,
+                br#"{"fetch_timeout_ms":2147483648}"#,
+                br#"{"fetch_timeout_ms":4294967296}"#,
+            ],
+        );
+        assert_refused("snapshot_path", &[br#"{"snapshot_path":"v1/snapshot"}"#]);
     }
 
     #[test]

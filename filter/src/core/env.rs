@@ -88,6 +88,18 @@ impl<F: Fn(&str) -> Option<String>> EnvReader<F> {
         }
     }
 
+    /// A positive integer no larger than `max` (a count that must fit what it sizes, or a
+    /// period that must not overflow once turned into milliseconds).
+    pub fn count_at_most(&mut self, name: &str, default: u64, max: u64) -> u64 {
+        let v = self.count(name, default);
+        if v <= max {
+            return v;
+        }
+        self.warnings
+            .push(format!("{name}={v} is over {max}; using {default}"));
+        default
+    }
+
     /// A whole number of either sign (AIBrix's `LoadEnvInt`: what does not parse keeps the
     /// default).
     pub fn integer(&mut self, name: &str, default: i64) -> i64 {

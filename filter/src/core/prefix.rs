@@ -72,15 +72,29 @@ impl PrefixSettings {
                 "AIBRIX_PREFIX_CACHE_TOKENIZER_TYPE={v:?} is neither \"character\" nor \"tiktoken\"; using character"
             ));
         }
-        let block_size = r.count("AIBRIX_PREFIX_CACHE_BLOCK_SIZE", d.block_size as u64) as usize;
-        let capacity = r.count("AIBRIX_PREFIX_CACHE_BLOCK_NUMBER", d.capacity as u64) as usize;
-        let interval_s = r.count(
+        // Sizes fit a 32-bit usize (wasm32) and periods their milliseconds a u64 (a year and
+        // ten years at most): a larger value would truncate or wrap to a tiny one silently
+        // (a block number of 2^32 turned the cache off, an age of 2^59 minutes evicted every
+        // block at each sweep).
+        let block_size = r.count_at_most(
+            "AIBRIX_PREFIX_CACHE_BLOCK_SIZE",
+            d.block_size as u64,
+            u64::from(u32::MAX),
+        ) as usize;
+        let capacity = r.count_at_most(
+            "AIBRIX_PREFIX_CACHE_BLOCK_NUMBER",
+            d.capacity as u64,
+            u64::from(u32::MAX),
+        ) as usize;
+        let interval_s = r.count_at_most(
             "AIBRIX_PREFIX_CACHE_EVICTION_INTERVAL_SECONDS",
             d.eviction_interval_ms / 1000,
+            366 * 24 * 3600,
         );
-        let age_min = r.count(
+        let age_min = r.count_at_most(
             "AIBRIX_PREFIX_CACHE_EVICTION_DURATION_MINS",
             d.eviction_age_ms / 60_000,
+            10 * 366 * 24 * 60,
         );
         if r.string("AIBRIX_PREFIX_CACHE_HASH_SEED").is_some() {
             // The index compares prompt bytes rather than chained hashes: no seed to share.
@@ -94,8 +108,8 @@ impl PrefixSettings {
             tokenizer,
             block_size,
             capacity,
-            eviction_interval_ms: interval_s * 1000,
-            eviction_age_ms: age_min * 60_000,
+            eviction_interval_ms: interval_s.saturating_mul(1000),
+            eviction_age_ms: age_min.saturating_mul(60_000),
         };
         (settings, r.warnings)
     }
@@ -163,6 +177,35 @@ mod tests {
                 "{value}: {warnings:?}"
             );
         }
+    }
+
+    #[test]
+    fn values_that_would_truncate_or_wrap_keep_the_default_with_a_warning() {
+        for (name, value) in [
+            ("AIBRIX_PREFIX_CACHE_BLOCK_SIZE", "4294967296"),
+            ("AIBRIX_PREFIX_CACHE_BLOCK_NUMBER", "4294967296"),
+            (
+                "AIBRIX_PREFIX_CACHE_EVICTION_INTERVAL_SECONDS",
+                "18446744073709552",
+            ),
+            (
+                "AIBRIX_PREFIX_CACHE_EVICTION_DURATION_MINS",
+                "576460752303423488",
+            ),
+        ] {
+            let (settings, warnings) =
+                PrefixSettings::from_lookup(|k| (k == name).then(|| value.to_string()));
+            assert_eq!(settings, PrefixSettings::default(), "{name}");
+            assert!(
+                warnings.len() == 1 && warnings[0].contains(name),
+                "{name}: {warnings:?}"
+            );
+        }
+        let (settings, warnings) = PrefixSettings::from_lookup(|k| {
+            (k == "AIBRIX_PREFIX_CACHE_EVICTION_DURATION_MINS").then(|| "5256000".to_string())
+        });
+        assert_eq!(settings.eviction_age_ms, 5_256_000 * 60_000);
+        assert!(warnings.is_empty(), "{warnings:?}");
     }
 
     /// Index with one-byte blocks, so a prompt "abcd" is four blocks.

@@ -96,6 +96,9 @@ pub struct Knobs {
 enum Range {
     Positive,
     NonNegative,
+    /// A whole number ≥ 0: AIBrix's field is an integer (a TTL of 0.5 s would otherwise
+    /// truncate to 0, which switches the force-release off).
+    WholeNonNegative,
     Within(f64, f64),
 }
 
@@ -105,6 +108,7 @@ impl Range {
             && match self {
                 Range::Positive => v > 0.0,
                 Range::NonNegative => v >= 0.0,
+                Range::WholeNonNegative => v >= 0.0 && v.fract() == 0.0,
                 Range::Within(lo, hi) => (lo..=hi).contains(&v),
             }
     }
@@ -146,10 +150,10 @@ const KNOBS: [(&str, Range, KnobSlot); 18] = [
     ("tokenLoadRequestCost", Range::Positive, |k| {
         &mut k.token_load_request_cost
     }),
-    ("tokenLoadTTLSeconds", Range::NonNegative, |k| {
+    ("tokenLoadTTLSeconds", Range::WholeNonNegative, |k| {
         &mut k.token_load_ttl_seconds
     }),
-    ("tokenLoadSessionTTLSeconds", Range::NonNegative, |k| {
+    ("tokenLoadSessionTTLSeconds", Range::WholeNonNegative, |k| {
         &mut k.token_load_session_ttl_seconds
     }),
     ("decodeAbortTimeout", Range::NonNegative, |k| {
@@ -624,7 +628,7 @@ mod tests {
         let c = ModelConfig::parse(
             r#"{"profiles":{"default":{"routingConfig":{
                 "decodeScoreRatioThreshold": 2.5, "minMatchPct": 140, "tokenLoadTTLSeconds": 0,
-                "prefillRequestTimeout": -1, "pd": {"decodeScoreRatioThreshold": 3, "hybridCacheLoadFactor": 0},
+                "tokenLoadSessionTTLSeconds": 0.5, "prefillRequestTimeout": -1, "pd": {"decodeScoreRatioThreshold": 3, "hybridCacheLoadFactor": 0},
                 "combined": "yes", "promptLenBucketMinLength": 10, "bucketServeMode": "fastest"}}}}"#,
         )
         .unwrap();
@@ -640,6 +644,10 @@ mod tests {
             "0 turns the discount off"
         );
         assert_eq!(rc.knobs.token_load_ttl_seconds, Some(0.0));
+        assert_eq!(
+            rc.knobs.token_load_session_ttl_seconds, None,
+            "a fraction of a second is not AIBrix's integer"
+        );
         assert_eq!(rc.knobs.min_match_pct, None);
         assert_eq!(rc.knobs.prefill_request_timeout, None);
         assert!(!rc.combined);
@@ -653,7 +661,8 @@ mod tests {
                 "bucketServeMode",
                 "combined",
                 "minMatchPct",
-                "prefillRequestTimeout"
+                "prefillRequestTimeout",
+                "tokenLoadSessionTTLSeconds"
             ]
         );
     }

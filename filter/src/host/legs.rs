@@ -248,7 +248,7 @@ impl EngineState {
 
     fn abort_failed(&mut self, mut a: PendingAbort, now: u64) {
         if a.attempt < 2 && a.retry_delay_ms > 0 {
-            a.due_ms = now + a.retry_delay_ms;
+            a.due_ms = now.saturating_add(a.retry_delay_ms);
             self.aborts.push(a);
         } else {
             self.count_abort("error", a.class);
