@@ -49,6 +49,15 @@ impl Aborts {
         }
     }
 
+    /// Registers `id` unless a request of that id is in flight already (`None`): a vLLM
+    /// engine keys its requests by id and refuses a second one while the first runs.
+    pub fn register_unique(&self, id: &str) -> Option<AbortHandle> {
+        if lock(&self.by_rid).contains_key(id) {
+            return None;
+        }
+        Some(self.register(id))
+    }
+
     /// Signals every in-flight request with `rid`; returns how many there were.
     pub fn abort(&self, rid: &str) -> usize {
         let table = lock(&self.by_rid);
@@ -117,5 +126,15 @@ mod tests {
         assert_eq!(aborts.abort("r1"), 0, "a finished request is gone");
         drop(b);
         assert_eq!(aborts.abort("r2"), 0);
+    }
+
+    #[test]
+    fn a_unique_registration_refuses_an_id_in_flight() {
+        let aborts = Aborts::default();
+        let first = aborts.register_unique("cmpl-a-0").expect("first");
+        assert!(aborts.register_unique("cmpl-a-0").is_none());
+        assert!(aborts.register_unique("cmpl-b-0").is_some());
+        drop(first);
+        assert!(aborts.register_unique("cmpl-a-0").is_some(), "it finished");
     }
 }

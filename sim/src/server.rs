@@ -519,6 +519,19 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
     }
 
     let id = endpoint.response_id(x_request_id.as_deref());
+    // vLLM keys a request by the id its `x-request-id` gives it and refuses a second one
+    // while the first is in flight (versions that do not add a random suffix, and every
+    // version under VLLM_DISABLE_REQUEST_ID_RANDOMIZATION, which P2P-NCCL setups need).
+    let running = match engine {
+        Engine::Vllm => match pod.aborts.register_unique(&id) {
+            Some(handle) => Some(handle),
+            None => {
+                let err = ApiError::bad_request(format!("Request id {id} already running."));
+                return reject(entry, err);
+            }
+        },
+        _ => None,
+    };
     let hashes = block_hashes(&req.prompt_text);
     let mut hooks = Hooks::new(engine, endpoint);
     let mut pin_as = (req.leg == Leg::Prefill && engine == Engine::Vllm).then(|| id.clone());
@@ -684,7 +697,8 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
     let mut abort = sglang_leg
         .as_ref()
         .and_then(|s| s.rid.as_deref())
-        .map(|rid| pod.aborts.register(rid));
+        .map(|rid| pod.aborts.register(rid))
+        .or(running);
     let mut signal = abort.as_ref().map(AbortHandle::signal);
 
     // The request is logged (tests poll for it) before it starts hanging.

@@ -1069,3 +1069,48 @@ fn a_lora_adapter_routes_to_the_pods_that_loaded_it() {
     assert_eq!(r.status, 400, "{}", r.text());
     assert_eq!(r.header("x-error-no-model-backends"), Some("never-loaded"));
 }
+
+/// Two requests of one trace (an agent's parallel calls share a `traceparent` trace id) are
+/// in flight on one vLLM prefill pod at once: each is its own request to the engine, which
+/// refuses a second request of an id still running. The ids begin with the trace id.
+#[test]
+fn two_requests_of_one_trace_in_flight_at_once_are_two_requests_to_the_engine() {
+    let fleet = Fleet::new(MODEL)
+        .pod("p0", "prefill", "g0")
+        .pod("d0", "decode", "g0");
+    let stack = Stack::start(fleet);
+    let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let traced = [
+        ("routing-strategy", "pd"),
+        (
+            "traceparent",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        ),
+    ];
+    let body = json!({"model": MODEL, "prompt": "hello", "max_tokens": 2});
+    // The first request's prefill is held at its pod until the second was answered.
+    stack.arm_fault(
+        json!({"pod": "p0", "kind": "hang_before_headers", "leg": "prefill",
+                           "times": 1}),
+    );
+    let first = {
+        let (gateway, body) = (stack.gateway.clone(), body.clone());
+        std::thread::spawn(move || {
+            pd_wasm_tests::http::post_json(&gateway, "/v1/completions", &traced, &body)
+        })
+    };
+    stack.wait_for_legs("prefill", 1);
+    let second = pd_wasm_tests::http::post_json(&stack.gateway, "/v1/completions", &traced, &body);
+    assert_eq!(second.status, 200, "{}", second.text());
+    stack.clear_faults();
+    let first = first.join().expect("client");
+    assert_eq!(first.status, 200, "{}", first.text());
+    let (a, b) = (header(&first, "request-id"), header(&second, "request-id"));
+    assert_ne!(a, b);
+    for id in [a, b] {
+        assert!(id.starts_with(&format!("{trace}-")), "{id}");
+        let (prefill, decode) = legs(&stack, id);
+        assert_eq!((prefill.len(), decode.len()), (1, 1), "{id}");
+        assert_eq!(decode[0]["kv_pull"], "ok", "{:#}", decode[0]);
+    }
+}

@@ -475,10 +475,22 @@ impl<'de> Visitor<'de> for ContentSeed<'_, '_> {
 }
 
 /// The request id: the trace id of a W3C `traceparent` when one is present (so gateway logs
-/// join the caller's trace), else a fresh UUID-shaped id from `random`.
+/// join the caller's trace) followed by `-` and 16 hex digits of `random`, else a fresh
+/// UUID-shaped id from `random`. A trace holds many requests (an agent's parallel calls
+/// share one trace id): the id names one, and vLLM refuses a second request of an id still
+/// in flight (or, with its ids left unrandomised, mixes the two up).
 pub fn request_id(traceparent: Option<&str>, random: u128) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
     if let Some(trace_id) = traceparent.and_then(trace_id_of) {
-        return trace_id.to_string();
+        let mut out = String::with_capacity(trace_id.len() + 17);
+        out.push_str(trace_id);
+        out.push('-');
+        for i in 0..16 {
+            out.push(char::from(
+                DIGITS[((random >> (60 - 4 * i)) & 0xf) as usize],
+            ));
+        }
+        return out;
     }
     uuid_shaped(random)
 }
@@ -730,7 +742,15 @@ mod tests {
     #[test]
     fn request_id_prefers_traceparent() {
         let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
-        assert_eq!(request_id(Some(tp), 1), "4bf92f3577b34da6a3ce929d0e0e4736");
+        assert_eq!(
+            request_id(Some(tp), 0x1234_5678_9abc_def0),
+            "4bf92f3577b34da6a3ce929d0e0e4736-123456789abcdef0"
+        );
+        assert_ne!(
+            request_id(Some(tp), 1),
+            request_id(Some(tp), 2),
+            "two requests of one trace"
+        );
         assert_eq!(
             request_id(Some("00-0000-bad"), 0xabc),
             "00000000-0000-0000-0000-000000000abc"
