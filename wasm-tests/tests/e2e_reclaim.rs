@@ -96,6 +96,90 @@ fn a_trapped_vms_charges_are_released_and_the_worker_recovers() {
     drop(trapped);
 }
 
+/// Sends a request that traps the VM routing it on a raw socket kept open (a trapped stream
+/// is never answered).
+fn send_trap_request(stack: &Stack) -> std::net::TcpStream {
+    let body =
+        json!({"model": MODEL, "prompt": "a prompt worth charging ".repeat(40), "max_tokens": 2})
+            .to_string();
+    let mut socket = std::net::TcpStream::connect(&stack.gateway).expect("connect");
+    let request = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: pd\r\ncontent-type: application/json\r\n\
+         routing-strategy: pd\r\nx-pd-test-trap: 1\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    std::io::Write::write_all(&mut socket, request.as_bytes()).expect("send");
+    socket
+}
+
+/// How many VMs trapped on a trap request so far.
+fn traps(stack: &Stack) -> usize {
+    stack
+        .envoy_log()
+        .matches("trap requested by PD_ROUTER_DEBUG_TRAP_HEADER")
+        .count()
+}
+
+/// A VM reloaded after a trap (FAIL_RELOAD) whose very first request traps it, before its
+/// first tick: its charges are released all the same. The journal registry used to learn of a
+/// VM at its first tick, so no live VM watched this one's journal and its charges stayed on
+/// the pods for good. One worker (so the reloaded VM is the one the next request meets) and
+/// a 2 s tick (so the trap certainly comes first).
+#[test]
+fn a_vm_trapping_before_its_first_tick_has_its_charges_released() {
+    let fleet = Fleet::new(MODEL)
+        .pod("p0", "prefill", "g0")
+        .pod("d0", "decode", "g0");
+    let env = [
+        ("AIBRIX_PREFILL_SCORE_POLICY", "token_load"),
+        ("AIBRIX_DECODE_SCORE_POLICY", "token_load"),
+        ("PD_ROUTER_DEBUG_TRAP_HEADER", "x-pd-test-trap"),
+    ];
+    let stack = Stack::start_opts(
+        fleet.clone(),
+        fleet,
+        &pd_wasm_tests::stack::Options {
+            concurrency: 1,
+            refresh_ms: 2000,
+            envoy_env: &env,
+            ..Default::default()
+        },
+    );
+    let mut sockets = vec![send_trap_request(&stack)];
+    stack.wait_for_log("trap requested by PD_ROUTER_DEBUG_TRAP_HEADER");
+    // Requests meet no VM until Envoy's reload backoff has passed; the first one after it
+    // creates the new VM, whose first request this is.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while traps(&stack) < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "no reloaded VM took a trap request"
+        );
+        sockets.push(send_trap_request(&stack));
+        let waited = Instant::now();
+        while traps(&stack) < 2 && waited.elapsed() < Duration::from_millis(500) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    // A third VM routes (and scans the journals) once the backoff has passed again.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while completion(&stack, &[]).status != 200 {
+        assert!(Instant::now() < deadline, "the worker did not recover");
+    }
+    // The live VM shows the dead VMs' charges (its gauges are written from the ledger)...
+    pd_wasm_tests::stack::eventually(Duration::from_secs(10), || {
+        let charged = ledger_samples(&stack);
+        charged
+            .iter()
+            .any(|(s, v)| s.contains("pod_name=\"d0\"") && *v > 0.0)
+            .then_some(())
+            .ok_or_else(|| format!("no dead VM's charge on the ledger: {charged:?}"))
+    });
+    // ...and releases both: exactly 0.
+    pd_wasm_tests::stack::wait_ledger_zero(&stack.admin, Duration::from_secs(40));
+    drop(sockets);
+}
+
 fn running_on(stack: &Stack, pod: &str) -> f64 {
     stack.metric("pd_router_running_requests", &[("pod_name", pod)])
 }

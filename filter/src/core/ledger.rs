@@ -14,8 +14,14 @@
 use crate::core::remote::RemoteLoad;
 use crate::core::tokens::{amount, Charge, DecodeCharge, PodTokens, IDLE_PRUNE_MS};
 
-/// The shared-data key of the ledger.
-pub const LOAD_KEY: &str = "pd/load";
+/// Generation of the formats of the shared load state (ledger rows, hold journals): part of
+/// each of its keys. An ECDS code push keeps shared data for the VM id, so two builds run side
+/// by side on it; with a format changed under one key the new build read the old one's ledger
+/// as corrupt and failed every selection until Envoy restarted. Bump it with any change of
+/// those formats: each generation then keeps its own ledger while both run.
+pub const GENERATION: u8 = 1;
+/// The shared-data key of the ledger (of [`GENERATION`]).
+pub const LOAD_KEY: &str = "pd/g1/load";
 /// A CAS loop that keeps losing means something is badly wrong; give up instead of spinning.
 const MAX_CAS_ATTEMPTS: usize = 256;
 
@@ -23,7 +29,7 @@ const MAX_CAS_ATTEMPTS: usize = 256;
 pub enum StoreError {
     #[error("shared data store failed: {0}")]
     Host(String),
-    #[error("load table is corrupt")]
+    #[error("load table was corrupt and is reset to empty")]
     Corrupt,
     #[error("gave up after {0} conflicting updates")]
     Contention(usize),
@@ -84,7 +90,7 @@ impl Row {
 /// touched_ms u64.
 const ROW: usize = 64;
 /// Header: magic "PDL" and a format version byte.
-const MAGIC: [u8; 4] = *b"PDL\x01";
+const MAGIC: [u8; 4] = [b'P', b'D', b'L', GENERATION];
 
 /// The shared ledger: a sorted array of fixed-size rows behind a 4-byte header.
 #[derive(Debug, Clone, PartialEq)]
@@ -591,7 +597,17 @@ pub fn update<R, E: From<StoreError>>(
 ) -> Result<R, E> {
     for _ in 0..MAX_CAS_ATTEMPTS {
         let (bytes, cas) = store.get(LOAD_KEY)?;
-        let mut ledger = Ledger::from_bytes(bytes.unwrap_or_default())?;
+        let mut ledger = match Ledger::from_bytes(bytes.unwrap_or_default()) {
+            Ok(ledger) => ledger,
+            Err(StoreError::Corrupt) => {
+                // Unreadable for good (nothing here writes it so): start over empty rather
+                // than fail every selection until a restart. The charges it held are lost;
+                // their releases find nothing and stop at 0.
+                store.set(LOAD_KEY, Ledger::default().as_bytes(), cas)?;
+                return Err(StoreError::Corrupt.into());
+            }
+            Err(e) => return Err(e.into()),
+        };
         let result = f(&mut ledger)?;
         if store.set(LOAD_KEY, ledger.as_bytes(), cas)? {
             return Ok(result);

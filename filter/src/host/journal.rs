@@ -12,28 +12,33 @@ use crate::host::metrics::Metrics;
 use crate::host::store::SharedData;
 use crate::host::{SharedVm, VmState};
 
-const REGISTRY_KEY: &str = "pd/journals";
+/// Journals are of the ledger's format generation (see [`ledger::GENERATION`]): a dead VM of
+/// another generation charged another ledger, so its journal must not be reclaimed from ours.
+const REGISTRY_KEY: &str = "pd/g1/journals";
+const _: () = assert!(
+    ledger::GENERATION == 1,
+    "the journal keys name the generation"
+);
 const SCAN_EVERY_MS: u64 = 1_000;
 
 pub struct JournalWriter {
     token: u64,
     /// Where a reclaim of this VM's journal is recorded (see [`reclaimed_key`]).
     reclaimed_key: String,
-    registered: bool,
     /// On this VM's monotonic clock (`host::steady_ms`).
     next_scan: u64,
     liveness: Liveness,
 }
 
 pub fn key_of(token: u64) -> String {
-    format!("pd/journal/{token:016x}")
+    format!("pd/g1/journal/{token:016x}")
 }
 
 /// A key of its own, not the journal's: the VM rewrites its journal whenever its holds
 /// change, which would erase a marker left there before the VM's next tick could read it
 /// (and the VM would then release the reclaimed charges a second time).
 fn reclaimed_key(token: u64) -> String {
-    format!("pd/journal-reclaimed/{token:016x}")
+    format!("pd/g1/journal-reclaimed/{token:016x}")
 }
 
 impl JournalWriter {
@@ -41,7 +46,6 @@ impl JournalWriter {
         JournalWriter {
             token,
             reclaimed_key: reclaimed_key(token),
-            registered: false,
             next_scan: 0,
             liveness: Liveness::default(),
         }
@@ -52,9 +56,6 @@ impl JournalWriter {
         self.forget_reclaimed(vm);
         if !write(&vm.borrow()) {
             return;
-        }
-        if !self.registered {
-            self.registered = register(self.token).is_ok();
         }
         let now = crate::host::steady_ms();
         if now >= self.next_scan {
@@ -88,9 +89,9 @@ impl JournalWriter {
             DEAD_AFTER_MS / 1000,
             before - vm.holds.len()
         );
+        vm.journal_registered.set(false);
         drop(vm);
         let _ = SharedData.set(&self.reclaimed_key, &[], None);
-        self.registered = false;
     }
 
     /// Reads the other registered journals; those [`Liveness`] finds dead are taken off the
@@ -126,16 +127,19 @@ impl JournalWriter {
         }
         for (token, journal, silent) in dead {
             crate::host::prefix_sharing::forget(token);
-            // Its journal goes (the VM rewrites it if it was alive after all).
-            let _ = SharedData.set(&key_of(token), &[], None);
             let Some(journal) = journal else {
                 // Nothing to release; a VM alive after all re-registers on the marker.
+                let _ = SharedData.set(&key_of(token), &[], None);
                 let _ = SharedData.set(&reclaimed_key(token), &0u64.to_le_bytes(), None);
                 continue;
             };
             let reclaimed = ledger::update(&SharedData, |l| {
                 Ok::<_, StoreError>(journal::reclaim(&journal, l, crate::host::now_ms()))
             });
+            if reclaimed.is_ok() {
+                // Its journal goes (the VM rewrites it if it was alive after all).
+                let _ = SharedData.set(&key_of(token), &[], None);
+            }
             match reclaimed {
                 Ok(n) => {
                     if n > 0 {
@@ -154,21 +158,34 @@ impl JournalWriter {
                     drop(state);
                     let _ = SharedData.set(&reclaimed_key(token), &journal.seq.to_le_bytes(), None);
                 }
-                Err(e) => log::error!("cannot release a dead VM's charges: {e}"),
+                Err(e) => {
+                    // Back on the registry with its journal kept: the next scan retries
+                    // (taken off for good, its charges would stay for ever).
+                    log::error!("cannot release a dead VM's charges (retried): {e}");
+                    if let Err(e) = register(token) {
+                        log::error!("cannot keep a dead VM's journal for a retry: {e}");
+                    }
+                }
             }
         }
         Ok(())
     }
 }
 
-/// Rewrites the VM's journal from its holds' records under the next sequence; false when
-/// shared data refused it.
+/// Rewrites the VM's journal from its holds' records under the next sequence, and puts it on
+/// the registry the first time (so also before a VM's first tick: one that trapped on its
+/// first request, a poison request right after a reload, held charges no VM watched);
+/// false when shared data refused the journal.
 pub fn write(vm: &VmState) -> bool {
     let seq = vm.journal_seq.get().wrapping_add(1);
     let bytes = journal::assemble(seq, vm.holds.values().map(|h| h.record.as_slice()));
     match SharedData.set(&vm.journal_key, &bytes, None) {
         Ok(_) => {
             vm.journal_seq.set(seq);
+            if !vm.journal_registered.get() {
+                vm.journal_registered
+                    .set(register(vm.journal_token).is_ok());
+            }
             true
         }
         Err(e) => {
@@ -189,6 +206,16 @@ fn parse(value: Option<&[u8]>) -> Vec<u64> {
 
 fn render(tokens: &[u64]) -> String {
     tokens.iter().map(|t| format!("{t:016x}\n")).collect()
+}
+
+/// Creates the registry key if absent. Must run before concurrent use: Envoy ignores the CAS
+/// token on a missing key, so two VMs registering first would overwrite each other (one VM
+/// then believed itself registered and was never watched).
+pub fn ensure_registry() -> Result<(), StoreError> {
+    if SharedData.get(REGISTRY_KEY)?.0.is_none() {
+        SharedData.set(REGISTRY_KEY, b"\n", None)?;
+    }
+    Ok(())
 }
 
 fn register(token: u64) -> Result<(), StoreError> {

@@ -280,7 +280,14 @@ pub fn ensure_trt_counter() {
 
 /// The next `disagg_request_id`, its 12-bit counter shared by all workers of the process.
 pub fn disagg_request_id(machine_id: u16) -> i64 {
+    let mut attempts = 0;
     let counter = loop {
+        // Losing the CAS this often means something is wrong; a random counter keeps the
+        // request going (the id stays unique with high probability).
+        attempts += 1;
+        if attempts > 64 {
+            break random_seed();
+        }
         let Ok((value, cas)) = hostcalls::get_shared_data(TRT_COUNTER_KEY) else {
             break random_seed();
         };

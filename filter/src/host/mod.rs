@@ -100,8 +100,13 @@ pub struct VmState {
     pub other_replicas: u32,
     /// `PD_ROUTER_DEBUG_TRAP_HEADER`: testing only, a request carrying it traps the VM.
     pub debug_trap_header: Option<String>,
-    /// Shared-data key of this VM's hold journal (`host::journal`).
+    /// This VM's journal token and the shared-data key of its hold journal (`host::journal`).
+    pub journal_token: u64,
     pub journal_key: String,
+    /// Whether the token is on the journal registry (other VMs watch it). Set by the first
+    /// journal write, which comes with the VM's first charge or tick; cleared when the VM
+    /// finds it was declared dead.
+    pub journal_registered: std::cell::Cell<bool>,
     /// The sequence of the journal last written (`host::journal::write`); a hold made after
     /// it is not in that journal yet.
     pub journal_seq: std::cell::Cell<u64>,

@@ -144,7 +144,9 @@ impl Root {
                 remote_at_ms: 0,
                 other_replicas: 0,
                 debug_trap_header: None,
+                journal_token: seed | 1,
                 journal_key: crate::host::journal::key_of(seed | 1),
+                journal_registered: Default::default(),
                 journal_seq: Default::default(),
                 engines: EngineState::new(EngineDefaults::default()),
                 watched: hashbrown::HashMap::new(),
@@ -821,6 +823,10 @@ impl RootContext for Root {
         self.replica = crate::host::replicas::replica_id(random_seed());
         if let Err(e) = ledger::ensure_table(&SharedData) {
             log::error!("cannot create the load table: {e}");
+            return false;
+        }
+        if let Err(e) = crate::host::journal::ensure_registry() {
+            log::error!("cannot create the journal registry: {e}");
             return false;
         }
         true

@@ -51,6 +51,40 @@ fn malformed_bytes_are_refused() {
 }
 
 #[test]
+fn a_corrupt_ledger_fails_one_update_and_is_reset() {
+    let store = MemoryStore::default();
+    store.set(LOAD_KEY, b"PDL\x09garbage", None).unwrap();
+    let charge = |l: &mut Ledger| {
+        l.add("ns/a", Counter::Running, 0);
+        Ok::<_, StoreError>(())
+    };
+    assert_eq!(update(&store, charge), Err(StoreError::Corrupt));
+    update(&store, charge).expect("the next update works on an empty ledger");
+    assert_eq!(read(&store).unwrap().counts_of("ns/a").running, 1);
+}
+
+#[test]
+fn another_generations_ledger_is_not_this_ones() {
+    // A build of another format generation keeps its ledger under another key: its bytes
+    // are never read here, and ours never there.
+    assert!(LOAD_KEY.contains(&format!("/g{GENERATION}/")), "{LOAD_KEY}");
+    assert_eq!(MAGIC[3], GENERATION);
+    let store = MemoryStore::default();
+    store.set("pd/load", b"PDL\x00older rows", None).unwrap();
+    ensure_table(&store).unwrap();
+    update(&store, |l| {
+        l.add("ns/a", Counter::Running, 0);
+        Ok::<_, StoreError>(())
+    })
+    .unwrap();
+    assert_eq!(read(&store).unwrap().counts_of("ns/a").running, 1);
+    assert_eq!(
+        store.get("pd/load").unwrap().0.as_deref(),
+        Some(&b"PDL\x00older rows"[..])
+    );
+}
+
+#[test]
 fn counters_never_go_below_zero_and_namespaces_are_distinct() {
     let mut l = Ledger::default();
     l.add("a/p", Counter::Running, 0);
