@@ -548,10 +548,10 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
         }
         (Leg::Decode, _, Some(s), _) => {
             let port = s.bootstrap_port.unwrap_or(sglang::DEFAULT_BOOTSTRAP_PORT);
-            if !ctx
-                .registry
-                .has_bootstrap_server(Engine::Sglang, &s.bootstrap_host, port)
-            {
+            let reachable = s
+                .bootstrap_ip()
+                .is_some_and(|ip| ctx.registry.has_bootstrap_server(Engine::Sglang, ip, port));
+            if !reachable {
                 entry.kv_pull = Some("unknown_bootstrap".into());
                 let err = ApiError::server_error(format!(
                     "Decode transfer failed for request rid={} bootstrap_room={}: no prefill bootstrap server at {}:{port}",

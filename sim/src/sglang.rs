@@ -24,12 +24,24 @@ pub struct SglangLeg {
 }
 
 impl SglangLeg {
+    /// The address `bootstrap_host` names, as the decode worker reaches it: SGLang builds
+    /// `http://{bootstrap_host}:{bootstrap_port}/...`, so an IPv6 address must come in
+    /// brackets; a bare one makes no URL (`None`).
+    pub fn bootstrap_ip(&self) -> Option<&str> {
+        let host = self.bootstrap_host.as_str();
+        match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+            Some(inner) => Some(inner),
+            None if host.contains(':') => None,
+            None => Some(host),
+        }
+    }
+
     /// The rendezvous key: the bootstrap server the decode worker registers with, and the
     /// room within it.
     pub fn room_key(&self) -> String {
         format!(
             "sglang/{}:{}/{}",
-            self.bootstrap_host,
+            self.bootstrap_ip().unwrap_or(&self.bootstrap_host),
             self.bootstrap_port.unwrap_or(DEFAULT_BOOTSTRAP_PORT),
             self.bootstrap_room
         )
@@ -188,5 +200,28 @@ mod tests {
             let err = classify(&obj(c.clone()), PodRole::Prefill).unwrap_err();
             assert_eq!(err.status, 400, "{c}");
         }
+    }
+
+    #[test]
+    fn an_ipv6_bootstrap_host_is_reached_in_brackets_only() {
+        let leg = |host: &str| {
+            classify(
+                &obj(json!({"bootstrap_host": host, "bootstrap_room": 7})),
+                PodRole::Decode,
+            )
+            .unwrap()
+            .unwrap()
+        };
+        assert_eq!(leg("[fd00::1]").bootstrap_ip(), Some("fd00::1"));
+        assert_eq!(
+            leg("[fd00::1]").room_key(),
+            own_room_key("fd00::1", DEFAULT_BOOTSTRAP_PORT, 7)
+        );
+        assert_eq!(
+            leg("fd00::1").bootstrap_ip(),
+            None,
+            "http://fd00::1:8998 is no URL"
+        );
+        assert_eq!(leg("10.0.0.7").bootstrap_ip(), Some("10.0.0.7"));
     }
 }

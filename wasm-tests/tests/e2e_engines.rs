@@ -101,6 +101,29 @@ fn assert_pair(stack: &Stack, r: &Response, tokens: usize) -> (Value, Value) {
     (p, d)
 }
 
+/// SGLang pods on IPv6 addresses: the decode worker reaches its prefill's bootstrap server
+/// at `http://{bootstrap_host}:{bootstrap_port}`, so the gateway names the host in brackets
+/// (bare, it makes no URL and every transfer fails).
+#[test]
+fn sglang_pods_on_ipv6_addresses_get_a_bracketed_bootstrap_host() {
+    let fleet = Fleet::new(MODEL)
+        .engine("sglang")
+        .pod("sglang-p-6", "prefill", "group-6")
+        .ipv6()
+        .bootstrap_port(9106)
+        .pod("sglang-d-6", "decode", "group-6")
+        .ipv6();
+    let stack = Stack::start(fleet);
+    for stream in [false, true] {
+        let r = stack.chat(&[("routing-strategy", "pd")], &chat(stream, 3));
+        let (p, d) = assert_pair(&stack, &r, 3);
+        for leg in [&p, &d] {
+            assert_eq!(leg["body"]["bootstrap_host"], "[::1]", "{leg}");
+            assert_eq!(leg["body"]["bootstrap_port"], 9106, "{leg}");
+        }
+    }
+}
+
 #[test]
 fn sglang_legs_share_bootstrap_room_and_rid_and_the_decode_answers() {
     let stack = Stack::start_with(pair("sglang"), 2, &TOKEN_LOAD);

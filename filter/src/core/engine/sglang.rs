@@ -34,6 +34,17 @@ pub struct Bootstrap {
     pub rid: String,
 }
 
+/// The `bootstrap_host` naming a prefill pod at `ip`: SGLang's decode worker reaches
+/// `http://{bootstrap_host}:{bootstrap_port}`, so an IPv6 address goes in brackets (bare,
+/// it makes no URL and the KV transfer fails).
+pub fn bootstrap_host(ip: &str) -> String {
+    if ip.contains(':') && !ip.starts_with('[') {
+        format!("[{ip}]")
+    } else {
+        ip.to_string()
+    }
+}
+
 /// Checks the body before any selection, so a refused request changes no load counter.
 /// `members` are the body's, from the request's parse (which refused anything but one
 /// JSON object).
@@ -115,6 +126,13 @@ mod tests {
 
     fn spans(raw: &[u8]) -> Spans {
         Members::parse(raw).expect("one JSON object").spans(raw)
+    }
+
+    #[test]
+    fn an_ipv6_bootstrap_host_is_bracketed() {
+        assert_eq!(bootstrap_host("10.0.0.7"), "10.0.0.7");
+        assert_eq!(bootstrap_host("fd00::7"), "[fd00::7]");
+        assert_eq!(bootstrap_host("[fd00::7]"), "[fd00::7]");
     }
 
     fn boot() -> Bootstrap {

@@ -104,7 +104,7 @@ impl PdHttp {
                     self.vm.borrow_mut().engines.next_rid(&self.request_id)
                 );
                 let bootstrap = Bootstrap {
-                    host: prefill.ip.clone(),
+                    host: sglang::bootstrap_host(&prefill.ip),
                     port: prefill.sglang_bootstrap_port,
                     room: crate::section!("sglang.room", legs::bootstrap_room()),
                     rid: rid.clone(),
