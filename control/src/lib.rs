@@ -9,6 +9,7 @@
 
 pub mod auth;
 pub mod config;
+pub mod config_audit;
 pub mod eds;
 pub mod external;
 pub mod fleet;

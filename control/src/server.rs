@@ -656,6 +656,13 @@ pub fn render_metrics(
     );
     family(
         &mut out,
+        "pd_control_config_problem_pods",
+        "gauge",
+        "Pods whose model.aibrix.ai/config annotation has values without effect (does not parse, routingConfig values dropped as invalid, unknown score policies); each is logged once as a warning.",
+        &plain(stats.config_problem_pods().to_string()),
+    );
+    family(
+        &mut out,
         "pd_control_eds_write_errors_total",
         "counter",
         "Failed writes of the retrying cluster's endpoint file (--eds-file); the previous file stays in force.",

@@ -270,6 +270,8 @@ pub async fn start_with_source<S: FleetSource>(
     let (snapshots_tx, snapshots_rx) = watch::channel(first.published);
     let (live_tx, live_rx) = watch::channel(first.live);
 
+    let mut audit = crate::config_audit::ConfigAudit::default();
+    stats.set_config_problem_pods(audit.check(&fleet));
     let publisher = FleetPublisher::new(fleet_tx, stats.clone());
     let control = ControlLoop {
         fleet: fleet_rx,
@@ -282,6 +284,8 @@ pub async fn start_with_source<S: FleetSource>(
         stats: stats.clone(),
         interval: config.refresh_interval,
         labels: config.pod_labels.clone(),
+        audit,
+        audited: fleet.clone(),
         eds: eds.map(|writer| EdsState {
             writer,
             file,
@@ -586,6 +590,9 @@ struct ControlLoop {
     stats: Arc<Stats>,
     interval: Duration,
     labels: snapshot::LabelPolicy,
+    /// Pods' config annotations looked at, and the fleet they were last looked at in.
+    audit: crate::config_audit::ConfigAudit,
+    audited: Fleet,
     eds: Option<EdsState>,
 }
 
@@ -678,6 +685,10 @@ impl ControlLoop {
             self.stats.retain_scrape_errors(|key| {
                 key.split_once('/').is_some_and(|pod| live.contains(&pod))
             });
+        }
+        if !Arc::ptr_eq(&self.audited, &fleet) {
+            self.stats.set_config_problem_pods(self.audit.check(&fleet));
+            self.audited = fleet.clone();
         }
         let now = Instant::now();
         if let Some(eds) = self.eds.as_mut() {

@@ -68,6 +68,8 @@ pub struct Stats {
     fleet_reload_errors_total: AtomicU64,
     /// Failed writes of the retrying cluster's endpoint file (`--eds-file`).
     eds_write_errors_total: AtomicU64,
+    /// Pods of the fleet whose `model.aibrix.ai/config` has problems (`config_audit`).
+    config_problem_pods: AtomicU64,
     /// Snapshot API requests refused for a missing or wrong token.
     unauthorized_total: AtomicU64,
     /// EDS streams open now (`--xds-listen`), and the listings gateways refused.
@@ -207,6 +209,15 @@ impl Stats {
 
     pub fn eds_write_error(&self) {
         self.eds_write_errors_total.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn set_config_problem_pods(&self, pods: usize) {
+        self.config_problem_pods
+            .store(pods as u64, Ordering::Relaxed);
+    }
+
+    pub fn config_problem_pods(&self) -> u64 {
+        self.config_problem_pods.load(Ordering::Relaxed)
     }
 
     pub fn eds_write_errors_total(&self) -> u64 {

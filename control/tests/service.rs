@@ -414,6 +414,8 @@ async fn serves_scraped_fleet_and_follows_fleet_edits() {
     .await;
     let text = String::from_utf8(fetch(&client, &format!("{base}/metrics")).await.body).unwrap();
     for family in [
+        // Each pod's annotation names a default profile but holds no profile: ignored whole.
+        "pd_control_config_problem_pods 2",
         "pd_control_snapshot_version ",
         "pd_control_snapshot_age_seconds ",
         "pd_control_pods{model=\"m\",role=\"prefill\",state=\"ready\"} 1",

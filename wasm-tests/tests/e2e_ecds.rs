@@ -231,3 +231,48 @@ fn a_rotated_snapshot_token_is_polled_with_while_old_streams_live() {
     stack.clear_faults();
     drop(streams);
 }
+
+/// An ECDS update the filter refuses (here `fetch_timeout_ms` 0): Envoy tries the
+/// new configuration on a canary VM first, which refuses it, so the update is rejected and
+/// counted, and the configuration in force keeps serving every request; a good update after
+/// it takes effect.
+#[test]
+fn a_refused_ecds_update_leaves_the_running_configuration_serving() {
+    let fleet = Fleet::new(MODEL)
+        .pod("vllm-p-0", "prefill", "group-0")
+        .pod("vllm-d-0", "decode", "group-0")
+        .combined("vllm-c-0");
+    let stack = Stack::start_ecds(fleet, &[("ROUTING_ALGORITHM", "random")]);
+    let fails = "extension_config_discovery.http_filter.pd_router.config_fail";
+    let send = || {
+        pd_wasm_tests::http::post_json(&stack.gateway, "/v1/chat/completions", &[], &chat_body())
+    };
+    assert_eq!(send().header("target-pod"), Some("vllm-c-0"));
+    let before = stack.envoy_stat(fails).unwrap_or(0);
+
+    stack.update_ecds_with(&[("ROUTING_ALGORITHM", "pd")], r#""fetch_timeout_ms":0"#);
+    pd_wasm_tests::stack::eventually(Duration::from_secs(15), || {
+        let now = stack.envoy_stat(fails).unwrap_or(0);
+        (now > before)
+            .then_some(())
+            .ok_or_else(|| format!("{fails} {now}: the update was not refused yet"))
+    });
+    for _ in 0..6 {
+        let r = send();
+        assert_eq!(r.status, 200, "{}", describe(&r));
+        assert_eq!(r.header("target-pod"), Some("vllm-c-0"), "{}", describe(&r));
+        assert_eq!(r.header("prefill-target-pod"), None, "{}", describe(&r));
+    }
+    assert!(
+        stack.envoy_log().contains("fetch_timeout_ms"),
+        "the refusal names the field"
+    );
+
+    stack.update_ecds(&[("ROUTING_ALGORITHM", "pd")]);
+    pd_wasm_tests::stack::eventually(Duration::from_secs(15), || {
+        let r = send();
+        (r.status == 200 && r.header("prefill-target-pod") == Some("vllm-p-0"))
+            .then_some(())
+            .ok_or_else(|| describe(&r))
+    });
+}

@@ -459,6 +459,22 @@ impl EnvSettings {
                 vtc: vtc_settings(&mut r),
             },
         };
+        // Both are read per request; a bad value would otherwise surface only as every
+        // request refused (or every key accepted), with nothing said at start.
+        if let Some(v) = &settings.routing_algorithm {
+            if crate::core::profile::Strategy::parse(v).is_err() {
+                r.warnings.push(format!(
+                    "ROUTING_ALGORITHM={v:?} is not a routing strategy (names are lower-case, \
+                     e.g. pd); requests without a routing-strategy header are refused with 400"
+                ));
+            }
+        }
+        if settings.api_key.is_none() && r.is_set("AIBRIX_AUTH_BEARER_TOKEN") {
+            r.warnings.push(
+                "AIBRIX_AUTH_BEARER_TOKEN is set but blank: requests are NOT checked for an API key"
+                    .into(),
+            );
+        }
         (settings, r.warnings)
     }
 }
@@ -666,6 +682,31 @@ mod tests {
         assert_eq!(warnings.len(), 1);
         assert!(warnings[0].contains("AIBRIX_PREFILL_REQUEST_TIMEOUT"));
         assert_eq!(s.single, SingleEnv::default());
+    }
+
+    #[test]
+    fn a_bad_routing_algorithm_and_a_blank_api_key_are_named_at_start() {
+        let env = |k: &str| match k {
+            "ROUTING_ALGORITHM" => Some("PD".to_string()),
+            "AIBRIX_AUTH_BEARER_TOKEN" => Some("  ".to_string()),
+            _ => None,
+        };
+        let (s, warnings) = EnvSettings::from_lookup(env);
+        assert!(s.api_key.is_none());
+        assert_eq!(warnings.len(), 2, "{warnings:?}");
+        assert!(
+            warnings[0].contains("ROUTING_ALGORITHM=\"PD\""),
+            "{warnings:?}"
+        );
+        assert!(warnings[1].contains("NOT checked"), "{warnings:?}");
+        let fine = |k: &str| match k {
+            "ROUTING_ALGORITHM" => Some("least-request:10,throughput".to_string()),
+            "AIBRIX_AUTH_BEARER_TOKEN" => Some("sk-1".to_string()),
+            _ => None,
+        };
+        let (s, warnings) = EnvSettings::from_lookup(fine);
+        assert!(s.api_key.is_some());
+        assert!(warnings.is_empty(), "{warnings:?}");
     }
 
     #[test]

@@ -16,6 +16,11 @@ impl<F: Fn(&str) -> Option<String>> EnvReader<F> {
         }
     }
 
+    /// Whether the variable is set at all, blank included.
+    pub fn is_set(&self, name: &str) -> bool {
+        (self.get)(name).is_some()
+    }
+
     /// The trimmed value, `None` when unset or empty.
     pub fn string(&self, name: &str) -> Option<String> {
         (self.get)(name)

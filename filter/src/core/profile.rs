@@ -321,6 +321,50 @@ pub struct ModelConfig {
     pub profiles: HashMap<String, Profile>,
 }
 
+/// What in a `model.aibrix.ai/config` annotation has no effect, for pd-control to name once
+/// per annotation: the whole annotation when it does not parse (it counts as absent, so a
+/// `lockedRoutingStrategy` in it is lost too), else each profile's dropped `routingConfig`
+/// fields and its score policies no gateway knows (an unknown prefill policy keeps the
+/// default; an unknown decode policy fails the profile's PD requests with 503, as in AIBrix).
+/// AIBrix drops such values with a warning; here the gateways drop them quietly, per request.
+pub fn annotation_problems(annotation: &str) -> Vec<String> {
+    if annotation.trim().is_empty() {
+        return Vec::new();
+    }
+    let Some(config) = ModelConfig::parse(annotation) else {
+        return vec![
+            "the annotation is not a JSON object with profiles: it is ignored whole".to_string(),
+        ];
+    };
+    let mut names: Vec<&String> = config.profiles.keys().collect();
+    names.sort();
+    let mut problems = Vec::new();
+    for name in names {
+        let rc = &config.profiles[name].routing_config;
+        if !rc.invalid.is_empty() {
+            problems.push(format!(
+                "profile {name:?}: routingConfig values dropped as invalid: {}",
+                rc.invalid.join(", ")
+            ));
+        }
+        if let Some(p) = rc.prefill_score_policy.as_deref() {
+            if !p.trim().is_empty() && crate::core::score::PrefillPolicy::parse(p).is_none() {
+                problems.push(format!(
+                    "profile {name:?}: prefillScorePolicy {p:?} is unknown; the gateway default applies"
+                ));
+            }
+        }
+        if let Err(e) =
+            crate::core::score::DecodePolicy::parse_override(rc.decode_score_policy.as_deref())
+        {
+            problems.push(format!(
+                "profile {name:?}: {e}; its PD requests are refused with 503"
+            ));
+        }
+    }
+    problems
+}
+
 /// The header value that asks for hint-based profile selection.
 pub const AUTO_PROFILE: &str = "auto";
 
@@ -664,6 +708,37 @@ mod tests {
                 "prefillRequestTimeout",
                 "tokenLoadSessionTTLSeconds"
             ]
+        );
+    }
+
+    #[test]
+    fn annotation_problems_name_what_has_no_effect() {
+        assert!(annotation_problems("").is_empty());
+        assert!(
+            annotation_problems(CONFIG).len() == 1,
+            "{:?}",
+            annotation_problems(CONFIG)
+        );
+        assert_eq!(
+            annotation_problems("{\"lockedRoutingStrategy\":\"pd\"").len(),
+            1,
+            "cut JSON"
+        );
+        let problems = annotation_problems(
+            r#"{"profiles":{"b":{"routingConfig":{"prefillScorePolicy":"prefix-cache",
+                "decodeScorePolicy":"fastest","tokenLoadTTLSeconds":0.5}},
+                "a":{"routingConfig":{"prefillScorePolicy":"token_load"}}}}"#,
+        );
+        assert_eq!(problems.len(), 3, "{problems:?}");
+        assert!(problems[0].contains("tokenLoadTTLSeconds"), "{problems:?}");
+        assert!(problems[1].contains("\"prefix-cache\""), "{problems:?}");
+        assert!(problems[2].contains("fastest"), "{problems:?}");
+        let fine = r#"{"defaultProfile":"p","profiles":{"p":{"routingStrategy":"pd",
+            "routingConfig":{"prefillScorePolicy":"token_load","decodeScorePolicy":"Token_Load"}}}}"#;
+        assert!(
+            annotation_problems(fine).is_empty(),
+            "{:?}",
+            annotation_problems(fine)
         );
     }
 
