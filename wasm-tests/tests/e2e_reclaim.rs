@@ -93,6 +93,20 @@ fn a_trapped_vms_charges_are_released_and_the_worker_recovers() {
     }
     // Nothing of the dead VM's charge came back (the gauges lag the ledger by ≤ 200 ms).
     pd_wasm_tests::stack::wait_ledger_zero(&stack.admin, Duration::from_secs(10));
+    // Nor does the dead VM count as loaded: every VM logs its first snapshot once and its
+    // end once, and the one that trapped (it never ends) was taken out by its reclaimer.
+    pd_wasm_tests::stack::eventually(Duration::from_secs(10), || {
+        let log = stack.envoy_log();
+        let loaded = log
+            .lines()
+            .filter(|l| l.contains("fleet snapshot") && l.ends_with(" loaded"))
+            .count() as u64;
+        let done = log.matches("plugin done: VM").count() as u64;
+        let vms = stack.stat("pd_router_fleet_loaded_vms");
+        (vms + done + 1 == loaded).then_some(()).ok_or(format!(
+            "{vms} VMs count as loaded; {loaded} loaded, {done} ended, 1 trapped"
+        ))
+    });
     drop(trapped);
 }
 

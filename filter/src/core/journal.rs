@@ -17,7 +17,7 @@ use crate::core::charges::HeldCharges;
 use crate::core::ledger::{Counter, Ledger};
 use crate::core::tokens::{Charge, DecodeCharge};
 
-const MAGIC: [u8; 4] = *b"PDJ\x01";
+const MAGIC: [u8; 4] = *b"PDJ\x02";
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum JournalError {
@@ -31,6 +31,9 @@ pub struct Journal {
     /// Its VM's write sequence: it changes on every write (see [`Liveness`]), and a reclaim
     /// names it so the VM can tell which of its holds the reclaim released.
     pub seq: u64,
+    /// The VM counts itself in `pd_router_fleet_loaded_vms` (it loaded a snapshot and has not
+    /// ended): a dead one cannot take itself out, so its reclaimer does.
+    pub loaded: bool,
     pub holds: Vec<HeldCharges>,
 }
 
@@ -47,18 +50,19 @@ impl Journal {
 }
 
 /// Encodes the holds of one VM with its write sequence.
-pub fn encode<'a>(seq: u64, holds: impl Iterator<Item = &'a HeldCharges>) -> Vec<u8> {
+pub fn encode<'a>(seq: u64, loaded: bool, holds: impl Iterator<Item = &'a HeldCharges>) -> Vec<u8> {
     let records: Vec<Vec<u8>> = holds.map(record).collect();
-    assemble(seq, records.iter().map(Vec::as_slice))
+    assemble(seq, loaded, records.iter().map(Vec::as_slice))
 }
 
 /// A journal from per-hold records (see [`record`]); empty records are skipped. Holds keep
 /// their record and only re-encode it when their charges change, so writing the journal on
 /// every change costs a copy of the records, not a re-encoding of every hold.
-pub fn assemble<'a>(seq: u64, records: impl Iterator<Item = &'a [u8]>) -> Vec<u8> {
+pub fn assemble<'a>(seq: u64, loaded: bool, records: impl Iterator<Item = &'a [u8]>) -> Vec<u8> {
     let mut out = Vec::with_capacity(256);
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&seq.to_le_bytes());
+    out.push(u8::from(loaded));
     let count_at = out.len();
     out.extend_from_slice(&0u32.to_le_bytes());
     let mut count = 0u32;
@@ -160,6 +164,11 @@ pub fn decode(bytes: &[u8]) -> Result<Journal, JournalError> {
         return Err(JournalError::Malformed);
     }
     let seq = r.u64()?;
+    let loaded = match r.u8()? {
+        0 => false,
+        1 => true,
+        _ => return Err(JournalError::Malformed),
+    };
     let count = r.u32()?;
     let mut holds = Vec::with_capacity((count as usize).min(4096));
     for _ in 0..count {
@@ -199,7 +208,7 @@ pub fn decode(bytes: &[u8]) -> Result<Journal, JournalError> {
         }
         holds.push(held);
     }
-    Ok(Journal { seq, holds })
+    Ok(Journal { seq, loaded, holds })
 }
 
 /// Releases everything a dead VM's journal says it held; returns how many requests' charges.
@@ -284,9 +293,14 @@ mod tests {
         let a = charge(&mut ledger, "ns/p0", "ns/d0", 100);
         let b = charge(&mut ledger, "ns/p1", "ns/d1", 7).release_prefill_leg(&mut ledger, 1);
         let done = HeldCharges::default();
-        let bytes = encode(42, [&a, &b, &done].into_iter());
+        let bytes = encode(42, true, [&a, &b, &done].into_iter());
         let j = decode(&bytes).unwrap();
-        assert_eq!(j.seq, 42);
+        assert_eq!((j.seq, j.loaded), (42, true));
+        assert!(
+            !decode(&encode(43, false, std::iter::empty()))
+                .unwrap()
+                .loaded
+        );
         assert_eq!(j.holds, vec![a, b], "empty holds are left out");
     }
 
@@ -303,7 +317,7 @@ mod tests {
             dead[1].release_prefill_leg(&mut ledger, 2),
             dead[2].clone(),
         ];
-        let journal = decode(&encode(9, dead.iter())).unwrap();
+        let journal = decode(&encode(9, true, dead.iter())).unwrap();
         assert_eq!(journal.prefill_legs_in_flight(), 2, "one leg had answered");
         assert_eq!(reclaim(&journal, &mut ledger, 10), 3);
         live.release_rest(&mut ledger, 11);
@@ -313,10 +327,24 @@ mod tests {
     #[test]
     fn garbage_is_refused_not_trusted() {
         assert_eq!(decode(b""), Err(JournalError::Malformed));
-        assert_eq!(decode(b"PDJ\x01\x00"), Err(JournalError::Malformed));
-        let mut ok = encode(1, std::iter::empty());
-        ok[12] = 5; // claims five holds, has none
+        assert_eq!(decode(b"PDJ\x02\x00"), Err(JournalError::Malformed));
+        let mut ok = encode(1, false, std::iter::empty());
+        ok[13] = 5; // claims five holds, has none
         assert_eq!(decode(&ok), Err(JournalError::Malformed));
+        let mut flag = encode(1, false, std::iter::empty());
+        flag[12] = 2;
+        assert_eq!(
+            decode(&flag),
+            Err(JournalError::Malformed),
+            "a flag is 0 or 1"
+        );
+        let mut older = encode(1, false, std::iter::empty());
+        older[3] = 1;
+        assert_eq!(
+            decode(&older),
+            Err(JournalError::Malformed),
+            "another format"
+        );
     }
 
     #[test]

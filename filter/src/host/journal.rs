@@ -155,6 +155,9 @@ impl JournalWriter {
                         .track_pods(journal.holds.iter().flat_map(charged_pods));
                     let legs = journal.prefill_legs_in_flight() as i64;
                     Metrics::gauge_add(state.metrics.prefill_outstanding, -legs);
+                    if journal.loaded {
+                        Metrics::gauge_add(state.metrics.fleet_loaded_vms, -1);
+                    }
                     drop(state);
                     let _ = SharedData.set(&reclaimed_key(token), &journal.seq.to_le_bytes(), None);
                 }
@@ -178,7 +181,11 @@ impl JournalWriter {
 /// false when shared data refused the journal.
 pub fn write(vm: &VmState) -> bool {
     let seq = vm.journal_seq.get().wrapping_add(1);
-    let bytes = journal::assemble(seq, vm.holds.values().map(|h| h.record.as_slice()));
+    let bytes = journal::assemble(
+        seq,
+        vm.fleet_counted.get(),
+        vm.holds.values().map(|h| h.record.as_slice()),
+    );
     match SharedData.set(&vm.journal_key, &bytes, None) {
         Ok(_) => {
             vm.journal_seq.set(seq);
@@ -204,7 +211,11 @@ fn parse(value: Option<&[u8]>) -> Vec<u64> {
         .collect()
 }
 
+/// Never empty (an empty line for no token): an empty value may read as an absent key.
 fn render(tokens: &[u64]) -> String {
+    if tokens.is_empty() {
+        return "\n".into();
+    }
     tokens.iter().map(|t| format!("{t:016x}\n")).collect()
 }
 
@@ -216,6 +227,38 @@ pub fn ensure_registry() -> Result<(), StoreError> {
         SharedData.set(REGISTRY_KEY, b"\n", None)?;
     }
     Ok(())
+}
+
+/// Takes an ending VM's journal off the registry when it holds nothing, else rewrites it
+/// (a later reclaim then releases its holds without taking it out of the loaded count again).
+pub fn leave(vm: &VmState) {
+    if !vm.holds.is_empty() || !vm.journal_registered.get() {
+        if vm.journal_registered.get() {
+            write(vm);
+        }
+        return;
+    }
+    for _ in 0..16 {
+        let Ok((value, cas)) = SharedData.get(REGISTRY_KEY) else {
+            return;
+        };
+        let mut tokens = parse(value.as_deref());
+        let before = tokens.len();
+        tokens.retain(|t| *t != vm.journal_token);
+        if tokens.len() == before {
+            break;
+        }
+        match SharedData.set(REGISTRY_KEY, render(&tokens).as_bytes(), cas) {
+            Ok(true) => break,
+            Ok(false) => continue,
+            Err(e) => {
+                log::warn!("cannot take the journal off the registry: {e}");
+                return;
+            }
+        }
+    }
+    vm.journal_registered.set(false);
+    let _ = SharedData.set(&vm.journal_key, &[], None);
 }
 
 fn register(token: u64) -> Result<(), StoreError> {

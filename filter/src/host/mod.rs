@@ -107,6 +107,8 @@ pub struct VmState {
     /// journal write, which comes with the VM's first charge or tick; cleared when the VM
     /// finds it was declared dead.
     pub journal_registered: std::cell::Cell<bool>,
+    /// The VM counts itself in `pd_router_fleet_loaded_vms` (said in its journal).
+    pub fleet_counted: std::cell::Cell<bool>,
     /// The sequence of the journal last written (`host::journal::write`); a hold made after
     /// it is not in that journal yet.
     pub journal_seq: std::cell::Cell<u64>,

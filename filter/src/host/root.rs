@@ -147,6 +147,7 @@ impl Root {
                 journal_token: seed | 1,
                 journal_key: crate::host::journal::key_of(seed | 1),
                 journal_registered: Default::default(),
+                fleet_counted: Default::default(),
                 journal_seq: Default::default(),
                 engines: EngineState::new(EngineDefaults::default()),
                 watched: hashbrown::HashMap::new(),
@@ -467,6 +468,10 @@ impl Root {
             self.loaded_once = true;
             Metrics::gauge_add(loaded_gauge, 1);
             log::info!("fleet snapshot {version} loaded");
+            // Said in the journal at once: should the VM die, its reclaimer takes it out.
+            let vm = self.vm.borrow();
+            vm.fleet_counted.set(true);
+            crate::host::journal::write(&vm);
         }
     }
 
@@ -693,6 +698,10 @@ impl Context for Root {
         if self.loaded_once {
             Metrics::gauge_add(vm.metrics.fleet_loaded_vms, -1);
         }
+        vm.fleet_counted.set(false);
+        // A root that ends is no dead VM: off the registry, unless its requests still hold
+        // charges (then its journal, now saying it no longer counts itself, stays watched).
+        crate::host::journal::leave(&vm);
         snapshot::release_lease(self.token);
         log::info!("plugin done: VM {:x} leaves", self.token);
         true
