@@ -663,6 +663,13 @@ fn wasm_plugin_mirrors_the_drop_in_and_never_fails_open() {
     );
 }
 
+fn name_of_yaml(object: &Yaml) -> String {
+    object["metadata"]["name"]
+        .as_str()
+        .expect("a named object")
+        .to_string()
+}
+
 fn patches(rel: &str) -> Vec<(Yaml, Yaml)> {
     let mut out = Vec::new();
     let selector = wasm_plugin()["spec"]["selector"]["matchLabels"].clone();
@@ -711,15 +718,22 @@ fn everything_targets_one_dedicated_gateway() {
 #[test]
 fn envoy_filters_add_the_clusters_the_plugin_names() {
     let (_, config) = plugin_config(&wasm_plugin());
+    let mut filter_of = BTreeMap::new();
     let clusters: BTreeMap<String, Yaml> = patches("envoy/istio/envoyfilter-clusters.yaml")
         .into_iter()
         .filter(|(p, _)| p["applyTo"].as_str() == Some("CLUSTER"))
-        .map(|(p, _)| {
+        .map(|(p, filter)| {
             assert_eq!(p["patch"]["operation"].as_str(), Some("ADD"));
             let value = p["patch"]["value"].clone();
-            (value["name"].as_str().unwrap().to_string(), value)
+            let name = value["name"].as_str().unwrap().to_string();
+            filter_of.insert(name.clone(), name_of_yaml(&filter));
+            (name, value)
         })
         .collect();
+    // An istiod refusing the retrying cluster (its load-balancing extension unknown to it)
+    // refuses its EnvoyFilter whole: the clusters every request needs must not be in it.
+    assert_ne!(filter_of["pd_pods_retry"], filter_of["pd_pods"]);
+    assert_ne!(filter_of["pd_pods_retry"], filter_of["pd_control"]);
 
     let pods = &clusters[&config.pods_cluster];
     assert_eq!(pods["type"].as_str(), Some("ORIGINAL_DST"));
@@ -767,20 +781,14 @@ fn envoy_filters_add_the_clusters_the_plugin_names() {
     );
     let source = &retry["eds_cluster_config"]["eds_config"]["api_config_source"];
     assert_eq!(source["api_type"].as_str(), Some("GRPC"));
-    let xds_cluster = source["grpc_services"][0]["envoy_grpc"]["cluster_name"]
-        .as_str()
-        .expect("an Envoy gRPC service");
-    let xds = &clusters[xds_cluster];
+    // Istio delivers the cluster over CDS: its gRPC source cannot name another cluster (Envoy
+    // refuses an `envoy_grpc` source that is not a bootstrap cluster), so it dials pd-control
+    // itself.
+    let google = &source["grpc_services"][0]["google_grpc"];
     assert!(
-        !xds["typed_extension_protocol_options"]
-            ["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]["explicit_http_config"]
-            ["http2_protocol_options"]
-            .is_null(),
-        "gRPC needs HTTP/2"
+        source["grpc_services"][0]["envoy_grpc"].is_null(),
+        "no envoy_grpc source on a CDS cluster"
     );
-    let address = &xds["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
-        ["socket_address"];
-    assert_eq!(address["address"].as_str(), Some(fqdn.as_str()));
     let grpc_port = svc
         .spec
         .as_ref()
@@ -792,7 +800,10 @@ fn envoy_filters_add_the_clusters_the_plugin_names() {
         .find(|p| p.name.as_deref().is_some_and(|n| n.starts_with("grpc")))
         .expect("the Service's gRPC port")
         .port;
-    assert_eq!(address["port_value"].as_i64(), Some(i64::from(grpc_port)));
+    assert_eq!(
+        google["target_uri"].as_str(),
+        Some(format!("{fqdn}:{grpc_port}").as_str())
+    );
     assert!(config.connect_retry, "the plugin names stand-ins");
 }
 
@@ -1030,11 +1041,21 @@ fn no_route_cuts_a_long_generation() {
             "{route:?}"
         );
     }
+    // Istio's validation refuses a VirtualService timeout under 1 ms ("duration must be
+    // greater than 1ms"): `0s` there would reject the whole VirtualService. The route patch
+    // above takes the total timeout off; Istio's own default sets none.
     let services = one_of(rel, "VirtualService");
-    assert_eq!(
-        services[0]["spec"]["http"][0]["timeout"].as_str(),
-        Some("0s")
+    assert!(
+        services[0]["spec"]["http"][0]["timeout"].is_null(),
+        "{:?}",
+        services[0]["spec"]["http"][0]["timeout"]
     );
+    // Until the route patch applies, the route's own destination answers: never pd-control,
+    // whose API the gateway's clients must not reach.
+    let host = services[0]["spec"]["http"][0]["route"][0]["destination"]["host"]
+        .as_str()
+        .expect("a destination");
+    assert!(host.starts_with("pd-router-placeholder."), "{host}");
 }
 
 /// pd-control's cluster carries per-request calls (admissions, the external router), so
@@ -1063,6 +1084,16 @@ fn pd_controls_cluster_is_not_held_to_envoys_default_limits() {
 fn every_istio_document_names_itself() {
     for file in yaml_files("envoy/istio") {
         for doc in documents(&file) {
+            if doc["apiVersion"].as_str() == Some("v1") {
+                // The route's placeholder destination: a Service nothing stands behind.
+                let svc: Service = typed(&doc, &file);
+                assert_eq!(name_of(&svc.metadata), "pd-router-placeholder", "{file}");
+                assert!(
+                    svc.spec.as_ref().is_some_and(|s| s.selector.is_none()),
+                    "{file}: a placeholder selects no pod"
+                );
+                continue;
+            }
             assert!(
                 doc["apiVersion"]
                     .as_str()

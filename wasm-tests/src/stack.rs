@@ -367,14 +367,21 @@ pub fn with_internal_clients(rendered: String) -> String {
     )
 }
 
-/// Points a rendered drop-in's retrying cluster at pd-control's gRPC EDS service at `xds`: its
-/// `pd_pods_retry` is replaced by the clusters `envoy/istio/envoyfilter-clusters.yaml` adds to an
-/// Istio gateway (`pd_pods_retry` over EDS and `pd_control_xds`, the latter pointed at `xds`),
-/// so the Istio manifests' cluster configuration is what this Envoy loads and runs.
-pub fn eds_over_grpc(rendered: String, xds: &str) -> String {
+/// Points a rendered drop-in's retrying cluster at pd-control's gRPC EDS service at `xds` as
+/// an Istio gateway gets it: the drop-in's own `pd_pods_retry` goes, and the one
+/// `envoy/istio/envoyfilter-clusters.yaml` adds (its gRPC target pointed at `xds`) arrives
+/// over CDS, from the file `cds` (Istio sends an EnvoyFilter's clusters over ADS, never in the
+/// bootstrap, and Envoy holds a dynamic cluster to rules a static one escapes: a gRPC config
+/// source naming another cluster is refused, for one). `initial_fetch_timeout` bounds the
+/// cluster's wait for its first listing. So the Istio manifests' cluster is what this Envoy
+/// loads and runs, as Istio would deliver it.
+pub fn eds_over_grpc(
+    rendered: String,
+    xds: &str,
+    cds: &Path,
+    initial_fetch_timeout: Option<&str>,
+) -> String {
     use serde::Deserialize as _;
-    let (host, port) = xds.rsplit_once(':').expect("host:port");
-    let port: u16 = port.parse().expect("a port");
     let text = std::fs::read_to_string(repo_root().join("envoy/istio/envoyfilter-clusters.yaml"))
         .expect("the Istio cluster patches");
     let mut clusters = std::collections::BTreeMap::new();
@@ -392,14 +399,30 @@ pub fn eds_over_grpc(rendered: String, xds: &str) -> String {
             }
         }
     }
-    let retry = clusters
+    let mut retry = clusters
         .remove("pd_pods_retry")
         .expect("Istio's pd_pods_retry");
-    let mut xds_cluster = clusters
-        .remove("pd_control_xds")
-        .expect("Istio's pd_control_xds");
-    xds_cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
-        ["socket_address"] = serde_json::json!({"address": host, "port_value": port});
+    let eds_config = &mut retry["eds_cluster_config"]["eds_config"];
+    if let Some(timeout) = initial_fetch_timeout {
+        eds_config["initial_fetch_timeout"] = serde_json::json!(timeout);
+    }
+    let grpc = &mut eds_config["api_config_source"]["grpc_services"][0];
+    let mut resources = Vec::new();
+    if grpc["google_grpc"]["target_uri"].is_string() {
+        grpc["google_grpc"]["target_uri"] = serde_json::json!(xds);
+    } else if let Some(name) = grpc["envoy_grpc"]["cluster_name"].as_str() {
+        // A cluster of the same patches carrying the gRPC service: over CDS as well.
+        let mut carrier = clusters.remove(name).expect("the gRPC service's cluster");
+        let (host, port) = xds.rsplit_once(':').expect("host:port");
+        carrier["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+            ["socket_address"] = serde_json::json!({"address": host, "port_value": port.parse::<u16>().expect("a port")});
+        resources.push(carrier);
+    }
+    resources.push(retry);
+    for cluster in &mut resources {
+        cluster["@type"] = serde_json::json!("type.googleapis.com/envoy.config.cluster.v3.Cluster");
+    }
+    std::fs::write(cds, serde_json::json!({"resources": resources}).to_string()).expect("CDS file");
     let lines: Vec<&str> = rendered.lines().collect();
     let start = lines
         .iter()
@@ -411,11 +434,26 @@ pub fn eds_over_grpc(rendered: String, xds: &str) -> String {
             .iter()
             .position(|l| l.starts_with("  - ") || l.starts_with("  #"))
             .expect("a cluster after the retrying one");
-    // JSON is YAML: one flow-style list item per cluster.
-    let mut out: Vec<String> = lines[..start].iter().map(|l| l.to_string()).collect();
-    out.push(format!("  - {retry}"));
-    out.push(format!("  - {xds_cluster}"));
-    out.extend(lines[end..].iter().map(|l| l.to_string()));
+    let mut out: Vec<String> = Vec::with_capacity(lines.len() + 5);
+    for line in lines[..start].iter().chain(&lines[end..]) {
+        out.push(line.to_string());
+        // Its routes name a cluster that comes later, over CDS (Istio's come over RDS, which
+        // Envoy does not check against the clusters it has).
+        if *line == "            name: pd_routes" {
+            out.push("            validate_clusters: false".into());
+        }
+    }
+    assert!(
+        out.iter().any(|l| l.ends_with("validate_clusters: false")),
+        "the drop-in's route configuration"
+    );
+    out.push("dynamic_resources:".into());
+    out.push("  cds_config:".into());
+    out.push("    resource_api_version: V3".into());
+    out.push(format!(
+        "    path_config_source: {{path: \"{}\"}}",
+        cds.display()
+    ));
     let mut joined = out.join("\n");
     joined.push('\n');
     joined
@@ -980,7 +1018,7 @@ impl Stack {
             Some(_) => rendered,
         };
         let rendered = match &stack.xds {
-            Some(xds) => eds_over_grpc(rendered, xds),
+            Some(xds) => eds_over_grpc(rendered, xds, &dir.join("cds.json"), None),
             None => rendered,
         };
         let rendered = if options.internal_clients {

@@ -1668,17 +1668,14 @@ fn only_a_gateway_whose_cluster_took_the_listing_names_stand_ins() {
     );
     wait_stand_ins_allowed(&stack);
     let nowhere = format!("127.0.0.1:{}", pd_wasm_tests::stack::free_port());
+    let cds_b = stack.dir.join("cds-b.json");
     let b = stack.add_gateway_edited(|config| {
         let config = config.replace(
             "node: {id: pd-router, cluster: pd-router}",
             "node: {id: gateway-b, cluster: pd-router}",
         );
         // An EDS source that never answers: the cluster starts empty after 1 s.
-        pd_wasm_tests::stack::eds_over_grpc(config, &nowhere).replacen(
-            "\"resource_api_version\":\"V3\"",
-            "\"initial_fetch_timeout\":\"1s\",\"resource_api_version\":\"V3\"",
-            1,
-        )
+        pd_wasm_tests::stack::eds_over_grpc(config, &nowhere, &cds_b, Some("1s"))
     });
     let session = session_id(&fleet.spec("c-0").address());
     let to_c0 = [
