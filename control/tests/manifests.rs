@@ -136,7 +136,7 @@ fn assert_pod_reader(rules: &Option<Vec<PolicyRule>>, origin: &str) {
         .map(|rule| {
             let mut verbs = rule.verbs.clone();
             verbs.sort();
-            assert_eq!(verbs, ["get", "list", "watch"], "{origin}: verbs");
+            assert_eq!(verbs, ["list", "watch"], "{origin}: verbs");
             assert!(rule.resource_names.is_none(), "{origin}: resourceNames");
             assert!(
                 rule.non_resource_urls.is_none(),
@@ -390,19 +390,36 @@ fn control_deployment_matches_its_cli_service_and_account() {
     )
     .unwrap_or_else(|e| panic!("pd-control rejects {args:?}: {e}"));
     config.validate().unwrap();
+    // Probes on --metrics-listen (docs/OPERATOR.md: its own connection cap keeps a flood on
+    // the API port from failing them). A startup probe outlasts the first pod list's retries
+    // (--kube-startup-timeout, 60 s: the listeners bind after it), and liveness follows
+    // readiness, so a control loop that stopped turning is restarted, not left unready.
+    let metrics = config.metrics_listen.expect("--metrics-listen");
     let port = control
         .ports
         .as_ref()
         .unwrap()
         .iter()
-        .find(|p| p.container_port == i32::from(config.listen.port()))
-        .expect("--listen port is a declared containerPort");
+        .find(|p| p.container_port == i32::from(metrics.port()))
+        .expect("--metrics-listen port is a declared containerPort");
     let port_name = port.name.clone().expect("named port");
-    for probe in [&control.readiness_probe, &control.liveness_probe] {
-        let get = probe.as_ref().unwrap().http_get.as_ref().unwrap();
+    let probes = [
+        (&control.startup_probe, "/healthz"),
+        (&control.readiness_probe, "/readyz"),
+        (&control.liveness_probe, "/readyz"),
+    ];
+    for (probe, path) in probes {
+        let probe = probe.as_ref().expect("startup, readiness and liveness probes");
+        let get = probe.http_get.as_ref().unwrap();
         assert_eq!(get.port, IntOrString::String(port_name.clone()));
-        assert!(matches!(get.path.as_deref(), Some("/readyz" | "/healthz")));
+        assert_eq!(get.path.as_deref(), Some(path));
     }
+    let startup = control.startup_probe.as_ref().unwrap();
+    let budget = startup.period_seconds.unwrap_or(10) * startup.failure_threshold.unwrap_or(3);
+    assert!(
+        budget > 60 + 10,
+        "the startup probe gives {budget} s, less than the first list's retries"
+    );
 
     // The EDS service of the gateway's retrying cluster listens on a declared port too, which
     // the Service offers as gRPC.
@@ -477,8 +494,15 @@ fn control_deployment_matches_its_cli_service_and_account() {
             "service selector {key}"
         );
     }
+    let listen_port = control
+        .ports
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|p| p.container_port == i32::from(config.listen.port()))
+        .expect("--listen port is a declared containerPort");
     let sport = &svc_spec.ports.as_ref().unwrap()[0];
-    assert_eq!(sport.target_port, Some(IntOrString::String(port_name)));
+    assert_eq!(sport.target_port, listen_port.name.clone().map(IntOrString::String));
     assert!(
         sport.name.as_deref().unwrap().starts_with("http"),
         "Istio protocol by port name"
