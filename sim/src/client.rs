@@ -379,12 +379,21 @@ async fn read_stream(
 ) {
     let mut progress = SseProgress::default();
     let mut buf = String::new();
+    let mut last_token: Option<Instant> = None;
     loop {
         match timeout_at(deadline, resp.chunk()).await {
             Ok(Ok(Some(chunk))) => {
                 buf.push_str(&String::from_utf8_lossy(&chunk).replace("\r\n", "\n"));
-                if progress.feed(&mut buf) && r.ttft_ms.is_none() {
-                    r.ttft_ms = Some(ms(start.elapsed()));
+                if progress.feed(&mut buf) {
+                    let now = Instant::now();
+                    if r.ttft_ms.is_none() {
+                        r.ttft_ms = Some(ms(now - start));
+                    }
+                    if let Some(last) = last_token {
+                        let gap = ms(now - last);
+                        r.max_gap_ms = Some(r.max_gap_ms.map_or(gap, |m| m.max(gap)));
+                    }
+                    last_token = Some(now);
                 }
             }
             Ok(Ok(None)) => break,

@@ -148,6 +148,9 @@ pub struct RequestResult {
     pub tokens: u64,
     /// `--direct-prefill`: the duration of the prefill leg pd-load made itself.
     pub prefill_ms: Option<f64>,
+    /// Streams: the longest wait between two reads that brought tokens, after the first
+    /// token (a gateway that holds a stream back shows here, where the mean TPOT hides it).
+    pub max_gap_ms: Option<f64>,
 }
 
 impl RequestResult {

@@ -21,6 +21,9 @@ pub struct Run {
     pub ttft_p50: f64,
     pub ttft_p99: f64,
     pub tpot_p99: f64,
+    /// p99 of each stream's longest wait between token reads (NaN for runs before pd-load
+    /// measured it).
+    pub gap_p99: f64,
     pub completed_rps: f64,
     pub errors: u64,
     pub requests: u64,
@@ -101,6 +104,7 @@ impl Run {
             ttft_p50: f(v, "/summary/ttft_ms/p50"),
             ttft_p99: f(v, "/summary/ttft_ms/p99"),
             tpot_p99: f(v, "/summary/tpot_ms/p99"),
+            gap_p99: f(v, "/summary/max_gap_ms/p99"),
             completed_rps: f(v, "/summary/completed_rps"),
             errors: v
                 .pointer("/summary/errors")
@@ -341,8 +345,8 @@ pub fn overhead_tables(results: &Results) -> String {
         let stream = scenario.starts_with("stream");
         let _ = writeln!(out, "\n#### {scenario}\n");
         if stream {
-            let _ = writeln!(out, "| target | TTFT p50 ms | TTFT p99 ms | TPOT p99 ms | E2E p50 ms | E2E p99 ms | rps | CPU µs/req | errors |");
-            let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|");
+            let _ = writeln!(out, "| target | TTFT p50 ms | TTFT p99 ms | TPOT p99 ms | longest gap p99 ms | E2E p50 ms | E2E p99 ms | rps | CPU µs/req | errors |");
+            let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|");
         } else {
             let _ = writeln!(
                 out,
@@ -356,10 +360,11 @@ pub fn overhead_tables(results: &Results) -> String {
             if stream {
                 let _ = writeln!(
                     out,
-                    "| {t} | {} | {} | {} | {} | {} | {} | {} | {errors} |",
+                    "| {t} | {} | {} | {} | {} | {} | {} | {} | {} | {errors} |",
                     num(c.med(|r| r.ttft_p50), 2),
                     num(c.med(|r| r.ttft_p99), 2),
                     num(c.med(|r| r.tpot_p99), 3),
+                    num(c.med(|r| r.gap_p99), 2),
                     num(c.med(|r| r.e2e_p50), 2),
                     num(c.med(|r| r.e2e_p99), 2),
                     num(c.med(|r| r.completed_rps), 0),
@@ -526,14 +531,15 @@ pub fn policy_tables(results: &Results, bound: Bound) -> String {
     let mut out = String::new();
     for (scenario, cells) in results.iter().filter(|(s, _)| s.starts_with("policy")) {
         let _ = writeln!(out, "\n#### {scenario}\n");
-        let _ = writeln!(out, "| prefill + decode policy | TTFT p50 ms | TTFT p99 ms | E2E p99 ms | rps | hit rate | errors |");
-        let _ = writeln!(out, "|---|---|---|---|---|---|---|");
+        let _ = writeln!(out, "| prefill + decode policy | TTFT p50 ms | TTFT p99 ms | longest gap p99 ms | E2E p99 ms | rps | hit rate | errors |");
+        let _ = writeln!(out, "|---|---|---|---|---|---|---|---|");
         for (t, c) in cells {
             let _ = writeln!(
                 out,
-                "| {t} | {} | {} | {} | {} | {} | {}/{} |",
+                "| {t} | {} | {} | {} | {} | {} | {} | {}/{} |",
                 num(c.med(|r| r.ttft_p50), 1),
                 num(c.med(|r| r.ttft_p99), 1),
+                num(c.med(|r| r.gap_p99), 1),
                 num(c.med(|r| r.e2e_p99), 1),
                 num(c.med(|r| r.completed_rps), 1),
                 num(c.med_opt(|r| r.hit_rate) * 100.0, 1) + " %",

@@ -79,6 +79,8 @@ pub struct Summary {
     /// Over successful requests only.
     pub ttft_ms: Option<Dist>,
     pub tpot_ms: Option<Dist>,
+    /// Streams: each request's longest wait between two reads bringing tokens.
+    pub max_gap_ms: Option<Dist>,
     pub e2e_ms: Option<Dist>,
     /// `--direct-prefill` runs: the prefill leg pd-load made itself.
     pub prefill_ms: Option<Dist>,
@@ -124,6 +126,7 @@ pub fn summarize(
         pods: pod_rows(results, target),
         ttft_ms: Dist::of(ok.iter().filter_map(|r| r.ttft_ms)),
         tpot_ms: Dist::of(ok.iter().filter_map(|r| r.tpot_ms())),
+        max_gap_ms: Dist::of(ok.iter().filter_map(|r| r.max_gap_ms)),
         e2e_ms: Dist::of(ok.iter().map(|r| r.e2e_ms)),
         prefill_ms: Dist::of(ok.iter().filter_map(|r| r.prefill_ms)),
         output_tokens,
@@ -228,6 +231,9 @@ pub fn render(s: &Summary) -> String {
     }
     let _ = writeln!(out, "{}", fmt_dist("TTFT", &s.ttft_ms));
     let _ = writeln!(out, "{}", fmt_dist("TPOT", &s.tpot_ms));
+    if s.max_gap_ms.is_some() {
+        let _ = writeln!(out, "{}", fmt_dist("GAP ", &s.max_gap_ms));
+    }
     let _ = writeln!(out, "{}", fmt_dist("E2E ", &s.e2e_ms));
     if s.prefill_ms.is_some() {
         let _ = writeln!(out, "{}", fmt_dist("PREF", &s.prefill_ms));
@@ -329,6 +335,27 @@ mod tests {
             tokens: 6,
             ..RequestResult::default()
         }
+    }
+
+    #[test]
+    fn the_longest_gap_of_each_stream_is_summarised_over_successes() {
+        let gap = |g: Option<f64>, status: u16| RequestResult {
+            max_gap_ms: g,
+            ..result(Some(status), Some("d0"), Some("p0"))
+        };
+        let results = [
+            gap(Some(1.0), 200),
+            gap(Some(40.0), 200),
+            gap(None, 200),
+            gap(Some(900.0), 503),
+        ];
+        let s = summarize(&results, 1.0, 1.0, 0, "x");
+        let d = s.max_gap_ms.as_ref().expect("gaps");
+        assert_eq!((d.count, d.max), (2, 40.0), "successes with a gap only");
+        assert!(render(&s).contains("GAP  ms  p50 20.5"), "{}", render(&s));
+        let none = summarize(&[gap(None, 200)], 1.0, 1.0, 0, "x");
+        assert!(none.max_gap_ms.is_none());
+        assert!(!render(&none).contains("GAP"));
     }
 
     #[test]
