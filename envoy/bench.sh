@@ -339,7 +339,14 @@ overhead() {
       --duration "$((SECS * ${#targets[@]}))s" --rps 200 --arrival fixed --concurrency-limit 1 \
       > "$RUN/last-load.txt" 2>&1 || true
     log "lat1i-2k #$rep: $(grep -c '^\[' "$RUN/last-load.txt") targets dealt one run"
-    for t in "${targets[@]}"; do
+    # Every other round in reverse (A B C, C B A, ...): with a fixed order a drift of the box
+    # over the sitting would favour the targets run first in every round.
+    local order=("${targets[@]}") i
+    if ((rep % 2 == 0)); then
+      order=()
+      for ((i = ${#targets[@]} - 1; i >= 0; i--)); do order+=("${targets[$i]}"); done
+    fi
+    for t in "${order[@]}"; do
       read -r name url cpu <<< "$t"
       [ "$cpu" = - ] && cpu=
       # shellcheck disable=SC2086
