@@ -75,7 +75,7 @@ FUZZ_SECONDS ?= 60
 FUZZ_TARGETS := request model_config snapshot prometheus external_answer sse_usage shared_state upstream_error label_selector
 fuzz:
 	@rustup toolchain list | grep -q '^nightly' || rustup toolchain install nightly --profile minimal
-	@command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
+	@command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --version 0.13.2 --locked
 	@set -e; for t in $(FUZZ_TARGETS); do \
 	  echo "== fuzz $$t ($(FUZZ_SECONDS) s)"; \
 	  (cd fuzz && cargo +nightly fuzz run --features control $$t -- -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=4096 \
@@ -95,7 +95,7 @@ FUZZ_SMOKE_SECONDS ?= 5
 FUZZ_SMOKE_FLAGS := -O -a -s none
 FUZZ_SMOKE_TARGETS := request model_config snapshot sse_usage shared_state upstream_error label_selector
 fuzz-smoke:
-	@command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
+	@command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --version 0.13.2 --locked
 	cd fuzz && env -u CARGO_TARGET_DIR cargo fuzz build $(FUZZ_SMOKE_FLAGS)
 	@set -e; for t in $(FUZZ_SMOKE_TARGETS); do \
 	  out=$$(cd fuzz && env -u CARGO_TARGET_DIR cargo fuzz run $(FUZZ_SMOKE_FLAGS) $$t -- \
