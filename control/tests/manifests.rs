@@ -409,7 +409,9 @@ fn control_deployment_matches_its_cli_service_and_account() {
         (&control.liveness_probe, "/readyz"),
     ];
     for (probe, path) in probes {
-        let probe = probe.as_ref().expect("startup, readiness and liveness probes");
+        let probe = probe
+            .as_ref()
+            .expect("startup, readiness and liveness probes");
         let get = probe.http_get.as_ref().unwrap();
         assert_eq!(get.port, IntOrString::String(port_name.clone()));
         assert_eq!(get.path.as_deref(), Some(path));
@@ -502,7 +504,10 @@ fn control_deployment_matches_its_cli_service_and_account() {
         .find(|p| p.container_port == i32::from(config.listen.port()))
         .expect("--listen port is a declared containerPort");
     let sport = &svc_spec.ports.as_ref().unwrap()[0];
-    assert_eq!(sport.target_port, listen_port.name.clone().map(IntOrString::String));
+    assert_eq!(
+        sport.target_port,
+        listen_port.name.clone().map(IntOrString::String)
+    );
     assert!(
         sport.name.as_deref().unwrap().starts_with("http"),
         "Istio protocol by port name"
