@@ -115,7 +115,8 @@ def image_blobs(wasm, platform=DEFAULT_PLATFORM):
                     "mediaType": LAYER_TYPE,
                     "digest": sha256_digest(layer),
                     "size": len(layer),
-                    "annotations": {"org.opencontainers.image.title": PLUGIN_FILE},
+                    # No `org.opencontainers.image.title`: oras would save the gzipped tar
+                    # under that name, as if it were the module itself.
                 }
             ],
         }
