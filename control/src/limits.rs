@@ -859,11 +859,21 @@ impl UserLimits {
                             Some(2) => {
                                 self.duplicates_total.fetch_add(1, Ordering::Relaxed);
                             }
+                            Some(0) => {
+                                // Redis refused this user's counter (not an integer, another
+                                // type). A resend would fail alike and hold the worker's
+                                // newer reports, every other user's tokens, behind it for a
+                                // minute: these tokens are given up, counted and logged.
+                                self.errors_total.fetch_add(1, Ordering::Relaxed);
+                                self.warn_record(&format!(
+                                    "the token counter of {name} is not an integer: {tokens} tokens not counted"
+                                ));
+                            }
                             _ => {
-                                reason = format!("the token counter of {name} is not an integer");
+                                reason = format!("the usage script answered {flags:?}");
                             }
                         }
-                        added.push(matches!(flag, Some(1 | 2)));
+                        added.push(matches!(flag, Some(0..=2)));
                     }
                 }
                 Err(e) => {

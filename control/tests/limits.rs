@@ -265,12 +265,13 @@ async fn checks_count_against_aibrix_records_and_survive_a_redis_outage() {
     let answer = admit(&base, "erin").await;
     assert_eq!(answer["outcome"], "store_error", "{answer}");
     assert_eq!(answer["stage"], "counters");
-    // Her token counter too: her tokens are not added, the others' are (503 all the same).
+    // Her token counter too: her tokens are given up, the others' are added, and the report
+    // is taken (sent again, it would fail alike and hold newer reports behind it).
     let _: () = db
         .set("aibrix:erin_TPM_CURRENT:60000:counter", "garbage")
         .await
         .expect("set");
-    assert_eq!(usage(&base, json!({"erin": 5, "alice": 7})).await, 503);
+    assert_eq!(usage(&base, json!({"erin": 5, "alice": 7})).await, 204);
     let tokens: i64 = db
         .get("aibrix:alice_TPM_CURRENT:60000:counter")
         .await
@@ -358,38 +359,46 @@ async fn a_report_sent_again_adds_each_user_once() {
     let alice_tpm = "aibrix:alice_TPM_CURRENT:60000:counter";
     let _: () = db.set(erin_tpm, "not a number").await.expect("set");
     let report = json!({"alice": 7, "erin": 5});
-    // erin's counter cannot take it: 503, alice's tokens added.
-    assert_eq!(usage_as(&base, "vm1-1", &report).await, 503);
+    // erin's counter cannot take it: her tokens are given up and counted as an error (sent
+    // again, the report would fail alike and hold the gateway's newer reports behind it),
+    // alice's are added: the report is taken.
+    let errors = metric(&base, "pd_control_user_limit_errors_total").await;
+    assert_eq!(usage_as(&base, "vm1-1", &report).await, 204);
+    assert_eq!(
+        metric(&base, "pd_control_user_limit_errors_total").await,
+        errors + 1.0
+    );
     let tokens = |db: &mut redis::aio::MultiplexedConnection, key: &'static str| {
         let mut db = db.clone();
         async move { db.get::<_, Option<i64>>(key).await.expect("get") }
     };
     assert_eq!(tokens(&mut db, alice_tpm).await, Some(7));
-    // Sent again once erin's counter is sound: erin added, alice not again.
+    // Sent again (its 204 lost on the way back) once erin's counter is sound: nothing is
+    // added twice, and erin's given-up tokens stay given up.
     let _: () = db.del(erin_tpm).await.expect("del");
     assert_eq!(usage_as(&base, "vm1-1", &report).await, 204);
     assert_eq!(tokens(&mut db, alice_tpm).await, Some(7));
-    assert_eq!(tokens(&mut db, erin_tpm).await, Some(5));
+    assert_eq!(tokens(&mut db, erin_tpm).await, None);
     assert_eq!(
         metric(&base, "pd_control_user_usage_duplicates_total").await,
-        1.0
+        2.0
     );
-    // A third copy (its 204 lost on the way back) adds nothing.
+    // A third copy adds nothing either.
     assert_eq!(usage_as(&base, "vm1-1", &report).await, 204);
     assert_eq!(tokens(&mut db, alice_tpm).await, Some(7));
-    assert_eq!(tokens(&mut db, erin_tpm).await, Some(5));
+    assert_eq!(tokens(&mut db, erin_tpm).await, None);
     assert_eq!(
         metric(&base, "pd_control_user_usage_duplicates_total").await,
-        3.0
+        4.0
     );
     // The next report, and a report without an id, are added.
     assert_eq!(usage_as(&base, "vm1-2", &report).await, 204);
     assert_eq!(usage(&base, report.clone()).await, 204);
     assert_eq!(tokens(&mut db, alice_tpm).await, Some(21));
-    assert_eq!(tokens(&mut db, erin_tpm).await, Some(15));
+    assert_eq!(tokens(&mut db, erin_tpm).await, Some(10));
     assert_eq!(
         metric(&base, "pd_control_user_tokens_total").await,
-        7.0 + 5.0 + 24.0
+        7.0 + 24.0
     );
 }
 

@@ -268,12 +268,25 @@ impl UsageBook {
     }
 }
 
+/// The most tokens one answer is charged: far above any context window, and far enough below
+/// `i64::MAX` that a report of many users' sums stays a number pd-control takes.
+pub const MAX_ANSWER_TOKENS: u64 = 1 << 40;
+
 /// The tokens an answer used, read from its `usage` as the body streams by: `total_tokens`
 /// (OpenAI's chat, completions, embeddings and responses), else `input_tokens` plus
 /// `output_tokens` (Anthropic's messages). The last value of each key counts, as the final
 /// usage event repeats and supersedes earlier ones.
+///
+/// The keys are found by a scan, not a parse, so only where no client-shaped JSON object can
+/// hold them before the usage: OpenAI answers carry tool arguments as strings (whose quotes
+/// are escaped), but an Anthropic answer's `tool_use.input` is a JSON object of the client's
+/// schema. Its usage has no `total_tokens`, so a Messages answer's scan ignores that key
+/// (a tool input `{"total_tokens":0}` made the answer free); its real `input_tokens` and
+/// `output_tokens` come after the content and win.
 #[derive(Debug, Default)]
 pub struct UsageScan {
+    /// Messages (Anthropic): `total_tokens` is no usage key there.
+    anthropic: bool,
     total: Option<u64>,
     input: Option<u64>,
     output: Option<u64>,
@@ -282,6 +295,14 @@ pub struct UsageScan {
 }
 
 impl UsageScan {
+    /// A scan of an answer to `endpoint`.
+    pub fn of(endpoint: crate::core::request::Endpoint) -> UsageScan {
+        UsageScan {
+            anthropic: endpoint == crate::core::request::Endpoint::Messages,
+            ..UsageScan::default()
+        }
+    }
+
     pub fn feed(&mut self, chunk: &[u8]) {
         let seam = &self.seam;
         let read = |key: &[u8], slot: &mut Option<u64>| {
@@ -289,17 +310,21 @@ impl UsageScan {
                 *slot = Some(n);
             }
         };
-        read(b"\"total_tokens\"", &mut self.total);
+        if !self.anthropic {
+            read(b"\"total_tokens\"", &mut self.total);
+        }
         read(b"\"input_tokens\"", &mut self.input);
         read(b"\"output_tokens\"", &mut self.output);
         self.seam.keep(chunk);
     }
 
     pub fn tokens(&self) -> Option<u64> {
-        self.total.or(match (self.input, self.output) {
-            (None, None) => None,
-            (i, o) => Some(i.unwrap_or(0).saturating_add(o.unwrap_or(0))),
-        })
+        self.total
+            .or(match (self.input, self.output) {
+                (None, None) => None,
+                (i, o) => Some(i.unwrap_or(0).saturating_add(o.unwrap_or(0))),
+            })
+            .map(|n| n.min(MAX_ANSWER_TOKENS))
     }
 }
 
@@ -535,5 +560,22 @@ mod tests {
         let mut none = UsageScan::default();
         none.feed(b"data: {\"choices\":[]}\n\n");
         assert_eq!(none.tokens(), None);
+    }
+
+    #[test]
+    fn a_tool_input_sets_no_messages_answers_usage() {
+        use crate::core::request::Endpoint;
+        // A non-streamed Messages answer: the tool input is a JSON object of the client's
+        // schema, before the usage.
+        let body = br#"{"type":"message","content":[{"type":"tool_use","id":"t","name":"f","input":{"total_tokens":0,"input_tokens":1,"output_tokens":1}}],"stop_reason":"tool_use","usage":{"input_tokens":100,"output_tokens":50}}"#;
+        let mut scan = UsageScan::of(Endpoint::Messages);
+        scan.feed(body);
+        assert_eq!(scan.tokens(), Some(150));
+        let mut huge = UsageScan::of(Endpoint::ChatCompletions);
+        huge.feed(br#"{"usage":{"total_tokens":18446744073709551615}}"#);
+        assert_eq!(huge.tokens(), Some(MAX_ANSWER_TOKENS));
+        let mut chat = UsageScan::of(Endpoint::ChatCompletions);
+        chat.feed(br#"{"usage":{"prompt_tokens":3,"completion_tokens":4,"total_tokens":7}}"#);
+        assert_eq!(chat.tokens(), Some(7));
     }
 }

@@ -387,7 +387,7 @@ impl PdHttp {
         self.limited = user.map(|user| Limited {
             user,
             rpm,
-            scan: UsageScan::default(),
+            scan: UsageScan::of(self.endpoint.unwrap_or(Endpoint::ChatCompletions)),
         });
     }
 

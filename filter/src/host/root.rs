@@ -286,6 +286,16 @@ impl Root {
         if status == "204" || status == "200" {
             self.usage_failures = 0;
             Metrics::add(self.vm.borrow().metrics.user_tokens_reported, report.tokens);
+        } else if status.starts_with('4') {
+            // Refused as it stands (a report pd-control cannot read): sent again it would be
+            // refused alike, holding the newer reports behind it until it ages out.
+            let vm = self.vm.borrow();
+            Metrics::add(vm.metrics.user_tokens_unreported, report.tokens);
+            Metrics::add(vm.metrics.user_token_report_failures, 1);
+            log::warn!(
+                "token report refused with status {status}: its {} tokens are not counted",
+                report.tokens
+            );
         } else {
             self.usage_failed(report, format!("token report answered status {status:?}"));
         }
