@@ -336,6 +336,36 @@ fn a_token_report_that_failed_is_sent_again_until_it_counts() {
     stack.wait_ledger_zero();
 }
 
+/// Without Redis on pd-control no limit is checked, a model's rate included: a request of a
+/// profile with `requestsPerSecond` makes no admission call, so it is served while pd-control
+/// is down (it failed with 500 `x-error-user`, waiting on a call whose answer could only be
+/// "limits off").
+#[test]
+fn without_limits_a_models_rate_asks_nothing() {
+    let mut stack = Stack::start(fleet());
+    let metered = [
+        ("routing-strategy", "random"),
+        ("config-profile", "metered"),
+    ];
+    let gateway = stack.gateway.clone();
+    let ask = || {
+        http::post_json(
+            &gateway,
+            "/v1/chat/completions",
+            &metered,
+            &question(false, false),
+        )
+    };
+    for _ in 0..3 {
+        let r = ask();
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    stack.kill("pd-control");
+    let r = ask();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(stack.stat("pd_router_rate_limit_checks_total"), 0);
+}
+
 #[test]
 fn a_models_request_rate_is_held_to_its_profile() {
     let Some(store) = Store::start() else {

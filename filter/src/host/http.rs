@@ -760,7 +760,10 @@ impl PdHttp {
         // `input_tokens` of its answer are no usage (clients that count before every message
         // were charged their prompts twice).
         let count_only = endpoint == Endpoint::MessagesCountTokens;
-        let ask = self.admission_ask(user, &req.model, decision.requests_per_second);
+        // Without limits on pd-control (no Redis) a model's rate is not enforced either: no
+        // call for it (it would only wait, and fail the request while pd-control restarts).
+        let rps = decision.requests_per_second.filter(|_| fleet.user_limits);
+        let ask = self.admission_ask(user, &req.model, rps);
         if let Some(ask) = ask.filter(|_| !count_only) {
             if self.start_admission(ask, &mut raw)? {
                 // pd-control's answer routes the request again (`on_admission`).
