@@ -194,8 +194,6 @@ pub struct Limits {
 pub enum RecordError {
     #[error("not a JSON user record: {0}")]
     Json(String),
-    #[error("negative {0} limit {1}")]
-    Negative(&'static str, i64),
 }
 
 /// The fields of AIBrix's user record that count here; others (`name`) are ignored.
@@ -220,12 +218,9 @@ pub fn parse_record(raw: &[u8]) -> Result<Limits, RecordError> {
     }
     let record = Record::deserialize(value).map_err(|e| RecordError::Json(e.to_string()))?;
     let (rpm, tpm) = (record.rpm.unwrap_or(0), record.tpm.unwrap_or(0));
-    if rpm < 0 {
-        return Err(RecordError::Negative("rpm", rpm));
-    }
-    if tpm < 0 {
-        return Err(RecordError::Negative("tpm", tpm));
-    }
+    // A negative limit is kept: every count is at or above it, so the user is refused (429),
+    // as AIBrix's `count >= limit` refuses them. Read as an error it gave 500, and with
+    // `rate_limits_fail_open` admitted the user without any limit.
     let rpm = if rpm == 0 { DEFAULT_RPM } else { rpm };
     let tpm = if tpm == 0 {
         rpm.saturating_mul(TOKENS_PER_REQUEST)
@@ -1153,13 +1148,17 @@ mod tests {
     #[test]
     fn unusable_records_are_errors() {
         let limits = |raw: &str| parse_record(raw.as_bytes());
+        // Negative limits are limits nothing stays under (AIBrix refuses such a user).
         assert_eq!(
             limits(r#"{"rpm":-1}"#),
-            Err(RecordError::Negative("rpm", -1))
+            Ok(Limits {
+                rpm: -1,
+                tpm: -1_000
+            })
         );
         assert_eq!(
             limits(r#"{"rpm":1,"tpm":-5}"#),
-            Err(RecordError::Negative("tpm", -5))
+            Ok(Limits { rpm: 1, tpm: -5 })
         );
         for garbage in [
             "",

@@ -155,7 +155,8 @@ async fn checks_count_against_aibrix_records_and_survive_a_redis_outage() {
             ("aibrix-users/alice", r#"{"name":"alice","rpm":3,"tpm":0}"#),
             ("aibrix-users/bob", r#"{"name":"bob","rpm":0,"tpm":10}"#),
             ("aibrix-users/carol", r#"{"name":"carol","rpm":3}"#),
-            ("aibrix-users/dave", r#"{"rpm":-1}"#),
+            ("aibrix-users/dave", r#"{"rpm":"many"}"#),
+            ("aibrix-users/fred", r#"{"name":"fred","rpm":-1}"#),
             ("aibrix-users/erin", r#"{"name":"erin"}"#),
         ],
     )
@@ -253,9 +254,14 @@ async fn checks_count_against_aibrix_records_and_survive_a_redis_outage() {
     assert!(
         answer["message"]
             .as_str()
-            .is_some_and(|m| m.contains("rpm")),
+            .is_some_and(|m| m.contains("aibrix-users/dave")),
         "{answer}"
     );
+    // fred's limit is negative: no count stays under it, so he is refused, as AIBrix refuses
+    // him (an error here let `rate_limits_fail_open` admit him without any limit).
+    let answer = admit(&base, "fred").await;
+    assert_eq!(answer["outcome"], "rpm_exceeded", "{answer}");
+    assert_eq!(answer["rpm_limit"], -1, "{answer}");
 
     // erin's request counter holds garbage: the counter script fails.
     let _: () = db
@@ -306,7 +312,7 @@ async fn checks_count_against_aibrix_records_and_survive_a_redis_outage() {
 
     for (outcome, n) in [
         ("admitted", 4.0),
-        ("rpm_exceeded", 2.0),
+        ("rpm_exceeded", 3.0),
         ("tpm_exceeded", 1.0),
         ("unknown_user", 2.0),
         ("store_error", 2.0),
