@@ -1106,6 +1106,17 @@ impl Stack {
         log
     }
 
+    /// How many VMs logged their first snapshot, and how many logged their end, so far: each
+    /// does both once, and `pd_router_fleet_loaded_vms` counts those between.
+    pub fn vms_loaded_and_ended(&self) -> (u64, u64) {
+        let log = self.envoy_log();
+        let loaded = log
+            .lines()
+            .filter(|l| l.contains("fleet snapshot") && l.ends_with(" loaded"))
+            .count() as u64;
+        (loaded, log.matches("plugin done: VM").count() as u64)
+    }
+
     /// Sum of the Prometheus series `name` whose labels include `labels`, 0 when absent.
     pub fn metric(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
         admin_metric(&self.admin, name, labels)

@@ -94,12 +94,7 @@ fn an_ecds_update_reaches_an_open_keep_alive_connection_without_failures() {
     // once and its end once, and the gauge counts those between (Envoy makes a VM or two on
     // the main thread for a new configuration, so the count is not simply one per thread).
     pd_wasm_tests::stack::eventually(Duration::from_secs(10), || {
-        let log = stack.envoy_log();
-        let loaded = log
-            .lines()
-            .filter(|l| l.contains("fleet snapshot") && l.ends_with(" loaded"))
-            .count() as u64;
-        let done = log.matches("plugin done: VM").count() as u64;
+        let (loaded, done) = stack.vms_loaded_and_ended();
         let vms = stack.stat("pd_router_fleet_loaded_vms");
         (done > 0 && vms == loaded - done)
             .then_some(())

@@ -53,27 +53,9 @@ fn a_trapped_vms_charges_are_released_and_the_worker_recovers() {
     // Its client gets no answer (Envoy leaves a stream paused by a trapped VM to the
     // connection manager's idle timeout), so the request is written on a raw socket that is
     // kept open, and never read.
-    let body =
-        json!({"model": MODEL, "prompt": "a prompt worth charging ".repeat(40), "max_tokens": 2})
-            .to_string();
-    let mut trapped = std::net::TcpStream::connect(&stack.gateway).expect("connect");
-    let request = format!(
-        "POST /v1/completions HTTP/1.1\r\nhost: pd\r\ncontent-type: application/json\r\n\
-         routing-strategy: pd\r\nx-pd-test-trap: 1\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    std::io::Write::write_all(&mut trapped, request.as_bytes()).expect("send");
+    let trapped = send_trap_request(&stack);
     stack.wait_for_log("trap requested by PD_ROUTER_DEBUG_TRAP_HEADER");
-    // The gauges are written from the ledger by every live VM's sync (every 200 ms), so the
-    // dead VM's charge shows although the VM that made it is gone.
-    pd_wasm_tests::stack::eventually(Duration::from_secs(10), || {
-        let charged = ledger_samples(&stack);
-        charged
-            .iter()
-            .any(|(s, v)| s.contains("pod_name=\"d0\"") && *v > 0.0)
-            .then_some(())
-            .ok_or_else(|| format!("the dead VM's charge is not on the ledger: {charged:?}"))
-    });
+    wait_charged(&stack, "d0");
 
     // A live VM finds the silent journal and releases it: exactly 0, not "mostly drained".
     pd_wasm_tests::stack::wait_ledger_zero(&stack.admin, Duration::from_secs(40));
@@ -96,18 +78,28 @@ fn a_trapped_vms_charges_are_released_and_the_worker_recovers() {
     // Nor does the dead VM count as loaded: every VM logs its first snapshot once and its
     // end once, and the one that trapped (it never ends) was taken out by its reclaimer.
     pd_wasm_tests::stack::eventually(Duration::from_secs(10), || {
-        let log = stack.envoy_log();
-        let loaded = log
-            .lines()
-            .filter(|l| l.contains("fleet snapshot") && l.ends_with(" loaded"))
-            .count() as u64;
-        let done = log.matches("plugin done: VM").count() as u64;
+        let (loaded, done) = stack.vms_loaded_and_ended();
         let vms = stack.stat("pd_router_fleet_loaded_vms");
         (vms + done + 1 == loaded).then_some(()).ok_or(format!(
             "{vms} VMs count as loaded; {loaded} loaded, {done} ended, 1 trapped"
         ))
     });
     drop(trapped);
+}
+
+/// Waits until the ledger shows a charge on `pod`. The gauges are written from the ledger by
+/// every live VM's sync (every 200 ms), so a dead VM's charge shows although the VM that made
+/// it is gone.
+fn wait_charged(stack: &Stack, pod: &str) {
+    let label = format!("pod_name=\"{pod}\"");
+    pd_wasm_tests::stack::eventually(Duration::from_secs(10), || {
+        let charged = ledger_samples(stack);
+        charged
+            .iter()
+            .any(|(s, v)| s.contains(&label) && *v > 0.0)
+            .then_some(())
+            .ok_or_else(|| format!("no charge on {pod} on the ledger: {charged:?}"))
+    });
 }
 
 /// Sends a request that traps the VM routing it on a raw socket kept open (a trapped stream
@@ -180,15 +172,8 @@ fn a_vm_trapping_before_its_first_tick_has_its_charges_released() {
     while completion(&stack, &[]).status != 200 {
         assert!(Instant::now() < deadline, "the worker did not recover");
     }
-    // The live VM shows the dead VMs' charges (its gauges are written from the ledger)...
-    pd_wasm_tests::stack::eventually(Duration::from_secs(10), || {
-        let charged = ledger_samples(&stack);
-        charged
-            .iter()
-            .any(|(s, v)| s.contains("pod_name=\"d0\"") && *v > 0.0)
-            .then_some(())
-            .ok_or_else(|| format!("no dead VM's charge on the ledger: {charged:?}"))
-    });
+    // The live VM shows the dead VMs' charges...
+    wait_charged(&stack, "d0");
     // ...and releases both: exactly 0.
     pd_wasm_tests::stack::wait_ledger_zero(&stack.admin, Duration::from_secs(40));
     drop(sockets);
