@@ -14,6 +14,9 @@ pub struct ConfigAudit {
     /// `namespace/name` → hash of the annotation last looked at.
     seen: HashMap<String, u64>,
     flawed: HashMap<String, bool>,
+    /// Hashes of the annotations whose problems were logged: a model's pods usually share
+    /// one, and a rollout brings it on every new pod.
+    logged: std::collections::HashSet<u64>,
 }
 
 fn hash_of(text: &str) -> u64 {
@@ -23,22 +26,27 @@ fn hash_of(text: &str) -> u64 {
 }
 
 impl ConfigAudit {
-    /// Looks at every annotation that is new or changed since the last call, logging its
-    /// problems (a warning per problem, naming the pod and model), forgets pods that left,
-    /// and returns how many pods' annotations have problems now.
+    /// Looks at every annotation that is new or changed on its pod since the last call,
+    /// logging the problems of an annotation not logged before (a warning per problem, naming
+    /// the first pod seen with it and its model), forgets pods that left, and returns how many
+    /// pods' annotations have problems now.
     pub fn check(&mut self, pods: &[PodRecord]) -> usize {
         let mut present = std::collections::HashSet::with_capacity(pods.len());
+        let mut hashes = std::collections::HashSet::new();
         for pod in pods {
             let key = format!("{}/{}", pod.namespace, pod.name);
             let hash = hash_of(&pod.config);
+            hashes.insert(hash);
             if self.seen.get(&key) != Some(&hash) {
                 let problems = pd_router_filter::core::profile::annotation_problems(&pod.config);
-                for problem in &problems {
-                    tracing::warn!(
-                        pod = %key,
-                        model = %pod.model,
-                        "model.aibrix.ai/config: {problem}"
-                    );
+                if !problems.is_empty() && self.logged.insert(hash) {
+                    for problem in &problems {
+                        tracing::warn!(
+                            pod = %key,
+                            model = %pod.model,
+                            "model.aibrix.ai/config: {problem}"
+                        );
+                    }
                 }
                 self.seen.insert(key.clone(), hash);
                 self.flawed.insert(key.clone(), !problems.is_empty());
@@ -47,6 +55,7 @@ impl ConfigAudit {
         }
         self.seen.retain(|k, _| present.contains(k));
         self.flawed.retain(|k, _| present.contains(k));
+        self.logged.retain(|h| hashes.contains(h));
         self.flawed.values().filter(|f| **f).count()
     }
 }
@@ -74,5 +83,19 @@ mod tests {
         assert_eq!(audit.check(&[pod("a", good), pod("b", bad)]), 1, "c left");
         assert_eq!(audit.check(&[pod("a", bad), pod("b", good)]), 1, "edited");
         assert_eq!(audit.check(&[pod("a", ""), pod("b", good)]), 0);
+    }
+
+    #[test]
+    fn an_annotation_is_logged_once_whatever_number_of_pods_carry_it() {
+        let bad = r#"{"profiles":{"default":{"routingConfig":{"decodeScorePolicy":"x"}}}}"#;
+        let mut audit = ConfigAudit::default();
+        assert_eq!(audit.check(&[pod("a", bad), pod("b", bad)]), 2);
+        assert_eq!(audit.logged.len(), 1);
+        // A rollout: new pods with the same annotation are counted, not logged again.
+        assert_eq!(audit.check(&[pod("c", bad), pod("d", bad)]), 2);
+        assert_eq!(audit.logged.len(), 1);
+        // Gone from the fleet, forgotten: it would be logged again if it came back.
+        assert_eq!(audit.check(&[pod("c", "")]), 0);
+        assert!(audit.logged.is_empty());
     }
 }

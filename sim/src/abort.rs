@@ -31,16 +31,21 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Aborts {
     pub fn register(&self, rid: &str) -> AbortHandle {
+        self.register_in(&mut lock(&self.by_rid), rid)
+    }
+
+    fn register_in(
+        &self,
+        table: &mut HashMap<String, Vec<(u64, watch::Sender<bool>)>>,
+        rid: &str,
+    ) -> AbortHandle {
         let id = {
             let mut next = lock(&self.next);
             *next += 1;
             *next
         };
         let (tx, rx) = watch::channel(false);
-        lock(&self.by_rid)
-            .entry(rid.to_string())
-            .or_default()
-            .push((id, tx));
+        table.entry(rid.to_string()).or_default().push((id, tx));
         AbortHandle {
             rid: rid.to_string(),
             id,
@@ -52,10 +57,12 @@ impl Aborts {
     /// Registers `id` unless a request of that id is in flight already (`None`): a vLLM
     /// engine keys its requests by id and refuses a second one while the first runs.
     pub fn register_unique(&self, id: &str) -> Option<AbortHandle> {
-        if lock(&self.by_rid).contains_key(id) {
+        // Checked and taken under one lock: two requests of one id at once get one slot.
+        let mut table = lock(&self.by_rid);
+        if table.contains_key(id) {
             return None;
         }
-        Some(self.register(id))
+        Some(self.register_in(&mut table, id))
     }
 
     /// Signals every in-flight request with `rid`; returns how many there were.

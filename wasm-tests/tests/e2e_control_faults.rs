@@ -590,9 +590,10 @@ fn wait_polls_held(stack: &Stack, want: f64, within: Duration, when: &str) {
 
 /// A poll answered with a new snapshot is followed by the next one at once (`core::poll`),
 /// so the lease holder is already waiting when pd-control builds the version after it. With
-/// ticks 10 s apart: the fleet is edited while no poll is held (between a held poll's 304 and
-/// the next tick), the tick's poll brings the edit, and a poll must be held again within 2 s
-/// of the adoption. Polling on the tick alone leaves none held for the next 10 s.
+/// ticks 2 s apart (the slowest `refresh_ms` allowed): the fleet is edited while no poll is
+/// held (between a held poll's 304 and the next tick), the tick's poll brings the edit, and a
+/// poll must be held again within 1 s of the adoption. Polling on the tick alone leaves none
+/// held until the next tick, 2 s after the one that brought the edit.
 #[test]
 fn a_new_snapshot_finds_the_next_poll_already_waiting_not_the_next_tick() {
     let fleet = two_pairs();
@@ -600,7 +601,7 @@ fn a_new_snapshot_finds_the_next_poll_already_waiting_not_the_next_tick() {
         fleet.clone(),
         fleet.clone(),
         &Options {
-            refresh_ms: 10_000,
+            refresh_ms: 2_000,
             plugin_extra: "\"snapshot_stale_after_ms\":30000",
             ..Options::default()
         },
@@ -613,7 +614,7 @@ fn a_new_snapshot_finds_the_next_poll_already_waiting_not_the_next_tick() {
     );
     stack.write_fleet(fleet.without("d1"));
     stack.wait_fleet_adopted();
-    wait_polls_held(&stack, 1.0, Duration::from_secs(2), "after the adoption");
+    wait_polls_held(&stack, 1.0, Duration::from_secs(1), "after the adoption");
     assert_eq!(pd_request(&stack.gateway).status, 200);
 }
 

@@ -19,9 +19,9 @@ use crate::core::tokens::{amount, Charge, DecodeCharge, PodTokens, IDLE_PRUNE_MS
 /// by side on it; with a format changed under one key the new build read the old one's ledger
 /// as corrupt and failed every selection until Envoy restarted. Bump it with any change of
 /// those formats: each generation then keeps its own ledger while both run.
-pub const GENERATION: u8 = 1;
+pub const GENERATION: u8 = 2;
 /// The shared-data key of the ledger (of [`GENERATION`]).
-pub const LOAD_KEY: &str = "pd/g1/load";
+pub const LOAD_KEY: &str = "pd/g2/load";
 /// A CAS loop that keeps losing means something is badly wrong; give up instead of spinning.
 const MAX_CAS_ATTEMPTS: usize = 256;
 

@@ -14,9 +14,9 @@ use crate::host::{SharedVm, VmState};
 
 /// Journals are of the ledger's format generation (see [`ledger::GENERATION`]): a dead VM of
 /// another generation charged another ledger, so its journal must not be reclaimed from ours.
-const REGISTRY_KEY: &str = "pd/g1/journals";
+const REGISTRY_KEY: &str = "pd/g2/journals";
 const _: () = assert!(
-    ledger::GENERATION == 1,
+    ledger::GENERATION == 2,
     "the journal keys name the generation"
 );
 const SCAN_EVERY_MS: u64 = 1_000;
@@ -31,14 +31,14 @@ pub struct JournalWriter {
 }
 
 pub fn key_of(token: u64) -> String {
-    format!("pd/g1/journal/{token:016x}")
+    format!("pd/g2/journal/{token:016x}")
 }
 
 /// A key of its own, not the journal's: the VM rewrites its journal whenever its holds
 /// change, which would erase a marker left there before the VM's next tick could read it
 /// (and the VM would then release the reclaimed charges a second time).
 fn reclaimed_key(token: u64) -> String {
-    format!("pd/g1/journal-reclaimed/{token:016x}")
+    format!("pd/g2/journal-reclaimed/{token:016x}")
 }
 
 impl JournalWriter {
@@ -82,6 +82,11 @@ impl JournalWriter {
             return;
         };
         let mut vm = vm.borrow_mut();
+        // The reclaim took this VM out of `pd_router_fleet_loaded_vms` when its journal said
+        // it counted itself; alive after all, it still does.
+        if bytes.get(8) == Some(&1) && vm.fleet_counted.get() {
+            Metrics::gauge_add(vm.metrics.fleet_loaded_vms, 1);
+        }
         let before = vm.holds.len();
         vm.holds.retain(|_, h| h.journaled_after >= seq);
         log::error!(
@@ -159,7 +164,11 @@ impl JournalWriter {
                         Metrics::gauge_add(state.metrics.fleet_loaded_vms, -1);
                     }
                     drop(state);
-                    let _ = SharedData.set(&reclaimed_key(token), &journal.seq.to_le_bytes(), None);
+                    // The marker: the journal's sequence, and whether the reclaim took the VM
+                    // out of the loaded count (a VM alive after all puts itself back).
+                    let mut marker = journal.seq.to_le_bytes().to_vec();
+                    marker.push(u8::from(journal.loaded));
+                    let _ = SharedData.set(&reclaimed_key(token), &marker, None);
                 }
                 Err(e) => {
                     // Back on the registry with its journal kept: the next scan retries
@@ -229,13 +238,14 @@ pub fn ensure_registry() -> Result<(), StoreError> {
     Ok(())
 }
 
-/// Takes an ending VM's journal off the registry when it holds nothing, else rewrites it
-/// (a later reclaim then releases its holds without taking it out of the loaded count again).
+/// Rewrites an ending VM's journal (it no longer counts itself loaded: a later reclaim must
+/// not take it out of the count again), then takes it off the registry when it holds nothing.
 pub fn leave(vm: &VmState) {
-    if !vm.holds.is_empty() || !vm.journal_registered.get() {
-        if vm.journal_registered.get() {
-            write(vm);
-        }
+    if !vm.journal_registered.get() {
+        return;
+    }
+    write(vm);
+    if !vm.holds.is_empty() {
         return;
     }
     for _ in 0..16 {

@@ -286,9 +286,10 @@ impl Root {
         if status == "204" || status == "200" {
             self.usage_failures = 0;
             Metrics::add(self.vm.borrow().metrics.user_tokens_reported, report.tokens);
-        } else if status.starts_with('4') {
+        } else if matches!(status.as_str(), "400" | "413" | "422") {
             // Refused as it stands (a report pd-control cannot read): sent again it would be
-            // refused alike, holding the newer reports behind it until it ages out.
+            // refused alike, holding the newer reports behind it until it ages out. (A 401
+            // during a token rotation, or a proxy's 429, is sent again.)
             let vm = self.vm.borrow();
             Metrics::add(vm.metrics.user_tokens_unreported, report.tokens);
             Metrics::add(vm.metrics.user_token_report_failures, 1);
@@ -478,10 +479,11 @@ impl Root {
             self.loaded_once = true;
             Metrics::gauge_add(loaded_gauge, 1);
             log::info!("fleet snapshot {version} loaded");
-            // Said in the journal at once: should the VM die, its reclaimer takes it out.
-            let vm = self.vm.borrow();
-            vm.fleet_counted.set(true);
-            crate::host::journal::write(&vm);
+            // Said in the journal from its next write (a charge or the tick): should the VM
+            // die, its reclaimer takes it out. Not written here: Envoy's canary VM, which
+            // adopts a snapshot in `on_configure` and is then destroyed without `on_done`,
+            // would register and be reclaimed ten seconds later.
+            self.vm.borrow().fleet_counted.set(true);
         }
     }
 
