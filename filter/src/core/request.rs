@@ -480,33 +480,38 @@ impl<'de> Visitor<'de> for ContentSeed<'_, '_> {
 /// share one trace id): the id names one, and vLLM refuses a second request of an id still
 /// in flight (or, with its ids left unrandomised, mixes the two up).
 pub fn request_id(traceparent: Option<&str>, random: u128) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
     if let Some(trace_id) = traceparent.and_then(trace_id_of) {
         let mut out = String::with_capacity(trace_id.len() + 17);
         out.push_str(trace_id);
         out.push('-');
-        for i in 0..16 {
-            out.push(char::from(
-                DIGITS[((random >> (60 - 4 * i)) & 0xf) as usize],
-            ));
-        }
+        push_hex(&mut out, random, 16);
         return out;
     }
     uuid_shaped(random)
+}
+
+/// Appends the low `digits` hex digits of `value`, most significant first.
+fn push_hex(out: &mut String, value: u128, digits: u32) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    for i in (0..digits).rev() {
+        out.push(char::from(DIGITS[((value >> (4 * i)) & 0xf) as usize]));
+    }
 }
 
 /// `random` as 32 lowercase hex digits grouped 8-4-4-4-12. Written digit by digit: every
 /// request pays for it before anything else, and `format!` over a `u128` cost ≈ 5 µs of a
 /// cold request's path in Envoy (sections build, one in flight).
 fn uuid_shaped(random: u128) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
     let mut out = String::with_capacity(36);
-    for i in 0..32 {
-        if matches!(i, 8 | 12 | 16 | 20) {
+    // Groups of 8-4-4-4-12 digits: (shift of the group's lowest digit, digits).
+    for (n, (shift, digits)) in [(96, 8), (80, 4), (64, 4), (48, 4), (0, 12)]
+        .into_iter()
+        .enumerate()
+    {
+        if n > 0 {
             out.push('-');
         }
-        let nibble = (random >> (124 - 4 * i)) & 0xf;
-        out.push(char::from(DIGITS[nibble as usize]));
+        push_hex(&mut out, random >> shift, digits);
     }
     out
 }

@@ -141,12 +141,10 @@ impl JournalWriter {
             let reclaimed = ledger::update(&SharedData, |l| {
                 Ok::<_, StoreError>(journal::reclaim(&journal, l, crate::host::now_ms()))
             });
-            if reclaimed.is_ok() {
-                // Its journal goes (the VM rewrites it if it was alive after all).
-                let _ = SharedData.set(&key_of(token), &[], None);
-            }
             match reclaimed {
                 Ok(n) => {
+                    // Its journal goes (the VM rewrites it if it was alive after all).
+                    let _ = SharedData.set(&key_of(token), &[], None);
                     if n > 0 {
                         log::warn!(
                             "released the charges of {n} requests held by a VM silent for {} s (it trapped or stopped)",
@@ -248,37 +246,39 @@ pub fn leave(vm: &VmState) {
     if !vm.holds.is_empty() {
         return;
     }
-    for _ in 0..16 {
-        let Ok((value, cas)) = SharedData.get(REGISTRY_KEY) else {
-            return;
-        };
-        let mut tokens = parse(value.as_deref());
+    let token = vm.journal_token;
+    let off = edit_registry(|tokens| {
         let before = tokens.len();
-        tokens.retain(|t| *t != vm.journal_token);
-        if tokens.len() == before {
-            break;
-        }
-        match SharedData.set(REGISTRY_KEY, render(&tokens).as_bytes(), cas) {
-            Ok(true) => break,
-            Ok(false) => continue,
-            Err(e) => {
-                log::warn!("cannot take the journal off the registry: {e}");
-                return;
-            }
-        }
+        tokens.retain(|t| *t != token);
+        tokens.len() != before
+    });
+    if let Err(e) = off {
+        log::warn!("cannot take the journal off the registry: {e}");
+        return;
     }
     vm.journal_registered.set(false);
     let _ = SharedData.set(&vm.journal_key, &[], None);
 }
 
 fn register(token: u64) -> Result<(), StoreError> {
+    edit_registry(|tokens| {
+        let absent = !tokens.contains(&token);
+        if absent {
+            tokens.push(token);
+        }
+        absent
+    })
+}
+
+/// Changes the registry's token list with one CAS write; `edit` says whether it changed
+/// anything (nothing to write otherwise). Retried on a lost CAS, 16 times at most.
+fn edit_registry(mut edit: impl FnMut(&mut Vec<u64>) -> bool) -> Result<(), StoreError> {
     for _ in 0..16 {
         let (value, cas) = SharedData.get(REGISTRY_KEY)?;
         let mut tokens = parse(value.as_deref());
-        if tokens.contains(&token) {
+        if !edit(&mut tokens) {
             return Ok(());
         }
-        tokens.push(token);
         if SharedData.set(REGISTRY_KEY, render(&tokens).as_bytes(), cas)? {
             return Ok(());
         }
