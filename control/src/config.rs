@@ -88,7 +88,9 @@ pub struct Config {
     #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = parse_positive_duration)]
     pub scrape_timeout: Duration,
 
-    /// Scrapes allowed in flight at once across the whole fleet.
+    /// Scrapes allowed in flight at once across the whole fleet; pods whose last scrape got
+    /// no answer (no connection, or none in time) have as many again of their own, so dead
+    /// pods never queue live pods' scrapes.
     #[arg(long, value_name = "N", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
     pub scrape_concurrency: u32,
 

@@ -132,7 +132,7 @@ impl PodRecord {
     }
 
     /// Maps a Kubernetes Pod to a record, or `None` when the pod serves no model
-    /// (no `model.aibrix.ai/name` label or annotation) or is a Ray worker.
+    /// (no `model.aibrix.ai/name` label or annotation), is a Ray worker, or has ended.
     pub fn from_pod(pod: &Pod) -> Option<PodRecord> {
         let empty = BTreeMap::new();
         let meta = &pod.metadata;
@@ -147,6 +147,18 @@ impl PodRecord {
             return None;
         }
         let status = pod.status.as_ref();
+        // A pod whose containers all ended (`Failed`, `Succeeded`: evicted, OOM-killed with
+        // `restartPolicy: Never`) never serves again, whatever its last Ready condition says,
+        // yet stays in the API until the pod garbage collector's threshold (12 500 ended pods
+        // by default). Kept as a not-ready member, an evicted pod of an old ReplicaSet still
+        // set its model's configuration (the first pod whose annotation parses, in name
+        // order) long after the rollout: it is no member at all.
+        if status
+            .and_then(|s| s.phase.as_deref())
+            .is_some_and(|phase| matches!(phase, "Failed" | "Succeeded"))
+        {
+            return None;
+        }
         let ip = status
             .and_then(|s| s.pod_ip.clone())
             .unwrap_or_default()
@@ -156,12 +168,7 @@ impl PodRecord {
             .and_then(|s| s.conditions.as_ref())
             .and_then(|conds| conds.iter().find(|c| c.type_ == "Ready"));
         let ready_condition = ready.is_none_or(|c| c.status == "True");
-        // A pod whose containers all ended (`Failed`, `Succeeded`) serves nothing, whatever
-        // its last Ready condition says (a fleet file may carry none at all).
-        let ended = status
-            .and_then(|s| s.phase.as_deref())
-            .is_some_and(|phase| matches!(phase, "Failed" | "Succeeded"));
-        let terminating = meta.deletion_timestamp.is_some() || ended;
+        let terminating = meta.deletion_timestamp.is_some();
         let label = |key: &str| {
             labels
                 .get(key)
@@ -575,13 +582,14 @@ metadata: {name: pending, namespace: ns}
     }
 
     #[test]
-    fn a_pod_whose_containers_ended_is_not_ready() {
+    fn a_pod_whose_containers_ended_is_no_member_of_the_fleet() {
         let pod = |phase: &str| {
             format!("kind: Pod\nmetadata:\n  name: a\n  labels: {{model.aibrix.ai/name: m}}\nstatus: {{podIP: 10.0.0.1, phase: {phase}}}\n")
         };
-        for (phase, ready) in [("Running", true), ("Failed", false), ("Succeeded", false)] {
-            let p = &parse_records(&pod(phase)).unwrap()[0];
-            assert_eq!(p.ready, ready, "{phase}");
+        let p = &parse_records(&pod("Running")).unwrap()[0];
+        assert!(p.ready);
+        for phase in ["Failed", "Succeeded"] {
+            assert_eq!(parse_records(&pod(phase)).unwrap(), vec![], "{phase}");
         }
     }
 

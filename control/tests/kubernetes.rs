@@ -673,6 +673,45 @@ async fn follows_adds_readiness_ips_edits_relabels_and_deletes() {
     run.finish().await;
 }
 
+/// A pod being deleted stops being routable at once (as its Endpoints entry goes), though it
+/// stays Ready for its grace period; a pod whose containers ended (evicted) leaves the fleet,
+/// so its annotation no longer sets its model's configuration.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn terminating_pods_stop_routing_and_ended_pods_leave() {
+    let api = FakeApi::start().await;
+    let mut old = pod("ns", "a-old", "m", Some("10.0.0.1"), true);
+    old["metadata"]["annotations"] = json!({"model.aibrix.ai/config": "{\"old\":1}"});
+    api.put(old);
+    api.put(pod("ns", "b", "m", Some("10.0.0.2"), true));
+    let run = run_source(&api, &[]).await;
+    assert_eq!(
+        run.current(),
+        [
+            "ns/a-old m 10.0.0.1 true {\"old\":1}",
+            "ns/b m 10.0.0.2 true"
+        ]
+    );
+
+    let mut b = api.get("ns", "b");
+    b["metadata"]["deletionTimestamp"] = json!("2026-12-06T10:00:00Z");
+    api.put(b);
+    run.wait_for(
+        "terminating",
+        &[
+            "ns/a-old m 10.0.0.1 true {\"old\":1}",
+            "ns/b m 10.0.0.2 false",
+        ],
+    )
+    .await;
+
+    let mut evicted = api.get("ns", "a-old");
+    evicted["status"]["phase"] = json!("Failed");
+    evicted["status"]["reason"] = json!("Evicted");
+    api.put(evicted);
+    run.wait_for("evicted", &["ns/b m 10.0.0.2 false"]).await;
+    run.finish().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resumes_after_a_dropped_watch_without_relisting() {
     let api = FakeApi::start().await;

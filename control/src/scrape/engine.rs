@@ -334,6 +334,66 @@ pub fn parse_reading(body: impl AsRef<[u8]>, engine: Engine, model: &str) -> Rea
 }
 
 /// Counters and histogram parts: every label set (finished reason, DP engine…) adds up.
+/// Why a successful `/metrics` answer is not the pod's engine speaking.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Foreign {
+    #[error("the answer carries {found:?}'s load metrics, not {expected:?}'s: is the pod's model.aibrix.ai/engine label right?")]
+    OtherEngine { expected: Engine, found: Engine },
+    #[error("the answer has none of {0:?}'s load metrics ({1}): is the metric port (model.aibrix.ai/metric-port) the engine's?")]
+    NoLoadMetrics(Engine, &'static str),
+    #[error("the answer is not a Prometheus exposition (HTML or JSON): is something other than the engine answering on the metric port?")]
+    NotExposition,
+}
+
+impl Reading {
+    /// Whether the reading holds any of the load gauges the routing scores read.
+    fn has_load(&self) -> bool {
+        self.running.is_some() || self.waiting.is_some() || self.kv_cache_usage.is_some()
+    }
+}
+
+/// Checks that a reading with no load gauges at all is an idle engine's and not someone
+/// else's answer. Taken as is, such a reading published the pod as fresh and idle (nothing
+/// running, free KV): an SGLang pod without its engine label read with vLLM's names, a metric
+/// port pointing at a sidecar, or an auth proxy's login page won every request under the
+/// load-scoring policies, with nothing logged and nothing stale. vLLM and SGLang register
+/// their scheduler gauges at start, so an answer of theirs always has some; TRT-LLM 1.0/1.1
+/// exports its KV gauge only once iteration statistics exist, so an idle TRT-LLM pod may
+/// answer an exposition without any (or an empty body), which is accepted.
+pub fn check_engine(body: &[u8], engine: Engine, reading: &Reading) -> Result<(), Foreign> {
+    if reading.has_load() {
+        return Ok(());
+    }
+    let mentions = |other: Engine| {
+        let names = other.names();
+        names
+            .running
+            .iter()
+            .chain(names.waiting)
+            .chain(names.kv_cache_usage)
+            .any(|name| memchr::memmem::find(body, name.as_bytes()).is_some())
+    };
+    if let Some(found) = [Engine::Vllm, Engine::Sglang, Engine::Trtllm]
+        .into_iter()
+        .find(|&other| other != engine && mentions(other))
+    {
+        return Err(Foreign::OtherEngine {
+            expected: engine,
+            found,
+        });
+    }
+    let first = body.iter().find(|b| !b.is_ascii_whitespace());
+    if matches!(first, Some(b'<' | b'{' | b'[')) {
+        return Err(Foreign::NotExposition);
+    }
+    match engine {
+        Engine::Trtllm => Ok(()),
+        Engine::Vllm | Engine::Sglang => {
+            Err(Foreign::NoLoadMetrics(engine, engine.names().running[0]))
+        }
+    }
+}
+
 fn total(series: &[Sample<'_>]) -> f64 {
     series.iter().map(|s| s.value).sum()
 }
@@ -665,6 +725,51 @@ mod tests {
         let nan = "vllm:num_requests_running{model_name=\"m\"} NaN\nvllm:num_requests_waiting 2\n";
         let r = parse_reading(nan, Engine::Vllm, "m");
         assert_eq!((r.running, r.waiting), (None, Some(2.0)));
+    }
+
+    #[test]
+    fn an_answer_without_the_engines_load_gauges_is_told_from_an_idle_engine() {
+        let check = |body: &str, engine| {
+            check_engine(body.as_bytes(), engine, &parse_reading(body, engine, "m"))
+        };
+        for (fixture, engine) in [(VLLM_V1, Engine::Vllm), (TRTLLM, Engine::Trtllm)] {
+            assert_eq!(check(fixture, engine), Ok(()), "{engine:?}");
+        }
+        let sglang = "sglang:num_running_reqs{model_name=\"m\"} 0\nsglang:token_usage{model_name=\"m\"} 0.1\n";
+        assert_eq!(check(sglang, Engine::Sglang), Ok(()));
+        assert_eq!(
+            check(sglang, Engine::Vllm),
+            Err(Foreign::OtherEngine {
+                expected: Engine::Vllm,
+                found: Engine::Sglang
+            }),
+            "an SGLang pod without its engine label"
+        );
+        let exporter =
+            "# TYPE node_cpu_seconds_total counter\nnode_cpu_seconds_total{cpu=\"0\"} 5\n";
+        assert!(matches!(
+            check(exporter, Engine::Vllm),
+            Err(Foreign::NoLoadMetrics(..))
+        ));
+        assert!(matches!(
+            check("", Engine::Sglang),
+            Err(Foreign::NoLoadMetrics(..))
+        ));
+        for page in [
+            "<!doctype html><p>sign in</p>",
+            "  {\"detail\":\"Not Found\"}",
+        ] {
+            assert_eq!(
+                check(page, Engine::Trtllm),
+                Err(Foreign::NotExposition),
+                "{page}"
+            );
+        }
+        // An idle TRT-LLM 1.0 pod: histograms registered, no iteration statistics yet.
+        let idle_trt =
+            "# HELP trtllm_request_success_total x\n# TYPE trtllm_request_success_total counter\n";
+        assert_eq!(check(idle_trt, Engine::Trtllm), Ok(()));
+        assert_eq!(check("", Engine::Trtllm), Ok(()));
     }
 
     #[test]

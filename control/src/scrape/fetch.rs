@@ -7,7 +7,7 @@ use std::time::Duration;
 use reqwest::header::ACCEPT;
 use tokio::sync::Semaphore;
 
-use super::engine::{parse_reading, Engine, Reading};
+use super::engine::{check_engine, parse_reading, Engine, Foreign, Reading};
 
 /// vLLM's full exposition is a few hundred kilobytes; anything far beyond is not an engine.
 pub const MAX_BODY_BYTES: usize = 16 << 20;
@@ -33,6 +33,10 @@ pub enum ScrapeError {
     },
     #[error("response exceeds {MAX_BODY_BYTES} bytes")]
     TooLarge,
+    /// A 200 that is not the pod's engine speaking (see [`check_engine`]): a failed scrape,
+    /// so the pod's metrics are stale rather than read as an idle engine's.
+    #[error("{0}")]
+    Foreign(#[from] Foreign),
     #[error("scraper is shutting down")]
     Closed,
     /// The scrape's code panicked (a bug, most likely on an engine's unexpected exposition):
@@ -130,7 +134,12 @@ pub async fn scrape_timed(
         .map_err(|_| ScrapeError::Timeout(timeout));
     let elapsed = started.elapsed();
     let result = match body {
-        Ok(Ok(body)) => Ok(parse_reading(&body, engine, model)),
+        Ok(Ok(body)) => {
+            let reading = parse_reading(&body, engine, model);
+            check_engine(&body, engine, &reading)
+                .map(|()| reading)
+                .map_err(ScrapeError::from)
+        }
         Ok(Err(e)) | Err(e) => Err(e),
     };
     (result, elapsed)
@@ -249,6 +258,21 @@ mod tests {
         );
         assert!(!error.is_connect(), "the pod answered");
         assert!(error.to_string().contains("not followed"), "{error}");
+    }
+
+    #[tokio::test]
+    async fn a_login_page_answered_with_200_is_a_failed_scrape_not_an_idle_engine() {
+        let page = "<html><body>sign in</body></html>";
+        let answer = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: text/html\r\ncontent-length: {}\r\n\r\n{page}",
+            page.len()
+        );
+        let addr = answering(answer).await;
+        let result = scrape_of(&format!("http://{addr}/metrics")).await;
+        assert!(
+            matches!(&result, Err(e @ ScrapeError::Foreign(Foreign::NotExposition)) if !e.is_connect()),
+            "{result:?}"
+        );
     }
 
     #[test]

@@ -43,6 +43,9 @@ pub struct Job {
     pub url: String,
     pub engine: Engine,
     pub model: String,
+    /// The pod's last scrape could not connect or timed out: this one goes through the
+    /// [`Scraper`]'s own slots for such pods (see [`Scraper::spawn`]).
+    pub suspect: bool,
 }
 
 /// What the scrapes say of one pod, for its snapshot entry.
@@ -113,6 +116,8 @@ struct PodState {
     hung_since: Option<Instant>,
     /// How many scrapes of that run timed out.
     hung_scrapes: u32,
+    /// The last scrape failed without an answer (no connection, or none in time).
+    suspect: bool,
     drain: DrainWindow,
 }
 
@@ -135,6 +140,7 @@ impl PodState {
             stall_logged: false,
             hung_since: None,
             hung_scrapes: 0,
+            suspect: false,
             drain: DrainWindow::default(),
         }
     }
@@ -285,6 +291,7 @@ impl ScrapeBook {
                 url: target.url,
                 engine: target.engine,
                 model: target.model,
+                suspect: state.suspect,
             });
         }
         self.pods.retain(|key, _| seen.contains(key));
@@ -326,6 +333,10 @@ impl ScrapeBook {
             return round_done; // the pod left or was re-targeted while this scrape ran
         };
         state.in_flight = None;
+        state.suspect = matches!(
+            result,
+            Err(ScrapeError::Connect(_) | ScrapeError::Timeout(_))
+        );
         match result {
             Ok(reading) => {
                 state.observe_progress(&reading, finished);
@@ -466,6 +477,13 @@ impl ScrapeBook {
 pub struct Scraper {
     client: reqwest::Client,
     slots: Arc<Semaphore>,
+    /// Slots of suspect jobs (pods whose last scrape got no answer), as many again: a dead
+    /// pod holds its slot for the connect bound (half the timeout) or the whole timeout, and
+    /// scraped from the shared slots, more dead pods than slots (a lost rack: its pods stay
+    /// Ready for the node controller's 40 s) queued every live pod's scrape behind them
+    /// until all the fleet's metrics read stale. Only a pod's first unanswered scrape
+    /// takes a shared slot.
+    suspect_slots: Arc<Semaphore>,
     timeout: Duration,
     outcomes: mpsc::UnboundedSender<Outcome>,
 }
@@ -479,6 +497,7 @@ impl Scraper {
         let scraper = Scraper {
             client: fetch::client(timeout)?,
             slots: Arc::new(Semaphore::new(concurrency.max(1))),
+            suspect_slots: Arc::new(Semaphore::new(concurrency.max(1))),
             timeout,
             outcomes: tx,
         };
@@ -487,7 +506,11 @@ impl Scraper {
 
     pub fn spawn(&self, job: Job) {
         let client = self.client.clone();
-        let slots = self.slots.clone();
+        let slots = if job.suspect {
+            self.suspect_slots.clone()
+        } else {
+            self.slots.clone()
+        };
         let timeout = self.timeout;
         let (url, engine, model) = (job.url.clone(), job.engine, job.model.clone());
         let scrape = async move {
@@ -865,6 +888,79 @@ mod tests {
             book.metrics(&fleet[0], ms(411)).stale,
             "nothing on its way: the bound alone"
         );
+    }
+
+    #[test]
+    fn a_pod_whose_scrape_got_no_answer_is_scraped_as_a_suspect_until_it_answers() {
+        let mut book = ScrapeBook::new(Duration::from_millis(150), 3);
+        let fleet = vec![pod("a", "10.0.0.1", true)];
+        let t0 = Instant::now();
+        let mut next = |outcome: Option<ScrapeError>| {
+            let job = book.plan(&fleet, t0).remove(0);
+            let suspect = job.suspect;
+            book.apply(match outcome {
+                Some(e) => with(&job, t0, e),
+                None => ok(&job, t0, 1.0, 0.0),
+            });
+            suspect
+        };
+        assert!(!next(Some(ScrapeError::Timeout(Duration::from_secs(1)))));
+        assert!(next(Some(refused())), "after a timeout");
+        assert!(
+            next(Some(ScrapeError::Status(reqwest::StatusCode::BAD_GATEWAY))),
+            "after a refusal"
+        );
+        assert!(!next(None), "an error answer is an answer");
+        assert!(!next(None));
+    }
+
+    /// Live pods' scrapes never wait for a slot behind suspects': with one slot each, a
+    /// live pod's scrape finishes while a suspect's hangs.
+    #[tokio::test]
+    async fn a_suspect_pods_hung_scrape_holds_no_live_pods_slot() {
+        let hung = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let hung_addr = hung.local_addr().expect("addr");
+        let live = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let live_addr = live.local_addr().expect("addr");
+        tokio::spawn(async move {
+            // Accepts and never answers; the connections stay open until the test ends.
+            let mut held = Vec::new();
+            while let Ok((conn, _)) = hung.accept().await {
+                held.push(conn);
+            }
+        });
+        tokio::spawn(async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            while let Ok((mut conn, _)) = live.accept().await {
+                let mut request = [0u8; 1024];
+                let _ = conn.read(&mut request).await;
+                let body = "vllm:num_requests_running{model_name=\"m\"} 1\n";
+                let answer = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = conn.write_all(answer.as_bytes()).await;
+            }
+        });
+        let (scraper, mut outcomes) = Scraper::new(Duration::from_secs(30), 1).expect("scraper");
+        let job = |key: &str, addr: std::net::SocketAddr, suspect| Job {
+            key: key.into(),
+            epoch: 1,
+            round: 1,
+            url: format!("http://{addr}/metrics"),
+            engine: Engine::Vllm,
+            model: "m".into(),
+            suspect,
+        };
+        scraper.spawn(job("ns/dead", hung_addr, true));
+        scraper.spawn(job("ns/live", live_addr, false));
+        let first = outcomes.recv().await.expect("an outcome");
+        assert_eq!(first.job.key, "ns/live", "{:?}", first.result);
+        assert!(first.result.is_ok(), "{:?}", first.result);
     }
 
     #[tokio::test]

@@ -153,8 +153,8 @@ fn key(pod: &Pod) -> Option<Key> {
     Some((namespace.to_string(), name.to_string()))
 }
 
-/// Inserts, replaces or (when the pod no longer serves a model) removes; returns whether the
-/// map changed.
+/// Inserts, replaces or (when the pod no longer serves a model, or its containers ended)
+/// removes; returns whether the map changed.
 fn upsert(pods: &mut BTreeMap<Key, PodRecord>, pod: &Pod) -> bool {
     let Some(key) = key(pod) else {
         return false;
