@@ -67,6 +67,17 @@ fn ok(prompt: &str) -> Value {
     json!({"model": MODEL, "prompt": prompt, "max_tokens": 2})
 }
 
+/// A completion body of `n` top-level members: `model`, `prompt`, `max_tokens` and tiny
+/// ones (`"k12":0`) up to `n`.
+fn members(n: usize) -> String {
+    let mut raw = format!(r#"{{"model":"{MODEL}","prompt":"x","max_tokens":2"#);
+    for i in 0..n.saturating_sub(3) {
+        raw.push_str(&format!(r#","k{i}":0"#));
+    }
+    raw.push('}');
+    raw
+}
+
 fn nested(depth: usize) -> String {
     format!(
         r#"{{"model":"{MODEL}","prompt":"x","extra":{}{}}}"#,
@@ -281,6 +292,11 @@ fn cases() -> Vec<Case> {
             200,
         )
         .chat(),
+        // Each top-level member is an index entry a PD request keeps while its prefill runs.
+        case("1 024 top-level members are routed", members(1024), 200),
+        case("1 025 top-level members are refused", members(1025), 400)
+            .expect_header(bad, Some("true"))
+            .error(invalid),
         case(
             "a 2 MB prompt is routed",
             ok(&"long ".repeat(400_000)).to_string(),
@@ -386,6 +402,32 @@ fn hostile_inputs_get_their_exact_answers_and_break_nothing() {
         stack.metric("pd_router_rejected_total", &[("reason", "body_too_large")]),
         1.0
     );
+    // ~600 000 tiny members in 7 MB (each cost ≈ 40 bytes of index held with the body until
+    // the prefill answered): refused at the cap, naming it, and counted with the one above.
+    let r = http::request(
+        &stack.gateway,
+        "POST",
+        "/v1/completions",
+        &[
+            ("content-type", "application/json"),
+            ("routing-strategy", "pd"),
+        ],
+        members(600_000).as_bytes(),
+    )
+    .expect("an answer");
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.header("x-error-request-body-processing"), Some("true"));
+    assert_eq!(
+        r.json()["error"]["message"],
+        "request body has more than 1024 top-level members"
+    );
+    assert_eq!(
+        stack.metric(
+            "pd_router_rejected_total",
+            &[("reason", "too_many_members")]
+        ),
+        2.0
+    );
 
     // The 63-bit seed reached the engine digit for digit (no f64 round trip).
     let seeds: Vec<String> = stack
@@ -483,6 +525,33 @@ fn hostile_inputs_get_their_exact_answers_and_break_nothing() {
         status, "200",
         "the first routing-strategy counts: {answer:.300}"
     );
+
+    // A client's `config-profile` reaches the access log only when the model has a profile
+    // of that name: a made-up one is logged `-`, so it can forge no field of the line.
+    let logged = |model: &str, profile: &str| -> String {
+        let body = json!({"model": model, "prompt": "x", "max_tokens": 2});
+        let r = http::post_json(
+            &stack.gateway,
+            "/v1/completions",
+            &[("routing-strategy", "pd"), ("config-profile", profile)],
+            &body,
+        );
+        assert_eq!(r.status, 200, "{profile:?}: {}", r.text());
+        let id = format!("request_id={} ", r.header("request-id").unwrap_or_default());
+        eventually(Duration::from_secs(10), || {
+            stack
+                .access_log_lines()
+                .into_iter()
+                .find(|l| l.contains(&id))
+                .ok_or_else(|| format!("no access-log line with {id}"))
+        })
+    };
+    let forged = logged(MODEL, "a target=forged x");
+    assert!(forged.contains(" profile=- "), "{forged}");
+    assert!(!forged.contains("forged"), "{forged}");
+    assert_eq!(forged.matches(" target=").count(), 1, "{forged}");
+    let known = logged(LOCKED, "default");
+    assert!(known.contains(" profile=default "), "{known}");
 
     assert!(
         !stack.envoy_log().contains("panicked at"),
@@ -700,4 +769,161 @@ fn an_envoy_over_its_heap_bound_refuses_new_requests_with_an_openai_error() {
         );
         assert!(over.sim_requests().is_empty(), "ecds {ecds}");
     }
+}
+
+/// A completion body whose prompt is `bytes` bytes long.
+fn prompt_of(bytes: usize) -> Value {
+    json!({"model": MODEL, "prompt": "x".repeat(bytes), "max_tokens": 2})
+}
+
+/// Sends a PD completion on its own thread; joining gives its answer.
+fn send_pd(gateway: &str, bytes: usize) -> std::thread::JoinHandle<http::Response> {
+    let gateway = gateway.to_string();
+    std::thread::spawn(move || {
+        http::post_json(
+            &gateway,
+            "/v1/completions",
+            &[("routing-strategy", "pd")],
+            &prompt_of(bytes),
+        )
+    })
+}
+
+/// Polls until pd-sim logged `n` prefill legs, failing at once (with its answer) if `waiting`
+/// was answered instead: the request it sent was refused rather than held.
+fn wait_held(stack: &Stack, n: usize, waiting: &std::thread::JoinHandle<http::Response>) {
+    eventually(Duration::from_secs(20), || {
+        if waiting.is_finished() {
+            return Ok(false);
+        }
+        let legs = stack
+            .sim_requests()
+            .iter()
+            .filter(|e| e["leg"] == "prefill")
+            .count();
+        if legs >= n {
+            Ok(true)
+        } else {
+            Err(format!("{legs} of {n} prefill legs arrived"))
+        }
+    })
+    .then_some(())
+    .expect("the request was answered instead of waiting for its prefill");
+}
+
+/// A PD request over the VM's budget of held bodies (`max_held_body_bytes`, here 100 000
+/// bytes on one worker) is refused with 503 before it reaches any pod, while requests within
+/// it wait for their prefill and are served; a client that leaves gives its body's room back,
+/// and so does every request that ended, whichever way: after them all, the whole budget is
+/// there again.
+#[test]
+fn bodies_held_past_the_vms_budget_are_refused_and_their_room_comes_back() {
+    let fleet = Fleet::new(MODEL)
+        .pod("p0", "prefill", "g0")
+        .pod("d0", "decode", "g0");
+    let options = Options {
+        concurrency: 1,
+        plugin_extra: r#""max_request_body_bytes":65536,"max_held_body_bytes":100000"#,
+        ..Default::default()
+    };
+    let stack = Stack::start_opts(fleet.clone(), fleet, &options);
+    let hang = json!({"pod": "p0", "kind": "hang_before_headers", "leg": "prefill"});
+    let refused = |r: &http::Response, count: f64| {
+        assert_eq!(r.status, 503, "{}", r.text());
+        assert_eq!(r.header("x-error-routing"), Some("true"));
+        assert_eq!(r.header("content-type"), Some("application/json"));
+        let error = &r.json()["error"];
+        assert_eq!(error["type"], "overloaded_error", "{error}");
+        assert_eq!(error["code"], "service_unavailable", "{error}");
+        assert!(
+            error["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("100000 bytes per worker")),
+            "{error}"
+        );
+        assert_eq!(
+            stack.metric(
+                "pd_router_rejected_total",
+                &[("reason", "held_bodies_over_budget")]
+            ),
+            count
+        );
+    };
+    stack.arm_fault(hang.clone());
+    // Two bodies of 40 KB wait for their prefill: one from a client that will leave.
+    let a = send_pd(&stack.gateway, 40_000);
+    wait_held(&stack, 1, &a);
+    let mut leaving = TcpStream::connect(&stack.gateway).expect("connect");
+    let body = prompt_of(40_000).to_string();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: pd\r\ncontent-type: application/json\r\n\
+         routing-strategy: pd\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    leaving.write_all(head.as_bytes()).expect("send");
+    leaving.write_all(body.as_bytes()).expect("send");
+    stack.wait_for_legs("prefill", 2);
+    // A third would pass 100 000 bytes: refused at once, before its selection and any leg.
+    let r = http::post_json(
+        &stack.gateway,
+        "/v1/completions",
+        &[("routing-strategy", "pd")],
+        &prompt_of(40_000),
+    );
+    refused(&r, 1.0);
+    // A small one fits and waits.
+    let small = send_pd(&stack.gateway, 5_000);
+    wait_held(&stack, 3, &small);
+    // The leaving client's room comes back when its stream ends, its prefill still hanging.
+    drop(leaving);
+    eventually(Duration::from_secs(10), || {
+        let gone = stack.model_fail_count("response_fail", "499");
+        (gone == 1.0)
+            .then_some(())
+            .ok_or_else(|| format!("{gone} departures counted"))
+    });
+    let after = send_pd(&stack.gateway, 40_000);
+    wait_held(&stack, 4, &after);
+    let prefill_legs = |stack: &Stack| {
+        stack
+            .sim_requests()
+            .iter()
+            .filter(|e| e["leg"] == "prefill")
+            .count()
+    };
+    assert_eq!(
+        prefill_legs(&stack),
+        4,
+        "the refused request reached no pod"
+    );
+    // Released, the held requests are served.
+    stack.clear_faults();
+    for waiting in [a, small, after] {
+        let r = waiting.join().expect("client thread");
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    stack.wait_ledger_zero();
+
+    // Every body's room came back exactly: 98 000 bytes of prompts (and their framing and
+    // index) fit again, and the next 5 000 do not.
+    stack.clear_sim_requests();
+    stack.arm_fault(hang);
+    let big = send_pd(&stack.gateway, 60_000);
+    wait_held(&stack, 1, &big);
+    let second = send_pd(&stack.gateway, 38_000);
+    wait_held(&stack, 2, &second);
+    let r = http::post_json(
+        &stack.gateway,
+        "/v1/completions",
+        &[("routing-strategy", "pd")],
+        &prompt_of(5_000),
+    );
+    refused(&r, 2.0);
+    stack.clear_faults();
+    for waiting in [big, second] {
+        let r = waiting.join().expect("client thread");
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    stack.wait_ledger_zero();
+    assert!(!stack.envoy_log().contains("panicked"));
 }

@@ -100,6 +100,14 @@ pub struct PluginConfig {
     /// (`per_connection_buffer_limit_bytes`, 8 MiB in the drop-ins) holds only for HTTP/1.1:
     /// an HTTP/2 stream's buffer is bounded by its window (256 MiB by default).
     pub max_request_body_bytes: usize,
+    /// The most request-body bytes one VM may hold for requests waiting on a callout (a
+    /// vLLM or TRT-LLM `context_first` prefill, `/server_info`, an admission, the external
+    /// router), their member indexes included (`core::held_body`). The VM's memory grows with
+    /// the sum of those bodies and never shrinks, and Envoy's overload manager does not see
+    /// it; a request that would go past this is refused with 503 before its callout. At least
+    /// `max_request_body_bytes`, so an idle VM takes any body the filter accepts. Default
+    /// 256 MiB: 32 of the largest bodies, thousands of ordinary prompts.
+    pub max_held_body_bytes: usize,
 }
 
 impl PluginConfig {
@@ -143,6 +151,7 @@ impl Default for PluginConfig {
             connect_retry: false,
             stand_in_statuses: vec![500, 502, 503],
             max_request_body_bytes: DEFAULT_MAX_REQUEST_BODY_BYTES,
+            max_held_body_bytes: crate::core::held_body::DEFAULT_MAX_HELD_BODY_BYTES,
         }
     }
 }
@@ -246,6 +255,17 @@ impl PluginConfig {
             return Err(ConfigError::Field {
                 field: "max_request_body_bytes",
                 reason: "must be above 0".into(),
+            });
+        }
+        // Below one body of the largest size taken, such a request would be refused even by
+        // an idle VM: on every PD pair that waits for its prefill, whatever the load.
+        if self.max_held_body_bytes < self.max_request_body_bytes {
+            return Err(ConfigError::Field {
+                field: "max_held_body_bytes",
+                reason: format!(
+                    "must be at least max_request_body_bytes ({})",
+                    self.max_request_body_bytes
+                ),
             });
         }
         // A header value: visible ASCII only, so it can neither split the request nor
@@ -643,6 +663,26 @@ mod tests {
         assert_refused(
             "max_request_body_bytes",
             &[br#"{"max_request_body_bytes":0}"#],
+        );
+    }
+
+    #[test]
+    fn held_body_budget_takes_at_least_one_largest_body() {
+        assert_eq!(
+            PluginConfig::default().max_held_body_bytes,
+            256 * 1024 * 1024
+        );
+        let low =
+            PluginConfig::parse(br#"{"max_request_body_bytes":65536,"max_held_body_bytes":65536}"#)
+                .unwrap();
+        assert_eq!(low.max_held_body_bytes, 65536);
+        assert_refused(
+            "max_held_body_bytes",
+            &[
+                br#"{"max_held_body_bytes":1048576}"#,
+                br#"{"max_request_body_bytes":65536,"max_held_body_bytes":65535}"#,
+                br#"{"max_held_body_bytes":0}"#,
+            ],
         );
     }
 

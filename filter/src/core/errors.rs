@@ -38,6 +38,11 @@ pub enum RouteError {
     /// The body is larger than the plugin's `max_request_body_bytes`.
     #[error("request body exceeds {limit} bytes")]
     BodyTooLarge { limit: usize },
+    /// The body's top-level object has more members than `json_object::MAX_BODY_MEMBERS`:
+    /// each one costs an index entry that a PD request keeps while its prefill runs. A body
+    /// refusal like any other (400, `x-error-request-body-processing`), naming the limit.
+    #[error("request body has more than {limit} top-level members")]
+    TooManyMembers { limit: usize },
     #[error("no messages in the request body")]
     NoMessages,
     #[error("unknown request path")]
@@ -120,6 +125,13 @@ pub enum RouteError {
     /// (or has no usable fallback). `detail` (the failure's outcome) stays in the log.
     #[error("external router unavailable")]
     ExternalUnavailable { detail: String },
+    /// Waiting for a callout (a prefill leg, `/server_info`, an admission, the external
+    /// router), the request would have pushed the bodies this VM holds past the plugin's
+    /// `max_held_body_bytes` (`core::held_body`). A 503 of the gateway's own load, with the
+    /// header of the filter's other gateway-side 503s (no snapshot, a target outside the
+    /// fleet): the contract has no header of its own for it.
+    #[error("the gateway is holding its limit of request bodies ({limit} bytes per worker) waiting for engines; retry later")]
+    HeldBodiesOverBudget { limit: usize },
 }
 
 /// How Envoy's own answer to a callout it could not deliver (connection refused, reset
@@ -213,6 +225,8 @@ impl RouteError {
             RouteError::Unauthorized => 401,
             RouteError::BadBody | RouteError::NoMessages | RouteError::MissingField { .. } => 400,
             RouteError::BodyTooLarge { .. } => 413,
+            RouteError::TooManyMembers { .. } => 400,
+            RouteError::HeldBodiesOverBudget { .. } => 503,
             RouteError::UnknownPath | RouteError::PathNotForEngine { .. } => 501,
             RouteError::UnknownModel(_) | RouteError::BadStrategy(_) => 400,
             RouteError::NoRoutablePods(_)
@@ -241,6 +255,7 @@ impl RouteError {
             RouteError::Unauthorized => return None,
             RouteError::BadBody
             | RouteError::BodyTooLarge { .. }
+            | RouteError::TooManyMembers { .. }
             | RouteError::NoMessages
             | RouteError::MissingField { .. }
             | RouteError::UnknownPath => ("x-error-request-body-processing", "true".into()),
@@ -255,7 +270,8 @@ impl RouteError {
             | RouteError::TargetOutsideFleet(_)
             | RouteError::InvalidRequest(_)
             | RouteError::ExternalDenied
-            | RouteError::ExternalUnavailable { .. } => ("x-error-routing", "true".into()),
+            | RouteError::ExternalUnavailable { .. }
+            | RouteError::HeldBodiesOverBudget { .. } => ("x-error-routing", "true".into()),
             RouteError::Prefill { .. } => ("x-error-pd-prefill", "true".into()),
             RouteError::DecodeTimeout(_) => ("x-error-pd-decode", "true".into()),
             RouteError::Internal(_) => ("x-error-internal", "true".into()),
@@ -278,6 +294,8 @@ impl RouteError {
             RouteError::Unauthorized => "unauthorized",
             RouteError::BadBody => "bad_body",
             RouteError::BodyTooLarge { .. } => "body_too_large",
+            RouteError::TooManyMembers { .. } => "too_many_members",
+            RouteError::HeldBodiesOverBudget { .. } => "held_bodies_over_budget",
             RouteError::NoMessages => "no_messages",
             RouteError::MissingField { .. } => "missing_field",
             RouteError::UnknownPath => "unknown_path",
@@ -304,10 +322,12 @@ impl RouteError {
     }
 
     /// All reasons, so the host can define one counter each up front.
-    pub const REASONS: [&'static str; 25] = [
+    pub const REASONS: [&'static str; 27] = [
         "unauthorized",
         "bad_body",
         "body_too_large",
+        "too_many_members",
+        "held_bodies_over_budget",
         "no_messages",
         "missing_field",
         "unknown_path",
@@ -532,6 +552,18 @@ mod tests {
                 "true",
             ),
             (
+                RouteError::TooManyMembers { limit: 1024 },
+                400,
+                "x-error-request-body-processing",
+                "true",
+            ),
+            (
+                RouteError::HeldBodiesOverBudget { limit: 1 << 28 },
+                503,
+                "x-error-routing",
+                "true",
+            ),
+            (
                 RouteError::UnknownPath,
                 501,
                 "x-error-request-body-processing",
@@ -727,6 +759,25 @@ mod tests {
             json!({"error": {"message": "Incorrect API key provided",
                               "type": "authentication_error", "code": "invalid_api_key",
                               "param": "api_key"}})
+        );
+    }
+
+    #[test]
+    fn the_memory_refusals_name_their_limits() {
+        let b = body(&RouteError::TooManyMembers { limit: 1024 });
+        assert_eq!(
+            b["error"]["message"],
+            "request body has more than 1024 top-level members"
+        );
+        assert_eq!(b["error"]["type"], "invalid_request_error");
+        let b = body(&RouteError::HeldBodiesOverBudget { limit: 4096 });
+        assert_eq!(b["error"]["type"], "overloaded_error");
+        assert_eq!(b["error"]["code"], "service_unavailable");
+        assert!(
+            b["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("4096 bytes per worker")),
+            "{b}"
         );
     }
 

@@ -9,11 +9,29 @@
 //! floats, unicode escapes) reaches the engine byte for byte.
 
 use std::borrow::Cow;
+use std::cell::Cell;
 use std::fmt;
 
-use serde::de::{Deserializer, MapAccess, Visitor};
+use serde::de::{Deserializer, Error as _, MapAccess, Visitor};
 use serde::Deserialize;
 use serde_json::value::RawValue;
+
+/// The most top-level members a request body may have ([`Members::parse_capped`]). Each
+/// member costs an index entry with its own copy of the name, and a PD request keeps that
+/// index next to its body until the prefill answers: an 8 MiB body of ~700 000 members like
+/// `"k1":0,` held about 30 MB more than its bytes. Real OpenAI and Anthropic request bodies
+/// have fewer than 60 members, so 1024 refuses none of them.
+pub const MAX_BODY_MEMBERS: usize = 1024;
+
+/// Why [`Members::parse_capped`] refused a body.
+#[derive(Debug, thiserror::Error)]
+pub enum MembersError {
+    #[error("not one JSON object: {0}")]
+    Json(#[from] serde_json::Error),
+    /// The object has more than `limit` members; parsing stopped at the first one past it.
+    #[error("more than {limit} members")]
+    TooMany { limit: usize },
+}
 
 /// A member name, borrowed from the input unless it contains escapes (the visitors that read
 /// an object's members one by one share it).
@@ -26,9 +44,15 @@ pub struct Members<'a> {
     entries: Vec<(Cow<'a, str>, &'a RawValue)>,
 }
 
-struct MembersVisitor;
+/// Reads an object's members, at most `max` of them: `over` is set when the object has more
+/// (serde's error type cannot say why it failed, and a failure past the cap is not a
+/// malformed body).
+struct MembersVisitor<'c> {
+    max: usize,
+    over: Option<&'c Cell<bool>>,
+}
 
-impl<'de> Visitor<'de> for MembersVisitor {
+impl<'de> Visitor<'de> for MembersVisitor<'_> {
     type Value = Members<'de>;
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
@@ -36,8 +60,16 @@ impl<'de> Visitor<'de> for MembersVisitor {
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Members<'de>, A::Error> {
-        let mut entries = Vec::with_capacity(map.size_hint().unwrap_or(8));
-        while let Some((Key(key), value)) = map.next_entry::<Key<'de>, &'de RawValue>()? {
+        let mut entries = Vec::with_capacity(map.size_hint().unwrap_or(8).min(self.max));
+        while let Some(Key(key)) = map.next_key::<Key<'de>>()? {
+            // Checked before the member is stored, so the index never outgrows the cap.
+            if entries.len() == self.max {
+                if let Some(over) = self.over {
+                    over.set(true);
+                }
+                return Err(A::Error::custom("too many members"));
+            }
+            let value = map.next_value::<&'de RawValue>()?;
             entries.push((key, value));
         }
         Ok(Members { entries })
@@ -46,7 +78,10 @@ impl<'de> Visitor<'de> for MembersVisitor {
 
 impl<'de> Deserialize<'de> for Members<'de> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Members<'de>, D::Error> {
-        d.deserialize_map(MembersVisitor)
+        d.deserialize_map(MembersVisitor {
+            max: usize::MAX,
+            over: None,
+        })
     }
 }
 
@@ -56,6 +91,24 @@ impl<'a> Members<'a> {
     /// accepted; values that are parsed further get serde_json's nesting limit there.
     pub fn parse(raw: &'a [u8]) -> Result<Members<'a>, serde_json::Error> {
         serde_json::from_slice(raw)
+    }
+
+    /// Like [`Members::parse`], for a client's body: more than `max` members is
+    /// [`MembersError::TooMany`], found without indexing more than `max` of them.
+    pub fn parse_capped(raw: &'a [u8], max: usize) -> Result<Members<'a>, MembersError> {
+        let over = Cell::new(false);
+        let mut de = serde_json::Deserializer::from_slice(raw);
+        let parsed = de
+            .deserialize_map(MembersVisitor {
+                max,
+                over: Some(&over),
+            })
+            .and_then(|members| de.end().map(|()| members));
+        match parsed {
+            Ok(members) => Ok(members),
+            Err(_) if over.get() => Err(MembersError::TooMany { limit: max }),
+            Err(e) => Err(MembersError::Json(e)),
+        }
     }
 
     /// Like [`Members::parse`] for a nested value already validated.
@@ -131,6 +184,17 @@ impl Spans {
             entries,
             overridden,
         }
+    }
+
+    /// Bytes this index takes on the heap (its entries and the names it copied): what a
+    /// request keeping it next to its body adds to the bodies a VM holds (`core::held_body`).
+    pub fn heap_bytes(&self) -> usize {
+        let entry = std::mem::size_of::<(Box<str>, std::ops::Range<usize>)>();
+        let name = std::mem::size_of::<Box<str>>();
+        self.entries.capacity() * entry
+            + self.entries.iter().map(|(k, _)| k.len()).sum::<usize>()
+            + self.overridden.capacity() * name
+            + self.overridden.iter().map(|k| k.len()).sum::<usize>()
     }
 
     /// Whether the object held `key` more than once.
@@ -362,6 +426,59 @@ mod tests {
         let value: Value = serde_json::from_slice(&out).unwrap();
         assert_eq!(value.as_object().map(|o| o.len()), Some(1000));
         assert_eq!(value["k7"], 199_007);
+    }
+
+    /// A body of more members than the cap is refused as such, not as malformed JSON, at
+    /// the first member past the cap (what follows it is never read); one at the cap is read.
+    #[test]
+    fn members_past_the_cap_are_refused_before_they_are_indexed() {
+        let object = |n: usize, tail: &str| {
+            let members: Vec<String> = (0..n).map(|i| format!("\"k{i}\":0")).collect();
+            format!("{{{}{tail}}}", members.join(","))
+        };
+        let at_cap = object(MAX_BODY_MEMBERS, "");
+        let m = Members::parse_capped(at_cap.as_bytes(), MAX_BODY_MEMBERS).unwrap();
+        assert_eq!(m.iter().count(), MAX_BODY_MEMBERS);
+        let over = object(MAX_BODY_MEMBERS + 1, "");
+        assert!(matches!(
+            Members::parse_capped(over.as_bytes(), MAX_BODY_MEMBERS),
+            Err(MembersError::TooMany {
+                limit: MAX_BODY_MEMBERS
+            })
+        ));
+        // Nothing past the cap is read: a body broken after it is still "too many".
+        let broken_after = object(MAX_BODY_MEMBERS + 1, ",\"x\":}");
+        assert!(matches!(
+            Members::parse_capped(broken_after.as_bytes(), MAX_BODY_MEMBERS),
+            Err(MembersError::TooMany { .. })
+        ));
+        // Duplicates count: each occurrence is an entry until the spans are made.
+        let repeated = format!("{{{}}}", ["\"a\":1"; 5].join(","));
+        assert!(matches!(
+            Members::parse_capped(repeated.as_bytes(), 4),
+            Err(MembersError::TooMany { limit: 4 })
+        ));
+        // Malformed bodies under the cap stay malformed, and the rest is read as `parse` does.
+        for bad in [&b"{"[..], b"[]", b"{\"a\":1} {}", b"{\"a\":1,}"] {
+            assert!(matches!(
+                Members::parse_capped(bad, MAX_BODY_MEMBERS),
+                Err(MembersError::Json(_))
+            ));
+        }
+        let raw = br#" {"a":1,"b":[2],"a":3} "#;
+        let capped = Members::parse_capped(raw, 3).unwrap();
+        let plain = Members::parse(raw).unwrap();
+        assert_eq!(capped.spans(raw), plain.spans(raw));
+    }
+
+    #[test]
+    fn the_index_weighs_its_entries_and_copied_names() {
+        let raw = br#"{"model":"m","a":1,"a":2}"#;
+        let spans = Members::parse(raw).unwrap().spans(raw);
+        let entry = std::mem::size_of::<(Box<str>, std::ops::Range<usize>)>();
+        // Two entries ("model", the last "a"), one overridden "a".
+        assert!(spans.heap_bytes() >= 2 * entry + "model".len() + 2 * "a".len());
+        assert_eq!(Spans::default().heap_bytes(), 0);
     }
 
     #[test]

@@ -13,6 +13,7 @@ pub mod external;
 pub mod fleet;
 pub mod freshness;
 pub mod guard;
+pub mod held_body;
 pub mod inbound;
 pub mod journal;
 pub mod json_object;

@@ -12,7 +12,7 @@ use serde_json::value::RawValue;
 use serde_json::Value;
 
 use super::errors::RouteError;
-use super::json_object::{Key, Members, Spans};
+use super::json_object::{Key, Members, MembersError, Spans, MAX_BODY_MEMBERS};
 
 mod one_pass;
 
@@ -109,7 +109,10 @@ impl RoutingRequest {
     /// checks that both give the same answer.
     #[doc(hidden)]
     pub fn parse_two_pass(endpoint: Endpoint, raw: &[u8]) -> Result<RoutingRequest, RouteError> {
-        let body = Members::parse(raw).map_err(|_| RouteError::BadBody)?;
+        let body = Members::parse_capped(raw, MAX_BODY_MEMBERS).map_err(|e| match e {
+            MembersError::TooMany { limit } => RouteError::TooManyMembers { limit },
+            MembersError::Json(_) => RouteError::BadBody,
+        })?;
         let scalars = Scalars::read(|k| body.get(k))?;
         let prompt_text = if endpoint.has_messages() {
             chat_prompt_text(body.get("messages"))?
@@ -587,6 +590,54 @@ mod tests {
             RouteError::BadBody
         );
         assert_eq!(chat(r#"{"messages":[{"content":"a"}]}"#).unwrap().model, "");
+    }
+
+    /// A body of more top-level members than the cap is refused as such on every endpoint,
+    /// whichever parse reads it; one at the cap is routed. The one-pass parse must leave such
+    /// a body to the two-pass one, not route it.
+    #[test]
+    fn bodies_over_the_member_cap_are_refused_naming_it() {
+        let with_members = |n: usize, prompt: &str| {
+            let mut raw = String::from(r#"{"model":"m","#);
+            raw.push_str(prompt);
+            for i in 0..n.saturating_sub(2) {
+                raw.push_str(&format!(r#","k{i}":0"#));
+            }
+            raw.push('}');
+            raw
+        };
+        let chat_prompt = r#""messages":[{"role":"user","content":"hi"}]"#;
+        let cases = [
+            (Endpoint::ChatCompletions, chat_prompt),
+            (Endpoint::Messages, chat_prompt),
+            (Endpoint::Completions, r#""prompt":"hi""#),
+            (Endpoint::Responses, r#""input":"hi""#),
+        ];
+        let too_many = RouteError::TooManyMembers {
+            limit: MAX_BODY_MEMBERS,
+        };
+        for (endpoint, prompt) in cases {
+            let at_cap = with_members(MAX_BODY_MEMBERS, prompt);
+            let r = RoutingRequest::parse(endpoint, at_cap.as_bytes());
+            assert!(r.is_ok(), "{endpoint:?}: {r:?}");
+            let over = with_members(MAX_BODY_MEMBERS + 1, prompt);
+            assert_eq!(
+                RoutingRequest::parse(endpoint, over.as_bytes()).unwrap_err(),
+                too_many,
+                "{endpoint:?}"
+            );
+            assert_eq!(
+                RoutingRequest::parse_two_pass(endpoint, over.as_bytes()).unwrap_err(),
+                too_many,
+                "{endpoint:?}"
+            );
+        }
+        // ~700 000 tiny members (the 8 MiB body of the review) end at the cap too.
+        let huge = with_members(700_000, r#""prompt":"hi""#);
+        assert_eq!(
+            RoutingRequest::parse(Endpoint::Completions, huge.as_bytes()).unwrap_err(),
+            too_many
+        );
     }
 
     #[test]

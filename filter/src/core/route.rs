@@ -30,6 +30,26 @@ pub struct Decision {
     pub requests_per_second: Option<f64>,
 }
 
+impl Decision {
+    /// The profile name the access log shows (filter state `wasm.pd_profile`): the one the
+    /// request resolved to when the model's config has a profile of that name; `None`
+    /// (printed `-`) when the request named one it does not have (one only some pods'
+    /// annotations have too: looking through every pod would be a second scan of the pods
+    /// per request, for a log field). The name in
+    /// `config-profile` is the client's text: written as sent, `a target=forged` would forge a
+    /// field of the space-separated log line, and a 60 KB value make a 60 KB line. Routing
+    /// still takes the name as sent (a missing profile resolves to the fallback one, as in
+    /// AIBrix); only the logged value changes.
+    pub fn logged_profile(&self, model: &ModelView) -> Option<&str> {
+        let name = self.profile.as_deref()?;
+        let known = model
+            .config
+            .as_ref()
+            .is_some_and(|c| c.profiles.contains_key(name));
+        known.then_some(name)
+    }
+}
+
 /// Resolves the profile and strategy of a request for `model`. `tokens` counts the prompt's
 /// tokens given the range boundaries that matter (exact near one of them, cheap elsewhere);
 /// it is called at most once, and only when bucketing or an auto profile needs the length.
@@ -304,6 +324,48 @@ mod tests {
                 .requests_per_second,
             None
         );
+    }
+
+    #[test]
+    fn only_a_profile_that_exists_is_logged() {
+        let m = model(
+            r#"{"profiles":{"default":{"routingStrategy":"random"},"batch":{"routingStrategy":"pd"}}}"#,
+        );
+        let env = EnvSettings::default();
+        let logged = |profile: Option<&str>| {
+            let d = decide_with(&m, None, profile, &env, 0).unwrap();
+            d.logged_profile(&m).map(str::to_string)
+        };
+        assert_eq!(logged(Some("batch")).as_deref(), Some("batch"));
+        assert_eq!(logged(Some(" batch ")).as_deref(), Some("batch"));
+        assert_eq!(logged(Some("default")).as_deref(), Some("default"));
+        assert_eq!(logged(None), None, "no header: nothing named");
+        // A client's name for a profile that does not exist routes on the fallback profile,
+        // and is not written.
+        let forged = "a target=forged";
+        let d = decide_with(&m, None, Some(forged), &env, 0).unwrap();
+        assert_eq!(d.profile.as_deref(), Some(forged), "routing keeps the name");
+        assert_eq!(
+            d.strategy,
+            Strategy::Random,
+            "the fallback profile's strategy"
+        );
+        assert_eq!(d.logged_profile(&m), None);
+        assert_eq!(logged(Some(&"x".repeat(60_000))), None);
+        // Without any config, no name is known.
+        let bare = model("");
+        let d = decide_with(&bare, None, Some("batch"), &env, 0).unwrap();
+        assert_eq!(d.logged_profile(&bare), None);
+        // A profile only a later pod's annotation has is not the model's: not looked for.
+        let mut p0 = pod("p0", "prefill", "g0", true);
+        p0.config = r#"{"profiles":{"default":{"routingStrategy":"pd"}}}"#.into();
+        let mut d0 = pod("d0", "decode", "g0", true);
+        d0.config = r#"{"profiles":{"default":{},"edge":{}}}"#.into();
+        let mixed = FleetView::from_snapshot(&snapshot(vec![p0, d0])).models["m"].clone();
+        let d = decide_with(&mixed, None, Some("edge"), &env, 0).unwrap();
+        assert_eq!(d.logged_profile(&mixed), None);
+        let d = decide_with(&mixed, None, Some("default"), &env, 0).unwrap();
+        assert_eq!(d.logged_profile(&mixed), Some("default"));
     }
 
     #[test]

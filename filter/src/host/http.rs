@@ -18,6 +18,7 @@ use crate::core::charges::HeldCharges;
 use crate::core::engine::{self, trtllm, vllm, Engine};
 use crate::core::errors::RouteError;
 use crate::core::fleet::{FleetView, ModelView};
+use crate::core::held_body::HeldBody;
 // Envoy's ORIGINAL_DST header is removed even when the cluster reads another one, so a
 // client can never pick an upstream through either.
 use crate::core::inbound::{Inbound, DESTINATIONS_HEADER, ENVOY_DST_HEADER};
@@ -120,8 +121,9 @@ struct Served {
 /// A prefill leg in flight and what the decode request needs once it answers.
 struct PendingDecode {
     token: u32,
-    /// The client's raw body and its members, which the decode leg is spliced from.
-    body: Vec<u8>,
+    /// The client's raw body and its members, which the decode leg is spliced from: held in
+    /// the VM's budget, with the members' index, until the prefill answers or the request ends.
+    body: HeldBody,
     members: crate::core::json_object::Spans,
     prefill_ip: String,
     decode: redecode::ChosenDecode,
@@ -228,8 +230,8 @@ pub struct PdHttp {
 struct Admission {
     token: u32,
     ask: Ask,
-    /// The whole request body, routed again once admitted.
-    raw: Vec<u8>,
+    /// The whole request body, routed again once admitted (held in the VM's budget).
+    raw: HeldBody,
 }
 
 /// An admitted request of a limited user: its answer's tokens go to the user's TPM.
@@ -336,6 +338,9 @@ impl PdHttp {
     /// Sends the admission; `Ok(true)` while its answer is awaited (the request waits with
     /// it), `Ok(false)` when it could not be sent and the plugin fails open.
     fn start_admission(&mut self, ask: Ask, raw: &mut Vec<u8>) -> Result<bool, RouteError> {
+        // The body waits with the request: refused before pd-control is asked (and counts the
+        // request against its limits) when the VM holds its budget of bodies already.
+        let held = self.hold_body(std::mem::take(raw), 0)?;
         let model = ask
             .rps
             .and_then(ModelRps::of)
@@ -348,11 +353,16 @@ impl PdHttp {
         };
         match sent {
             Ok(token) => {
-                let raw = std::mem::take(raw);
-                self.admission = Some(Admission { token, ask, raw });
+                self.admission = Some(Admission {
+                    token,
+                    ask,
+                    raw: held,
+                });
                 Ok(true)
             }
             Err(e) => {
+                // Routed on at once if the plugin fails open: the body is the caller's again.
+                *raw = held.into_body();
                 let error = RouteError::UserLimitsUnavailable {
                     header: "x-error-user",
                     detail: format!("cannot call pd-control: {e}"),
@@ -395,6 +405,8 @@ impl PdHttp {
     fn on_admission(&mut self, admission: Admission, body_size: usize) {
         let (status, body) = self.call_answer(body_size);
         let Admission { ask, raw, .. } = admission;
+        // Routed now: out of the budget (a wait for a prefill leg holds it anew).
+        let raw = raw.into_body();
         let admitted = match user_limits::judge(&ask, &status, &body) {
             Verdict::Admitted { rpm, charged } => {
                 self.charge = charged.map(|rps| Charge {
@@ -462,8 +474,11 @@ impl PdHttp {
             RouteError::UnknownPath
                 | RouteError::BadBody
                 | RouteError::BodyTooLarge { .. }
+                | RouteError::TooManyMembers { .. }
                 | RouteError::NoMessages
                 | RouteError::Unauthorized
+                // Gateway load, not a fault: a flood of these is counted, not logged.
+                | RouteError::HeldBodiesOverBudget { .. }
         ) {
             use crate::core::errors::loggable;
             let what = loggable(&error.to_string());
@@ -646,6 +661,31 @@ impl PdHttp {
         self.release_stage(HeldCharges::release_rest, clock);
     }
 
+    /// Keeps `body`, and `index` bytes of its member index, in this VM's account of held
+    /// bodies while the request waits on a callout; refused (503) when that would take the
+    /// account past `max_held_body_bytes` (see `core::held_body`). The bytes go back when
+    /// the returned body is dropped or unwrapped, however the request ends.
+    fn hold_body(&self, body: Vec<u8>, index: usize) -> Result<HeldBody, RouteError> {
+        let vm = self.vm.borrow();
+        vm.held_bodies
+            .hold(body, index, vm.plugin.max_held_body_bytes)
+            .map_err(|e| self.over_budget(e))
+    }
+
+    /// Whether `bytes` more would fit in this VM's account of held bodies (see
+    /// [`PdHttp::hold_body`]), for a refusal before work it would waste.
+    fn body_fits(&self, bytes: usize) -> Result<(), RouteError> {
+        let vm = self.vm.borrow();
+        vm.held_bodies
+            .fits(bytes, vm.plugin.max_held_body_bytes)
+            .map_err(|e| self.over_budget(e))
+    }
+
+    fn over_budget(&self, e: crate::core::held_body::OverBudget) -> RouteError {
+        log::debug!("request {}: {e}", self.request_id);
+        RouteError::HeldBodiesOverBudget { limit: e.limit }
+    }
+
     /// Reads the whole buffered request body and routes on it, or answers why not.
     fn route_body(&mut self) -> Action {
         let raw = crate::section!(
@@ -816,6 +856,11 @@ impl PdHttp {
             if engine == Engine::Sglang {
                 engine::sglang::validate(&raw, &req.members)?;
             }
+            if self.decode_waits(engine) {
+                // Refused before the selection charges any pod: the body would be held until
+                // the prefill answers (`start_pair` holds it in this same callback).
+                self.body_fits(raw.len().saturating_add(req.members.heap_bytes()))?;
+            }
             self.legs.watch_settings = self.vm.borrow().engines.defaults.watchdog.with_knobs(
                 &decision
                     .routing_config
@@ -856,7 +901,7 @@ impl PdHttp {
         }
         crate::section!(
             "request_body.filter_state",
-            self.log_state(model, target, &strategy, decision.profile.as_deref())
+            self.log_state(model, target, &strategy, decision.logged_profile(model))
         );
         // The stand-in must fit Step 0's bucket as the chosen pod did (PD decisions only).
         let step0 = Step0Input {
@@ -1421,7 +1466,7 @@ impl PdHttp {
         }
         self.failover.failure = Some(RouteError::prefill_answer(status, body, "http_error"));
         self.obs.explain_header = None;
-        let result = self.route(pending.body);
+        let result = self.route(pending.body.into_body());
         let [rerouted_id, failed_id] = self.vm.borrow().metrics.prefill_failover;
         match result {
             Ok(action) => {
@@ -1871,5 +1916,12 @@ impl HttpContext for PdHttp {
                 vm.wake();
             }
         }
+        // A body still held for a callout (the client left, or the stream was reset, while
+        // it waited) goes back to the VM's budget now rather than when the SDK deletes the
+        // context; dropping it returns its bytes, once.
+        self.pending = None;
+        self.admission = None;
+        self.external_call = None;
+        self.legs.drop_held_body();
     }
 }

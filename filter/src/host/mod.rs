@@ -134,6 +134,9 @@ pub struct VmState {
     pub model_refunds: crate::core::user_limits::RefundBook,
     /// `vtc-basic`'s per-user token window (per worker, as AIBrix's is per replica).
     pub vtc: crate::core::pd::vtc::TokenTracker,
+    /// Request bodies this VM's requests keep while they wait on a callout, bounded by the
+    /// plugin's `max_held_body_bytes` (`core::held_body`).
+    pub held_bodies: crate::core::held_body::BodyBudget,
 }
 
 impl VmState {

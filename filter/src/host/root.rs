@@ -160,6 +160,7 @@ impl Root {
                 user_usage: Default::default(),
                 model_refunds: Default::default(),
                 vtc: Default::default(),
+                held_bodies: Default::default(),
             })),
             context_id,
             token: seed | 1,

@@ -20,7 +20,7 @@ use serde::de::{DeserializeSeed, Deserializer, Error as _, MapAccess, Visitor};
 use serde_json::value::RawValue;
 
 use super::{joined_text, Endpoint, Joined, JoinedSeed, RoutingRequest, Scalars};
-use crate::core::json_object::{Key, Spans};
+use crate::core::json_object::{Key, Spans, MAX_BODY_MEMBERS};
 
 /// JSON's insignificant whitespace.
 fn is_space(b: u8) -> bool {
@@ -201,6 +201,10 @@ impl<'de> Visitor<'de> for BodySeed<'_> {
             prompt: None,
         };
         while let Some(Key(key)) = map.next_key::<Key<'de>>()? {
+            // Past the cap the two-pass parse refuses the body, having indexed no more.
+            if body.members.len() == MAX_BODY_MEMBERS {
+                return Err(unusual());
+            }
             if let Some(prompt) = body.prompt.as_mut().filter(|p| p.end.is_none()) {
                 let Cow::Borrowed(next) = &key else {
                     return Err(unusual());

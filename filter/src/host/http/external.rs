@@ -18,8 +18,8 @@ use crate::host::store::SharedData;
 /// A request waiting for pd-control's decision.
 pub(super) struct ExternalCall {
     pub token: u32,
-    /// The whole request body, routed again once decided.
-    pub raw: Vec<u8>,
+    /// The whole request body, routed again once decided (held in the VM's budget).
+    pub raw: crate::core::held_body::HeldBody,
 }
 
 /// How an external request is routed once decided.
@@ -55,14 +55,20 @@ impl PdHttp {
                 Plan::Pod(model.pods[model.others[0]].key.clone()),
                 Outcome::Bypassed,
             ),
-            None => match self.ask_external(&config, model, req) {
-                Ok(token) => {
-                    let raw = std::mem::take(raw);
-                    self.external_call = Some(ExternalCall { token, raw });
-                    return Ok(None);
+            None => {
+                // The body waits with the request: refused before the ask when the VM holds
+                // its budget of bodies already (the hold after the check cannot fail: nothing
+                // else runs in between).
+                self.body_fits(raw.len())?;
+                match self.ask_external(&config, model, req) {
+                    Ok(token) => {
+                        let raw = self.hold_body(std::mem::take(raw), 0)?;
+                        self.external_call = Some(ExternalCall { token, raw });
+                        return Ok(None);
+                    }
+                    Err(why) => external::plan(Err(why), &config),
                 }
-                Err(why) => external::plan(Err(why), &config),
-            },
+            }
         };
         Metrics::inc(self.vm.borrow().metrics.external_decisions[outcome as usize]);
         self.obs.external = Some(outcome);
@@ -110,7 +116,7 @@ impl PdHttp {
     pub(super) fn on_external(&mut self, call: ExternalCall, body_size: usize) {
         let (status, body) = self.call_answer(body_size);
         self.external_answer = Some(external::parse_answer(&status, &body));
-        let routed = self.route(call.raw);
+        let routed = self.route(call.raw.into_body());
         self.resume_routed(routed);
     }
 }

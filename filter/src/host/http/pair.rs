@@ -50,8 +50,9 @@ struct AsyncPrefill {
 struct ServerInfoCall {
     token: u32,
     id: i64,
-    /// The client's body and its members, to splice both legs from once the answer is in.
-    body: Vec<u8>,
+    /// The client's body and its members, to splice both legs from once the answer is in
+    /// (held in the VM's budget, with the members' index).
+    body: crate::core::held_body::HeldBody,
     members: Spans,
     endpoint: Endpoint,
     prefill_address: String,
@@ -84,7 +85,30 @@ pub struct Legs {
     body_started: bool,
 }
 
+impl Legs {
+    /// Drops the body a `/server_info` lookup still holds (the request ended first): its
+    /// bytes go back to the VM's budget.
+    pub(super) fn drop_held_body(&mut self) {
+        self.server_info = None;
+    }
+}
+
 impl PdHttp {
+    /// Whether a pair of `engine` pods always holds the client's body until its prefill
+    /// answers: the decode leg is spliced from it then (vLLM, TRT-LLM `context_first`, an
+    /// engine without adapter). SGLang's legs go at once; TRT-LLM `generation_first` holds it
+    /// only while its context worker's `/server_info` is looked up, when not cached.
+    pub(super) fn decode_waits(&self, engine: Engine) -> bool {
+        match engine {
+            Engine::Sglang => false,
+            Engine::Trtllm => {
+                self.vm.borrow().engines.defaults.trt_schedule_style
+                    != ScheduleStyle::GenerationFirst
+            }
+            Engine::Vllm | Engine::Other => true,
+        }
+    }
+
     /// Starts the legs of the pair: the prefill call, and the decode request now or once
     /// the prefill (or `/server_info`) answered.
     pub(super) fn start_pair(
@@ -154,11 +178,14 @@ impl PdHttp {
                     self.send_generation_first(legs, &info)?;
                     return Ok(Action::Continue);
                 }
+                // The body waits for the lookup: refused (the selection's charges released
+                // with the refusal) when the VM holds its budget of bodies already.
+                let body = self.hold_body(raw, req.members.heap_bytes())?;
                 let token = self.dispatch_get(&prefill.address, "/server_info")?;
                 self.legs.server_info = Some(ServerInfoCall {
                     token,
                     id,
-                    body: raw,
+                    body,
                     members: req.members,
                     endpoint,
                     prefill_address: prefill.address.clone(),
@@ -203,6 +230,8 @@ impl PdHttp {
                         Merge::Unchanged,
                     ),
                 };
+                // Held until the prefill answers (`route` checked the room before selecting).
+                let raw = self.hold_body(raw, req.members.heap_bytes())?;
                 let token = self.dispatch_prefill(endpoint, &prefill.address, &body)?;
                 crate::section!("vllm.watch", self.watch(decode, None, req.stream));
                 self.pending = Some(PendingDecode {
