@@ -568,6 +568,8 @@ pub struct Options<'a> {
     /// The drop-in's heap bound (`max_heap_size_bytes` of its overload manager) replaced by
     /// this many bytes: a bound below Envoy's heap at start puts it in overload at once.
     pub max_heap_bytes: Option<u64>,
+    /// The drop-in's `stream_idle_timeout` (130 s) replaced by this many seconds.
+    pub stream_idle_timeout_s: Option<u64>,
 }
 
 impl Default for Options<'_> {
@@ -584,6 +586,7 @@ impl Default for Options<'_> {
             internal_clients: false,
             dynamic_stats: false,
             max_heap_bytes: None,
+            stream_idle_timeout_s: None,
         }
     }
 }
@@ -1040,6 +1043,18 @@ impl Stack {
                 let bound = "max_heap_size_bytes: 2147483648";
                 assert_eq!(rendered.matches(bound).count(), 1, "no heap bound");
                 rendered.replacen(bound, &format!("max_heap_size_bytes: {bytes}"), 1)
+            }
+            None => rendered,
+        };
+        let rendered = match options.stream_idle_timeout_s {
+            Some(s) => {
+                let timeout = "stream_idle_timeout: 130s";
+                assert_eq!(
+                    rendered.matches(timeout).count(),
+                    1,
+                    "no stream idle timeout"
+                );
+                rendered.replacen(timeout, &format!("stream_idle_timeout: {s}s"), 1)
             }
             None => rendered,
         };

@@ -485,6 +485,69 @@ fn prefill_timing_out_fails_the_request_with_504() {
     );
 }
 
+/// Envoy's own `stream_idle_timeout` (130 s in the drop-in, 2 s here) firing while a request
+/// waits on its prefill leg, as it does under a prefill timeout an operator raised past it:
+/// a prefill failure (504 `x-error-pd-prefill`, `pd_prefill_failure`, the prefill pod
+/// blamed), not a failure of the decode pod, which vLLM's order had not even asked (three of
+/// them ejected a healthy decode pod).
+#[test]
+fn envoys_stream_timeout_during_the_prefill_is_the_prefills_failure_not_the_decodes() {
+    let fleet = one_roleset();
+    let simulated = fleet.clone().pod(ROGUE, "decode", "group-9");
+    let stack = Stack::start_opts(
+        fleet.clone(),
+        simulated,
+        &Options {
+            // One worker: the four failures land on one ejection tally.
+            concurrency: 1,
+            envoy_env: &[("AIBRIX_PREFILL_REQUEST_TIMEOUT", "30")],
+            control_args: NO_REACHABILITY_CHECK,
+            stream_idle_timeout_s: Some(2),
+            ..Options::default()
+        },
+    );
+    stack.arm_fault(json!({"pod": "p-0", "kind": "hang_before_headers", "leg": "prefill"}));
+    for r in ended(fire(&stack, 4, chat(false, 4))) {
+        assert_error(&r, 504, "x-error-pd-prefill");
+    }
+    assert!(decode_legs(&stack, "d-0").is_empty(), "no decode leg went");
+    // Counted as each stream is logged, which may follow the client's answer.
+    eventually(Duration::from_secs(10), || {
+        let counted = fail_count(&stack, "pd_prefill_failure", "504")
+            + fail_count(&stack, "response_fail", "504");
+        (counted == 4.0)
+            .then_some(())
+            .ok_or_else(|| format!("{counted} of 4 outcomes counted"))
+    });
+    assert_eq!(fail_count(&stack, "pd_prefill_failure", "504"), 4.0);
+    assert_eq!(
+        stack.metric(
+            "gateway_prefill_request_fail_total",
+            &[("status", "timeout"), ("status_code", "504")]
+        ),
+        4.0
+    );
+    // Three failures in a row eject a pod (the default `eject_after_failures`).
+    eventually(Duration::from_secs(10), || {
+        let log = stack.envoy_log();
+        let ejected: Vec<&str> = log.lines().filter(|l| l.contains("ejecting pod")).collect();
+        assert!(
+            ejected.iter().all(|l| !l.contains("d-0")),
+            "the decode pod was blamed: {ejected:?}"
+        );
+        (ejected.iter().any(|l| l.contains("p-0")))
+            .then_some(())
+            .ok_or_else(|| {
+                format!(
+                    "the prefill pod was not blamed: {ejected:?}, ejections {}",
+                    stack.stat("pd_router_ejections_total")
+                )
+            })
+    });
+    stack.clear_faults();
+    assert_clean_end(&stack, &fleet_pods(&fleet));
+}
+
 #[test]
 fn prefill_port_refusing_connections_fails_the_request_with_502() {
     let stack = prefill_failure(json!({"pod": "p-0", "kind": "refuse"}), &[], "", 502);

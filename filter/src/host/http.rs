@@ -145,6 +145,9 @@ struct Observed {
     usage_seam: usage::Seam,
     /// `gateway_prefill_outstanding_requests` was raised for this request's prefill leg.
     prefill_outstanding: bool,
+    /// Envoy answered on one of its stream timeouts while the request waited on its prefill
+    /// leg (seen at the answer's headers: its body then passes the filter like a decode's).
+    timed_out_on_prefill: bool,
     /// Selection plus charge, microseconds (PD pairs).
     selection_us: Option<u64>,
     /// Filled by the selection only when the client asked and the plugin allows it.
@@ -1351,6 +1354,36 @@ impl PdHttp {
         }
     }
 
+    /// Whether the request is waiting on its prefill leg: the leg is out and no byte of a
+    /// decode answer came (SGLang's decode pod streams nothing before the prefill's KV).
+    fn waits_on_prefill(&self) -> bool {
+        self.obs.prefill_outstanding && !self.legs.body_started()
+    }
+
+    /// Whether Envoy ended the stream on one of its own stream timeouts (its
+    /// `response.code_details`), not on anything the pods did: only then is a request
+    /// waiting on its prefill leg the prefill's failure (an SGLang decode pod that answers
+    /// 503 or resets while its prefill runs is the decode's).
+    fn ended_by_envoy_timeout(&self) -> bool {
+        const ENVOY_TIMEOUTS: [&str; 3] = [
+            "stream_idle_timeout",
+            "max_duration_timeout",
+            "request_overall_timeout",
+        ];
+        self.get_property(vec!["response", "code_details"])
+            .is_some_and(|d| ENVOY_TIMEOUTS.iter().any(|t| d == t.as_bytes()))
+    }
+
+    /// What a request that Envoy ended while its prefill leg was out counts as.
+    fn ended_before_prefill(code: u32) -> RouteError {
+        RouteError::Prefill {
+            status: code,
+            // As a prefill leg Envoy timed out is counted (`timeout`/504).
+            class: "http_error",
+            detail: "the stream ended (Envoy's stream_idle_timeout or max_stream_duration) before the prefill leg answered".into(),
+        }
+    }
+
     /// Lowers `gateway_prefill_outstanding_requests` once the leg is over (answered, or the
     /// stream ended first).
     fn prefill_returned(&mut self) {
@@ -1386,8 +1419,12 @@ impl PdHttp {
     /// Counts the request's outcome and, when a pod answered, its durations. Runs once, at
     /// the end of the stream, whatever happened.
     fn observe_end(&mut self, clock: &mut Clock) {
+        // Envoy's answer seen at its headers, or a started stream (SGLang's decode headers
+        // come first) cut with no decode byte yet.
+        let timed_out_on_prefill = self.obs.timed_out_on_prefill
+            || (self.waits_on_prefill() && self.ended_by_envoy_timeout());
         self.prefill_returned();
-        let outcome = self.obs.outcome.unwrap_or(match self.obs.response_status {
+        let mut outcome = self.obs.outcome.unwrap_or(match self.obs.response_status {
             Some(_) if self.obs.times.end_us.is_none() => {
                 let details = self
                     .get_property(vec!["response", "code_details"])
@@ -1398,6 +1435,22 @@ impl PdHttp {
             Some(code) => Outcome::Response { code },
             None => Outcome::Aborted,
         });
+        if timed_out_on_prefill && outcome.pod_served() == Some(false) {
+            // Ended by Envoy (its `stream_idle_timeout` or `max_stream_duration`, shorter than
+            // the prefill timeout an operator set) while the request waited on its prefill
+            // leg: the prefill pod's failure. The decode pod, which vLLM's order had not even
+            // asked, is not blamed (three such requests ejected a healthy decode pod).
+            let code = match outcome {
+                Outcome::Response { code } => code,
+                _ => 502,
+            };
+            outcome = Outcome::PrefillFailure { code };
+            self.prefill_served(&code.to_string(), clock);
+            self.vm
+                .borrow_mut()
+                .metrics
+                .prefill_failed(&Self::ended_before_prefill(code));
+        }
         let model = self.obs.model.as_deref().unwrap_or(UNKNOWN_MODEL);
         let mut vm = self.vm.borrow_mut();
         vm.metrics.outcome(model, outcome);
@@ -1828,6 +1881,19 @@ impl HttpContext for PdHttp {
                 let error = RouteError::BodyTooLarge { limit };
                 self.vm.borrow().metrics.rejected(&error);
                 self.obs.outcome.get_or_insert(Outcome::rejected(&error));
+            }
+        }
+        if self.waits_on_prefill()
+            && !self.local_reply
+            && self.obs.response_status.is_some_and(|s| s >= 400)
+            && self.ended_by_envoy_timeout()
+        {
+            // Envoy's own answer while the prefill leg is out and before the decode pod said
+            // anything (its stream timeout fired first): a prefill failure.
+            self.obs.timed_out_on_prefill = true;
+            let code = self.obs.response_status.unwrap_or(504);
+            if let Some((name, value)) = Self::ended_before_prefill(code).header() {
+                self.set_http_response_header(name, Some(&value));
             }
         }
         if end_of_stream {

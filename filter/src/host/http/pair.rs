@@ -86,6 +86,11 @@ pub struct Legs {
 }
 
 impl Legs {
+    /// Whether the decode answer's body has begun (a byte of it reached the filter).
+    pub(super) fn body_started(&self) -> bool {
+        self.body_started
+    }
+
     /// Drops the body a `/server_info` lookup still holds (the request ended first): its
     /// bytes go back to the VM's budget.
     pub(super) fn drop_held_body(&mut self) {
