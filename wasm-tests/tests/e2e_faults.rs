@@ -2084,28 +2084,57 @@ fn send_until_d0_chosen(stack: &Stack, check: impl Fn(&Response)) -> usize {
 /// One roleset of `engine` with two decode pods, both scraped, then pd-control gone (so no
 /// mark keeps d-0 out of the routing view) and d-0 crashed: its connections are refused.
 fn decode_pod_d0_refusing(engine: &str) -> (Fleet, Stack) {
+    decode_pod_d0_refusing_with(engine, &[])
+}
+
+/// [`decode_pod_d0_refusing`] with more of Envoy's environment.
+fn decode_pod_d0_refusing_with(engine: &str, env: &[(&str, &str)]) -> (Fleet, Stack) {
     let fleet = Fleet::new(MODEL)
         .engine(engine)
         .pod("p-0", "prefill", "group-0")
         .pod("d-0", "decode", "group-0")
         .pod("d-1", "decode", "group-0");
-    let mut stack = start(
-        fleet.clone(),
-        &[("AIBRIX_DECODE_SCORE_POLICY", "least_request")],
-    );
+    let mut env = env.to_vec();
+    env.push(("AIBRIX_DECODE_SCORE_POLICY", "least_request"));
+    let mut stack = start(fleet.clone(), &env);
     stack.wait_snapshot_adopted(|snap| {
         let fresh = |pod: &str| {
             snapshot_pods(snap).any(|p| {
                 p["name"] == pod && p["metrics"]["present"] == true && p["metrics"]["stale"] != true
             })
         };
-        (fresh("d-0") && fresh("d-1"))
+        // And the retrying cluster has taken its endpoints (the stand-ins are named only
+        // then): a refusal before that was Envoy's 503, now and then, to the first request.
+        (fresh("d-0") && fresh("d-1") && snap["eds"] == true)
             .then_some(())
-            .ok_or_else(|| "decode pods not both scraped".to_string())
+            .ok_or_else(|| "decode pods not both scraped, or no stand-ins yet".to_string())
     });
     stack.kill("pd-control");
     stack.arm_fault(json!({"pod": "d-0", "kind": "crash"}));
     (fleet, stack)
+}
+
+/// An SGLang decode leg refused by its chosen pod runs on the stand-in; when the stand-in
+/// then answers nothing, the watchdog's abort goes to it, where the request waits, not to the
+/// pod that refused the connection (which holds nothing, and refuses the abort too).
+#[test]
+fn a_watchdogs_abort_follows_the_decode_leg_to_its_stand_in() {
+    let (fleet, stack) =
+        decode_pod_d0_refusing_with("sglang", &[("AIBRIX_DECODE_RESPONSE_TIMEOUT", "1")]);
+    stack.arm_fault(json!({"pod": "d-1", "kind": "hang_before_headers", "leg": "decode"}));
+    let sent = send_until_d0_chosen(&stack, |r| assert_error(r, 504, "x-error-pd-decode"));
+    eventually(Duration::from_secs(10), || {
+        let aborts = stack
+            .sim_requests()
+            .into_iter()
+            .filter(|e| e["path"] == "/abort_request" && e["pod"] == "d-1")
+            .count();
+        (aborts == sent)
+            .then_some(())
+            .ok_or_else(|| format!("{aborts} of {sent} aborts reached d-1"))
+    });
+    stack.clear_faults();
+    assert_clean_end(&stack, &fleet_pods(&fleet));
 }
 
 /// An SGLang decode leg refused by its chosen pod runs on the stand-in; when the prefill

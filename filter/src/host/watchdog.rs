@@ -92,7 +92,16 @@ pub fn tick(vm: &SharedVm, root_id: u32) {
                 "answering 504"
             }
         );
+        // Where the decode leg waits: the chosen pod, or the stand-in Envoy retried it on when
+        // that pod refused the connection (then only the stream's upstream says so). The abort
+        // must reach the engine holding the request; the refusing pod has none.
+        let mut decode_address = None;
         if hostcalls::set_effective_context(id).is_ok() {
+            decode_address = hostcalls::get_property(vec!["upstream", "address"])
+                .ok()
+                .flatten()
+                .filter(|a| !a.is_empty())
+                .and_then(|a| String::from_utf8(a).ok());
             let result = if fire.headers_sent {
                 hostcalls::reset_http_response()
             } else {
@@ -111,7 +120,7 @@ pub fn tick(vm: &SharedVm, root_id: u32) {
         let _ = hostcalls::set_effective_context(root_id);
         // One attempt, as AIBrix makes on a watchdog fire: the pod is already unresponsive.
         vm.borrow_mut().engines.queue_abort(AbortOrder {
-            address: &w.decode_address,
+            address: decode_address.as_deref().unwrap_or(&w.decode_address),
             rid: w.rid.as_deref(),
             timeout_s: w.settings.abort_timeout_s,
             retry_s: 0.0,
