@@ -366,6 +366,44 @@ fn without_limits_a_models_rate_asks_nothing() {
     assert_eq!(stack.stat("pd_router_rate_limit_checks_total"), 0);
 }
 
+/// pd-control down (a restart: one replica, every rollout) leaves the limits unchecked, not
+/// the service down: a limited user is admitted while no pd-control answers (counted as
+/// unchecked), and held to the limit again once it is back. With
+/// `rate_limits_fail_open_unreachable: false` such a request is refused (500 `x-error-user`).
+#[test]
+fn a_pd_control_restart_admits_limited_users_unchecked_unless_told_otherwise() {
+    let Some(store) = Store::start() else {
+        return;
+    };
+    store.user(json!({"name": "dave", "rpm": 1}));
+    for fail_open in [true, false] {
+        let extra = if fail_open {
+            ""
+        } else {
+            r#""rate_limits_fail_open_unreachable":false"#
+        };
+        let mut stack = start(&store, extra);
+        store
+            .redis
+            .command(&["DEL", "aibrix:dave_RPM_CURRENT:60000:counter"]);
+        let first = chat(&stack, Some("dave"), question(false, false));
+        assert_eq!(first.status, 200, "{}", first.text());
+        let over = chat(&stack, Some("dave"), question(false, false));
+        assert_eq!(over.status, 429, "{}", over.text());
+        stack.kill("pd-control");
+        let down = chat(&stack, Some("dave"), question(false, false));
+        if fail_open {
+            assert_eq!(down.status, 200, "{}", down.text());
+            assert_eq!(down.header("x-update-rpm"), None, "not counted anywhere");
+        } else {
+            assert_eq!(down.status, 500, "{}", down.text());
+            assert_eq!(down.header("x-error-user"), Some("true"));
+        }
+        assert_eq!(stack.stat("pd_router_rate_limit_unchecked_total"), 1);
+        stack.wait_ledger_zero();
+    }
+}
+
 #[test]
 fn a_models_request_rate_is_held_to_its_profile() {
     let Some(store) = Store::start() else {

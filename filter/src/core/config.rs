@@ -84,6 +84,15 @@ pub struct PluginConfig {
     /// late, its Redis failing) is admitted (`true`) or refused with 500 `x-error-user`
     /// (`false`, the default, as AIBrix does when its Redis fails).
     pub rate_limits_fail_open: bool,
+    /// Rate limits: a request whose admission got no answer from pd-control at all (no
+    /// connection, no endpoint, no answer within `rate_limits_timeout_ms`) is admitted
+    /// (`true`, the default), whatever `rate_limits_fail_open` says; an answer saying the
+    /// limits could not be checked (its Redis failing) still follows `rate_limits_fail_open`.
+    /// pd-control runs as one replica, restarted with every rollout (its startup takes
+    /// seconds, up to 90 s by its startup probe): refused, every rate-limited request failed
+    /// with 500 for that long, while Redis, the limits' source of truth, was fine. As Envoy's
+    /// own rate-limit filter does by default (`failure_mode_deny: false`).
+    pub rate_limits_fail_open_unreachable: bool,
     /// Name a second pod with every routed request (`x-pd-destinations: chosen,stand-in`,
     /// see `pd::fallback`) for Envoy to retry on when the chosen pod refuses the connection.
     /// Needs the retrying cluster of `envoy/envoy.yaml.tmpl` (override_host over the pods
@@ -148,6 +157,7 @@ impl Default for PluginConfig {
             prefill_failover_statuses: vec![500, 502, 503],
             rate_limits_timeout_ms: 500,
             rate_limits_fail_open: false,
+            rate_limits_fail_open_unreachable: true,
             connect_retry: false,
             stand_in_statuses: vec![500, 502, 503],
             max_request_body_bytes: DEFAULT_MAX_REQUEST_BODY_BYTES,

@@ -139,6 +139,20 @@ pub enum RouteError {
 const ENVOY_UNDELIVERED: &[u8] = b"upstream connect error or disconnect/reset before headers";
 /// How Envoy's own 504 for a callout that outlived its timeout begins.
 const ENVOY_TIMED_OUT: &[u8] = b"upstream request timeout";
+/// Envoy's body when its cluster has no endpoint to send to (a DNS cluster between
+/// resolutions, a Service with no ready pod).
+const ENVOY_NO_HOST: &[u8] = b"no healthy upstream";
+
+/// Whether a callout's `status` and `body` are Envoy's own for a call that reached nobody or
+/// got no answer (`status` empty: no answer at all), not the called service's answer.
+pub fn callout_unanswered(status: &str, body: &[u8]) -> bool {
+    match status {
+        "" => true,
+        "503" => body.starts_with(ENVOY_UNDELIVERED) || body.starts_with(ENVOY_NO_HOST),
+        "504" => body.starts_with(ENVOY_TIMED_OUT),
+        _ => false,
+    }
+}
 
 impl RouteError {
     /// The refusal for a prefill leg that answered `status` (not 200) with `body`. The pod's

@@ -120,6 +120,9 @@ pub enum Verdict {
     Refused(RouteError),
     /// The limits could not be checked; the plugin's `rate_limits_fail_open` decides.
     Unchecked(RouteError),
+    /// pd-control was not reached or did not answer (Envoy's own reply to the call); the
+    /// plugin's `rate_limits_fail_open_unreachable` decides.
+    Unreachable(RouteError),
 }
 
 /// Reads pd-control's answer to `ask` (`status` empty when the call got none at all).
@@ -132,6 +135,12 @@ pub fn judge(ask: &Ask, status: &str, body: &[u8]) -> Verdict {
             "" => "pd-control did not answer".to_string(),
             other => format!("pd-control answered status {other}"),
         };
+        if crate::core::errors::callout_unanswered(status, body) {
+            return Verdict::Unreachable(RouteError::UserLimitsUnavailable {
+                header: "x-error-user",
+                detail,
+            });
+        }
         return unchecked("x-error-user", detail);
     }
     let answer: Answer = match serde_json::from_slice(body) {
@@ -470,13 +479,42 @@ mod tests {
             header(judge("a", "200", store("counters").as_bytes())),
             Some("x-error-incr-rpm")
         );
-        assert_eq!(header(judge("a", "", b"")), Some("x-error-user"));
         assert_eq!(header(judge("a", "503", b"down")), Some("x-error-user"));
         assert_eq!(header(judge("a", "200", b"{")), Some("x-error-user"));
         assert_eq!(
             header(judge("a", "200", br#"{"outcome":"maybe"}"#)),
             Some("x-error-user")
         );
+    }
+
+    /// Envoy's own replies to a call that reached no pd-control, or got no answer in time,
+    /// are told from pd-control's answers (`rate_limits_fail_open_unreachable` decides them).
+    #[test]
+    fn a_call_that_reached_no_pd_control_is_unreachable_not_unchecked() {
+        let unreachable = [
+            ("", &b""[..]),
+            ("503", &b"upstream connect error or disconnect/reset before headers. reset reason: connection failure"[..]),
+            ("503", &b"no healthy upstream"[..]),
+            ("504", &b"upstream request timeout"[..]),
+        ];
+        for (status, body) in unreachable {
+            match judge("a", status, body) {
+                Verdict::Unreachable(e) => {
+                    assert_eq!(e.header().map(|(h, _)| h), Some("x-error-user"))
+                }
+                other => panic!("{status} {body:?}: {other:?}"),
+            }
+        }
+        for (status, body) in [
+            ("503", &b"down"[..]),
+            ("504", &b"{}"[..]),
+            ("500", &b""[..]),
+        ] {
+            assert!(
+                matches!(judge("a", status, body), Verdict::Unchecked(_)),
+                "pd-control's own {status} answer"
+            );
+        }
     }
 
     #[test]

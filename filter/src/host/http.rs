@@ -370,25 +370,35 @@ impl PdHttp {
                     header: "x-error-user",
                     detail: format!("cannot call pd-control: {e}"),
                 };
-                self.unchecked(ask.user, error)?;
+                self.unchecked(ask.user, error, true)?;
                 Ok(false)
             }
         }
     }
 
     /// An admission that could not be decided: admitted (and counted) when the plugin fails
-    /// open, else the refusal.
-    fn unchecked(&mut self, user: Option<String>, error: RouteError) -> Result<(), RouteError> {
-        let fail_open = {
+    /// open (`rate_limits_fail_open_unreachable` when pd-control was not `reached`), else the
+    /// refusal.
+    fn unchecked(
+        &mut self,
+        user: Option<String>,
+        error: RouteError,
+        unreached: bool,
+    ) -> Result<(), RouteError> {
+        let (fail_open, knob) = {
             let vm = self.vm.borrow();
             Metrics::inc(vm.metrics.rate_limit_unchecked);
-            vm.plugin.rate_limits_fail_open
+            if unreached && vm.plugin.rate_limits_fail_open_unreachable {
+                (true, "rate_limits_fail_open_unreachable")
+            } else {
+                (vm.plugin.rate_limits_fail_open, "rate_limits_fail_open")
+            }
         };
         if !fail_open {
             return Err(error);
         }
         log::debug!(
-            "request {} admitted unchecked (rate_limits_fail_open): {error}",
+            "request {} admitted unchecked ({knob}): {error}",
             self.request_id
         );
         self.admitted(user, None);
@@ -421,7 +431,8 @@ impl PdHttp {
                 Ok(())
             }
             Verdict::Refused(error) => Err(error),
-            Verdict::Unchecked(error) => self.unchecked(ask.user, error),
+            Verdict::Unchecked(error) => self.unchecked(ask.user, error, false),
+            Verdict::Unreachable(error) => self.unchecked(ask.user, error, true),
         };
         let routed = admitted.and_then(|()| self.route(raw));
         self.resume_routed(routed);
