@@ -139,9 +139,17 @@ impl Ejections {
     }
 
     /// Returns pods whose period is over to the routing view; true when any did.
+    ///
+    /// Deadlines are wall-clock times (other VMs adopt them from notices), so a period is
+    /// also never left longer than the longest one from now: a backward step of the clock
+    /// would otherwise keep an ejected pod out for as long as the step.
     pub fn expire(&mut self, now_ms: u64) -> bool {
         let mut any = false;
+        let latest = now_ms.saturating_add(self.policy.max_ms.max(self.policy.base_ms).max(1));
         for h in self.pods.values_mut() {
+            if h.ejected_until_ms > latest {
+                h.ejected_until_ms = latest;
+            }
             if h.ejected_until_ms != 0 && h.ejected_until_ms <= now_ms {
                 h.ejected_until_ms = 0;
                 any = true;
@@ -242,6 +250,25 @@ mod tests {
         assert_eq!(e.failure("ns/a", 500), Verdict::Counted);
         assert!(!e.expire(1_003));
         assert!(e.expire(1_004) && e.take_changed());
+        assert!(!e.is_ejected("ns/a"));
+    }
+
+    /// A backward step of the wall clock shortens what is left of a period to the longest
+    /// period at most, rather than keeping the pod out for as long as the step.
+    #[test]
+    fn a_clock_stepped_back_keeps_a_pod_out_no_longer_than_the_longest_period() {
+        let mut e = Ejections::new(policy());
+        let hour = 3_600_000;
+        for _ in 0..3 {
+            e.failure("ns/a", hour);
+        }
+        assert!(e.is_ejected("ns/a"), "out until an hour and a second");
+        assert!(!e.expire(10), "stepped back an hour: still out");
+        assert!(!e.expire(3_009));
+        assert!(
+            e.expire(3_010),
+            "out for the 3 s cap from the step, not for the hour"
+        );
         assert!(!e.is_ejected("ns/a"));
     }
 
