@@ -14,6 +14,7 @@ pub mod eds;
 pub mod external;
 pub mod fleet;
 pub mod limits;
+pub mod machine_ids;
 pub mod redis_link;
 pub mod replicas;
 pub mod report_ids;

@@ -48,6 +48,8 @@ pub struct AppState {
     /// How long the control loop may go without completing an iteration before the snapshot
     /// counts as frozen (`crate::service::loop_stale_after`).
     pub loop_stale_after: Duration,
+    /// The polling gateways' TRT-LLM machine ids, to see two on one.
+    pub machine_ids: Arc<crate::machine_ids::MachineIds>,
 }
 
 pub fn router(state: AppState) -> Router {
@@ -144,6 +146,13 @@ async fn snapshot(
     let node = headers
         .get(crate::xds::NODE_HEADER)
         .and_then(|v| v.to_str().ok());
+    let machine = headers
+        .get(pd_router_filter::core::engine::trtllm::MACHINE_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(pd_router_filter::core::engine::trtllm::parse_machine_header);
+    if let Some((replica, machine)) = machine {
+        state.machine_ids.observe(replica, machine, Instant::now());
+    }
     let mut response = snapshot_answer(&state, &query).await;
     // Answered at the end of a held poll: an ACK that came meanwhile counts.
     if let Some(here) = state.eds_here.answer(node) {
@@ -436,6 +445,16 @@ async fn metrics(State(state): State<AppState>) -> Response {
     for (name, kind, help, value) in state.replicas.metrics() {
         family(&mut text, name, kind, help, &[(String::new(), value)]);
     }
+    family(
+        &mut text,
+        "pd_control_trt_machine_id_shared_gateways",
+        "gauge",
+        "Gateway processes polling in the last 30 s whose AIBRIX_TRT_MACHINE_ID another one has too: with TensorRT-LLM pods their disagg_request_ids can collide (see the log).",
+        &[(
+            String::new(),
+            state.machine_ids.shared(Instant::now()).to_string(),
+        )],
+    );
     for (name, kind, help, samples) in state.limits.metrics() {
         family(&mut text, name, kind, help, &samples);
     }
@@ -837,6 +856,7 @@ mod tests {
             eds_here: crate::xds::EdsHere::Off,
             external: None,
             loop_stale_after: Duration::from_secs(3600),
+            machine_ids: Default::default(),
         }
     }
 

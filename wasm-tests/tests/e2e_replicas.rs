@@ -312,3 +312,18 @@ fn a_burst_split_over_two_gateways_spreads_like_one_gateway() {
         );
     }
 }
+
+/// Two gateway processes left on the default `AIBRIX_TRT_MACHINE_ID` (every replica of a
+/// Deployment gets one environment) are seen by pd-control, which both poll; a third on a
+/// value of its own shares nothing.
+#[test]
+fn gateways_sharing_a_trt_machine_id_are_counted_by_pd_control() {
+    let f = fleet();
+    let mut stack = Stack::start_full(f.clone(), f, 2, &[], &[]);
+    let _b = stack.add_gateway(&[]);
+    // Loaded means each gateway has polled: pd-control has seen both.
+    let shared = |stack: &Stack| stack.control_metric("pd_control_trt_machine_id_shared_gateways");
+    assert_eq!(shared(&stack), 2.0, "A and B on machine id 0");
+    let _c = stack.add_gateway(&[("AIBRIX_TRT_MACHINE_ID", "7")]);
+    assert_eq!(shared(&stack), 2.0, "C's id is its own");
+}

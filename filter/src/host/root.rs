@@ -600,7 +600,11 @@ impl Root {
             return;
         }
         let have = snapshot::published_version();
-        match snapshot::fetch_request(&plugin, have, self.node_id().as_deref()) {
+        let machine = crate::core::engine::trtllm::machine_header(
+            self.replica,
+            self.vm.borrow().engines.defaults.trt_machine_id,
+        );
+        match snapshot::fetch_request(&plugin, have, self.node_id().as_deref(), &machine) {
             Ok(token) => {
                 self.fetch_in_flight = Some(token);
                 self.polled_with = have;

@@ -375,11 +375,13 @@ pub fn broadcast(queues: &[u32], tag: u8, payload: &[u8]) {
 /// lets it hold that answer until a newer version exists (a long poll; an older pd-control
 /// ignores the parameter and answers at once). `fetch_timeout_ms` covers one answer, on top
 /// of the wait. `node` (this Envoy's node id) lets pd-control say whether this gateway's
-/// retrying cluster took its endpoint listing (`EDS_HERE_HEADER`).
+/// retrying cluster took its endpoint listing (`EDS_HERE_HEADER`); `trt_machine` (the
+/// process's `MACHINE_HEADER` value) lets it see gateways sharing one TRT-LLM machine id.
 pub fn fetch_request(
     plugin: &crate::core::config::PluginConfig,
     have: u64,
     node: Option<&str>,
+    trt_machine: &str,
 ) -> Result<u32, proxy_wasm::types::Status> {
     let wait_ms = plugin.poll_wait_ms();
     let path = &plugin.snapshot_path;
@@ -401,5 +403,6 @@ pub fn fetch_request(
     if let Some(node) = node {
         headers.push((NODE_HEADER, node));
     }
+    headers.push((crate::core::engine::trtllm::MACHINE_HEADER, trt_machine));
     hostcalls::dispatch_http_call(&plugin.control_cluster, headers, None, vec![], timeout)
 }

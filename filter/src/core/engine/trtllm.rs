@@ -23,6 +23,25 @@ use crate::core::request::Endpoint;
 
 /// 2023-01-01T00:00:00Z, the epoch of the id's timestamp.
 pub const SNOWFLAKE_EPOCH_MS: u64 = 1_672_531_200_000;
+
+/// Snapshot-poll header naming the polling gateway process and its `AIBRIX_TRT_MACHINE_ID`
+/// (`<replica id, 16 hex digits>/<machine id>`): pd-control, which every gateway polls, is
+/// where two processes on one machine id can be seen (see [`machine_header`]).
+pub const MACHINE_HEADER: &str = "x-pd-trt-machine";
+
+/// The [`MACHINE_HEADER`] value of a gateway process.
+pub fn machine_header(replica: u64, machine_id: u16) -> String {
+    format!("{replica:016x}/{machine_id}")
+}
+
+/// Reads a [`MACHINE_HEADER`] value: `(replica, machine id)`, `None` when malformed or the
+/// machine id is outside [0, 1024).
+pub fn parse_machine_header(value: &str) -> Option<(u64, u16)> {
+    let (replica, machine) = value.trim().split_once('/')?;
+    let replica = u64::from_str_radix(replica, 16).ok()?;
+    let machine = machine.parse::<u16>().ok().filter(|m| *m < 1024)?;
+    Some((replica, machine))
+}
 /// Ids below this are treated as local ids by TRT-LLM; generated ids are always above.
 const LOCAL_ID_LIMIT: u64 = 1 << 42;
 
@@ -402,6 +421,16 @@ pub fn generation_first_body(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_machine_header_reads_back_what_it_wrote() {
+        let value = machine_header(0xabc, 1023);
+        assert_eq!(value, "0000000000000abc/1023");
+        assert_eq!(parse_machine_header(&value), Some((0xabc, 1023)));
+        for bad in ["", "abc", "zz/1", "1/1024", "1/-1", "1/x"] {
+            assert_eq!(parse_machine_header(bad), None, "{bad}");
+        }
+    }
+
     use super::*;
 
     const CLIENT: &[u8] = br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,

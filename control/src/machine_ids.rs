@@ -1,0 +1,129 @@
+//! Gateway processes that share one `AIBRIX_TRT_MACHINE_ID`.
+//!
+//! A TensorRT-LLM `disagg_request_id` is the millisecond, the gateway's 10-bit machine id and a
+//! 12-bit counter of the process: two gateway processes on one machine id issue the same id
+//! for about one pair in 4 096 of the requests they send in the same millisecond, and a worker
+//! given one id twice can join one request's KV cache to another's generation (one client's
+//! prompt shaping another client's answer). The contract leaves the value to the operator, and
+//! every replica of a Deployment gets the same environment, so the mistake is easy and silent.
+//! Every gateway polls pd-control, naming its process and machine id
+//! (`pd_router_filter::core::engine::trtllm::MACHINE_HEADER`): here two live processes on one
+//! id are seen, logged and counted in `pd_control_trt_machine_id_shared_gateways`.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// A gateway process that has not polled for this long is gone (its polls come every few
+/// seconds, `snapshot_wait_ms` at most apart, while it lives).
+pub const LIVE_FOR: Duration = Duration::from_secs(30);
+
+/// Gateway processes followed at once; a process past the bound is not followed until others
+/// leave (the header is the caller's text: fresh ids must not grow the book without bound).
+pub const MAX_GATEWAYS: usize = 256;
+
+struct Seen {
+    machine: u16,
+    at: Instant,
+    /// The log last said this process shares its id (logged on each turn only).
+    shared: bool,
+}
+
+/// The live gateway processes and their machine ids.
+#[derive(Default)]
+pub struct MachineIds {
+    seen: Mutex<HashMap<u64, Seen>>,
+}
+
+impl MachineIds {
+    /// Records a poll of gateway process `replica` on `machine`; logs when it starts or stops
+    /// sharing its machine id with another live process.
+    pub fn observe(&self, replica: u64, machine: u16, now: Instant) {
+        let Ok(mut seen) = self.seen.lock() else {
+            return;
+        };
+        seen.retain(|_, s| now.saturating_duration_since(s.at) <= LIVE_FOR);
+        if !seen.contains_key(&replica) && seen.len() >= MAX_GATEWAYS {
+            return;
+        }
+        let others = seen
+            .iter()
+            .filter(|(id, s)| **id != replica && s.machine == machine)
+            .count();
+        let entry = seen.entry(replica).or_insert(Seen {
+            machine,
+            at: now,
+            shared: false,
+        });
+        entry.machine = machine;
+        entry.at = now;
+        let shared = others > 0;
+        if shared != entry.shared {
+            entry.shared = shared;
+            if shared {
+                tracing::warn!(
+                    gateway = format!("{replica:016x}"),
+                    machine_id = machine,
+                    others,
+                    "gateway processes share AIBRIX_TRT_MACHINE_ID {machine}: with TensorRT-LLM \
+                     pods their disagg_request_ids can collide and a worker can mix two \
+                     requests' KV caches; give every gateway process its own value"
+                );
+            } else {
+                tracing::info!(
+                    gateway = format!("{replica:016x}"),
+                    machine_id = machine,
+                    "gateway's AIBRIX_TRT_MACHINE_ID is its own again"
+                );
+            }
+        }
+    }
+
+    /// Live gateway processes whose machine id another live process has too.
+    pub fn shared(&self, now: Instant) -> usize {
+        let Ok(seen) = self.seen.lock() else {
+            return 0;
+        };
+        let live: Vec<u16> = seen
+            .values()
+            .filter(|s| now.saturating_duration_since(s.at) <= LIVE_FOR)
+            .map(|s| s.machine)
+            .collect();
+        live.iter()
+            .filter(|m| live.iter().filter(|n| n == m).count() > 1)
+            .count()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn live_processes_on_one_machine_id_are_counted_until_one_leaves_or_changes() {
+        let ids = MachineIds::default();
+        let t0 = Instant::now();
+        ids.observe(1, 0, t0);
+        ids.observe(1, 0, t0 + Duration::from_secs(1));
+        assert_eq!(ids.shared(t0), 0, "one process polling twice");
+        ids.observe(2, 7, t0);
+        assert_eq!(ids.shared(t0), 0);
+        ids.observe(3, 0, t0);
+        assert_eq!(ids.shared(t0), 2, "1 and 3 on machine id 0");
+        ids.observe(3, 5, t0);
+        assert_eq!(ids.shared(t0), 0, "3 moved to its own id");
+        ids.observe(3, 0, t0 + Duration::from_secs(2));
+        let later = t0 + LIVE_FOR + Duration::from_millis(1500);
+        assert_eq!(ids.shared(later), 0, "1 stopped polling: gone");
+    }
+
+    #[test]
+    fn the_book_is_bounded() {
+        let ids = MachineIds::default();
+        let t0 = Instant::now();
+        for replica in 0..(MAX_GATEWAYS as u64 + 10) {
+            ids.observe(replica, 1, t0);
+        }
+        assert_eq!(ids.shared(t0), MAX_GATEWAYS);
+    }
+}
