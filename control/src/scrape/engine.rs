@@ -333,33 +333,35 @@ pub fn parse_reading(body: impl AsRef<[u8]>, engine: Engine, model: &str) -> Rea
     }
 }
 
-/// Counters and histogram parts: every label set (finished reason, DP engine…) adds up.
 /// Why a successful `/metrics` answer is not the pod's engine speaking.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Foreign {
     #[error("the answer carries {found:?}'s load metrics, not {expected:?}'s: is the pod's model.aibrix.ai/engine label right?")]
     OtherEngine { expected: Engine, found: Engine },
-    #[error("the answer has none of {0:?}'s load metrics ({1}): is the metric port (model.aibrix.ai/metric-port) the engine's?")]
-    NoLoadMetrics(Engine, &'static str),
     #[error("the answer is not a Prometheus exposition (HTML or JSON): is something other than the engine answering on the metric port?")]
     NotExposition,
 }
 
 impl Reading {
-    /// Whether the reading holds any of the load gauges the routing scores read.
+    /// Whether the reading holds any of the gauges the routing scores read.
     fn has_load(&self) -> bool {
-        self.running.is_some() || self.waiting.is_some() || self.kv_cache_usage.is_some()
+        self.running.is_some()
+            || self.waiting.is_some()
+            || self.kv_cache_usage.is_some()
+            || self.utilization.is_some()
+            || self.busy_time.is_some()
     }
 }
 
 /// Checks that a reading with no load gauges at all is an idle engine's and not someone
 /// else's answer. Taken as is, such a reading published the pod as fresh and idle (nothing
-/// running, free KV): an SGLang pod without its engine label read with vLLM's names, a metric
-/// port pointing at a sidecar, or an auth proxy's login page won every request under the
-/// load-scoring policies, with nothing logged and nothing stale. vLLM and SGLang register
-/// their scheduler gauges at start, so an answer of theirs always has some; TRT-LLM 1.0/1.1
-/// exports its KV gauge only once iteration statistics exist, so an idle TRT-LLM pod may
-/// answer an exposition without any (or an empty body), which is accepted.
+/// running, free KV): an SGLang pod without its engine label read with vLLM's names, or an
+/// auth proxy's login page, won every request under the load-scoring policies, with nothing
+/// logged and nothing stale. An exposition without any of the engine's gauges is accepted:
+/// an idle engine may not have them yet (SGLang's labelled gauges have no sample before its
+/// first statistics; TRT-LLM 1.0/1.1 exports its KV gauge once iteration statistics exist;
+/// vLLM with `--disable-log-stats` exports none), and an exporter on the metric port cannot
+/// be told from them.
 pub fn check_engine(body: &[u8], engine: Engine, reading: &Reading) -> Result<(), Foreign> {
     if reading.has_load() {
         return Ok(());
@@ -386,14 +388,10 @@ pub fn check_engine(body: &[u8], engine: Engine, reading: &Reading) -> Result<()
     if matches!(first, Some(b'<' | b'{' | b'[')) {
         return Err(Foreign::NotExposition);
     }
-    match engine {
-        Engine::Trtllm => Ok(()),
-        Engine::Vllm | Engine::Sglang => {
-            Err(Foreign::NoLoadMetrics(engine, engine.names().running[0]))
-        }
-    }
+    Ok(())
 }
 
+/// Counters and histogram parts: every label set (finished reason, DP engine…) adds up.
 fn total(series: &[Sample<'_>]) -> f64 {
     series.iter().map(|s| s.value).sum()
 }
@@ -745,16 +743,13 @@ mod tests {
             }),
             "an SGLang pod without its engine label"
         );
+        // An engine without its gauges yet, or an exporter: an exposition, taken as idle.
         let exporter =
             "# TYPE node_cpu_seconds_total counter\nnode_cpu_seconds_total{cpu=\"0\"} 5\n";
-        assert!(matches!(
-            check(exporter, Engine::Vllm),
-            Err(Foreign::NoLoadMetrics(..))
-        ));
-        assert!(matches!(
-            check("", Engine::Sglang),
-            Err(Foreign::NoLoadMetrics(..))
-        ));
+        assert_eq!(check(exporter, Engine::Vllm), Ok(()));
+        assert_eq!(check("", Engine::Sglang), Ok(()));
+        // A pod exporting only a utilization gauge (least-utilization's) is read.
+        assert_eq!(check("engine_utilization 0.4\n", Engine::Vllm), Ok(()));
         for page in [
             "<!doctype html><p>sign in</p>",
             "  {\"detail\":\"Not Found\"}",

@@ -84,10 +84,11 @@ pub struct PluginConfig {
     /// late, its Redis failing) is admitted (`true`) or refused with 500 `x-error-user`
     /// (`false`, the default, as AIBrix does when its Redis fails).
     pub rate_limits_fail_open: bool,
-    /// Rate limits: a request whose admission got no answer from pd-control at all (no
-    /// connection, no endpoint, no answer within `rate_limits_timeout_ms`) is admitted
-    /// (`true`, the default), whatever `rate_limits_fail_open` says; an answer saying the
-    /// limits could not be checked (its Redis failing) still follows `rate_limits_fail_open`.
+    /// Rate limits: a request whose admission reached no pd-control at all (no connection,
+    /// no endpoint) is admitted (`true`, the default), whatever `rate_limits_fail_open` says;
+    /// an answer saying the limits could not be checked (its Redis failing), or none within
+    /// `rate_limits_timeout_ms` (a pd-control waiting on a hung Redis), still follows
+    /// `rate_limits_fail_open`.
     /// pd-control runs as one replica, restarted with every rollout (its startup takes
     /// seconds, up to 90 s by its startup probe): refused, every rate-limited request failed
     /// with 500 for that long, while Redis, the limits' source of truth, was fine. As Envoy's
@@ -114,8 +115,10 @@ pub struct PluginConfig {
     /// router), their member indexes included (`core::held_body`). The VM's memory grows with
     /// the sum of those bodies and never shrinks, and Envoy's overload manager does not see
     /// it; a request that would go past this is refused with 503 before its callout. At least
-    /// `max_request_body_bytes`, so an idle VM takes any body the filter accepts. Default
-    /// 256 MiB: 32 of the largest bodies, thousands of ordinary prompts.
+    /// `max_request_body_bytes`; a body of that size also holds its member index (its member
+    /// names and ≈ 24 bytes per member), so leave room above it for an idle VM to take any
+    /// body the filter accepts. Default 256 MiB: 32 of the largest bodies, thousands of
+    /// ordinary prompts.
     pub max_held_body_bytes: usize,
 }
 

@@ -143,13 +143,14 @@ const ENVOY_TIMED_OUT: &[u8] = b"upstream request timeout";
 /// resolutions, a Service with no ready pod).
 const ENVOY_NO_HOST: &[u8] = b"no healthy upstream";
 
-/// Whether a callout's `status` and `body` are Envoy's own for a call that reached nobody or
-/// got no answer (`status` empty: no answer at all), not the called service's answer.
+/// Whether a callout's `status` and `body` are Envoy's own for a call that reached no
+/// process at all (no connection, no endpoint; `status` empty: no answer of any kind), not
+/// the called service's answer. A call that timed out is not one: the service may have taken
+/// it and be slow (pd-control waiting on a hung Redis), which is its answer's business.
 pub fn callout_unanswered(status: &str, body: &[u8]) -> bool {
     match status {
         "" => true,
         "503" => body.starts_with(ENVOY_UNDELIVERED) || body.starts_with(ENVOY_NO_HOST),
-        "504" => body.starts_with(ENVOY_TIMED_OUT),
         _ => false,
     }
 }

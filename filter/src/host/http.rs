@@ -370,7 +370,9 @@ impl PdHttp {
                     header: "x-error-user",
                     detail: format!("cannot call pd-control: {e}"),
                 };
-                self.unchecked(ask.user, error, true)?;
+                // Not sent at all: a configuration error (no such cluster), not pd-control
+                // being away; `rate_limits_fail_open` decides.
+                self.unchecked(ask.user, error, false)?;
                 Ok(false)
             }
         }
@@ -1365,10 +1367,13 @@ impl PdHttp {
         }
     }
 
-    /// Whether the request is waiting on its prefill leg: the leg is out and no byte of a
-    /// decode answer came (SGLang's decode pod streams nothing before the prefill's KV).
+    /// Whether the request is waiting on its prefill leg with its decode leg not sent yet
+    /// (vLLM's and TRT-LLM `context_first`'s order, or a `/server_info` lookup): nothing but
+    /// the prefill can hold it then. SGLang's legs go at once, and its prefill cannot finish
+    /// until the decode pod joins the bootstrap room: a hung decode pod holds the prefill leg
+    /// out too, so a wait there is no evidence against the prefill pod.
     fn waits_on_prefill(&self) -> bool {
-        self.obs.prefill_outstanding && !self.legs.body_started()
+        (self.obs.prefill_outstanding && self.pending.is_some()) || self.legs.looks_up_server()
     }
 
     /// Whether Envoy ended the stream on one of its own stream timeouts (its
@@ -1430,8 +1435,8 @@ impl PdHttp {
     /// Counts the request's outcome and, when a pod answered, its durations. Runs once, at
     /// the end of the stream, whatever happened.
     fn observe_end(&mut self, clock: &mut Clock) {
-        // Envoy's answer seen at its headers, or a started stream (SGLang's decode headers
-        // come first) cut with no decode byte yet.
+        // Envoy's answer seen at its headers (its body then passes the filter), or ended
+        // without one.
         let timed_out_on_prefill = self.obs.timed_out_on_prefill
             || (self.waits_on_prefill() && self.ended_by_envoy_timeout());
         self.prefill_returned();

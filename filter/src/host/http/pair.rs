@@ -86,9 +86,10 @@ pub struct Legs {
 }
 
 impl Legs {
-    /// Whether the decode answer's body has begun (a byte of it reached the filter).
-    pub(super) fn body_started(&self) -> bool {
-        self.body_started
+    /// Whether a `/server_info` lookup holds the request (TRT-LLM `generation_first`, before
+    /// either leg is sent).
+    pub(super) fn looks_up_server(&self) -> bool {
+        self.server_info.is_some()
     }
 
     /// Drops the body a `/server_info` lookup still holds (the request ended first): its
@@ -165,13 +166,13 @@ impl PdHttp {
             {
                 let machine = self.vm.borrow().engines.defaults.trt_machine_id;
                 let id = legs::disagg_request_id(machine);
-                self.watch(decode, None, req.stream);
                 let cached = self.vm.borrow().engines.server_info(
                     &prefill.address,
                     prefill.ready_since_ms,
                     now_ms(),
                 );
                 if let Some(info) = cached {
+                    self.watch(decode, None, req.stream);
                     let legs = GenerationFirst {
                         endpoint,
                         raw: &raw,
@@ -186,6 +187,7 @@ impl PdHttp {
                 // The body waits for the lookup: refused (the selection's charges released
                 // with the refusal) when the VM holds its budget of bodies already.
                 let body = self.hold_body(raw, req.members.heap_bytes())?;
+                self.watch(decode, None, req.stream);
                 let token = self.dispatch_get(&prefill.address, "/server_info")?;
                 self.legs.server_info = Some(ServerInfoCall {
                     token,
