@@ -2114,6 +2114,20 @@ fn decode_pod_d0_refusing_with(engine: &str, env: &[(&str, &str)]) -> (Fleet, St
     (fleet, stack)
 }
 
+/// Waits until `pod` has been sent `n` `/abort_request`s.
+fn wait_aborts_at(stack: &Stack, pod: &str, n: usize) {
+    eventually(Duration::from_secs(10), || {
+        let aborts = stack
+            .sim_requests()
+            .into_iter()
+            .filter(|e| e["path"] == "/abort_request" && e["pod"] == pod)
+            .count();
+        (aborts == n)
+            .then_some(())
+            .ok_or_else(|| format!("{aborts} of {n} aborts reached {pod}"))
+    });
+}
+
 /// An SGLang decode leg refused by its chosen pod runs on the stand-in; when the stand-in
 /// then answers nothing, the watchdog's abort goes to it, where the request waits, not to the
 /// pod that refused the connection (which holds nothing, and refuses the abort too).
@@ -2123,16 +2137,7 @@ fn a_watchdogs_abort_follows_the_decode_leg_to_its_stand_in() {
         decode_pod_d0_refusing_with("sglang", &[("AIBRIX_DECODE_RESPONSE_TIMEOUT", "1")]);
     stack.arm_fault(json!({"pod": "d-1", "kind": "hang_before_headers", "leg": "decode"}));
     let sent = send_until_d0_chosen(&stack, |r| assert_error(r, 504, "x-error-pd-decode"));
-    eventually(Duration::from_secs(10), || {
-        let aborts = stack
-            .sim_requests()
-            .into_iter()
-            .filter(|e| e["path"] == "/abort_request" && e["pod"] == "d-1")
-            .count();
-        (aborts == sent)
-            .then_some(())
-            .ok_or_else(|| format!("{aborts} of {sent} aborts reached d-1"))
-    });
+    wait_aborts_at(&stack, "d-1", sent);
     stack.clear_faults();
     assert_clean_end(&stack, &fleet_pods(&fleet));
 }
@@ -2147,16 +2152,7 @@ fn an_sglang_abort_follows_the_decode_leg_to_its_stand_in() {
         json!({"pod": "p-0", "kind": "status", "status": 500, "delay_ms": 300, "leg": "prefill"}),
     );
     let sent = send_until_d0_chosen(&stack, |r| assert_error(r, 500, "x-error-pd-prefill"));
-    eventually(Duration::from_secs(10), || {
-        let aborts = stack
-            .sim_requests()
-            .into_iter()
-            .filter(|e| e["path"] == "/abort_request" && e["pod"] == "d-1")
-            .count();
-        (aborts == sent)
-            .then_some(())
-            .ok_or_else(|| format!("{aborts} of {sent} aborts reached d-1"))
-    });
+    wait_aborts_at(&stack, "d-1", sent);
     stack.clear_faults();
     assert_clean_end(&stack, &fleet_pods(&fleet));
 }
