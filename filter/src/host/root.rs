@@ -61,6 +61,9 @@ pub struct Root {
     next_gauge_sync: u64,
     /// When the adoption gauges are next rewritten (see [`Root::show_adoption`]).
     next_adoption_show: u64,
+    /// A snapshot this VM routes on whose adoption the tally did not take yet (see
+    /// `snapshot::record_adoption`): counted again from the housekeeping.
+    uncounted: Option<u64>,
     /// This Envoy process's id among gateway replicas (shared by its VMs).
     replica: u64,
     report_in_flight: Option<u32>,
@@ -179,6 +182,7 @@ impl Root {
             next_ledger_prune: 0,
             next_gauge_sync: 0,
             next_adoption_show: 0,
+            uncounted: None,
             replica: 0,
             report_in_flight: None,
             last_report: None,
@@ -470,7 +474,10 @@ impl Root {
             (vm.metrics.fleet_version, vm.metrics.fleet_loaded_vms)
         };
         match snapshot::record_adoption(version) {
-            Ok(tally) => self.show_adoption(tally),
+            Ok((tally, counted)) => {
+                self.uncounted = (!counted).then_some(version);
+                self.show_adoption(tally);
+            }
             Err(e) => {
                 Metrics::set(version_gauge, version);
                 log::warn!("cannot count the adoption of snapshot {version}: {e}");
@@ -513,6 +520,7 @@ impl Root {
         crate::host::holds::expire(&self.vm, now, steady);
         if steady >= self.next_adoption_show {
             self.next_adoption_show = steady + ADOPTION_SHOW_MS;
+            self.count_uncounted_adoption();
             if let Some(tally) = snapshot::adoption_tally() {
                 self.show_adoption(tally);
             }
@@ -528,6 +536,31 @@ impl Root {
                 Ok(_) => {}
                 Err(e) => log::warn!("ledger janitor: {e}"),
             }
+        }
+    }
+
+    /// Counts this VM's adoption that raced with the publication of its snapshot, once the
+    /// version key names that snapshot (while it names another, the VM is behind or the
+    /// publisher is between its two writes: it waits).
+    fn count_uncounted_adoption(&mut self) {
+        let Some(version) = self.uncounted else {
+            return;
+        };
+        if self.latest.as_ref().map(|l| l.version) != Some(version) {
+            self.uncounted = None; // routing on another snapshot, counted (or not) on its own
+            return;
+        }
+        if snapshot::published_version() != version {
+            return;
+        }
+        match snapshot::record_adoption(version) {
+            Ok((tally, counted)) => {
+                if counted {
+                    self.uncounted = None;
+                }
+                self.show_adoption(tally);
+            }
+            Err(e) => log::warn!("cannot count the adoption of snapshot {version}: {e}"),
         }
     }
 

@@ -79,17 +79,22 @@ pub fn status_reason(status: &str, from_control: bool) -> &'static str {
     }
 }
 
-/// Counts this VM's adoption of `version`; returns the tally after it.
-pub fn record_adoption(version: u64) -> Result<Tally, StoreError> {
+/// Counts this VM's adoption of `version`; returns the tally after it, and whether it counted
+/// this adoption. It does not while the version key still names the previous snapshot: the
+/// publisher writes the snapshot, then the version key, and a VM on another thread can read
+/// the new snapshot in between (the caller counts it again later, or its count was missing
+/// from `pd_router_fleet_vms_on_latest` until the next snapshot).
+pub fn record_adoption(version: u64) -> Result<(Tally, bool), StoreError> {
     for _ in 0..16 {
         let (current, cas) = SharedData.get(ADOPTED_KEY)?;
+        let published = published_version();
         let tally = current
             .as_deref()
             .and_then(Tally::decode)
             .unwrap_or_default()
-            .adopted(version, published_version());
+            .adopted(version, published);
         if SharedData.set(ADOPTED_KEY, &tally.encode(), cas)? {
-            return Ok(tally);
+            return Ok((tally, published == version));
         }
     }
     Err(StoreError::Contention(16))
