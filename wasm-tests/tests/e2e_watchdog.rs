@@ -474,3 +474,39 @@ fn an_sglang_prefill_answer_failing_mid_stream_lets_the_stream_finish() {
     assert_eq!(stack.model_fail_count("pd_prefill_failure", "500"), 0.0);
     stack.wait_ledger_zero();
 }
+
+/// SGLang's decode leg fails while its prefill leg (sent at the same time) is still running:
+/// the client gets the decode pod's error, not a prefill failure; the decode pod is the one
+/// counted; and the request leaves nothing behind (its charges, the prefill leg's count).
+#[test]
+fn an_sglang_decode_failing_while_its_prefill_runs_answers_the_decodes_error() {
+    let stack = Stack::start_with(fleet(), 2, &env(&[]));
+    stack.arm_fault(json!({"pod": "sg-p-0", "kind": "slow", "delay_ms": 1500, "leg": "prefill"}));
+    stack.arm_fault(json!({"pod": "sg-d-0", "kind": "status", "status": 503, "leg": "decode"}));
+    let r = stack.chat(&[("routing-strategy", "pd")], &chat(false, 4));
+    assert_eq!(r.status, 503, "the decode pod's status: {}", r.text());
+    assert_eq!(r.header("x-error-pd-prefill"), None, "{:?}", r.headers);
+    assert!(
+        r.json()["error"]["message"].is_string(),
+        "an OpenAI error body: {}",
+        r.text()
+    );
+    eventually(Duration::from_secs(10), || {
+        let counted = stack.model_fail_count("response_fail", "503");
+        (counted == 1.0)
+            .then_some(())
+            .ok_or_else(|| format!("{counted} decode failures counted"))
+    });
+    assert_eq!(stack.model_fail_count("pd_prefill_failure", "503"), 0.0);
+    assert_eq!(stack.model_fail_count("pd_prefill_failure", "500"), 0.0);
+    eventually(Duration::from_secs(10), || {
+        let out = stack.metric("gateway_prefill_outstanding_requests", &[]);
+        (out == 0.0)
+            .then_some(())
+            .ok_or_else(|| format!("{out} prefill legs still counted out"))
+    });
+    stack.wait_ledger_zero();
+    stack.clear_faults();
+    let ok = stack.chat(&[("routing-strategy", "pd")], &chat(false, 2));
+    assert_eq!(ok.status, 200, "{}", ok.text());
+}
