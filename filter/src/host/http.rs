@@ -427,7 +427,9 @@ impl PdHttp {
                 self.charge = charged.map(|rps| Charge {
                     model: ask.model,
                     rps,
-                    answered_ms: now_ms(),
+                    // An age, taken by this VM: its monotonic clock (a wall-clock step back
+                    // read as age 0 and could give the request back to a newer window).
+                    answered_ms: crate::host::steady_ms(),
                 });
                 self.admitted(ask.user, rpm);
                 Ok(())

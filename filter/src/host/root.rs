@@ -340,7 +340,7 @@ impl Root {
             if vm.model_refunds.is_empty() && vm.model_refunds.lost == 0 {
                 return;
             }
-            let refunds = vm.model_refunds.take(now_ms());
+            let refunds = vm.model_refunds.take(crate::host::steady_ms());
             let lost = std::mem::take(&mut vm.model_refunds.lost);
             Metrics::add(vm.metrics.model_rps_refunds[1], lost);
             let Some(refunds) = refunds else {

@@ -25,8 +25,9 @@ pub const MAX_PENDING_REFUNDS: usize = 1024;
 pub struct Charge {
     pub model: String,
     pub rps: ModelRps,
-    /// When the admission's answer arrived: the count was made before, so the age sent with
-    /// the refund errs short and a window that opened with this very request still holds it.
+    /// When the admission's answer arrived, on the VM's monotonic clock (only its age is
+    /// sent): the count was made before, so the age sent with the refund errs short and a
+    /// window that opened with this very request still holds it.
     pub answered_ms: u64,
 }
 
