@@ -34,7 +34,11 @@ impl Freshness {
         confirmed_at_ms: u64,
         stale_after_ms: u64,
     ) -> Option<Transition> {
-        let age_ms = Self::age_ms(now_ms, confirmed_at_ms);
+        self.observe_age(Self::age_ms(now_ms, confirmed_at_ms), stale_after_ms)
+    }
+
+    /// [`Freshness::observe`] for an age already known (see [`ConfirmationAge`]).
+    pub fn observe_age(&mut self, age_ms: u64, stale_after_ms: u64) -> Option<Transition> {
         let stale = age_ms > stale_after_ms;
         if stale == self.stale {
             return None;
@@ -48,9 +52,59 @@ impl Freshness {
     }
 }
 
+/// The age of the process's last confirmation, counted on one VM's monotonic clock from the
+/// moment the VM first saw it. The confirmation is a wall-clock time (every VM of the process
+/// reads it from shared data); aged on the wall clock, a step back of the clock while
+/// pd-control is down kept the snapshot fresh for as long as the step, and a step forward
+/// made it stale at once. Only the age at first sight is read from the wall clock (a VM
+/// started while pd-control is down must find its inherited snapshot as old as it is).
+#[derive(Debug, Clone, Default)]
+pub struct ConfirmationAge {
+    /// The confirmation seen last, its age then, and this VM's monotonic time then.
+    seen: Option<(u64, u64, u64)>,
+}
+
+impl ConfirmationAge {
+    pub fn age_ms(&mut self, wall_now_ms: u64, confirmed_at_ms: u64, steady_now_ms: u64) -> u64 {
+        match self.seen {
+            Some((confirmed, age, at)) if confirmed == confirmed_at_ms => {
+                age.saturating_add(steady_now_ms.saturating_sub(at))
+            }
+            _ => {
+                let age = Freshness::age_ms(wall_now_ms, confirmed_at_ms);
+                self.seen = Some((confirmed_at_ms, age, steady_now_ms));
+                age
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_confirmation_ages_on_the_monotonic_clock_whatever_the_wall_clock_does() {
+        const HOUR: u64 = 3_600_000;
+        let mut age = ConfirmationAge::default();
+        let confirmed = 10 * HOUR;
+        // First seen 50 ms after it was made (wall clock), at monotonic 1 000.
+        assert_eq!(age.age_ms(confirmed + 50, confirmed, 1_000), 50);
+        // The wall clock steps back an hour; 11 s pass: stale at a 10 s bound.
+        let aged = age.age_ms(confirmed - HOUR, confirmed, 12_000);
+        assert_eq!(aged, 11_050);
+        let mut f = Freshness::default();
+        assert_eq!(
+            f.observe_age(aged, 10_000),
+            Some(Transition::BecameStale { age_ms: 11_050 })
+        );
+        // A step forward makes no age either.
+        assert_eq!(age.age_ms(confirmed + 2 * HOUR, confirmed, 12_100), 11_150);
+        // A new confirmation starts afresh, its age at first sight from the wall clock.
+        let next = confirmed + 2 * HOUR;
+        assert_eq!(age.age_ms(next + 20, next, 12_200), 20);
+        assert_eq!(age.age_ms(0, next, 12_300), 120);
+    }
 
     #[test]
     fn stale_once_past_the_bound_and_fresh_again_on_confirmation() {

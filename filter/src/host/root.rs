@@ -11,7 +11,7 @@ use proxy_wasm::types::ContextType;
 use crate::core::config::PluginConfig;
 use crate::core::engine::EngineDefaults;
 use crate::core::fleet::FleetView;
-use crate::core::freshness::{Freshness, Transition};
+use crate::core::freshness::{ConfirmationAge, Freshness, Transition};
 use crate::core::ledger;
 use crate::core::pd::bucket_serve::Planner;
 use crate::core::pd::PdDefaults;
@@ -52,6 +52,8 @@ pub struct Root {
     /// recorded in this process yet.
     adopted_at: u64,
     freshness: Freshness,
+    /// The last confirmation's age on this VM's monotonic clock.
+    confirmation_age: ConfirmationAge,
     /// Consecutive failed polls; logged at 1, 2, 4, 8, ... so an outage does not flood the log.
     fetch_failures: u64,
     next_housekeeping: u64,
@@ -176,6 +178,7 @@ impl Root {
             latest: None,
             adopted_at: 0,
             freshness: Freshness::default(),
+            confirmation_age: ConfirmationAge::default(),
             fetch_failures: 0,
             next_housekeeping: 0,
             next_eviction: 0,
@@ -659,6 +662,9 @@ impl Root {
         // The process-wide confirmation wins: a VM created by a reload while pd-control is
         // down must not call its inherited snapshot fresh just because it adopted it now.
         let confirmed = snapshot::confirmed_at().unwrap_or(self.adopted_at);
+        let age_ms = self
+            .confirmation_age
+            .age_ms(now, confirmed, crate::host::steady_ms());
         let (bound, stale_gauge, age_gauge) = {
             let vm = self.vm.borrow();
             (
@@ -667,8 +673,8 @@ impl Root {
                 vm.metrics.snapshot_age_ms,
             )
         };
-        Metrics::set(age_gauge, Freshness::age_ms(now, confirmed));
-        let Some(transition) = self.freshness.observe(now, confirmed, bound) else {
+        Metrics::set(age_gauge, age_ms);
+        let Some(transition) = self.freshness.observe_age(age_ms, bound) else {
             return;
         };
         let view = match transition {
