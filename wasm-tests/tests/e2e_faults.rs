@@ -70,10 +70,8 @@ fn start_configured(
     control_args: &[&str],
     plugin_extra: &str,
 ) -> Stack {
-    let simulated = fleet.clone().pod(ROGUE, "decode", "group-9");
-    Stack::start_opts(
+    start_simulating_rogue(
         fleet,
-        simulated,
         &Options {
             envoy_env: env,
             control_args,
@@ -81,6 +79,12 @@ fn start_configured(
             ..Options::default()
         },
     )
+}
+
+/// Starts `fleet` with `options`, pd-sim also running [`ROGUE`] (a pod outside the fleet).
+fn start_simulating_rogue(fleet: Fleet, options: &Options) -> Stack {
+    let simulated = fleet.clone().pod(ROGUE, "decode", "group-9");
+    Stack::start_opts(fleet, simulated, options)
 }
 
 fn chat(stream: bool, max_tokens: u32) -> Value {
@@ -348,10 +352,8 @@ fn decode_stalling_after_some_chunks_is_cut_by_the_watchdog() {
 /// request). `plugin_extra` as in [`Options`].
 fn two_tied_rolesets(plugin_extra: &str, control_args: &[&str]) -> (Fleet, Stack) {
     let fleet = two_rolesets();
-    let simulated = fleet.clone().pod(ROGUE, "decode", "group-9");
-    let stack = Stack::start_opts(
+    let stack = start_simulating_rogue(
         fleet.clone(),
-        simulated,
         &Options {
             plugin_extra,
             control_args,
@@ -493,10 +495,8 @@ fn prefill_timing_out_fails_the_request_with_504() {
 #[test]
 fn envoys_stream_timeout_during_the_prefill_is_the_prefills_failure_not_the_decodes() {
     let fleet = one_roleset();
-    let simulated = fleet.clone().pod(ROGUE, "decode", "group-9");
-    let stack = Stack::start_opts(
+    let stack = start_simulating_rogue(
         fleet.clone(),
-        simulated,
         &Options {
             // One worker: the four failures land on one ejection tally.
             concurrency: 1,
@@ -1137,9 +1137,8 @@ fn marked_unreachable(snap: &Value, pod: &str, want: bool) -> Result<(), String>
 #[test]
 fn a_pod_pd_control_cannot_reach_costs_no_request_on_any_worker() {
     let fleet = two_rolesets().combined("c-0").combined("c-1");
-    let stack = Stack::start_opts(
+    let stack = start_simulating_rogue(
         fleet.clone(),
-        fleet.clone().pod(ROGUE, "decode", "group-9"),
         &Options {
             // Failover off: only pd-control's mark can save these requests.
             plugin_extra: r#""prefill_failover": 0"#,
@@ -1296,9 +1295,8 @@ fn a_pod_sitting_on_its_requests_is_routed_around_until_it_moves_again() {
         .combined("c-0")
         .label("tier", "stuck")
         .combined("c-1");
-    let stack = Stack::start_opts(
+    let stack = start_simulating_rogue(
         fleet.clone(),
-        fleet.clone().pod(ROGUE, "decode", "group-9"),
         &Options {
             control_args: &["--stalled-after", "300ms"],
             ..Options::default()
