@@ -84,6 +84,8 @@ struct Kube {
     network_policies: Vec<NetworkPolicy>,
     /// (file, pod)
     pods: Vec<(String, Pod)>,
+    /// Prometheus Operator's, untyped (no k8s-openapi type for a CRD).
+    pod_monitors: Vec<Yaml>,
 }
 
 fn kube() -> Kube {
@@ -112,6 +114,7 @@ fn kube() -> Kube {
                 ("networking.k8s.io/v1", "NetworkPolicy") => {
                     k.network_policies.push(typed(doc, &origin))
                 }
+                ("monitoring.coreos.com/v1", "PodMonitor") => k.pod_monitors.push(doc.clone()),
                 _ => panic!("{origin}: unexpected kind; add it to this test"),
             }
         }
@@ -194,6 +197,94 @@ fn every_kubernetes_document_is_a_known_typed_object() {
             ns_of(meta)
         );
     }
+}
+
+#[test]
+fn pod_monitors_keep_the_engine_pods_labels_and_select_what_they_name() {
+    let k = kube();
+    assert_eq!(k.pod_monitors.len(), 2, "pd-control's and the gateway's");
+    let monitor = |name: &str| {
+        k.pod_monitors
+            .iter()
+            .find(|m| m["metadata"]["name"].as_str() == Some(name))
+            .unwrap_or_else(|| panic!("no PodMonitor {name}"))
+    };
+    for m in &k.pod_monitors {
+        let endpoints = m["spec"]["podMetricsEndpoints"]
+            .as_sequence()
+            .expect("podMetricsEndpoints");
+        assert!(!endpoints.is_empty());
+        for e in endpoints {
+            // Without it the target's own pod/namespace labels replace the engine pod's.
+            assert_eq!(e["honorLabels"].as_bool(), Some(true), "{e:?}");
+        }
+    }
+    let matches = |m: &Yaml, labels: &BTreeMap<String, String>| {
+        let selector = m["spec"]["selector"]["matchLabels"]
+            .as_mapping()
+            .expect("matchLabels");
+        !selector.is_empty()
+            && selector.iter().all(|(key, value)| {
+                labels.get(key.as_str().unwrap_or_default()).map(String::as_str) == value.as_str()
+            })
+    };
+
+    // pd-control's: its pods, on the container port that serves /metrics.
+    let control = monitor("pd-control");
+    let deployment = &k.deployments[0];
+    assert_eq!(
+        control["metadata"]["namespace"].as_str(),
+        Some(ns_of(&deployment.metadata))
+    );
+    let template = &deployment.spec.template;
+    let pod_labels = template
+        .metadata
+        .as_ref()
+        .and_then(|m| m.labels.clone())
+        .expect("pod labels");
+    assert!(matches(control, &pod_labels), "selects pd-control's pods");
+    let endpoint = &control["spec"]["podMetricsEndpoints"][0];
+    assert_eq!(endpoint["path"].as_str(), Some("/metrics"));
+    let pod_spec = template.spec.as_ref().expect("pod spec");
+    let port = container(&pod_spec.containers, "pd-control")
+        .ports
+        .as_ref()
+        .expect("ports")
+        .iter()
+        .find(|p| p.name.as_deref() == endpoint["port"].as_str())
+        .unwrap_or_else(|| panic!("no container port {:?}", endpoint["port"]));
+    let args = container(&pod_spec.containers, "pd-control")
+        .args
+        .clone()
+        .unwrap_or_default();
+    assert!(
+        args.iter()
+            .any(|a| a == &format!("--metrics-listen=0.0.0.0:{}", port.container_port)),
+        "the monitor's port is the one --metrics-listen binds: {args:?}"
+    );
+
+    // The gateway's: the pods the Gateway selects, on Envoy's own Prometheus endpoint.
+    let gateway = monitor("pd-gateway");
+    let gateways = one_of("envoy/istio/gateway-route.yaml", "Gateway");
+    let selector: BTreeMap<String, String> = gateways[0]["spec"]["selector"]
+        .as_mapping()
+        .expect("Gateway selector")
+        .iter()
+        .map(|(key, value)| {
+            (
+                key.as_str().unwrap_or_default().to_string(),
+                value.as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect();
+    assert!(matches(gateway, &selector), "selects the Gateway's pods");
+    assert_eq!(
+        gateway["metadata"]["namespace"],
+        gateways[0]["metadata"]["namespace"]
+    );
+    let endpoint = &gateway["spec"]["podMetricsEndpoints"][0];
+    assert_eq!(endpoint["path"].as_str(), Some("/stats/prometheus"));
+    assert_eq!(endpoint["port"].as_str(), Some("http-envoy-prom"));
 }
 
 #[test]
