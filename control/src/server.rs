@@ -495,6 +495,74 @@ fn fleet_pods(published: &Published) -> BTreeSet<(&str, &str)> {
         .collect()
 }
 
+/// The engine load each pod was routed on, as the snapshot carries it: a slow or full pod,
+/// or one whose metrics stopped, is found from Prometheus without the snapshot API (which
+/// the NetworkPolicy keeps to the gateways). Once per pod (see [`fleet_pods`]); values only
+/// for pods scraped at least once.
+fn engine_view(out: &mut String, published: &Published, now_ms: i64) {
+    let mut pods: BTreeMap<(&str, &str), &crate::proto::Pod> = BTreeMap::new();
+    for pod in published.snapshot.models.iter().flat_map(|m| &m.pods) {
+        pods.entry((pod.namespace.as_str(), pod.name.as_str()))
+            .or_insert(pod);
+    }
+    type Read = fn(&crate::proto::PodMetrics, i64) -> f64;
+    let gauges: [(&str, &str, Read); 7] = [
+        (
+            "pd_control_pod_running_requests",
+            "Requests the engine reports running, as last scraped.",
+            |m, _| m.running,
+        ),
+        (
+            "pd_control_pod_waiting_requests",
+            "Requests the engine reports queued, as last scraped.",
+            |m, _| m.waiting,
+        ),
+        (
+            "pd_control_pod_kv_cache_usage",
+            "The engine's KV-cache usage, 0 to 1, as last scraped.",
+            |m, _| m.kv_cache_usage,
+        ),
+        (
+            "pd_control_pod_ttft_avg_seconds",
+            "The engine's mean time to first token over the last scrape interval.",
+            |m, _| m.ttft_avg_seconds,
+        ),
+        (
+            "pd_control_pod_tpot_avg_seconds",
+            "The engine's mean time per output token over the last scrape interval.",
+            |m, _| m.tpot_avg_seconds,
+        ),
+        (
+            "pd_control_pod_metrics_age_seconds",
+            "Time since the pod's last successful scrape.",
+            |m, now| now.saturating_sub(m.last_scrape_unix_ms).max(0) as f64 / 1000.0,
+        ),
+        (
+            "pd_control_pod_metrics_stale",
+            "1 when the pod's last scrape failed or is older than the staleness bound: the gateways route on it without its load.",
+            |m, _| if m.stale { 1.0 } else { 0.0 },
+        ),
+    ];
+    for (name, help, read) in gauges {
+        let samples: Vec<(String, String)> = pods
+            .iter()
+            .filter_map(|((namespace, pod_name), pod)| {
+                let metrics = pod.metrics.as_ref().filter(|m| m.present)?;
+                Some((
+                    format!(
+                        "{{namespace=\"{}\",pod=\"{}\",role=\"{}\"}}",
+                        label(namespace),
+                        label(pod_name),
+                        label(&pod.role)
+                    ),
+                    read(metrics, now_ms).to_string(),
+                ))
+            })
+            .collect();
+        family(out, name, "gauge", help, &samples);
+    }
+}
+
 /// pd-control's own metrics in the Prometheus text format, at `now_ms`, when the control
 /// loop last completed an iteration `loop_age` ago ([`Stats::loop_age`], monotonic).
 pub fn render_metrics(
@@ -597,6 +665,7 @@ pub fn render_metrics(
         "Engine metrics scrapes that failed (connect, timeout, status, body), per pod of the fleet.",
         &samples,
     );
+    engine_view(&mut out, published, now_ms);
 
     let latency = stats.scrape_latency_snapshot();
     let _ = writeln!(
@@ -745,8 +814,29 @@ mod tests {
             models: vec![proto::Model {
                 name: "m\"1".into(),
                 pods: vec![
-                    pod("p0", "prefill", true),
-                    pod("d0", "decode", true),
+                    proto::Pod {
+                        metrics: Some(proto::PodMetrics {
+                            present: true,
+                            running: 3.0,
+                            waiting: 1.0,
+                            kv_cache_usage: 0.5,
+                            ttft_avg_seconds: 0.25,
+                            tpot_avg_seconds: 0.02,
+                            last_scrape_unix_ms: 12_000,
+                            ..Default::default()
+                        }),
+                        ..pod("p0", "prefill", true)
+                    },
+                    proto::Pod {
+                        // Scraped once, long ago: its load is no longer routed on.
+                        metrics: Some(proto::PodMetrics {
+                            present: true,
+                            last_scrape_unix_ms: 2_500,
+                            stale: true,
+                            ..Default::default()
+                        }),
+                        ..pod("d0", "decode", true)
+                    },
                     pod("d1", "decode", false),
                     proto::Pod {
                         unreachable: true,
@@ -803,6 +893,15 @@ mod tests {
             "pd_control_scrape_latency_seconds_bucket{le=\"+Inf\"} 1",
             "pd_control_scrape_latency_seconds_count 1",
             "pd_control_fleet_event_age_seconds{source=\"kubernetes\"} 3.5",
+            "pd_control_pod_running_requests{namespace=\"ns\",pod=\"p0\",role=\"prefill\"} 3",
+            "pd_control_pod_waiting_requests{namespace=\"ns\",pod=\"p0\",role=\"prefill\"} 1",
+            "pd_control_pod_kv_cache_usage{namespace=\"ns\",pod=\"p0\",role=\"prefill\"} 0.5",
+            "pd_control_pod_ttft_avg_seconds{namespace=\"ns\",pod=\"p0\",role=\"prefill\"} 0.25",
+            "pd_control_pod_tpot_avg_seconds{namespace=\"ns\",pod=\"p0\",role=\"prefill\"} 0.02",
+            "pd_control_pod_metrics_age_seconds{namespace=\"ns\",pod=\"p0\",role=\"prefill\"} 0.5",
+            "pd_control_pod_metrics_stale{namespace=\"ns\",pod=\"p0\",role=\"prefill\"} 0",
+            "pd_control_pod_metrics_age_seconds{namespace=\"ns\",pod=\"d0\",role=\"decode\"} 10",
+            "pd_control_pod_metrics_stale{namespace=\"ns\",pod=\"d0\",role=\"decode\"} 1",
         ] {
             assert!(
                 text.lines().any(|l| l == line),
@@ -812,6 +911,10 @@ mod tests {
         assert!(
             !text.contains("gone"),
             "only pods of the served snapshot are exported"
+        );
+        assert!(
+            !text.contains("pd_control_pod_running_requests{namespace=\"ns\",pod=\"d1\""),
+            "a pod never scraped has no engine values: {text}"
         );
     }
 
