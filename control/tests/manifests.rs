@@ -225,7 +225,10 @@ fn pod_monitors_keep_the_engine_pods_labels_and_select_what_they_name() {
             .expect("matchLabels");
         !selector.is_empty()
             && selector.iter().all(|(key, value)| {
-                labels.get(key.as_str().unwrap_or_default()).map(String::as_str) == value.as_str()
+                labels
+                    .get(key.as_str().unwrap_or_default())
+                    .map(String::as_str)
+                    == value.as_str()
             })
     };
 
