@@ -49,7 +49,7 @@ pub struct AppState {
     /// counts as frozen (`crate::service::loop_stale_after`).
     pub loop_stale_after: Duration,
     /// The polling gateways' TRT-LLM machine ids, to see two on one.
-    pub machine_ids: Arc<crate::machine_ids::MachineIds>,
+    pub gateways: Arc<crate::gateways::Gateways>,
 }
 
 pub fn router(state: AppState) -> Router {
@@ -150,8 +150,14 @@ async fn snapshot(
         .get(pd_router_filter::core::engine::trtllm::MACHINE_HEADER)
         .and_then(|v| v.to_str().ok())
         .and_then(pd_router_filter::core::engine::trtllm::parse_machine_header);
+    let build = headers
+        .get(pd_router_filter::core::build::BUILD_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(pd_router_filter::core::build::label_of);
     if let Some((replica, machine)) = machine {
-        state.machine_ids.observe(replica, machine, Instant::now());
+        state
+            .gateways
+            .observe(replica, machine, build, Instant::now());
     }
     let mut response = snapshot_answer(&state, &query).await;
     // Answered at the end of a held poll: an ACK that came meanwhile counts.
@@ -452,8 +458,21 @@ async fn metrics(State(state): State<AppState>) -> Response {
         "Gateway processes polling in the last 30 s whose AIBRIX_TRT_MACHINE_ID another one has too: with TensorRT-LLM pods their disagg_request_ids can collide (see the log).",
         &[(
             String::new(),
-            state.machine_ids.shared(Instant::now()).to_string(),
+            state.gateways.shared(Instant::now()).to_string(),
         )],
+    );
+    let builds: Vec<(String, String)> = state
+        .gateways
+        .builds(Instant::now())
+        .into_iter()
+        .map(|(build, n)| (format!("{{build=\"{}\"}}", label(&build)), n.to_string()))
+        .collect();
+    family(
+        &mut text,
+        "pd_control_gateway_builds",
+        "gauge",
+        "Gateway processes polling in the last 30 s by the filter build they run (unknown: a filter older than the build header); two builds outside a rollout mean a filter update missed some gateways.",
+        &builds,
     );
     for (name, kind, help, samples) in state.limits.metrics() {
         family(&mut text, name, kind, help, &samples);
@@ -959,7 +978,7 @@ mod tests {
             eds_here: crate::xds::EdsHere::Off,
             external: None,
             loop_stale_after: Duration::from_secs(3600),
-            machine_ids: Default::default(),
+            gateways: Default::default(),
         }
     }
 

@@ -335,7 +335,7 @@ pub async fn start_with_source<S: FleetSource>(
         eds_here,
         external,
         loop_stale_after: loop_stale_after(config.refresh_interval),
-        machine_ids: Default::default(),
+        gateways: Default::default(),
     };
     if let Some(listener) = metrics_listener {
         let app = server::metrics_router(state.clone());

@@ -2,6 +2,7 @@
 
 pub mod adoption;
 pub mod api_key;
+pub mod build;
 pub mod call_timeout;
 pub mod charges;
 pub mod config;

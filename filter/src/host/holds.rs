@@ -5,6 +5,7 @@
 
 use crate::core::charges::HeldCharges;
 use crate::core::ledger::{self, Ledger, PodId, Row, StoreError};
+use crate::host::metrics::Metrics;
 use crate::host::store::SharedData;
 use crate::host::SharedVm;
 
@@ -96,7 +97,10 @@ pub fn update(vm: &SharedVm, id: u32, change: impl Fn(&HeldCharges, &mut Ledger)
             }
             crate::host::journal::write(&vm);
         }
-        Err(e) => log::error!("cannot release the charges of context {id}: {e}"),
+        Err(e) => {
+            Metrics::inc(vm.metrics.charge_release_errors);
+            log::error!("cannot release the charges of context {id}: {e}")
+        }
     }
 }
 
@@ -116,6 +120,9 @@ pub fn expire(vm: &SharedVm, now: u64, steady: u64) -> usize {
             steady.saturating_sub(*since) / 1000
         );
         release(vm, *id, now, HeldCharges::release_rest);
+    }
+    if !expired.is_empty() {
+        Metrics::add(vm.borrow().metrics.force_released[0], expired.len() as u64);
     }
     expired.len()
 }

@@ -130,6 +130,7 @@ impl JournalWriter {
         if !SharedData.set(REGISTRY_KEY, render(&alive).as_bytes(), cas)? {
             return Ok(()); // another VM won this round; it reclaims
         }
+        Metrics::add(vm.borrow().metrics.vms_reclaimed, dead.len() as u64);
         for (token, journal, silent) in dead {
             crate::host::prefix_sharing::forget(token);
             let Some(journal) = journal else {
@@ -152,6 +153,7 @@ impl JournalWriter {
                         );
                     }
                     let mut state = vm.borrow_mut();
+                    Metrics::add(state.metrics.force_released[1], n as u64);
                     // The dead VM's pods may be new to this one: the next sync shows them at 0.
                     state
                         .metrics

@@ -159,6 +159,16 @@ pub struct Metrics {
     /// `pd_router_prefix_batches_missed_total`: other workers' prefix-event batches a worker
     /// could no longer read (their ring had moved on; `core::prefix::log`).
     pub prefix_batches_missed: Option<u32>,
+    /// `pd_router_vms_reclaimed_total`: VMs of this process another VM found silent and
+    /// declared dead (a trap, a stopped worker), whose charges it released.
+    pub vms_reclaimed: Option<u32>,
+    /// `pd_router_charges_force_released_total{reason}`: requests whose charges were released
+    /// for them, `ttl` (held past `AIBRIX_TOKEN_LOAD_TTL_SECONDS`) and `vm_reclaimed` (their
+    /// VM was declared dead). Any rise is a leak or a lost VM worth a look.
+    pub force_released: [Option<u32>; 2],
+    /// `pd_router_charge_release_errors_total`: release rounds the shared ledger refused (the
+    /// charges stay held for a later attempt, at worst for their TTL).
+    pub charge_release_errors: Option<u32>,
     /// Selection plus charge (one CAS round), microseconds, as measured inside the VM.
     pub selection_us: Option<u32>,
     /// The selection alone (Steps 0–5), without the shared-data round trip, microseconds.
@@ -302,6 +312,14 @@ impl Metrics {
             model_rps_refunds: ["sent", "unsent"]
                 .map(|result| counter("pd_router_model_rps_refunds_total", &[("result", result)])),
             prefix_batches_missed: define(c, "pd_router_prefix_batches_missed_total"),
+            vms_reclaimed: define(c, "pd_router_vms_reclaimed_total"),
+            force_released: ["ttl", "vm_reclaimed"].map(|reason| {
+                counter(
+                    "pd_router_charges_force_released_total",
+                    &[("reason", reason)],
+                )
+            }),
+            charge_release_errors: define(c, "pd_router_charge_release_errors_total"),
             selection_us: define(MetricType::Histogram, "pd_router_selection_us"),
             selection_core_us: define(MetricType::Histogram, "pd_router_selection_core_us"),
             remote_decode_tokens: define(g, "pd_router_remote_decode_tokens"),

@@ -52,6 +52,12 @@ pub struct Root {
     /// recorded in this process yet.
     adopted_at: u64,
     freshness: Freshness,
+    /// Stale while this VM has held no snapshot for `snapshot_stale_after_ms` since it
+    /// started: a gateway started while pd-control is unreachable answers every request 503,
+    /// and must not read fresh (age 0) on the gauges operators alert on.
+    unsnapshotted: Freshness,
+    /// When this root context was created, on the VM's monotonic clock.
+    created_steady_ms: u64,
     /// The last confirmation's age on this VM's monotonic clock.
     confirmation_age: ConfirmationAge,
     /// Consecutive failed polls; logged at 1, 2, 4, 8, ... so an outage does not flood the log.
@@ -178,6 +184,8 @@ impl Root {
             latest: None,
             adopted_at: 0,
             freshness: Freshness::default(),
+            unsnapshotted: Freshness::default(),
+            created_steady_ms: crate::host::steady_ms(),
             confirmation_age: ConfirmationAge::default(),
             fetch_failures: 0,
             next_housekeeping: 0,
@@ -657,8 +665,15 @@ impl Root {
     /// answers again. Routing never stops for it: the pods of the last snapshot stay.
     fn check_freshness(&mut self, now: u64) {
         let Some(latest) = self.latest.clone() else {
+            self.check_unsnapshotted();
             return;
         };
+        if self.unsnapshotted.is_stale() {
+            // The first snapshot arrived: from here the gauges follow its confirmation.
+            self.unsnapshotted = Freshness::default();
+            let gauge = self.vm.borrow().metrics.snapshot_stale;
+            Metrics::set(gauge, u64::from(self.freshness.is_stale()));
+        }
         // The process-wide confirmation wins: a VM created by a reload while pd-control is
         // down must not call its inherited snapshot fresh just because it adopted it now.
         let confirmed = snapshot::confirmed_at().unwrap_or(self.adopted_at);
@@ -703,6 +718,30 @@ impl Root {
             self.freshness.is_stale(),
             &vm.ejections,
         ));
+    }
+
+    /// Before the first snapshot: its age is the VM's, and past `snapshot_stale_after_ms`
+    /// the snapshot counts as stale (gauge 1, logged once), as a confirmation that stopped.
+    fn check_unsnapshotted(&mut self) {
+        let age_ms = crate::host::steady_ms().saturating_sub(self.created_steady_ms);
+        let (bound, stale_gauge, age_gauge) = {
+            let vm = self.vm.borrow();
+            (
+                vm.plugin.snapshot_stale_after_ms,
+                vm.metrics.snapshot_stale,
+                vm.metrics.snapshot_age_ms,
+            )
+        };
+        Metrics::set(age_gauge, age_ms);
+        if let Some(Transition::BecameStale { age_ms }) =
+            self.unsnapshotted.observe_age(age_ms, bound)
+        {
+            log::warn!(
+                "no fleet snapshot after {age_ms} ms (snapshot_stale_after_ms {bound}): every \
+                 request is answered 503 until pd-control answers a poll"
+            );
+            Metrics::set(stale_gauge, 1);
+        }
     }
 
     /// Brings pods whose ejection is over back, and rebuilds the routing view when the set
@@ -846,6 +885,7 @@ impl Context for Root {
 
 impl RootContext for Root {
     fn on_vm_start(&mut self, _size: usize) -> bool {
+        log::info!("pd-router filter {} starting", crate::core::build::BUILD);
         let (defaults, warnings) = PdDefaults::from_lookup(|k| std::env::var(k).ok());
         for w in warnings {
             log::warn!("{w}");

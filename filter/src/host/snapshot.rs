@@ -409,5 +409,6 @@ pub fn fetch_request(
         headers.push((NODE_HEADER, node));
     }
     headers.push((crate::core::engine::trtllm::MACHINE_HEADER, trt_machine));
+    headers.push((crate::core::build::BUILD_HEADER, crate::core::build::BUILD));
     hostcalls::dispatch_http_call(&plugin.control_cluster, headers, None, vec![], timeout)
 }
