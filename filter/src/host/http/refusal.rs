@@ -1,0 +1,80 @@
+//! The filter's refusal of a request: the error catalogue's status, `x-error-*` header and
+//! body as a local reply, with what a refusal gives back (charges, the model rate) and how it
+//! is counted and logged.
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::Action;
+
+use super::{PdHttp, EXPLAIN_HEADER};
+use crate::core::errors::RouteError;
+use crate::core::obs::outcome::Outcome;
+use crate::host::Clock;
+
+impl PdHttp {
+    pub(super) fn reject(&mut self, error: RouteError) -> Action {
+        self.local_reply = true;
+        self.release_all(&mut Clock::default());
+        if let Some(charge) = self.charge.take() {
+            // Counted against the model's rate, never served: AIBrix does not charge it.
+            let mut vm = self.vm.borrow_mut();
+            vm.model_refunds.add(charge);
+            vm.wake();
+        }
+        self.obs.outcome.get_or_insert(Outcome::rejected(&error));
+        {
+            let mut vm = self.vm.borrow_mut();
+            vm.metrics.rejected(&error);
+            if matches!(error, RouteError::Prefill { .. }) {
+                vm.metrics.prefill_failed(&error);
+            }
+        }
+        // Client mistakes (and a scanner's wrong keys) are counted, not logged line by line.
+        if !matches!(
+            error,
+            RouteError::UnknownPath
+                | RouteError::BadBody
+                | RouteError::BodyTooLarge { .. }
+                | RouteError::TooManyMembers { .. }
+                | RouteError::NoMessages
+                | RouteError::Unauthorized
+                // Gateway load, not a fault: a flood of these is counted, not logged.
+                | RouteError::HeldBodiesOverBudget { .. }
+        ) {
+            use crate::core::errors::loggable;
+            let what = loggable(&error.to_string());
+            match error.detail() {
+                Some(detail) => log::info!(
+                    "request {} refused: {what}: {}",
+                    self.request_id,
+                    loggable(detail)
+                ),
+                None => log::info!("request {} refused: {what}", self.request_id),
+            }
+        }
+        let header = error.header();
+        let mut headers = crate::core::errors::reply_headers(&header, &self.request_id);
+        if let Some(explain) = &self.obs.explain_header {
+            headers.push((EXPLAIN_HEADER, explain.as_str()));
+        }
+        let body = error.body();
+        if let Err(e) = hostcalls::send_http_response(error.status(), headers, Some(&body)) {
+            // Paused with no answer coming, the client would wait for Envoy's idle timeout.
+            log::error!(
+                "context {}: cannot send local reply: {e:?}; resetting the stream",
+                self.id
+            );
+            let _ = hostcalls::reset_http_response();
+        }
+        Action::Pause
+    }
+
+    /// Counts a PD selection that failed before any pod was scored (an unknown
+    /// `decodeScorePolicy`, pods of mixed engines) as AIBrix does, with the failures of the
+    /// selection itself.
+    pub(super) fn selection_failed(&self, error: RouteError) -> RouteError {
+        if matches!(error, RouteError::Selection { .. }) {
+            self.vm.borrow_mut().metrics.prefill_failed(&error);
+        }
+        error
+    }
+}
