@@ -110,6 +110,10 @@ const FAMILIES: &[&str] = &[
     "pd_router_user_token_report_failures_total",
     "pd_router_model_rps_refunds_total",
     "pd_router_prefix_batches_missed_total",
+    "pd_router_vms_reclaimed_total",
+    "pd_router_charges_force_released_total",
+    "pd_router_charge_release_errors_total",
+    "pd_router_pod_failures_total",
     "pd_router_snapshot_stale",
     "pd_router_snapshot_age_ms",
     "pd_router_selection_us",
@@ -453,6 +457,47 @@ fn a_known_load_shows_up_with_contract_names_labels_and_values() {
         }
     }
     assert!(checked >= 20, "only {checked} metric references checked");
+}
+
+/// SGLang sends both legs at once: no synchronous prefill, so AIBrix's rule gives its streams
+/// no decode time or TPOT. The histograms take them from the first token.
+#[test]
+fn sglang_streams_have_decode_time_and_tpot_in_the_histograms_not_in_aibrixs_buckets() {
+    const STREAMS: usize = 4;
+    let fleet = Fleet::new(MODEL)
+        .engine("sglang")
+        .pod("sglang-p-0", "prefill", "group-0")
+        .pod("sglang-d-0", "decode", "group-0");
+    let stack = Stack::start(fleet);
+    for _ in 0..STREAMS {
+        let r = stack.chat(PD, &chat(true, 4));
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    let streams = STREAMS as f64;
+    let s = scrape_until(&stack, "the streams' decode and TPOT histograms", |s| {
+        s.sum("pd_router_tpot_us_count", &[]) >= streams
+            && s.sum("pd_router_decode_time_ms_count", &[]) >= streams
+    });
+    assert_eq!(s.sum("pd_router_tpot_us_count", &[]), streams);
+    assert_eq!(s.sum("pd_router_decode_time_ms_count", &[]), streams);
+    assert_eq!(s.sum("pd_router_ttft_ms_count", &[]), streams);
+    // Every stream generated its 4 tokens, each at least one engine step apart.
+    assert!(s.sum("pd_router_tpot_us_sum", &[]) > 0.0);
+    for aibrix in [
+        "gateway_tpot_bucket_total",
+        "gateway_decode_time_bucket_total",
+    ] {
+        assert_eq!(
+            s.sum(aibrix, &[]),
+            0.0,
+            "{aibrix}: no PrefillEnd, as AIBrix"
+        );
+    }
+    assert_eq!(
+        s.sum("gateway_ttft_bucket_total", &[]),
+        streams,
+        "the bucket counters do count these streams where AIBrix does"
+    );
 }
 
 #[test]

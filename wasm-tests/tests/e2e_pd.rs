@@ -1024,6 +1024,24 @@ fn a_lora_adapter_routes_to_the_pods_that_loaded_it() {
                           "messages": [{"role": "user", "content": format!("query {i}")}]});
         post(&stack, "/v1/chat/completions", strategy, &body)
     };
+    // The base model's PD requests reach vllm-p-1 first (narrowed to its roleset): its
+    // selection counters keep the two models apart, whichever came first.
+    for i in 0..2 {
+        let body = json!({"model": MODEL, "max_tokens": 2,
+                          "messages": [{"role": "user", "content": format!("base {i}")}]});
+        let r = pd_wasm_tests::http::post_json(
+            &stack.gateway,
+            "/v1/chat/completions",
+            &[
+                ("routing-strategy", "pd"),
+                ("external-filter", "roleset-name=group-1"),
+            ],
+            &body,
+        );
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(header(&r, "prefill-target-pod"), "vllm-p-1");
+    }
+    stack.clear_sim_requests();
     for i in 0..8 {
         let r = ask("sql-lora", "pd", i);
         assert_eq!(r.status, 200, "{}", r.text());
@@ -1042,6 +1060,14 @@ fn a_lora_adapter_routes_to_the_pods_that_loaded_it() {
         assert_eq!(header(&r, "target-pod"), "vllm-c-1");
         assert_eq!(header(&r, "routing-strategy"), "lora-affinity");
     }
+    let selected = |model: &str| {
+        stack.metric(
+            "pd_selected_prefill_pod_total",
+            &[("pod", "vllm-p-1"), ("model", model)],
+        )
+    };
+    assert_eq!(selected("sql-lora"), 8.0);
+    assert_eq!(selected(MODEL), 2.0);
     // Both legs reached the adapter's pods with the adapter's name.
     let legs = stack.sim_requests();
     assert_eq!(legs.len(), 8 * 4);

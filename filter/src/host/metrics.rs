@@ -48,6 +48,9 @@ impl TokenGauges {
 
 /// Where selections of pods past [`MAX_POD_SERIES`](crate::core::obs::series::MAX_POD_SERIES) are counted.
 const OTHER_POD: &str = "_other";
+/// Models (a base model and its LoRA adapters) one pod's selection counters are kept apart
+/// for; more share the `_other` series.
+const MODELS_PER_POD: usize = 32;
 
 /// Durations with AIBrix bucket counters, in `DURATION_KINDS` order.
 const DURATION_KINDS: [&str; 6] = [
@@ -81,10 +84,17 @@ pub struct Metrics {
     /// Pods whose ledger gauges wait to be defined, a time budget per tick
     /// ([`Metrics::define_waiting_gauges`]).
     gauge_backlog: Backlog,
-    /// `pd_selected_{prefill,decode}_pod_total` per pod key.
-    selected: SeriesBook<Option<u32>>,
+    /// `pd_selected_{prefill,decode}_pod_total` per pod key, one series per model the pod was
+    /// selected for (its base model and each LoRA adapter it serves; at most
+    /// [`MODELS_PER_POD`], past which its selections count under `pod="_other"`).
+    selected: SeriesBook<Vec<(String, Option<u32>)>>,
     /// The shared `pod="_other"` series past [`MAX_POD_SERIES`](crate::core::obs::series::MAX_POD_SERIES), per side, once defined.
     selected_other: [Option<Option<u32>>; 2],
+    /// `pd_router_pod_failures_total{namespace,pod}` per pod key: the requests passive ejection
+    /// blamed on the pod, which an operator looks for first ("which pod is failing").
+    pod_failures: SeriesBook<Option<u32>>,
+    /// Its shared `pod="_other"` series, once defined.
+    pod_failures_other: Option<Option<u32>>,
     /// `gateway_request_model_{success,fail}_total` per model.
     outcomes: HashMap<String, OutcomeIds>,
     /// `vtc_bucket_size_active{model}` per model, defined on its first `vtc-basic` pick.
@@ -449,7 +459,7 @@ impl Metrics {
         } else {
             "pd_selected_decode_pod_total"
         };
-        let defined = self.selected.series(&pod.key, || {
+        let define = || {
             let ns = pod.key.split_once('/').map(|(ns, _)| ns).unwrap_or("");
             let role = if side == 0 { "prefill" } else { "decode" };
             counter(
@@ -462,11 +472,40 @@ impl Metrics {
                     ("pod", &pod.name),
                 ],
             )
+        };
+        let defined = self.selected.series(&pod.key, Vec::new).and_then(|models| {
+            match models.iter().find(|(m, _)| m == model) {
+                Some((_, id)) => Some(*id),
+                None if models.len() < MODELS_PER_POD => {
+                    let id = define();
+                    models.push((model.to_string(), id));
+                    Some(id)
+                }
+                None => None,
+            }
+        });
+        let id = match defined {
+            Some(id) => id,
+            None => *self.selected_other[side]
+                .get_or_insert_with(|| counter(metric, &[("pod", OTHER_POD)])),
+        };
+        Metrics::inc(id);
+    }
+
+    /// Counts a request pod `key` (`namespace/name`) failed (`VmState::pod_outcome`).
+    pub fn pod_failed(&mut self, key: &str) {
+        let defined = self.pod_failures.series(key, || {
+            let (ns, name) = key.split_once('/').unwrap_or(("", key));
+            counter(
+                "pd_router_pod_failures_total",
+                &[("namespace", ns), ("pod", name)],
+            )
         });
         let id = match defined {
             Some(id) => *id,
-            None => *self.selected_other[side]
-                .get_or_insert_with(|| counter(metric, &[("pod", OTHER_POD)])),
+            None => *self.pod_failures_other.get_or_insert_with(|| {
+                counter("pd_router_pod_failures_total", &[("pod", OTHER_POD)])
+            }),
         };
         Metrics::inc(id);
     }
@@ -481,12 +520,16 @@ impl Metrics {
             }
         });
         self.selected.retire(&live, |_| {});
+        self.pod_failures.retire(&live, |_| {});
         self.gauge_backlog.retain(live);
     }
 
     /// Whether any pod in the fleet has series (so the caller can skip building the live set).
     pub fn has_pod_series(&self) -> bool {
-        self.token_gauges.has_live() || self.selected.has_live() || !self.gauge_backlog.is_empty()
+        self.token_gauges.has_live()
+            || self.selected.has_live()
+            || self.pod_failures.has_live()
+            || !self.gauge_backlog.is_empty()
     }
 
     /// Counts a request's outcome in `gateway_request_model_{success,fail}_total`.
@@ -570,9 +613,9 @@ impl Metrics {
             d.routing_us,
             d.prefill_us,
             d.kv_transfer_us,
-            d.decode_us.map(|us| us / 1000),
+            d.decode_any_us.map(|us| us / 1000),
             d.ttft_us.map(|us| us / 1000),
-            d.tpot_us,
+            d.tpot_any_us,
             d.total_us.map(|us| us / 1000),
         ];
         for (value, id) in values.iter().zip(&self.histograms) {

@@ -200,6 +200,7 @@ impl VmState {
             self.ejections.success(pod);
             return;
         }
+        self.metrics.pod_failed(pod);
         if let crate::core::ejection::Verdict::Ejected { for_ms } =
             self.ejections.failure(pod, now_ms)
         {

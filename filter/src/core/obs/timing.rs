@@ -40,6 +40,12 @@ pub struct Durations {
     pub tpot_us: Option<u64>,
     /// end − RequestTime, every request that got a response.
     pub total_us: Option<u64>,
+    /// The histograms' decode time and TPOT: as `decode_us` and `tpot_us`, and for a stream
+    /// without a synchronous prefill leg (SGLang's and TRT-LLM generation_first's concurrent
+    /// legs, one-pod strategies) from its first token too. AIBrix's bucket counters keep its
+    /// rule (a PrefillEnd first); without this an SGLang fleet had no TPOT at all.
+    pub decode_any_us: Option<u64>,
+    pub tpot_any_us: Option<u64>,
 }
 
 impl Instants {
@@ -61,9 +67,14 @@ impl Instants {
             (Some(p), Some(first)) if self.stream => Some(first.saturating_sub(p)),
             _ => None,
         };
-        let tpot_us = match (decode_us, self.completion_tokens, self.stream) {
+        let per_token = |decode: Option<u64>| match (decode, self.completion_tokens, self.stream) {
             (Some(d), Some(n), true) if n > 0 => Some(d / n),
             _ => None,
+        };
+        let tpot_us = per_token(decode_us);
+        let decode_any_us = match (self.first_token_us, self.end_us) {
+            (Some(first), Some(end)) if self.stream => Some(end.saturating_sub(first)),
+            _ => decode_us,
         };
         Durations {
             routing_us: since(self.request_us, self.routed_us),
@@ -75,6 +86,8 @@ impl Instants {
             ttft_us,
             tpot_us,
             total_us: since(self.request_us, self.end_us),
+            decode_any_us,
+            tpot_any_us: per_token(decode_any_us),
         }
     }
 }
@@ -163,6 +176,32 @@ mod tests {
         assert_eq!(d.decode_us, Some(100_000), "streams: end − first token");
         assert_eq!(d.tpot_us, Some(10_000));
         assert_eq!(d.total_us, Some(140_400));
+        assert_eq!((d.decode_any_us, d.tpot_any_us), (d.decode_us, d.tpot_us));
+    }
+
+    #[test]
+    fn a_stream_without_a_synchronous_prefill_has_decode_and_tpot_for_the_histograms_only() {
+        let mut concurrent = pd_stream();
+        concurrent.prefill_end_us = None;
+        let d = concurrent.durations();
+        assert_eq!((d.decode_us, d.tpot_us), (None, None), "AIBrix's buckets");
+        assert_eq!(d.decode_any_us, Some(100_000), "end − first token");
+        assert_eq!(d.tpot_any_us, Some(10_000));
+        concurrent.completion_tokens = None;
+        assert_eq!(
+            concurrent.durations().tpot_any_us,
+            None,
+            "no usage, no TPOT"
+        );
+        // A one-pod answer that is not a stream has no first-token split.
+        let single = Instants {
+            request_us: 0,
+            routed_us: Some(300),
+            first_token_us: Some(4_000),
+            end_us: Some(5_000),
+            ..Default::default()
+        };
+        assert_eq!(single.durations().decode_any_us, None);
     }
 
     #[test]

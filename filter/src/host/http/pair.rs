@@ -371,9 +371,10 @@ impl PdHttp {
         }
         let error = RouteError::prefill_answer(status, body, "http_error");
         log::warn!(
-            "request {}: {}",
+            "request {}: {} (prefill pod {})",
             self.request_id,
-            crate::core::errors::loggable(&error.to_string())
+            crate::core::errors::loggable(&error.to_string()),
+            self.served.prefill.as_deref().unwrap_or("-")
         );
         // Unless it is already answering, the decode pod will never get its KV: ask it to drop
         // the request (the stand-in, when the chosen one refused the connection and Envoy

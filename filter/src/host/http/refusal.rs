@@ -41,7 +41,11 @@ impl PdHttp {
                 | RouteError::HeldBodiesOverBudget { .. }
         ) {
             use crate::core::errors::loggable;
-            let what = loggable(&error.to_string());
+            let mut what = loggable(&error.to_string());
+            if let (RouteError::Prefill { .. }, Some(pod)) = (&error, &self.served.prefill) {
+                // Which pod failed is what the operator looks for first.
+                what.push_str(&format!(" (prefill pod {pod})"));
+            }
             match error.detail() {
                 Some(detail) => log::info!(
                     "request {} refused: {what}: {}",
