@@ -1297,9 +1297,11 @@ fn fallback_envoy_filter_carries_the_drop_in_wasm_config() {
 #[test]
 fn drop_ins_extract_every_filter_label() {
     use pd_router_filter::core::obs::labels::TAG_NAMES;
+    let mut bucket_settings = Vec::new();
     for rel in ["envoy/envoy.yaml.tmpl", "envoy/envoy-ecds.yaml.tmpl"] {
         let text = read(rel).replace('@', "x");
         let doc: Yaml = serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{rel}: {e}"));
+        bucket_settings.push(doc["stats_config"]["histogram_bucket_settings"].clone());
         let tags: BTreeMap<String, String> = doc["stats_config"]["stats_tags"]
             .as_sequence()
             .unwrap_or_else(|| panic!("{rel}: no stats_tags"))
@@ -1319,6 +1321,11 @@ fn drop_ins_extract_every_filter_label() {
             );
         }
     }
+    assert!(bucket_settings[0].is_sequence(), "histogram buckets set");
+    assert_eq!(
+        bucket_settings[0], bucket_settings[1],
+        "both drop-ins bucket the histograms alike"
+    );
 }
 
 /// pd-control accepts as the external router's fallback exactly the filter's single-pod

@@ -345,6 +345,20 @@ fn a_known_load_shows_up_with_contract_names_labels_and_values() {
         );
         assert_eq!(s.sum(&format!("{metric}_count"), &[]), n(count), "{metric}");
     }
+    // The drop-in's bucket settings: TPOT in ms steps, µs histograms past an hour.
+    let bounds = |metric: &str| -> Vec<f64> {
+        s.series(&format!("{metric}_bucket"), &[])
+            .filter_map(|b| b.labels.get("le")?.parse().ok())
+            .collect()
+    };
+    for (metric, bound) in [
+        ("pd_router_tpot_us", 15_000.0),
+        ("pd_router_prefill_time_us", 10_000_000.0),
+        ("pd_router_ttft_ms", 3_600_000.0),
+    ] {
+        let found = bounds(metric);
+        assert!(found.contains(&bound), "{metric}: buckets {found:?}");
+    }
     let ttft_sum = s.sum("pd_router_ttft_ms_sum", &[]);
     assert!(
         ttft_sum >= 0.9 * 80.0 * n(STREAM),
