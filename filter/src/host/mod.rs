@@ -137,6 +137,8 @@ pub struct VmState {
     /// Request bodies this VM's requests keep while they wait on a callout, bounded by the
     /// plugin's `max_held_body_bytes` (`core::held_body`).
     pub held_bodies: crate::core::held_body::BodyBudget,
+    /// Refusal log lines, paced per reason (`core::obs::log_pace`).
+    pub refusal_log: crate::core::obs::log_pace::LogPace,
 }
 
 impl VmState {

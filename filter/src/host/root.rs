@@ -168,6 +168,7 @@ impl Root {
                 stand_in_breaker: Default::default(),
                 eds_here: None,
                 pace: crate::core::pace::TickPace::new(100, 10_000),
+                refusal_log: Default::default(),
                 user_usage: Default::default(),
                 model_refunds: Default::default(),
                 vtc: Default::default(),

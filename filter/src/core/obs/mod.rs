@@ -6,6 +6,7 @@
 pub mod backlog;
 pub mod explain;
 pub mod labels;
+pub mod log_pace;
 pub mod outcome;
 pub mod series;
 pub mod timing;

@@ -40,19 +40,13 @@ impl PdHttp {
                 // Gateway load, not a fault: a flood of these is counted, not logged.
                 | RouteError::HeldBodiesOverBudget { .. }
         ) {
-            use crate::core::errors::loggable;
-            let mut what = loggable(&error.to_string());
-            if let (RouteError::Prefill { .. }, Some(pod)) = (&error, &self.served.prefill) {
-                // Which pod failed is what the operator looks for first.
-                what.push_str(&format!(" (prefill pod {pod})"));
-            }
-            match error.detail() {
-                Some(detail) => log::info!(
-                    "request {} refused: {what}: {}",
-                    self.request_id,
-                    loggable(detail)
-                ),
-                None => log::info!("request {} refused: {what}", self.request_id),
+            let admitted = self
+                .vm
+                .borrow_mut()
+                .refusal_log
+                .admit(error.reason(), crate::host::steady_ms());
+            if let Some(left_out) = admitted {
+                self.log_refusal(&error, left_out);
             }
         }
         let header = error.header();
@@ -70,6 +64,27 @@ impl PdHttp {
             let _ = hostcalls::reset_http_response();
         }
         Action::Pause
+    }
+
+    /// One refusal's log line, with the refusals of its reason the pace left out before it.
+    fn log_refusal(&self, error: &RouteError, left_out: u64) {
+        use crate::core::errors::loggable;
+        let mut what = loggable(&error.to_string());
+        if let (RouteError::Prefill { .. }, Some(pod)) = (error, &self.served.prefill) {
+            // Which pod failed is what the operator looks for first.
+            what.push_str(&format!(" (prefill pod {pod})"));
+        }
+        if let Some(detail) = error.detail() {
+            what.push_str(": ");
+            what.push_str(&loggable(detail));
+        }
+        if left_out > 0 {
+            what.push_str(&format!(
+                " (and {left_out} more {} refusals since the last such line, not logged)",
+                error.reason()
+            ));
+        }
+        log::info!("request {} refused: {what}", self.request_id);
     }
 
     /// Counts a PD selection that failed before any pod was scored (an unknown
