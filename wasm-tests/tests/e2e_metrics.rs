@@ -440,7 +440,11 @@ fn a_known_load_shows_up_with_contract_names_labels_and_values() {
     assert_eq!(field("flags"), Some("-"), "{line}");
     assert_eq!(field("details"), Some("via_upstream"), "{line}");
     assert!(field("upstream").is_some_and(|u| u.contains(':')), "{line}");
-    assert_eq!(field("client"), Some("127.0.0.1"), "the client's address: {line}");
+    assert_eq!(
+        field("client"),
+        Some("127.0.0.1"),
+        "the client's address: {line}"
+    );
 
     // The dashboard: valid JSON, and every metric its queries use exists in these scrapes.
     let control = Scrape::parse(
