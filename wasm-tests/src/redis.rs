@@ -12,12 +12,25 @@ pub struct RedisServer {
     pub port: u16,
 }
 
+/// The one rule for a test that needs `redis-server` when it cannot run: with
+/// `PD_TESTS_ALLOW_SKIP=1` the test returns, passing as skipped (the reason printed); otherwise
+/// it fails, saying so. `why` is the error that stopped the binary.
+pub fn missing_redis(why: &dyn std::fmt::Display) {
+    let allowed = std::env::var("PD_TESTS_ALLOW_SKIP").is_ok_and(|v| v == "1");
+    assert!(
+        allowed,
+        "cannot run redis-server ({why}): `make setup` installs it \
+         (PD_TESTS_ALLOW_SKIP=1 skips the tests that need it instead)"
+    );
+    eprintln!("SKIPPED: cannot run redis-server ({why}); PD_TESTS_ALLOW_SKIP=1 is set");
+}
+
 impl RedisServer {
-    /// Starts it and waits until it answers, or returns `None` with the reason printed when
-    /// the binary is missing (`make setup` installs it). The free port it is given may be
-    /// taken by another test's process between the probe and redis-server's bind (which then
-    /// exits): so the server that answers must report this child's process id, else another
-    /// port is tried.
+    /// Starts it and waits until it answers. When the binary cannot run, [`missing_redis`]
+    /// decides: the test fails, or (`PD_TESTS_ALLOW_SKIP=1`) this returns `None` and the test
+    /// returns as skipped. The free port it is given may be taken by another test's process
+    /// between the probe and redis-server's bind (which then exits): so the server that
+    /// answers must report this child's process id, else another port is tried.
     pub fn start(dir: &Path) -> Option<RedisServer> {
         for _ in 0..5 {
             let port = crate::stack::free_port();
@@ -32,7 +45,7 @@ impl RedisServer {
             let child = match child {
                 Ok(child) => child,
                 Err(e) => {
-                    eprintln!("SKIPPED: cannot run redis-server ({e}); `make setup` installs it");
+                    missing_redis(&e);
                     return None;
                 }
             };

@@ -1171,6 +1171,12 @@ impl Stack {
         admin_stat(&self.admin, name)
     }
 
+    /// A filter metric (`wasmcustom.<name>`), `None` when Envoy has no stat of that name: for
+    /// asserting a metric reads 0, which must fail when the metric is missing.
+    pub fn filter_stat(&self, name: &str) -> Option<u64> {
+        admin_filter_stat(&self.admin, name)
+    }
+
     /// One of Envoy's own stats (e.g. `cluster.pd_pods.upstream_rq_retry`), `None` when Envoy
     /// has no stat of that name.
     pub fn envoy_stat(&self, name: &str) -> Option<u64> {
@@ -1404,17 +1410,31 @@ pub fn eventually<T>(timeout: Duration, mut check: impl FnMut() -> Result<T, Str
     }
 }
 
-/// A filter metric (`wasmcustom.<name>`) from the Envoy admin at `admin`, 0 when absent.
+/// A filter metric (`wasmcustom.<name>`) from the Envoy admin at `admin`, 0 when absent (or
+/// the admin does not answer). To assert a metric reads 0, use [`admin_filter_stat`].
 pub fn admin_stat(admin: &str, name: &str) -> u64 {
     let Ok(r) = http::get(admin, &format!("/stats?filter=^wasmcustom\\.{name}$")) else {
         return 0;
     };
-    r.text()
+    stat_in(&r.text(), name).unwrap_or(0)
+}
+
+/// A filter metric (`wasmcustom.<name>`) from the Envoy admin at `admin`, `None` when Envoy
+/// has no stat of that name; panics when the admin does not answer.
+pub fn admin_filter_stat(admin: &str, name: &str) -> Option<u64> {
+    let r = http::get(admin, &format!("/stats?filter=^wasmcustom\\.{name}$"))
+        .unwrap_or_else(|e| panic!("Envoy admin {admin}: {e}"));
+    stat_in(&r.text(), name)
+}
+
+/// The value of `wasmcustom.<name>` in the text of Envoy's `/stats`.
+fn stat_in(stats: &str, name: &str) -> Option<u64> {
+    let full = format!("wasmcustom.{name}");
+    stats
         .lines()
         .filter_map(|l| l.split_once(": "))
-        .find(|(n, _)| *n == format!("wasmcustom.{name}"))
+        .find(|(n, _)| *n == full)
         .and_then(|(_, v)| v.trim().parse().ok())
-        .unwrap_or(0)
 }
 
 /// Gauges that must all read exactly 0 once no request is in flight: the token ledger, the
@@ -1456,6 +1476,11 @@ pub struct Gateway {
 impl Gateway {
     pub fn stat(&self, name: &str) -> u64 {
         admin_stat(&self.admin, name)
+    }
+
+    /// See [`Stack::filter_stat`].
+    pub fn filter_stat(&self, name: &str) -> Option<u64> {
+        admin_filter_stat(&self.admin, name)
     }
 
     /// See [`Stack::metric`].

@@ -2,9 +2,10 @@
 //! (`--concurrency 2`) with the built filter: pd-control down and back, pd-control answering
 //! garbage, the snapshot token, and the snapshot API kept off the data listener.
 //!
-//! Every test checks the invariants of the fault matrix: each request ends with a success or
-//! a specific error, no request reaches a pod outside the fleet, and the token ledger returns
-//! to exactly 0.
+//! The fault tests check the invariants of the fault matrix: each request ends with a success
+//! or a specific error, a request routed while pd-control is down or answering garbage still
+//! runs as a whole prefill/decode pair on the last good snapshot (its decode leg pulls the
+//! prefill's KV), and the token ledger returns to exactly 0.
 
 use std::collections::BTreeSet;
 use std::io::{Read, Write};
@@ -46,10 +47,54 @@ fn pd_request(gateway: &str) -> http::Response {
     )
 }
 
-/// A request the gateway must route: 200, or the test fails with what it got.
-fn routed(stack: &Stack) {
+/// A request the gateway must route: 200, or the test fails with what it got. Its request
+/// id, as the gateway answered it.
+fn routed(stack: &Stack) -> String {
     let r = pd_request(&stack.gateway);
     assert_eq!(r.status, 200, "{}: {}", r.status, r.text());
+    r.header("request-id")
+        .unwrap_or_else(|| panic!("no request-id: {:?}", r.headers))
+        .to_string()
+}
+
+/// pd-sim's log since the last clear holds exactly the requests `ids`, each run as one whole
+/// PD pair: one prefill leg on a prefill pod and one decode leg on a decode pod of the same
+/// roleset, both answered 200, the decode leg having pulled that prefill's KV (`kv_pull`
+/// `ok`: the params named a prefill pod of the fleet, which still held the blocks).
+fn assert_whole_pairs(stack: &Stack, ids: &[String]) {
+    let log = stack.sim_requests();
+    let legs = |leg: &str| log.iter().filter(|e| e["leg"] == leg).count();
+    assert_eq!(
+        (legs("prefill"), legs("decode"), log.len()),
+        (ids.len(), ids.len(), 2 * ids.len()),
+        "one prefill and one decode leg for each of {} requests, nothing else: {log:#?}",
+        ids.len()
+    );
+    for id in ids {
+        let leg = |leg: &str| {
+            let found: Vec<&serde_json::Value> = log
+                .iter()
+                .filter(|e| e["x_request_id"] == id.as_str() && e["leg"] == leg)
+                .collect();
+            assert_eq!(found.len(), 1, "one {leg} leg of {id}: {log:#?}");
+            found[0]
+        };
+        let (prefill, decode) = (leg("prefill"), leg("decode"));
+        assert_eq!(
+            (&prefill["role"], &decode["role"]),
+            (&json!("prefill"), &json!("decode")),
+            "{prefill} {decode}"
+        );
+        assert_eq!(prefill["roleset"], decode["roleset"], "{prefill} {decode}");
+        assert_eq!(
+            (&prefill["status"], &decode["status"]),
+            (&json!(200), &json!(200))
+        );
+        assert_eq!(
+            decode["kv_pull"], "ok",
+            "the decode leg got the prefill's KV: {decode}"
+        );
+    }
 }
 
 /// Pods that received any leg since the last clear, by name.
@@ -98,14 +143,12 @@ fn pd_control_down_routes_on_the_last_snapshot_marks_it_stale_and_recovers() {
     for _ in 0..6 {
         routed(&stack);
     }
-    assert_eq!(stack.stat("pd_router_snapshot_stale"), 0);
+    assert_eq!(stack.filter_stat("pd_router_snapshot_stale"), Some(0));
 
     // pd-control goes away; requests keep coming until every VM calls the snapshot stale.
     stack.kill("pd-control");
-    let mut served_while_down = 0;
     eventually(Duration::from_secs(20), || {
         routed(&stack);
-        served_while_down += 1;
         (stack.stat("pd_router_snapshot_stale") == 1)
             .then_some(())
             .ok_or_else(|| "the snapshot never went stale".to_string())
@@ -117,19 +160,11 @@ fn pd_control_down_routes_on_the_last_snapshot_marks_it_stale_and_recovers() {
     let version_before = stack.stat("pd_router_fleet_version");
     assert!(stack.stat("pd_router_snapshot_age_ms") > 1000);
     assert!(fetch_errors(&stack, "unreachable") > 0.0);
-    // Stale, and still routing on the last snapshot's pods.
-    for _ in 0..10 {
-        routed(&stack);
-    }
-    assert!(served_while_down >= 1);
+    // Stale, and still routing whole pairs on the last snapshot.
+    stack.clear_sim_requests();
+    let ids: Vec<String> = (0..10).map(|_| routed(&stack)).collect();
     assert_eq!(stack.stat("pd_router_fleet_version"), version_before);
-    let reached = pods_reached(&stack);
-    assert!(
-        reached
-            .iter()
-            .all(|p| fleet.pods.iter().any(|s| &s.name == p)),
-        "{reached:?}"
-    );
+    assert_whole_pairs(&stack, &ids);
 
     // The fleet changes while pd-control is down (pair g1 leaves); pd-control comes back on
     // its address. Its fresh process must still win over the version the gateway holds.
@@ -137,7 +172,7 @@ fn pd_control_down_routes_on_the_last_snapshot_marks_it_stale_and_recovers() {
     stack.write_fleet(smaller);
     stack.restart_control(&[]);
     eventually(Duration::from_secs(20), || {
-        let fresh = stack.stat("pd_router_snapshot_stale") == 0;
+        let fresh = stack.filter_stat("pd_router_snapshot_stale") == Some(0);
         let newer = stack.stat("pd_router_fleet_version") > version_before;
         (fresh && newer).then_some(()).ok_or_else(|| {
             format!(
@@ -331,8 +366,10 @@ fn pd_control_answering_garbage_keeps_the_last_good_snapshot_and_counts_each_fai
     assert!(version_held >= version_before && version_held < BOGUS_VERSION);
     // Requests go on while every kind of garbage is served, until each failure reason counted.
     let started = Instant::now();
+    stack.clear_sim_requests();
+    let mut ids = Vec::new();
     eventually(Duration::from_secs(30), || {
-        routed(&stack);
+        ids.push(routed(&stack));
         let missing: Vec<&str> = reasons
             .iter()
             .zip(&before)
@@ -355,13 +392,8 @@ fn pd_control_answering_garbage_keeps_the_last_good_snapshot_and_counts_each_fai
         stack.envoy_log()
     );
     stack.wait_for_log("does not decode");
-    let reached = pods_reached(&stack);
-    assert!(
-        reached
-            .iter()
-            .all(|p| fleet.pods.iter().any(|s| &s.name == p)),
-        "{reached:?}"
-    );
+    // Every request meanwhile ran as a whole pair on the last good snapshot.
+    assert_whole_pairs(&stack, &ids);
     let garbage_for = started.elapsed();
 
     // The real pd-control comes back with a changed fleet: its snapshot is adopted.
@@ -511,7 +543,7 @@ fn the_snapshot_token_gates_the_fetch_and_the_api_is_not_on_the_data_listener() 
             r.text()
         );
     }
-    assert_eq!(wrong.stat("pd_router_fleet_loaded_vms"), 0);
+    assert_eq!(wrong.filter_stat("pd_router_fleet_loaded_vms"), Some(0));
     assert_eq!(
         wrong.metric("pd_router_rejected_total", &[("reason", "no_snapshot")]),
         4.0
@@ -656,10 +688,10 @@ fn an_idle_gateway_holds_one_long_poll_and_slows_its_timers_until_work_arrives()
         )
     });
     eventually(Duration::from_secs(10), || {
-        let idle = stack.stat("pd_router_idle_vms");
-        (idle < vms)
+        let idle = stack.filter_stat("pd_router_idle_vms");
+        idle.is_some_and(|idle| idle < vms)
             .then_some(())
-            .ok_or(format!("{idle} of {vms} VMs still idle during a request"))
+            .ok_or(format!("{idle:?} of {vms} VMs still idle during a request"))
     });
     assert!(
         !stream.is_finished(),

@@ -8,11 +8,13 @@ use pd_wasm_tests::stack::{eventually, Fleet, Stack};
 use serde_json::{json, Value};
 
 const MODEL: &str = "wd-model";
-/// The filter's tick (envoy.yaml.tmpl `refresh_ms` in the harness): the watchdog's accuracy.
-const TICK: Duration = Duration::from_millis(50);
-/// Scheduling slack on a loaded 2-core CI box (other tests' Envoys run at the same time);
-/// the lower bound ("not before the timeout") is the exact one.
-const SLACK: Duration = Duration::from_millis(1500);
+/// The upper bound on when a watchdog's answer arrives. Not its accuracy (a tick, 50 ms, which
+/// is a benchmark's business, not a timed test's): only that the watchdog answered and not
+/// the next fallback, Envoy's `stream_idle_timeout` (130 s, envoy.yaml.tmpl) or the test
+/// client's 60 s read timeout, with room for any load on the machine. The lower bound ("not
+/// before the timeout") is the exact one; the message or the watchdog counter checked with
+/// each proves the watchdog ended the request.
+const BEFORE_ANY_FALLBACK: Duration = Duration::from_secs(10);
 
 fn fleet() -> Fleet {
     Fleet::new(MODEL)
@@ -107,8 +109,8 @@ fn decode_silent_before_its_first_token_gets_504_and_an_abort() {
         "not before the bound: {took:?}"
     );
     assert!(
-        took <= Duration::from_secs(1) + TICK + SLACK,
-        "within a tick of the bound: {took:?}"
+        took < BEFORE_ANY_FALLBACK,
+        "the watchdog answered, not a later fallback: {took:?}"
     );
     let rid = decode_rid(&stack, header(&r, "request-id"));
     let abort = wait_for_abort(&stack, &rid);
@@ -159,9 +161,12 @@ fn decode_stalling_mid_stream_is_cut_and_aborted() {
     );
     assert!(!r.text().contains("[DONE]"));
     assert!(
-        took >= Duration::from_secs(1)
-            && took <= Duration::from_secs(1) + TICK + SLACK + Duration::from_millis(300),
-        "cut one idle bound after the last chunk: {took:?}"
+        took >= Duration::from_secs(1),
+        "not cut before one idle bound: {took:?}"
+    );
+    assert!(
+        took < BEFORE_ANY_FALLBACK,
+        "cut by the watchdog, not a later fallback: {took:?}"
     );
     let rid = decode_rid(&stack, header(&r, "request-id"));
     wait_for_abort(&stack, &rid);
@@ -208,8 +213,8 @@ fn an_unstreamed_decode_not_finishing_in_time_gets_504_and_an_abort() {
         "not before the bound: {took:?}"
     );
     assert!(
-        took <= Duration::from_secs(1) + TICK + SLACK,
-        "within a tick of the bound: {took:?}"
+        took < BEFORE_ANY_FALLBACK,
+        "the watchdog answered, not a later fallback: {took:?}"
     );
     let rid = decode_rid(&stack, header(&r, "request-id"));
     let abort = wait_for_abort(&stack, &rid);

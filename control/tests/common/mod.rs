@@ -12,6 +12,8 @@ pub const POLL: Duration = Duration::from_millis(20);
 
 /// Polls `check` until it yields `Some`, failing the test with `what` after [`DEADLINE`]:
 /// waiting on a condition, never on a fixed delay.
+// Only some tests wait this way; the others compile it unused.
+#[allow(dead_code)]
 pub async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
 where
     F: FnMut() -> Fut,

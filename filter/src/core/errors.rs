@@ -701,12 +701,169 @@ mod tests {
                 "x-error-no-stream-options-include-usage",
                 "include usage for stream options not set",
             ),
+            (
+                RouteError::BodyTooLarge { limit: 8 << 20 },
+                413,
+                "x-error-request-body-processing",
+                "true",
+            ),
+            (
+                RouteError::NoMessages,
+                400,
+                "x-error-request-body-processing",
+                "true",
+            ),
+            (RouteError::NoSnapshot, 503, "x-error-routing", "true"),
+            (
+                RouteError::Prefill {
+                    status: 502,
+                    class: "error",
+                    detail: "reset".into(),
+                },
+                502,
+                "x-error-pd-prefill",
+                "true",
+            ),
+            (
+                RouteError::Internal("shared data".into()),
+                500,
+                "x-error-internal",
+                "true",
+            ),
         ];
+        // Every variant but `Unauthorized` (ordinal 0), which has no header (its own test
+        // below), once.
+        let covered: std::collections::BTreeSet<usize> =
+            cases.iter().map(|(e, ..)| ordinal(e)).collect();
+        assert_eq!(cases.len(), VARIANTS - 1);
+        assert_eq!(covered, (1..VARIANTS).collect());
         for (err, status, header, value) in cases {
             assert_eq!(err.status(), status, "{err:?}");
             assert_eq!(err.header(), Some((header, value.to_string())), "{err:?}");
             assert!(RouteError::REASONS.contains(&err.reason()));
         }
+    }
+
+    /// How many variants `RouteError` has: [`ordinal`] gives each its own index below it.
+    const VARIANTS: usize = 27;
+
+    /// A variant's index. The match is exhaustive: a variant added to `RouteError` fails to
+    /// compile here until it has an index (and [`VARIANTS`] grows, or the index overflows
+    /// `one_of_each_is_every_variant`'s table).
+    fn ordinal(e: &RouteError) -> usize {
+        match e {
+            RouteError::Unauthorized => 0,
+            RouteError::BadBody => 1,
+            RouteError::BodyTooLarge { .. } => 2,
+            RouteError::TooManyMembers { .. } => 3,
+            RouteError::NoMessages => 4,
+            RouteError::UnknownPath => 5,
+            RouteError::MissingField { .. } => 6,
+            RouteError::PathNotForEngine { .. } => 7,
+            RouteError::UnknownModel(_) => 8,
+            RouteError::NoRoutablePods(_) => 9,
+            RouteError::BadStrategy(_) => 10,
+            RouteError::Selection { .. } => 11,
+            RouteError::NoSnapshot => 12,
+            RouteError::TargetOutsideFleet(_) => 13,
+            RouteError::Prefill { .. } => 14,
+            RouteError::InvalidRequest(_) => 15,
+            RouteError::DecodeTimeout(_) => 16,
+            RouteError::Internal(_) => 17,
+            RouteError::UnknownUser(_) => 18,
+            RouteError::UserLimitsUnavailable { .. } => 19,
+            RouteError::RpmExceeded { .. } => 20,
+            RouteError::TpmExceeded { .. } => 21,
+            RouteError::ModelRpsExceeded { .. } => 22,
+            RouteError::StreamUsageRequired => 23,
+            RouteError::ExternalDenied => 24,
+            RouteError::ExternalUnavailable { .. } => 25,
+            RouteError::HeldBodiesOverBudget { .. } => 26,
+        }
+    }
+
+    /// One value of every variant.
+    fn one_of_each() -> Vec<RouteError> {
+        vec![
+            RouteError::Unauthorized,
+            RouteError::BadBody,
+            RouteError::BodyTooLarge { limit: 1 },
+            RouteError::TooManyMembers { limit: 1 },
+            RouteError::NoMessages,
+            RouteError::UnknownPath,
+            RouteError::MissingField {
+                message: "m",
+                param: "p",
+            },
+            RouteError::PathNotForEngine {
+                path: "/p",
+                engine: "e",
+            },
+            RouteError::UnknownModel("m".into()),
+            RouteError::NoRoutablePods("m".into()),
+            RouteError::BadStrategy("s".into()),
+            RouteError::Selection { detail: "d".into() },
+            RouteError::NoSnapshot,
+            RouteError::TargetOutsideFleet("a".into()),
+            RouteError::Prefill {
+                status: 500,
+                class: "http_error",
+                detail: "d".into(),
+            },
+            RouteError::InvalidRequest("i".into()),
+            RouteError::DecodeTimeout("t".into()),
+            RouteError::Internal("i".into()),
+            RouteError::UnknownUser("u".into()),
+            RouteError::UserLimitsUnavailable {
+                header: "x-error-user",
+                detail: "d".into(),
+            },
+            RouteError::RpmExceeded {
+                user: "u".into(),
+                limit: 1,
+            },
+            RouteError::TpmExceeded {
+                user: "u".into(),
+                limit: 1,
+            },
+            RouteError::ModelRpsExceeded {
+                model: "m".into(),
+                rps: 1.0,
+            },
+            RouteError::StreamUsageRequired,
+            RouteError::ExternalDenied,
+            RouteError::ExternalUnavailable { detail: "d".into() },
+            RouteError::HeldBodiesOverBudget { limit: 1 },
+        ]
+    }
+
+    #[test]
+    fn one_of_each_is_every_variant() {
+        let mut seen = [0usize; VARIANTS];
+        for e in one_of_each() {
+            seen[ordinal(&e)] += 1;
+        }
+        assert!(seen.iter().all(|n| *n == 1), "variants seen: {seen:?}");
+    }
+
+    /// The host defines one `pd_router_rejected_total` counter per entry of `REASONS` up
+    /// front: the list must be exactly the reasons the variants give, each once.
+    #[test]
+    fn reasons_are_every_variants_reason_once() {
+        use std::collections::BTreeSet;
+        let listed: BTreeSet<&str> = RouteError::REASONS.iter().copied().collect();
+        assert_eq!(
+            listed.len(),
+            RouteError::REASONS.len(),
+            "REASONS repeats one"
+        );
+        let given: BTreeSet<&str> = one_of_each().iter().map(RouteError::reason).collect();
+        assert_eq!(
+            given.len(),
+            VARIANTS,
+            "a reason of its own for each variant"
+        );
+        assert_eq!(listed, given);
     }
 
     #[test]
