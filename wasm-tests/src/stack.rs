@@ -778,6 +778,25 @@ impl Stack {
         gateway
     }
 
+    /// One more Envoy polling `control` with `plugin_extra` in its plugin configuration,
+    /// returned once its admin answers with the filter's stats defined, snapshot or not (a
+    /// gateway started while pd-control is unreachable). Stopped with the stack.
+    pub fn add_gateway_unloaded(
+        &mut self,
+        control: &str,
+        plugin_extra: &str,
+    ) -> (Gateway, PathBuf) {
+        let (gateway, log) = self.spawn_gateway(control.to_string(), &[], plugin_extra, |c| c);
+        eventually(Duration::from_secs(30), || {
+            http::get(&gateway.admin, "/stats?filter=pd_router_snapshot_age_ms")
+                .ok()
+                .filter(|r| r.status == 200 && r.text().contains("pd_router_snapshot_age_ms"))
+                .map(|_| ())
+                .ok_or_else(|| format!("the Envoy never came up; log in {}", log.display()))
+        });
+        (gateway, log)
+    }
+
     /// Like [`Stack::add_gateway`], its rendered drop-in passed through `edit` first (another
     /// node id, another retrying cluster).
     pub fn add_gateway_edited(&mut self, edit: impl FnOnce(String) -> String) -> Gateway {

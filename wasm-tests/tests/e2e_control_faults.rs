@@ -200,6 +200,62 @@ fn pd_control_down_routes_on_the_last_snapshot_marks_it_stale_and_recovers() {
     stack.wait_ledger_zero();
 }
 
+/// A gateway started while pd-control is unreachable has no snapshot and answers every
+/// request 503: past `snapshot_stale_after_ms` it reads stale on the gauges operators alert on
+/// (it read fresh, age 0) and says so once in its log; its first snapshot makes it fresh.
+#[test]
+fn a_gateway_started_without_pd_control_reads_stale_until_its_first_snapshot() {
+    let fleet = two_pairs();
+    let mut stack = Stack::start(fleet);
+    stack.kill("pd-control");
+    let control = stack.control.clone();
+    let (gateway, log) = stack.add_gateway_unloaded(&control, "\"snapshot_stale_after_ms\":1000");
+    eventually(Duration::from_secs(20), || {
+        (gateway.filter_stat("pd_router_snapshot_stale") == Some(1))
+            .then_some(())
+            .ok_or_else(|| {
+                format!(
+                    "not stale: {:?}, age {:?}",
+                    gateway.filter_stat("pd_router_snapshot_stale"),
+                    gateway.filter_stat("pd_router_snapshot_age_ms")
+                )
+            })
+    });
+    assert!(gateway.stat("pd_router_snapshot_age_ms") > 1000);
+    assert_eq!(
+        gateway.stat("pd_router_fleet_version"),
+        0,
+        "no snapshot yet"
+    );
+    let r = pd_request(&gateway.gateway);
+    assert_eq!(r.status, 503, "{}", r.text());
+    eventually(Duration::from_secs(10), || {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        text.contains("no fleet snapshot after")
+            .then_some(())
+            .ok_or_else(|| "the stale state was not logged".to_string())
+    });
+
+    stack.restart_control(&[]);
+    eventually(Duration::from_secs(20), || {
+        let fresh = gateway.filter_stat("pd_router_snapshot_stale") == Some(0);
+        let loaded = gateway.stat("pd_router_fleet_version") > 0;
+        (fresh && loaded).then_some(()).ok_or_else(|| {
+            format!(
+                "not fresh: stale {:?}, version {}",
+                gateway.filter_stat("pd_router_snapshot_stale"),
+                gateway.stat("pd_router_fleet_version")
+            )
+        })
+    });
+    eventually(Duration::from_secs(10), || {
+        let r = pd_request(&gateway.gateway);
+        (r.status == 200)
+            .then_some(())
+            .ok_or_else(|| format!("{}: {}", r.status, r.text()))
+    });
+}
+
 /// What the fake control service answers, in rotation, one answer per connection.
 #[derive(Debug, Clone, Copy)]
 enum Garbage {
