@@ -544,6 +544,10 @@ fn envoys_stream_timeout_during_the_prefill_is_the_prefills_failure_not_the_deco
                 )
             })
     });
+    // Which pod failed, per pod: each of the four requests against the prefill pod.
+    let failures = |pod: &str| stack.metric("pd_router_pod_failures_total", &[("pod", pod)]);
+    assert_eq!(failures("p-0"), 4.0);
+    assert_eq!(failures("d-0"), 0.0, "the decode pod failed nothing");
     stack.clear_faults();
     assert_clean_end(&stack, &fleet_pods(&fleet));
 }

@@ -991,3 +991,55 @@ fn bodies_held_past_the_vms_budget_are_refused_and_their_room_comes_back() {
     stack.wait_ledger_zero();
     assert!(!stack.envoy_log().contains("panicked"));
 }
+
+/// A flood of refusals of one reason costs no worker a log line per request: each reason
+/// logs a burst a second, and a later line says how many were left out. Every refusal still
+/// counts in `pd_router_rejected_total`.
+#[test]
+fn a_flood_of_refusals_is_counted_whole_and_logged_in_paced_lines() {
+    const CLIENTS: usize = 8;
+    const EACH: usize = 40;
+    let fleet = Fleet::new(MODEL)
+        .pod("p0", "prefill", "g0")
+        .pod("d0", "decode", "g0");
+    let stack = Stack::start(fleet);
+    let unknown = json!({"model": "no-such-model", "prompt": "x", "max_tokens": 1});
+    let refuse = |gateway: &str| {
+        let r = http::post_json(gateway, "/v1/completions", &[], &unknown);
+        assert_eq!(r.status, 400, "{}", r.text());
+    };
+    std::thread::scope(|s| {
+        for _ in 0..CLIENTS {
+            s.spawn(|| {
+                for _ in 0..EACH {
+                    refuse(&stack.gateway);
+                }
+            });
+        }
+    });
+    let sent = (CLIENTS * EACH) as f64;
+    let counted =
+        |stack: &Stack| stack.metric("pd_router_rejected_total", &[("reason", "unknown_model")]);
+    assert_eq!(counted(&stack), sent, "every refusal counted");
+    // Once a window has passed, a refusal's line says how many the flood left unlogged.
+    let mut more = 0.0;
+    eventually(Duration::from_secs(20), || {
+        refuse(&stack.gateway);
+        more += 1.0;
+        let log = stack.envoy_log();
+        log.lines()
+            .any(|l| l.contains("more unknown_model refusals since the last such line"))
+            .then_some(())
+            .ok_or_else(|| "no line counted the refusals left out".to_string())
+    });
+    let logged = stack
+        .envoy_log()
+        .lines()
+        .filter(|l| l.contains("refused: ") && l.contains("no-such-model"))
+        .count() as f64;
+    assert!(
+        logged < sent,
+        "{logged} refusal lines for {sent} refusals: not paced"
+    );
+    assert_eq!(counted(&stack), sent + more);
+}

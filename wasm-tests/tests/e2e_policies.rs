@@ -479,6 +479,14 @@ fn a_charge_held_past_its_ttl_is_force_released_once() {
         ledger_gauges(&stack)
     );
     stack.wait_for_log("force-releasing");
+    assert_eq!(
+        stack.metric(
+            "pd_router_charges_force_released_total",
+            &[("reason", "ttl")]
+        ),
+        1.0,
+        "one request's charges, counted once"
+    );
 }
 
 fn completion_at(gateway: &str, prompt: &str) -> http::Response {

@@ -60,6 +60,22 @@ fn a_trapped_vms_charges_are_released_and_the_worker_recovers() {
     // A live VM finds the silent journal and releases it: exactly 0, not "mostly drained".
     pd_wasm_tests::stack::wait_ledger_zero(&stack.admin, Duration::from_secs(40));
     stack.wait_for_log("released the charges of 1 requests");
+    // Counted for the alerts: one VM declared dead, one request's charges released for it.
+    assert_eq!(stack.filter_stat("pd_router_vms_reclaimed_total"), Some(1));
+    assert_eq!(
+        stack.metric(
+            "pd_router_charges_force_released_total",
+            &[("reason", "vm_reclaimed")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        stack.metric(
+            "pd_router_charges_force_released_total",
+            &[("reason", "ttl")]
+        ),
+        0.0
+    );
 
     // Both workers route again (the trapped one through a reloaded VM), each request on a
     // new connection so both workers are reached.

@@ -328,4 +328,23 @@ fn gateways_sharing_a_trt_machine_id_are_counted_by_pd_control() {
     assert_eq!(shared(&stack), 2.0, "A and B on machine id 0");
     let _c = stack.add_gateway(&[("AIBRIX_TRT_MACHINE_ID", "7")]);
     assert_eq!(shared(&stack), 2.0, "C's id is its own");
+
+    // The same polls name each gateway's filter build, which each VM logs as it starts: all
+    // three run this one.
+    let log = stack.envoy_log();
+    let build = log
+        .lines()
+        .find_map(|l| l.split("pd-router filter ").nth(1)?.split(' ').next())
+        .expect("a VM logged its build")
+        .to_string();
+    let scrape = pd_wasm_tests::prom::Scrape::parse(
+        &pd_wasm_tests::http::get(&stack.control, "/metrics")
+            .expect("pd-control")
+            .text(),
+    );
+    let builds: Vec<(String, f64)> = scrape
+        .series("pd_control_gateway_builds", &[])
+        .map(|s| (s.labels["build"].clone(), s.value))
+        .collect();
+    assert_eq!(builds, [(build, 3.0)], "every gateway on the one build");
 }
