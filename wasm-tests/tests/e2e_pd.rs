@@ -1008,6 +1008,41 @@ fn with_an_api_key_set_only_requests_carrying_it_reach_a_pod() {
     );
 }
 
+/// The decode pod sees the strategy that routed it: the client's own header when it says
+/// exactly that once, the gateway's when it said another (a locked strategy), said it twice,
+/// or said nothing.
+#[test]
+fn the_decode_leg_carries_the_strategy_that_routed_it() {
+    let locked =
+        r#"{"lockedRoutingStrategy":"pd","profiles":{"default":{"routingStrategy":"pd"}}}"#;
+    let fleet = Fleet::new(MODEL)
+        .pod("p0", "prefill", "g0")
+        .config(locked)
+        .pod("d0", "decode", "g0")
+        .config(locked);
+    let stack = Stack::start(fleet);
+    let cases: [&[(&str, &str)]; 4] = [
+        &[("routing-strategy", "pd")],
+        &[("routing-strategy", "random")],
+        &[("routing-strategy", "pd"), ("routing-strategy", "pd")],
+        &[],
+    ];
+    for sent in cases {
+        let r = pd_wasm_tests::http::post_json(
+            &stack.gateway,
+            "/v1/chat/completions",
+            sent,
+            &chat_body(false, 2),
+        );
+        let (_, decode) = legs(&stack, header(&r, "request-id"));
+        assert_eq!(decode.len(), 1, "{sent:?}: {decode:?}");
+        assert_eq!(
+            decode[0]["headers"]["routing-strategy"], "pd",
+            "{sent:?}: {decode:?}"
+        );
+    }
+}
+
 /// LoRA adapters (AIBrix `ModelAdapter`s in the fleet file): a request naming an adapter is
 /// routed among the pods that loaded it only, PD pairs and standard pods alike, and the pods
 /// answer under the adapter's name; the base model keeps every pod; an adapter no pod loaded

@@ -50,6 +50,8 @@ pub struct Inbound {
     pub path: Option<String>,
     pub traceparent: Option<String>,
     pub strategy: Option<String>,
+    /// `routing-strategy` came more than once (the first one is [`Inbound::strategy`]).
+    pub strategy_repeated: bool,
     pub profile: Option<String>,
     /// `x-aibrix-session-key`, when present (the caller checks its length).
     pub session_key: Option<String>,
@@ -97,7 +99,10 @@ impl Inbound {
             match name {
                 ":path" => first(&mut inbound.path, value),
                 "traceparent" => first(&mut inbound.traceparent, value),
-                "routing-strategy" => first(&mut inbound.strategy, value),
+                "routing-strategy" => {
+                    inbound.strategy_repeated |= inbound.strategy.is_some();
+                    first(&mut inbound.strategy, value)
+                }
                 "config-profile" => first(&mut inbound.profile, value),
                 "x-aibrix-session-key" => first(&mut inbound.session_key, value),
                 "user" => first(&mut inbound.user, value),
@@ -178,6 +183,8 @@ mod tests {
         assert_eq!(h.user.as_deref(), Some("alice"));
         assert_eq!(h.path.as_deref(), Some("/v1/chat/completions"));
         assert_eq!(h.strategy.as_deref(), Some("pd"), "the first value counts");
+        assert!(h.strategy_repeated);
+        assert!(!read(&[("routing-strategy", b"pd")]).strategy_repeated);
         assert_eq!(h.profile.as_deref(), Some("fast"));
         assert_eq!(h.session_key.as_deref(), Some("k"));
         assert_eq!(h.traceparent.as_deref(), Some("00-abc-def-01"));

@@ -142,7 +142,14 @@ impl Watchdog {
         self.headers_sent = true;
     }
 
-    /// A response body chunk (non-empty) arrived; `end` when it was the last.
+    /// Whether a chunk's arrival time matters: only a stream's idle bound reads it, so the
+    /// host reads no clock for the chunks of any other answer.
+    pub fn times_chunks(&self) -> bool {
+        self.stream && self.idle_ms > 0
+    }
+
+    /// A response body chunk (non-empty) arrived; `end` when it was the last. `now_ms` may
+    /// be anything when [`Watchdog::times_chunks`] says no.
     pub fn on_chunk(&mut self, now_ms: u64, end: bool) {
         self.last_chunk = Some(now_ms);
         self.finished |= end;
@@ -331,6 +338,28 @@ mod tests {
             assert_eq!(got, want, "{name}");
             if got.is_some() {
                 assert_eq!(w.poll(at + 10_000), None, "{name}: fires once");
+            }
+        }
+    }
+
+    #[test]
+    fn a_chunks_time_matters_only_where_the_watchdog_says_it_times_chunks() {
+        for (s, stream) in [
+            (settings(1.0, 2.0, 3.0), false),
+            (settings(1.0, 2.0, 0.0), true),
+            (settings(1.0, 2.0, 3.0), true),
+        ] {
+            let mut w = Watchdog::new(&s, stream).expect("on");
+            w.arm(100);
+            let after = |t: u64| {
+                let mut w = w.clone();
+                w.on_chunk(t, false);
+                (w.deadline(), w.poll(1_000_000).map(|f| f.phase))
+            };
+            if !w.times_chunks() {
+                assert_eq!(after(0), after(50_000), "{s:?} stream {stream}");
+            } else {
+                assert_ne!(after(0), after(50_000), "{s:?} stream {stream}");
             }
         }
     }

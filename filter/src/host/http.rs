@@ -125,6 +125,8 @@ pub struct PdHttp {
     /// The prefix-event batch this request's event joined, until it is sent.
     prefix_batch: Option<u64>,
     strategy_header: Option<String>,
+    /// The client sent `routing-strategy` more than once.
+    strategy_repeated: bool,
     profile_header: Option<String>,
     /// The profile `config-profile: auto` picked, echoed as `x-aibrix-config-profile`.
     auto_profile: Option<String>,
@@ -220,6 +222,7 @@ impl PdHttp {
             unforwardable: None,
             prefix_batch: None,
             strategy_header: None,
+            strategy_repeated: false,
             profile_header: None,
             auto_profile: None,
             session_key: None,
@@ -420,6 +423,7 @@ impl HttpContext for PdHttp {
         self.unforwardable = h.unforwardable;
         self.user = h.user;
         self.strategy_header = h.strategy;
+        self.strategy_repeated = h.strategy_repeated;
         self.profile_header = h.profile;
         self.session_key = h
             .session_key
@@ -475,7 +479,7 @@ impl HttpContext for PdHttp {
         crate::section_scope!("response_headers");
         let mut clock = Clock::default();
         self.send_prefix_batch(&mut clock);
-        self.check_stand_in(clock.ms());
+        self.check_stand_in(&mut clock);
         self.obs.response_status = crate::section!(
             "response_headers.status",
             self.get_http_response_header_bytes(":status")

@@ -138,6 +138,11 @@ pub struct PrefixLog {
     sizes: Vec<usize>,
     stored: usize,
     oldest: u64,
+    /// The heads as this VM last read them, with their CAS: the next publish writes over them
+    /// without reading them again while no other VM has written them since (a selection's
+    /// catch-up reads them moments before its request's batch is published; a read that
+    /// returns bytes costs a VM ≈ 9 500 instructions).
+    heads_seen: Option<(Vec<u8>, u32)>,
 }
 
 impl PrefixLog {
@@ -152,6 +157,7 @@ impl PrefixLog {
             sizes: vec![0; RING as usize],
             stored: 0,
             oldest: 1,
+            heads_seen: None,
         }
     }
 
@@ -187,8 +193,14 @@ impl PrefixLog {
             at_ms: now_ms,
         };
         let forget_before = now_ms.saturating_sub(FORGET_AFTER_MS);
+        // The heads last read go first: a CAS that still matches means they are the current
+        // ones. On a mismatch they cost one refused write, and the loop reads them.
+        let mut seen = self.heads_seen.take();
         for _ in 0..MAX_CAS_ATTEMPTS {
-            let (current, cas) = store.get(HEADS_KEY)?;
+            let (current, cas) = match seen.take() {
+                Some((bytes, cas)) => (Some(bytes), Some(cas)),
+                None => store.get(HEADS_KEY)?,
+            };
             let Some(current) = current else {
                 // Envoy checks no CAS on a key it does not have: create the key empty and
                 // go round, so the record itself is always written under a CAS.
@@ -238,7 +250,7 @@ impl PrefixLog {
     ) -> Result<CatchUp, StoreError> {
         self.following = true;
         let mut done = CatchUp::default();
-        let Some(bytes) = store.get(HEADS_KEY)?.0 else {
+        let (Some(bytes), cas) = store.get(HEADS_KEY)? else {
             return Ok(done);
         };
         let mut seen = 0usize;
@@ -287,6 +299,7 @@ impl PrefixLog {
             self.read
                 .retain(|(w, _)| heads(&bytes).any(|h| h.writer == *w));
         }
+        self.heads_seen = cas.map(|cas| (bytes, cas));
         Ok(done)
     }
 }
@@ -372,6 +385,75 @@ mod tests {
         assert_eq!(read_all(&mut r, &store).0, Vec::<String>::new());
         put(&mut b, &store, &["b2"], 13);
         assert_eq!(read_all(&mut r, &store).0, ["b2"]);
+    }
+
+    /// A store that counts reads of the heads.
+    #[derive(Default)]
+    struct CountingStore {
+        inner: MemoryStore,
+        heads_reads: std::cell::Cell<usize>,
+    }
+
+    impl Store for CountingStore {
+        fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), StoreError> {
+            if key == HEADS_KEY {
+                self.heads_reads.set(self.heads_reads.get() + 1);
+            }
+            self.inner.get(key)
+        }
+
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<bool, StoreError> {
+            self.inner.set(key, value, cas)
+        }
+    }
+
+    #[test]
+    fn a_publish_after_a_catch_up_writes_the_heads_it_read_unless_another_wrote_them_since() {
+        let store = CountingStore::default();
+        let (mut a, mut b, mut r) = (PrefixLog::new(1), PrefixLog::new(2), PrefixLog::new(3));
+        let publish = |log: &mut PrefixLog, prompt: &str| {
+            log.publish(&store, batch_of(&[prompt]), 10, usize::MAX)
+                .expect("publish")
+        };
+        let catch_up = |log: &mut PrefixLog| {
+            let mut seen = Vec::new();
+            log.catch_up(&store, |e| seen.push(e.stream.to_vec()))
+                .expect("catch up");
+            seen
+        };
+        publish(&mut b, "b1");
+        assert_eq!(catch_up(&mut a), [b"b1".to_vec()]);
+        let reads = store.heads_reads.get();
+        publish(&mut a, "a1");
+        assert_eq!(
+            store.heads_reads.get(),
+            reads,
+            "the heads just read were written"
+        );
+        // b publishes between a's read and a's publish: a's write is refused, read, redone.
+        assert_eq!(catch_up(&mut a), Vec::<Vec<u8>>::new());
+        publish(&mut b, "b2");
+        let reads = store.heads_reads.get();
+        publish(&mut a, "a2");
+        assert_eq!(store.heads_reads.get(), reads + 1);
+        // Every batch reached a reader, and both writers' heads survived.
+        let mut seen = catch_up(&mut r);
+        seen.sort();
+        assert_eq!(
+            seen,
+            [
+                b"a1".to_vec(),
+                b"a2".to_vec(),
+                b"b1".to_vec(),
+                b"b2".to_vec()
+            ]
+        );
+        assert_eq!(catch_up(&mut a), [b"b2".to_vec()]);
+        publish(&mut a, "a3");
+        assert_eq!(
+            catch_up(&mut b),
+            [b"a1".to_vec(), b"a2".to_vec(), b"a3".to_vec()]
+        );
     }
 
     #[test]

@@ -468,7 +468,12 @@ impl PdHttp {
         }
         self.legs.body_started |= size > 0;
         if let Some(w) = self.vm.borrow_mut().watched.get_mut(&self.id) {
-            w.watchdog.on_chunk(crate::host::steady_ms(), end);
+            let now = if w.watchdog.times_chunks() {
+                crate::host::steady_ms()
+            } else {
+                0
+            };
+            w.watchdog.on_chunk(now, end);
         }
     }
 

@@ -154,10 +154,12 @@ impl PdHttp {
     /// Once the response starts: when Envoy retried on the stand-in, the chosen pod failed the
     /// request and the request's charges and names move to the stand-in (whose own outcome,
     /// an answer or Envoy's 503 when it refused too, counts as any target's).
-    pub(super) fn check_stand_in(&mut self, now_ms: u64) {
+    pub(super) fn check_stand_in(&mut self, clock: &mut crate::host::Clock) {
         let Some(named) = self.named.take() else {
             return;
         };
+        // Read only once a stand-in was named (most requests have none).
+        let now_ms = clock.ms();
         let served = hostcalls::get_property(vec!["upstream", "address"])
             .ok()
             .flatten()
