@@ -1,6 +1,6 @@
 //! Compiles the snapshot schema owned by the filter crate, so both ends share one `.proto`,
-//! and names the build (`PD_ROUTER_BUILD`) by its sources, so gateways running different
-//! filters can be told apart without a git checkout at build time.
+//! and names the build (`PD_ROUTER_BUILD`) by what it is made of, so gateways running
+//! different filters can be told apart without a git checkout at build time.
 use std::path::{Path, PathBuf};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -9,22 +9,46 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     std::env::set_var("PROTOC", protoc_bin_vendored::protoc_bin_path()?);
     prost_build::compile_protos(&[proto], &["proto"])?;
 
-    for watched in ["src", "proto", "Cargo.toml"] {
+    // What makes the module: its sources, this script, the crate's and the workspace's
+    // manifests (dependency versions, the release profile), the lock file (a dependency-only
+    // update is a new build too), and the features and profile it is built with.
+    let workspace = ["../Cargo.toml", "../Cargo.lock"];
+    for watched in ["src", "proto", "Cargo.toml", "build.rs"]
+        .into_iter()
+        .chain(workspace)
+    {
         println!("cargo:rerun-if-changed={watched}");
     }
     let mut files = Vec::new();
     for root in ["src", "proto"] {
         collect(Path::new(root), &mut files)?;
     }
-    files.push(PathBuf::from("Cargo.toml"));
+    files.extend(["Cargo.toml", "build.rs"].map(PathBuf::from));
+    files.extend(
+        workspace
+            .map(PathBuf::from)
+            .into_iter()
+            .filter(|f| f.exists()),
+    );
     files.sort();
-    // FNV-1a 64 over every source file's path and bytes, in path order.
+    let mut settings: Vec<String> = std::env::vars()
+        .filter(|(k, _)| k.starts_with("CARGO_FEATURE_") || k == "PROFILE")
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    settings.sort();
+    // FNV-1a 64 over every input file's path and bytes, in path order, then the settings.
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for file in &files {
-        let name = file.to_string_lossy().replace('\\', "/");
-        for byte in name.bytes().chain([0]).chain(std::fs::read(file)?) {
+    let mut feed = |bytes: &[u8]| {
+        for &byte in bytes.iter().chain(&[0]) {
             hash = (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
         }
+    };
+    for file in &files {
+        feed(file.to_string_lossy().replace('\\', "/").as_bytes());
+        feed(&std::fs::read(file)?);
+    }
+    for setting in &settings {
+        feed(setting.as_bytes());
     }
     println!(
         "cargo:rustc-env=PD_ROUTER_BUILD={}+{:012x}",

@@ -19,9 +19,9 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-/// A gateway process that has not polled for this long is gone (its polls come every few
-/// seconds, `snapshot_wait_ms` at most apart, while it lives).
-pub const LIVE_FOR: Duration = Duration::from_secs(30);
+/// A gateway process that has not polled for this long is gone: a poll is held at most
+/// `server::MAX_POLL_WAIT` (30 s), and the next one follows within a tick.
+pub const LIVE_FOR: Duration = Duration::from_secs(40);
 
 /// Gateway processes followed at once; a process past the bound is not followed until others
 /// leave (the header is the caller's text: fresh ids must not grow the book without bound).

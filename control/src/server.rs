@@ -514,6 +514,16 @@ fn fleet_pods(published: &Published) -> BTreeSet<(&str, &str)> {
         .collect()
 }
 
+/// A pod's role as the metrics label it: the roles PD routing knows, `none`, or `other`
+/// (a role label's value is the operator's text; the series stay few and predictable).
+fn role_label(role: &str) -> &str {
+    match role {
+        "prefill" | "decode" => role,
+        "" => "none",
+        _ => "other",
+    }
+}
+
 /// The engine load each pod was routed on, as the snapshot carries it: a slow or full pod,
 /// or one whose metrics stopped, is found from Prometheus without the snapshot API (which
 /// the NetworkPolicy keeps to the gateways). Once per pod (see [`fleet_pods`]); values only
@@ -572,7 +582,7 @@ fn engine_view(out: &mut String, published: &Published, now_ms: i64) {
                         "{{namespace=\"{}\",pod=\"{}\",role=\"{}\"}}",
                         label(namespace),
                         label(pod_name),
-                        label(&pod.role)
+                        role_label(&pod.role)
                     ),
                     read(metrics, now_ms).to_string(),
                 ))
@@ -624,11 +634,7 @@ pub fn render_metrics(
     let mut pods: BTreeMap<(&str, &str), [u64; 4]> = BTreeMap::new();
     for model in &published.snapshot.models {
         for pod in &model.pods {
-            let role = match pod.role.as_str() {
-                "prefill" | "decode" => pod.role.as_str(),
-                "" => "none",
-                _ => "other",
-            };
+            let role = role_label(&pod.role);
             let state = match (pod.ready, pod.unreachable, pod.stalled) {
                 (false, _, _) => 1,
                 (true, true, _) => 2,

@@ -479,14 +479,16 @@ fn a_charge_held_past_its_ttl_is_force_released_once() {
         ledger_gauges(&stack)
     );
     stack.wait_for_log("force-releasing");
-    assert_eq!(
-        stack.metric(
+    // Counted once its release landed, after the line was logged.
+    eventually(Duration::from_secs(10), || {
+        let counted = stack.metric(
             "pd_router_charges_force_released_total",
-            &[("reason", "ttl")]
-        ),
-        1.0,
-        "one request's charges, counted once"
-    );
+            &[("reason", "ttl")],
+        );
+        (counted == 1.0)
+            .then_some(())
+            .ok_or_else(|| format!("{counted} force-releases counted, not 1"))
+    });
 }
 
 fn completion_at(gateway: &str, prompt: &str) -> http::Response {

@@ -1,6 +1,7 @@
-//! Which filter a gateway runs. The name comes from the filter's sources at build time
-//! (`build.rs`: the crate version and a hash of `src/`, `proto/` and `Cargo.toml`), so two
-//! builds of one checkout agree and no git is needed to build. Each VM logs it when it
+//! Which filter a gateway runs. The name comes from what the module is made of, at build
+//! time (`build.rs`: the crate version and a hash of `src/`, `proto/`, the build script, the
+//! crate's and the workspace's manifests, `Cargo.lock`, and the features and profile), so two
+//! builds of one tree agree, a dependency update is a new build, and no git is needed. Each VM logs it when it
 //! starts, and every snapshot poll carries it: pd-control counts the gateways on each build
 //! (`pd_control_gateway_builds`), where a filter update that reached only some gateways shows.
 

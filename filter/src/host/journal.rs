@@ -130,13 +130,14 @@ impl JournalWriter {
         if !SharedData.set(REGISTRY_KEY, render(&alive).as_bytes(), cas)? {
             return Ok(()); // another VM won this round; it reclaims
         }
-        Metrics::add(vm.borrow().metrics.vms_reclaimed, dead.len() as u64);
+        let reclaimed_vm = vm.borrow().metrics.vms_reclaimed;
         for (token, journal, silent) in dead {
             crate::host::prefix_sharing::forget(token);
             let Some(journal) = journal else {
                 // Nothing to release; a VM alive after all re-registers on the marker.
                 let _ = SharedData.set(&key_of(token), &[], None);
                 let _ = SharedData.set(&reclaimed_key(token), &0u64.to_le_bytes(), None);
+                Metrics::inc(reclaimed_vm);
                 continue;
             };
             let reclaimed = ledger::update(&SharedData, |l| {
@@ -153,6 +154,9 @@ impl JournalWriter {
                         );
                     }
                     let mut state = vm.borrow_mut();
+                    // Counted once the release landed: a failed one is registered again and
+                    // retried, and must not count twice.
+                    Metrics::inc(reclaimed_vm);
                     Metrics::add(state.metrics.force_released[1], n as u64);
                     // The dead VM's pods may be new to this one: the next sync shows them at 0.
                     state

@@ -56,6 +56,8 @@ pub struct Root {
     /// started: a gateway started while pd-control is unreachable answers every request 503,
     /// and must not read fresh (age 0) on the gauges operators alert on.
     unsnapshotted: Freshness,
+    /// The stale gauge was written from this root's snapshot at least once.
+    stale_gauge_written: bool,
     /// When this root context was created, on the VM's monotonic clock.
     created_steady_ms: u64,
     /// The last confirmation's age on this VM's monotonic clock.
@@ -186,6 +188,7 @@ impl Root {
             adopted_at: 0,
             freshness: Freshness::default(),
             unsnapshotted: Freshness::default(),
+            stale_gauge_written: false,
             created_steady_ms: crate::host::steady_ms(),
             confirmation_age: ConfirmationAge::default(),
             fetch_failures: 0,
@@ -669,8 +672,10 @@ impl Root {
             self.check_unsnapshotted();
             return;
         };
-        if self.unsnapshotted.is_stale() {
-            // The first snapshot arrived: from here the gauges follow its confirmation.
+        if !self.stale_gauge_written {
+            // This root's first snapshot: the gauge says its state from here, whatever a VM
+            // without one (this root, or one a reload replaced) left in it.
+            self.stale_gauge_written = true;
             self.unsnapshotted = Freshness::default();
             let gauge = self.vm.borrow().metrics.snapshot_stale;
             Metrics::set(gauge, u64::from(self.freshness.is_stale()));
