@@ -1,8 +1,10 @@
 //! Everything the filter reads back from shared data another VM (or a crashed one) wrote:
 //! the ledger, hold journals, other replicas' shares and the prefix-event rings. Corrupt bytes
-//! are refused, never trusted into a panic.
+//! are refused, never trusted into a panic. The same bytes also go through the reader of the
+//! host's serialized request headers (`core::header_map`), held to the same rule.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
+use pd_router_filter::core::header_map;
 use pd_router_filter::core::journal;
 use pd_router_filter::core::ledger::{Ledger, MemoryStore, PodId, Store};
 use pd_router_filter::core::prefix::log::{self, PrefixLog};
@@ -24,6 +26,10 @@ fuzz_target!(|data: &[u8]| {
         assert!(ledger.all_zero(), "releases never charge");
     }
     let _ = RemoteLoad::decode(data);
+    if let Ok(pairs) = header_map::pairs(data) {
+        let bytes: usize = pairs.map(|(name, value)| name.len() + value.len()).sum();
+        assert!(bytes <= data.len(), "header pairs read past the buffer");
+    }
 
     // The bytes as the heads, and after its number as the newest batch of each writer named.
     let store = MemoryStore::default();

@@ -1,9 +1,10 @@
 //! What one request holds on the ledger, and its release in stages: the prefill leg's part
 //! when that leg answers, everything else when the request ends (or all of it on failure).
 //!
-//! Every operation works on a copy and returns the new state, so the host can run it inside a
-//! CAS retry loop and keep the result only once the write landed: a lost race then never
-//! leaves a charge marked released without its subtraction.
+//! Every operation leaves its input alone and returns the new state (copying only what stays
+//! held), so the host can run it inside a CAS retry loop and keep the result only once the
+//! write landed: a lost race then never leaves a charge marked released without its
+//! subtraction.
 
 use crate::core::ledger::{Counter, Ledger};
 use crate::core::tokens::{Charge, DecodeCharge};
@@ -25,8 +26,11 @@ impl HeldCharges {
 
     /// The prefill leg answered: its in-flight count and the active-token part go.
     pub fn release_prefill_leg(&self, ledger: &mut Ledger, now_ms: u64) -> HeldCharges {
-        let mut next = self.clone();
-        next.release_counter(ledger, Counter::PrefillInflight, now_ms);
+        let mut next = HeldCharges {
+            counters: self.release_counters(ledger, &[Counter::PrefillInflight], now_ms),
+            prefill_tokens: self.prefill_tokens.clone(),
+            decode_tokens: self.decode_tokens.clone(),
+        };
         if let Some(c) = next.prefill_tokens.as_mut() {
             ledger.release_tokens(c, now_ms);
         }
@@ -35,9 +39,12 @@ impl HeldCharges {
 
     /// The request ended (or failed): whatever is still held goes.
     pub fn release_rest(&self, ledger: &mut Ledger, now_ms: u64) -> HeldCharges {
-        let mut next = self.clone();
-        next.release_counter(ledger, Counter::PrefillInflight, now_ms);
-        next.release_counter(ledger, Counter::Running, now_ms);
+        let released = [Counter::PrefillInflight, Counter::Running];
+        let mut next = HeldCharges {
+            counters: self.release_counters(ledger, &released, now_ms),
+            prefill_tokens: self.prefill_tokens.clone(),
+            decode_tokens: self.decode_tokens.clone(),
+        };
         if let Some(c) = next.prefill_tokens.as_mut() {
             ledger.release_all(c, now_ms);
         }
@@ -79,15 +86,24 @@ impl HeldCharges {
         next
     }
 
-    fn release_counter(&mut self, ledger: &mut Ledger, counter: Counter, now_ms: u64) {
-        self.counters.retain(|(key, c)| {
-            if *c == counter {
+    /// Releases every held counter of the kinds `released` on `ledger` (kind by kind, each in
+    /// the held order) and returns the others, the only ones copied.
+    fn release_counters(
+        &self,
+        ledger: &mut Ledger,
+        released: &[Counter],
+        now_ms: u64,
+    ) -> Vec<(String, Counter)> {
+        for &counter in released {
+            for (key, _) in self.counters.iter().filter(|(_, c)| *c == counter) {
                 ledger.release(key, counter, now_ms);
-                false
-            } else {
-                true
             }
-        });
+        }
+        self.counters
+            .iter()
+            .filter(|(_, c)| !released.contains(c))
+            .cloned()
+            .collect()
     }
 }
 
@@ -148,6 +164,35 @@ mod tests {
         );
         let done = moved.release_rest(&mut ledger, 9);
         assert!(done.is_empty() && ledger.all_zero());
+    }
+
+    #[test]
+    fn a_stage_keeps_the_other_counters_in_order_and_leaves_its_input_alone() {
+        let mut ledger = Ledger::default();
+        let mut held = charged(&mut ledger);
+        ledger.add("ns/d2", Counter::Running, 0);
+        ledger.add("ns/p2", Counter::PrefillInflight, 0);
+        held.counters.insert(0, ("ns/d2".into(), Counter::Running));
+        held.counters
+            .push(("ns/p2".into(), Counter::PrefillInflight));
+        let before = held.clone();
+        let next = held.release_prefill_leg(&mut ledger, 5);
+        assert_eq!(held, before);
+        assert_eq!(
+            next.counters,
+            vec![
+                ("ns/d2".to_string(), Counter::Running),
+                ("ns/d".to_string(), Counter::Running)
+            ]
+        );
+        assert_eq!(next.decode_tokens, held.decode_tokens);
+        let c = next.prefill_tokens.as_ref().unwrap();
+        assert!(c.tokens_released && !c.kv_released);
+        assert_eq!(ledger.counts_of("ns/p").prefill_inflight, 0);
+        assert_eq!(ledger.counts_of("ns/p2").prefill_inflight, 0);
+        assert_eq!(ledger.counts_of("ns/d2").running, 1);
+        let rest = next.release_rest(&mut ledger, 9);
+        assert!(rest.counters.is_empty() && rest.is_empty() && ledger.all_zero());
     }
 
     #[test]

@@ -14,6 +14,7 @@ pub mod external;
 pub mod fleet;
 pub mod freshness;
 pub mod guard;
+pub mod header_map;
 pub mod held_body;
 pub mod inbound;
 pub mod journal;

@@ -55,36 +55,51 @@ pub fn charged_pods(held: &HeldCharges) -> impl Iterator<Item = &str> {
 }
 
 /// The ledger rows of the pods a request was just charged on, read in the charging CAS round.
+/// One row per pod, in key order.
 pub fn charged_rows(ledger: &Ledger, held: &HeldCharges) -> Vec<(String, Row)> {
-    let mut keys: Vec<&str> = charged_pods(held).collect();
-    keys.sort_unstable();
-    keys.dedup();
-    keys.into_iter()
-        .map(|k| (k.to_string(), ledger.row(PodId::of(k))))
-        .collect()
+    let mut rows: Vec<(String, Row)> = Vec::new();
+    for key in charged_pods(held) {
+        if !rows.iter().any(|(k, _)| k == key) {
+            rows.push((key.to_string(), ledger.row(PodId::of(key))));
+        }
+    }
+    rows.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+    rows
 }
 
 /// Runs one release stage for request `id` in a CAS round, and keeps the result only once
-/// the write landed (a failed round leaves the charges held for a later attempt).
+/// the write landed (a failed round leaves the charges held for a later attempt); false when
+/// it did not land.
 pub fn release(
     vm: &SharedVm,
     id: u32,
     now: u64,
     stage: fn(&HeldCharges, &mut Ledger, u64) -> HeldCharges,
-) {
-    update(vm, id, |held, l| stage(held, l, now));
+) -> bool {
+    update(vm, id, |held, l| stage(held, l, now))
 }
 
 /// Runs `change` on request `id`'s charges in a CAS round (a release stage, a moved decode
-/// charge), keeping the result only once the write landed.
-pub fn update(vm: &SharedVm, id: u32, change: impl Fn(&HeldCharges, &mut Ledger) -> HeldCharges) {
-    let Some(held) = vm.borrow().holds.get(&id).map(|h| h.charges.clone()) else {
-        return;
+/// charge), keeping the result only once the write landed; false when a round failed (a hold
+/// with nothing left, or none, needs no round and is true).
+pub fn update(
+    vm: &SharedVm,
+    id: u32,
+    change: impl Fn(&HeldCharges, &mut Ledger) -> HeldCharges,
+) -> bool {
+    // Moved out of the hold for the round rather than copied (nothing reads the hold's
+    // charges meanwhile; its journal record stays), and put back unless a new state lands.
+    let held = {
+        let mut vm = vm.borrow_mut();
+        match vm.holds.get_mut(&id) {
+            None => return true,
+            Some(h) if !h.charges.is_empty() => std::mem::take(&mut h.charges),
+            Some(_) => {
+                vm.holds.remove(&id);
+                return true;
+            }
+        }
     };
-    if held.is_empty() {
-        vm.borrow_mut().holds.remove(&id);
-        return;
-    }
     let result = ledger::update(&SharedData, |l| Ok::<_, StoreError>(change(&held, l)));
     let mut vm = vm.borrow_mut();
     match result {
@@ -96,10 +111,15 @@ pub fn update(vm: &SharedVm, id: u32, change: impl Fn(&HeldCharges, &mut Ledger)
                 h.charges = next;
             }
             crate::host::journal::write(&vm);
+            true
         }
         Err(e) => {
+            if let Some(h) = vm.holds.get_mut(&id) {
+                h.charges = held;
+            }
             Metrics::inc(vm.metrics.charge_release_errors);
-            log::error!("cannot release the charges of context {id}: {e}")
+            log::error!("cannot release the charges of context {id}: {e}");
+            false
         }
     }
 }
@@ -114,15 +134,17 @@ pub fn expire(vm: &SharedVm, now: u64, steady: u64) -> usize {
         .filter(|(_, h)| h.ttl_ms > 0 && steady.saturating_sub(h.since_ms) > h.ttl_ms)
         .map(|(id, h)| (*id, h.request_id.clone(), h.since_ms))
         .collect();
+    let mut released = 0;
     for (id, request_id, since) in &expired {
         log::warn!(
             "request {request_id}: charges held for {} s without a release; force-releasing (AIBRIX_TOKEN_LOAD_TTL_SECONDS)",
             steady.saturating_sub(*since) / 1000
         );
-        release(vm, *id, now, HeldCharges::release_rest);
+        // Counted once it landed: a failed round keeps the hold, retried on the next tick.
+        released += u64::from(release(vm, *id, now, HeldCharges::release_rest));
     }
-    if !expired.is_empty() {
-        Metrics::add(vm.borrow().metrics.force_released[0], expired.len() as u64);
+    if released > 0 {
+        Metrics::add(vm.borrow().metrics.force_released[0], released);
     }
     expired.len()
 }

@@ -30,7 +30,7 @@ use crate::core::fleet::FleetView;
 use crate::core::held_body::HeldBody;
 // Envoy's ORIGINAL_DST header is removed even when the cluster reads another one, so a
 // client can never pick an upstream through either.
-use crate::core::inbound::{Inbound, DESTINATIONS_HEADER, ENVOY_DST_HEADER};
+use crate::core::inbound::{DESTINATIONS_HEADER, ENVOY_DST_HEADER};
 use crate::core::obs::outcome::Outcome;
 use crate::core::obs::timing::Instants;
 use crate::core::obs::{usage, Explain};
@@ -40,7 +40,7 @@ use crate::core::tokens;
 use crate::core::upstream_error::Rewrite;
 use crate::core::user_limits::{Ask, Charge, UsageScan};
 use crate::host::metrics::Metrics;
-use crate::host::{now_us, Clock, SharedVm};
+use crate::host::{header_map, now_us, Clock, SharedVm};
 
 /// Request header asking for a routing explanation (honoured when the plugin enables it).
 const EXPLAIN_HEADER: &str = "x-pd-explain";
@@ -387,14 +387,10 @@ impl HttpContext for PdHttp {
                 vm.debug_trap_header.clone(),
             )
         };
-        let pairs = crate::section!("headers.read", self.get_http_request_headers_bytes());
-        let h = Inbound::read(
-            pairs.iter().map(|(n, v)| (n.as_str(), v.as_slice())),
-            &dst_header,
-            EXPLAIN_HEADER,
-            trap.as_deref(),
+        let h = crate::section!(
+            "headers.read",
+            header_map::read_request(&dst_header, EXPLAIN_HEADER, trap.as_deref())
         );
-        drop(pairs);
         if h.dst_present {
             self.set_http_request_header(ENVOY_DST_HEADER, None);
             self.set_http_request_header(&dst_header, None);

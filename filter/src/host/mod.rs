@@ -1,6 +1,7 @@
 //! Proxy-wasm glue: contexts, shared data, queues, HTTP calls and metrics. Each callback is
 //! short and hands the decision to `crate::core`.
 
+pub mod header_map;
 pub mod holds;
 pub mod http;
 pub mod journal;
