@@ -686,14 +686,7 @@ impl Root {
         let age_ms = self
             .confirmation_age
             .age_ms(now, confirmed, crate::host::steady_ms());
-        let (bound, stale_gauge, age_gauge) = {
-            let vm = self.vm.borrow();
-            (
-                vm.plugin.snapshot_stale_after_ms,
-                vm.metrics.snapshot_stale,
-                vm.metrics.snapshot_age_ms,
-            )
-        };
+        let (bound, stale_gauge, age_gauge) = self.freshness_settings();
         Metrics::set(age_gauge, age_ms);
         let Some(transition) = self.freshness.observe_age(age_ms, bound) else {
             return;
@@ -726,18 +719,21 @@ impl Root {
         ));
     }
 
+    /// `snapshot_stale_after_ms` and the two gauges that show the snapshot's freshness.
+    fn freshness_settings(&self) -> (u64, Option<u32>, Option<u32>) {
+        let vm = self.vm.borrow();
+        (
+            vm.plugin.snapshot_stale_after_ms,
+            vm.metrics.snapshot_stale,
+            vm.metrics.snapshot_age_ms,
+        )
+    }
+
     /// Before the first snapshot: its age is the VM's, and past `snapshot_stale_after_ms`
     /// the snapshot counts as stale (gauge 1, logged once), as a confirmation that stopped.
     fn check_unsnapshotted(&mut self) {
         let age_ms = crate::host::steady_ms().saturating_sub(self.created_steady_ms);
-        let (bound, stale_gauge, age_gauge) = {
-            let vm = self.vm.borrow();
-            (
-                vm.plugin.snapshot_stale_after_ms,
-                vm.metrics.snapshot_stale,
-                vm.metrics.snapshot_age_ms,
-            )
-        };
+        let (bound, stale_gauge, age_gauge) = self.freshness_settings();
         Metrics::set(age_gauge, age_ms);
         if let Some(Transition::BecameStale { age_ms }) =
             self.unsnapshotted.observe_age(age_ms, bound)
