@@ -153,6 +153,10 @@ pub struct ModelView {
     /// Routable pods this view leaves out, by name, and why: what a routing explanation
     /// shows an operator asking why a pod got nothing.
     pub left_out: Rc<Vec<(String, LeftOut)>>,
+    /// The first pod and the first one of another engine label, when the pods disagree: a
+    /// PD request needs one protocol for its legs (`engine::agreed_engine`), found here once
+    /// per view rather than by a pass over the pods on every request.
+    pub engine_mismatch: Option<(usize, usize)>,
 }
 
 /// Why a routable pod is not in a routing view.
@@ -483,7 +487,7 @@ impl ModelView {
     }
 
     /// The same model with the metrics of `metrics` (the model's pods in snapshot order).
-    fn with_metrics(&self, metrics: &[Option<proto::PodMetrics>]) -> Option<ModelView> {
+    pub(crate) fn with_metrics(&self, metrics: &[Option<proto::PodMetrics>]) -> Option<ModelView> {
         if metrics.len() != self.total_pods {
             return None;
         }
@@ -505,6 +509,7 @@ impl ModelView {
             standard_by_key: self.standard_by_key.clone(),
             decode_by_key: self.decode_by_key.clone(),
             left_out: self.left_out.clone(),
+            engine_mismatch: self.engine_mismatch,
         })
     }
 
@@ -570,6 +575,10 @@ impl ModelView {
         view.standard_by_key = by_key(&mut view.others.iter().copied());
         view.columns = crate::core::pd::columns::Columns::build(&view.pods, &view.rolesets);
         view.uid = NEXT_UID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        view.engine_mismatch = view.pods.first().and_then(|first| {
+            let other = view.pods.iter().position(|p| p.engine != first.engine)?;
+            Some((0, other))
+        });
     }
 
     /// The index of the prefill pod `key` of a complete roleset, if it is one.

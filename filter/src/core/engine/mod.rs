@@ -84,13 +84,15 @@ impl Engine {
 /// The engine of a PD request: every routable pod of the model must carry the same label,
 /// because one request's legs speak one protocol (AIBrix checks the same set).
 pub fn agreed_engine(model: &ModelView) -> Result<Engine, RouteError> {
-    let mut pods = model.pods.iter();
-    let Some(first) = pods.next() else {
+    let Some(first) = model.pods.first() else {
         return Ok(Engine::Vllm);
     };
-    match pods.find(|p| p.engine != first.engine) {
+    let differing = model
+        .engine_mismatch
+        .and_then(|(a, b)| Some((model.pods.get(a)?, model.pods.get(b)?)));
+    match differing {
         None => Ok(Engine::from_label(&first.engine)),
-        Some(other) => Err(RouteError::Selection {
+        Some((first, other)) => Err(RouteError::Selection {
             detail: format!(
                 "inconsistent LLM engines detected: {} runs {:?}, {} runs {:?}",
                 first.name, first.engine, other.name, other.engine
@@ -233,6 +235,15 @@ mod tests {
         );
         assert_eq!(err.status(), 503);
         assert_eq!(Engine::from_label("tgi"), Engine::Other);
+        // Views derived from a mixed one (an `external-filter` selector, pods left out) are
+        // judged on the pods they keep.
+        let mixed = &fleet.models["m"];
+        let sglang_only = mixed.only(|p| p.engine == "sglang");
+        assert_eq!(agreed_engine(&sglang_only), Ok(Engine::Sglang));
+        let vllm_only = mixed.only(|p| p.engine != "sglang");
+        assert_eq!(agreed_engine(&vllm_only), Ok(Engine::Vllm));
+        let metrics = vec![None; mixed.total_pods];
+        assert!(agreed_engine(&mixed.with_metrics(&metrics).expect("same pods")).is_err());
     }
 
     #[test]
