@@ -296,14 +296,16 @@ impl Context for PdHttp {
         body_size: usize,
         _trailers: usize,
     ) {
-        crate::section_scope!("prefill_answer");
         let _answer = crate::host::answering_call(headers);
         if let Some(admission) = self.admission.take_if(|a| a.token == token) {
+            crate::section_scope!("admission_answer");
             return self.on_admission(admission, body_size);
         }
         if let Some(call) = self.external_call.take_if(|c| c.token == token) {
+            crate::section_scope!("external_answer");
             return self.on_external(call, body_size);
         }
+        crate::section_scope!("prefill_answer");
         if self.pending.as_ref().map(|p| p.token) != Some(token) {
             self.on_leg_response(token, body_size);
             return;

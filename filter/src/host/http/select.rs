@@ -239,11 +239,7 @@ impl PdHttp {
         }
         let rng = &mut vm.rng;
         let hint = session_affinity::SessionHint {
-            session_id: self
-                .forwarded
-                .iter()
-                .find(|(k, _)| *k == session_affinity::SESSION_ID_HEADER)
-                .map(|(_, v)| v.as_str()),
+            session_id: self.forwarded_value(session_affinity::SESSION_ID_HEADER),
             session_key: self.session_key.as_deref(),
         };
         let result = ledger::update(&SharedData, |l| {
