@@ -8,18 +8,9 @@ pub struct Redis {
     port: u16,
 }
 
-/// The one rule for a test that needs `redis-server` when it cannot run: with
-/// `PD_TESTS_ALLOW_SKIP=1` the test returns, passing as skipped (the reason printed); otherwise
-/// it fails, saying so. `why` is the error that stopped the binary.
-pub fn missing_redis(why: &dyn std::fmt::Display) {
-    let allowed = std::env::var("PD_TESTS_ALLOW_SKIP").is_ok_and(|v| v == "1");
-    assert!(
-        allowed,
-        "cannot run redis-server ({why}): `make setup` installs it \
-         (PD_TESTS_ALLOW_SKIP=1 skips the tests that need it instead)"
-    );
-    eprintln!("SKIPPED: cannot run redis-server ({why}); PD_TESTS_ALLOW_SKIP=1 is set");
-}
+/// The one rule for a test that needs `redis-server` when it cannot run (shared with the
+/// end-to-end tests).
+pub use pd_wasm_tests::redis::missing_redis;
 
 impl Redis {
     /// Starts `redis-server` on loopback with no persistence. When the binary cannot run,
@@ -141,20 +132,5 @@ impl Drop for Redis {
     }
 }
 
-/// A loopback port nothing listens on, below the kernel's ephemeral range (32768 and up on
-/// Linux), so no outgoing connection's local port takes it before the server it is for binds;
-/// never the same one twice in this process, so ports drawn back to back do not collide.
-pub fn free_port() -> u16 {
-    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
-    let mut given = GIVEN
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    for _ in 0..1000 {
-        let port = fastrand::u16(20_000..32_000);
-        if !given.contains(&port) && std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            given.push(port);
-            return port;
-        }
-    }
-    panic!("no free port in 20000..32000")
-}
+/// A loopback port for a server to bind, never the same twice in this process.
+pub use pd_wasm_tests::stack::free_port;

@@ -3,24 +3,9 @@
 
 use std::path::PathBuf;
 
-/// A loopback port nothing listens on, for a simulator pod to bind: below the kernel's
-/// ephemeral range (32768 and up on Linux), so no outgoing connection's local port takes it
-/// before the pod binds, and never the same one twice in this process, so ports drawn back
-/// to back (a prefill and a decode pod) do not collide. As wasm-tests' `stack::free_port`.
-pub fn free_port() -> u16 {
-    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
-    let mut given = GIVEN
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    for _ in 0..1000 {
-        let port = fastrand::u16(20_000..32_000);
-        if !given.contains(&port) && std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            given.push(port);
-            return port;
-        }
-    }
-    panic!("no free port in 20000..32000")
-}
+/// A loopback port for a simulator pod to bind, never the same twice in this process (a
+/// prefill and a decode pod drawn back to back do not collide).
+pub use pd_wasm_tests::stack::free_port;
 
 /// One ready Pod on 127.0.0.1 in roleset `rs0`, as an item of a `v1` `List`.
 pub fn pod_yaml(model: &str, name: &str, engine: &str, role: &str, port: u16) -> String {
