@@ -24,7 +24,9 @@ use serde::{Deserialize, Serialize};
 use crate::redis_link::{LinkError, RedisLink, Retry};
 use crate::report_ids::{Claim, ReportIds, REMEMBER};
 
+mod cancel;
 mod refund;
+pub use cancel::{admission_key, CANCEL_TOLERANCE_MS, MARKER_MS, MAX_ID_BYTES};
 pub use refund::{parse_release, Refund, ReleaseError, Released, MAX_REFUNDS};
 
 /// Prefix of the user records: `aibrix-users/{name}`, a JSON string value.
@@ -98,11 +100,14 @@ pub struct ModelRps {
 }
 
 /// What one `POST /v1/limits/admit` asks to check: a user's limits, a model's rate, or both
-/// (at least one).
+/// (at least one). With an `id`, the admission can be withdrawn: `cancel` asks for that (see
+/// `limits::cancel`), naming the same user and model as the admission did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AdmitRequest {
     pub user: Option<String>,
     pub model: Option<ModelRps>,
+    pub id: Option<String>,
+    pub cancel: bool,
 }
 
 /// An admission body the contract does not allow.
@@ -124,6 +129,10 @@ pub enum AdmitError {
     RpsLimit(i64),
     #[error("rps_window_ms {0} (want 1000 to 3600000)")]
     RpsWindow(u64),
+    #[error("\"id\" must be 1 to {MAX_ID_BYTES} of [0-9A-Za-z-]")]
+    Id,
+    #[error("\"cancel\" needs the admission's \"id\"")]
+    CancelWithoutId,
 }
 
 /// The members of an admission body that count here; others are ignored.
@@ -137,6 +146,10 @@ struct AdmitBody {
     rps_limit: Option<i64>,
     #[serde(default)]
     rps_window_ms: Option<u64>,
+    #[serde(default)]
+    id: Option<String>,
+    #[serde(default)]
+    cancel: Option<bool>,
 }
 
 /// Parses an admission body: `{"user": name}`, `{"model": name, "rps_limit": n,
@@ -176,9 +189,18 @@ pub fn parse_admit(body: &[u8]) -> Result<AdmitRequest, AdmitError> {
     if body.user.is_none() && model.is_none() {
         return Err(AdmitError::Nothing);
     }
+    if let Some(id) = &body.id {
+        cancel::check_id(id)?;
+    }
+    let cancel = body.cancel.unwrap_or(false);
+    if cancel && body.id.is_none() {
+        return Err(AdmitError::CancelWithoutId);
+    }
     Ok(AdmitRequest {
         user: body.user,
         model,
+        id: body.id,
+        cancel,
     })
 }
 
@@ -239,12 +261,24 @@ pub const UNRECORDED: Limits = Limits {
 
 /// Which Redis step a `store_error` answer failed at.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "snake_case")]
 pub enum Stage {
-    /// Reading the user record, or the record is unusable.
+    /// Reading the user record, or the record is unusable (AIBrix's `x-error-user`).
     User,
-    /// The counter script of a check naming a user: Redis did not run it (or it failed on a
-    /// user counter), whether or not a model was asked too.
+    /// Reading the user's request counter: it is not an integer, or the counter script of a
+    /// check naming a user did not run (nothing counted). AIBrix reads that counter first
+    /// after the record and answers its failure 500 `x-error-rpm-exceeded`, so a Redis that
+    /// fails after the record read gets that header from both gateways.
+    Rpm,
+    /// Incrementing the user's request counter (nothing counted): AIBrix's
+    /// `x-error-incr-rpm`.
+    IncrRpm,
+    /// Reading the user's token counter: it is not an integer. The request stays counted,
+    /// as AIBrix's `checkTPM` runs after `incrRPM`; AIBrix answers 500
+    /// `x-error-tpm-exceeded`.
+    Tpm,
+    /// The counter script before stages were told apart (pd-control older than the filter);
+    /// never sent now, read by gateways as `x-error-incr-rpm`.
     Counters,
     /// The model's counter cannot be incremented (the user's request, if any, stays
     /// counted), or the counter script of a model-only check failed.
@@ -284,6 +318,10 @@ pub enum Answer {
     StoreError { stage: Stage, message: String },
     /// This pd-control does not check user limits.
     Disabled,
+    /// The admission `id` was withdrawn (`limits::cancel`): an admit finding its withdrawal
+    /// counts nothing (`given_back` 0); a withdrawal gives back what its admission counted
+    /// (`given_back` counters: the user's request, the model's).
+    Cancelled { given_back: u64 },
 }
 
 impl Answer {
@@ -296,19 +334,21 @@ impl Answer {
             Answer::UnknownUser => Some(3),
             Answer::StoreError { .. } => Some(4),
             Answer::ModelRpsExceeded { .. } => Some(5),
+            Answer::Cancelled { .. } => Some(6),
             Answer::Disabled => None,
         }
     }
 }
 
 /// Metric label of each counted outcome, in [`Answer::counted`] order.
-const OUTCOMES: [&str; 6] = [
+const OUTCOMES: [&str; 7] = [
     "admitted",
     "rpm_exceeded",
     "tpm_exceeded",
     "unknown_user",
     "store_error",
     "model_rps_exceeded",
+    "cancelled",
 ];
 
 /// The Lua helper the counter scripts test a `redis.pcall('INCRBY', ...)` reply with (a macro,
@@ -337,24 +377,41 @@ end
 
 /// The counter half of a check, atomic so that concurrent checks of one user or model (from
 /// several gateways or pd-controls) never both take the last request of a window.
-/// KEYS: with a user, its request and token counters; then, with a model, its counter.
+/// KEYS: with a user, its request and token counters; then, with a model, its counter; then,
+/// with an admission id, its marker (`limits::cancel`).
 /// ARGV: user asked ("1"/"0"), request limit, token limit, user window ms, model asked,
-/// model limit, model window ms (the limits of a part not asked are ignored).
+/// model limit, model window ms (the limits of a part not asked are ignored), marker asked,
+/// marker ms.
 /// Returns `{verdict, requests, tokens, model requests}` (0 for a part not asked):
 /// 0 refused on requests (nothing counted), 1 admitted, 2 refused on tokens (the request
 /// counted), 3 refused on the model's rate (its increment taken back; the user's request
 /// counted), 4 the model counter cannot be incremented (not an integer; the user's request
-/// counted). The user part goes first; when it refuses, the model counter is not touched.
+/// counted), 5 the request counter cannot be read (not an integer, another type; nothing
+/// counted), 6 it cannot be incremented (nothing counted), 7 the token counter cannot be read
+/// (the request counted), 8 the admission was withdrawn before it ran (nothing counted).
+/// 5 to 7 are AIBrix's three steps (`checkRPM`, `incrRPM`, `checkTPM`), each with its own
+/// error header. The user part goes first; when it refuses, the model counter is not touched.
 /// A counter's window starts with its first write (the expiry is set only while it has none),
 /// so later writes never stretch it. A counter read without an expiry (left by a writer that
 /// died between its increment and its expiry) gets one, or it would refuse for ever.
+/// With a marker, what the call leaves counted is written to it (each counter's window end,
+/// on Redis's clock) so that a withdrawal arriving later gives exactly that back.
 const ADMIT_SCRIPT: &str = concat!(
     counter_failed_lua!(),
     r"
+if redis.replicate_commands then
+  redis.replicate_commands()
+end
 local function current(key, window)
-  local value = redis.call('GET', key)
+  local value = redis.pcall('GET', key)
+  if type(value) == 'table' then
+    return nil
+  end
   if not value then
     return 0
+  end
+  if not string.match(value, '^%-?%d+$') then
+    return nil
   end
   if redis.call('PTTL', key) == -1 then
     redis.call('PEXPIRE', key, window)
@@ -366,18 +423,46 @@ local function windowed(key, window)
     redis.call('PEXPIRE', key, window)
   end
 end
+local function ends_at(key)
+  local now = redis.call('TIME')
+  return tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) + redis.call('PTTL', key)
+end
+local marker = nil
+if ARGV[8] == '1' then
+  marker = KEYS[#KEYS]
+  if redis.call('EXISTS', marker) == 1 then
+    return {8, 0, 0, 0}
+  end
+end
+local rpm_ends, model_ends = 0, 0
+local function answer(code, rpm, tpm, rps)
+  if marker and (rpm_ends ~= 0 or model_ends ~= 0) then
+    redis.call('SET', marker, rpm_ends .. ',' .. model_ends, 'PX', ARGV[9])
+  end
+  return {code, rpm, tpm, rps}
+end
 local rpm, tpm, model = 0, 0, 1
 if ARGV[1] == '1' then
   local rpm_limit, tpm_limit, window = tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
   rpm = current(KEYS[1], window)
+  if not rpm then
+    return {5, 0, 0, 0}
+  end
   if rpm >= rpm_limit then
     return {0, rpm, 0, 0}
   end
-  rpm = redis.call('INCRBY', KEYS[1], 1)
+  rpm = redis.pcall('INCRBY', KEYS[1], 1)
+  if counter_failed(rpm) then
+    return {6, 0, 0, 0}
+  end
   windowed(KEYS[1], window)
+  rpm_ends = ends_at(KEYS[1])
   tpm = current(KEYS[2], window)
+  if not tpm then
+    return answer(7, rpm, 0, 0)
+  end
   if tpm >= tpm_limit then
-    return {2, rpm, tpm, 0}
+    return answer(2, rpm, tpm, 0)
   end
   model = 3
 end
@@ -385,16 +470,17 @@ if ARGV[5] == '1' then
   local key, rps_limit, window = KEYS[model], tonumber(ARGV[6]), ARGV[7]
   local rps = redis.pcall('INCRBY', key, 1)
   if counter_failed(rps) then
-    return {4, rpm, tpm, 0}
+    return answer(4, rpm, tpm, 0)
   end
   windowed(key, window)
   if rps > rps_limit then
     rps = redis.call('DECRBY', key, 1)
-    return {3, rpm, tpm, rps}
+    return answer(3, rpm, tpm, rps)
   end
-  return {1, rpm, tpm, rps}
+  model_ends = ends_at(key)
+  return answer(1, rpm, tpm, rps)
 end
-return {1, rpm, tpm, 0}
+return answer(1, rpm, tpm, 0)
 "
 );
 
@@ -476,6 +562,19 @@ fn verdict(reply: &[i64], user: Option<Limits>, model: Option<&ModelRps>) -> Opt
                 message: format!("model counter {key} cannot be incremented: not an integer"),
             })
         }
+        (5, Some(_), _) => Some(Answer::StoreError {
+            stage: Stage::Rpm,
+            message: "the user's request counter cannot be read: not an integer".into(),
+        }),
+        (6, Some(_), _) => Some(Answer::StoreError {
+            stage: Stage::IncrRpm,
+            message: "the user's request counter cannot be incremented: not an integer".into(),
+        }),
+        (7, Some(_), _) => Some(Answer::StoreError {
+            stage: Stage::Tpm,
+            message: format!("the user's token counter cannot be read: not an integer (the request counted: {rpm})"),
+        }),
+        (8, _, _) => Some(Answer::Cancelled { given_back: 0 }),
         _ => None,
     }
 }
@@ -571,7 +670,7 @@ pub struct UserLimits {
     /// Users' limits are read from their records; off (`AIBRIX_DISABLE_REDIS_USER_STORE`),
     /// every named user has [`UNRECORDED`] and none is unknown.
     records: bool,
-    checks: [AtomicU64; 6],
+    checks: [AtomicU64; 7],
     tokens_total: AtomicU64,
     errors_total: AtomicU64,
     /// Redis failed on the last call: its failures are logged on the way in and out of that
@@ -585,6 +684,8 @@ pub struct UserLimits {
     duplicates_total: AtomicU64,
     /// Model requests given back after the gateway could not route them.
     refunds: refund::RefundCounts,
+    /// Withdrawn admissions, by result.
+    cancels: cancel::CancelCounts,
 }
 
 struct Store {
@@ -592,6 +693,7 @@ struct Store {
     admit: redis::Script,
     usage: redis::Script,
     release: redis::Script,
+    cancel: redis::Script,
 }
 
 impl UserLimits {
@@ -607,6 +709,7 @@ impl UserLimits {
             admit: redis::Script::new(ADMIT_SCRIPT),
             usage: redis::Script::new(USAGE_SCRIPT),
             release: redis::Script::new(refund::RELEASE_SCRIPT),
+            cancel: redis::Script::new(cancel::CANCEL_SCRIPT),
         })))
     }
 
@@ -622,6 +725,7 @@ impl UserLimits {
             reports: ReportIds::default(),
             duplicates_total: AtomicU64::new(0),
             refunds: Default::default(),
+            cancels: Default::default(),
         }
     }
 
@@ -641,6 +745,7 @@ impl UserLimits {
     pub async fn admit(&self, request: &AdmitRequest) -> Answer {
         let answer = match &self.store {
             None => Answer::Disabled,
+            Some(store) if request.cancel => return self.cancel(store, request).await,
             Some(store) => self.check(store, request).await,
         };
         if let Some(i) = answer.counted() {
@@ -678,13 +783,15 @@ impl UserLimits {
             },
         };
         let model = request.model.as_ref();
+        // The script as a whole failing, AIBrix's first step after the record (its `checkRPM`
+        // read) is the one that fails.
         let stage = if user.is_some() {
-            Stage::Counters
+            Stage::Rpm
         } else {
             Stage::Model
         };
-        let mut keys = Vec::with_capacity(3);
-        let mut args: Vec<i64> = vec![0; 7];
+        let mut keys = Vec::with_capacity(4);
+        let mut args: Vec<i64> = vec![0; 9];
         if let Some((name, limits)) = user {
             keys.push(rpm_key(name));
             keys.push(tpm_key(name));
@@ -693,7 +800,11 @@ impl UserLimits {
         if let Some(rps) = model {
             keys.push(model_rps_key(&rps.model, rps.window_ms));
             let window = i64::try_from(rps.window_ms).unwrap_or(i64::MAX);
-            args[4..].copy_from_slice(&[1, rps.limit, window]);
+            args[4..7].copy_from_slice(&[1, rps.limit, window]);
+        }
+        if let Some(id) = &request.id {
+            keys.push(admission_key(id));
+            args[7..].copy_from_slice(&[1, MARKER_MS as i64]);
         }
         let counted = store
             .link
@@ -966,6 +1077,12 @@ impl UserLimits {
                 self.refunds.samples(),
             ),
             (
+                "pd_control_admission_cancels_total",
+                "counter",
+                "Admissions the gateway gave up on (no answer in time) and withdrew: given_back (what the admission had counted was given back), nothing_counted (withdrawn before it counted, or withdrawn already), failed (Redis did not take the withdrawal).",
+                self.cancels.samples(),
+            ),
+            (
                 "pd_control_user_limit_errors_total",
                 "counter",
                 "Redis failures of user limits: failed record reads and counter scripts of checks, model counters that cannot be incremented, token additions not made, and releases not made.",
@@ -1003,14 +1120,18 @@ mod tests {
             parse(json!({"user": "alice"})),
             Ok(AdmitRequest {
                 user: Some("alice".into()),
-                model: None
+                model: None,
+                id: None,
+                cancel: false
             })
         );
         assert_eq!(
             parse(json!({"model": "llama", "rps_limit": 2, "rps_window_ms": 1000})),
             Ok(AdmitRequest {
                 user: None,
-                model: Some(llama(2, 1000))
+                model: Some(llama(2, 1000)),
+                id: None,
+                cancel: false
             })
         );
         assert_eq!(
@@ -1018,7 +1139,9 @@ mod tests {
                          "rps_window_ms": 3_600_000, "extra": [1], "stream": true})),
             Ok(AdmitRequest {
                 user: Some("a".into()),
-                model: Some(llama(1, 3_600_000))
+                model: Some(llama(1, 3_600_000)),
+                id: None,
+                cancel: false
             }),
             "unknown members are ignored"
         );
@@ -1026,10 +1149,31 @@ mod tests {
             parse(json!({"user": "a", "model": null, "rps_limit": null})),
             Ok(AdmitRequest {
                 user: Some("a".into()),
-                model: None
+                model: None,
+                id: None,
+                cancel: false
             }),
             "null is absent"
         );
+        assert_eq!(
+            parse(json!({"user": "a", "id": "f00d-1", "cancel": true})),
+            Ok(AdmitRequest {
+                user: Some("a".into()),
+                model: None,
+                id: Some("f00d-1".into()),
+                cancel: true
+            }),
+            "a withdrawal names the admission's id"
+        );
+        assert_eq!(
+            parse(json!({"user": "a", "cancel": true})),
+            Err(AdmitError::CancelWithoutId)
+        );
+        assert_eq!(
+            parse(json!({"user": "a", "id": "a:b"})),
+            Err(AdmitError::Id)
+        );
+        assert_eq!(parse(json!({"user": "a", "id": ""})), Err(AdmitError::Id));
         let user_256 = "u".repeat(256);
         assert!(parse(json!({ "user": user_256 })).is_ok());
         let model_256 = "m".repeat(256);
@@ -1354,7 +1498,19 @@ mod tests {
         assert_eq!(verdict(&[3, 1, 1, 3], user, None), None);
         assert_eq!(verdict(&[4, 1, 1, 0], user, None), None);
         assert_eq!(verdict(&[1, 1, 1, 1], None, None), None);
-        assert_eq!(verdict(&[5, 1, 1, 1], user, model), None);
+        assert_eq!(verdict(&[9, 1, 1, 1], user, model), None);
+        assert_eq!(verdict(&[5, 0, 0, 0], None, model), None);
+        // AIBrix's three user steps, each its own stage (and so its own error header).
+        for (code, stage) in [(5, Stage::Rpm), (6, Stage::IncrRpm), (7, Stage::Tpm)] {
+            assert!(
+                matches!(verdict(&[code, 1, 0, 0], user, model), Some(Answer::StoreError { stage: s, .. }) if s == stage),
+                "{code}"
+            );
+        }
+        assert_eq!(
+            verdict(&[8, 0, 0, 0], user, model),
+            Some(Answer::Cancelled { given_back: 0 })
+        );
         assert_eq!(verdict(&[1, 1, 1], user, None), None);
     }
 

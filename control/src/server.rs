@@ -237,7 +237,16 @@ async fn limits_admit(State(state): State<AppState>, body: Bytes) -> Response {
         Ok(request) => request,
         Err(e) => return (StatusCode::BAD_REQUEST, format!("{e}\n")).into_response(),
     };
-    let answer = state.limits.admit(&request).await;
+    // Spawned, so a gateway that stops waiting cannot cut a withdrawal (or the admission it
+    // withdraws) off between its Redis calls (see `limits::cancel`).
+    let limits = state.limits.clone();
+    let answer = match tokio::spawn(async move { limits.admit(&request).await }).await {
+        Ok(answer) => answer,
+        Err(e) => {
+            let message = format!("the admission did not run: {e}\n");
+            return (StatusCode::INTERNAL_SERVER_ERROR, message).into_response();
+        }
+    };
     match serde_json::to_vec(&answer) {
         Ok(json) => (
             [(

@@ -11,8 +11,8 @@ use redis::AsyncCommands;
 use serde_json::{json, Value};
 
 mod common;
-use common::metric;
 use common::redis::{free_port, Redis};
+use common::{eventually, metric};
 
 fn client() -> reqwest::Client {
     reqwest::Client::builder()
@@ -271,7 +271,8 @@ async fn checks_count_against_aibrix_records_and_survive_a_redis_outage() {
         .expect("set");
     let answer = admit(&base, "erin").await;
     assert_eq!(answer["outcome"], "store_error", "{answer}");
-    assert_eq!(answer["stage"], "counters");
+    // AIBrix's `checkRPM` read fails first: its header is `x-error-rpm-exceeded`.
+    assert_eq!(answer["stage"], "rpm");
     // Her token counter too: her tokens are given up, the others' are added, and the report
     // is taken (sent again, it would fail alike and hold newer reports behind it).
     let _: () = db
@@ -1108,4 +1109,189 @@ async fn after_a_round_trip_times_out_checks_fail_fast_for_a_while() {
         }
     })
     .await;
+}
+
+/// The withdrawal of admission `id` (the filter's, for a request it refused without an
+/// answer): the answer, `cancelled` with what was given back.
+async fn withdraw(base: &str, id: &str, mut body: Value) -> Value {
+    body["id"] = id.into();
+    body["cancel"] = true.into();
+    admit_body(base, &body).await
+}
+
+async fn count(db: &mut redis::aio::MultiplexedConnection, key: &str) -> i64 {
+    let value: Option<i64> = db.get(key).await.expect("get");
+    value.unwrap_or(0)
+}
+
+/// An admission the filter gave up on counts nothing, in whichever order Redis runs it and
+/// its withdrawal: withdrawn after it counted, the user's request and the model's are given
+/// back, once; withdrawn before it ran, it counts nothing when it comes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_withdrawn_admission_counts_nothing_in_either_order() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let Some((redis, mut db)) = store(dir.path()).await else {
+        return;
+    };
+    seed(
+        &mut db,
+        &[("aibrix-users/alice", r#"{"name":"alice","rpm":5}"#)],
+    )
+    .await;
+    let (_service, base) = start(&fleet(dir.path()), Some(redis.url()), false).await;
+    let llama = model_key("llama", 60_000);
+    let both = both_body("alice", "llama", 5, 60_000);
+
+    // Counted, then withdrawn (the answer came too late for the filter).
+    let mut first = both.clone();
+    first["id"] = "a1".into();
+    let answer = admit_body(&base, &first).await;
+    assert_eq!(answer["outcome"], "admitted", "{answer}");
+    assert_eq!(
+        (
+            count(&mut db, ALICE_RPM).await,
+            count(&mut db, &llama).await
+        ),
+        (1, 1)
+    );
+    assert_eq!(
+        withdraw(&base, "a1", both.clone()).await,
+        json!({"outcome": "cancelled", "given_back": 2})
+    );
+    assert_eq!(
+        (
+            count(&mut db, ALICE_RPM).await,
+            count(&mut db, &llama).await
+        ),
+        (0, 0)
+    );
+    // A withdrawal sent again, or the admission arriving again: nothing more.
+    assert_eq!(
+        withdraw(&base, "a1", both.clone()).await,
+        json!({"outcome": "cancelled", "given_back": 0})
+    );
+    assert_eq!(
+        admit_body(&base, &first).await,
+        json!({"outcome": "cancelled", "given_back": 0})
+    );
+    assert_eq!(
+        (
+            count(&mut db, ALICE_RPM).await,
+            count(&mut db, &llama).await
+        ),
+        (0, 0)
+    );
+
+    // Withdrawn before it ran (pd-control still waiting on Redis): it counts nothing when
+    // it comes.
+    assert_eq!(
+        withdraw(&base, "b2", both.clone()).await,
+        json!({"outcome": "cancelled", "given_back": 0})
+    );
+    let mut late = both.clone();
+    late["id"] = "b2".into();
+    assert_eq!(
+        admit_body(&base, &late).await,
+        json!({"outcome": "cancelled", "given_back": 0})
+    );
+    assert_eq!(
+        (
+            count(&mut db, ALICE_RPM).await,
+            count(&mut db, &llama).await
+        ),
+        (0, 0)
+    );
+
+    // Refused on its model, counted on its user: only the user's request comes back.
+    let mut tiny = both_body("alice", "tiny", 1, 60_000);
+    let answer = admit_body(&base, &tiny).await;
+    assert_eq!(answer["outcome"], "admitted", "{answer}");
+    tiny["id"] = "c3".into();
+    let answer = admit_body(&base, &tiny).await;
+    assert_eq!(answer["outcome"], "model_rps_exceeded", "{answer}");
+    assert_eq!(count(&mut db, ALICE_RPM).await, 2);
+    let answer = withdraw(&base, "c3", both_body("alice", "tiny", 1, 60_000)).await;
+    assert_eq!(answer, json!({"outcome": "cancelled", "given_back": 1}));
+    assert_eq!(count(&mut db, ALICE_RPM).await, 1);
+    assert_eq!(count(&mut db, &model_key("tiny", 60_000)).await, 1);
+
+    // A withdrawal is given only to the window that counted: once that window is over, a
+    // newer window's count stays.
+    let short = model_body("short", 5, 1000);
+    let mut old = short.clone();
+    old["id"] = "d4".into();
+    assert_eq!(admit_body(&base, &old).await["outcome"], "admitted");
+    let short_key = model_key("short", 1000);
+    eventually("the 1 s window to pass", || {
+        let mut db = db.clone();
+        let key = short_key.clone();
+        async move { (count(&mut db, &key).await == 0).then_some(()) }
+    })
+    .await;
+    assert_eq!(admit_body(&base, &short).await["outcome"], "admitted");
+    assert_eq!(
+        withdraw(&base, "d4", short).await,
+        json!({"outcome": "cancelled", "given_back": 0})
+    );
+    assert_eq!(
+        count(&mut db, &short_key).await,
+        1,
+        "the newer window keeps its count"
+    );
+
+    for (result, n) in [("given_back", 2.0), ("nothing_counted", 3.0)] {
+        let name = format!("pd_control_admission_cancels_total{{result=\"{result}\"}}");
+        assert_eq!(metric(&base, &name).await, n, "{result}");
+    }
+    assert_eq!(checks(&base, "cancelled").await, 2.0);
+}
+
+/// AIBrix's `checkLimits` answers each failing step with its own header; pd-control names
+/// the step: the request counter unreadable (nothing counted; `x-error-rpm-exceeded`), the
+/// token counter unreadable (the request counted, as AIBrix's `incrRPM` ran before;
+/// `x-error-tpm-exceeded`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_failing_user_step_is_named() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let Some((redis, mut db)) = store(dir.path()).await else {
+        return;
+    };
+    seed(
+        &mut db,
+        &[
+            ("aibrix-users/gina", r#"{"name":"gina"}"#),
+            ("aibrix-users/hal", r#"{"name":"hal"}"#),
+            ("aibrix-users/ida", r#"{"name":"ida"}"#),
+        ],
+    )
+    .await;
+    let (_service, base) = start(&fleet(dir.path()), Some(redis.url()), false).await;
+    let gina_rpm = "aibrix:gina_RPM_CURRENT:60000:counter";
+    let _: () = db.set(gina_rpm, "1.5").await.expect("set");
+    let answer = admit(&base, "gina").await;
+    assert_eq!(
+        (&answer["outcome"], &answer["stage"]),
+        (&json!("store_error"), &json!("rpm")),
+        "{answer}"
+    );
+    let _: () = db
+        .hset("aibrix:hal_RPM_CURRENT:60000:counter", "f", 1)
+        .await
+        .expect("hset");
+    let answer = admit(&base, "hal").await;
+    assert_eq!(answer["stage"], "rpm", "another type: {answer}");
+    let _: () = db
+        .set("aibrix:ida_TPM_CURRENT:60000:counter", "lots")
+        .await
+        .expect("set");
+    let answer = admit(&base, "ida").await;
+    assert_eq!(
+        (&answer["outcome"], &answer["stage"]),
+        (&json!("store_error"), &json!("tpm")),
+        "{answer}"
+    );
+    assert_eq!(
+        count(&mut db, "aibrix:ida_RPM_CURRENT:60000:counter").await,
+        1
+    );
 }

@@ -583,3 +583,43 @@ fn admission_cost() {
         eprintln!("round {round}: p50/p90/p99 µs without a user {none:?}, with one {named:?}");
     }
 }
+
+/// pd-control counting a request after the filter stopped waiting for it (Redis held writes
+/// longer than `rate_limits_timeout_ms`, shorter than pd-control's own round-trip bound):
+/// the client gets 500 and the filter withdraws the admission, so the user's window keeps
+/// its request. Without the withdrawal the late count stood: a request that never ran used
+/// one of the user's requests.
+#[test]
+fn an_admission_counted_after_the_filter_gave_up_is_given_back() {
+    let Some(store) = Store::start() else {
+        return;
+    };
+    store.user(json!({"name": "dave", "rpm": 5}));
+    let stack = start(&store, r#""rate_limits_timeout_ms":40"#);
+    // Writes (the counter script, then the withdrawal's) wait 180 ms: past the filter's
+    // 40 ms, within pd-control's 250 ms round trip, so the script runs and counts late.
+    store.redis.command(&["CLIENT", "PAUSE", "180", "WRITE"]);
+    let refused = chat(&stack, Some("dave"), question(false, false));
+    assert_eq!(refused.status, 500, "{}", refused.text());
+    assert_eq!(refused.header("x-error-user"), Some("true"));
+    // pd-control finished the admission (it counted it), and then its withdrawal.
+    eventually(Duration::from_secs(10), || {
+        let checks = stack.control_metric("pd_control_user_limit_checks_total");
+        (checks >= 1.0)
+            .then_some(())
+            .ok_or(format!("{checks} admissions finished"))
+    });
+    eventually(Duration::from_secs(10), || {
+        let rpm = store.counter("dave", "RPM");
+        (rpm == 0).then_some(()).ok_or(format!(
+            "dave's RPM counter reads {rpm}: the late count stood"
+        ))
+    });
+    // Counted once the withdrawal's script answered, which may follow the give-back.
+    eventually(Duration::from_secs(10), || {
+        let cancels = stack.control_metric("pd_control_admission_cancels_total");
+        (cancels == 1.0)
+            .then_some(())
+            .ok_or(format!("{cancels} withdrawals counted, not 1"))
+    });
+}

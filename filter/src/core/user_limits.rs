@@ -53,9 +53,13 @@ impl ModelRps {
     }
 }
 
-/// The admission request's body (`{"user", "model", "rps_limit", "rps_window_ms"}`).
-pub fn admission_body(user: Option<&str>, model: Option<(&str, ModelRps)>) -> Vec<u8> {
+/// The admission request's body (`{"id", "user", "model", "rps_limit", "rps_window_ms"}`).
+/// `id` names the admission so that it can be withdrawn ([`cancel_body`]).
+pub fn admission_body(id: &str, user: Option<&str>, model: Option<(&str, ModelRps)>) -> Vec<u8> {
     let mut body = serde_json::Map::new();
+    if !id.is_empty() {
+        body.insert("id".into(), id.into());
+    }
     if let Some(user) = user {
         body.insert("user".into(), user.into());
     }
@@ -67,6 +71,30 @@ pub fn admission_body(user: Option<&str>, model: Option<(&str, ModelRps)>) -> Ve
     serde_json::Value::Object(body).to_string().into_bytes()
 }
 
+/// The withdrawal of admission `ask` (sent with `ask.id` on `ADMIT_PATH`), for a request
+/// refused without pd-control's answer: pd-control may count it after the filter gave up, or
+/// have counted it with the answer still on its way. pd-control's marker of the id makes the
+/// withdrawal and the admission, in whichever order Redis runs them, count nothing (its
+/// `limits::cancel`); the withdrawal names the same user and model so that it finds their
+/// counters.
+pub fn cancel_body(ask: &Ask) -> Vec<u8> {
+    let model = ask
+        .rps
+        .and_then(ModelRps::of)
+        .map(|r| (ask.model.as_str(), r));
+    let mut body: serde_json::Value =
+        serde_json::from_slice(&admission_body(&ask.id, ask.user.as_deref(), model))
+            .unwrap_or_default();
+    body["cancel"] = true.into();
+    body.to_string().into_bytes()
+}
+
+/// An admission id: 128 random bits in hex, unguessable, so that no client can withdraw
+/// another's admission or have its own found withdrawn.
+pub fn admission_id(random: u128) -> String {
+    format!("{random:032x}")
+}
+
 /// What one admission asks, kept with the waiting request to read the answer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Ask {
@@ -74,6 +102,11 @@ pub struct Ask {
     pub model: String,
     /// The model's configured rate, when the admission checks it.
     pub rps: Option<f64>,
+    /// The admission's id ([`admission_id`]).
+    pub id: String,
+    /// Set while the admission is being withdrawn: the refusal the client gets once the
+    /// withdrawal has been answered (or has failed).
+    pub withdrawing: Option<RouteError>,
 }
 
 /// Distinct users one VM gathers between two reports. Beyond it a user's tokens are dropped
@@ -104,6 +137,9 @@ enum Answer {
     },
     /// pd-control stopped checking limits after the snapshot this VM routes on said it did.
     Disabled,
+    /// The id was withdrawn before this admission counted (ids are random: not for a first
+    /// admission); read as no answer.
+    Cancelled,
 }
 
 /// What admission decided for one request.
@@ -171,16 +207,30 @@ pub fn judge(ask: &Ask, status: &str, body: &[u8]) -> Verdict {
         }),
         Answer::UnknownUser => Verdict::Refused(RouteError::UnknownUser(user)),
         Answer::StoreError { stage, message } => {
-            // AIBrix's headers: the lookup's failure is `x-error-user`, the user counters'
-            // `x-error-incr-rpm`, the model counter's `x-error-incr-model-rps`.
+            // AIBrix's headers, one per step (its `checkLimits`): the lookup's failure is
+            // `x-error-user`; reading the request counter `x-error-rpm-exceeded`,
+            // incrementing it `x-error-incr-rpm`, reading the token counter
+            // `x-error-tpm-exceeded` (all 500); the model counter's `x-error-incr-model-rps`.
+            // `counters` (an older pd-control) and stages unknown here: `x-error-incr-rpm`.
             let header = match stage.as_str() {
                 "user" => "x-error-user",
+                "rpm" => "x-error-rpm-exceeded",
+                "tpm" => "x-error-tpm-exceeded",
                 "model" => "x-error-incr-model-rps",
                 _ => "x-error-incr-rpm",
             };
             unchecked(header, format!("user store ({stage}): {message}"))
         }
+        Answer::Cancelled => unchecked("x-error-user", "the admission was withdrawn".into()),
     }
+}
+
+/// Whether pd-control's answer to an admission was read: a 200 with an answer of the
+/// contract. When not (no answer in time, Envoy's reply, pd-control cut off), pd-control may
+/// have counted the request, or count it still: a request refused then must be withdrawn
+/// ([`cancel_body`]), or its user and model lose a request of their windows for nothing.
+pub fn answered(status: &str, body: &[u8]) -> bool {
+    status == "200" && serde_json::from_slice::<Answer>(body).is_ok()
 }
 
 /// The user a request is checked for: the `user` header's value, when it is not empty.
@@ -346,6 +396,8 @@ mod tests {
             user: Some(user.into()),
             model: "m".into(),
             rps: None,
+            id: String::new(),
+            withdrawing: None,
         }
     }
 
@@ -370,7 +422,7 @@ mod tests {
     #[test]
     fn the_body_asks_for_what_applies() {
         let body = |user, model| -> serde_json::Value {
-            serde_json::from_slice(&admission_body(user, model)).expect("json")
+            serde_json::from_slice(&admission_body("", user, model)).expect("json")
         };
         assert_eq!(
             body(Some("a\"b"), None),
@@ -381,6 +433,44 @@ mod tests {
             body(Some("u"), Some(("m", rps))),
             serde_json::json!({"user": "u", "model": "m", "rps_limit": 1, "rps_window_ms": 2000})
         );
+        let id = admission_id(0xabc);
+        assert_eq!(id, format!("{:0>32}", "abc"));
+        let named: serde_json::Value =
+            serde_json::from_slice(&admission_body(&id, Some("u"), None)).expect("json");
+        assert_eq!(named, serde_json::json!({"id": id, "user": "u"}));
+    }
+
+    #[test]
+    fn a_withdrawal_names_the_admission_and_its_counters() {
+        let ask = Ask {
+            user: Some("u".into()),
+            model: "m".into(),
+            rps: Some(0.5),
+            id: admission_id(7),
+            withdrawing: None,
+        };
+        let body: serde_json::Value = serde_json::from_slice(&cancel_body(&ask)).expect("json");
+        assert_eq!(
+            body,
+            serde_json::json!({"id": ask.id, "cancel": true, "user": "u", "model": "m",
+                               "rps_limit": 1, "rps_window_ms": 2000})
+        );
+        // Only an answer of pd-control's tells what it counted.
+        let admitted = br#"{"outcome":"rpm_exceeded","rpm":3,"rpm_limit":3}"#;
+        assert!(answered("200", admitted));
+        assert!(answered(
+            "200",
+            br#"{"outcome":"store_error","stage":"rpm","message":"m"}"#
+        ));
+        for (status, body) in [
+            ("", &b""[..]),
+            ("504", &b"upstream request timeout"[..]),
+            ("503", &admitted[..]),
+            ("200", &b"{"[..]),
+            ("200", &b"{\"outcome\":\"maybe\"}"[..]),
+        ] {
+            assert!(!answered(status, body), "{status} {body:?}");
+        }
     }
 
     #[test]
@@ -389,6 +479,8 @@ mod tests {
             user: None,
             model: "llama".into(),
             rps: Some(0.5),
+            id: String::new(),
+            withdrawing: None,
         };
         let refused = br#"{"outcome":"model_rps_exceeded","model_rps":1,"rps_limit":1}"#;
         assert_eq!(
@@ -479,6 +571,18 @@ mod tests {
             header(judge("a", "200", store("counters").as_bytes())),
             Some("x-error-incr-rpm")
         );
+        // AIBrix's `checkLimits`: each user step its own header.
+        for (stage, aibrix) in [
+            ("rpm", "x-error-rpm-exceeded"),
+            ("incr_rpm", "x-error-incr-rpm"),
+            ("tpm", "x-error-tpm-exceeded"),
+        ] {
+            assert_eq!(
+                header(judge("a", "200", store(stage).as_bytes())),
+                Some(aibrix),
+                "{stage}"
+            );
+        }
         assert_eq!(header(judge("a", "503", b"down")), Some("x-error-user"));
         assert_eq!(header(judge("a", "200", b"{")), Some("x-error-user"));
         assert_eq!(

@@ -6,6 +6,7 @@
 use super::{Admission, Limited, PdHttp};
 use crate::core::errors::RouteError;
 use crate::core::fleet::FleetView;
+use crate::core::held_body::HeldBody;
 use crate::core::request::Endpoint;
 use crate::core::user_limits::{self, Ask, Charge, ModelRps, UsageScan, Verdict};
 use crate::host::metrics::Metrics;
@@ -36,6 +37,8 @@ impl PdHttp {
             user,
             model: model.to_string(),
             rps,
+            id: user_limits::admission_id(self.vm.borrow_mut().rng.u128(..)),
+            withdrawing: None,
         })
     }
 
@@ -53,7 +56,7 @@ impl PdHttp {
             .rps
             .and_then(ModelRps::of)
             .map(|rps| (ask.model.as_str(), rps));
-        let body = user_limits::admission_body(ask.user.as_deref(), model);
+        let body = user_limits::admission_body(&ask.id, ask.user.as_deref(), model);
         let sent = {
             let vm = self.vm.borrow();
             Metrics::inc(vm.metrics.rate_limit_checks);
@@ -121,29 +124,72 @@ impl PdHttp {
         });
     }
 
-    /// pd-control answered the admission of this request: route it, or refuse it.
+    /// pd-control answered the admission of this request: route it, or refuse it. Or
+    /// answered its withdrawal: refuse it as decided before.
     pub(super) fn on_admission(&mut self, admission: Admission, body_size: usize) {
         let (status, body) = self.call_answer(body_size);
-        let Admission { ask, raw, .. } = admission;
-        // Routed now: out of the budget (a wait for a prefill leg holds it anew).
-        let raw = raw.into_body();
+        let Admission { mut ask, raw, .. } = admission;
+        if let Some(refusal) = ask.withdrawing.take() {
+            // Whatever the withdrawal's fate: pd-control retries Redis on its own, and a
+            // withdrawal that did not arrive cannot be helped from a stream that ends now.
+            log::debug!(
+                "request {}: admission {} withdrawn ({status})",
+                self.request_id,
+                ask.id
+            );
+            return self.resume_routed(Err(refusal));
+        }
+        let answered = user_limits::answered(&status, &body);
         let admitted = match user_limits::judge(&ask, &status, &body) {
             Verdict::Admitted { rpm, charged } => {
                 self.charge = charged.map(|rps| Charge {
-                    model: ask.model,
+                    model: ask.model.clone(),
                     rps,
                     // An age, taken by this VM: its monotonic clock (a wall-clock step back
                     // read as age 0 and could give the request back to a newer window).
                     answered_ms: crate::host::steady_ms(),
                 });
-                self.admitted(ask.user, rpm);
+                self.admitted(ask.user.clone(), rpm);
                 Ok(())
             }
             Verdict::Refused(error) => Err(error),
-            Verdict::Unchecked(error) => self.unchecked(ask.user, error, false),
-            Verdict::Unreachable(error) => self.unchecked(ask.user, error, true),
+            Verdict::Unchecked(error) => self.unchecked(ask.user.clone(), error, false),
+            Verdict::Unreachable(error) => self.unchecked(ask.user.clone(), error, true),
         };
-        let routed = admitted.and_then(|()| self.route(raw));
+        let raw = match admitted {
+            Err(refusal) if !answered => return self.withdraw(ask, raw, refusal),
+            Err(refusal) => return self.resume_routed(Err(refusal)),
+            // Routed now: out of the budget (a wait for a prefill leg holds it anew).
+            Ok(()) => raw.into_body(),
+        };
+        let routed = self.route(raw);
         self.resume_routed(routed);
+    }
+
+    /// Refuses a request whose admission got no answer from pd-control, after withdrawing
+    /// the admission (`user_limits::cancel_body`): sent from this stream, which waits for
+    /// the withdrawal's answer (at most `rate_limits_timeout_ms` more), because the stream's
+    /// end would cancel a call still in flight. A request let through unchecked is not
+    /// withdrawn: it runs, so a count that lands late is its own.
+    fn withdraw(&mut self, mut ask: Ask, raw: HeldBody, refusal: RouteError) {
+        let body = user_limits::cancel_body(&ask);
+        let sent = {
+            let vm = self.vm.borrow();
+            crate::host::user_limits::send_admission(&vm.plugin, &body)
+        };
+        match sent {
+            Ok(token) => {
+                ask.withdrawing = Some(refusal);
+                self.admission = Some(Admission { token, ask, raw });
+            }
+            Err(e) => {
+                log::warn!(
+                    "request {}: cannot withdraw admission {}: {e}",
+                    self.request_id,
+                    ask.id
+                );
+                self.resume_routed(Err(refusal));
+            }
+        }
     }
 }
