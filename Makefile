@@ -19,6 +19,7 @@ help:
 	@echo "make up FLEET=path [SIM=1] [PORT=10000] / make down - local stack"
 	@echo "make bench [BENCH_DIR=target/bench] / make bench-quick - overhead against plain Envoy and the Rust peers, policy quality (docs/BENCHMARKS.md)"
 	@echo "make bench-policy-targets [POLICY_REPS=5] - the token_load and hybrid_cache_load targets, run by run on the same traces"
+	@echo "make bench-stalls [REPS=2] - streams on a 2 ms/token engine, every target dealt the same moments: the stall target"
 	@echo "make bench-scrape [BENCH_PODS=1000 BENCH_SECONDS=30 BENCH_INTERVAL=100ms] - pd-control scrape scale benchmark"
 	@echo "make bench-v8 [BENCH_V8_PODS='16 256 1024'] - selection cost inside Envoy's V8 (envoy/bench-v8.sh)"
 	@echo "make bench-v8-node [BENCH_V8_PODS=...] - selection and snapshot adoption as wasm in Node's V8, no Envoy"
@@ -235,7 +236,7 @@ bench-v8-node: setup
 BENCH_DIR   ?= target/bench
 PEER_WHEELS := sglang-router==0.3.2 vllm-router==0.1.17
 PEER_DEPS   := setproctitle aiohttp orjson uvicorn fastapi requests
-.PHONY: bench bench-quick bench-policy-targets bench-setup bench-report floor-wasm
+.PHONY: bench bench-quick bench-policy-targets bench-stalls bench-setup bench-report floor-wasm
 
 # The PD-hop floor filter (filter/examples/pd_floor.rs), the bench's pd-floor-1p1d target.
 floor-wasm: setup
@@ -267,6 +268,11 @@ bench-policy-targets: bench-setup wasm floor-wasm
 	BENCH_DIR=$(BENCH_DIR) POLICY_REPS=$(POLICY_REPS) POLICY_PEERS=0 POLICY_LOADS=90 \
 	  POLICY_PAIRS="least_request:least_request token_load:token_load prefix_cache:load_balancing hybrid_cache_load:load_balancing" \
 	  envoy/bench.sh full policy
+
+# The stall measure alone: streams on a 2 ms/token engine dealt to every target (≈ 1 min a round).
+bench-stalls: bench-setup wasm
+	cargo build --profile native -p pd-control -p pd-sim
+	BENCH_DIR=$(BENCH_DIR) REPS=$(or $(REPS),2) envoy/bench.sh full stalls
 
 # Tables and charts again from the JSON results of an earlier run.
 bench-report:

@@ -4,7 +4,7 @@
 # on a simulated cluster. Results: $BENCH_DIR/<scenario>/<target>.<rep>.json (pd-load reports),
 # then pd-bench-report prints the tables and draws the SVG charts into $BENCH_DIR.
 #
-#   envoy/bench.sh [full|quick] [overhead|policy|all]
+#   envoy/bench.sh [full|quick] [overhead|policy|stalls|all]
 #
 # Everything binds 127.0.0.1 / 127.0.33-36.x on ports 23000-24999. Targets alternate A B A B
 # (REPS rounds of every target in turn) so machine drift spreads over all of them.
@@ -434,11 +434,60 @@ policy() {
   cleanup; PIDS=()
 }
 
+# --- 4. stalls --------------------------------------------------------------------------------
+# The target "streamed responses show no stalls (p99 of time between chunks at the gateway ≈ the
+# engine's)" needs an engine that has a gap of its own: the overhead phase's zero-time engine
+# sends a whole answer in about one read. Here every pod takes 2 ms per token and nothing else
+# (no prefill time, no batch slowdown), so a stream's chunks come 2 ms apart at the engine, and
+# every target is dealt the same moments request by request (one run, pd-load --target): what a
+# router adds to the longest gap of a stream, or to its time per token, is its own.
+STALL_SIM="--prefill-base-ms 0 --prefill-us-per-token 0 --decode-ms-per-token 2 --kv-pull-base-ms 0 --kv-pull-us-per-token 0 --prefill-concurrency 0 --batch-slowdown 0"
+
+stalls() {
+  log "stalls: streams on a 2 ms/token engine, direct, plain Envoy, pd-router, sglang-router, vllm-router"
+  clear_results 'stream-timed*'
+  { fleet_head; rolesets 1 37 vllm t; combined 1 37 vllm t 9; rolesets 1 38 sglang u; } > "$RUN/pods-stall.yaml"
+  { fleet_head; rolesets 1 37 vllm t; } > "$RUN/fleet-stall.yaml"
+  { fleet_head; rolesets 1 38 sglang u; } > "$RUN/fleet-stall-sglang.yaml"
+  # shellcheck disable=SC2086
+  start_sim sim-stall "$RUN/pods-stall.yaml" 23092 $STALL_SIM
+  start_control control-stall "$RUN/fleet-stall.yaml" 23181
+  start_control control-stall-sglang "$RUN/fleet-stall-sglang.yaml" 23186
+  start_envoy_pd envoy-stall 23180 23182 23181
+  start_envoy_pd envoy-stall-sglang 23185 23187 23186
+  start_envoy_plain envoy-plain-stall 23190 23192 127.0.37.9
+  tokenizer
+  start_sglang sglang-stall 23194 38 1 round_robin round_robin
+  start_vllm vllm-stall 23196 37 1 round_robin
+  local targets=(--target "direct=http://127.0.37.9:$POD_PORT" --target "envoy-plain=http://127.0.0.1:23190"
+    --target "pd-router-1p1d=http://127.0.0.1:23180" --target "pd-router-1p1d-sglang=http://127.0.0.1:23185"
+    --target "sglang-router=http://127.0.0.1:23194" --target "vllm-router=http://127.0.0.1:23196")
+  local t
+  for ((t = 2; t <= ${#targets[@]}; t += 2)); do # warm-up: connections, VMs, JIT
+    "$BIN/pd-load" --url "${targets[$((t - 1))]#*=}" --model "$MODEL" --rps 0 --clients 4 --requests 200 \
+      --workload fixed --body-bytes 2048 --stream-ratio 0 --max-tokens 1 > /dev/null 2>&1 || true
+  done
+  local rep
+  for ((rep = 1; rep <= REPS; rep++)); do
+    mkdir -p "$OUT/stream-timed-2k"
+    # 64 tokens (≈ 130 ms a stream), 60 streams a second in all: ≈ 8 streams in flight, a
+    # moderate load on this box, so a gap is the router's and not a saturated core's.
+    # shellcheck disable=SC2046
+    "$BIN/pd-load" --model "$MODEL" --seed "$rep" "${targets[@]}" --json-dir "$OUT/stream-timed-2k" $(side_pids) \
+      --workload fixed --stream-ratio 1 --max-tokens 64 --timeout 20s --body-bytes 2048 \
+      --duration "$((SECS * 6))s" --rps 60 --concurrency-limit 64 > "$RUN/last-load.txt" 2>&1 || true
+    log "stream-timed-2k #$rep: $(grep -c '^\[' "$RUN/last-load.txt") targets dealt one run"
+  done
+  cleanup; PIDS=()
+}
+
 case $PHASES in
   overhead) overhead ;;
   policy) policy ;;
-  all) overhead; policy ;;
-  *) echo "usage: bench.sh [full|quick] [overhead|policy|all]" >&2; exit 2 ;;
+  stalls) stalls ;;
+  # Quick sittings leave the stall phase out (the issue's five minutes): `bench.sh quick stalls`.
+  all) overhead; policy; [ "$MODE" = quick ] || stalls ;;
+  *) echo "usage: bench.sh [full|quick] [overhead|policy|stalls|all]" >&2; exit 2 ;;
 esac
 "$BIN/pd-bench-report" --dir "$OUT" --charts "$OUT" \
   --bound-request-cost "${AIBRIX_TOKEN_LOAD_REQUEST_COST:-3500}"
