@@ -40,6 +40,11 @@ pub enum FaultKind {
         /// HTTP allows and a proxy on the way may add).
         #[serde(default)]
         raw_header: bool,
+        /// Send the status, the headers (`content-length` of the whole error body) and half
+        /// of the body, then close the connection: an engine that died while it answered an
+        /// error.
+        #[serde(default)]
+        cut_body: bool,
     },
     /// Serve the request normally after an extra `delay_ms`.
     Slow { delay_ms: u64 },
@@ -287,7 +292,8 @@ mod tests {
                 delay_ms: 0,
                 stall_body: false,
                 empty_body: false,
-                raw_header: false
+                raw_header: false,
+                cut_body: false
             }
         );
         assert!(matches!(

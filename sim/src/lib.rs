@@ -11,7 +11,7 @@
 //! Modules: [`engine`] (timing and token model), [`prefix`] (prefix cache), [`vllm`] (wire
 //! shapes and PD rules), [`sglang`] and [`trtllm`] (their PD rules), [`rendezvous`] (legs that
 //! meet by key), [`abort`] (`/abort_request`), [`metrics`] (exposition), [`pod`] (per-pod state and request jobs),
-//! [`log`] (request log), [`faults`] (fault injection), [`server`] (HTTP), [`sim`] (fleet → served pods), [`load`] and
+//! [`log`] (request log), [`departure`] (clients that left mid-answer), [`faults`] (fault injection), [`server`] (HTTP), [`sim`] (fleet → served pods), [`load`] and
 //! [`stats`] (load generator and its summary), [`trace`] (JSONL traces, the mixed and
 //! fixed-size workloads), [`probe`] (pd-sim counters and router CPU around a run), [`report`]
 //! and [`charts`] (`pd-bench-report`: tables and SVG charts of `make bench`),
@@ -24,6 +24,7 @@ pub mod api_key;
 pub mod charts;
 pub mod cli;
 pub mod client;
+pub mod departure;
 pub mod dispatch_bound;
 pub mod engine;
 pub mod faults;

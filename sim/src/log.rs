@@ -49,6 +49,11 @@ pub struct LogEntry {
     /// host/port/room and rid; request type, schedule style and ids); `/abort_request`: the
     /// rid and how many requests it ended.
     pub pd: Option<Value>,
+    /// The client (the gateway) went away before the answer was complete: its connection
+    /// closed while the pod still computed or sent it (`crate::departure`). A real vLLM
+    /// aborts such a request; one that never noticed would compute the whole prefill and pin
+    /// its KV blocks for a decode leg that never comes.
+    pub client_gone: bool,
 }
 
 impl LogEntry {
@@ -78,6 +83,7 @@ impl LogEntry {
             received_unix_ms: unix_ms(),
             fault: None,
             pd: None,
+            client_gone: false,
         }
     }
 }
@@ -191,6 +197,7 @@ mod tests {
             received_unix_ms: 0,
             fault: None,
             pd: None,
+            client_gone: false,
         }
     }
 
@@ -248,6 +255,7 @@ mod tests {
             "received_unix_ms",
             "fault",
             "pd",
+            "client_gone",
         ] {
             assert!(keys.contains(&k), "{k}");
         }

@@ -14,6 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use futures_util::future::BoxFuture;
+use futures_util::StreamExt;
 use hyper_util::rt::TokioIo;
 use hyper_util::service::TowerToHyperService;
 use serde_json::Value;
@@ -23,6 +24,7 @@ use tokio::task::{JoinHandle, JoinSet};
 
 use crate::abort::AbortHandle;
 use crate::anthropic;
+use crate::departure::Departure;
 use crate::engine;
 use crate::faults::{self, Drawn, FaultError, FaultKind, FaultSpec};
 use crate::keep_alive;
@@ -496,6 +498,7 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
         stall_body,
         empty_body,
         raw_header,
+        cut_body,
     }) = fault.as_ref().map(|f| f.kind)
     {
         if delay_ms > 0 {
@@ -511,6 +514,9 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
             let (mut parts, _) = answer.into_parts();
             parts.headers.remove(header::CONTENT_TYPE);
             return Response::from_parts(parts, Body::empty());
+        }
+        if cut_body {
+            return cut_body_response(answer).await;
         }
         return match fault.filter(|_| stall_body) {
             Some(drawn) => stalled_body(answer, drawn),
@@ -700,6 +706,10 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
         .map(|rid| pod.aborts.register(rid))
         .or(running);
     let mut signal = abort.as_ref().map(AbortHandle::signal);
+    // Dropped with this future (the client left while the pod computed), or moved into a
+    // body that outlives it and dropped with that (the client left while it was sent).
+    let mut departure = Some(Departure::new(pod.clone(), seq));
+    let departure_slot = &mut departure;
 
     // The request is logged (tests poll for it) before it starts hanging.
     let pod = pod.clone();
@@ -768,15 +778,24 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
                     stall,
                     hooks,
                     abort: abort.take(),
+                    departure: departure_slot.take(),
                 },
             ),
             (false, None) => full_response(job, meta, req.prompt_tokens, kv_out, hooks).await,
             (false, Some(stall)) => {
-                stalled_full_response(job, meta, req.prompt_tokens, kv_out, stall, hooks)
+                let answer = StalledAnswer {
+                    job,
+                    meta,
+                    prompt_tokens: req.prompt_tokens,
+                    kv_out,
+                    hooks,
+                    departure: departure_slot.take(),
+                };
+                stalled_full_response(answer, stall)
             }
         }
     };
-    match signal.as_mut() {
+    let response = match signal.as_mut() {
         None => respond.await,
         Some(signal) => {
             tokio::select! {
@@ -784,7 +803,12 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
                 _ = signal.aborted() => aborted_response(engine, endpoint),
             }
         }
+    };
+    // Answered whole here (a streamed body carries its own departure on).
+    if let Some(departure) = departure.take() {
+        departure.finish();
     }
+    response
 }
 
 /// A context-first TRT-LLM generation leg fetching the KV its `encoded_opaque_state` names.
@@ -869,6 +893,30 @@ struct Stall {
     drawn: Drawn,
 }
 
+/// `answer`'s status, its headers with the whole body's `content-length`, and the first half
+/// of its body; then the body fails, which makes hyper close the connection mid-body.
+async fn cut_body_response(answer: Response) -> Response {
+    let (mut parts, body) = answer.into_parts();
+    let whole = axum::body::to_bytes(body, usize::MAX)
+        .await
+        .unwrap_or_default();
+    parts
+        .headers
+        .insert(header::CONTENT_LENGTH, HeaderValue::from(whole.len()));
+    let half = whole.slice(..whole.len() / 2);
+    let first = futures_util::stream::once(async move { Ok::<_, std::io::Error>(half) });
+    // The failure comes a moment later: hyper writes what it has before it sees the error
+    // (which closes the connection), so the peer gets the headers and half a body.
+    let cut = futures_util::stream::once(async {
+        tokio::time::sleep(CUT_BODY_AFTER).await;
+        Err(std::io::Error::other("cut_body fault: the pod went away"))
+    });
+    Response::from_parts(parts, Body::from_stream(first.chain(cut)))
+}
+
+/// How long a `cut_body` answer's first half is out before its connection closes.
+const CUT_BODY_AFTER: Duration = Duration::from_millis(50);
+
 /// `answer` with its status and headers at once and its body once the fault is released.
 fn stalled_body(answer: Response, drawn: Drawn) -> Response {
     let (parts, body) = answer.into_parts();
@@ -881,22 +929,37 @@ fn stalled_body(answer: Response, drawn: Drawn) -> Response {
     Response::from_parts(parts, Body::from_stream(body))
 }
 
-/// An unstreamed answer whose headers go out at once and whose body waits for the fault's
-/// release: what a client sees from an engine that hangs after accepting the request.
-fn stalled_full_response(
+/// What an unstreamed answer held by a `hang_after_chunks` fault is made of.
+struct StalledAnswer {
     job: Job,
     meta: ResponseMeta,
     prompt_tokens: u64,
     kv_out: Option<Value>,
-    stall: Stall,
     hooks: Hooks,
-) -> Response {
+    departure: Option<Departure>,
+}
+
+/// An unstreamed answer whose headers go out at once and whose body waits for the fault's
+/// release: what a client sees from an engine that hangs after accepting the request.
+fn stalled_full_response(answer: StalledAnswer, stall: Stall) -> Response {
+    let StalledAnswer {
+        job,
+        meta,
+        prompt_tokens,
+        kv_out,
+        hooks,
+        departure,
+    } = answer;
     let body = futures_util::stream::once(async move {
         stall.drawn.released().await;
         let full = full_response(job, meta, prompt_tokens, kv_out, hooks).await;
-        axum::body::to_bytes(full.into_body(), usize::MAX)
+        let bytes = axum::body::to_bytes(full.into_body(), usize::MAX)
             .await
-            .map_err(std::io::Error::other)
+            .map_err(std::io::Error::other);
+        if let Some(departure) = departure {
+            departure.finish();
+        }
+        bytes
     });
     (
         [(
@@ -957,6 +1020,8 @@ struct StreamOptions {
     stall: Option<Stall>,
     hooks: Hooks,
     abort: Option<AbortHandle>,
+    /// Finished once the stream's last event is out (`crate::departure`).
+    departure: Option<Departure>,
 }
 
 struct StreamState {
@@ -1114,6 +1179,11 @@ fn stream_response(job: Job, meta: ResponseMeta, opts: StreamOptions) -> Respons
             }
         };
         st.opts.abort = abort;
+        if text.is_none() {
+            if let Some(departure) = st.opts.departure.take() {
+                departure.finish();
+            }
+        }
         text.map(|t| (Ok::<_, Infallible>(Bytes::from(t)), st))
     });
     (

@@ -45,6 +45,9 @@ pub enum AbortCause {
     PrefillFailed(&'static str),
     /// The decode watchdog fired in this phase.
     Watchdog(Phase),
+    /// Not a decode abort: the request ended (its client left, or the decode pod's error
+    /// answered it) while its SGLang prefill leg still ran; the prefill pod drops it.
+    PrefillAbandoned,
 }
 
 impl AbortCause {
@@ -53,6 +56,7 @@ impl AbortCause {
             AbortCause::PrefillFailed(class) => class,
             AbortCause::Watchdog(Phase::FirstResponse) => "watchdog_first_response",
             AbortCause::Watchdog(Phase::StreamIdle) => "watchdog_stream_idle",
+            AbortCause::PrefillAbandoned => "prefill_abandoned",
         }
     }
 }

@@ -21,6 +21,7 @@ impl PdHttp {
         // without one.
         let timed_out_on_prefill = self.obs.timed_out_on_prefill
             || (self.waits_on_prefill() && self.ended_by_envoy_timeout());
+        self.abort_abandoned_prefill();
         self.prefill_returned();
         let mut outcome = self.obs.outcome.unwrap_or(match self.obs.response_status {
             Some(_) if self.obs.times.end_us.is_none() => {

@@ -43,6 +43,8 @@ pub enum Merge {
 struct AsyncPrefill {
     token: u32,
     rid: Option<String>,
+    /// Where the leg went: an abort for `rid` goes there when the request ends first.
+    prefill_address: String,
     decode_address: String,
 }
 
@@ -147,6 +149,7 @@ impl PdHttp {
                 self.legs.async_prefill = Some(AsyncPrefill {
                     token,
                     rid: Some(rid.clone()),
+                    prefill_address: prefill.address.clone(),
                     decode_address: decode.address.clone(),
                 });
                 crate::section!("sglang.watch", self.watch(decode, Some(rid), req.stream));
@@ -278,6 +281,7 @@ impl PdHttp {
         self.legs.async_prefill = Some(AsyncPrefill {
             token,
             rid: None,
+            prefill_address: prefill_address.to_string(),
             decode_address: decode_address.to_string(),
         });
         self.replace_body(&trtllm::generation_first_body(raw, members, id, info))?;
@@ -426,6 +430,50 @@ impl PdHttp {
                 self.request_id
             );
         }
+    }
+
+    /// At the end of the stream: a prefill leg still out (SGLang's, sent beside the decode
+    /// leg) is asked to stop at its pod with `/abort_request` for its rid, unless the client
+    /// got a whole 2xx answer (the leg is then finishing its transfer, not wasted work).
+    ///
+    /// Envoy does not cancel a side call when the stream that made it ends (its upstream
+    /// request stays active until the pod answers or the call times out), so without this
+    /// a client that left, or a decode pod that failed at once, leaves the prefill pod
+    /// holding the request in its bootstrap queue (and then computing it) for nothing.
+    /// TRT-LLM's context leg has no rid to abort by; a vLLM prefill leg is a synchronous
+    /// side call with nothing but its connection to end it by, which the filter cannot
+    /// close (proxy-wasm has no cancel for HTTP calls).
+    pub(super) fn abort_abandoned_prefill(&mut self) {
+        let Some(leg) = self.legs.async_prefill.take() else {
+            return;
+        };
+        let answered_whole = self.obs.times.end_us.is_some()
+            && self
+                .obs
+                .response_status
+                .is_some_and(|s| (200..300).contains(&s));
+        if answered_whole || leg.rid.is_none() {
+            return;
+        }
+        log::info!(
+            "request {}: ended while its prefill leg still ran; aborting rid {:?} on {}",
+            self.request_id,
+            leg.rid,
+            leg.prefill_address
+        );
+        let settings = self.legs.watch_settings;
+        let authorization = self.forwarded_value("authorization").map(str::to_string);
+        self.vm.borrow_mut().engines.queue_abort(AbortOrder {
+            address: &leg.prefill_address,
+            rid: leg.rid.as_deref(),
+            timeout_s: settings.abort_timeout_s,
+            retry_s: settings.abort_retry_delay_s,
+            cause: AbortCause::PrefillAbandoned,
+            streaming: false,
+            authorization: authorization.as_deref(),
+        });
+        // The root context's tick sends it: keep this VM's tick running.
+        self.vm.borrow_mut().wake();
     }
 
     /// Puts the request under the decode watchdog (not yet armed).
