@@ -642,6 +642,20 @@ impl<'de> serde::de::Visitor<'de> for UsageVisitor {
 /// The log line of an unusable record. The message names Redis keys built from user and
 /// model names that came in request bodies and may hold CR/LF, which the log writer does not
 /// escape: Debug formatting escapes them, so a name cannot forge log lines.
+/// A counter family's samples by `result` label, `(labels, value)`: the give-back counters of
+/// refunds and withdrawals.
+fn result_samples(counts: &[(&str, &AtomicU64)]) -> Vec<(String, String)> {
+    counts
+        .iter()
+        .map(|(result, n)| {
+            (
+                format!("{{result=\"{result}\"}}"),
+                n.load(Ordering::Relaxed).to_string(),
+            )
+        })
+        .collect()
+}
+
 fn record_warning(message: &str) -> String {
     format!("user limits: {message:?}; its requests answer store_error")
 }

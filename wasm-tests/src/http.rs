@@ -39,6 +39,17 @@ impl Response {
     pub fn text(&self) -> String {
         String::from_utf8_lossy(&self.body).into_owned()
     }
+
+    /// Status, headers and the body's first 300 characters: what an assertion message needs
+    /// to tell one answer from another.
+    pub fn describe(&self) -> String {
+        format!(
+            "{} headers={:?} body={}",
+            self.status,
+            self.headers,
+            self.text().chars().take(300).collect::<String>()
+        )
+    }
 }
 
 /// Sends one request and reads the whole answer.

@@ -38,15 +38,6 @@ fn chat(stream: bool, max_tokens: u32) -> Value {
            "messages": [{"role": "user", "content": "where did everyone go?"}]})
 }
 
-fn describe(r: &Response) -> String {
-    format!(
-        "{} headers={:?} body={}",
-        r.status,
-        r.headers,
-        r.text().chars().take(300).collect::<String>()
-    )
-}
-
 /// Sends a request on a raw connection and returns it unread.
 fn open_request(addr: &str, headers: &[(&str, &str)], body: &Value) -> TcpStream {
     let mut s = TcpStream::connect(addr).expect("connect to Envoy");
@@ -113,7 +104,7 @@ fn wait_prefill_ended(stack: &Stack, prefill: &Value, abort_counts: bool) -> Str
 fn assert_clean_end(stack: &Stack, fleet: &Fleet) {
     stack.wait_ledger_zero();
     let r = stack.chat(&PD, &chat(false, 2));
-    assert_eq!(r.status, 200, "{}", describe(&r));
+    assert_eq!(r.status, 200, "{}", r.describe());
     stack.wait_ledger_zero();
     let pods: BTreeSet<&str> = fleet.pods.iter().map(|p| p.name.as_str()).collect();
     for e in stack.sim_requests() {
@@ -176,7 +167,7 @@ fn an_sglang_request_answered_whole_aborts_no_prefill() {
                            "leg": "prefill", "times": 1}),
     );
     let r = stack.chat(&PD, &chat(false, 2));
-    assert_eq!(r.status, 200, "{}", describe(&r));
+    assert_eq!(r.status, 200, "{}", r.describe());
     let whole = stack.wait_for_legs("prefill", 1).remove(0);
     let whole_rid = rid(&whole).expect("an SGLang prefill leg carries a rid");
 
@@ -228,14 +219,6 @@ fn a_vllm_client_leaving_mid_prefill_leaves_the_leg_to_the_prefill_timeout() {
     assert_clean_end(&stack, &fleet);
 }
 
-/// Local-reply mappers for Envoy's own answer to a pod's error answer cut mid-body, which
-/// the filter held whole to rewrite (no response byte had reached the client): Envoy then
-/// answers 502 itself, straight to the codec, past every filter, with the text
-/// "upstream connect error or disconnect/reset before headers. reset reason: protocol
-/// error". These give it an OpenAI-style body and, for a PD request (the filter set its
-/// prefill pod in the filter state), `x-error-pd-decode: true`. Not yet in
-/// envoy/envoy.yaml.tmpl: the tests add them to a second gateway.
-
 /// The stack's fleet: a vLLM pair and a standard pod.
 fn pair_and_standard() -> Fleet {
     pair("vllm").combined("c-0")
@@ -282,12 +265,12 @@ fn a_pods_error_cut_mid_body_is_an_openai_json_502_and_counted() {
     ];
     for (i, (pod, leg, status, headers, marked)) in cases.into_iter().enumerate() {
         let r = cut_error(&stack, &stack.gateway, pod, leg, status, headers);
-        assert_eq!(r.status, 502, "{}", describe(&r));
+        assert_eq!(r.status, 502, "{}", r.describe());
         assert_eq!(
             r.header("content-type"),
             Some("application/json"),
             "{}",
-            describe(&r)
+            r.describe()
         );
         let body = r.json();
         let message = body["error"]["message"].as_str().unwrap_or_default();
@@ -295,10 +278,10 @@ fn a_pods_error_cut_mid_body_is_an_openai_json_502_and_counted() {
             message.contains("cut off")
                 && message.contains("upstream_reset_after_response_started"),
             "{}",
-            describe(&r)
+            r.describe()
         );
-        assert_eq!(body["error"]["type"], "api_error", "{}", describe(&r));
-        assert_eq!(r.header("x-error-pd-decode"), marked, "{}", describe(&r));
+        assert_eq!(body["error"]["type"], "api_error", "{}", r.describe());
+        assert_eq!(r.header("x-error-pd-decode"), marked, "{}", r.describe());
         eventually(Duration::from_secs(10), || {
             let cut = stack.model_fail_count("response_cut", "502");
             (cut == (i + 1) as f64)
@@ -312,9 +295,9 @@ fn a_pods_error_cut_mid_body_is_an_openai_json_502_and_counted() {
                            "times": 1}),
     );
     let r = http::post_json(&stack.gateway, "/v1/chat/completions", &PD, &chat(false, 2));
-    assert_eq!(r.status, 500, "{}", describe(&r));
+    assert_eq!(r.status, 500, "{}", r.describe());
     assert_eq!(r.json()["error"]["message"], "Internal server error");
-    assert_eq!(r.header("x-error-pd-decode"), None, "{}", describe(&r));
+    assert_eq!(r.header("x-error-pd-decode"), None, "{}", r.describe());
     assert_clean_end(&stack, &fleet);
 }
 
@@ -326,16 +309,16 @@ fn sglang_decode_failing_aborts_its_prefill(fault: Value, want_status: u16) {
     let stack = Stack::start_with(fleet.clone(), 2, &[]);
     stack.arm_fault(fault);
     let r = stack.chat(&PD, &chat(false, 4));
-    assert_eq!(r.status, want_status, "{}", describe(&r));
+    assert_eq!(r.status, want_status, "{}", r.describe());
     let body = r.json();
     assert!(
         body["error"]["message"]
             .as_str()
             .is_some_and(|m| !m.is_empty()),
         "{}",
-        describe(&r)
+        r.describe()
     );
-    assert_eq!(r.header("x-error-pd-prefill"), None, "{}", describe(&r));
+    assert_eq!(r.header("x-error-pd-prefill"), None, "{}", r.describe());
     let prefill = stack.wait_for_legs("prefill", 1).remove(0);
     assert_eq!(wait_prefill_ended(&stack, &prefill, true), "aborted by rid");
     stack.wait_ledger_zero();

@@ -18,35 +18,26 @@ fn chat(model: &str, stream: bool) -> Value {
            "messages": [{"role": "user", "content": "what went wrong?"}]})
 }
 
-fn describe(r: &Response) -> String {
-    format!(
-        "{} headers={:?} body={}",
-        r.status,
-        r.headers,
-        r.text().chars().take(300).collect::<String>()
-    )
-}
-
 /// The answer is JSON of its own length, with the gateway's routing headers.
 fn assert_json_answer(r: &Response, status: u16) -> Value {
-    assert_eq!(r.status, status, "{}", describe(r));
+    assert_eq!(r.status, status, "{}", r.describe());
     assert_eq!(
         r.header("content-type"),
         Some("application/json"),
         "{}",
-        describe(r)
+        r.describe()
     );
-    assert!(r.header("request-id").is_some(), "{}", describe(r));
-    assert!(r.header("target-pod").is_some(), "{}", describe(r));
+    assert!(r.header("request-id").is_some(), "{}", r.describe());
+    assert!(r.header("target-pod").is_some(), "{}", r.describe());
     r.json()
 }
 
 /// The answer is [`assert_json_answer`]'s with body `want`, marked `x-error-response-unknown`
 /// exactly when `marked`.
 fn assert_rewritten(r: &Response, status: u16, want: Value, marked: bool) {
-    assert_eq!(assert_json_answer(r, status), want, "{}", describe(r));
+    assert_eq!(assert_json_answer(r, status), want, "{}", r.describe());
     let mark = marked.then_some("true");
-    assert_eq!(r.header(UNKNOWN), mark, "{}", describe(r));
+    assert_eq!(r.header(UNKNOWN), mark, "{}", r.describe());
 }
 
 #[test]
@@ -100,8 +91,8 @@ fn pod_errors_reach_clients_in_aibrix_shape_and_the_filters_own_refusals_keep_th
     decode_fails(429);
     let r = stack.chat(&PD, &chat(MODEL, true));
     let body = assert_json_answer(&r, 429);
-    assert_eq!(body["error"]["type"], "BadRequestError", "{}", describe(&r));
-    assert_eq!(r.header(UNKNOWN), Some("true"), "{}", describe(&r));
+    assert_eq!(body["error"]["type"], "BadRequestError", "{}", r.describe());
+    assert_eq!(r.header(UNKNOWN), Some("true"), "{}", r.describe());
 
     // SGLang's flat error from a standard pod (a whole request, not a PD pair).
     stack.arm_fault(json!({"pod": "sg-c-0", "kind": "status", "status": 503,
@@ -123,22 +114,22 @@ fn pod_errors_reach_clients_in_aibrix_shape_and_the_filters_own_refusals_keep_th
     assert!(
         message.starts_with("upstream connect error"),
         "{}",
-        describe(&r)
+        r.describe()
     );
     assert_eq!(body["error"]["type"], "overloaded_error", "{body}");
     assert_eq!(body["error"]["code"], "service_unavailable", "{body}");
-    assert_eq!(r.header(UNKNOWN), None, "{}", describe(&r));
+    assert_eq!(r.header(UNKNOWN), None, "{}", r.describe());
 
     // The filter's own refusal of a failed prefill leg keeps its body and header.
     stack.arm_fault(json!({"pod": "p-0", "kind": "status", "status": 500,
                            "leg": "prefill", "times": 1}));
     let r = stack.chat(&PD, &chat(MODEL, false));
-    assert_eq!(r.status, 500, "{}", describe(&r));
+    assert_eq!(r.status, 500, "{}", r.describe());
     assert_eq!(
         r.header("x-error-pd-prefill"),
         Some("true"),
         "{}",
-        describe(&r)
+        r.describe()
     );
     let message = r.json()["error"]["message"]
         .as_str()
@@ -147,15 +138,15 @@ fn pod_errors_reach_clients_in_aibrix_shape_and_the_filters_own_refusals_keep_th
     assert!(
         message.starts_with("prefill request failed"),
         "{}",
-        describe(&r)
+        r.describe()
     );
-    assert_eq!(r.header(UNKNOWN), None, "{}", describe(&r));
+    assert_eq!(r.header(UNKNOWN), None, "{}", r.describe());
 
     // Successes are untouched, and every rewrite was counted by kind.
     let r = stack.chat(&PD, &chat(MODEL, false));
-    assert_eq!(r.status, 200, "{}", describe(&r));
+    assert_eq!(r.status, 200, "{}", r.describe());
     assert_eq!(r.header(UNKNOWN), None);
-    assert!(r.json()["choices"].is_array(), "{}", describe(&r));
+    assert!(r.json()["choices"].is_array(), "{}", r.describe());
     let rewritten = |kind: &str| {
         stack.metric(
             "pd_router_upstream_errors_rewritten_total",
@@ -193,12 +184,12 @@ fn a_pods_error_without_a_body_gets_a_json_one() {
     let want = json!({"error": {"message": "upstream answered 429 without a body",
                                 "type": "rate_limit_error", "code": null, "param": null}});
     assert_rewritten(&r, 429, want, false);
-    assert_eq!(r.header("target-pod"), Some("d-0"), "{}", describe(&r));
+    assert_eq!(r.header("target-pod"), Some("d-0"), "{}", r.describe());
     assert_eq!(
         r.header("prefill-target-pod"),
         Some("p-0"),
         "{}",
-        describe(&r)
+        r.describe()
     );
 
     stack.arm_fault(
@@ -240,10 +231,10 @@ fn a_bodiless_pod_error_with_a_raw_header_traps_nothing() {
                                 "type": "overloaded_error", "code": "service_unavailable",
                                 "param": null}});
     assert_rewritten(&r, 503, want, false);
-    assert_eq!(r.header("x-sim-raw"), None, "{}", describe(&r));
+    assert_eq!(r.header("x-sim-raw"), None, "{}", r.describe());
     for _ in 0..4 {
         let ok = stack.chat(&PD, &chat(MODEL, false));
-        assert_eq!(ok.status, 200, "{}", describe(&ok));
+        assert_eq!(ok.status, 200, "{}", ok.describe());
     }
     let log = stack.envoy_log();
     assert!(!log.contains("panicked"), "{log}");

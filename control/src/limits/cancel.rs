@@ -206,19 +206,11 @@ impl CancelCounts {
 
     /// The family's samples, `(labels, value)`.
     pub(super) fn samples(&self) -> Vec<(String, String)> {
-        [
+        super::result_samples(&[
             ("given_back", &self.given_back),
             ("nothing_counted", &self.nothing_counted),
             ("failed", &self.failed),
-        ]
-        .into_iter()
-        .map(|(result, n)| {
-            (
-                format!("{{result=\"{result}\"}}"),
-                n.load(Relaxed).to_string(),
-            )
-        })
-        .collect()
+        ])
     }
 }
 

@@ -165,16 +165,7 @@ impl RefundCounts {
 
     /// The family's samples, `(labels, value)`.
     pub(super) fn samples(&self) -> Vec<(String, String)> {
-        use std::sync::atomic::Ordering::Relaxed;
-        [("given_back", &self.given_back), ("skipped", &self.skipped)]
-            .into_iter()
-            .map(|(result, n)| {
-                (
-                    format!("{{result=\"{result}\"}}"),
-                    n.load(Relaxed).to_string(),
-                )
-            })
-            .collect()
+        super::result_samples(&[("given_back", &self.given_back), ("skipped", &self.skipped)])
     }
 }
 
