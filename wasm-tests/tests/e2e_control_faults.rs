@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use pd_wasm_tests::http;
 use pd_wasm_tests::stack::{eventually, Fleet, Options, Stack};
-use serde_json::json;
+use serde_json::{json, Value};
 
 const MODEL: &str = "cp-model";
 
@@ -200,9 +200,22 @@ fn pd_control_down_routes_on_the_last_snapshot_marks_it_stale_and_recovers() {
     stack.wait_ledger_zero();
 }
 
+/// A readiness probe (`/pd-router/ready`, the plugin's default `ready_path`) sent `times`
+/// times on fresh connections, so each worker answers some: their statuses and bodies.
+fn probe(gateway: &str, times: usize) -> Vec<(u16, Value)> {
+    (0..times)
+        .map(|_| {
+            let r = http::get(gateway, "/pd-router/ready?from=test").expect("probe answered");
+            assert_eq!(r.header("content-type"), Some("application/json"));
+            (r.status, r.json())
+        })
+        .collect()
+}
+
 /// A gateway started while pd-control is unreachable has no snapshot and answers every
 /// request 503: past `snapshot_stale_after_ms` it reads stale on the gauges operators alert on
-/// (it read fresh, age 0) and says so once in its log; its first snapshot makes it fresh.
+/// (it read fresh, age 0) and says so once in its log, and it answers its readiness probe 503
+/// (Envoy's own readiness says ready); its first snapshot makes it fresh and ready.
 #[test]
 fn a_gateway_started_without_pd_control_reads_stale_until_its_first_snapshot() {
     let fleet = two_pairs();
@@ -225,6 +238,16 @@ fn a_gateway_started_without_pd_control_reads_stale_until_its_first_snapshot() {
     );
     let r = pd_request(&gateway.gateway);
     assert_eq!(r.status, 503, "{}", r.text());
+    let requests = gateway.filter_stat("pd_router_requests_total");
+    for (status, body) in probe(&gateway.gateway, 8) {
+        assert_eq!(status, 503, "{body}");
+        assert_eq!(body["ready"], false, "{body}");
+    }
+    assert_eq!(
+        gateway.filter_stat("pd_router_requests_total"),
+        requests,
+        "probes are no requests"
+    );
     eventually(Duration::from_secs(10), || {
         let text = std::fs::read_to_string(&log).unwrap_or_default();
         text.contains("no fleet snapshot after")
@@ -249,6 +272,16 @@ fn a_gateway_started_without_pd_control_reads_stale_until_its_first_snapshot() {
         (r.status == 200)
             .then_some(())
             .ok_or_else(|| format!("{}: {}", r.status, r.text()))
+    });
+    // Each worker adopts the snapshot within a poll: then every probe says ready.
+    let version = gateway.stat("pd_router_fleet_version");
+    eventually(Duration::from_secs(10), || {
+        let answers = probe(&gateway.gateway, 8);
+        answers
+            .iter()
+            .all(|(status, body)| *status == 200 && body["snapshot_version"] == version)
+            .then_some(())
+            .ok_or_else(|| format!("not ready everywhere at version {version}: {answers:?}"))
     });
 }
 

@@ -971,6 +971,10 @@ fn with_an_api_key_set_only_requests_carrying_it_reach_a_pod() {
     )
     .expect("answer");
     assert_eq!(r.status, 401, "{}", r.text());
+    // A readiness probe carries no key: it is answered, and counted nowhere.
+    let probe = pd_wasm_tests::http::get(&stack.gateway, "/pd-router/ready").expect("answer");
+    assert_eq!(probe.status, 200, "{}", probe.text());
+    assert_eq!(probe.json()["ready"], true, "{}", probe.text());
     assert!(
         stack.sim_requests().is_empty(),
         "a refused request reached a pod"

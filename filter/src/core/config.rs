@@ -120,6 +120,11 @@ pub struct PluginConfig {
     /// body the filter accepts. Default 256 MiB: 32 of the largest bodies, thousands of
     /// ordinary prompts.
     pub max_held_body_bytes: usize,
+    /// A request for this path is answered by the worker it reaches: 200 once that worker
+    /// has a fleet snapshot, 503 before (`core::readiness`), for a readiness probe or a load
+    /// balancer's health check; no API key asked, no request counted. Empty turns it off (the
+    /// path then gets the 404 of any unknown path). Must not be a path the gateway serves.
+    pub ready_path: String,
 }
 
 impl PluginConfig {
@@ -165,9 +170,13 @@ impl Default for PluginConfig {
             stand_in_statuses: vec![500, 502, 503],
             max_request_body_bytes: DEFAULT_MAX_REQUEST_BODY_BYTES,
             max_held_body_bytes: crate::core::held_body::DEFAULT_MAX_HELD_BODY_BYTES,
+            ready_path: DEFAULT_READY_PATH.into(),
         }
     }
 }
+
+/// Where a readiness probe asks whether the gateway can route (`ready_path`).
+pub const DEFAULT_READY_PATH: &str = "/pd-router/ready";
 
 /// The drop-ins' listener buffer limit: a ~2M-token prompt at 4 bytes a token.
 pub const DEFAULT_MAX_REQUEST_BODY_BYTES: usize = 8 * 1024 * 1024;
@@ -278,6 +287,21 @@ impl PluginConfig {
                 reason: format!(
                     "must be at least max_request_body_bytes ({})",
                     self.max_request_body_bytes
+                ),
+            });
+        }
+        // The probe is answered before the path is looked at, so an endpoint's path here
+        // would answer every request of that endpoint with the readiness answer.
+        if !self.ready_path.is_empty()
+            && (!self.ready_path.starts_with('/')
+                || self.ready_path.contains('?')
+                || crate::core::request::Endpoint::from_path(&self.ready_path).is_ok())
+        {
+            return Err(ConfigError::Field {
+                field: "ready_path",
+                reason: format!(
+                    "{:?} must start with / and be no path the gateway serves",
+                    self.ready_path
                 ),
             });
         }
@@ -695,6 +719,24 @@ mod tests {
                 br#"{"max_held_body_bytes":1048576}"#,
                 br#"{"max_request_body_bytes":65536,"max_held_body_bytes":65535}"#,
                 br#"{"max_held_body_bytes":0}"#,
+            ],
+        );
+    }
+
+    #[test]
+    fn the_ready_path_is_no_path_the_gateway_serves() {
+        assert_eq!(PluginConfig::default().ready_path, "/pd-router/ready");
+        let off = PluginConfig::parse(br#"{"ready_path":""}"#).expect("empty turns it off");
+        assert_eq!(off.ready_path, "");
+        let other = PluginConfig::parse(br#"{"ready_path":"/healthz/ready"}"#).expect("a path");
+        assert_eq!(other.ready_path, "/healthz/ready");
+        assert_refused(
+            "ready_path",
+            &[
+                br#"{"ready_path":"/v1/chat/completions"}"#,
+                br#"{"ready_path":"/v1/messages"}"#,
+                br#"{"ready_path":"ready"}"#,
+                br#"{"ready_path":"/ready?x=1"}"#,
             ],
         );
     }

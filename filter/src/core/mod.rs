@@ -28,6 +28,7 @@ pub mod pd;
 pub mod poll;
 pub mod prefix;
 pub mod profile;
+pub mod readiness;
 pub mod remote;
 pub mod request;
 pub mod route;

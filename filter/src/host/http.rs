@@ -35,6 +35,7 @@ use crate::core::obs::outcome::Outcome;
 use crate::core::obs::timing::Instants;
 use crate::core::obs::{usage, Explain};
 use crate::core::pd::session_affinity;
+use crate::core::readiness;
 use crate::core::request::{self, Endpoint};
 use crate::core::tokens;
 use crate::core::upstream_error::Rewrite;
@@ -150,6 +151,9 @@ pub struct PdHttp {
     obs: Observed,
     /// The filter answered this request itself: its own error bodies are never rewritten.
     local_reply: bool,
+    /// A readiness probe (`PluginConfig::ready_path`), answered at its headers: nothing else
+    /// of the request path runs for it, and it is counted nowhere.
+    probe: bool,
     /// The body was refused as too large: the answer is this filter's 413 or, when Envoy's
     /// buffer limit fired in the same moment, Envoy's; only the latter is rewritten.
     body_refused: bool,
@@ -236,6 +240,7 @@ impl PdHttp {
             legs: pair::Legs::default(),
             obs: Observed::default(),
             local_reply: false,
+            probe: false,
             body_refused: false,
             request_body_bytes: 0,
             narrowed: false,
@@ -375,11 +380,6 @@ impl Context for PdHttp {
 impl HttpContext for PdHttp {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         crate::section_scope!("request_headers");
-        crate::section!("headers.wake", {
-            let mut vm = self.vm.borrow_mut();
-            vm.wake_for_request();
-            Metrics::inc(vm.metrics.requests);
-        });
         self.obs.times.request_us = now_us();
         let (dst_header, explain_enabled, trap) = {
             let vm = self.vm.borrow();
@@ -393,6 +393,19 @@ impl HttpContext for PdHttp {
             "headers.read",
             header_map::read_request(&dst_header, EXPLAIN_HEADER, trap.as_deref())
         );
+        let probe = {
+            let vm = self.vm.borrow();
+            readiness::is_probe(h.path.as_deref().unwrap_or_default(), &vm.plugin.ready_path)
+                .then(|| vm.fleet.as_ref().map(|f| f.version))
+        };
+        if let Some(version) = probe {
+            return self.answer_readiness(version);
+        }
+        crate::section!("headers.wake", {
+            let mut vm = self.vm.borrow_mut();
+            vm.wake_for_request();
+            Metrics::inc(vm.metrics.requests);
+        });
         if h.dst_present {
             self.set_http_request_header(ENVOY_DST_HEADER, None);
             self.set_http_request_header(&dst_header, None);
@@ -475,6 +488,9 @@ impl HttpContext for PdHttp {
 
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         crate::section_scope!("response_headers");
+        if self.probe {
+            return Action::Continue;
+        }
         let mut clock = Clock::default();
         self.send_prefix_batch(&mut clock);
         self.check_stand_in(&mut clock);
@@ -561,6 +577,9 @@ impl HttpContext for PdHttp {
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         crate::section_scope!("response_body");
+        if self.probe {
+            return Action::Continue;
+        }
         let mut clock = Clock::default();
         self.watch_chunk(body_size, end_of_stream);
         let t = &mut self.obs.times;
@@ -608,6 +627,9 @@ impl HttpContext for PdHttp {
 
     fn on_log(&mut self) {
         crate::section_scope!("log");
+        if self.probe {
+            return;
+        }
         #[cfg(feature = "sections")]
         crate::host::sections::request_done();
         let fired = {

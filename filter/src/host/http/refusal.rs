@@ -66,6 +66,26 @@ impl PdHttp {
         Action::Pause
     }
 
+    /// Answers a readiness probe (`core::readiness`) from this worker's routing view, before
+    /// anything else of the request path runs: no API key, no counter, no log line.
+    pub(super) fn answer_readiness(&mut self, snapshot_version: Option<u64>) -> Action {
+        self.probe = true;
+        self.local_reply = true;
+        let (status, body) = crate::core::readiness::answer(snapshot_version);
+        let headers = vec![
+            ("content-type", "application/json"),
+            ("cache-control", "no-store"),
+        ];
+        if let Err(e) = hostcalls::send_http_response(status, headers, Some(body.as_bytes())) {
+            log::error!(
+                "context {}: cannot answer a readiness probe: {e:?}; resetting the stream",
+                self.id
+            );
+            let _ = hostcalls::reset_http_response();
+        }
+        Action::Pause
+    }
+
     /// One refusal's log line, with the refusals of its reason the pace left out before it.
     fn log_refusal(&self, error: &RouteError, left_out: u64) {
         use crate::core::errors::loggable;
