@@ -8,6 +8,7 @@ use reqwest::header::HeaderMap;
 use serde_json::Value;
 use tokio::time::timeout_at;
 
+use crate::chunk_gaps::{ChunkGaps, StreamGaps};
 use crate::load::{LoadConfig, RequestResult};
 use crate::workload::{decode_body, prefill_body, Planned};
 
@@ -49,6 +50,8 @@ pub(crate) struct Sender {
     base: String,
     prefill_base: Option<(String, String)>,
     pub(crate) run_start: Instant,
+    /// Every time between token reads of this sender's successful streams.
+    pub(crate) chunk_gaps: ChunkGaps,
 }
 
 impl Sender {
@@ -69,6 +72,7 @@ impl Sender {
             prefill_base,
             cfg,
             run_start: Instant::now(),
+            chunk_gaps: ChunkGaps::default(),
         })
     }
 
@@ -151,13 +155,15 @@ impl Sender {
         };
         r.status = Some(resp.status().as_u16());
         read_headers(&mut r, resp.headers());
+        let mut gaps = StreamGaps::default();
         if p.stream && resp.status().is_success() {
-            read_stream(&mut r, &mut resp, start, deadline).await;
+            read_stream(&mut r, &mut resp, start, deadline, &mut gaps).await;
         } else {
             read_body(&mut r, resp, deadline).await;
             r.ttft_ms = Some(ms(start.elapsed()));
         }
         r.e2e_ms = ms(start.elapsed());
+        self.chunk_gaps.record(&r, &gaps);
         r
     }
 
@@ -376,6 +382,7 @@ async fn read_stream(
     resp: &mut reqwest::Response,
     start: Instant,
     deadline: tokio::time::Instant,
+    gaps: &mut StreamGaps,
 ) {
     let mut progress = SseProgress::default();
     let mut buf = String::new();
@@ -392,6 +399,7 @@ async fn read_stream(
                     if let Some(last) = last_token {
                         let gap = ms(now - last);
                         r.max_gap_ms = Some(r.max_gap_ms.map_or(gap, |m| m.max(gap)));
+                        gaps.record(gap);
                     }
                     last_token = Some(now);
                 }

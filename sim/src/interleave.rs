@@ -152,7 +152,15 @@ pub async fn run(cfg: LoadConfig, targets: &[Target]) -> Result<Vec<(String, Run
         .enumerate()
         .map(|(i, (t, mut results))| {
             results.sort_by_key(|r| r.seq);
-            let summary = summarize(&results, window, elapsed, delayed[i], &host_port(&t.url));
+            let gaps = senders[i].chunk_gaps.snapshot();
+            let summary = summarize(
+                &results,
+                window,
+                elapsed,
+                delayed[i],
+                &host_port(&t.url),
+                &gaps,
+            );
             let mut config = cfg.clone();
             config.url = t.url.clone();
             config.rps = cfg.rps / targets.len() as f64;

@@ -12,7 +12,8 @@
 //! shapes and PD rules), [`sglang`] and [`trtllm`] (their PD rules), [`rendezvous`] (legs that
 //! meet by key), [`abort`] (`/abort_request`), [`metrics`] (exposition), [`pod`] (per-pod state and request jobs),
 //! [`log`] (request log), [`departure`] (clients that left mid-answer), [`faults`] (fault injection), [`server`] (HTTP), [`sim`] (fleet → served pods), [`load`] and
-//! [`stats`] (load generator and its summary), [`trace`] (JSONL traces, the mixed and
+//! [`stats`] (load generator and its summary), [`chunk_gaps`] (every time between chunks of a
+//! run's streams), [`trace`] (JSONL traces, the mixed and
 //! fixed-size workloads), [`probe`] (pd-sim counters and router CPU around a run), [`report`]
 //! and [`charts`] (`pd-bench-report`: tables and SVG charts of `make bench`),
 //! [`dispatch_bound`] (what any prefill dispatcher could reach on a run's trace), [`cli`] (the
@@ -22,6 +23,7 @@ pub mod abort;
 pub mod anthropic;
 pub mod api_key;
 pub mod charts;
+pub mod chunk_gaps;
 pub mod cli;
 pub mod client;
 pub mod departure;

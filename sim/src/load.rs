@@ -150,6 +150,7 @@ pub struct RequestResult {
     pub prefill_ms: Option<f64>,
     /// Streams: the longest wait between two reads that brought tokens, after the first
     /// token (a gateway that holds a stream back shows here, where the mean TPOT hides it).
+    /// Every such wait goes into the run's histogram instead (`Summary::chunk_gap_ms`).
     pub max_gap_ms: Option<f64>,
 }
 
@@ -225,6 +226,7 @@ pub async fn run(cfg: LoadConfig) -> Result<RunReport, String> {
         elapsed,
         delayed,
         &target,
+        &sender.chunk_gaps.snapshot(),
     );
     let prefix = match (&cfg.sim_admin, sim_before) {
         (Some(admin), Some(before)) => {

@@ -24,6 +24,9 @@ pub struct Run {
     /// p99 of each stream's longest wait between token reads (NaN for runs before pd-load
     /// measured it).
     pub gap_p99: f64,
+    /// p99 of every wait between token reads of every successful stream (`chunk_gap_ms`; NaN
+    /// for runs before pd-load measured it, shown as "–").
+    pub chunk_p99: f64,
     pub completed_rps: f64,
     pub errors: u64,
     pub requests: u64,
@@ -105,6 +108,7 @@ impl Run {
             ttft_p99: f(v, "/summary/ttft_ms/p99"),
             tpot_p99: f(v, "/summary/tpot_ms/p99"),
             gap_p99: f(v, "/summary/max_gap_ms/p99"),
+            chunk_p99: f(v, "/summary/chunk_gap_ms/p99"),
             completed_rps: f(v, "/summary/completed_rps"),
             errors: v
                 .pointer("/summary/errors")
@@ -345,8 +349,8 @@ pub fn overhead_tables(results: &Results) -> String {
         let stream = scenario.starts_with("stream");
         let _ = writeln!(out, "\n#### {scenario}\n");
         if stream {
-            let _ = writeln!(out, "| target | TTFT p50 ms | TTFT p99 ms | TPOT p99 ms | longest gap p99 ms | E2E p50 ms | E2E p99 ms | rps | CPU µs/req | errors |");
-            let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|");
+            let _ = writeln!(out, "| target | TTFT p50 ms | TTFT p99 ms | TPOT p99 ms | longest gap p99 ms | chunk gap p99 ms | E2E p50 ms | E2E p99 ms | rps | CPU µs/req | errors |");
+            let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|");
         } else {
             let _ = writeln!(
                 out,
@@ -360,11 +364,12 @@ pub fn overhead_tables(results: &Results) -> String {
             if stream {
                 let _ = writeln!(
                     out,
-                    "| {t} | {} | {} | {} | {} | {} | {} | {} | {} | {errors} |",
+                    "| {t} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {errors} |",
                     num(c.med(|r| r.ttft_p50), 2),
                     num(c.med(|r| r.ttft_p99), 2),
                     num(c.med(|r| r.tpot_p99), 3),
                     num(c.med(|r| r.gap_p99), 2),
+                    num(c.med(|r| r.chunk_p99), 3),
                     num(c.med(|r| r.e2e_p50), 2),
                     num(c.med(|r| r.e2e_p99), 2),
                     num(c.med(|r| r.completed_rps), 0),
@@ -531,15 +536,16 @@ pub fn policy_tables(results: &Results, bound: Bound) -> String {
     let mut out = String::new();
     for (scenario, cells) in results.iter().filter(|(s, _)| s.starts_with("policy")) {
         let _ = writeln!(out, "\n#### {scenario}\n");
-        let _ = writeln!(out, "| prefill + decode policy | TTFT p50 ms | TTFT p99 ms | longest gap p99 ms | E2E p99 ms | rps | hit rate | errors |");
-        let _ = writeln!(out, "|---|---|---|---|---|---|---|---|");
+        let _ = writeln!(out, "| prefill + decode policy | TTFT p50 ms | TTFT p99 ms | longest gap p99 ms | chunk gap p99 ms | E2E p99 ms | rps | hit rate | errors |");
+        let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|");
         for (t, c) in cells {
             let _ = writeln!(
                 out,
-                "| {t} | {} | {} | {} | {} | {} | {} | {}/{} |",
+                "| {t} | {} | {} | {} | {} | {} | {} | {} | {}/{} |",
                 num(c.med(|r| r.ttft_p50), 1),
                 num(c.med(|r| r.ttft_p99), 1),
                 num(c.med(|r| r.gap_p99), 1),
+                num(c.med(|r| r.chunk_p99), 2),
                 num(c.med(|r| r.e2e_p99), 1),
                 num(c.med(|r| r.completed_rps), 1),
                 num(c.med_opt(|r| r.hit_rate) * 100.0, 1) + " %",
@@ -1064,6 +1070,72 @@ mod tests {
         );
         assert!(
             text.contains("p99 ratio 0.90, 1.10 (median 1.00), hit-rate difference -1.0, +1.0 points (median +0.0); both met in 0 of 2"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn stream_tables_show_the_chunk_gap_p99_and_a_dash_for_older_files() {
+        // A current report, and one from before pd-load measured chunk gaps (no field).
+        let stream = |p99: Option<f64>| {
+            let mut v = report(10.0, 1.0, 50.0);
+            v["summary"]["tpot_ms"] = json!({"p99": 2.1});
+            v["summary"]["max_gap_ms"] = json!({"p99": 7.5});
+            if let Some(p99) = p99 {
+                v["summary"]["chunk_gap_ms"] = json!({"count": 640, "p50": 2.0, "p90": 2.1, "p99": p99, "p99_9": 6.0, "max": 9.0});
+            }
+            Run::from_json(&v)
+        };
+        let old = stream(None);
+        assert!(old.chunk_p99.is_nan(), "missing field reads as no figure");
+        let mut results: Results = BTreeMap::new();
+        let s = results.entry("stream-timed-2k".into()).or_default();
+        s.entry("direct".into())
+            .or_default()
+            .runs
+            .push(stream(Some(2.25)));
+        s.entry("pd-router-1p1d".into())
+            .or_default()
+            .runs
+            .extend([stream(Some(2.5)), stream(Some(2.75))]);
+        s.entry("vllm-router".into())
+            .or_default()
+            .runs
+            .push(old.clone());
+        let text = overhead_tables(&results);
+        assert!(
+            text.contains("| longest gap p99 ms | chunk gap p99 ms |"),
+            "{text}"
+        );
+        assert!(
+            text.contains("| direct | 10.00 | 10.00 | 2.100 | 7.50 | 2.250 | 10.00 |"),
+            "{text}"
+        );
+        assert!(
+            text.contains("| pd-router-1p1d | 10.00 | 10.00 | 2.100 | 7.50 | 2.625 |"),
+            "median of two: {text}"
+        );
+        assert!(
+            text.contains("| vllm-router | 10.00 | 10.00 | 2.100 | 7.50 | – |"),
+            "{text}"
+        );
+        let mut policy: Results = BTreeMap::new();
+        let p = policy.entry("policy-90".into()).or_default();
+        p.entry("token_load+token_load".into())
+            .or_default()
+            .runs
+            .push(stream(Some(3.0)));
+        p.entry("least_request+least_request".into())
+            .or_default()
+            .runs
+            .push(old);
+        let text = policy_tables(&policy, Bound::default());
+        assert!(
+            text.contains("| token_load+token_load | 10.0 | 10.0 | 7.5 | 3.00 | 20.0 |"),
+            "{text}"
+        );
+        assert!(
+            text.contains("| least_request+least_request | 10.0 | 10.0 | 7.5 | – | 20.0 |"),
             "{text}"
         );
     }

@@ -6,6 +6,7 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
+use crate::chunk_gaps::{GapDist, GapHistogram};
 use crate::load::{RequestResult, RunReport};
 
 /// Percentile `p` (0..=100) of ascending `sorted` values, interpolating linearly between the
@@ -81,6 +82,9 @@ pub struct Summary {
     pub tpot_ms: Option<Dist>,
     /// Streams: each request's longest wait between two reads bringing tokens.
     pub max_gap_ms: Option<Dist>,
+    /// Streams: every wait between two reads bringing tokens, of every successful stream
+    /// (the target's "time between chunks"; see [`crate::chunk_gaps`]).
+    pub chunk_gap_ms: Option<GapDist>,
     pub e2e_ms: Option<Dist>,
     /// `--direct-prefill` runs: the prefill leg pd-load made itself.
     pub prefill_ms: Option<Dist>,
@@ -93,13 +97,16 @@ pub struct Summary {
 }
 
 /// Summarises a run; `send_window_s` is how long arrivals were generated for, `target` names
-/// the pod row of requests answered without a `target-pod` header (sent straight to a pod).
+/// the pod row of requests answered without a `target-pod` header (sent straight to a pod),
+/// `chunk_gaps` holds the gaps of the run's successful streams (the client keeps them, one
+/// histogram a run, since `results` cannot hold every gap of a long run).
 pub fn summarize(
     results: &[RequestResult],
     send_window_s: f64,
     elapsed_s: f64,
     delayed_by_limit: u64,
     target: &str,
+    chunk_gaps: &GapHistogram,
 ) -> Summary {
     let ok: Vec<&RequestResult> = results.iter().filter(|r| r.is_ok()).collect();
     let mut status = BTreeMap::new();
@@ -127,6 +134,7 @@ pub fn summarize(
         ttft_ms: Dist::of(ok.iter().filter_map(|r| r.ttft_ms)),
         tpot_ms: Dist::of(ok.iter().filter_map(|r| r.tpot_ms())),
         max_gap_ms: Dist::of(ok.iter().filter_map(|r| r.max_gap_ms)),
+        chunk_gap_ms: chunk_gaps.dist(),
         e2e_ms: Dist::of(ok.iter().map(|r| r.e2e_ms)),
         prefill_ms: Dist::of(ok.iter().filter_map(|r| r.prefill_ms)),
         output_tokens,
@@ -195,6 +203,13 @@ fn fmt_dist(label: &str, d: &Option<Dist>) -> String {
     }
 }
 
+fn fmt_gaps(d: &GapDist) -> String {
+    format!(
+        "CHUNK ms  p50 {:.2}  p90 {:.2}  p99 {:.2}  p99.9 {:.2}  max {:.1}  (n={})",
+        d.p50, d.p90, d.p99, d.p99_9, d.max, d.count
+    )
+}
+
 /// The human-readable summary.
 pub fn render(s: &Summary) -> String {
     let mut out = String::new();
@@ -233,6 +248,9 @@ pub fn render(s: &Summary) -> String {
     let _ = writeln!(out, "{}", fmt_dist("TPOT", &s.tpot_ms));
     if s.max_gap_ms.is_some() {
         let _ = writeln!(out, "{}", fmt_dist("GAP ", &s.max_gap_ms));
+    }
+    if let Some(d) = &s.chunk_gap_ms {
+        let _ = writeln!(out, "{}", fmt_gaps(d));
     }
     let _ = writeln!(out, "{}", fmt_dist("E2E ", &s.e2e_ms));
     if s.prefill_ms.is_some() {
@@ -349,13 +367,64 @@ mod tests {
             gap(None, 200),
             gap(Some(900.0), 503),
         ];
-        let s = summarize(&results, 1.0, 1.0, 0, "x");
+        let s = summarize(&results, 1.0, 1.0, 0, "x", &GapHistogram::default());
         let d = s.max_gap_ms.as_ref().expect("gaps");
         assert_eq!((d.count, d.max), (2, 40.0), "successes with a gap only");
         assert!(render(&s).contains("GAP  ms  p50 20.5"), "{}", render(&s));
-        let none = summarize(&[gap(None, 200)], 1.0, 1.0, 0, "x");
+        let none = summarize(
+            &[gap(None, 200)],
+            1.0,
+            1.0,
+            0,
+            "x",
+            &GapHistogram::default(),
+        );
         assert!(none.max_gap_ms.is_none());
         assert!(!render(&none).contains("GAP"));
+    }
+
+    #[test]
+    fn every_gap_of_the_successful_streams_is_summarised() {
+        use crate::chunk_gaps::{ChunkGaps, StreamGaps};
+        let stream = |gaps: &[f64]| {
+            let mut s = StreamGaps::default();
+            gaps.iter().for_each(|g| s.record(*g));
+            s
+        };
+        let ok = result(Some(200), Some("d0"), Some("p0"));
+        let broken = RequestResult {
+            error: Some("stream broken: connection reset".into()),
+            ..ok.clone()
+        };
+        let run = ChunkGaps::default();
+        // 99 gaps of 2 ms and one stall of 50 ms over two good streams: the stall is the
+        // p99.9 and the max, the p99 is the engine's 2 ms; the broken stream's 900 ms and
+        // the 503's gaps never count.
+        run.record(&ok, &stream(&[2.0; 60]));
+        run.record(&ok, &stream(&[[2.0; 39].as_slice(), &[50.0]].concat()));
+        run.record(&broken, &stream(&[900.0, 900.0]));
+        run.record(
+            &result(Some(503), Some("d0"), Some("p0")),
+            &stream(&[700.0]),
+        );
+        let results = [ok.clone(), ok, broken];
+        let s = summarize(&results, 1.0, 1.0, 0, "x", &run.snapshot());
+        let d = s.chunk_gap_ms.as_ref().expect("gaps");
+        assert_eq!((d.count, d.max, d.p99_9), (100, 50.0, 50.0), "{d:?}");
+        for p in [d.p50, d.p90, d.p99] {
+            assert!((p - 2.0).abs() <= 0.02, "{d:?}");
+        }
+        let text = render(&s);
+        assert!(
+            text.contains("CHUNK ms  p50 2.00  p90 2.00  p99 2.00  p99.9 50.00  max 50.0  (n=100)"),
+            "{text}"
+        );
+        let json = serde_json::to_value(&s).expect("json");
+        assert_eq!(json["chunk_gap_ms"]["p99_9"], 50.0);
+        assert_eq!(json["chunk_gap_ms"]["count"], 100);
+        let none = summarize(&results, 1.0, 1.0, 0, "x", &GapHistogram::default());
+        assert!(none.chunk_gap_ms.is_none());
+        assert!(!render(&none).contains("CHUNK"));
     }
 
     #[test]
@@ -373,7 +442,14 @@ mod tests {
             routed_error,
             refused,
         ];
-        let s = summarize(&results, 1.0, 2.0, 0, "127.0.0.1:1");
+        let s = summarize(
+            &results,
+            1.0,
+            2.0,
+            0,
+            "127.0.0.1:1",
+            &GapHistogram::default(),
+        );
         assert_eq!((s.requests, s.ok, s.errors), (5, 3, 2));
         assert_eq!(s.offered_rps, 5.0);
         assert_eq!(s.completed_rps, 1.5);

@@ -408,6 +408,19 @@ async fn load_generator_against_pods() {
         .iter()
         .all(|r| r.tokens == 3 && r.ttft_ms.is_some()));
     assert!(report.results.iter().any(|r| r.stream) && report.results.iter().any(|r| !r.stream));
+    // Every gap between token reads of the streams is in the run's histogram: at least each
+    // stream's longest, at most one per token after the first, the largest of them exactly.
+    let streams: Vec<_> = report.results.iter().filter(|r| r.stream).collect();
+    let longest = streams.iter().filter_map(|r| r.max_gap_ms);
+    let (with_gap, top) = longest.fold((0u64, 0f64), |(n, m), g| (n + 1, m.max(g)));
+    assert!(with_gap > 0, "2 ms a token: streams have gaps");
+    let chunks = s.chunk_gap_ms.as_ref().expect("chunk gaps");
+    let upper: u64 = streams.iter().map(|r| r.tokens - 1).sum();
+    assert!(
+        (with_gap..=upper).contains(&chunks.count),
+        "{chunks:?}, {with_gap} streams with a gap, {upper} gaps at most"
+    );
+    assert_eq!(chunks.max, top);
     assert_eq!(s.pods.len(), 1);
     assert_eq!(
         (s.pods[0].role.as_str(), s.pods[0].requests),
