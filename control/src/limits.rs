@@ -17,11 +17,12 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use crate::redis_link::{LinkError, RedisLink, Retry};
+use crate::redis_link::{Fault, LinkError, RedisLink, Retry};
 use crate::report_ids::{Claim, ReportIds, REMEMBER};
 
 mod cancel;
@@ -100,8 +101,8 @@ pub struct ModelRps {
 }
 
 /// What one `POST /v1/limits/admit` asks to check: a user's limits, a model's rate, or both
-/// (at least one). With an `id`, the admission can be withdrawn: `cancel` asks for that (see
-/// `limits::cancel`), naming the same user and model as the admission did.
+/// (at least one). With an `id`, the admission can be withdrawn: the same body on `POST
+/// /v1/limits/cancel` (`cancel` set, see `limits::cancel`) names the same user and model.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AdmitRequest {
     pub user: Option<String>,
@@ -131,7 +132,7 @@ pub enum AdmitError {
     RpsWindow(u64),
     #[error("\"id\" must be 1 to {MAX_ID_BYTES} of [0-9A-Za-z-]")]
     Id,
-    #[error("\"cancel\" needs the admission's \"id\"")]
+    #[error("a withdrawal needs the admission's \"id\"")]
     CancelWithoutId,
 }
 
@@ -148,8 +149,6 @@ struct AdmitBody {
     rps_window_ms: Option<u64>,
     #[serde(default)]
     id: Option<String>,
-    #[serde(default)]
-    cancel: Option<bool>,
 }
 
 /// Parses an admission body: `{"user": name}`, `{"model": name, "rps_limit": n,
@@ -192,16 +191,25 @@ pub fn parse_admit(body: &[u8]) -> Result<AdmitRequest, AdmitError> {
     if let Some(id) = &body.id {
         cancel::check_id(id)?;
     }
-    let cancel = body.cancel.unwrap_or(false);
-    if cancel && body.id.is_none() {
-        return Err(AdmitError::CancelWithoutId);
-    }
     Ok(AdmitRequest {
         user: body.user,
         model,
         id: body.id,
-        cancel,
+        cancel: false,
     })
+}
+
+/// Parses a withdrawal (`POST /v1/limits/cancel`): an admission's body, its `id` required.
+/// A path of its own, not a member of the admission's body: a pd-control older than the
+/// gateway ignores members it does not know, and would count a withdrawal sent to the
+/// admission's path as one more admission; it answers an unknown path 404 and counts nothing.
+pub fn parse_cancel(body: &[u8]) -> Result<AdmitRequest, AdmitError> {
+    let mut request = parse_admit(body)?;
+    if request.id.is_none() {
+        return Err(AdmitError::CancelWithoutId);
+    }
+    request.cancel = true;
+    Ok(request)
 }
 
 /// A user's limits per window, defaults applied.
@@ -642,6 +650,17 @@ impl<'de> serde::de::Visitor<'de> for UsageVisitor {
 /// The log line of an unusable record. The message names Redis keys built from user and
 /// model names that came in request bodies and may hold CR/LF, which the log writer does not
 /// escape: Debug formatting escapes them, so a name cannot forge log lines.
+/// Whether a call that failed with `error` may have run on the server all the same: no reply
+/// within the round-trip bound, or the connection lost on the way. Not a connect that never
+/// happened, an error reply (it ran and failed) or a refusal unrun (`Fault::WrongServer`).
+fn may_have_run(error: &LinkError) -> bool {
+    match error {
+        LinkError::Timeout(_) => true,
+        LinkError::Redis(_) => Fault::of(error) == Fault::Broken,
+        LinkError::ConnectTimeout(_) | LinkError::Backoff => false,
+    }
+}
+
 /// A counter family's samples by `result` label, `(labels, value)`: the give-back counters of
 /// refunds and withdrawals.
 fn result_samples(counts: &[(&str, &AtomicU64)]) -> Vec<(String, String)> {
@@ -755,12 +774,18 @@ impl UserLimits {
     }
 
     /// Checks one request against its user's limits and its model's rate, counting it as
-    /// the answer says.
-    pub async fn admit(&self, request: &AdmitRequest) -> Answer {
+    /// the answer says (or, for `request.cancel`, withdraws it).
+    pub async fn admit(self: &Arc<Self>, request: &AdmitRequest) -> Answer {
         let answer = match &self.store {
             None => Answer::Disabled,
             Some(store) if request.cancel => return self.cancel(store, request).await,
-            Some(store) => self.check(store, request).await,
+            Some(store) => {
+                let (answer, unsure) = self.check(store, request).await;
+                if unsure {
+                    self.withdraw_in_background(request);
+                }
+                answer
+            }
         };
         if let Some(i) = answer.counted() {
             self.checks[i].fetch_add(1, Ordering::Relaxed);
@@ -785,15 +810,32 @@ impl UserLimits {
         answer
     }
 
+    /// Withdraws admission `request` from a task of its own: its counter script failed on
+    /// the way (no reply within the round-trip bound, the connection lost), so Redis may run
+    /// it still, after the `store_error` answer let the gateway refuse the request. The
+    /// withdrawal's marker makes the late count, whenever it lands, count nothing.
+    fn withdraw_in_background(self: &Arc<Self>, request: &AdmitRequest) {
+        let mut withdrawal = request.clone();
+        withdrawal.cancel = true;
+        let limits = Arc::clone(self);
+        tokio::spawn(async move {
+            if let Some(store) = &limits.store {
+                limits.cancel(store, &withdrawal).await;
+            }
+        });
+    }
+
     /// With a user, two round trips: the record (a plain read, which AIBrix keeps current),
     /// then the counter script with the limits it names (and the model's rate). A model-only
-    /// check is the counter script alone.
-    async fn check(&self, store: &Store, request: &AdmitRequest) -> Answer {
+    /// check is the counter script alone. Also says whether the script may have counted
+    /// after all without the answer saying so (its call failed on the way, and the admission
+    /// has an id to withdraw).
+    async fn check(&self, store: &Store, request: &AdmitRequest) -> (Answer, bool) {
         let user = match &request.user {
             None => None,
             Some(name) => match self.user_limits(store, name).await {
                 Ok(limits) => Some((name.as_str(), limits)),
-                Err(answer) => return answer,
+                Err(answer) => return (answer, false),
             },
         };
         let model = request.model.as_ref();
@@ -835,7 +877,10 @@ impl UserLimits {
             .await;
         let reply = match counted {
             Ok(reply) => reply,
-            Err(e) => return self.store_error(stage, &e),
+            Err(e) => {
+                let unsure = request.id.is_some() && may_have_run(&e);
+                return (self.store_error(stage, &e), unsure);
+            }
         };
         self.redis_ok();
         let answer = verdict(&reply, user.map(|(_, limits)| limits), model).unwrap_or_else(|| {
@@ -850,7 +895,7 @@ impl UserLimits {
             self.errors_total.fetch_add(1, Ordering::Relaxed);
             self.warn_record(message);
         }
-        answer
+        (answer, false)
     }
 
     /// A user's limits from its record, or the answer when there are none to check against.
@@ -1175,12 +1220,23 @@ mod tests {
                 user: Some("a".into()),
                 model: None,
                 id: Some("f00d-1".into()),
+                cancel: false
+            }),
+            "an admission is never a withdrawal, whatever its body says"
+        );
+        let cancel = |body: serde_json::Value| parse_cancel(body.to_string().as_bytes());
+        assert_eq!(
+            cancel(json!({"user": "a", "id": "f00d-1"})),
+            Ok(AdmitRequest {
+                user: Some("a".into()),
+                model: None,
+                id: Some("f00d-1".into()),
                 cancel: true
             }),
             "a withdrawal names the admission's id"
         );
         assert_eq!(
-            parse(json!({"user": "a", "cancel": true})),
+            cancel(json!({"user": "a"})),
             Err(AdmitError::CancelWithoutId)
         );
         assert_eq!(
@@ -1560,7 +1616,7 @@ mod tests {
 
     #[tokio::test]
     async fn disabled_limits_answer_disabled_and_count_nothing() {
-        let limits = UserLimits::disabled();
+        let limits = Arc::new(UserLimits::disabled());
         assert!(!limits.enabled());
         for body in [
             json!({"user": "alice"}),

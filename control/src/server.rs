@@ -60,6 +60,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/snapshot.json", get(snapshot_json))
         .route("/v1/replicas/report", post(replica_report))
         .route("/v1/limits/admit", post(limits_admit))
+        .route("/v1/limits/cancel", post(limits_cancel))
         .route("/v1/limits/usage", post(limits_usage))
         .route("/v1/limits/release", post(limits_release))
         .route("/v1/route/external", post(route_external))
@@ -233,7 +234,21 @@ async fn replica_report(State(state): State<AppState>, body: Bytes) -> Response 
 /// gateway reads one shape whatever happened and decides itself what a `store_error` means
 /// for the request.
 async fn limits_admit(State(state): State<AppState>, body: Bytes) -> Response {
-    let request = match crate::limits::parse_admit(&body) {
+    admission_answer(state, crate::limits::parse_admit(&body)).await
+}
+
+/// `POST /v1/limits/cancel`: withdraws the admission whose body (its `id` required) this is,
+/// for a request the gateway refused without the admission's answer
+/// ([`crate::limits::parse_cancel`], `limits::cancel`). Answered as an admission is.
+async fn limits_cancel(State(state): State<AppState>, body: Bytes) -> Response {
+    admission_answer(state, crate::limits::parse_cancel(&body)).await
+}
+
+async fn admission_answer(
+    state: AppState,
+    parsed: Result<crate::limits::AdmitRequest, crate::limits::AdmitError>,
+) -> Response {
+    let request = match parsed {
         Ok(request) => request,
         Err(e) => return (StatusCode::BAD_REQUEST, format!("{e}\n")).into_response(),
     };

@@ -43,8 +43,13 @@ async fn start(
 
 /// `POST /v1/limits/admit` of the JSON `body`: the JSON answer (status 200 and type checked).
 async fn admit_body(base: &str, body: &Value) -> Value {
+    limits_call(base, "/v1/limits/admit", body).await
+}
+
+/// `POST <path>` of the JSON `body`: the JSON answer (status 200 and type checked).
+async fn limits_call(base: &str, path: &str, body: &Value) -> Value {
     let resp = client()
-        .post(format!("{base}/v1/limits/admit"))
+        .post(format!("{base}{path}"))
         .header("content-type", "application/json")
         .body(body.to_string())
         .send()
@@ -1115,8 +1120,7 @@ async fn after_a_round_trip_times_out_checks_fail_fast_for_a_while() {
 /// answer): the answer, `cancelled` with what was given back.
 async fn withdraw(base: &str, id: &str, mut body: Value) -> Value {
     body["id"] = id.into();
-    body["cancel"] = true.into();
-    admit_body(base, &body).await
+    limits_call(base, "/v1/limits/cancel", &body).await
 }
 
 async fn count(db: &mut redis::aio::MultiplexedConnection, key: &str) -> i64 {
@@ -1294,4 +1298,145 @@ async fn each_failing_user_step_is_named() {
         count(&mut db, "aibrix:ida_RPM_CURRENT:60000:counter").await,
         1
     );
+}
+
+/// A TCP link to Redis that holds the next chunk carrying a script call (`EVALSHA`) back for
+/// `hold` once armed, then forwards it even when the client has gone: what a slow network or
+/// a Redis busy with a long script does to one call. Everything else passes at once.
+struct SlowLink {
+    addr: std::net::SocketAddr,
+    armed: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl SlowLink {
+    async fn start(redis_port: u16, hold: std::time::Duration) -> SlowLink {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::Arc;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let armed = Arc::new(AtomicBool::new(false));
+        let arm = Arc::clone(&armed);
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", redis_port)).await
+                else {
+                    continue;
+                };
+                let (mut client_r, mut client_w) = client.into_split();
+                let (mut server_r, mut server_w) = server.into_split();
+                let arm = Arc::clone(&arm);
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 64 * 1024];
+                    loop {
+                        let n = match client_r.read(&mut buf).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => n,
+                        };
+                        let script = buf[..n].windows(7).any(|w| w == b"EVALSHA");
+                        if script && arm.swap(false, Ordering::SeqCst) {
+                            tokio::time::sleep(hold).await;
+                        }
+                        if server_w.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                    }
+                    // The client left: its last call still reaches Redis, which runs it
+                    // before it reads the close.
+                    let _ = server_w.shutdown().await;
+                });
+                tokio::spawn(async move {
+                    let _ = tokio::io::copy(&mut server_r, &mut client_w).await;
+                });
+            }
+        });
+        SlowLink { addr, armed }
+    }
+
+    fn url(&self) -> String {
+        format!("redis://{}/0", self.addr)
+    }
+
+    fn arm(&self) {
+        self.armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// pd-control's counter script got no reply within its Redis round trip (250 ms), so it
+/// answered `store_error` and the gateway refused the request; Redis ran the script all the
+/// same, later. pd-control withdraws such an admission itself: the late count is given back
+/// (or, withdrawn first, never lands). Without it the user lost a request of its window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admission_pd_control_gave_up_on_is_withdrawn_by_pd_control() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let Some((redis, mut db)) = store(dir.path()).await else {
+        return;
+    };
+    seed(
+        &mut db,
+        &[("aibrix-users/alice", r#"{"name":"alice","rpm":5}"#)],
+    )
+    .await;
+    let link = SlowLink::start(redis.port(), std::time::Duration::from_millis(600)).await;
+    let (_service, base) = start(&fleet(dir.path()), Some(link.url()), false).await;
+    // The script is loaded (EVALSHA finds it) by a first admission, given back at once.
+    let warm = json!({"user": "alice", "id": "warm-1"});
+    assert_eq!(admit_body(&base, &warm).await["outcome"], "admitted");
+    assert_eq!(
+        withdraw(&base, "warm-1", json!({"user": "alice"})).await,
+        json!({"outcome": "cancelled", "given_back": 1})
+    );
+    assert_eq!(count(&mut db, ALICE_RPM).await, 0);
+
+    let scripts_before = evalsha_calls(&mut db).await;
+    link.arm();
+    let late = json!({"user": "alice", "id": "late-1"});
+    let answer = admit_body(&base, &late).await;
+    assert_eq!(answer["outcome"], "store_error", "{answer}");
+    assert_eq!(answer["stage"], "rpm", "{answer}");
+    // The held script reaches Redis 600 ms after it was sent and runs; pd-control's own
+    // withdrawal makes it count nothing, in whichever order the two land.
+    eventually("the withdrawal answered", || {
+        let base = base.clone();
+        async move {
+            let done = metric(
+                &base,
+                "pd_control_admission_cancels_total{result=\"given_back\"}",
+            )
+            .await
+                + metric(
+                    &base,
+                    "pd_control_admission_cancels_total{result=\"nothing_counted\"}",
+                )
+                .await;
+            (done == 2.0).then_some(())
+        }
+    })
+    .await;
+    // The held script has run once Redis counted two more script calls than before it (it
+    // and the withdrawal, in either order): only then may the count be read as final.
+    eventually("the held script ran", || {
+        let mut db = db.clone();
+        async move { (evalsha_calls(&mut db).await >= scripts_before + 2).then_some(()) }
+    })
+    .await;
+    assert_eq!(count(&mut db, ALICE_RPM).await, 0, "the late count stood");
+    let marker: Option<String> = db.get("pd-router:admission:late-1").await.expect("get");
+    assert_eq!(marker.as_deref(), Some("c"), "withdrawn");
+}
+
+/// Script calls Redis has run (`INFO commandstats`, `cmdstat_evalsha:calls=N`).
+async fn evalsha_calls(db: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(db)
+        .await
+        .expect("info");
+    info.lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
 }

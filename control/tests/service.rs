@@ -618,6 +618,7 @@ async fn snapshot_routes_require_the_token_when_one_is_configured() {
         (reqwest::Method::GET, "/v1/snapshot.json"),
         (reqwest::Method::POST, "/v1/replicas/report"),
         (reqwest::Method::POST, "/v1/limits/admit"),
+        (reqwest::Method::POST, "/v1/limits/cancel"),
         (reqwest::Method::POST, "/v1/limits/usage"),
         (reqwest::Method::POST, "/v1/limits/release"),
     ];
@@ -881,6 +882,7 @@ async fn the_metrics_listener_serves_health_and_metrics_and_no_api() {
     }
     for path in [
         "/v1/limits/admit",
+        "/v1/limits/cancel",
         "/v1/limits/usage",
         "/v1/limits/release",
         "/v1/replicas/report",

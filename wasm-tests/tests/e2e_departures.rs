@@ -115,12 +115,18 @@ fn assert_clean_end(stack: &Stack, fleet: &Fleet) {
     assert!(!log.contains("panicked"), "the filter panicked:\n{log}");
 }
 
-/// `gateway_pd_decode_abort_total` of a result and class.
-fn aborts_counted(stack: &Stack, result: &str, class: &str) -> f64 {
-    stack.metric(
-        "gateway_pd_decode_abort_total",
-        &[("result", result), ("prefill_failure_class", class)],
-    )
+/// `pd_router_prefill_aborts_total` of a result; and nothing of the prefill's in AIBrix's
+/// decode-abort family.
+fn prefill_aborts_counted(stack: &Stack, result: &str) -> f64 {
+    assert_eq!(
+        stack.metric(
+            "gateway_pd_decode_abort_total",
+            &[("prefill_failure_class", "prefill_abandoned")]
+        ),
+        0.0,
+        "a prefill abort counted as a decode abort"
+    );
+    stack.metric("pd_router_prefill_aborts_total", &[("result", result)])
 }
 
 /// Starts `fleet` with `env`, arms a hang on p-0's prefill legs, sends one request on a raw
@@ -145,7 +151,7 @@ fn an_sglang_client_leaving_mid_prefill_gets_its_prefill_aborted() {
     assert!(rid(&prefill).is_some(), "{prefill}");
     assert_eq!(wait_prefill_ended(&stack, &prefill, true), "aborted by rid");
     eventually(Duration::from_secs(10), || {
-        let ok = aborts_counted(&stack, "ok", "prefill_abandoned");
+        let ok = prefill_aborts_counted(&stack, "ok");
         (ok == 1.0)
             .then_some(())
             .ok_or_else(|| format!("{ok} prefill aborts counted ok"))

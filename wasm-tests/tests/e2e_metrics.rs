@@ -109,6 +109,7 @@ const FAMILIES: &[&str] = &[
     "pd_router_user_tokens_unreported_total",
     "pd_router_user_token_report_failures_total",
     "pd_router_model_rps_refunds_total",
+    "pd_router_rate_limit_withdrawals_total",
     "pd_router_prefix_batches_missed_total",
     "pd_router_vms_reclaimed_total",
     "pd_router_charges_force_released_total",

@@ -586,9 +586,10 @@ fn admission_cost() {
 
 /// pd-control counting a request after the filter stopped waiting for it (Redis held writes
 /// longer than `rate_limits_timeout_ms`, shorter than pd-control's own round-trip bound):
-/// the client gets 500 and the filter withdraws the admission, so the user's window keeps
-/// its request. Without the withdrawal the late count stood: a request that never ran used
-/// one of the user's requests.
+/// the client gets 500 and the filter withdraws the admission (`/v1/limits/cancel`, its
+/// answer unread), so the user's window keeps its request, whichever of the count and the
+/// withdrawal Redis runs first. Without the withdrawal the late count stood: a request that
+/// never ran used one of the user's requests.
 #[test]
 fn an_admission_counted_after_the_filter_gave_up_is_given_back() {
     let Some(store) = Store::start() else {
@@ -602,7 +603,15 @@ fn an_admission_counted_after_the_filter_gave_up_is_given_back() {
     let refused = chat(&stack, Some("dave"), question(false, false));
     assert_eq!(refused.status, 500, "{}", refused.text());
     assert_eq!(refused.header("x-error-user"), Some("true"));
-    // pd-control finished the admission (it counted it), and then its withdrawal.
+    assert_eq!(
+        stack.metric(
+            "pd_router_rate_limit_withdrawals_total",
+            &[("result", "sent")]
+        ),
+        1.0,
+        "the filter withdrew the admission as it refused the request"
+    );
+    // pd-control finished the admission (it counted it, or found it withdrawn).
     eventually(Duration::from_secs(10), || {
         let checks = stack.control_metric("pd_control_user_limit_checks_total");
         (checks >= 1.0)

@@ -27,7 +27,7 @@
 //! withdrawal reaching another replica or a restarted process. The marker in Redis has
 //! neither gap; it costs one key per admission with an id, for [`MARKER_MS`].
 
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::time::Duration;
 
 use super::{model_rps_key, rpm_key, AdmitError, AdmitRequest, Answer, Stage, Store, UserLimits};
@@ -137,6 +137,20 @@ impl UserLimits {
             i64::from(request.model.is_some()),
             CANCEL_TOLERANCE_MS,
         ];
+        let stage = if request.user.is_some() {
+            Stage::Rpm
+        } else {
+            Stage::Model
+        };
+        let Some(_slot) = InFlight::take(&self.cancels) else {
+            // Redis has been failing for a while and withdrawals pile up: each one left is
+            // a count that stays, which `failed` shows.
+            self.cancels.failed.fetch_add(1, Relaxed);
+            return Answer::StoreError {
+                stage,
+                message: format!("{MAX_IN_FLIGHT} withdrawals wait for Redis already"),
+            };
+        };
         let started = tokio::time::Instant::now();
         let mut pause = FIRST_PAUSE;
         loop {
@@ -166,13 +180,12 @@ impl UserLimits {
                 Err(e) if started.elapsed() + pause > RETRY_FOR => {
                     self.cancels.failed.fetch_add(1, Relaxed);
                     self.errors_total.fetch_add(1, Relaxed);
+                    // Logged when Redis turns failing, and then at most once a minute
+                    // (`pd_control_admission_cancels_total{result="failed"}` counts each).
                     self.redis_failed(&e);
-                    tracing::warn!(id, error = %e, "user limits: an admission could not be withdrawn; what it counted stays counted");
-                    let stage = if request.user.is_some() {
-                        Stage::Rpm
-                    } else {
-                        Stage::Model
-                    };
+                    if self.cancels.time_to_warn() {
+                        tracing::warn!(error = %e, "user limits: an admission could not be withdrawn; what it counted stays counted (logged at most once a minute)");
+                    }
                     return Answer::StoreError {
                         stage,
                         message: format!("the withdrawal did not run: {e}"),
@@ -187,15 +200,52 @@ impl UserLimits {
     }
 }
 
-/// `pd_control_admission_cancels_total{result}`.
+/// The most withdrawals waiting on Redis at once: each retries for up to [`RETRY_FOR`], so
+/// a Redis down for long would otherwise gather a task per refused request.
+pub const MAX_IN_FLIGHT: usize = 4096;
+
+/// `pd_control_admission_cancels_total{result}`, and the withdrawals in flight.
 #[derive(Debug, Default)]
 pub(super) struct CancelCounts {
     given_back: AtomicU64,
     nothing_counted: AtomicU64,
     failed: AtomicU64,
+    in_flight: AtomicUsize,
+    /// When a failed withdrawal was last logged (Unix ms).
+    warned_ms: AtomicI64,
+}
+
+/// A withdrawal's place among the [`MAX_IN_FLIGHT`]; given back when dropped.
+struct InFlight<'a>(&'a AtomicUsize);
+
+impl<'a> InFlight<'a> {
+    fn take(counts: &'a CancelCounts) -> Option<InFlight<'a>> {
+        let n = &counts.in_flight;
+        n.fetch_update(Relaxed, Relaxed, |v| (v < MAX_IN_FLIGHT).then_some(v + 1))
+            .ok()
+            .map(|_| InFlight(n))
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
+    }
 }
 
 impl CancelCounts {
+    /// Whether a failed withdrawal is logged: once a minute at most, as a Redis down for long
+    /// fails every one.
+    fn time_to_warn(&self) -> bool {
+        let now = crate::unix_ms_now();
+        let last = self.warned_ms.load(Relaxed);
+        now.saturating_sub(last) >= 60_000
+            && self
+                .warned_ms
+                .compare_exchange(last, now, Relaxed, Relaxed)
+                .is_ok()
+    }
+
     fn add(&self, given_back: u64) {
         if given_back > 0 {
             self.given_back.fetch_add(1, Relaxed);

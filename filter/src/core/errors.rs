@@ -155,6 +155,12 @@ pub fn callout_unanswered(status: &str, body: &[u8]) -> bool {
     }
 }
 
+/// Whether a callout's `status` and `body` are Envoy's answer for a cluster with no endpoint
+/// to send to: the call never left the gateway.
+pub fn callout_found_no_host(status: &str, body: &[u8]) -> bool {
+    status == "503" && body.starts_with(ENVOY_NO_HOST)
+}
+
 impl RouteError {
     /// The refusal for a prefill leg that answered `status` (not 200) with `body`. The pod's
     /// own 4xx/5xx passes through; a callout Envoy could not deliver is the pod's transport

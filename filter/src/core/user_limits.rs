@@ -71,26 +71,27 @@ pub fn admission_body(id: &str, user: Option<&str>, model: Option<(&str, ModelRp
     serde_json::Value::Object(body).to_string().into_bytes()
 }
 
-/// The withdrawal of admission `ask` (sent with `ask.id` on `ADMIT_PATH`), for a request
-/// refused without pd-control's answer: pd-control may count it after the filter gave up, or
-/// have counted it with the answer still on its way. pd-control's marker of the id makes the
-/// withdrawal and the admission, in whichever order Redis runs them, count nothing (its
-/// `limits::cancel`); the withdrawal names the same user and model so that it finds their
-/// counters.
+/// Where a withdrawal goes: a path of its own, which a pd-control older than the gateway
+/// answers 404 (it would read a withdrawal sent to `ADMIT_PATH` as one more admission).
+pub const CANCEL_PATH: &str = "/v1/limits/cancel";
+
+/// The withdrawal of admission `ask` (its admission's body, sent on [`CANCEL_PATH`]), for a
+/// request refused without pd-control's answer: pd-control may count it after the filter gave
+/// up, or have counted it with the answer still on its way. pd-control's marker of the id
+/// makes the withdrawal and the admission, in whichever order Redis runs them, count nothing
+/// (its `limits::cancel`); the withdrawal names the same user and model so that it finds
+/// their counters.
 pub fn cancel_body(ask: &Ask) -> Vec<u8> {
     let model = ask
         .rps
         .and_then(ModelRps::of)
         .map(|r| (ask.model.as_str(), r));
-    let mut body: serde_json::Value =
-        serde_json::from_slice(&admission_body(&ask.id, ask.user.as_deref(), model))
-            .unwrap_or_default();
-    body["cancel"] = true.into();
-    body.to_string().into_bytes()
+    admission_body(&ask.id, ask.user.as_deref(), model)
 }
 
-/// An admission id: 128 random bits in hex, unguessable, so that no client can withdraw
-/// another's admission or have its own found withdrawn.
+/// An admission id: 32 hex digits from the VM's generator (seeded from the host's random
+/// source), so that two requests, on any worker or gateway, do not share one: one request's
+/// withdrawal must not take back another's count.
 pub fn admission_id(random: u128) -> String {
     format!("{random:032x}")
 }
@@ -104,9 +105,6 @@ pub struct Ask {
     pub rps: Option<f64>,
     /// The admission's id ([`admission_id`]).
     pub id: String,
-    /// Set while the admission is being withdrawn: the refusal the client gets once the
-    /// withdrawal has been answered (or has failed).
-    pub withdrawing: Option<RouteError>,
 }
 
 /// Distinct users one VM gathers between two reports. Beyond it a user's tokens are dropped
@@ -225,12 +223,14 @@ pub fn judge(ask: &Ask, status: &str, body: &[u8]) -> Verdict {
     }
 }
 
-/// Whether pd-control's answer to an admission was read: a 200 with an answer of the
-/// contract. When not (no answer in time, Envoy's reply, pd-control cut off), pd-control may
-/// have counted the request, or count it still: a request refused then must be withdrawn
-/// ([`cancel_body`]), or its user and model lose a request of their windows for nothing.
-pub fn answered(status: &str, body: &[u8]) -> bool {
-    status == "200" && serde_json::from_slice::<Answer>(body).is_ok()
+/// Whether a request refused after this answer to its admission must withdraw it
+/// ([`cancel_body`]): pd-control's answer was not read (no answer in time, Envoy's reply,
+/// pd-control cut off), so pd-control may have counted the request, or count it still, and
+/// its user and model would lose a request of their windows for nothing. Not when Envoy found
+/// no pd-control to send the admission to: it never arrived.
+pub fn needs_withdrawal(status: &str, body: &[u8]) -> bool {
+    let answered = status == "200" && serde_json::from_slice::<Answer>(body).is_ok();
+    !answered && !crate::core::errors::callout_found_no_host(status, body)
 }
 
 /// The user a request is checked for: the `user` header's value, when it is not empty.
@@ -397,7 +397,6 @@ mod tests {
             model: "m".into(),
             rps: None,
             id: String::new(),
-            withdrawing: None,
         }
     }
 
@@ -447,30 +446,36 @@ mod tests {
             model: "m".into(),
             rps: Some(0.5),
             id: admission_id(7),
-            withdrawing: None,
         };
         let body: serde_json::Value = serde_json::from_slice(&cancel_body(&ask)).expect("json");
         assert_eq!(
             body,
-            serde_json::json!({"id": ask.id, "cancel": true, "user": "u", "model": "m",
-                               "rps_limit": 1, "rps_window_ms": 2000})
+            serde_json::json!({"id": ask.id, "user": "u", "model": "m",
+                               "rps_limit": 1, "rps_window_ms": 2000}),
+            "the admission's own body, sent on its own path"
         );
         // Only an answer of pd-control's tells what it counted.
         let admitted = br#"{"outcome":"rpm_exceeded","rpm":3,"rpm_limit":3}"#;
-        assert!(answered("200", admitted));
-        assert!(answered(
+        assert!(!needs_withdrawal("200", admitted));
+        assert!(!needs_withdrawal(
             "200",
             br#"{"outcome":"store_error","stage":"rpm","message":"m"}"#
         ));
         for (status, body) in [
             ("", &b""[..]),
             ("504", &b"upstream request timeout"[..]),
+            (
+                "503",
+                &b"upstream connect error or disconnect/reset before headers"[..],
+            ),
             ("503", &admitted[..]),
             ("200", &b"{"[..]),
             ("200", &b"{\"outcome\":\"maybe\"}"[..]),
         ] {
-            assert!(!answered(status, body), "{status} {body:?}");
+            assert!(needs_withdrawal(status, body), "{status} {body:?}");
         }
+        // Envoy had no pd-control to send the admission to: it never arrived.
+        assert!(!needs_withdrawal("503", b"no healthy upstream"));
     }
 
     #[test]
@@ -480,7 +485,6 @@ mod tests {
             model: "llama".into(),
             rps: Some(0.5),
             id: String::new(),
-            withdrawing: None,
         };
         let refused = br#"{"outcome":"model_rps_exceeded","model_rps":1,"rps_limit":1}"#;
         assert_eq!(

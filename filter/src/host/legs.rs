@@ -47,6 +47,7 @@ pub enum AbortCause {
     Watchdog(Phase),
     /// Not a decode abort: the request ended (its client left, or the decode pod's error
     /// answered it) while its SGLang prefill leg still ran; the prefill pod drops it.
+    /// Counted in `pd_router_prefill_aborts_total`, not in AIBrix's decode-abort family.
     PrefillAbandoned,
 }
 
@@ -109,20 +110,27 @@ impl EngineState {
         }
     }
 
-    /// Counts one abort outcome: `ok`, `error`, or why none was sent (`skipped_*`).
+    /// Counts one abort outcome: `ok`, `error`, or why none was sent (`skipped_*`). A
+    /// prefill leg's abort has a family of its own, `pd_router_prefill_aborts_total{result}`:
+    /// AIBrix's decode-abort family means a failed exchange, and alerts on it must not fire
+    /// for every client that leaves while its prompt is prefilled.
     fn count_abort(&mut self, result: &'static str, class: &'static str) {
         let id = *self
             .abort_counters
             .entry((result, class))
             .or_insert_with(|| {
-                hostcalls::define_metric(
-                    MetricType::Counter,
-                    &crate::core::obs::labels::tagged(
+                let name = if class == AbortCause::PrefillAbandoned.class() {
+                    crate::core::obs::labels::tagged(
+                        "pd_router_prefill_aborts_total",
+                        &[("result", result)],
+                    )
+                } else {
+                    crate::core::obs::labels::tagged(
                         "gateway_pd_decode_abort_total",
                         &[("result", result), ("prefill_failure_class", class)],
-                    ),
-                )
-                .ok()
+                    )
+                };
+                hostcalls::define_metric(MetricType::Counter, &name).ok()
             });
         Metrics::inc(id);
     }

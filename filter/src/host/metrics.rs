@@ -164,6 +164,10 @@ pub struct Metrics {
     /// (`user_limits::RefundBook`): `[sent, unsent]` (pd-control took the release; or no
     /// answer, a failure, no room, or the window over before the tick).
     pub model_rps_refunds: [Option<u32>; 2],
+    /// `pd_router_rate_limit_withdrawals_total{result}`: admissions withdrawn for requests
+    /// refused without pd-control's answer (`user_limits::cancel_body`): `[sent, unsent]`
+    /// (the call went out, its answer read by no one; or it could not be sent).
+    pub withdrawals: [Option<u32>; 2],
     /// `pd_router_external_decisions_total{result}`, by `core::external::Outcome`.
     pub external_decisions: [Option<u32>; 6],
     /// `pd_router_prefix_batches_missed_total`: other workers' prefix-event batches a worker
@@ -321,6 +325,12 @@ impl Metrics {
             user_token_report_failures: define(c, "pd_router_user_token_report_failures_total"),
             model_rps_refunds: ["sent", "unsent"]
                 .map(|result| counter("pd_router_model_rps_refunds_total", &[("result", result)])),
+            withdrawals: ["sent", "unsent"].map(|result| {
+                counter(
+                    "pd_router_rate_limit_withdrawals_total",
+                    &[("result", result)],
+                )
+            }),
             prefix_batches_missed: define(c, "pd_router_prefix_batches_missed_total"),
             vms_reclaimed: define(c, "pd_router_vms_reclaimed_total"),
             force_released: ["ttl", "vm_reclaimed"].map(|reason| {

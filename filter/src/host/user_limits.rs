@@ -7,7 +7,9 @@ use std::time::Duration;
 use proxy_wasm::hostcalls;
 
 use crate::core::config::PluginConfig;
-use crate::core::user_limits::{ADMIT_PATH, RELEASE_PATH, REPORT_ID_HEADER, USAGE_PATH};
+use crate::core::user_limits::{
+    ADMIT_PATH, CANCEL_PATH, RELEASE_PATH, REPORT_ID_HEADER, USAGE_PATH,
+};
 
 /// Asks pd-control to admit a request (`user_limits::admission_body`); returns the call's
 /// token.
@@ -15,6 +17,18 @@ pub fn send_admission(plugin: &PluginConfig, body: &[u8]) -> Result<u32, String>
     post(
         plugin,
         ADMIT_PATH,
+        None,
+        body,
+        Duration::from_millis(plugin.rate_limits_timeout_ms),
+    )
+}
+
+/// Withdraws an admission (`user_limits::cancel_body`) the gateway refused its request
+/// without; the answer is read by no one.
+pub fn send_withdrawal(plugin: &PluginConfig, body: &[u8]) -> Result<u32, String> {
+    post(
+        plugin,
+        CANCEL_PATH,
         None,
         body,
         Duration::from_millis(plugin.rate_limits_timeout_ms),

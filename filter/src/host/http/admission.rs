@@ -6,7 +6,6 @@
 use super::{Admission, Limited, PdHttp};
 use crate::core::errors::RouteError;
 use crate::core::fleet::FleetView;
-use crate::core::held_body::HeldBody;
 use crate::core::request::Endpoint;
 use crate::core::user_limits::{self, Ask, Charge, ModelRps, UsageScan, Verdict};
 use crate::host::metrics::Metrics;
@@ -38,7 +37,6 @@ impl PdHttp {
             model: model.to_string(),
             rps,
             id: user_limits::admission_id(self.vm.borrow_mut().rng.u128(..)),
-            withdrawing: None,
         })
     }
 
@@ -124,22 +122,11 @@ impl PdHttp {
         });
     }
 
-    /// pd-control answered the admission of this request: route it, or refuse it. Or
-    /// answered its withdrawal: refuse it as decided before.
+    /// pd-control answered the admission of this request: route it, or refuse it.
     pub(super) fn on_admission(&mut self, admission: Admission, body_size: usize) {
         let (status, body) = self.call_answer(body_size);
-        let Admission { mut ask, raw, .. } = admission;
-        if let Some(refusal) = ask.withdrawing.take() {
-            // Whatever the withdrawal's fate: pd-control retries Redis on its own, and a
-            // withdrawal that did not arrive cannot be helped from a stream that ends now.
-            log::debug!(
-                "request {}: admission {} withdrawn ({status})",
-                self.request_id,
-                ask.id
-            );
-            return self.resume_routed(Err(refusal));
-        }
-        let answered = user_limits::answered(&status, &body);
+        let Admission { ask, raw, .. } = admission;
+        let withdraw = user_limits::needs_withdrawal(&status, &body);
         let admitted = match user_limits::judge(&ask, &status, &body) {
             Verdict::Admitted { rpm, charged } => {
                 self.charge = charged.map(|rps| Charge {
@@ -157,8 +144,12 @@ impl PdHttp {
             Verdict::Unreachable(error) => self.unchecked(ask.user.clone(), error, true),
         };
         let raw = match admitted {
-            Err(refusal) if !answered => return self.withdraw(ask, raw, refusal),
-            Err(refusal) => return self.resume_routed(Err(refusal)),
+            Err(refusal) => {
+                if withdraw {
+                    self.withdraw(&ask);
+                }
+                return self.resume_routed(Err(refusal));
+            }
             // Routed now: out of the budget (a wait for a prefill leg holds it anew).
             Ok(()) => raw.into_body(),
         };
@@ -166,29 +157,24 @@ impl PdHttp {
         self.resume_routed(routed);
     }
 
-    /// Refuses a request whose admission got no answer from pd-control, after withdrawing
-    /// the admission (`user_limits::cancel_body`): sent from this stream, which waits for
-    /// the withdrawal's answer (at most `rate_limits_timeout_ms` more), because the stream's
-    /// end would cancel a call still in flight. A request let through unchecked is not
-    /// withdrawn: it runs, so a count that lands late is its own.
-    fn withdraw(&mut self, mut ask: Ask, raw: HeldBody, refusal: RouteError) {
-        let body = user_limits::cancel_body(&ask);
-        let sent = {
-            let vm = self.vm.borrow();
-            crate::host::user_limits::send_admission(&vm.plugin, &body)
-        };
-        match sent {
-            Ok(token) => {
-                ask.withdrawing = Some(refusal);
-                self.admission = Some(Admission { token, ask, raw });
-            }
+    /// Withdraws the admission of a request refused without pd-control's answer
+    /// (`user_limits::cancel_body` on `CANCEL_PATH`): sent and left, the refusal going out
+    /// at once. Envoy keeps a side call running after the stream that made it ended (its
+    /// answer then reaches no one), and pd-control retries Redis on its own; waiting for the
+    /// answer would hold the client and the request's body for nothing. A request let
+    /// through unchecked is not withdrawn: it runs, so a count that lands late is its own.
+    fn withdraw(&mut self, ask: &Ask) {
+        let body = user_limits::cancel_body(ask);
+        let vm = self.vm.borrow();
+        match crate::host::user_limits::send_withdrawal(&vm.plugin, &body) {
+            Ok(_) => Metrics::inc(vm.metrics.withdrawals[0]),
             Err(e) => {
+                Metrics::inc(vm.metrics.withdrawals[1]);
                 log::warn!(
                     "request {}: cannot withdraw admission {}: {e}",
                     self.request_id,
                     ask.id
                 );
-                self.resume_routed(Err(refusal));
             }
         }
     }
