@@ -1,5 +1,6 @@
-//! Withdrawing an admission the gateway gave up on (`{"id", "cancel": true, ...}` on
-//! `POST /v1/limits/admit`).
+//! Withdrawing an admission the gateway gave up on (its body, `{"id", ...}`, on
+//! `POST /v1/limits/cancel`), or that pd-control gave up on itself (its counter script got no
+//! reply in time, and Redis may still run it).
 //!
 //! The filter waits `rate_limits_timeout_ms` for an admission; pd-control's own worst case
 //! (a record read retried, the counter script, a reconnect) is longer. When the filter gives
@@ -8,7 +9,9 @@
 //! its rate) for a request that never ran.
 //!
 //! So each admission carries an id of the filter's, and a filter that refuses a request
-//! without pd-control's answer withdraws that id. Both calls end in one Redis script each,
+//! without pd-control's answer withdraws that id (as pd-control does when its own call to
+//! Redis timed out: it answered `store_error`, so the gateway refused or let the request
+//! through unchecked, and a count landing later would be one nobody asked for). Both calls end in one Redis script each,
 //! on one marker key per id, and Redis runs scripts one at a time, so every interleaving
 //! ends with nothing counted:
 //! - withdrawal first: it leaves the marker `c`; the admission's script, however late it
