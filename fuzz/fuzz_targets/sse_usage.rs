@@ -39,6 +39,7 @@ fuzz_target!(|data: &[u8]| {
         user: Some("fuzz".into()),
         model: "m".into(),
         rps: Some(0.5),
+        id: "0123456789abcdef0123456789abcdef".into(),
     };
     let _ = judge(&ask, "200", data);
 });
