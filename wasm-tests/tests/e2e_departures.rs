@@ -288,6 +288,13 @@ fn a_pods_error_cut_mid_body_is_an_openai_json_502_and_counted() {
         );
         assert_eq!(body["error"]["type"], "api_error", "{}", r.describe());
         assert_eq!(r.header("x-error-pd-decode"), marked, "{}", r.describe());
+        // The request's id, as the pod got it, as every other answer carries it.
+        let id = r.header("request-id").unwrap_or_default().to_string();
+        assert!(!id.is_empty(), "no request-id: {}", r.describe());
+        let seen = entries_of(&stack, pod)
+            .iter()
+            .any(|e| e["x_request_id"] == id.as_str() && e["leg"] == leg);
+        assert!(seen, "{pod} saw no request {id} on its {leg} leg");
         eventually(Duration::from_secs(10), || {
             let cut = stack.model_fail_count("response_cut", "502");
             (cut == (i + 1) as f64)
