@@ -6,39 +6,14 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use pd_control::fleet::parse_records;
-use pd_sim::pod::SimConfig;
-use pd_sim::sim::{serve_admin, Sim};
 use serde_json::{json, Value};
 
 mod common;
-use common::{fleet_yaml, free_port, pod_yaml};
 
 const MODEL: &str = "departure-model";
 
-struct Pod {
-    _sim: std::sync::Arc<Sim>,
-    addr: String,
-    admin: String,
-    _admin_handle: pd_sim::server::ServeHandle,
-}
-
-async fn one_pod() -> Pod {
-    let port = free_port();
-    let text = fleet_yaml(&[pod_yaml(MODEL, "pod-a", "vllm", "combined", port)]);
-    let records = parse_records(&text).expect("fleet parses");
-    let sim = Sim::new(SimConfig::default());
-    let report = sim.apply(&records).await;
-    assert_eq!(report.serving, 1, "{report:?}");
-    let admin = serve_admin(&sim, "127.0.0.1:0".parse().expect("addr"))
-        .await
-        .expect("admin");
-    Pod {
-        _sim: sim,
-        addr: format!("127.0.0.1:{port}"),
-        admin: format!("http://{}", admin.addr),
-        _admin_handle: admin,
-    }
+async fn one_pod() -> common::CombinedPod {
+    common::combined_pod(MODEL).await
 }
 
 fn client() -> reqwest::Client {

@@ -3,13 +3,9 @@
 
 use std::time::{Duration, Instant};
 
-use pd_control::fleet::parse_records;
-use pd_sim::pod::SimConfig;
-use pd_sim::sim::{serve_admin, Sim};
 use serde_json::{json, Value};
 
 mod common;
-use common::{fleet_yaml, free_port, pod_yaml};
 
 const MODEL: &str = "fault-model";
 
@@ -20,24 +16,16 @@ fn client() -> reqwest::Client {
         .expect("client")
 }
 
-/// One combined (`full`-leg) pod plus the admin endpoint.
+/// One combined (`full`-leg) pod: its simulator, its URL, the admin endpoint, and what
+/// keeps them serving.
 async fn one_pod() -> (
-    std::sync::Arc<Sim>,
+    std::sync::Arc<pd_sim::sim::Sim>,
     String,
     String,
-    pd_sim::server::ServeHandle,
+    common::CombinedPod,
 ) {
-    let port = free_port();
-    let text = fleet_yaml(&[pod_yaml(MODEL, "pod-a", "vllm", "combined", port)]);
-    let records = parse_records(&text).expect("fleet parses");
-    let sim = Sim::new(SimConfig::default());
-    let report = sim.apply(&records).await;
-    assert_eq!(report.serving, 1, "{report:?}");
-    let admin = serve_admin(&sim, "127.0.0.1:0".parse().expect("addr"))
-        .await
-        .expect("admin");
-    let admin_url = format!("http://{}", admin.addr);
-    (sim, format!("http://127.0.0.1:{port}"), admin_url, admin)
+    let pod = common::combined_pod(MODEL).await;
+    (pod.sim.clone(), pod.url(), pod.admin.clone(), pod)
 }
 
 async fn arm(admin: &str, spec: Value) -> reqwest::StatusCode {

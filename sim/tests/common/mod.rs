@@ -34,6 +34,41 @@ pub fn fleet_yaml(pods: &[String]) -> String {
     format!("apiVersion: v1\nkind: List\nitems:\n{}", pods.concat())
 }
 
+/// One combined (`full`-leg) vLLM pod, `pod-a` of `model`, served by a simulator of its own
+/// on a free port, with the simulator's admin endpoint; both live as long as this does.
+pub struct CombinedPod {
+    pub sim: std::sync::Arc<pd_sim::sim::Sim>,
+    /// `127.0.0.1:<port>` of the pod.
+    pub addr: String,
+    /// `http://<addr>` of the admin endpoint (`/sim/faults`, `/sim/requests`, ...).
+    pub admin: String,
+    _admin: pd_sim::server::ServeHandle,
+}
+
+impl CombinedPod {
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+pub async fn combined_pod(model: &str) -> CombinedPod {
+    let port = free_port();
+    let text = fleet_yaml(&[pod_yaml(model, "pod-a", "vllm", "combined", port)]);
+    let records = pd_control::fleet::parse_records(&text).expect("fleet parses");
+    let sim = pd_sim::sim::Sim::new(pd_sim::pod::SimConfig::default());
+    let report = sim.apply(&records).await;
+    assert_eq!(report.serving, 1, "{report:?}");
+    let admin = pd_sim::sim::serve_admin(&sim, "127.0.0.1:0".parse().expect("addr"))
+        .await
+        .expect("admin");
+    CombinedPod {
+        sim,
+        addr: format!("127.0.0.1:{port}"),
+        admin: format!("http://{}", admin.addr),
+        _admin: admin,
+    }
+}
+
 /// A fleet file in the temp dir, removed on drop.
 pub struct TempFile(pub PathBuf);
 
