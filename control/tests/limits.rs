@@ -1123,6 +1123,11 @@ async fn withdraw(base: &str, id: &str, mut body: Value) -> Value {
     limits_call(base, "/v1/limits/cancel", &body).await
 }
 
+/// Alice's request counter and the model counter `model_key`, as one pair.
+async fn counts(db: &mut redis::aio::MultiplexedConnection, model_key: &str) -> (i64, i64) {
+    (count(db, ALICE_RPM).await, count(db, model_key).await)
+}
+
 async fn count(db: &mut redis::aio::MultiplexedConnection, key: &str) -> i64 {
     let value: Option<i64> = db.get(key).await.expect("get");
     value.unwrap_or(0)
@@ -1151,24 +1156,12 @@ async fn a_withdrawn_admission_counts_nothing_in_either_order() {
     first["id"] = "a1".into();
     let answer = admit_body(&base, &first).await;
     assert_eq!(answer["outcome"], "admitted", "{answer}");
-    assert_eq!(
-        (
-            count(&mut db, ALICE_RPM).await,
-            count(&mut db, &llama).await
-        ),
-        (1, 1)
-    );
+    assert_eq!(counts(&mut db, &llama).await, (1, 1));
     assert_eq!(
         withdraw(&base, "a1", both.clone()).await,
         json!({"outcome": "cancelled", "given_back": 2})
     );
-    assert_eq!(
-        (
-            count(&mut db, ALICE_RPM).await,
-            count(&mut db, &llama).await
-        ),
-        (0, 0)
-    );
+    assert_eq!(counts(&mut db, &llama).await, (0, 0));
     // A withdrawal sent again, or the admission arriving again: nothing more.
     assert_eq!(
         withdraw(&base, "a1", both.clone()).await,
@@ -1178,13 +1171,7 @@ async fn a_withdrawn_admission_counts_nothing_in_either_order() {
         admit_body(&base, &first).await,
         json!({"outcome": "cancelled", "given_back": 0})
     );
-    assert_eq!(
-        (
-            count(&mut db, ALICE_RPM).await,
-            count(&mut db, &llama).await
-        ),
-        (0, 0)
-    );
+    assert_eq!(counts(&mut db, &llama).await, (0, 0));
 
     // Withdrawn before it ran (pd-control still waiting on Redis): it counts nothing when
     // it comes.
@@ -1198,13 +1185,7 @@ async fn a_withdrawn_admission_counts_nothing_in_either_order() {
         admit_body(&base, &late).await,
         json!({"outcome": "cancelled", "given_back": 0})
     );
-    assert_eq!(
-        (
-            count(&mut db, ALICE_RPM).await,
-            count(&mut db, &llama).await
-        ),
-        (0, 0)
-    );
+    assert_eq!(counts(&mut db, &llama).await, (0, 0));
 
     // Refused on its model, counted on its user: only the user's request comes back.
     let mut tiny = both_body("alice", "tiny", 1, 60_000);
