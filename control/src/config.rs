@@ -189,6 +189,10 @@ pub struct Config {
     #[command(flatten)]
     pub external: crate::external::config::ExternalArgs,
 
+    /// Several replicas, one serving (`--leader-elect` and its settings).
+    #[command(flatten)]
+    pub leader: crate::leader::config::LeaderArgs,
+
     /// How the HTTP listeners (`--listen`, `--metrics-listen`) bound what a client can hold.
     /// Not flags: the defaults suit any deployment; tests shorten them.
     #[arg(skip = HttpLimits::default())]
@@ -229,6 +233,8 @@ pub enum ConfigError {
     Redis(String),
     #[error("{0} does not apply to the {1} source")]
     NotForSource(&'static str, &'static str),
+    #[error(transparent)]
+    Leader(#[from] crate::leader::config::LeaderConfigError),
 }
 
 /// Whether per-user limits are checked, and if not, why (for the start-up log).
@@ -313,6 +319,7 @@ impl Config {
             xds_listen: None,
             metrics_listen: None,
             external: Default::default(),
+            leader: Default::default(),
             http_limits: HttpLimits::default(),
         }
     }
@@ -373,6 +380,8 @@ impl Config {
         if self.stale_after == 0 {
             return Err(ConfigError::Zero("--stale-after"));
         }
+        self.leader
+            .validate(self.source_kind() == SourceKind::Kubernetes)?;
         Ok(())
     }
 
@@ -438,7 +447,7 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     Duration::try_from_secs_f64(seconds).map_err(|e| format!("duration {text:?}: {e}"))
 }
 
-fn parse_positive_duration(text: &str) -> Result<Duration, String> {
+pub(crate) fn parse_positive_duration(text: &str) -> Result<Duration, String> {
     let d = parse_duration(text)?;
     if d.is_zero() {
         return Err("duration must be greater than zero".into());

@@ -14,6 +14,7 @@ pub mod eds;
 pub mod external;
 pub mod fleet;
 pub mod gateways;
+pub mod leader;
 pub mod limits;
 pub mod redis_link;
 pub mod replicas;

@@ -50,6 +50,8 @@ pub struct AppState {
     pub loop_stale_after: Duration,
     /// The polling gateways' TRT-LLM machine ids, to see two on one.
     pub gateways: Arc<crate::gateways::Gateways>,
+    /// `--leader-elect`: this replica's part in the election.
+    pub leadership: Option<Arc<crate::leader::Leadership>>,
 }
 
 pub fn router(state: AppState) -> Router {
@@ -189,7 +191,7 @@ async fn snapshot_answer(state: &AppState, query: &HashMap<String, String>) -> R
         // counts as a failed poll instead (the version header says pd-control answered).
         // A caller without this version still gets it below: its pods beat no pods, and the
         // next poll, which names it, lands here.
-        if let Some(why) = frozen(state, Instant::now()) {
+        if let Some(why) = frozen(&state.stats, state.loop_stale_after, Instant::now()) {
             state.stats.poll_answered(PollAnswer::Frozen);
             return respond(
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -420,45 +422,61 @@ async fn snapshot_json(State(state): State<AppState>) -> Response {
     }
 }
 
-/// 200 while the snapshot reflects the fleet and its load and keeps doing so; 503 with the
-/// reason otherwise: before the first fleet and scrape round, once the snapshot is
-/// [`frozen`], and once the fleet source ended (the pods' metrics stay current, but pods that
-/// come and go are no longer seen).
+/// 200 while the snapshot reflects the fleet and its load and keeps doing so, and (with
+/// `--leader-elect`) the pod's label sends this replica no traffic it should not serve; 503
+/// with the reason otherwise.
 async fn readyz(State(state): State<AppState>) -> Response {
-    let why = if !state.stats.is_ready() {
-        Some("waiting for the fleet and a first scrape round\n".to_string())
-    } else if let Some(why) = frozen(&state, Instant::now()) {
-        Some(why)
-    } else if state.stats.has_ended(Task::FleetSource) {
-        Some(
-            "the fleet source ended: pods that come and go are no longer seen (restart pd-control)\n"
-                .to_string(),
-        )
-    } else {
-        None
-    };
+    let why = unready(&state.stats, state.loop_stale_after, Instant::now()).or_else(|| {
+        let leadership = state.leadership.as_ref()?;
+        if state.stats.has_ended(Task::LeaderElection) {
+            return Some(
+                "leader election ended: this replica's label no longer follows the lease (restart pd-control)\n"
+                    .to_string(),
+            );
+        }
+        leadership.unready_reason()
+    });
     match why {
         None => (StatusCode::OK, "ready\n").into_response(),
         Some(why) => (StatusCode::SERVICE_UNAVAILABLE, why).into_response(),
     }
 }
 
+/// Why the snapshot does not (or no longer) reflect the fleet and its load, if it does not:
+/// before the first fleet and scrape round, once the snapshot is [`frozen`], and once the
+/// fleet source ended (the pods' metrics stay current, but pods that come and go are no
+/// longer seen). A replica in this state also may not lead.
+pub(crate) fn unready(stats: &Stats, loop_stale_after: Duration, now: Instant) -> Option<String> {
+    if !stats.is_ready() {
+        Some("waiting for the fleet and a first scrape round\n".to_string())
+    } else if let Some(why) = frozen(stats, loop_stale_after, now) {
+        Some(why)
+    } else if stats.has_ended(Task::FleetSource) {
+        Some(
+            "the fleet source ended: pods that come and go are no longer seen (restart pd-control)\n"
+                .to_string(),
+        )
+    } else {
+        None
+    }
+}
+
 /// Why the served snapshot no longer follows the fleet and the pods' load, if it does not:
 /// the control loop ended, or has not completed an iteration for longer than
-/// [`AppState::loop_stale_after`] (hung on the endpoint file's disk, say).
-fn frozen(state: &AppState, now: Instant) -> Option<String> {
-    if state.stats.has_ended(Task::ControlLoop) {
+/// `loop_stale_after` (hung on the endpoint file's disk, say).
+fn frozen(stats: &Stats, loop_stale_after: Duration, now: Instant) -> Option<String> {
+    if stats.has_ended(Task::ControlLoop) {
         return Some(
             "the control loop ended: the snapshot no longer changes (restart pd-control)\n"
                 .to_string(),
         );
     }
-    let age = state.stats.loop_age(now);
-    (age > state.loop_stale_after).then(|| {
+    let age = stats.loop_age(now);
+    (age > loop_stale_after).then(|| {
         format!(
             "the control loop has not completed an iteration for {:.1}s (bound {:.1}s): the snapshot is frozen\n",
             age.as_secs_f64(),
-            state.loop_stale_after.as_secs_f64()
+            loop_stale_after.as_secs_f64()
         )
     })
 }
@@ -474,6 +492,22 @@ async fn metrics(State(state): State<AppState>) -> Response {
     );
     for (name, kind, help, value) in state.replicas.metrics() {
         family(&mut text, name, kind, help, &[(String::new(), value)]);
+    }
+    match &state.leadership {
+        Some(leadership) => {
+            for (name, kind, help, value) in leadership.metrics() {
+                family(&mut text, name, kind, help, &[(String::new(), value)]);
+            }
+        }
+        // One replica serves alone: dashboards that keep the leader's series (`and on
+        // (instance) pd_control_leader == 1`) show it without an election too.
+        None => family(
+            &mut text,
+            "pd_control_leader",
+            "gauge",
+            crate::leader::LEADER_HELP,
+            &[(String::new(), "1".into())],
+        ),
     }
     family(
         &mut text,
@@ -1009,6 +1043,7 @@ mod tests {
             external: None,
             loop_stale_after: Duration::from_secs(3600),
             gateways: Default::default(),
+            leadership: None,
         }
     }
 
@@ -1069,12 +1104,28 @@ mod tests {
             loop_stale_after: Duration::from_secs(5),
             ..state(stats.clone(), rx)
         };
-        assert_eq!(frozen(&state, now + Duration::from_secs(5)), None);
-        let why = frozen(&state, now + Duration::from_secs(6)).expect("frozen");
+        assert_eq!(
+            frozen(
+                &state.stats,
+                state.loop_stale_after,
+                now + Duration::from_secs(5)
+            ),
+            None
+        );
+        let why = frozen(
+            &state.stats,
+            state.loop_stale_after,
+            now + Duration::from_secs(6),
+        )
+        .expect("frozen");
         assert!(why.contains("for 6.0s (bound 5.0s)"), "{why}");
 
         stats.task_ended(Task::FleetSource);
-        assert_eq!(frozen(&state, now), None, "the loop itself still runs");
+        assert_eq!(
+            frozen(&state.stats, state.loop_stale_after, now),
+            None,
+            "the loop itself still runs"
+        );
         let ready = readyz(State(state)).await;
         assert_eq!(ready.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert!(body_text(ready).await.contains("fleet source ended"));

@@ -53,6 +53,8 @@ pub enum Error {
     ExternalClient(String),
     #[error("background task failed: {0}")]
     Task(#[from] tokio::task::JoinError),
+    #[error("cannot start leader election: {0}")]
+    Leader(String),
     #[error("the {0} ended while pd-control was not shutting down")]
     TaskEnded(String),
 }
@@ -116,7 +118,7 @@ impl Service {
         let stats = self.stats.clone();
         let task_end = async move {
             stats.task_end().await;
-            let ended = [Task::ControlLoop, Task::FleetSource]
+            let ended = [Task::ControlLoop, Task::FleetSource, Task::LeaderElection]
                 .into_iter()
                 .filter(|t| stats.has_ended(*t))
                 .map(Task::name)
@@ -323,6 +325,32 @@ pub async fn start_with_source<S: FleetSource>(
         tracing::info!(addr = ?xds_addr, "serving the retrying cluster's endpoints over EDS");
     }
 
+    let leadership = match config.leader.elect {
+        false => None,
+        true => {
+            let client = crate::sources::kubernetes::client(
+                config.kube_api_url.clone(),
+                config.leader.retry_period,
+            )
+            .await
+            .map_err(|e| Error::Leader(e.to_string()))?;
+            let eligible_stats = stats.clone();
+            let stale_after = loop_stale_after(config.refresh_interval);
+            let eligible = Box::new(move || {
+                server::unready(&eligible_stats, stale_after, Instant::now()).is_none()
+            });
+            let (elector, leadership) =
+                crate::leader::Elector::new(client, &config.leader, eligible);
+            tasks.push(tokio::spawn(watched(
+                Task::LeaderElection,
+                stats.clone(),
+                shutdown_tx.subscribe(),
+                elector.run(shutdown.clone()),
+            )));
+            Some(leadership)
+        }
+    };
+
     let guarded = token.is_some();
     let state = AppState {
         snapshots: snapshots_rx.clone(),
@@ -336,6 +364,7 @@ pub async fn start_with_source<S: FleetSource>(
         external,
         loop_stale_after: loop_stale_after(config.refresh_interval),
         gateways: Default::default(),
+        leadership,
     };
     if let Some(listener) = metrics_listener {
         let app = server::metrics_router(state.clone());
@@ -558,7 +587,12 @@ pub async fn run(config: Config) -> Result<(), Error> {
             signal?;
             tracing::info!("shutting down");
         }
-        stopped = service.stopped() => return stopped,
+        stopped = service.stopped() => {
+            // Stop the rest too, so a leader withdraws its label and releases the Lease
+            // (a standby takes over at once rather than after the lease duration).
+            let _ = tokio::time::timeout(Duration::from_secs(10), service.shutdown()).await;
+            return stopped;
+        }
     }
     service.shutdown().await
 }

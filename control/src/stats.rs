@@ -134,6 +134,8 @@ impl Heartbeat {
 pub enum Task {
     ControlLoop = 1,
     FleetSource = 2,
+    /// `--leader-elect`: without it a leader keeps a label it may no longer deserve.
+    LeaderElection = 4,
 }
 
 impl Task {
@@ -142,6 +144,7 @@ impl Task {
         match self {
             Task::ControlLoop => "control loop",
             Task::FleetSource => "fleet source",
+            Task::LeaderElection => "leader election",
         }
     }
 }

@@ -13,6 +13,7 @@ use clap::Parser;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Container, Namespace, Pod, Service, ServiceAccount};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use pd_control::fleet::PodRecord;
@@ -82,6 +83,7 @@ struct Kube {
     roles: Vec<Role>,
     role_bindings: Vec<RoleBinding>,
     network_policies: Vec<NetworkPolicy>,
+    disruption_budgets: Vec<PodDisruptionBudget>,
     /// (file, pod)
     pods: Vec<(String, Pod)>,
     /// Prometheus Operator's, untyped (no k8s-openapi type for a CRD).
@@ -115,6 +117,9 @@ fn kube() -> Kube {
                     k.network_policies.push(typed(doc, &origin))
                 }
                 ("monitoring.coreos.com/v1", "PodMonitor") => k.pod_monitors.push(doc.clone()),
+                ("policy/v1", "PodDisruptionBudget") => {
+                    k.disruption_budgets.push(typed(doc, &origin))
+                }
                 _ => panic!("{origin}: unexpected kind; add it to this test"),
             }
         }
@@ -164,6 +169,55 @@ fn assert_pod_reader(rules: &Option<Vec<PolicyRule>>, origin: &str) {
     );
 }
 
+/// Leader election writes the Lease named in control.yaml (created once, so `create` is
+/// unnamed) and patches pods (its own label), and nothing else.
+fn assert_leader_election(rules: &Option<Vec<PolicyRule>>, origin: &str) {
+    let rules = rules
+        .as_ref()
+        .unwrap_or_else(|| panic!("{origin}: no rules"));
+    let granted: BTreeSet<(String, String, Vec<String>, String)> = rules
+        .iter()
+        .flat_map(|rule| {
+            assert!(
+                rule.non_resource_urls.is_none(),
+                "{origin}: nonResourceURLs"
+            );
+            let names = rule.resource_names.clone().unwrap_or_default().join(",");
+            let groups = rule.api_groups.clone().unwrap_or_default();
+            let resources = rule.resources.clone().unwrap_or_default();
+            let mut verbs = rule.verbs.clone();
+            verbs.sort();
+            groups.into_iter().flat_map(move |g| {
+                let verbs = verbs.clone();
+                let names = names.clone();
+                resources
+                    .clone()
+                    .into_iter()
+                    .map(move |r| (g.clone(), r, verbs.clone(), names.clone()))
+            })
+        })
+        .collect();
+    let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+    let expected: BTreeSet<_> = [
+        (
+            "coordination.k8s.io".into(),
+            "leases".into(),
+            s(&["create"]),
+            String::new(),
+        ),
+        (
+            "coordination.k8s.io".into(),
+            "leases".into(),
+            s(&["get", "update"]),
+            "pd-control".into(),
+        ),
+        (String::new(), "pods".into(), s(&["patch"]), String::new()),
+    ]
+    .into_iter()
+    .collect();
+    assert_eq!(granted, expected, "{origin}");
+}
+
 #[test]
 fn every_kubernetes_document_is_a_known_typed_object() {
     let k = kube();
@@ -173,8 +227,10 @@ fn every_kubernetes_document_is_a_known_typed_object() {
     assert_eq!(k.services.len(), 1);
     assert_eq!(k.cluster_roles.len(), 1);
     assert_eq!(k.cluster_role_bindings.len(), 1);
-    assert_eq!(k.roles.len(), 1);
-    assert_eq!(k.role_bindings.len(), 1);
+    // The namespaced pod reader, and leader election's in pd-control's namespace.
+    assert_eq!(k.roles.len(), 2);
+    assert_eq!(k.role_bindings.len(), 2);
+    assert_eq!(k.disruption_budgets.len(), 1);
     assert_eq!(k.pods.len(), 3);
     assert_eq!(k.network_policies.len(), 1);
     // Every namespaced object lives in a namespace the manifests create.
@@ -188,6 +244,7 @@ fn every_kubernetes_document_is_a_known_typed_object() {
         .chain(k.roles.iter().map(|o| &o.metadata))
         .chain(k.role_bindings.iter().map(|o| &o.metadata))
         .chain(k.network_policies.iter().map(|o| &o.metadata))
+        .chain(k.disruption_budgets.iter().map(|o| &o.metadata))
         .chain(k.pods.iter().map(|(_, o)| &o.metadata));
     for meta in used {
         assert!(
@@ -291,7 +348,7 @@ fn pod_monitors_keep_the_engine_pods_labels_and_select_what_they_name() {
 }
 
 #[test]
-fn rbac_grants_get_list_watch_on_pods_and_model_adapters_and_nothing_else() {
+fn rbac_grants_pod_and_adapter_reads_and_leader_election_in_its_namespace_alone() {
     let k = kube();
     for role in &k.cluster_roles {
         assert_pod_reader(
@@ -299,8 +356,19 @@ fn rbac_grants_get_list_watch_on_pods_and_model_adapters_and_nothing_else() {
             &format!("ClusterRole {}", name_of(&role.metadata)),
         );
     }
+    let deployment_ns = ns_of(&k.deployments[0].metadata);
     for role in &k.roles {
-        assert_pod_reader(&role.rules, &format!("Role {}", name_of(&role.metadata)));
+        let origin = format!("Role {}", name_of(&role.metadata));
+        if name_of(&role.metadata) == "pd-control-leader-election" {
+            assert_eq!(
+                ns_of(&role.metadata),
+                deployment_ns,
+                "{origin}: pd-control's own"
+            );
+            assert_leader_election(&role.rules, &origin);
+        } else {
+            assert_pod_reader(&role.rules, &origin);
+        }
     }
     let sa = &k.service_accounts[0];
     let subject_ok = |subjects: &Option<Vec<k8s_openapi::api::rbac::v1::Subject>>| {
@@ -444,7 +512,17 @@ fn control_deployment_matches_its_cli_service_and_account() {
     let k = kube();
     let dep = &k.deployments[0];
     let spec = &dep.spec;
-    assert_eq!(spec.replicas, Some(1), "one snapshot version counter");
+    assert_eq!(spec.replicas, Some(2), "a leader and a standby");
+    let strategy = spec.strategy.as_ref().expect("strategy");
+    assert_eq!(strategy.type_.as_deref(), Some("RollingUpdate"));
+    assert_eq!(
+        strategy
+            .rolling_update
+            .as_ref()
+            .and_then(|r| r.max_unavailable.clone()),
+        Some(IntOrString::Int(0)),
+        "one replica up throughout a rollout"
+    );
     let template_labels = spec
         .template
         .metadata
@@ -479,11 +557,56 @@ fn control_deployment_matches_its_cli_service_and_account() {
     // pd-control's arguments are accepted by pd-control's own parser.
     let control = container(&pod.containers, "pd-control");
     let args = control.args.clone().unwrap_or_default();
-    let config = pd_control::Config::try_parse_from(
+    let mut config = pd_control::Config::try_parse_from(
         std::iter::once("pd-control".to_string()).chain(args.iter().cloned()),
     )
     .unwrap_or_else(|e| panic!("pd-control rejects {args:?}: {e}"));
+    // Leader election names this pod and its namespace through the downward API.
+    assert!(config.leader.elect, "--leader-elect");
+    let env = control.env.clone().unwrap_or_default();
+    let field = |name: &str| {
+        env.iter()
+            .find(|e| e.name == name)
+            .and_then(|e| e.value_from.as_ref()?.field_ref.as_ref())
+            .map(|f| f.field_path.clone())
+    };
+    assert_eq!(field("POD_NAME").as_deref(), Some("metadata.name"));
+    assert_eq!(
+        field("POD_NAMESPACE").as_deref(),
+        Some("metadata.namespace")
+    );
+    config.leader.identity = Some("pd-control-7d4f9-abcde".into());
+    config.leader.namespace = Some(ns_of(&dep.metadata).to_string());
     config.validate().unwrap();
+    // The Lease the Role names.
+    let election = k
+        .roles
+        .iter()
+        .find(|r| name_of(&r.metadata) == "pd-control-leader-election")
+        .expect("leader election's Role");
+    assert!(election.rules.iter().flatten().any(|r| r
+        .resource_names
+        .iter()
+        .flatten()
+        .any(|n| *n == config.leader.lease)));
+    // New pods start as standbys; the Service selects the leader's label, "true".
+    assert_eq!(
+        template_labels
+            .get(pd_control::leader::LABEL)
+            .map(String::as_str),
+        Some("false")
+    );
+    let budget = &k.disruption_budgets[0];
+    assert_eq!(ns_of(&budget.metadata), ns_of(&dep.metadata));
+    let budget = budget.spec.as_ref().expect("budget spec");
+    assert_eq!(budget.min_available, Some(IntOrString::Int(1)));
+    assert_eq!(
+        budget
+            .selector
+            .as_ref()
+            .and_then(|s| s.match_labels.clone()),
+        spec.selector.match_labels
+    );
     // Probes on --metrics-listen (docs/OPERATOR.md: its own connection cap keeps a flood on
     // the API port from failing them). A startup probe outlasts the first pod list's retries
     // (--kube-startup-timeout, 60 s: the listeners bind after it), and liveness follows
@@ -583,12 +706,20 @@ fn control_deployment_matches_its_cli_service_and_account() {
     assert_eq!(ns_of(&svc.metadata), ns_of(&dep.metadata));
     let svc_spec = svc.spec.as_ref().unwrap();
     assert_eq!(svc_spec.type_.as_deref(), Some("ClusterIP"));
-    for (key, value) in svc_spec.selector.as_ref().unwrap() {
-        assert_eq!(
-            template_labels.get(key),
-            Some(value),
-            "service selector {key}"
-        );
+    let selector = svc_spec.selector.as_ref().unwrap();
+    assert_eq!(
+        selector.get(pd_control::leader::LABEL).map(String::as_str),
+        Some("true"),
+        "the Service reaches the leader alone"
+    );
+    for (key, value) in selector {
+        if key != pd_control::leader::LABEL {
+            assert_eq!(
+                template_labels.get(key),
+                Some(value),
+                "service selector {key}"
+            );
+        }
     }
     let listen_port = control
         .ports

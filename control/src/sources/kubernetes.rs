@@ -399,7 +399,7 @@ impl FleetSource for KubernetesSource {
 }
 
 /// The client for `--kube-api-url` (no auth, plain http allowed), else in-cluster/kubeconfig.
-async fn client(
+pub(crate) async fn client(
     api_url: Option<String>,
     read_timeout: Duration,
 ) -> Result<kube::Client, KubeError> {

@@ -4,6 +4,10 @@
 #[allow(dead_code)]
 pub mod redis;
 
+// The fake Kubernetes API server of the Kubernetes source's and the leader election's tests.
+#[allow(dead_code)]
+pub mod kube_api;
+
 use std::future::Future;
 use std::time::{Duration, Instant};
 

@@ -1,0 +1,493 @@
+//! `--leader-elect` end to end: real `pd-control` processes contending for a Lease on the fake
+//! API server (`common::kube_api`), each through its own door so one can be cut off alone.
+//!
+//! Timings are short (lease 3 s, retry 200 ms) so takeovers happen within
+//! the tests' deadline; every wait is a poll, and no assertion is on how long anything took.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+
+use serde_json::{json, Value};
+
+mod common;
+use common::kube_api::{pod, Door, FakeApi, Fault, LeaseWrite};
+use common::{eventually, metric};
+
+const NS: &str = "pd-router";
+const LEASE: &str = "pd-control";
+const LABEL: &str = "pd-router.io/pd-control-leader";
+const REPLICAS: [&str; 2] = ["pc-a", "pc-b"];
+
+/// A pd-control replica's own pod: no model label, so the fleet watch does not see it.
+fn replica_pod(name: &str) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"namespace": NS, "name": name, "labels": {"app": "pd-control"}},
+        "status": {"conditions": [{"type": "Ready", "status": "True"}], "podIP": "127.0.0.1"},
+    })
+}
+
+/// The fake with both replicas' pods and one (unscheduled, so never scraped) model pod.
+async fn cluster() -> FakeApi {
+    let api = FakeApi::start().await;
+    for name in REPLICAS {
+        api.put(replica_pod(name));
+    }
+    api.put(pod("llm", "decode-0", "llama", None, false));
+    api
+}
+
+/// One running `pd-control --leader-elect`, killed when dropped.
+struct Replica {
+    identity: &'static str,
+    child: Child,
+    base: String,
+    client: reqwest::Client,
+}
+
+impl Replica {
+    async fn start(door: &Door, identity: &'static str) -> Replica {
+        Replica::start_with(door, identity, &[]).await
+    }
+
+    async fn start_with(door: &Door, identity: &'static str, extra: &[&str]) -> Replica {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_pd-control"))
+            .args(["--source", "kubernetes", "--kube-api-url", &door.url()])
+            .args(extra)
+            .args(["--listen", "127.0.0.1:0", "--leader-elect"])
+            .args(["--leader-elect-namespace", NS])
+            .args(["--leader-elect-identity", identity])
+            .args(["--leader-elect-lease-duration", "3s"])
+            .args(["--leader-elect-retry-period", "200ms"])
+            .env_remove("POD_NAME")
+            .env_remove("POD_NAMESPACE")
+            .env(
+                "RUST_LOG",
+                std::env::var("PD_TEST_LOG").unwrap_or_else(|_| "warn,kube_client=off".into()),
+            )
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn pd-control");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let announced = tokio::task::spawn_blocking(move || {
+            let mut first = String::new();
+            BufReader::new(stdout).read_line(&mut first).map(|_| first)
+        })
+        .await
+        .expect("reader task")
+        .expect("pd-control's first line");
+        let addr = announced
+            .trim()
+            .strip_prefix("pd-control: listening on ")
+            .unwrap_or_else(|| panic!("{identity}: unexpected first line {announced:?}"))
+            .to_string();
+        Replica {
+            identity,
+            child,
+            base: format!("http://{addr}"),
+            client: reqwest::Client::builder().no_proxy().build().unwrap(),
+        }
+    }
+
+    /// `/readyz`'s status and body; `None` while it does not answer.
+    async fn readyz(&self) -> Option<(u16, String)> {
+        let response = self
+            .client
+            .get(format!("{}/readyz", self.base))
+            .send()
+            .await
+            .ok()?;
+        let code = response.status().as_u16();
+        Some((code, response.text().await.ok()?))
+    }
+
+    async fn ready(&self) -> bool {
+        self.readyz().await.is_some_and(|(code, _)| code == 200)
+    }
+
+    async fn metric(&self, name: &str) -> f64 {
+        metric(&self.base, name).await
+    }
+
+    /// SIGTERM, as the kubelet stops a container.
+    fn terminate(&self) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -TERM {}", self.child.id());
+    }
+
+    /// Waits for the process to exit; whether it exited cleanly.
+    async fn exited(&mut self) -> bool {
+        let child = &mut self.child;
+        let status = eventually("pd-control to exit", || {
+            let status = child.try_wait().expect("try_wait");
+            async move { status }
+        })
+        .await;
+        status.success()
+    }
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Which of `replicas` leads once the election settled: one pod labelled "true", the others
+/// "false", the Lease naming the labelled one, every replica ready, and `pd_control_leader`
+/// 1 on the leader alone.
+async fn settled(api: &FakeApi, replicas: &[&Replica]) -> usize {
+    eventually(
+        "one leader, labelled, the others standby and all ready",
+        || async {
+            let labels: Vec<Option<String>> = replicas
+                .iter()
+                .map(|r| api.label(NS, r.identity, LABEL))
+                .collect();
+            let leaders: Vec<usize> = (0..replicas.len())
+                .filter(|i| labels[*i].as_deref() == Some("true"))
+                .collect();
+            let [leader] = leaders[..] else { return None };
+            let others_standby = (0..replicas.len())
+                .filter(|i| *i != leader)
+                .all(|i| labels[i].as_deref() == Some("false"));
+            if !others_standby
+                || api.lease_holder(NS, LEASE).as_deref() != Some(replicas[leader].identity)
+            {
+                return None;
+            }
+            for (i, r) in replicas.iter().enumerate() {
+                let expected = if i == leader { 1.0 } else { 0.0 };
+                if !r.ready().await || r.metric("pd_control_leader").await != expected {
+                    return None;
+                }
+            }
+            Some(leader)
+        },
+    )
+    .await
+}
+
+fn transitions(api: &FakeApi) -> i64 {
+    api.lease(NS, LEASE).expect("the lease")["spec"]["leaseTransitions"]
+        .as_i64()
+        .unwrap_or(0)
+}
+
+/// Two replicas: one leads, the other stands by, both ready. SIGTERM to the leader withdraws
+/// its label and releases the Lease, and the standby takes it over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_of_two_leads_and_a_terminated_leader_hands_over() {
+    let api = cluster().await;
+    let a = Replica::start(&api.door().await, "pc-a").await;
+    let b = Replica::start(&api.door().await, "pc-b").await;
+    let mut replicas = [a, b];
+    let leader = settled(&api, &[&replicas[0], &replicas[1]]).await;
+    let standby = 1 - leader;
+    let (leader_id, standby_id) = (replicas[leader].identity, replicas[standby].identity);
+    assert_eq!(
+        replicas[leader]
+            .metric("pd_control_leader_acquisitions_total")
+            .await,
+        1.0
+    );
+    assert_eq!(
+        replicas[standby]
+            .metric("pd_control_leader_acquisitions_total")
+            .await,
+        0.0
+    );
+    let before = transitions(&api);
+    let writes_before = api.lease_writes().len();
+
+    replicas[leader].terminate();
+    assert!(replicas[leader].exited().await, "a clean exit on SIGTERM");
+    assert_eq!(
+        api.label(NS, leader_id, LABEL).as_deref(),
+        Some("false"),
+        "the stopped leader withdrew its label"
+    );
+    let standby_ref = &replicas[standby];
+    eventually("the standby to lead", || async {
+        let labelled = api.label(NS, standby_id, LABEL).as_deref() == Some("true");
+        let holds = api.lease_holder(NS, LEASE).as_deref() == Some(standby_id);
+        (labelled && holds && standby_ref.metric("pd_control_leader").await == 1.0).then_some(())
+    })
+    .await;
+    assert!(standby_ref.ready().await);
+    assert_eq!(
+        transitions(&api),
+        before + 1,
+        "the takeover is one transition"
+    );
+
+    // The leader released the Lease (a PUT with no holder) before the standby took it.
+    let writes: Vec<LeaseWrite> = api.lease_writes().split_off(writes_before);
+    let released = writes
+        .iter()
+        .position(|w| w.verb == "replace" && w.holder.is_none())
+        .unwrap_or_else(|| panic!("no release among {writes:?}"));
+    let taken = writes
+        .iter()
+        .position(|w| w.holder.as_deref() == Some(standby_id) && w.transitions == before + 1)
+        .unwrap_or_else(|| panic!("no takeover among {writes:?}"));
+    assert!(released < taken, "release then takeover: {writes:?}");
+    assert!(
+        writes[..released]
+            .iter()
+            .all(|w| w.holder.as_deref() == Some(leader_id)),
+        "only the leader's renewals before its release: {writes:?}"
+    );
+}
+
+/// A leader cut off from the API server keeps serving (no renew deadline: stepping down
+/// would leave no endpoint when every replica loses the API for one reason); the standby
+/// takes the Lease once it ran out unrenewed, and the old leader, reconnected, reads it held
+/// by the other, stops leading and withdraws its label.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_cut_off_keeps_serving_until_it_sees_the_standby_took_over() {
+    let api = cluster().await;
+    let doors = [api.door().await, api.door().await];
+    let replicas = [
+        Replica::start(&doors[0], "pc-a").await,
+        Replica::start(&doors[1], "pc-b").await,
+    ];
+    let leader = settled(&api, &[&replicas[0], &replicas[1]]).await;
+    let standby = 1 - leader;
+    let (old, new) = (&replicas[leader], &replicas[standby]);
+
+    doors[leader].set(Fault::Down);
+    eventually("the cut-off leader to count failed rounds", || async {
+        (old.metric("pd_control_leader_lease_errors_total").await >= 2.0).then_some(())
+    })
+    .await;
+    assert!(doors[leader].refused() >= 1);
+
+    eventually("the standby to take over", || async {
+        let labelled = api.label(NS, new.identity, LABEL).as_deref() == Some("true");
+        let holds = api.lease_holder(NS, LEASE).as_deref() == Some(new.identity);
+        (labelled && holds && new.metric("pd_control_leader").await == 1.0).then_some(())
+    })
+    .await;
+    // The cut-off leader never read another holder: it still leads, labelled and ready.
+    assert_eq!(old.metric("pd_control_leader").await, 1.0);
+    assert!(
+        old.ready().await,
+        "a leader cut off from the API stays ready"
+    );
+    assert_eq!(api.label(NS, old.identity, LABEL).as_deref(), Some("true"));
+
+    doors[leader].set(Fault::Open);
+    eventually(
+        "the old leader to see the new holder, withdraw its label and stay ready",
+        || async {
+            let withdrawn = api.label(NS, old.identity, LABEL).as_deref() == Some("false");
+            let standby = old.metric("pd_control_leader").await == 0.0;
+            (withdrawn && standby && old.ready().await).then_some(())
+        },
+    )
+    .await;
+    assert_eq!(new.metric("pd_control_leader").await, 1.0);
+    assert_eq!(api.lease_holder(NS, LEASE).as_deref(), Some(new.identity));
+}
+
+/// A leader whose snapshot freezes (its control loop hangs, here on the endpoint file's write:
+/// a FIFO where the file's temporary sibling goes, which nobody reads) gives the Lease up
+/// (a PUT with no holder), so the standby takes over at once instead of never: the leader's
+/// election task, apart from the loop, would otherwise renew for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_whose_snapshot_freezes_releases_the_lease() {
+    let api = cluster().await;
+    let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
+    let eds = |i: usize| dirs[i].path().join("eds.json");
+    let (eds_a, eds_b) = (eds(0), eds(1));
+    let replicas = [
+        Replica::start_with(
+            &api.door().await,
+            "pc-a",
+            &["--eds-file", eds_a.to_str().unwrap()],
+        )
+        .await,
+        Replica::start_with(
+            &api.door().await,
+            "pc-b",
+            &["--eds-file", eds_b.to_str().unwrap()],
+        )
+        .await,
+    ];
+    let leader = settled(&api, &[&replicas[0], &replicas[1]]).await;
+    let (old, new) = (&replicas[leader], &replicas[1 - leader]);
+    let before = transitions(&api);
+    let writes_before = api.lease_writes().len();
+
+    let fifo = dirs[leader].path().join("eds.json.tmp");
+    let made = Command::new("mkfifo").arg(&fifo).status().expect("mkfifo");
+    assert!(made.success());
+    // A new pod: every replica rewrites its endpoint file, and the leader's write blocks.
+    api.put(pod("llm", "decode-1", "llama", Some("127.0.0.9"), true));
+
+    eventually(
+        "the standby to take over from the frozen leader",
+        || async {
+            let labelled = api.label(NS, new.identity, LABEL).as_deref() == Some("true");
+            let holds = api.lease_holder(NS, LEASE).as_deref() == Some(new.identity);
+            (labelled && holds && new.metric("pd_control_leader").await == 1.0).then_some(())
+        },
+    )
+    .await;
+    let (code, why) = old.readyz().await.expect("the frozen leader answers");
+    assert_eq!(code, 503, "{why}");
+    assert!(why.contains("frozen"), "{why}");
+    assert_eq!(old.metric("pd_control_leader").await, 0.0);
+    assert_eq!(api.label(NS, old.identity, LABEL).as_deref(), Some("false"));
+    let writes: Vec<LeaseWrite> = api.lease_writes().split_off(writes_before);
+    let released = writes
+        .iter()
+        .position(|w| w.verb == "replace" && w.holder.is_none())
+        .unwrap_or_else(|| panic!("no release among {writes:?}"));
+    let taken = writes
+        .iter()
+        .position(|w| w.holder.as_deref() == Some(new.identity))
+        .unwrap_or_else(|| panic!("no takeover among {writes:?}"));
+    assert!(released < taken, "release then takeover: {writes:?}");
+    assert_eq!(transitions(&api), before + 1);
+}
+
+/// A restarted container whose pod still says "true" from its previous life, while another
+/// replica holds the Lease: it is unready until it has written "false", and never leads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_replica_is_unready_until_its_stale_label_is_withdrawn() {
+    let api = cluster().await;
+    let b = Replica::start(&api.door().await, "pc-b").await;
+    eventually("pc-b to lead", || async {
+        let labelled = api.label(NS, "pc-b", LABEL).as_deref() == Some("true");
+        let holds = api.lease_holder(NS, LEASE).as_deref() == Some("pc-b");
+        (labelled && holds).then_some(())
+    })
+    .await;
+    let mut stale = api.get(NS, "pc-a");
+    stale["metadata"]["labels"][LABEL] = json!("true");
+    api.put(stale);
+
+    let door = api.door().await;
+    door.set(Fault::PodWrites);
+    let a = Replica::start(&door, "pc-a").await;
+    // Once the snapshot is ready, only the label keeps pc-a unready: its writes fail.
+    let reason = eventually("pc-a unready for its label, its writes failing", || async {
+        let (code, body) = a.readyz().await?;
+        let failing = a.metric("pd_control_leader_label_errors_total").await >= 2.0;
+        (code == 503 && body.contains("is not yet \"false\"") && failing).then_some(body)
+    })
+    .await;
+    assert!(
+        reason.contains(&format!("lease {NS}/{LEASE} held by \"pc-b\"")),
+        "{reason}"
+    );
+    assert_eq!(api.label(NS, "pc-a", LABEL).as_deref(), Some("true"));
+    assert_eq!(
+        a.readyz().await.map(|(code, _)| code),
+        Some(503),
+        "still unready"
+    );
+    assert_eq!(a.metric("pd_control_leader").await, 0.0);
+
+    door.set(Fault::Open);
+    eventually(
+        "pc-a to withdraw the stale label and turn ready",
+        || async {
+            let withdrawn = api.label(NS, "pc-a", LABEL).as_deref() == Some("false");
+            (withdrawn && a.ready().await).then_some(())
+        },
+    )
+    .await;
+    assert_eq!(a.metric("pd_control_leader").await, 0.0);
+    assert_eq!(a.metric("pd_control_leader_acquisitions_total").await, 0.0);
+    assert_eq!(b.metric("pd_control_leader").await, 1.0);
+    assert_eq!(api.lease_holder(NS, LEASE).as_deref(), Some("pc-b"));
+    let writes = api.lease_writes();
+    assert!(
+        writes.iter().all(|w| w.holder.as_deref() == Some("pc-b")),
+        "pc-a never wrote the lease: {writes:?}"
+    );
+}
+
+/// Misconfigured election fails start-up with a message naming the flag.
+#[test]
+fn election_flags_that_cannot_work_fail_start_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let fleet = dir.path().join("fleet.yaml");
+    std::fs::write(&fleet, "pods: []\n").unwrap();
+    let fleet = fleet.to_str().unwrap();
+    // Nothing listens here: start-up must fail before any connection is tried.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let kube = format!("http://{closed}");
+    let named = [
+        "--leader-elect-namespace",
+        NS,
+        "--leader-elect-identity",
+        "pc-a",
+    ];
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            [&["--fleet", fleet, "--leader-elect"][..], &named[..]].concat(),
+            "--leader-elect needs the kubernetes source",
+        ),
+        (
+            [
+                &["--source", "file", "--fleet", fleet, "--leader-elect"][..],
+                &named[..],
+            ]
+            .concat(),
+            "--leader-elect needs the kubernetes source",
+        ),
+        (
+            vec![
+                "--source",
+                "kubernetes",
+                "--kube-api-url",
+                &kube,
+                "--leader-elect",
+                "--leader-elect-namespace",
+                NS,
+            ],
+            "--leader-elect needs --leader-elect-identity (or POD_NAME)",
+        ),
+        (
+            [
+                &[
+                    "--source",
+                    "kubernetes",
+                    "--kube-api-url",
+                    &kube,
+                    "--leader-elect",
+                ][..],
+                &named[..],
+                &["--leader-elect-retry-period", "20s"][..],
+            ]
+            .concat(),
+            "--leader-elect-retry-period < --leader-elect-lease-duration",
+        ),
+    ];
+    for (args, expected) in cases {
+        let out = Command::new(env!("CARGO_BIN_EXE_pd-control"))
+            .args(&args)
+            .args(["--listen", "127.0.0.1:0"])
+            .env_remove("POD_NAME")
+            .env_remove("POD_NAMESPACE")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} started");
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+        assert!(out.stdout.is_empty(), "{args:?} announced a listener");
+    }
+}
