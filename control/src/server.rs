@@ -66,7 +66,11 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/limits/usage", post(limits_usage))
         .route("/v1/limits/release", post(limits_release))
         .route("/v1/route/external", post(route_external))
-        .route_layer(middleware::from_fn_with_state(state.clone(), require_token));
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_token))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            close_unless_leading,
+        ));
     Router::new()
         .merge(guarded)
         .route("/healthz", get(|| async { "ok" }))
@@ -98,6 +102,27 @@ async fn require_token(State(state): State<AppState>, request: Request, next: Ne
         }
         _ => next.run(request).await,
     }
+}
+
+/// With `--leader-elect`, a replica that does not lead answers the gateways' calls as usual
+/// (its snapshot follows the fleet as the leader's does) but closes the connection after each
+/// answer. The Service reaches the leader alone, but a gateway's kept-alive connection (a
+/// poll every few seconds never lets it idle out) stays on the replica it was opened to
+/// (kube-proxy balances connections, not requests): without the close, a gateway would keep
+/// polling a former leader for as long as that connection lives.
+async fn close_unless_leading(
+    State(state): State<AppState>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let mut response = next.run(request).await;
+    // Judged once the answer is ready: a poll held through a change of leader closes too.
+    if state.leadership.as_ref().is_some_and(|l| !l.is_leading()) {
+        response
+            .headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    response
 }
 
 fn current(state: &AppState) -> Arc<Published> {

@@ -103,6 +103,49 @@ impl Replica {
         Some((code, response.text().await.ok()?))
     }
 
+    /// The head of a snapshot answer on a fresh connection, and whether the replica closed
+    /// that connection after it: the head must say `connection: close`, and the next read
+    /// must then see the end (within the tests' deadline, failing rather than hanging).
+    async fn snapshot_exchange(&self) -> (String, bool) {
+        use std::io::{Read, Write};
+        let addr = self.base.trim_start_matches("http://").to_string();
+        tokio::task::spawn_blocking(move || {
+            let mut conn = std::net::TcpStream::connect(&addr).expect("connect");
+            conn.set_read_timeout(Some(common::DEADLINE))
+                .expect("timeout");
+            conn.write_all(b"GET /v1/snapshot.json HTTP/1.1\r\nhost: pd-control\r\n\r\n")
+                .expect("request");
+            let mut seen = Vec::new();
+            let mut buf = [0u8; 8192];
+            let head = loop {
+                let n = conn.read(&mut buf).expect("read");
+                assert!(n > 0, "closed before a whole answer");
+                seen.extend_from_slice(&buf[..n]);
+                let text = String::from_utf8_lossy(&seen).to_string();
+                let Some((head, body)) = text.split_once("\r\n\r\n") else {
+                    continue;
+                };
+                let length = head.lines().find_map(|l| {
+                    let l = l.to_ascii_lowercase();
+                    l.strip_prefix("content-length:")?
+                        .trim()
+                        .parse::<usize>()
+                        .ok()
+                });
+                if length.is_some_and(|len| body.len() >= len) {
+                    break head.to_string();
+                }
+            };
+            if !head.to_ascii_lowercase().contains("connection: close") {
+                return (head, false);
+            }
+            let closed = matches!(conn.read(&mut buf), Ok(0));
+            (head, closed)
+        })
+        .await
+        .expect("exchange")
+    }
+
     async fn ready(&self) -> bool {
         self.readyz().await.is_some_and(|(code, _)| code == 200)
     }
@@ -203,6 +246,14 @@ async fn one_of_two_leads_and_a_terminated_leader_hands_over() {
             .await,
         0.0
     );
+    // The standby answers a gateway's call, then closes the connection, so the gateway's
+    // next one goes through the Service to the leader; the leader keeps it alive.
+    let (head, closed) = replicas[standby].snapshot_exchange().await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(closed, "the standby closes after its answer: {head}");
+    let (head, closed) = replicas[leader].snapshot_exchange().await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(!closed, "the leader keeps the connection: {head}");
     let before = transitions(&api);
     let writes_before = api.lease_writes().len();
 
