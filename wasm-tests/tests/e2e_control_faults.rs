@@ -806,3 +806,117 @@ fn an_idle_gateway_holds_one_long_poll_and_slows_its_timers_until_work_arrives()
     wait_polls_held(&stack, 1.0, Duration::from_secs(10), "after the request");
     routed(&stack);
 }
+
+/// A drop-in whose `pd_control` cluster is `envoy/pd-control-standby.yaml`'s: health-checked,
+/// `primary` first, `standby` behind it (priority 1). The fragment's own text is spliced in
+/// (comments dropped, addresses filled), so what operators copy is what runs here.
+fn with_standby_control(rendered: String, primary: &str, standby: &str) -> String {
+    let fragment = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../envoy/pd-control-standby.yaml"),
+    )
+    .expect("the standby fragment");
+    let (addr, port) = primary.rsplit_once(':').expect("host:port");
+    let (standby_addr, standby_port) = standby.rsplit_once(':').expect("host:port");
+    let keys: Vec<String> = fragment
+        .lines()
+        .filter(|l| !l.trim_start().starts_with('#') && !l.trim().is_empty())
+        .map(|l| {
+            let l = l
+                .replace("@CONTROL_ADDR@", addr)
+                .replace("@CONTROL_PORT@", port)
+                .replace("@STANDBY_ADDR@", standby_addr)
+                .replace("@STANDBY_PORT@", standby_port);
+            format!("    {l}")
+        })
+        .collect();
+    let lines: Vec<&str> = rendered.lines().collect();
+    let cluster = lines
+        .iter()
+        .position(|l| *l == "  - name: pd_control")
+        .expect("the drop-in's pd_control cluster");
+    let start = cluster
+        + lines[cluster..]
+            .iter()
+            .position(|l| *l == "    load_assignment:")
+            .expect("its load_assignment");
+    let end = start
+        + 1
+        + lines[start + 1..]
+            .iter()
+            .position(|l| !l.starts_with("      "))
+            .unwrap_or(lines.len() - start - 1);
+    let mut out: Vec<String> = lines[..start].iter().map(|l| l.to_string()).collect();
+    out.extend(keys);
+    out.extend(lines[end..].iter().map(|l| l.to_string()));
+    let mut joined = out.join("\n");
+    joined.push('\n');
+    assert!(joined.contains("priority: 1"), "the standby spliced in");
+    joined
+}
+
+/// Without Kubernetes, a standby pd-control behind the first in the `pd_control` cluster
+/// (`envoy/pd-control-standby.yaml`): when the first goes away, the gateway's polls reach
+/// the standby, so a fleet edit made meanwhile still reaches every worker and the snapshot
+/// stays fresh, while a gateway polling the first alone goes stale on the old fleet.
+#[test]
+fn a_standby_pd_control_serves_the_gateway_when_the_first_goes_away() {
+    let fleet = two_pairs();
+    let mut stack = Stack::start_opts(
+        fleet.clone(),
+        fleet.clone(),
+        &Options {
+            plugin_extra: "\"snapshot_stale_after_ms\":1000",
+            ..Options::default()
+        },
+    );
+    let standby = stack.add_control(&[]);
+    let primary = stack.control.clone();
+    let gw = stack.add_gateway_edited(|c| with_standby_control(c, &primary, &standby));
+    let route = |gateway: &str| {
+        let r = pd_request(gateway);
+        assert_eq!(r.status, 200, "{}: {}", r.status, r.text());
+    };
+    route(&gw.gateway);
+    assert_eq!(gw.filter_stat("pd_router_snapshot_stale"), Some(0));
+
+    stack.kill("pd-control");
+    stack.write_fleet(fleet.without("p1").without("d1"));
+    // The standby's snapshot without g1, and every VM of the standby's gateway on it.
+    let vms = (stack.concurrency + 1) as u64;
+    eventually(Duration::from_secs(20), || {
+        let snap: Value = http::get(&standby, "/v1/snapshot.json")
+            .map_err(|e| e.to_string())?
+            .json();
+        let names: BTreeSet<&str> = pd_wasm_tests::stack::snapshot_pods(&snap)
+            .filter_map(|p| p["name"].as_str())
+            .collect();
+        if names.contains("p1") {
+            return Err(format!("the standby still serves g1: {names:?}"));
+        }
+        let version = snap["version"].as_u64().unwrap_or(u64::MAX);
+        let adopted = gw.stat("pd_router_fleet_version");
+        let on_latest = gw.stat("pd_router_fleet_vms_on_latest");
+        let fresh = gw.filter_stat("pd_router_snapshot_stale") == Some(0);
+        (adopted >= version && on_latest >= vms && fresh)
+            .then_some(())
+            .ok_or_else(|| {
+                format!("the gateway is on {adopted} ({on_latest} VMs, fresh {fresh}), the standby serves {version}")
+            })
+    });
+    stack.clear_sim_requests();
+    for _ in 0..12 {
+        route(&gw.gateway);
+    }
+    assert_eq!(
+        pods_reached(&stack),
+        BTreeSet::from(["d0".to_string(), "p0".to_string()]),
+        "the standby's fleet"
+    );
+    // The stack's own gateway knows the first pd-control alone: stale, on the old fleet.
+    eventually(Duration::from_secs(20), || {
+        route(&stack.gateway);
+        (stack.stat("pd_router_snapshot_stale") == 1)
+            .then_some(())
+            .ok_or_else(|| "the single-control gateway never went stale".to_string())
+    });
+}
