@@ -75,6 +75,7 @@ pub fn router(state: AppState) -> Router {
         .merge(guarded)
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
+        .route("/livez", get(livez))
         .route("/metrics", get(metrics))
         .with_state(state)
 }
@@ -84,6 +85,7 @@ pub fn metrics_router(state: AppState) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
+        .route("/livez", get(livez))
         .route("/metrics", get(metrics))
         .with_state(state)
 }
@@ -463,6 +465,17 @@ async fn readyz(State(state): State<AppState>) -> Response {
     });
     match why {
         None => (StatusCode::OK, "ready\n").into_response(),
+        Some(why) => (StatusCode::SERVICE_UNAVAILABLE, why).into_response(),
+    }
+}
+
+/// For a liveness probe: `/readyz` without the leadership part. A replica unready only
+/// because its label could not be written (the API server down or refusing it) must not be
+/// restarted for it: a restart during an API outage cannot even load the fleet, and the
+/// leader then serving alone would go with it.
+async fn livez(State(state): State<AppState>) -> Response {
+    match unready(&state.stats, state.loop_stale_after, Instant::now()) {
+        None => (StatusCode::OK, "live\n").into_response(),
         Some(why) => (StatusCode::SERVICE_UNAVAILABLE, why).into_response(),
     }
 }

@@ -331,6 +331,7 @@ pub async fn start_with_source<S: FleetSource>(
             let client = crate::sources::kubernetes::client(
                 config.kube_api_url.clone(),
                 config.leader.retry_period,
+                false,
             )
             .await
             .map_err(|e| Error::Leader(e.to_string()))?;

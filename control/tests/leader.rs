@@ -410,6 +410,58 @@ async fn a_leader_whose_snapshot_freezes_releases_the_lease() {
     assert_eq!(transitions(&api), before + 1);
 }
 
+/// A leader whose pod label cannot be written (a patch the API refuses: RBAC, a webhook)
+/// leads no traffic, since the Service selects the label: it gives the Lease up after a lease
+/// duration and sits one out, so a replica whose label can be written takes over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_whose_label_cannot_be_written_gives_the_lease_up() {
+    let api = cluster().await;
+    api.put(replica_pod("pc-c"));
+    let mut b = Replica::start(&api.door().await, "pc-b").await;
+    eventually("pc-b to lead", || async {
+        let labelled = api.label(NS, "pc-b", LABEL).as_deref() == Some("true");
+        (labelled && api.lease_holder(NS, LEASE).as_deref() == Some("pc-b")).then_some(())
+    })
+    .await;
+    let door = api.door().await;
+    let a = Replica::start(&door, "pc-a").await;
+    eventually("pc-a to stand by", || async {
+        let standby = api.label(NS, "pc-a", LABEL).as_deref() == Some("false");
+        (standby && a.ready().await).then_some(())
+    })
+    .await;
+    door.set(Fault::PodWrites);
+    b.terminate();
+    assert!(b.exited().await, "a clean exit on SIGTERM");
+    eventually("pc-a to take the lease, its label unwritten", || async {
+        let holds = api.lease_holder(NS, LEASE).as_deref() == Some("pc-a");
+        (holds && a.metric("pd_control_leader").await == 1.0).then_some(())
+    })
+    .await;
+    assert_eq!(api.label(NS, "pc-a", LABEL).as_deref(), Some("false"));
+    let writes_before = api.lease_writes().len();
+
+    let c = Replica::start(&api.door().await, "pc-c").await;
+    eventually("pc-c to take over from the unlabelled leader", || async {
+        let labelled = api.label(NS, "pc-c", LABEL).as_deref() == Some("true");
+        let holds = api.lease_holder(NS, LEASE).as_deref() == Some("pc-c");
+        (labelled && holds && c.metric("pd_control_leader").await == 1.0).then_some(())
+    })
+    .await;
+    assert_eq!(a.metric("pd_control_leader").await, 0.0);
+    assert!(a.ready().await, "its label says \"false\": a ready standby");
+    let writes: Vec<LeaseWrite> = api.lease_writes().split_off(writes_before);
+    let released = writes
+        .iter()
+        .position(|w| w.verb == "replace" && w.holder.is_none())
+        .unwrap_or_else(|| panic!("no release among {writes:?}"));
+    let taken = writes
+        .iter()
+        .position(|w| w.holder.as_deref() == Some("pc-c"))
+        .unwrap_or_else(|| panic!("no takeover among {writes:?}"));
+    assert!(released < taken, "release then takeover: {writes:?}");
+}
+
 /// A restarted container whose pod still says "true" from its previous life, while another
 /// replica holds the Lease: it is unready until it has written "false", and never leads.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -446,6 +498,14 @@ async fn a_restarted_replica_is_unready_until_its_stale_label_is_withdrawn() {
         Some(503),
         "still unready"
     );
+    // Unready for its label alone: live, so a liveness probe does not restart it.
+    let live = a
+        .client
+        .get(format!("{}/livez", a.base))
+        .send()
+        .await
+        .expect("livez");
+    assert_eq!(live.status().as_u16(), 200);
     assert_eq!(a.metric("pd_control_leader").await, 0.0);
 
     door.set(Fault::Open);
@@ -525,7 +585,7 @@ fn election_flags_that_cannot_work_fail_start_up() {
                 &["--leader-elect-retry-period", "20s"][..],
             ]
             .concat(),
-            "--leader-elect-retry-period < --leader-elect-lease-duration",
+            "--leader-elect-lease-duration >= 3 x --leader-elect-retry-period",
         ),
     ];
     for (args, expected) in cases {

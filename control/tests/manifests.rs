@@ -609,8 +609,9 @@ fn control_deployment_matches_its_cli_service_and_account() {
     );
     // Probes on --metrics-listen (docs/OPERATOR.md: its own connection cap keeps a flood on
     // the API port from failing them). A startup probe outlasts the first pod list's retries
-    // (--kube-startup-timeout, 60 s: the listeners bind after it), and liveness follows
-    // readiness, so a control loop that stopped turning is restarted, not left unready.
+    // (--kube-startup-timeout, 60 s: the listeners bind after it), and liveness is readiness
+    // without the leader label's part (/livez), so a control loop that stopped turning is
+    // restarted, not left unready, and a replica whose label write the API refuses is not.
     let metrics = config.metrics_listen.expect("--metrics-listen");
     let port = control
         .ports
@@ -623,7 +624,7 @@ fn control_deployment_matches_its_cli_service_and_account() {
     let probes = [
         (&control.startup_probe, "/healthz"),
         (&control.readiness_probe, "/readyz"),
-        (&control.liveness_probe, "/readyz"),
+        (&control.liveness_probe, "/livez"),
     ];
     for (probe, path) in probes {
         let probe = probe

@@ -68,8 +68,9 @@ pub enum LeaderConfigError {
     #[error("--leader-elect needs {0}")]
     Missing(&'static str),
     #[error(
-        "leader election needs --leader-elect-retry-period < --leader-elect-lease-duration \
-         (a leader must renew before a standby may take over)"
+        "leader election needs --leader-elect-lease-duration >= 3 x --leader-elect-retry-period \
+         (a standby must see a renewal within the duration: renewals come up to 1.2 retry \
+         periods apart, and a standby reads one retry period late at worst)"
     )]
     Timings,
 }
@@ -97,7 +98,7 @@ impl LeaderArgs {
         if self.lease.is_empty() {
             return Err(LeaderConfigError::Missing("a --leader-elect-lease name"));
         }
-        if self.retry_period >= self.lease_duration {
+        if self.retry_period.saturating_mul(3) > self.lease_duration {
             return Err(LeaderConfigError::Timings);
         }
         Ok(())
@@ -136,6 +137,10 @@ mod tests {
         ));
         let mut a = on();
         a.retry_period = a.lease_duration;
+        assert_eq!(a.validate(true), Err(LeaderConfigError::Timings));
+        a.retry_period = Duration::from_secs(5);
+        assert_eq!(a.validate(true), Ok(()), "15 s is three 5 s periods");
+        a.retry_period = Duration::from_millis(5001);
         assert_eq!(a.validate(true), Err(LeaderConfigError::Timings));
     }
 }

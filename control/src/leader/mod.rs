@@ -13,6 +13,10 @@
 //! or whose snapshot stops being ready, withdraws its label and releases the Lease, so a
 //! standby takes over at its next round.
 //!
+//! A replica takes the Lease only once it has written its label at least once, and gives it
+//! up (sitting one lease duration out) when "true" could not be written for a lease duration:
+//! a leader the Service cannot select (its pod missing, the patch refused) serves nobody.
+//!
 //! A leader that cannot renew keeps leading until it reads the Lease held by another: there
 //! is no renew deadline. Controllers built on client-go step down at one, which is safe for
 //! them (two leaders would both write) and wrong here: when every replica loses the API for
@@ -137,7 +141,7 @@ impl Leadership {
             (
                 "pd_control_leader_lease_errors_total",
                 "counter",
-                "Lease rounds that failed or timed out (a leader stops leading once none succeeded for --leader-elect-renew-deadline).",
+                "Lease rounds that failed or got no answer within the retry period (a leader keeps leading through them).",
                 self.lease_errors.load(Ordering::Relaxed).to_string(),
             ),
             (
@@ -183,6 +187,10 @@ pub struct Elector {
     /// snapshot is not ready, or frozen, does not take the Lease and gives it up.
     eligible: Box<dyn Fn() -> bool + Send + Sync>,
     rng: fastrand::Rng,
+    /// Since when the label has not said "true" while this replica leads.
+    label_pending: Option<Instant>,
+    /// Until when this replica does not lead, after giving the Lease up for its label.
+    benched_until: Option<Instant>,
     /// Rounds failed in a row, and when that streak was last logged.
     failures: u64,
     failure_log: LogEvery,
@@ -227,6 +235,8 @@ impl Elector {
             observer: Observer::default(),
             eligible,
             rng: fastrand::Rng::new(),
+            label_pending: None,
+            benched_until: None,
             failures: 0,
             failure_log: LogEvery::default(),
             label_log: LogEvery::default(),
@@ -242,7 +252,7 @@ impl Elector {
             let bound = started + self.args.retry_period;
             let round = tokio::select! {
                 _ = shutdown.requested() => break,
-                r = tokio::time::timeout_at(bound.into(), self.round(started)) => {
+                r = tokio::time::timeout_at(bound.into(), self.round()) => {
                     r.unwrap_or(Err(RoundError::Timeout))
                 }
             };
@@ -261,11 +271,16 @@ impl Elector {
         self.release().await;
     }
 
-    async fn round(&mut self, started: Instant) -> Result<Round, RoundError> {
+    async fn round(&mut self) -> Result<Round, RoundError> {
         let name = self.args.lease.clone();
         let now = k8s_openapi::jiff::Timestamp::now();
         let duration = self.args.lease_duration;
-        let eligible = (self.eligible)();
+        // A replica leads only once it has written its label (it would otherwise hold the
+        // Lease with no pod the Service selects: a pod that does not exist, a patch denied)
+        // and, leading, only while "true" gets written within a lease duration.
+        let eligible = (self.eligible)()
+            && self.state.label() != Label::Unknown
+            && !self.label_overdue(Instant::now());
         let Some(current) = self.leases.get_opt(&name).await? else {
             if !eligible {
                 return Ok(Round::Follows(String::new()));
@@ -288,23 +303,26 @@ impl Elector {
             .resource_version
             .clone()
             .unwrap_or_default();
-        let first_seen = self.observer.observe(&version, started);
+        // Dated when the read came back: a version written while a slow read was on its way
+        // was seen no earlier than that.
+        let first_seen = self.observer.observe(&version, Instant::now());
         let spec = current.spec.clone().unwrap_or_default();
-        let (next, done) = match lease::plan(Some(&spec), &self.me, first_seen, duration, started) {
-            Plan::Follow(holder) => return Ok(Round::Follows(holder)),
-            // Not ready: a holder empties the Lease for a standby, anyone else leaves it.
-            Plan::Renew if !eligible => (lease::released(&spec, now), Round::Released),
-            Plan::TakeOver if !eligible => {
-                return Ok(Round::Follows(
-                    lease::holder(Some(&spec)).unwrap_or_default().to_string(),
-                ))
-            }
-            Plan::Renew => (lease::renewed(&spec, &self.me, duration, now), Round::Held),
-            Plan::TakeOver => (
-                lease::taken_over(&spec, &self.me, duration, now),
-                Round::Held,
-            ),
-        };
+        let (next, done) =
+            match lease::plan(Some(&spec), &self.me, first_seen, duration, Instant::now()) {
+                Plan::Follow(holder) => return Ok(Round::Follows(holder)),
+                // Not ready: a holder empties the Lease for a standby, anyone else leaves it.
+                Plan::Renew if !eligible => (lease::released(&spec, now), Round::Released),
+                Plan::TakeOver if !eligible => {
+                    return Ok(Round::Follows(
+                        lease::holder(Some(&spec)).unwrap_or_default().to_string(),
+                    ))
+                }
+                Plan::Renew => (lease::renewed(&spec, &self.me, duration, now), Round::Held),
+                Plan::TakeOver => (
+                    lease::taken_over(&spec, &self.me, duration, now),
+                    Round::Held,
+                ),
+            };
         let mut written = current;
         written.spec = Some(next);
         // The read's resourceVersion rides along: a write by another replica since then
@@ -345,11 +363,9 @@ impl Elector {
                     self.step_down("another replica holds the lease");
                 }
             }
-            Ok(Round::Lost) => {
-                if self.state.is_leading() {
-                    self.step_down("another replica wrote the lease first");
-                }
-            }
+            // Another write came first, or ours committed and its answer was lost: the next
+            // round's read says which (a leader that still holds it renews then).
+            Ok(Round::Lost) => {}
             Err(e) => {
                 self.state.lease_errors.fetch_add(1, Ordering::Relaxed);
                 // A leader keeps leading (see the module's docs). One line when failures
@@ -375,8 +391,15 @@ impl Elector {
         } else {
             Label::Standby
         };
+        if want == Label::Standby {
+            self.label_pending = None;
+        }
         if self.state.label() == want {
+            self.label_pending = None;
             return;
+        }
+        if want == Label::Leader {
+            self.label_pending.get_or_insert_with(Instant::now);
         }
         let value = if want == Label::Leader {
             "true"
@@ -393,12 +416,31 @@ impl Elector {
         .await;
         match written {
             Ok(Ok(_)) => {
+                self.label_pending = None;
                 self.state.label.store(want as u8, Ordering::Release);
                 tracing::info!(pod = %self.me, label = LABEL, value, "pod label written");
             }
             Ok(Err(e)) => self.label_failed(&e.to_string()),
             Err(_) => self.label_failed("no answer in time"),
         }
+    }
+
+    /// Whether this replica leads without having got "true" written for a lease duration: it
+    /// then gives the Lease up (the Service reaches no pod of its) and sits out one lease
+    /// duration, so that a standby whose label can be written takes it.
+    fn label_overdue(&mut self, now: Instant) -> bool {
+        if self.benched_until.is_some_and(|until| now < until) {
+            return true;
+        }
+        let overdue = self
+            .label_pending
+            .is_some_and(|since| now.saturating_duration_since(since) >= self.args.lease_duration);
+        if overdue {
+            self.label_pending = None;
+            self.benched_until = Some(now + self.args.lease_duration);
+            tracing::warn!(pod = %self.me, label = LABEL, "the leader label could not be written for a lease duration: giving the lease up");
+        }
+        overdue
     }
 
     fn label_failed(&mut self, error: &str) {

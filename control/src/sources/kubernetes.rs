@@ -322,7 +322,12 @@ impl FleetSource for KubernetesSource {
 
     async fn load(&mut self) -> Result<Vec<PodRecord>, SourceError> {
         // A free function: the source holds a non-`Sync` stream, so no `&self` may cross an await.
-        let client = client(self.settings.api_url.clone(), self.settings.read_timeout).await?;
+        let client = client(
+            self.settings.api_url.clone(),
+            self.settings.read_timeout,
+            true,
+        )
+        .await?;
         let mut events = self.watches(client);
         // Unlike later failures, a first pod list failing for good is fatal: there is no good
         // fleet to keep. Adapters are optional and never hold the start up.
@@ -399,9 +404,13 @@ impl FleetSource for KubernetesSource {
 }
 
 /// The client for `--kube-api-url` (no auth, plain http allowed), else in-cluster/kubeconfig.
+/// `retry`: kube's own retry of 429, 503 and 504 answers (off for callers that retry each
+/// round themselves and must see what each call got: a write retried after a 504 that had
+/// committed reads as a conflict).
 pub(crate) async fn client(
     api_url: Option<String>,
     read_timeout: Duration,
+    retry: bool,
 ) -> Result<kube::Client, KubeError> {
     let mut config = match api_url {
         Some(url) => {
@@ -418,6 +427,7 @@ pub(crate) async fn client(
     config.read_timeout = Some(read_timeout);
     // From each request's write, not from when its pooled connection went idle.
     config.reset_reader_on_write = true;
+    config.default_retry = retry;
     kube::Client::try_from(config).map_err(KubeError::Client)
 }
 
