@@ -309,22 +309,6 @@ pub async fn start_with_source<S: FleetSource>(
             control.run(shutdown.clone()),
         )),
     ];
-    let eds_here = match (&config.eds_file, &xds_listener) {
-        (Some(_), _) => crate::xds::EdsHere::File,
-        (None, Some(_)) => crate::xds::EdsHere::Nodes(Default::default()),
-        (None, None) => crate::xds::EdsHere::Off,
-    };
-    if let (Some(listener), Some(listing)) = (xds_listener, listing) {
-        let service = crate::xds::service(listing, stats.clone(), token.clone(), eds_here.clone());
-        let mut stop = shutdown.clone();
-        tasks.push(tokio::spawn(crate::xds::serve(
-            listener,
-            service,
-            async move { stop.requested().await },
-        )));
-        tracing::info!(addr = ?xds_addr, "serving the retrying cluster's endpoints over EDS");
-    }
-
     let leadership = match config.leader.elect {
         false => None,
         true => {
@@ -351,6 +335,28 @@ pub async fn start_with_source<S: FleetSource>(
             Some(leadership)
         }
     };
+
+    let eds_here = match (&config.eds_file, &xds_listener) {
+        (Some(_), _) => crate::xds::EdsHere::File,
+        (None, Some(_)) => crate::xds::EdsHere::Nodes(Default::default()),
+        (None, None) => crate::xds::EdsHere::Off,
+    };
+    if let (Some(listener), Some(listing)) = (xds_listener, listing) {
+        let service = crate::xds::service(
+            listing,
+            stats.clone(),
+            token.clone(),
+            eds_here.clone(),
+            leadership.as_ref().map(|l| l.subscribe()),
+        );
+        let mut stop = shutdown.clone();
+        tasks.push(tokio::spawn(crate::xds::serve(
+            listener,
+            service,
+            async move { stop.requested().await },
+        )));
+        tracing::info!(addr = ?xds_addr, "serving the retrying cluster's endpoints over EDS");
+    }
 
     let guarded = token.is_some();
     let state = AppState {

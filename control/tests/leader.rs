@@ -7,6 +7,8 @@
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 
+use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
+use envoy_types::pb::envoy::service::endpoint::v3::endpoint_discovery_service_client::EndpointDiscoveryServiceClient;
 use serde_json::{json, Value};
 
 mod common;
@@ -36,6 +38,45 @@ async fn cluster() -> FakeApi {
     }
     api.put(pod("llm", "decode-0", "llama", None, false));
     api
+}
+
+/// A loopback address nothing listens on now.
+fn free_addr() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    listener.local_addr().expect("addr").to_string()
+}
+
+/// An EDS stream to `addr` with its subscription sent, as a gateway's retrying cluster opens
+/// it: the request sender (kept to hold the stream open) and the responses, or the status
+/// the stream was refused with.
+async fn eds_stream(
+    addr: &str,
+) -> Result<
+    (
+        tokio::sync::mpsc::Sender<DiscoveryRequest>,
+        tonic::Streaming<DiscoveryResponse>,
+    ),
+    tonic::Status,
+> {
+    let mut client = EndpointDiscoveryServiceClient::connect(format!("http://{addr}"))
+        .await
+        .expect("connect");
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let subscribe = DiscoveryRequest {
+        node: Some(envoy_types::pb::envoy::config::core::v3::Node {
+            id: "gw-1".into(),
+            ..Default::default()
+        }),
+        resource_names: vec!["pd_pods_retry".into()],
+        type_url: pd_control::xds::EDS_TYPE_URL.into(),
+        ..Default::default()
+    };
+    tx.send(subscribe).await.expect("queued");
+    let stream = client
+        .stream_endpoints(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await?
+        .into_inner();
+    Ok((tx, stream))
 }
 
 /// One running `pd-control --leader-elect`, killed when dropped.
@@ -358,22 +399,42 @@ async fn a_leader_whose_snapshot_freezes_releases_the_lease() {
     let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
     let eds = |i: usize| dirs[i].path().join("eds.json");
     let (eds_a, eds_b) = (eds(0), eds(1));
+    let xds = [free_addr(), free_addr()];
     let replicas = [
         Replica::start_with(
             &api.door().await,
             "pc-a",
-            &["--eds-file", eds_a.to_str().unwrap()],
+            &[
+                "--eds-file",
+                eds_a.to_str().unwrap(),
+                "--xds-listen",
+                &xds[0],
+            ],
         )
         .await,
         Replica::start_with(
             &api.door().await,
             "pc-b",
-            &["--eds-file", eds_b.to_str().unwrap()],
+            &[
+                "--eds-file",
+                eds_b.to_str().unwrap(),
+                "--xds-listen",
+                &xds[1],
+            ],
         )
         .await,
     ];
     let leader = settled(&api, &[&replicas[0], &replicas[1]]).await;
     let (old, new) = (&replicas[leader], &replicas[1 - leader]);
+    // The standby refuses EDS streams; the leader serves one (the gateway's, until the
+    // leader stops leading).
+    let refused = eds_stream(&xds[1 - leader])
+        .await
+        .expect_err("a standby refuses the stream");
+    assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+    let (_requests, mut stream) = eds_stream(&xds[leader]).await.expect("the leader's stream");
+    let first = stream.message().await.expect("a listing");
+    assert!(first.is_some(), "the leader sends its listing");
     let before = transitions(&api);
     let writes_before = api.lease_writes().len();
 
@@ -397,6 +458,19 @@ async fn a_leader_whose_snapshot_freezes_releases_the_lease() {
     assert!(why.contains("frozen"), "{why}");
     assert_eq!(old.metric("pd_control_leader").await, 0.0);
     assert_eq!(api.label(NS, old.identity, LABEL).as_deref(), Some("false"));
+    // Its EDS stream ended, so the gateway reconnects through the Service to the leader.
+    let ended = tokio::time::timeout(common::DEADLINE, async {
+        loop {
+            match stream.message().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => panic!("the stream ended without a status"),
+                Err(status) => break status,
+            }
+        }
+    })
+    .await
+    .expect("the former leader ends its EDS stream");
+    assert_eq!(ended.code(), tonic::Code::Unavailable, "{ended:?}");
     let writes: Vec<LeaseWrite> = api.lease_writes().split_off(writes_before);
     let released = writes
         .iter()

@@ -63,6 +63,8 @@ pub struct Leadership {
     /// `namespace/name` of the Lease, for messages.
     lease: String,
     leading: AtomicBool,
+    /// The same, for tasks that act on a change (EDS streams end when it turns false).
+    leading_changes: tokio::sync::watch::Sender<bool>,
     label: AtomicU8,
     /// The holder the last round read (or this replica), for `/readyz` and logs.
     holder: Mutex<Option<String>>,
@@ -78,6 +80,7 @@ impl Leadership {
         Leadership {
             lease,
             leading: AtomicBool::new(false),
+            leading_changes: tokio::sync::watch::channel(false).0,
             label: AtomicU8::new(Label::Unknown as u8),
             holder: Mutex::new(None),
             acquired: AtomicU64::new(0),
@@ -88,6 +91,18 @@ impl Leadership {
 
     pub fn is_leading(&self) -> bool {
         self.leading.load(Ordering::Acquire)
+    }
+
+    /// Follows leadership as it changes.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.leading_changes.subscribe()
+    }
+
+    /// Sets leadership; whether it was set before.
+    fn set_leading(&self, leading: bool) -> bool {
+        let was = self.leading.swap(leading, Ordering::AcqRel);
+        self.leading_changes.send_replace(leading);
+        was
     }
 
     fn label(&self) -> Label {
@@ -347,7 +362,7 @@ impl Elector {
         match round {
             Ok(Round::Held) => {
                 self.state.set_holder(Some(self.me.clone()));
-                if !self.state.leading.swap(true, Ordering::AcqRel) {
+                if !self.state.set_leading(true) {
                     self.state.acquired.fetch_add(1, Ordering::Relaxed);
                     tracing::info!(lease = %self.state.lease, "this replica leads");
                 }
@@ -379,7 +394,7 @@ impl Elector {
     }
 
     fn step_down(&mut self, why: &str) {
-        if self.state.leading.swap(false, Ordering::AcqRel) {
+        if self.state.set_leading(false) {
             tracing::warn!(lease = %self.state.lease, why, "this replica stops leading");
         }
     }
