@@ -88,6 +88,8 @@ struct Kube {
     pods: Vec<(String, Pod)>,
     /// Prometheus Operator's, untyped (no k8s-openapi type for a CRD).
     pod_monitors: Vec<Yaml>,
+    /// kustomize's, untyped.
+    kustomizations: Vec<Yaml>,
 }
 
 fn kube() -> Kube {
@@ -117,6 +119,9 @@ fn kube() -> Kube {
                     k.network_policies.push(typed(doc, &origin))
                 }
                 ("monitoring.coreos.com/v1", "PodMonitor") => k.pod_monitors.push(doc.clone()),
+                ("kustomize.config.k8s.io/v1beta1", "Kustomization") => {
+                    k.kustomizations.push(doc.clone())
+                }
                 ("policy/v1", "PodDisruptionBudget") => {
                     k.disruption_budgets.push(typed(doc, &origin))
                 }
@@ -216,6 +221,52 @@ fn assert_leader_election(rules: &Option<Vec<PolicyRule>>, origin: &str) {
     .into_iter()
     .collect();
     assert_eq!(granted, expected, "{origin}");
+}
+
+/// `kubectl apply -k envoy/kubernetes` installs pd-control whole: every file it lists exists,
+/// and every other file is one it leaves out on purpose (an alternative, an example, an
+/// optional CRD's objects), so a new manifest is not forgotten there.
+#[test]
+fn the_kustomization_lists_what_pd_control_needs() {
+    let k = kube();
+    assert_eq!(k.kustomizations.len(), 1);
+    let listed: BTreeSet<String> = k.kustomizations[0]["resources"]
+        .as_sequence()
+        .expect("resources")
+        .iter()
+        .map(|r| r.as_str().expect("a file name").to_string())
+        .collect();
+    let files: BTreeSet<String> = yaml_files("envoy/kubernetes")
+        .iter()
+        .map(|f| {
+            Path::new(f)
+                .file_name()
+                .and_then(|n| n.to_str())
+                .expect("a file name")
+                .to_string()
+        })
+        .collect();
+    for file in &listed {
+        assert!(
+            files.contains(file),
+            "kustomization lists {file}, which is not there"
+        );
+    }
+    let left_out: BTreeSet<&str> = files
+        .iter()
+        .map(String::as_str)
+        .filter(|f| !listed.contains(*f))
+        .collect();
+    assert_eq!(
+        left_out,
+        BTreeSet::from([
+            "engines-example.yaml",
+            "kustomization.yaml",
+            "monitoring.yaml",
+            "rbac-namespaced.yaml",
+        ]),
+        "files the kustomization leaves out"
+    );
 }
 
 #[test]
