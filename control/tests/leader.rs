@@ -298,6 +298,7 @@ async fn one_of_two_leads_and_a_terminated_leader_hands_over() {
     let before = transitions(&api);
     let writes_before = api.lease_writes().len();
 
+    let stopped_at = std::time::Instant::now();
     replicas[leader].terminate();
     assert!(replicas[leader].exited().await, "a clean exit on SIGTERM");
     assert_eq!(
@@ -312,6 +313,8 @@ async fn one_of_two_leads_and_a_terminated_leader_hands_over() {
         (labelled && holds && standby_ref.metric("pd_control_leader").await == 1.0).then_some(())
     })
     .await;
+    // A figure, not an assertion: SIGTERM to the standby labelled (retry 200 ms).
+    eprintln!("figure: handover on SIGTERM {:?}", stopped_at.elapsed());
     assert!(standby_ref.ready().await);
     assert_eq!(
         transitions(&api),
@@ -354,6 +357,7 @@ async fn a_leader_cut_off_keeps_serving_until_it_sees_the_standby_took_over() {
     let standby = 1 - leader;
     let (old, new) = (&replicas[leader], &replicas[standby]);
 
+    let cut_at = std::time::Instant::now();
     doors[leader].set(Fault::Down);
     eventually("the cut-off leader to count failed rounds", || async {
         (old.metric("pd_control_leader_lease_errors_total").await >= 2.0).then_some(())
@@ -367,6 +371,11 @@ async fn a_leader_cut_off_keeps_serving_until_it_sees_the_standby_took_over() {
         (labelled && holds && new.metric("pd_control_leader").await == 1.0).then_some(())
     })
     .await;
+    // A figure, not an assertion: the cut to the standby labelled (lease 3 s, retry 200 ms).
+    eprintln!(
+        "figure: takeover from a silent leader {:?}",
+        cut_at.elapsed()
+    );
     // The cut-off leader never read another holder: it still leads, labelled and ready.
     assert_eq!(old.metric("pd_control_leader").await, 1.0);
     assert!(
