@@ -531,21 +531,12 @@ async fn metrics(State(state): State<AppState>) -> Response {
     for (name, kind, help, value) in state.replicas.metrics() {
         family(&mut text, name, kind, help, &[(String::new(), value)]);
     }
-    match &state.leadership {
-        Some(leadership) => {
-            for (name, kind, help, value) in leadership.metrics() {
-                family(&mut text, name, kind, help, &[(String::new(), value)]);
-            }
-        }
-        // One replica serves alone: dashboards that keep the leader's series (`and on
-        // (instance) pd_control_leader == 1`) show it without an election too.
-        None => family(
-            &mut text,
-            "pd_control_leader",
-            "gauge",
-            crate::leader::LEADER_HELP,
-            &[(String::new(), "1".into())],
-        ),
+    let leadership = match &state.leadership {
+        Some(leadership) => leadership.metrics(),
+        None => crate::leader::metrics_without_election(),
+    };
+    for (name, kind, help, value) in leadership {
+        family(&mut text, name, kind, help, &[(String::new(), value)]);
     }
     family(
         &mut text,

@@ -90,6 +90,8 @@ struct Kube {
     pod_monitors: Vec<Yaml>,
     /// kustomize's, untyped.
     kustomizations: Vec<Yaml>,
+    /// Prometheus Operator's alerting rules, untyped.
+    prometheus_rules: Vec<Yaml>,
 }
 
 fn kube() -> Kube {
@@ -119,6 +121,9 @@ fn kube() -> Kube {
                     k.network_policies.push(typed(doc, &origin))
                 }
                 ("monitoring.coreos.com/v1", "PodMonitor") => k.pod_monitors.push(doc.clone()),
+                ("monitoring.coreos.com/v1", "PrometheusRule") => {
+                    k.prometheus_rules.push(doc.clone())
+                }
                 ("kustomize.config.k8s.io/v1beta1", "Kustomization") => {
                     k.kustomizations.push(doc.clone())
                 }
@@ -260,6 +265,7 @@ fn the_kustomization_lists_what_pd_control_needs() {
     assert_eq!(
         left_out,
         BTreeSet::from([
+            "alerts.yaml",
             "engines-example.yaml",
             "kustomization.yaml",
             "monitoring.yaml",
@@ -267,6 +273,49 @@ fn the_kustomization_lists_what_pd_control_needs() {
         ]),
         "files the kustomization leaves out"
     );
+}
+
+/// Every alerting rule names itself, says how bad it is and where the operator reference
+/// explains it (which metrics the expressions read is checked against real scrapes by the
+/// e2e metrics test).
+#[test]
+fn alerting_rules_are_named_graded_and_explained() {
+    let k = kube();
+    assert_eq!(k.prometheus_rules.len(), 1);
+    let operator = read("docs/OPERATOR.md");
+    let mut names = BTreeSet::new();
+    for group in k.prometheus_rules[0]["spec"]["groups"]
+        .as_sequence()
+        .expect("groups")
+    {
+        for rule in group["rules"].as_sequence().expect("rules") {
+            let name = rule["alert"].as_str().expect("an alert name").to_string();
+            assert!(names.insert(name.clone()), "{name} twice");
+            assert!(
+                rule["expr"].as_str().is_some_and(|e| !e.is_empty()),
+                "{name}: expr"
+            );
+            let severity = rule["labels"]["severity"].as_str().unwrap_or_default();
+            assert!(
+                ["critical", "warning"].contains(&severity),
+                "{name}: severity {severity:?}"
+            );
+            let description = rule["annotations"]["description"]
+                .as_str()
+                .unwrap_or_default();
+            let section = description
+                .split('"')
+                .nth(1)
+                .unwrap_or_else(|| panic!("{name}: no OPERATOR.md section named"));
+            assert!(
+                operator
+                    .lines()
+                    .any(|l| l.starts_with('#') && l.trim_start_matches('#').trim() == section),
+                "{name}: OPERATOR.md has no section {section:?}"
+            );
+        }
+    }
+    assert!(names.len() >= 8, "{names:?}");
 }
 
 #[test]

@@ -477,6 +477,30 @@ fn a_known_load_shows_up_with_contract_names_labels_and_values() {
         }
     }
     assert!(checked >= 20, "only {checked} metric references checked");
+
+    // The alerting rules likewise (envoy/kubernetes/alerts.yaml).
+    let text = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../envoy/kubernetes/alerts.yaml"),
+    )
+    .expect("alerting rules");
+    let rules: serde_yaml::Value = serde_yaml::from_str(&text).expect("alerts are YAML");
+    let mut alerts = 0;
+    for group in rules["spec"]["groups"].as_sequence().expect("groups") {
+        for rule in group["rules"].as_sequence().expect("rules") {
+            let expr = rule["expr"].as_str().expect("expr");
+            let names = expr_metric_names(expr);
+            assert!(!names.is_empty(), "{expr} names no pd-router metric");
+            for name in names {
+                assert!(
+                    seen.contains(&name),
+                    "alert {:?} reads {name}, which no scrape shows",
+                    rule["alert"]
+                );
+            }
+            alerts += 1;
+        }
+    }
+    assert!(alerts >= 8, "only {alerts} alerts checked");
 }
 
 /// SGLang sends both legs at once: no synchronous prefill, so AIBrix's rule gives its streams

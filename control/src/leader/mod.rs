@@ -140,33 +140,54 @@ impl Leadership {
 
     /// `(name, kind, help, value)` of the leadership metrics.
     pub fn metrics(&self) -> [(&'static str, &'static str, &'static str, String); 4] {
-        [
-            (
-                "pd_control_leader",
-                "gauge",
-                LEADER_HELP,
-                u8::from(self.is_leading()).to_string(),
-            ),
-            (
-                "pd_control_leader_acquisitions_total",
-                "counter",
-                "Times this replica became the leader.",
-                self.acquired.load(Ordering::Relaxed).to_string(),
-            ),
-            (
-                "pd_control_leader_lease_errors_total",
-                "counter",
-                "Lease rounds that failed or got no answer within the retry period (a leader keeps leading through them).",
-                self.lease_errors.load(Ordering::Relaxed).to_string(),
-            ),
-            (
-                "pd_control_leader_label_errors_total",
-                "counter",
-                "Failed writes of this replica's own pod label (a replica that lost the lease stays unready until one succeeds).",
-                self.label_errors.load(Ordering::Relaxed).to_string(),
-            ),
-        ]
+        metrics(
+            self.is_leading(),
+            [
+                self.acquired.load(Ordering::Relaxed),
+                self.lease_errors.load(Ordering::Relaxed),
+                self.label_errors.load(Ordering::Relaxed),
+            ],
+        )
     }
+}
+
+/// The leadership metrics of a replica without `--leader-elect`: it serves alone (leader 1),
+/// and its counters stay 0. Exported all the same, so dashboards and alerts read the same
+/// families whether or not the replicas elect.
+pub fn metrics_without_election() -> [(&'static str, &'static str, &'static str, String); 4] {
+    metrics(true, [0; 3])
+}
+
+fn metrics(
+    leading: bool,
+    [acquired, lease_errors, label_errors]: [u64; 3],
+) -> [(&'static str, &'static str, &'static str, String); 4] {
+    [
+        (
+            "pd_control_leader",
+            "gauge",
+            LEADER_HELP,
+            u8::from(leading).to_string(),
+        ),
+        (
+            "pd_control_leader_acquisitions_total",
+            "counter",
+            "Times this replica became the leader (0 without --leader-elect).",
+            acquired.to_string(),
+        ),
+        (
+            "pd_control_leader_lease_errors_total",
+            "counter",
+            "Lease rounds that failed or got no answer within the retry period (a leader keeps leading through them).",
+            lease_errors.to_string(),
+        ),
+        (
+            "pd_control_leader_label_errors_total",
+            "counter",
+            "Failed writes of this replica's own pod label (a replica that lost the lease stays unready until one succeeds).",
+            label_errors.to_string(),
+        ),
+    ]
 }
 
 /// Why a round failed.
