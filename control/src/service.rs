@@ -353,6 +353,7 @@ pub async fn start_with_source<S: FleetSource>(
         tasks.push(tokio::spawn(crate::xds::serve(
             listener,
             service,
+            leadership.as_ref().map(|l| l.subscribe()),
             async move { stop.requested().await },
         )));
         tracing::info!(addr = ?xds_addr, "serving the retrying cluster's endpoints over EDS");

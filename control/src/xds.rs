@@ -212,15 +212,26 @@ const TCP_KEEPALIVE: Duration = Duration::from_secs(60);
 
 /// Serves `service` on `listener` until `stop` resolves (its open streams end with it).
 /// Connections whose gateway stops answering are closed (see [`KEEPALIVE_INTERVAL`]).
+///
+/// With `leading` (`--leader-elect`), a replica that does not lead closes a connection as soon
+/// as it is accepted, and one that stops leading closes every connection it holds. Ending the
+/// stream alone is not enough: Envoy's gRPC client opens its next stream on the same HTTP/2
+/// connection, which kube-proxy tied to this pod, and would be refused there for as long as
+/// this replica runs; a closed connection makes it dial the Service again, which reaches the
+/// leader.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     service: Served,
+    leading: Option<watch::Receiver<bool>>,
     stop: impl std::future::Future<Output = ()> + Send,
 ) {
+    use tokio_stream::StreamExt as _;
     // The builder's `tcp_keepalive` applies only to listeners it binds itself: this one is
     // set on the incoming stream.
-    let incoming =
-        tonic::transport::server::TcpIncoming::from(listener).with_keepalive(Some(TCP_KEEPALIVE));
+    // A connection accepted while this replica does not lead fails its first read.
+    let incoming = tonic::transport::server::TcpIncoming::from(listener)
+        .with_keepalive(Some(TCP_KEEPALIVE))
+        .map(move |accepted| accepted.map(|io| LeaderConnection::new(io, leading.clone())));
     let served = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
         .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
@@ -233,6 +244,103 @@ pub async fn serve(
         .await;
     if let Err(e) = served {
         tracing::error!("the EDS service stopped: {e}");
+    }
+}
+
+/// An accepted EDS connection that fails its next read or write once this replica stops
+/// leading, which closes it (see [`serve`]). Without an election it is the plain connection.
+struct LeaderConnection {
+    io: tokio::net::TcpStream,
+    /// Resolves when leadership is lost; `None` without an election, or once it resolved.
+    lost: Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>>,
+    closed: bool,
+}
+
+impl LeaderConnection {
+    fn new(io: tokio::net::TcpStream, leading: Option<watch::Receiver<bool>>) -> Self {
+        let lost = leading.map(|mut rx| {
+            Box::pin(async move {
+                // The sender gone means pd-control is stopping: the server ends it then.
+                if rx.wait_for(|l| !*l).await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            }) as std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>
+        });
+        LeaderConnection {
+            io,
+            lost,
+            closed: false,
+        }
+    }
+
+    /// Whether leadership was lost; registers `cx` to be woken when it is.
+    fn lost(&mut self, cx: &mut std::task::Context<'_>) -> bool {
+        if !self.closed {
+            if let Some(lost) = self.lost.as_mut() {
+                if lost.as_mut().poll(cx).is_ready() {
+                    self.closed = true;
+                    self.lost = None;
+                }
+            }
+        }
+        self.closed
+    }
+}
+
+fn not_leading_io() -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::ConnectionAborted,
+        "this pd-control replica stopped leading",
+    )
+}
+
+impl tokio::io::AsyncRead for LeaderConnection {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        if this.lost(cx) {
+            return std::task::Poll::Ready(Err(not_leading_io()));
+        }
+        std::pin::Pin::new(&mut this.io).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for LeaderConnection {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let this = self.get_mut();
+        if this.lost(cx) {
+            return std::task::Poll::Ready(Err(not_leading_io()));
+        }
+        std::pin::Pin::new(&mut this.io).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
+
+impl tonic::transport::server::Connected for LeaderConnection {
+    type ConnectInfo = <tokio::net::TcpStream as tonic::transport::server::Connected>::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.io.connect_info()
     }
 }
 

@@ -56,11 +56,11 @@ async fn eds_stream(
         tokio::sync::mpsc::Sender<DiscoveryRequest>,
         tonic::Streaming<DiscoveryResponse>,
     ),
-    tonic::Status,
+    String,
 > {
     let mut client = EndpointDiscoveryServiceClient::connect(format!("http://{addr}"))
         .await
-        .expect("connect");
+        .map_err(|e| e.to_string())?;
     let (tx, rx) = tokio::sync::mpsc::channel(4);
     let subscribe = DiscoveryRequest {
         node: Some(envoy_types::pb::envoy::config::core::v3::Node {
@@ -74,9 +74,58 @@ async fn eds_stream(
     tx.send(subscribe).await.expect("queued");
     let stream = client
         .stream_endpoints(tokio_stream::wrappers::ReceiverStream::new(rx))
-        .await?
+        .await
+        .map_err(|e| e.to_string())?
         .into_inner();
     Ok((tx, stream))
+}
+
+/// A raw HTTP/2 connection to `addr` with the client's preface and SETTINGS sent, as a
+/// gateway's gRPC channel holds it between streams.
+async fn open_h2_connection(addr: &str) -> std::net::TcpStream {
+    use std::io::Write;
+    let addr = addr.to_string();
+    tokio::task::spawn_blocking(move || {
+        let mut conn = std::net::TcpStream::connect(&addr).expect("connect");
+        conn.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+            .expect("preface");
+        conn
+    })
+    .await
+    .expect("open")
+}
+
+/// Whether the server closes `conn` (end of stream or an error), reading whatever frames it
+/// sends meanwhile; `false` if it is still open after the tests' deadline.
+async fn connection_closes(mut conn: std::net::TcpStream) -> bool {
+    use std::io::Read;
+    tokio::task::spawn_blocking(move || {
+        conn.set_read_timeout(Some(common::DEADLINE))
+            .expect("timeout");
+        let mut buf = [0u8; 4096];
+        loop {
+            match conn.read(&mut buf) {
+                Ok(0) => return true,
+                Ok(_) => continue,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    return false
+                }
+                Err(_) => return true,
+            }
+        }
+    })
+    .await
+    .expect("read")
+}
+
+/// Whether a new HTTP/2 connection to `addr` is closed by the server.
+async fn closes_h2_connection(addr: &str) -> bool {
+    connection_closes(open_h2_connection(addr).await).await
 }
 
 /// One running `pd-control --leader-elect`, killed when dropped.
@@ -435,15 +484,17 @@ async fn a_leader_whose_snapshot_freezes_releases_the_lease() {
     ];
     let leader = settled(&api, &[&replicas[0], &replicas[1]]).await;
     let (old, new) = (&replicas[leader], &replicas[1 - leader]);
-    // The standby refuses EDS streams; the leader serves one (the gateway's, until the
-    // leader stops leading).
-    let refused = eds_stream(&xds[1 - leader])
-        .await
-        .expect_err("a standby refuses the stream");
-    assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+    // The standby closes an EDS connection as soon as it takes it; the leader serves a
+    // stream (the gateway's, until the leader stops leading) and keeps its connections.
+    assert!(
+        closes_h2_connection(&xds[1 - leader]).await,
+        "a standby closes a new EDS connection"
+    );
+    assert!(eds_stream(&xds[1 - leader]).await.is_err());
     let (_requests, mut stream) = eds_stream(&xds[leader]).await.expect("the leader's stream");
     let first = stream.message().await.expect("a listing");
     assert!(first.is_some(), "the leader sends its listing");
+    let held = open_h2_connection(&xds[leader]).await;
     let before = transitions(&api);
     let writes_before = api.lease_writes().len();
 
@@ -467,19 +518,25 @@ async fn a_leader_whose_snapshot_freezes_releases_the_lease() {
     assert!(why.contains("frozen"), "{why}");
     assert_eq!(old.metric("pd_control_leader").await, 0.0);
     assert_eq!(api.label(NS, old.identity, LABEL).as_deref(), Some("false"));
-    // Its EDS stream ended, so the gateway reconnects through the Service to the leader.
+    // Its EDS stream ended and its connections closed, so the gateway dials the Service
+    // again, which reaches the leader (a stream refused on a kept connection would be
+    // retried on that same connection, to this replica, for ever).
     let ended = tokio::time::timeout(common::DEADLINE, async {
         loop {
             match stream.message().await {
                 Ok(Some(_)) => continue,
-                Ok(None) => panic!("the stream ended without a status"),
-                Err(status) => break status,
+                Ok(None) => break None,
+                Err(status) => break Some(status),
             }
         }
     })
     .await
     .expect("the former leader ends its EDS stream");
-    assert_eq!(ended.code(), tonic::Code::Unavailable, "{ended:?}");
+    assert!(ended.is_some(), "ended with an error status");
+    assert!(
+        connection_closes(held).await,
+        "the former leader closes the EDS connections it held"
+    );
     let writes: Vec<LeaseWrite> = api.lease_writes().split_off(writes_before);
     let released = writes
         .iter()

@@ -101,7 +101,13 @@ impl Leadership {
     /// Sets leadership; whether it was set before.
     fn set_leading(&self, leading: bool) -> bool {
         let was = self.leading.swap(leading, Ordering::AcqRel);
-        self.leading_changes.send_replace(leading);
+        // Only a change wakes the EDS connections and streams that wait on it (a leader
+        // renews every round).
+        self.leading_changes.send_if_modified(|current| {
+            let changed = *current != leading;
+            *current = leading;
+            changed
+        });
         was
     }
 
@@ -203,8 +209,8 @@ enum RoundError {
 enum Round {
     /// This replica wrote the Lease: it leads.
     Held,
-    /// This replica held the Lease but is not ready: it emptied it for a standby to take.
-    Released,
+    /// This replica held the Lease but may not lead (why): it emptied it for a standby.
+    Released(&'static str),
     /// Another replica holds it.
     Follows(String),
     /// Another replica wrote it between our read and our write.
@@ -314,9 +320,8 @@ impl Elector {
         // A replica leads only once it has written its label (it would otherwise hold the
         // Lease with no pod the Service selects: a pod that does not exist, a patch denied)
         // and, leading, only while "true" gets written within a lease duration.
-        let eligible = (self.eligible)()
-            && self.state.label() != Label::Unknown
-            && !self.label_overdue(Instant::now());
+        let ineligible = self.ineligible();
+        let eligible = ineligible.is_none();
         let Some(current) = self.leases.get_opt(&name).await? else {
             if !eligible {
                 return Ok(Round::Follows(String::new()));
@@ -347,7 +352,10 @@ impl Elector {
             match lease::plan(Some(&spec), &self.me, first_seen, duration, Instant::now()) {
                 Plan::Follow(holder) => return Ok(Round::Follows(holder)),
                 // Not ready: a holder empties the Lease for a standby, anyone else leaves it.
-                Plan::Renew if !eligible => (lease::released(&spec, now), Round::Released),
+                Plan::Renew if !eligible => (
+                    lease::released(&spec, now),
+                    Round::Released(ineligible.unwrap_or_default()),
+                ),
                 Plan::TakeOver if !eligible => {
                     return Ok(Round::Follows(
                         lease::holder(Some(&spec)).unwrap_or_default().to_string(),
@@ -388,9 +396,10 @@ impl Elector {
                     tracing::info!(lease = %self.state.lease, "this replica leads");
                 }
             }
-            Ok(Round::Released) => {
+            Ok(Round::Released(why)) => {
                 self.state.set_holder(None);
-                self.step_down("its snapshot is not ready; lease released");
+                tracing::warn!(lease = %self.state.lease, why, "lease released");
+                self.step_down(why);
             }
             Ok(Round::Follows(holder)) => {
                 self.state
@@ -461,6 +470,19 @@ impl Elector {
         }
     }
 
+    /// Why this replica may not lead now, if it may not.
+    fn ineligible(&mut self) -> Option<&'static str> {
+        if !(self.eligible)() {
+            Some("its snapshot is not ready or frozen")
+        } else if self.state.label() == Label::Unknown {
+            Some("its pod label is not written yet")
+        } else if self.label_overdue(Instant::now()) {
+            Some("its leader label could not be written for a lease duration")
+        } else {
+            None
+        }
+    }
+
     /// Whether this replica leads without having got "true" written for a lease duration: it
     /// then gives the Lease up (the Service reaches no pod of its) and sits out one lease
     /// duration, so that a standby whose label can be written takes it.
@@ -490,9 +512,8 @@ impl Elector {
     /// empties the Lease so a standby takes it at once. Bounded; what fails is logged (a
     /// standby then waits the lease duration out).
     async fn release(&mut self) {
-        if !self.state.is_leading() {
-            return;
-        }
+        // Also when not (yet) leading: a round that wrote the Lease may have been cut short
+        // by the shutdown before it was settled, and the Lease must not name a stopped pod.
         self.step_down("shutting down");
         let bound = self.args.retry_period.max(Duration::from_secs(1));
         let _ = tokio::time::timeout(bound, self.write_label()).await;
