@@ -318,6 +318,47 @@ fn alerting_rules_are_named_graded_and_explained() {
     assert!(names.len() >= 8, "{names:?}");
 }
 
+/// Every alert's and every dashboard panel's PromQL parses (Grafana's `$__rate_interval` and
+/// `$__interval` taken as 5m): a typo would otherwise surface only when Prometheus loads
+/// the rules or a panel renders empty.
+#[test]
+fn alert_and_dashboard_queries_are_valid_promql() {
+    let parse = |origin: &str, expr: &str| {
+        let expr = expr
+            .replace("$__rate_interval", "5m")
+            .replace("$__interval", "5m");
+        if let Err(e) = promql_parser::parser::parse(&expr) {
+            panic!("{origin}: {expr}\n{e}");
+        }
+    };
+    let k = kube();
+    let mut alerts = 0;
+    for group in k.prometheus_rules[0]["spec"]["groups"]
+        .as_sequence()
+        .expect("groups")
+    {
+        for rule in group["rules"].as_sequence().expect("rules") {
+            let name = rule["alert"].as_str().unwrap_or_default();
+            parse(name, rule["expr"].as_str().expect("expr"));
+            alerts += 1;
+        }
+    }
+    let dashboard: Json =
+        serde_json::from_str(&read("envoy/dashboards/pd-router.json")).expect("dashboard JSON");
+    let mut queries = 0;
+    for panel in dashboard["panels"].as_array().expect("panels") {
+        for target in panel["targets"].as_array().into_iter().flatten() {
+            let title = panel["title"].as_str().unwrap_or_default();
+            parse(title, target["expr"].as_str().expect("expr"));
+            queries += 1;
+        }
+    }
+    assert!(
+        alerts >= 8 && queries >= 20,
+        "{alerts} alerts, {queries} queries"
+    );
+}
+
 #[test]
 fn every_kubernetes_document_is_a_known_typed_object() {
     let k = kube();
