@@ -307,6 +307,32 @@ async fn settled(api: &FakeApi, replicas: &[&Replica]) -> usize {
     .await
 }
 
+/// Waits until `replica` leads as the Service sees it: its pod labelled "true", the Lease
+/// naming it, and its own `pd_control_leader` at 1.
+async fn wait_leads(api: &FakeApi, replica: &Replica, what: &str) {
+    eventually(what, || async {
+        let labelled = api.label(NS, replica.identity, LABEL).as_deref() == Some("true");
+        let holds = api.lease_holder(NS, LEASE).as_deref() == Some(replica.identity);
+        (labelled && holds && replica.metric("pd_control_leader").await == 1.0).then_some(())
+    })
+    .await
+}
+
+/// In `writes`, a release (a PUT with no holder) before `holder`'s takeover: the positions of
+/// both (a takeover after expiry alone has no release before it).
+fn released_then_taken(writes: &[LeaseWrite], holder: &str) -> (usize, usize) {
+    let released = writes
+        .iter()
+        .position(|w| w.verb == "replace" && w.holder.is_none())
+        .unwrap_or_else(|| panic!("no release among {writes:?}"));
+    let taken = writes
+        .iter()
+        .position(|w| w.holder.as_deref() == Some(holder))
+        .unwrap_or_else(|| panic!("no takeover among {writes:?}"));
+    assert!(released < taken, "release then takeover: {writes:?}");
+    (released, taken)
+}
+
 fn transitions(api: &FakeApi) -> i64 {
     api.lease(NS, LEASE).expect("the lease")["spec"]["leaseTransitions"]
         .as_i64()
@@ -356,12 +382,7 @@ async fn one_of_two_leads_and_a_terminated_leader_hands_over() {
         "the stopped leader withdrew its label"
     );
     let standby_ref = &replicas[standby];
-    eventually("the standby to lead", || async {
-        let labelled = api.label(NS, standby_id, LABEL).as_deref() == Some("true");
-        let holds = api.lease_holder(NS, LEASE).as_deref() == Some(standby_id);
-        (labelled && holds && standby_ref.metric("pd_control_leader").await == 1.0).then_some(())
-    })
-    .await;
+    wait_leads(&api, standby_ref, "the standby to lead").await;
     // A figure, not an assertion: SIGTERM to the standby labelled (retry 200 ms).
     eprintln!("figure: handover on SIGTERM {:?}", stopped_at.elapsed());
     assert!(standby_ref.ready().await);
@@ -373,15 +394,8 @@ async fn one_of_two_leads_and_a_terminated_leader_hands_over() {
 
     // The leader released the Lease (a PUT with no holder) before the standby took it.
     let writes: Vec<LeaseWrite> = api.lease_writes().split_off(writes_before);
-    let released = writes
-        .iter()
-        .position(|w| w.verb == "replace" && w.holder.is_none())
-        .unwrap_or_else(|| panic!("no release among {writes:?}"));
-    let taken = writes
-        .iter()
-        .position(|w| w.holder.as_deref() == Some(standby_id) && w.transitions == before + 1)
-        .unwrap_or_else(|| panic!("no takeover among {writes:?}"));
-    assert!(released < taken, "release then takeover: {writes:?}");
+    let (released, taken) = released_then_taken(&writes, standby_id);
+    assert_eq!(writes[taken].transitions, before + 1, "{writes:?}");
     assert!(
         writes[..released]
             .iter()
@@ -414,12 +428,7 @@ async fn a_leader_cut_off_keeps_serving_until_it_sees_the_standby_took_over() {
     .await;
     assert!(doors[leader].refused() >= 1);
 
-    eventually("the standby to take over", || async {
-        let labelled = api.label(NS, new.identity, LABEL).as_deref() == Some("true");
-        let holds = api.lease_holder(NS, LEASE).as_deref() == Some(new.identity);
-        (labelled && holds && new.metric("pd_control_leader").await == 1.0).then_some(())
-    })
-    .await;
+    wait_leads(&api, new, "the standby to take over").await;
     // A figure, not an assertion: the cut to the standby labelled (lease 3 s, retry 200 ms).
     eprintln!(
         "figure: takeover from a silent leader {:?}",
@@ -504,15 +513,7 @@ async fn a_leader_whose_snapshot_freezes_releases_the_lease() {
     // A new pod: every replica rewrites its endpoint file, and the leader's write blocks.
     api.put(pod("llm", "decode-1", "llama", Some("127.0.0.9"), true));
 
-    eventually(
-        "the standby to take over from the frozen leader",
-        || async {
-            let labelled = api.label(NS, new.identity, LABEL).as_deref() == Some("true");
-            let holds = api.lease_holder(NS, LEASE).as_deref() == Some(new.identity);
-            (labelled && holds && new.metric("pd_control_leader").await == 1.0).then_some(())
-        },
-    )
-    .await;
+    wait_leads(&api, new, "the standby to take over from the frozen leader").await;
     let (code, why) = old.readyz().await.expect("the frozen leader answers");
     assert_eq!(code, 503, "{why}");
     assert!(why.contains("frozen"), "{why}");
@@ -538,15 +539,7 @@ async fn a_leader_whose_snapshot_freezes_releases_the_lease() {
         "the former leader closes the EDS connections it held"
     );
     let writes: Vec<LeaseWrite> = api.lease_writes().split_off(writes_before);
-    let released = writes
-        .iter()
-        .position(|w| w.verb == "replace" && w.holder.is_none())
-        .unwrap_or_else(|| panic!("no release among {writes:?}"));
-    let taken = writes
-        .iter()
-        .position(|w| w.holder.as_deref() == Some(new.identity))
-        .unwrap_or_else(|| panic!("no takeover among {writes:?}"));
-    assert!(released < taken, "release then takeover: {writes:?}");
+    released_then_taken(&writes, new.identity);
     assert_eq!(transitions(&api), before + 1);
 }
 
@@ -582,24 +575,11 @@ async fn a_leader_whose_label_cannot_be_written_gives_the_lease_up() {
     let writes_before = api.lease_writes().len();
 
     let c = Replica::start(&api.door().await, "pc-c").await;
-    eventually("pc-c to take over from the unlabelled leader", || async {
-        let labelled = api.label(NS, "pc-c", LABEL).as_deref() == Some("true");
-        let holds = api.lease_holder(NS, LEASE).as_deref() == Some("pc-c");
-        (labelled && holds && c.metric("pd_control_leader").await == 1.0).then_some(())
-    })
-    .await;
+    wait_leads(&api, &c, "pc-c to take over from the unlabelled leader").await;
     assert_eq!(a.metric("pd_control_leader").await, 0.0);
     assert!(a.ready().await, "its label says \"false\": a ready standby");
     let writes: Vec<LeaseWrite> = api.lease_writes().split_off(writes_before);
-    let released = writes
-        .iter()
-        .position(|w| w.verb == "replace" && w.holder.is_none())
-        .unwrap_or_else(|| panic!("no release among {writes:?}"));
-    let taken = writes
-        .iter()
-        .position(|w| w.holder.as_deref() == Some("pc-c"))
-        .unwrap_or_else(|| panic!("no takeover among {writes:?}"));
-    assert!(released < taken, "release then takeover: {writes:?}");
+    released_then_taken(&writes, "pc-c");
 }
 
 /// A restarted container whose pod still says "true" from its previous life, while another
