@@ -370,6 +370,15 @@ async fn one_of_two_leads_and_a_terminated_leader_hands_over() {
     let (head, closed) = replicas[leader].snapshot_exchange().await;
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     assert!(!closed, "the leader keeps the connection: {head}");
+    // A hand edit of the leader's label is undone within a lease duration (the Service would
+    // otherwise stay off the leader).
+    let mut edited = api.get(NS, leader_id);
+    edited["metadata"]["labels"][LABEL] = json!("false");
+    api.put(edited);
+    eventually("the leader to write its label again", || async {
+        (api.label(NS, leader_id, LABEL).as_deref() == Some("true")).then_some(())
+    })
+    .await;
     let before = transitions(&api);
     let writes_before = api.lease_writes().len();
 

@@ -233,6 +233,8 @@ pub struct Elector {
     label_pending: Option<Instant>,
     /// Until when this replica does not lead, after giving the Lease up for its label.
     benched_until: Option<Instant>,
+    /// When the label was last written (it is written again once a lease duration).
+    label_written_at: Option<Instant>,
     /// Rounds failed in a row, and when that streak was last logged.
     failures: u64,
     failure_log: LogEvery,
@@ -279,6 +281,7 @@ impl Elector {
             rng: fastrand::Rng::new(),
             label_pending: None,
             benched_until: None,
+            label_written_at: None,
             failures: 0,
             failure_log: LogEvery::default(),
             label_log: LogEvery::default(),
@@ -436,15 +439,23 @@ impl Elector {
         } else {
             Label::Standby
         };
+        let now = Instant::now();
         if want == Label::Standby {
             self.label_pending = None;
         }
-        if self.state.label() == want {
+        let current = self.state.label() == want;
+        if current {
             self.label_pending = None;
-            return;
-        }
-        if want == Label::Leader {
-            self.label_pending.get_or_insert_with(Instant::now);
+            // Written again once a lease duration: someone's `kubectl label` (or a restored
+            // pod spec) would otherwise keep the Service off the leader, or on a standby.
+            let fresh = self
+                .label_written_at
+                .is_some_and(|at| now.saturating_duration_since(at) < self.args.lease_duration);
+            if fresh {
+                return;
+            }
+        } else if want == Label::Leader {
+            self.label_pending.get_or_insert(now);
         }
         let value = if want == Label::Leader {
             "true"
@@ -462,8 +473,11 @@ impl Elector {
         match written {
             Ok(Ok(_)) => {
                 self.label_pending = None;
+                self.label_written_at = Some(now);
                 self.state.label.store(want as u8, Ordering::Release);
-                tracing::info!(pod = %self.me, label = LABEL, value, "pod label written");
+                if !current {
+                    tracing::info!(pod = %self.me, label = LABEL, value, "pod label written");
+                }
             }
             Ok(Err(e)) => self.label_failed(&e.to_string()),
             Err(_) => self.label_failed("no answer in time"),
