@@ -321,6 +321,22 @@ impl tokio::io::AsyncWrite for LeaderConnection {
         std::pin::Pin::new(&mut this.io).poll_write(cx, buf)
     }
 
+    fn poll_write_vectored(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let this = self.get_mut();
+        if this.lost(cx) {
+            return std::task::Poll::Ready(Err(not_leading_io()));
+        }
+        std::pin::Pin::new(&mut this.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
     fn poll_flush(
         self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,

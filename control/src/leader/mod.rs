@@ -479,8 +479,8 @@ impl Elector {
                     tracing::info!(pod = %self.me, label = LABEL, value, "pod label written");
                 }
             }
-            Ok(Err(e)) => self.label_failed(&e.to_string()),
-            Err(_) => self.label_failed("no answer in time"),
+            Ok(Err(e)) => self.label_failed(&e.to_string(), current, now),
+            Err(_) => self.label_failed("no answer in time", current, now),
         }
     }
 
@@ -515,7 +515,13 @@ impl Elector {
         overdue
     }
 
-    fn label_failed(&mut self, error: &str) {
+    /// A failed write; `refresh`: the label already said so (a rewrite), which is tried
+    /// again a lease duration later rather than every round, so an API outage costs one call
+    /// per duration, not one per round.
+    fn label_failed(&mut self, error: &str, refresh: bool, now: Instant) {
+        if refresh {
+            self.label_written_at = Some(now);
+        }
         self.state.label_errors.fetch_add(1, Ordering::Relaxed);
         if self.label_log.due(Instant::now()) {
             tracing::warn!(pod = %self.me, label = LABEL, error, "cannot write this pod's label (logged once a minute)");
@@ -529,7 +535,12 @@ impl Elector {
         // Also when not (yet) leading: a round that wrote the Lease may have been cut short
         // by the shutdown before it was settled, and the Lease must not name a stopped pod.
         self.step_down("shutting down");
-        let bound = self.args.retry_period.max(Duration::from_secs(1));
+        // Two calls at most, each bounded so the whole stays well inside the pod's
+        // termination grace period (30 s by default) whatever the retry period.
+        let bound = self
+            .args
+            .retry_period
+            .clamp(Duration::from_secs(1), Duration::from_secs(5));
         let _ = tokio::time::timeout(bound, self.write_label()).await;
         let name = self.args.lease.clone();
         let released = tokio::time::timeout(bound, async {
