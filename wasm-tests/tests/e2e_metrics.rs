@@ -455,52 +455,60 @@ fn a_known_load_shows_up_with_contract_names_labels_and_values() {
     );
     let mut seen = s.names();
     seen.extend(control.names());
-    let text = std::fs::read_to_string(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../envoy/dashboards/pd-router.json"),
-    )
-    .expect("dashboard file");
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let text = std::fs::read_to_string(repo.join("envoy/dashboards/pd-router.json"))
+        .expect("dashboard file");
     let dashboard: Value = serde_json::from_str(&text).expect("dashboard is JSON");
-    let mut checked = 0;
-    for panel in dashboard["panels"].as_array().expect("panels") {
-        for target in panel["targets"].as_array().expect("targets") {
-            let expr = target["expr"].as_str().expect("expr");
-            let names = expr_metric_names(expr);
-            assert!(!names.is_empty(), "{expr} names no pd-router metric");
-            for name in names {
-                assert!(
-                    seen.contains(&name),
-                    "panel {:?} queries {name}, which no scrape shows",
-                    panel["title"]
-                );
-                checked += 1;
-            }
-        }
-    }
+    let panels = dashboard["panels"].as_array().expect("panels").iter();
+    let queries = panels.flat_map(|panel| {
+        let title = format!("panel {:?}", panel["title"]);
+        let targets = panel["targets"].as_array().expect("targets").iter();
+        targets.map(move |t| (title.clone(), t["expr"].as_str().expect("expr").to_string()))
+    });
+    let checked = assert_scraped(queries, &seen);
     assert!(checked >= 20, "only {checked} metric references checked");
 
     // The alerting rules likewise (envoy/kubernetes/alerts.yaml).
-    let text = std::fs::read_to_string(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../envoy/kubernetes/alerts.yaml"),
-    )
-    .expect("alerting rules");
+    let text =
+        std::fs::read_to_string(repo.join("envoy/kubernetes/alerts.yaml")).expect("alerting rules");
     let rules: serde_yaml::Value = serde_yaml::from_str(&text).expect("alerts are YAML");
-    let mut alerts = 0;
-    for group in rules["spec"]["groups"].as_sequence().expect("groups") {
-        for rule in group["rules"].as_sequence().expect("rules") {
-            let expr = rule["expr"].as_str().expect("expr");
-            let names = expr_metric_names(expr);
-            assert!(!names.is_empty(), "{expr} names no pd-router metric");
-            for name in names {
-                assert!(
-                    seen.contains(&name),
-                    "alert {:?} reads {name}, which no scrape shows",
-                    rule["alert"]
-                );
-            }
-            alerts += 1;
+    let groups = rules["spec"]["groups"]
+        .as_sequence()
+        .expect("groups")
+        .iter();
+    let alerts: Vec<(String, String)> = groups
+        .flat_map(|g| g["rules"].as_sequence().expect("rules").iter())
+        .map(|r| {
+            let expr = r["expr"].as_str().expect("expr").to_string();
+            (format!("alert {:?}", r["alert"]), expr)
+        })
+        .collect();
+    assert!(alerts.len() >= 8, "only {} alerts checked", alerts.len());
+    assert_scraped(alerts.into_iter(), &seen);
+}
+
+/// Checks that every `(origin, PromQL)` names pd-router metrics and only ones a scrape showed
+/// (`seen`); returns how many references were checked.
+fn assert_scraped(
+    queries: impl Iterator<Item = (String, String)>,
+    seen: &BTreeSet<String>,
+) -> usize {
+    let mut checked = 0;
+    for (origin, expr) in queries {
+        let names = expr_metric_names(&expr);
+        assert!(
+            !names.is_empty(),
+            "{origin}: {expr} names no pd-router metric"
+        );
+        for name in names {
+            assert!(
+                seen.contains(&name),
+                "{origin} reads {name}, which no scrape shows"
+            );
+            checked += 1;
         }
     }
-    assert!(alerts >= 8, "only {alerts} alerts checked");
+    checked
 }
 
 /// SGLang sends both legs at once: no synchronous prefill, so AIBrix's rule gives its streams
