@@ -147,6 +147,17 @@ async fn seed(db: &mut redis::aio::MultiplexedConnection, records: &[(&str, &str
     }
 }
 
+/// [`store`] holding one user record: alice, 5 requests a minute (the withdrawal tests').
+async fn store_with_alice(dir: &Path) -> Option<(Redis, redis::aio::MultiplexedConnection)> {
+    let (redis, mut db) = store(dir).await?;
+    seed(
+        &mut db,
+        &[("aibrix-users/alice", r#"{"name":"alice","rpm":5}"#)],
+    )
+    .await;
+    Some((redis, db))
+}
+
 const ALICE_RPM: &str = "aibrix:alice_RPM_CURRENT:60000:counter";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1139,14 +1150,9 @@ async fn count(db: &mut redis::aio::MultiplexedConnection, key: &str) -> i64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_withdrawn_admission_counts_nothing_in_either_order() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let Some((redis, mut db)) = store(dir.path()).await else {
+    let Some((redis, mut db)) = store_with_alice(dir.path()).await else {
         return;
     };
-    seed(
-        &mut db,
-        &[("aibrix-users/alice", r#"{"name":"alice","rpm":5}"#)],
-    )
-    .await;
     let (_service, base) = start(&fleet(dir.path()), Some(redis.url()), false).await;
     let llama = model_key("llama", 60_000);
     let both = both_body("alice", "llama", 5, 60_000);
@@ -1352,14 +1358,9 @@ impl SlowLink {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_admission_pd_control_gave_up_on_is_withdrawn_by_pd_control() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let Some((redis, mut db)) = store(dir.path()).await else {
+    let Some((redis, mut db)) = store_with_alice(dir.path()).await else {
         return;
     };
-    seed(
-        &mut db,
-        &[("aibrix-users/alice", r#"{"name":"alice","rpm":5}"#)],
-    )
-    .await;
     let link = SlowLink::start(redis.port(), std::time::Duration::from_millis(600)).await;
     let (_service, base) = start(&fleet(dir.path()), Some(link.url()), false).await;
     // The script is loaded (EVALSHA finds it) by a first admission, given back at once.
