@@ -342,13 +342,7 @@ pub async fn start_with_source<S: FleetSource>(
         (None, None) => crate::xds::EdsHere::Off,
     };
     if let (Some(listener), Some(listing)) = (xds_listener, listing) {
-        let service = crate::xds::service(
-            listing,
-            stats.clone(),
-            token.clone(),
-            eds_here.clone(),
-            leadership.as_ref().map(|l| l.subscribe()),
-        );
+        let service = crate::xds::service(listing, stats.clone(), token.clone(), eds_here.clone());
         let mut stop = shutdown.clone();
         tasks.push(tokio::spawn(crate::xds::serve(
             listener,

@@ -125,11 +125,6 @@ pub struct EdsService {
     stats: Arc<Stats>,
     /// Where the nodes that ACKed are recorded for the snapshot polls.
     here: EdsHere,
-    /// With `--leader-elect`: whether this replica leads. A standby refuses streams and ends
-    /// the ones it holds when it stops leading, so a gateway reconnects through the Service
-    /// (to the leader) instead of keeping its stream, and so its stand-ins, on a replica
-    /// whose polls it no longer makes (a gRPC stream never ends by itself).
-    leading: Option<watch::Receiver<bool>>,
     /// When this process started serving (Unix ms): the prefix of every version it sends, so
     /// a restarted pd-control, whose listing versions start again at 1, never sends a version
     /// string Envoy already holds for other endpoints.
@@ -172,7 +167,6 @@ pub fn service(
     stats: Arc<Stats>,
     token: Option<Arc<SnapshotToken>>,
     here: EdsHere,
-    leading: Option<watch::Receiver<bool>>,
 ) -> Served {
     let check = TokenCheck {
         token,
@@ -183,7 +177,6 @@ pub fn service(
         listing,
         stats,
         here,
-        leading,
         instance,
     })
     .max_decoding_message_size(MAX_REQUEST_BYTES);
@@ -488,22 +481,6 @@ impl Subscription {
     }
 }
 
-/// What a replica that does not lead answers an EDS stream: Envoy retries (with backoff), and
-/// the Service sends its next connection to the leader.
-fn not_leading() -> Status {
-    Status::unavailable("this pd-control replica does not lead; reconnect through the Service")
-}
-
-/// Resolves when this replica stops leading; never without an election.
-async fn stops_leading(leading: &mut Option<watch::Receiver<bool>>) {
-    if let Some(rx) = leading {
-        if rx.wait_for(|l| !*l).await.is_ok() {
-            return;
-        }
-    }
-    std::future::pending().await
-}
-
 #[tonic::async_trait]
 impl EndpointDiscoveryService for EdsService {
     type StreamEndpointsStream = ReceiverStream<Result<DiscoveryResponse, Status>>;
@@ -513,10 +490,6 @@ impl EndpointDiscoveryService for EdsService {
         &self,
         request: Request<Streaming<DiscoveryRequest>>,
     ) -> Result<Response<Self::StreamEndpointsStream>, Status> {
-        let mut leading = self.leading.clone();
-        if leading.as_ref().is_some_and(|l| !*l.borrow()) {
-            return Err(not_leading());
-        }
         let mut inbound = request.into_inner();
         let mut listing = self.listing.clone();
         let stats = self.stats.clone();
@@ -545,10 +518,6 @@ impl EndpointDiscoveryService for EdsService {
                             return; // pd-control is stopping
                         }
                         false
-                    }
-                    () = stops_leading(&mut leading) => {
-                        let _ = tx.send(Err(not_leading())).await;
-                        return;
                     }
                 };
                 let current = listing.borrow_and_update().clone();

@@ -289,7 +289,8 @@ impl Elector {
         (elector, state)
     }
 
-    /// Until `shutdown`; then withdraws the label and releases the Lease if leading.
+    /// Until `shutdown`; then withdraws the label and releases the Lease if it names this
+    /// replica.
     pub async fn run(mut self, mut shutdown: Shutdown) {
         tracing::info!(lease = %self.state.lease, identity = %self.me, "leader election on");
         loop {
