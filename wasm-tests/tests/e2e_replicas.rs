@@ -1,6 +1,7 @@
 //! Two gateway replicas (two Envoy processes, `--concurrency 2` each) in front of one
 //! pd-control and the same pods: with the shared ledger, decode load routed by one gateway
-//! steers the other; with `AIBRIX_TOKEN_LOAD_SHARED_LEDGER=false` each scores only its own.
+//! steers the other; with `AIBRIX_TOKEN_LOAD_SHARED_LEDGER=false` each scores only its own
+//! decode tokens, while the running counts still travel.
 //!
 //! Decode legs are held at the pods (pd-sim faults) so every charge stays in place while the
 //! test looks; nothing depends on timing.
@@ -80,14 +81,18 @@ fn steer(stack: &Stack, b: &Gateway, shared: bool) -> (String, Vec<String>) {
     clients.push(send(&stack.gateway, long.clone()));
     let a_pod = decode_pod_of(stack, &long, 1);
 
-    if shared {
-        // B learns A's charge through pd-control: wait until its VMs see it.
-        eventually(Duration::from_secs(20), || {
-            (b.stat("pd_router_remote_decode_tokens") >= 5000)
-                .then_some(())
-                .ok_or_else(|| "gateway B never saw gateway A's decode charge".to_string())
-        });
-    }
+    // B learns A's load through pd-control: wait until its VMs see it. The running count
+    // travels whatever the flag says (every other policy reads it); the decode tokens only
+    // with the shared ledger.
+    eventually(Duration::from_secs(20), || {
+        let tokens = b.stat("pd_router_remote_decode_tokens");
+        let running = b.stat("pd_router_remote_running_requests");
+        (running >= 1 && (!shared || tokens >= 5000))
+            .then_some(())
+            .ok_or_else(|| {
+                format!("gateway B sees {running} running and {tokens} decode tokens of A's")
+            })
+    });
     let mut b_pods = Vec::new();
     for i in 0..5 {
         let short = format!("short question {i} ").repeat(4);

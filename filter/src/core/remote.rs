@@ -1,10 +1,16 @@
-//! The other gateway replicas' decode load (the seed's `AIBRIX_TOKEN_LOAD_SHARED_LEDGER`).
+//! The other gateway replicas' decode load: running requests always, decode tokens with the
+//! seed's `AIBRIX_TOKEN_LOAD_SHARED_LEDGER`.
 //!
 //! Each Envoy process reports its own decode ledger to pd-control and gets back the other live
 //! replicas' shares summed per pod; selection adds them to the local rows, so several replicas
 //! spread decode load as one gateway would. Only decode tokens and running counts travel: the
 //! prefill ledger stays local (the seed says so), and the output-growth term of remote
 //! requests is not modelled, since their routing times do not travel.
+//!
+//! The flag governs the `token_load` decode ledger alone (the seed: "`token_load` decode
+//! policy only"). The running counts every other policy and the load-imbalance checks read
+//! are shared whatever it says, as AIBrix shares them through Redis: an operator who turns
+//! the flag off because no model uses `token_load` must not lose the other replicas' load.
 
 use prost::Message;
 
@@ -44,6 +50,21 @@ impl RemoteLoad {
 
     pub fn is_empty(&self) -> bool {
         self.shares.is_empty()
+    }
+
+    /// The shares without their decode tokens (this replica keeps its `token_load` ledger to
+    /// itself): running counts only, pods with none left out.
+    pub fn running_only(mut self) -> RemoteLoad {
+        self.shares.retain(|s| s.2 > 0);
+        for share in &mut self.shares {
+            share.1 = 0.0;
+        }
+        self
+    }
+
+    /// Sum of the other replicas' running requests over all pods (a gauge).
+    pub fn total_running(&self) -> u64 {
+        self.shares.iter().map(|s| u64::from(s.2)).sum()
     }
 
     /// Sum of the other replicas' decode tokens over all pods (a gauge).
@@ -88,14 +109,22 @@ pub fn add(row: &mut Row, decode_tokens: f64, running: u32) {
     row.counts.running = row.counts.running.saturating_add(running);
 }
 
-/// This replica's report: every pod it holds decode tokens or running requests on.
-pub fn report(ledger: &Ledger, replica: u64) -> ReplicaReport {
+/// This replica's report: every pod it holds decode tokens or running requests on; with
+/// `share_decode` false, running requests only (its decode tokens stay its own).
+pub fn report(ledger: &Ledger, replica: u64, share_decode: bool) -> ReplicaReport {
+    let tokens = |row: &Row| {
+        if share_decode {
+            row.tokens.decode.max(0.0)
+        } else {
+            0.0
+        }
+    };
     let mut shares: Vec<DecodeShare> = ledger
         .iter()
-        .filter(|(_, row)| row.tokens.decode > 0.0 || row.counts.running > 0)
+        .filter(|(_, row)| tokens(row) > 0.0 || row.counts.running > 0)
         .map(|(id, row)| DecodeShare {
             pod_id: id.0,
-            decode_tokens: row.tokens.decode.max(0.0),
+            decode_tokens: tokens(&row),
             running: row.counts.running,
         })
         .collect();
@@ -200,7 +229,7 @@ mod tests {
         ledger.charge_prefill("ns/p0", 4000.0, 0);
         ledger.add("ns/d0", Counter::Running, 0);
         ledger.charge_decode("ns/d0", 700, 0);
-        let r = report(&ledger, 42);
+        let r = report(&ledger, 42, true);
         assert_eq!(r.replica, 42);
         assert_eq!(
             r.shares,
@@ -210,6 +239,33 @@ mod tests {
                 running: 1
             }]
         );
+    }
+
+    #[test]
+    fn without_the_shared_ledger_running_counts_still_travel_but_decode_tokens_do_not() {
+        let mut ledger = Ledger::default();
+        ledger.add("ns/d0", Counter::Running, 0);
+        ledger.charge_decode("ns/d0", 700, 0);
+        // Tokens left from a request whose count is already released: nothing to report.
+        ledger.charge_decode("ns/d1", 300, 0);
+        let r = report(&ledger, 42, false);
+        assert_eq!(
+            r.shares,
+            vec![DecodeShare {
+                pod_id: PodId::of("ns/d0").0,
+                decode_tokens: 0.0,
+                running: 1
+            }]
+        );
+
+        let remote = RemoteLoad::decode(&answer(&[("ns/d0", 500.0, 2), ("ns/d1", 80.0, 0)], 1))
+            .unwrap()
+            .running_only();
+        assert_eq!(remote.get(PodId::of("ns/d0")), Some((0.0, 2)));
+        assert_eq!(remote.get(PodId::of("ns/d1")), None);
+        assert_eq!(remote.total_decode_tokens(), 0.0);
+        assert_eq!(remote.total_running(), 2);
+        assert_eq!(remote.replicas, 1);
     }
 
     #[test]
@@ -247,11 +303,14 @@ mod tests {
             backward.add(pod, Counter::Running, 0);
             backward.charge_decode(pod, 100 * (i as u64 + 1), 0);
         }
-        let r = report(&forward, 7);
+        let r = report(&forward, 7, true);
         assert!(r.shares.windows(2).all(|w| w[0].pod_id < w[1].pod_id));
-        assert_eq!(r.encode_to_vec(), report(&backward, 7).encode_to_vec());
+        assert_eq!(
+            r.encode_to_vec(),
+            report(&backward, 7, true).encode_to_vec()
+        );
         let decoded = Ledger::decode(&forward.encode()).unwrap();
-        assert_eq!(report(&decoded, 7).encode_to_vec(), r.encode_to_vec());
+        assert_eq!(report(&decoded, 7, true).encode_to_vec(), r.encode_to_vec());
     }
 
     #[test]

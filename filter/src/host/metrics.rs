@@ -187,8 +187,10 @@ pub struct Metrics {
     pub selection_us: Option<u32>,
     /// The selection alone (Steps 0–5), without the shared-data round trip, microseconds.
     pub selection_core_us: Option<u32>,
-    /// Decode tokens and live replicas of the other gateway replicas, as this one sees them.
+    /// Decode tokens, running requests and live replicas of the other gateway replicas, as
+    /// this one sees them.
     pub remote_decode_tokens: Option<u32>,
+    pub remote_running_requests: Option<u32>,
     pub remote_replicas: Option<u32>,
     rejected: Vec<(&'static str, u32)>,
     /// `pd_router_upstream_errors_rewritten_total{kind}`, indexed by `upstream_error::Kind`.
@@ -343,6 +345,7 @@ impl Metrics {
             selection_us: define(MetricType::Histogram, "pd_router_selection_us"),
             selection_core_us: define(MetricType::Histogram, "pd_router_selection_core_us"),
             remote_decode_tokens: define(g, "pd_router_remote_decode_tokens"),
+            remote_running_requests: define(g, "pd_router_remote_running_requests"),
             remote_replicas: define(g, "pd_router_remote_replicas"),
             rejected: RouteError::REASONS
                 .iter()

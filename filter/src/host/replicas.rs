@@ -1,5 +1,6 @@
 //! Several gateway replicas: the lease-holding VM of each Envoy process reports the process's
-//! decode ledger to pd-control and keeps the answer (the other replicas' shares) in shared
+//! decode ledger (its running counts, and its decode tokens with the shared ledger on) to
+//! pd-control and keeps the answer (the other replicas' shares) in shared
 //! data, where every worker VM picks it up: at once when the answer changed (a `MSG_REMOTE`
 //! notice), else on its tick or when it wakes. See `crate::core::remote`.
 
@@ -47,9 +48,9 @@ pub fn replica_id(random: u64) -> u64 {
 
 /// This process's decode ledger as a report body (`ReplicaReport` protobuf); the same ledger
 /// always encodes to the same bytes, so unchanged load can be recognised by them.
-pub fn report_body(replica: u64) -> Result<Vec<u8>, String> {
+pub fn report_body(replica: u64, share_decode: bool) -> Result<Vec<u8>, String> {
     let ledger = ledger::read(&SharedData).map_err(|e| e.to_string())?;
-    Ok(remote::report(&ledger, replica).encode_to_vec())
+    Ok(remote::report(&ledger, replica, share_decode).encode_to_vec())
 }
 
 /// Sends a report body to pd-control; returns the call's token.
@@ -118,9 +119,6 @@ fn read_gen() -> Option<(u64, u64)> {
 /// when the lease holder announces a changed answer (`MSG_REMOTE`), so no VM scores
 /// requests on an answer older than the one this process holds.
 pub fn adopt_newer(vm: &mut VmState, now_ms: u64) {
-    if !vm.defaults.tokens.shared_ledger {
-        return;
-    }
     let Some((at, generation)) = read_gen() else {
         return;
     };
@@ -137,17 +135,16 @@ pub fn adopt_newer(vm: &mut VmState, now_ms: u64) {
     let load = value.get(8..).and_then(|b| RemoteLoad::decode(b).ok());
     // Replicas count even while idle: they read this one's load.
     vm.other_replicas = load.as_ref().map_or(0, |r| r.replicas);
+    let load = match load {
+        Some(r) if !vm.defaults.tokens.shared_ledger => Some(r.running_only()),
+        other => other,
+    };
     vm.remote = load.filter(|r| !r.is_empty()).map(Arc::new);
 }
 
 /// Brings the VM's view of the other replicas up to date on its tick: adopts a newer answer,
 /// drops a stale one, and shows the view in the gauges.
 pub fn refresh(vm: &mut VmState, now_ms: u64) {
-    if !vm.defaults.tokens.shared_ledger {
-        vm.remote = None;
-        vm.other_replicas = 0;
-        return;
-    }
     adopt_newer(vm, now_ms);
     if now_ms.saturating_sub(vm.remote_at_ms) > REMOTE_STALE_MS {
         if vm.remote.is_some() {
@@ -162,5 +159,7 @@ pub fn refresh(vm: &mut VmState, now_ms: u64) {
     }
     let tokens = vm.remote.as_ref().map_or(0.0, |r| r.total_decode_tokens());
     Metrics::set(vm.metrics.remote_decode_tokens, tokens.round() as u64);
+    let running = vm.remote.as_ref().map_or(0, |r| r.total_running());
+    Metrics::set(vm.metrics.remote_running_requests, running);
     Metrics::set(vm.metrics.remote_replicas, u64::from(vm.other_replicas));
 }

@@ -232,16 +232,19 @@ impl Root {
 
     /// The lease holder reports this process's decode ledger to pd-control (see
     /// [`REPORT_HEARTBEAT_MS`] for how often) and keeps the other replicas' shares it answers.
+    /// Running counts go out whatever `AIBRIX_TOKEN_LOAD_SHARED_LEDGER` says; decode tokens only
+    /// with it (`core::remote`).
     fn maybe_report(&mut self, now: u64) {
-        if self.report_in_flight.is_some() || !self.vm.borrow().defaults.tokens.shared_ledger {
+        if self.report_in_flight.is_some() {
             return;
         }
+        let share_decode = self.vm.borrow().defaults.tokens.shared_ledger;
         let plugin = self.vm.borrow().plugin.clone();
         let lease_ms = (plugin.refresh_ms * 5).max(1_000);
         if !self.lead(now, lease_ms) {
             return;
         }
-        let body = match crate::host::replicas::report_body(self.replica) {
+        let body = match crate::host::replicas::report_body(self.replica, share_decode) {
             Ok(body) => body,
             Err(e) => return self.report_failed(format!("cannot read the ledger to report: {e}")),
         };
