@@ -542,7 +542,7 @@ async fn metrics(State(state): State<AppState>) -> Response {
         &mut text,
         "pd_control_trt_machine_id_shared_gateways",
         "gauge",
-        "Gateway processes polling in the last 30 s whose AIBRIX_TRT_MACHINE_ID another one has too: with TensorRT-LLM pods their disagg_request_ids can collide (see the log).",
+        "Gateway processes polling in the last 40 s whose AIBRIX_TRT_MACHINE_ID another one has too: with TensorRT-LLM pods their disagg_request_ids can collide (see the log).",
         &[(
             String::new(),
             state.gateways.shared(Instant::now()).to_string(),
@@ -558,7 +558,7 @@ async fn metrics(State(state): State<AppState>) -> Response {
         &mut text,
         "pd_control_gateway_builds",
         "gauge",
-        "Gateway processes polling in the last 30 s by the filter build they run (unknown: a filter older than the build header); two builds outside a rollout mean a filter update missed some gateways.",
+        "Gateway processes polling in the last 40 s by the filter build they run (unknown: a filter older than the build header); two builds outside a rollout mean a filter update missed some gateways.",
         &builds,
     );
     for (name, kind, help, samples) in state.limits.metrics() {
