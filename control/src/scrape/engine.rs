@@ -48,6 +48,21 @@ impl Engine {
         }
     }
 
+    /// The engine option without which it answers 404 on [`Engine::metrics_path`]; vLLM
+    /// always serves its page.
+    pub fn metrics_switch(self) -> Option<&'static str> {
+        match self {
+            Engine::Vllm => None,
+            Engine::Sglang => {
+                Some("SGLang serves /metrics only when started with --enable-metrics")
+            }
+            Engine::Trtllm => Some(
+                "TensorRT-LLM serves /prometheus/metrics only with `return_perf_metrics: true` \
+                 in its LLM API options (the YAML file trtllm-serve reads them from)",
+            ),
+        }
+    }
+
     fn names(self) -> &'static Names {
         match self {
             Engine::Vllm => &VLLM_NAMES,

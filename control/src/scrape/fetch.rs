@@ -24,6 +24,10 @@ pub enum ScrapeError {
     Http(#[from] reqwest::Error),
     #[error("HTTP status {0}")]
     Status(reqwest::StatusCode),
+    /// A 404 from an engine that serves its Prometheus page only when told to: the log names
+    /// the switch, since the pod otherwise looks healthy and stays unscored for ever.
+    #[error("HTTP status 404 Not Found: {0}")]
+    MetricsOff(&'static str),
     /// Redirects are not followed: a pod's answer must not send the scraper to another
     /// address, nor charge that address's failures to the pod.
     #[error("HTTP status {status}: redirect to {location:?} not followed; scrape the engine's metrics port and path")]
@@ -140,6 +144,11 @@ pub async fn scrape_timed(
                 .map(|()| reading)
                 .map_err(ScrapeError::from)
         }
+        Ok(Err(ScrapeError::Status(status))) if status == reqwest::StatusCode::NOT_FOUND => {
+            Err(engine
+                .metrics_switch()
+                .map_or(ScrapeError::Status(status), ScrapeError::MetricsOff))
+        }
         Ok(Err(e)) | Err(e) => Err(e),
     };
     (result, elapsed)
@@ -192,17 +201,35 @@ mod tests {
     use super::*;
 
     async fn scrape_of(url: &str) -> Result<Reading, ScrapeError> {
+        scrape_as(url, Engine::Vllm).await
+    }
+
+    async fn scrape_as(url: &str, engine: Engine) -> Result<Reading, ScrapeError> {
         let client = client(Duration::from_secs(1)).expect("client");
         let slots = Arc::new(Semaphore::new(1));
-        scrape(
-            &client,
-            &slots,
-            url,
-            Engine::Vllm,
-            "m",
-            Duration::from_secs(1),
-        )
-        .await
+        scrape(&client, &slots, url, engine, "m", Duration::from_secs(1)).await
+    }
+
+    #[tokio::test]
+    async fn a_404_names_the_switch_the_engine_serves_its_metrics_with() {
+        let not_found = "HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n";
+        for (engine, switch) in [
+            (Engine::Sglang, "--enable-metrics"),
+            (Engine::Trtllm, "return_perf_metrics"),
+        ] {
+            let addr = answering(not_found.into()).await;
+            let url = metrics_url(&addr.ip().to_string(), addr.port(), engine);
+            let error = scrape_as(&url, engine).await.expect_err("a 404");
+            assert!(!error.is_connect(), "the pod answered");
+            assert!(error.to_string().contains(switch), "{engine:?}: {error}");
+        }
+        // vLLM always serves /metrics: a 404 there is something else, said as it is.
+        let addr = answering(not_found.into()).await;
+        let failed = scrape_of(&format!("http://{addr}/metrics")).await;
+        assert!(
+            matches!(&failed, Err(ScrapeError::Status(s)) if s.as_u16() == 404),
+            "{failed:?}"
+        );
     }
 
     #[tokio::test]
