@@ -326,6 +326,53 @@ fn trtllm_context_answer_that_finished_is_the_answer() {
     stack.wait_ledger_zero();
 }
 
+/// A context answer that finished is the context pod's answer: it names that pod as its
+/// target, and it credits no decode pod, so a decode pod failing every generation leg is
+/// still ejected after its failures in a row, whatever short answers come between them.
+#[test]
+fn trtllm_context_answer_credits_the_context_pod_not_the_decode_pod() {
+    let fleet = Fleet::new(MODEL)
+        .engine("trtllm")
+        .pod("trtllm-p-0", "prefill", "group-0")
+        .pod("trtllm-d-0", "decode", "group-0");
+    // One worker: every outcome lands on one ejection tally.
+    let stack = Stack::start_with(fleet, 1, &TOKEN_LOAD);
+    let pd = [("routing-strategy", "pd")];
+    let failing_decode =
+        json!({"pod": "trtllm-d-0", "kind": "status", "status": 500, "leg": "decode"});
+    stack.arm_fault(failing_decode.clone());
+    let r = stack.chat(&pd, &chat(false, 4));
+    assert_eq!(r.status, 500, "the decode pod's failure: {}", r.text());
+
+    stack.arm_fault(json!({"pod": "trtllm-p-0", "kind": "finish_first", "leg": "prefill"}));
+    let r = stack.chat(&pd, &chat(false, 4));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(header(&r, "target-pod"), "trtllm-p-0", "{:?}", r.headers);
+    assert_eq!(header(&r, "prefill-target-pod"), "trtllm-p-0");
+
+    stack.clear_faults();
+    stack.arm_fault(failing_decode);
+    for _ in 0..2 {
+        let r = stack.chat(&pd, &chat(false, 4));
+        assert_eq!(r.status, 500, "{}", r.text());
+    }
+    // Three generation legs failed, with a context answer between the first and the others:
+    // three in a row (the default `eject_after_failures`) for the decode pod.
+    eventually(Duration::from_secs(10), || {
+        let log = stack.envoy_log();
+        log.lines()
+            .any(|l| l.contains("ejecting pod") && l.contains("trtllm-d-0"))
+            .then_some(())
+            .ok_or_else(|| {
+                format!(
+                    "decode pod not ejected; ejections {}",
+                    stack.stat("pd_router_ejections_total")
+                )
+            })
+    });
+    stack.clear_faults();
+}
+
 #[test]
 fn trtllm_generation_first_sends_both_legs_with_one_id() {
     let mut env = TOKEN_LOAD.to_vec();

@@ -2196,6 +2196,51 @@ fn an_sglang_decode_pod_refusing_the_connection_is_stood_in_for_by_its_roleset_s
     a_decode_pod_refusing_the_connection_is_stood_in_for("sglang");
 }
 
+/// SGLang sends both legs at once: a prefill that fails while Envoy retries the refused decode
+/// leg on the stand-in (which waits for the KV) ends the request with the prefill's failure,
+/// the filter's own answer. The chosen pod refused, but the stand-in neither served nor
+/// failed: it is not counted as a stand-in that failed too.
+#[test]
+fn a_prefill_failing_while_the_stand_in_waits_counts_no_failed_stand_in() {
+    let (fleet, stack) = decode_pod_d0_refusing("sglang");
+    // Failing 300 ms in: Envoy has retried the refused leg on the stand-in by then.
+    stack.arm_fault(
+        json!({"pod": "p-0", "kind": "status", "status": 500, "delay_ms": 300, "leg": "prefill"}),
+    );
+    let sent = send_until_d0_chosen(&stack, |r| {
+        assert_eq!(r.status, 500, "{}", describe(r));
+        assert_eq!(
+            r.header("x-error-pd-prefill"),
+            Some("true"),
+            "{}",
+            describe(r)
+        );
+    });
+    // Counted as each stream is logged, which may follow the client's answer.
+    eventually(Duration::from_secs(10), || {
+        let counted = fail_count(&stack, "pd_prefill_failure", "500");
+        (counted == sent as f64)
+            .then_some(())
+            .ok_or_else(|| format!("{counted} of {sent} prefill failures counted"))
+    });
+    assert!(
+        !decode_legs(&stack, "d-1").is_empty(),
+        "Envoy retried the refused leg on the stand-in"
+    );
+    assert!(
+        envoy_stat(&stack, "cluster.pd_pods_retry.upstream_rq_retry") >= 1,
+        "Envoy retried d-0's refused leg"
+    );
+    assert_eq!(
+        stand_ins(&stack, "failed"),
+        0.0,
+        "the stand-in did not fail"
+    );
+    assert_eq!(stand_ins(&stack, "served"), 0.0, "nor serve");
+    stack.clear_faults();
+    assert_clean_end(&stack, &fleet_pods(&fleet));
+}
+
 #[test]
 fn a_trtllm_decode_pod_refusing_the_connection_is_stood_in_for_by_its_roleset_sibling() {
     // TRT-LLM's default `context_first`: the generation leg follows the context answer, which

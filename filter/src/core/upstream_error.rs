@@ -6,7 +6,8 @@
 //!   engine's 500 text is internal detail (a traceback, a CUDA error) clients should not see.
 //! - 401: `Incorrect API key provided`, code `invalid_api_key`.
 //! - Any other status: an OpenAI-style error the pod sent, nested (`{"error":{...}}`) or flat
-//!   (vLLM's and SGLang's `{"object":"error","message":...}`), becomes
+//!   (vLLM's and SGLang's `{"object":"error","message":...}`), or a bare message (TRT-LLM's
+//!   request validation: `{"error":"<text>"}`, typed by the status), becomes
 //!   `{"error":{"message","type","param","code"}}` marked `x-error-response-unknown: true`;
 //!   any other body (Envoy's own text for a pod it could not reach, a proxy's HTML page)
 //!   becomes a generated error whose message is that text.
@@ -107,7 +108,7 @@ pub fn rewrite(rewrite: Rewrite, status: u32, body: &[u8]) -> ErrorAnswer {
             Some("invalid_api_key"),
             Kind::Unauthorized,
         ),
-        Rewrite::FromBody => match normalized(body) {
+        Rewrite::FromBody => match normalized(body, status) {
             Some(body) => ErrorAnswer {
                 body,
                 kind: Kind::Normalized,
@@ -137,15 +138,21 @@ fn generated(status: u32, message: &str, code: Option<&str>, kind: Kind) -> Erro
     }
 }
 
-/// The pod's error object, nested or flat, in the OpenAI envelope; `None` when the body is
-/// not one (invalid JSON, not an object, an `error` that is not an object and no flat
-/// `message`).
-fn normalized(body: &[u8]) -> Option<Vec<u8>> {
+/// The pod's error object, nested, flat or a bare `error` string, in the OpenAI envelope;
+/// `None` when the body is not one (invalid JSON, not an object, an `error` that is neither
+/// an object nor a string and no flat `message`).
+fn normalized(body: &[u8], status: u32) -> Option<Vec<u8>> {
     let Ok(Value::Object(top)) = serde_json::from_slice::<Value>(body) else {
         return None;
     };
     let error = match top.get("error") {
         Some(Value::Object(nested)) => nested,
+        Some(Value::String(message)) if !message.trim().is_empty() => {
+            let body = json!({"error": {
+                "message": message, "type": error_type(status), "param": null, "code": null,
+            }});
+            return Some(body.to_string().into_bytes());
+        }
         _ if top.contains_key("message") => &top,
         _ => return None,
     };
@@ -252,6 +259,23 @@ mod tests {
     }
 
     #[test]
+    fn a_bare_error_string_is_the_message() {
+        // TRT-LLM's answer to a request its validation refused.
+        let trt = br#"{"error":"1 validation error for ChatCompletionRequest: max_tokens"}"#;
+        let (v, kind) = answer(400, trt);
+        assert_eq!(
+            v,
+            json!({"error": {"message": "1 validation error for ChatCompletionRequest: max_tokens",
+                              "type": error_type(400), "param": null, "code": null}})
+        );
+        assert_eq!(kind, Kind::Normalized);
+        // An empty one says nothing: the body is quoted as it came.
+        let (v, kind) = answer(400, br#"{"error":""}"#);
+        assert_eq!(v["error"]["message"], r#"{"error":""}"#);
+        assert_eq!(kind, Kind::Generated);
+    }
+
+    #[test]
     fn missing_or_odd_fields_follow_aibrix() {
         let (v, _) = answer(422, br#"{"error":{"type":"x"}}"#);
         assert_eq!(v["error"]["message"], "unknown response");
@@ -287,7 +311,7 @@ mod tests {
         assert_eq!(v["error"]["type"], "api_error");
         assert_eq!(v["error"]["code"], Value::Null);
         for body in [
-            &br#"{"error":"plain string"}"#[..],
+            &br#"{"error":["not", "a", "message"]}"#[..],
             b"[1,2]",
             b"{not json",
             b"<html>502</html>",

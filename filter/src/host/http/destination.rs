@@ -73,6 +73,29 @@ impl PdHttp {
         }
     }
 
+    /// The context pod answered the request itself (TRT-LLM's first token ended it): the
+    /// decode pod never saw it, so it takes no outcome (a success would clear the failure
+    /// streak of a decode pod failing every generation leg, and ejection would never come),
+    /// and the response headers and the access log's target name the context pod (its
+    /// `pd_decode_pod` stays the pair's, as selected).
+    pub(super) fn answered_by_context(&mut self) {
+        self.served.target = None;
+        let Some(routed) = self.routed.as_mut() else {
+            return;
+        };
+        let Some((name, address)) = routed.prefill.clone() else {
+            return;
+        };
+        if let Err(e) = hostcalls::set_property(vec![STATE_TARGET_POD], Some(name.as_bytes())) {
+            log::debug!(
+                "context {}: cannot set filter state {STATE_TARGET_POD}: {e:?}",
+                self.id
+            );
+        }
+        routed.pod_name = name;
+        routed.pod_address = address;
+    }
+
     /// Exposes the routing decision as filter state (`wasm.pd_*`) for access-log formats.
     pub(super) fn log_state(
         &self,

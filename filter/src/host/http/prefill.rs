@@ -152,6 +152,7 @@ impl PdHttp {
             "request {}: the context leg finished the answer; no generation leg",
             self.request_id
         );
+        self.answered_by_context();
         self.local_reply = true;
         self.vm.borrow_mut().watched.remove(&self.id);
         let headers = vec![

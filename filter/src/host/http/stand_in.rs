@@ -180,8 +180,11 @@ impl PdHttp {
         if served != named.stand_in.address.as_bytes() {
             return;
         }
-        // An answer of the pod's own, or Envoy's reply after the stand-in failed as well.
+        // An answer of the pod's own, or Envoy's reply after the stand-in failed as well, or
+        // this filter's own reply (SGLang's prefill leg failed while the stand-in waited for
+        // its KV): then the stand-in neither served nor failed.
         let answered = details().is_some_and(|d| d == b"via_upstream");
+        let refused_here = !answered && self.local_reply;
         let StandIn { key, name, address } = named.stand_in;
         log::info!(
             "request {}: pod {} {}; retried on stand-in {key}, which {}",
@@ -192,7 +195,13 @@ impl PdHttp {
             } else {
                 "refused the connection"
             },
-            if answered { "answered" } else { "failed too" }
+            if answered {
+                "answered"
+            } else if refused_here {
+                "was still waiting when the gateway refused the request"
+            } else {
+                "failed too"
+            }
         );
         holds::update(&self.vm, self.id, |held, ledger| {
             held.move_decode(ledger, &key, now_ms)
@@ -201,13 +210,17 @@ impl PdHttp {
         if let Some(header) = self.obs.explain_header.as_mut() {
             header.push_str(if answered {
                 "; stand_in_served"
+            } else if refused_here {
+                "; stand_in_unused"
             } else {
                 "; stand_in_failed"
             });
         }
         let mut vm = self.vm.borrow_mut();
         vm.pod_outcome(&named.chosen_key, false, now_ms);
-        Metrics::inc(vm.metrics.stand_in_retries[usize::from(!answered)]);
+        if !refused_here {
+            Metrics::inc(vm.metrics.stand_in_retries[usize::from(!answered)]);
+        }
     }
 
     /// The retrying cluster knew neither named pod (Envoy tried no host): this gateway's
