@@ -356,6 +356,9 @@ impl KvPull {
 pub struct Registry {
     engines: Mutex<HashMap<String, Arc<PodState>>>,
     pub rooms: Rooms,
+    /// `x-request-id`s of vLLM prefill legs whose first token ended the answer: vLLM
+    /// returned no `kv_transfer_params`, so the decode leg comes as the client's plain body.
+    finished_early: Mutex<std::collections::HashSet<String>>,
 }
 
 impl Registry {
@@ -369,6 +372,24 @@ impl Registry {
 
     fn lock(&self) -> MutexGuard<'_, HashMap<String, Arc<PodState>>> {
         self.engines.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Notes that the prefill leg of request `x_request_id` ended at its first token (it
+    /// answered `kv_transfer_params: null`).
+    pub fn note_finished_early(&self, x_request_id: &str) {
+        self.finished_early
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(x_request_id.to_string());
+    }
+
+    /// Whether request `x_request_id`'s prefill leg ended at its first token, forgetting it:
+    /// then, and only then, a decode pod takes the request without `kv_transfer_params`.
+    pub fn take_finished_early(&self, x_request_id: &str) -> bool {
+        self.finished_early
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(x_request_id)
     }
 
     /// The pod with engine id `engine_id`.

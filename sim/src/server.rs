@@ -401,12 +401,18 @@ fn classify(
     body: &Value,
     req: &SimRequest,
     role: PodRole,
+    plain_decode_ok: bool,
 ) -> Result<(Leg, Option<SglangLeg>, Option<TrtLeg>), ApiError> {
     let empty = serde_json::Map::new();
     let obj = body.as_object().unwrap_or(&empty);
     match engine {
         Engine::Vllm => Ok((
-            vllm::classify_leg(req.kv_transfer_params.as_ref(), role, req.stream)?,
+            vllm::classify_leg(
+                req.kv_transfer_params.as_ref(),
+                role,
+                req.stream,
+                plain_decode_ok,
+            )?,
             None,
             None,
         )),
@@ -463,7 +469,17 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
         pod.config.default_max_tokens,
     )
     .and_then(|mut req| {
-        let (leg, s, t) = classify(engine, &json, &req, pod.role)?;
+        // vLLM's decode pod after a prefill that ended at its first token: see `classify_leg`.
+        let plain_decode_ok = engine == Engine::Vllm
+            && pod.role == PodRole::Decode
+            && req.kv_transfer_params.is_none()
+            && x_request_id
+                .as_deref()
+                .is_some_and(|id| ctx.registry.take_finished_early(id));
+        if plain_decode_ok {
+            entry.kv_pull = Some("recomputed".into());
+        }
+        let (leg, s, t) = classify(engine, &json, &req, pod.role, plain_decode_ok)?;
         req.leg = leg;
         Ok((req, s, t))
     });
@@ -689,15 +705,24 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
         }
         _ => pod.prefill_lookup(&hashes, req.prompt_tokens),
     };
-    let kv_out = (req.leg == Leg::Prefill && engine == Engine::Vllm).then(|| {
-        let blocks = pod.allocate_blocks(engine::blocks_for(req.prompt_tokens));
-        let mut params = vllm::prefill_kv_params(&pod.engine_id, &id, &blocks);
-        if neuron || pod.config.side_channel_host_is_pod_ip {
-            // No gateway rewrites `remote_host` in this contract: the pod names itself.
-            params["remote_host"] = Value::String(record.ip.clone());
+    // vLLM returns `kv_transfer_params` only for a prefill capped by its length: one whose
+    // first token ended the answer pins no KV and returns null.
+    let finished_first = matches!(fault.as_ref().map(|f| f.kind), Some(FaultKind::FinishFirst));
+    if finished_first && req.leg == Leg::Prefill && engine == Engine::Vllm {
+        if let Some(x) = x_request_id.as_deref() {
+            ctx.registry.note_finished_early(x);
         }
-        params
-    });
+    }
+    let kv_out =
+        (req.leg == Leg::Prefill && engine == Engine::Vllm && !finished_first).then(|| {
+            let blocks = pod.allocate_blocks(engine::blocks_for(req.prompt_tokens));
+            let mut params = vllm::prefill_kv_params(&pod.engine_id, &id, &blocks);
+            if neuron || pod.config.side_channel_host_is_pod_ip {
+                // No gateway rewrites `remote_host` in this contract: the pod names itself.
+                params["remote_host"] = Value::String(record.ip.clone());
+            }
+            params
+        });
     entry.kv_transfer_params_out = kv_out.clone();
     pod.log.push(entry);
     let mut abort = sglang_leg

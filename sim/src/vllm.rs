@@ -191,7 +191,7 @@ impl SimRequest {
         default_max_tokens: u64,
     ) -> Result<SimRequest, ApiError> {
         let mut req = SimRequest::parse_fields(endpoint, body, served_model, default_max_tokens)?;
-        req.leg = classify_leg(req.kv_transfer_params.as_ref(), role, req.stream)?;
+        req.leg = classify_leg(req.kv_transfer_params.as_ref(), role, req.stream, false)?;
         Ok(req)
     }
 
@@ -283,7 +283,17 @@ impl SimRequest {
 }
 
 /// Applies the vLLM PD rules for a pod of `role` to a request's `kv_transfer_params`.
-pub fn classify_leg(kv: Option<&Value>, role: PodRole, stream: bool) -> Result<Leg, ApiError> {
+///
+/// A decode pod refuses a request without them unless `plain_ok`: a real vLLM decode pod
+/// would compute such a request itself, but here that is a router's bug (the KV it was sent
+/// never used) which tests must see, except after a prefill leg that ended at its first token
+/// and so returned no parameters to pass on (vLLM's proxies then send the plain body).
+pub fn classify_leg(
+    kv: Option<&Value>,
+    role: PodRole,
+    stream: bool,
+    plain_ok: bool,
+) -> Result<Leg, ApiError> {
     let flag = |key: &str| kv.and_then(|k| k.get(key)).and_then(Value::as_bool) == Some(true);
     if flag("do_remote_decode") {
         if role == PodRole::Decode {
@@ -297,7 +307,7 @@ pub fn classify_leg(kv: Option<&Value>, role: PodRole, stream: bool) -> Result<L
     if flag("do_remote_prefill") && kv.is_some_and(decode_params_complete) {
         return Ok(Leg::Decode);
     }
-    if role == PodRole::Decode {
+    if role == PodRole::Decode && !(plain_ok && kv.is_none()) {
         return Err(ApiError::bad_request(DECODE_NEEDS_PARAMS));
     }
     // vLLM logs "Got invalid KVTransferParams" and prefills locally.

@@ -326,6 +326,51 @@ fn trtllm_context_answer_that_finished_is_the_answer() {
     stack.wait_ledger_zero();
 }
 
+/// vLLM returns `kv_transfer_params` only for a prefill its length capped: one whose first
+/// token ended the answer returns null, and the decode leg goes as the client's body, which
+/// the decode pod computes itself (as vLLM's own proxies have it); the client gets its answer.
+#[test]
+fn a_vllm_prefill_ended_by_its_first_token_sends_the_clients_body_to_decode() {
+    let stack = Stack::start_with(pair("vllm"), 2, &TOKEN_LOAD);
+    for pod in ["vllm-p-0", "vllm-p-1"] {
+        stack.arm_fault(json!({"pod": pod, "kind": "finish_first", "leg": "prefill"}));
+    }
+    let pd = [("routing-strategy", "pd")];
+    for stream in [false, true] {
+        let r = stack.chat(&pd, &chat(stream, 4));
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert!(r.complete, "{}", r.text());
+        let id = header(&r, "request-id");
+        let entries: Vec<Value> = stack
+            .sim_requests()
+            .into_iter()
+            .filter(|e| e["x_request_id"] == id)
+            .collect();
+        let prefill = entries
+            .iter()
+            .find(|e| e["leg"] == "prefill")
+            .unwrap_or_else(|| panic!("no prefill leg: {entries:?}"));
+        assert!(
+            prefill["kv_transfer_params_out"].is_null(),
+            "vLLM returns no parameters: {prefill}"
+        );
+        let decode = entries
+            .iter()
+            .find(|e| e["pod"] == header(&r, "target-pod"))
+            .unwrap_or_else(|| panic!("no decode leg: {entries:?}"));
+        assert_eq!(decode["status"], 200, "{decode}");
+        assert_eq!(decode["kv_pull"], "recomputed", "{decode}");
+        assert!(
+            decode["body"].get("kv_transfer_params").is_none(),
+            "the client's body: {decode}"
+        );
+        assert_eq!(decode["body"]["max_tokens"], 4, "the client's own limit");
+    }
+    stack.clear_faults();
+    assert_pair(&stack, &stack.chat(&pd, &chat(false, 3)), 3);
+    stack.wait_ledger_zero();
+}
+
 /// A context answer that finished is the context pod's answer: it names that pod as its
 /// target, and it credits no decode pod, so a decode pod failing every generation leg is
 /// still ejected after its failures in a row, whatever short answers come between them.
