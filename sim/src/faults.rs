@@ -32,6 +32,11 @@ pub enum FaultKind {
         /// cleared: an error answer whose body stalls.
         #[serde(default)]
         stall_body: bool,
+        /// Send the status, the headers and the first half of the error body at once and
+        /// hold the rest until the fault is cleared: an error answer the router has begun
+        /// to read when something else happens.
+        #[serde(default)]
+        stall_half: bool,
         /// Answer the status with no body at all (`content-length: 0`), as a proxy in front
         /// of an engine may.
         #[serde(default)]
@@ -291,6 +296,7 @@ mod tests {
                 status: 503,
                 delay_ms: 0,
                 stall_body: false,
+                stall_half: false,
                 empty_body: false,
                 raw_header: false,
                 cut_body: false

@@ -512,6 +512,7 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
         status,
         delay_ms,
         stall_body,
+        stall_half,
         empty_body,
         raw_header,
         cut_body,
@@ -534,8 +535,8 @@ async fn handle(ctx: PodCtx, endpoint: Endpoint, headers: HeaderMap, body: Bytes
         if cut_body {
             return cut_body_response(answer).await;
         }
-        return match fault.filter(|_| stall_body) {
-            Some(drawn) => stalled_body(answer, drawn),
+        return match fault.filter(|_| stall_body || stall_half) {
+            Some(drawn) => stalled_body(answer, drawn, stall_half).await,
             None => answer,
         };
     }
@@ -943,15 +944,23 @@ async fn cut_body_response(answer: Response) -> Response {
 const CUT_BODY_AFTER: Duration = Duration::from_millis(50);
 
 /// `answer` with its status and headers at once and its body once the fault is released.
-fn stalled_body(answer: Response, drawn: Drawn) -> Response {
+/// `answer` with its body held until the fault is released; with `half`, the first half of
+/// it goes out at once.
+async fn stalled_body(answer: Response, drawn: Drawn, half: bool) -> Response {
     let (parts, body) = answer.into_parts();
-    let body = futures_util::stream::once(async move {
+    let whole = axum::body::to_bytes(body, usize::MAX)
+        .await
+        .unwrap_or_default();
+    let split = if half { whole.len() / 2 } else { 0 };
+    let (first, rest) = (whole.slice(..split), whole.slice(split..));
+    let first =
+        futures_util::stream::iter((!first.is_empty()).then_some(Ok::<_, std::io::Error>(first)));
+    let rest = futures_util::stream::once(async move {
         drawn.released().await;
-        axum::body::to_bytes(body, usize::MAX)
-            .await
-            .map_err(std::io::Error::other)
+        Ok(rest)
     });
-    Response::from_parts(parts, Body::from_stream(body))
+    use futures_util::StreamExt;
+    Response::from_parts(parts, Body::from_stream(first.chain(rest)))
 }
 
 /// What an unstreamed answer held by a `hang_after_chunks` fault is made of.

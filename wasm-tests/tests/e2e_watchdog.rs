@@ -480,6 +480,46 @@ fn an_sglang_prefill_answer_failing_mid_stream_lets_the_stream_finish() {
     stack.wait_ledger_zero();
 }
 
+/// SGLang's prefill leg fails while the decode pod is sending an error answer (its status and
+/// half its body are in, the rest held): a decode pod answering an error received no KV, so
+/// the request ends with the prefill's failure at once, as when the prefill fails before the
+/// error's first byte, not whenever the error body ends (it was taken for a generation under
+/// way, whose KV had arrived).
+#[test]
+fn an_sglang_prefill_failing_during_the_decodes_error_body_is_the_prefills_failure() {
+    let stack = Stack::start_with(fleet(), 2, &env(&[]));
+    stack.arm_fault(
+        json!({"pod": "sg-d-0", "kind": "status", "status": 503, "stall_half": true,
+                           "leg": "decode"}),
+    );
+    stack.arm_fault(
+        json!({"pod": "sg-p-0", "kind": "status", "status": 500, "delay_ms": 300,
+                           "leg": "prefill"}),
+    );
+    let gateway = stack.gateway.clone();
+    let client = std::thread::spawn(move || {
+        pd_wasm_tests::http::post_json(
+            &gateway,
+            "/v1/chat/completions",
+            &[("routing-strategy", "pd")],
+            &chat(false, 4),
+        )
+    });
+    // Answered while the decode pod still holds the rest of its error body.
+    eventually(Duration::from_secs(10), || {
+        let counted = stack.model_fail_count("pd_prefill_failure", "500");
+        (counted == 1.0)
+            .then_some(())
+            .ok_or_else(|| format!("{counted} prefill failures counted"))
+    });
+    stack.clear_faults();
+    let r = client.join().expect("client thread");
+    assert_eq!(r.status, 500, "the prefill's status: {}", r.text());
+    assert_eq!(header(&r, "x-error-pd-prefill"), "true");
+    assert_eq!(stack.model_fail_count("response_fail", "503"), 0.0);
+    stack.wait_ledger_zero();
+}
+
 /// SGLang's decode leg fails while its prefill leg (sent at the same time) is still running:
 /// the client gets the decode pod's error, not a prefill failure; the decode pod is the one
 /// counted; and the request leaves nothing behind (its charges, the prefill leg's count).

@@ -82,8 +82,8 @@ pub struct Legs {
     server_info: Option<ServerInfoCall>,
     /// Response headers went to the client: errors can no longer be a local reply.
     response_started: bool,
-    /// The decode pod sent answer bytes: it has the prefill's KV (SGLang and TRT-LLM decode
-    /// workers produce nothing before it arrives).
+    /// The decode pod sent answer bytes, not an error answer held for its rewrite: it has the
+    /// prefill's KV (SGLang and TRT-LLM decode workers produce nothing before it arrives).
     body_started: bool,
 }
 
@@ -514,7 +514,9 @@ impl PdHttp {
         if size == 0 && !end {
             return;
         }
-        self.legs.body_started |= size > 0;
+        // An error answer held for its rewrite is no generation under way: the decode pod
+        // that sends it received no KV (see `on_async_prefill`).
+        self.legs.body_started |= size > 0 && self.error_rewrite.is_none();
         if let Some(w) = self.vm.borrow_mut().watched.get_mut(&self.id) {
             let now = if w.watchdog.times_chunks() {
                 crate::host::steady_ms()
