@@ -48,6 +48,25 @@ impl Engine {
         }
     }
 
+    /// Whether the engine adds to its token and request counters only when a request
+    /// finishes (SGLang's tokenizer counters, TRT-LLM's per-request metrics), not at every
+    /// step as vLLM does: a healthy pod generating long answers moves none of them for as
+    /// long as no request ends, so its scheduler gauges are the witness of its work.
+    pub fn counts_at_finish(self) -> bool {
+        matches!(self, Engine::Sglang | Engine::Trtllm)
+    }
+
+    /// The shortest time a pod of this engine may show running requests and no progress
+    /// before it counts as stalled, whatever `--stalled-after` says. SGLang refreshes its
+    /// gauges only while it works, and when idle once 30 s after the last refresh: a pod whose
+    /// last requests just finished shows their running count, unmoving, until then.
+    pub fn stall_floor(self) -> std::time::Duration {
+        match self {
+            Engine::Sglang => std::time::Duration::from_secs(35),
+            Engine::Vllm | Engine::Trtllm => std::time::Duration::ZERO,
+        }
+    }
+
     /// The engine option without which it answers 404 on [`Engine::metrics_path`]; vLLM
     /// always serves its page.
     pub fn metrics_switch(self) -> Option<&'static str> {

@@ -150,7 +150,12 @@ impl PodState {
     /// Moves the stall clock with a new reading (compared with the last one, still in
     /// `self.last`): progress or idleness restarts it, stillness lets it run.
     fn observe_progress(&mut self, reading: &Reading, at: Instant) {
-        match stall::progress(self.last.as_ref().map(|(r, _)| r), reading) {
+        let counts_at_finish = self.target.engine.counts_at_finish();
+        match stall::progress(
+            self.last.as_ref().map(|(r, _)| r),
+            reading,
+            counts_at_finish,
+        ) {
             stall::Progress::Still if self.progress_at.is_some() => self.still = true,
             _ => {
                 self.still = false;
@@ -192,11 +197,14 @@ pub struct ScrapeBook {
 /// Whether `state` has held running requests without progress for `after` (zero: never), or
 /// has answered no scrape it accepted for that long.
 fn stalled_state(state: &PodState, after: Duration, now: Instant) -> bool {
-    let held_for =
-        |since: Option<Instant>| since.is_some_and(|at| now.saturating_duration_since(at) >= after);
+    let held_for = |since: Option<Instant>, bound: Duration| {
+        since.is_some_and(|at| now.saturating_duration_since(at) >= bound)
+    };
+    // Stillness is judged no sooner than the engine's gauges can show idleness.
+    let still_for = after.max(state.target.engine.stall_floor());
     !after.is_zero()
-        && ((state.still && !state.last_failed && held_for(state.progress_at))
-            || (state.hung_scrapes >= HUNG_SCRAPES && held_for(state.hung_since)))
+        && ((state.still && !state.last_failed && held_for(state.progress_at, still_for))
+            || (state.hung_scrapes >= HUNG_SCRAPES && held_for(state.hung_since, after)))
 }
 
 /// Timed-out scrapes in a row that may mark a pod stalled (with `--stalled-after` elapsed):
@@ -219,6 +227,7 @@ fn log_stall(state: &mut PodState, key: &str, after: Duration, now: Instant) {
              marked stalled, so the gateway routes around it"
         );
     } else {
+        let after = after.max(state.target.engine.stall_floor());
         tracing::warn!(
             pod = %key,
             "pod has held running requests for {after:?} with no token or request \
@@ -748,6 +757,40 @@ mod tests {
             off.apply(ok(&jobs[0], at(ms), 2.0, 100.0));
         }
         assert!(!off.stalled(&fleet[0], at(9_000)), "off unless asked for");
+    }
+
+    #[test]
+    fn an_sglang_pod_is_judged_still_only_after_its_idle_gauges_would_have_shown_it() {
+        let mut book = ScrapeBook::new(Duration::from_millis(150), 3)
+            .with_stalled_after(Duration::from_secs(1));
+        let fleet = vec![PodRecord {
+            engine: "sglang".into(),
+            ..pod("a", "10.0.0.1", true)
+        }];
+        let t0 = Instant::now();
+        let at = |ms| t0 + Duration::from_millis(ms);
+        // Its last requests finished (the counter moved at 0.5 s) and the running count it
+        // logged during the burst stays, unmoving, until SGLang's idle refresh.
+        for ms in [0, 500, 20_000, 30_000] {
+            let jobs = book.plan(&fleet, at(ms));
+            book.apply(ok(
+                &jobs[0],
+                at(ms),
+                2.0,
+                100.0 + f64::from(u8::from(ms > 0)),
+            ));
+        }
+        assert!(
+            !book.stalled(&fleet[0], at(30_000)),
+            "within SGLang's 30 s idle refresh"
+        );
+        assert!(book.stalled(&fleet[0], at(35_500)), "past it: wedged");
+        let jobs = book.plan(&fleet, at(36_000));
+        book.apply(ok(&jobs[0], at(36_000), 0.0, 101.0));
+        assert!(
+            !book.stalled(&fleet[0], at(36_000)),
+            "the idle refresh came"
+        );
     }
 
     #[test]

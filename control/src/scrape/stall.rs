@@ -25,8 +25,10 @@ pub enum Progress {
     Unknown,
 }
 
-/// Compares `current` with the `previous` reading of the same engine process.
-pub fn progress(previous: Option<&Reading>, current: &Reading) -> Progress {
+/// Compares `current` with the `previous` reading of the same engine process. With
+/// `counts_at_finish` (see `Engine::counts_at_finish`), counters that stand still are not
+/// enough: the scheduler's own work gauges (KV usage, throughput) standing still too are.
+pub fn progress(previous: Option<&Reading>, current: &Reading, counts_at_finish: bool) -> Progress {
     let Some(running) = current.running else {
         return Progress::Unknown;
     };
@@ -54,7 +56,11 @@ pub fn progress(previous: Option<&Reading>, current: &Reading) -> Progress {
     }
     if comparable {
         // Counters are the witness: a throughput gauge keeps its last value when the engine
-        // stops updating it (SGLang writes its gauge every few dozen steps).
+        // stops updating it (SGLang writes its gauge every few dozen steps). An engine that
+        // counts at finish moves its gauges while it works: a changed one is progress.
+        if counts_at_finish && previous.is_some_and(|p| work_gauges_moved(p, current)) {
+            return Progress::Moved;
+        }
         return Progress::Still;
     }
     let gauges = [current.generation_gauge, current.prompt_gauge];
@@ -67,9 +73,70 @@ pub fn progress(previous: Option<&Reading>, current: &Reading) -> Progress {
     }
 }
 
+/// Whether a gauge the engine's scheduler refreshes as it works changed between two readings.
+/// Running and waiting counts are left out: requests arriving at a wedged engine can move
+/// them.
+fn work_gauges_moved(previous: &Reading, current: &Reading) -> bool {
+    let gauges: [fn(&Reading) -> Option<f64>; 3] = [
+        |r| r.kv_cache_usage,
+        |r| r.generation_gauge,
+        |r| r.prompt_gauge,
+    ];
+    gauges
+        .iter()
+        .any(|g| matches!((g(previous), g(current)), (Some(a), Some(b)) if a != b))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// As vLLM reads: its counters move at every step.
+    fn progress(previous: Option<&Reading>, current: &Reading) -> Progress {
+        super::progress(previous, current, false)
+    }
+
+    #[test]
+    fn an_engine_counting_at_finish_shows_its_work_in_its_gauges() {
+        // SGLang mid-way through long answers: no request ended, so no counter moved, but the
+        // KV in use and the measured throughput did.
+        let working = |kv, throughput| Reading {
+            running: Some(2.0),
+            kv_cache_usage: Some(kv),
+            generation_gauge: Some(throughput),
+            ..reading(Some(2.0), Some(50.0))
+        };
+        let before = working(0.41, 2900.0);
+        assert_eq!(
+            super::progress(Some(&before), &working(0.47, 3100.0), true),
+            Progress::Moved
+        );
+        assert_eq!(
+            super::progress(Some(&before), &working(0.41, 3100.0), true),
+            Progress::Moved,
+            "one gauge is enough"
+        );
+        // Wedged: every gauge as it was.
+        assert_eq!(
+            super::progress(Some(&before), &working(0.41, 2900.0), true),
+            Progress::Still
+        );
+        // Requests arriving at a wedged engine move its running and waiting counts only.
+        let arrived = Reading {
+            running: Some(5.0),
+            waiting: Some(3.0),
+            ..working(0.41, 2900.0)
+        };
+        assert_eq!(
+            super::progress(Some(&before), &arrived, true),
+            Progress::Still
+        );
+        // vLLM counts every step: its gauges are no witness.
+        assert_eq!(
+            super::progress(Some(&before), &working(0.47, 3100.0), false),
+            Progress::Still
+        );
+    }
 
     fn reading(running: Option<f64>, generated: Option<f64>) -> Reading {
         Reading {
