@@ -14,12 +14,20 @@
 //! that rises further than any engine finishes requests in a second is a glitched read (one
 //! sample of 1e12 between values near 1000 would read as ~1.7e10 requests a second for a whole
 //! minute): it is not counted, and becomes the base only if the next read stays up there.
-//! Falls are never second-guessed, so a restart is counted exactly as before.
+//! A fall to at most [`RESTART_SHARE`] of the previous read is a restart, counted as before;
+//! a smaller fall is most often a sum missing one DP rank's series for a scrape (counted as a
+//! restart, it added the other ranks' whole count, and the rank's return its own, to one
+//! minute): nothing is counted until the counter is back above the base, or, if it stays
+//! lower for [`FALL_TRUSTED_AFTER`], its read becomes the base uncounted.
+//!
+//! A pod scraped again after a gap longer than the window (its scrapes failed, its target
+//! the same) starts the window afresh, as a new pod does: what it finished during the gap
+//! finished over more than a minute and would read as this minute's.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use super::rates::counter_delta;
+use super::rates::{counter_delta, RESTART_SHARE};
 
 /// How far back the rate looks.
 pub const WINDOW: Duration = Duration::from_secs(60);
@@ -29,6 +37,9 @@ const SAMPLE_EVERY: Duration = Duration::from_secs(1);
 /// thousands): growth beyond this per second, and beyond this within any second, is a
 /// glitched read, not requests.
 pub const IMPOSSIBLE_PER_SECOND: f64 = 1e6;
+/// How long a counter may read lower than its base, by less than a restart would, before
+/// the lower read is believed (a DP rank's engine restarted, its count from zero).
+pub const FALL_TRUSTED_AFTER: Duration = Duration::from_secs(5);
 
 /// The finished-request counter of one pod over the last [`WINDOW`].
 #[derive(Debug, Default)]
@@ -42,6 +53,8 @@ pub struct DrainWindow {
     /// A read that rose impossibly far above `last_raw`: not counted, and taken as the base
     /// only if the next read is at least as high.
     suspect: Option<f64>,
+    /// Since when reads have been lower than `last_raw` by less than a restart.
+    fallen_since: Option<Instant>,
 }
 
 impl DrainWindow {
@@ -49,7 +62,13 @@ impl DrainWindow {
     /// returns the requests finished in the last [`WINDOW`], per second.
     pub fn observe(&mut self, at: Instant, completed: Option<f64>) -> Option<f64> {
         let raw = completed.filter(|v| v.is_finite() && *v >= 0.0)?;
+        let gap = self
+            .last_raw
+            .map(|(then, _)| at.saturating_duration_since(then));
         self.take(at, raw);
+        if gap.is_some_and(|gap| gap > WINDOW) {
+            self.samples.clear();
+        }
         let due = self
             .samples
             .back()
@@ -71,6 +90,18 @@ impl DrainWindow {
             self.last_raw = Some((at, raw));
             return;
         };
+        if raw < previous && raw > previous * RESTART_SHARE {
+            // Not a restart: a series missing from the sum, most often. Counted from the base
+            // once back above it; believed only if it lasts.
+            let since = *self.fallen_since.get_or_insert(at);
+            if at.saturating_duration_since(since) >= FALL_TRUSTED_AFTER {
+                self.fallen_since = None;
+                self.suspect = None;
+                self.last_raw = Some((at, raw));
+            }
+            return;
+        }
+        self.fallen_since = None;
         let seconds = at.saturating_duration_since(then).as_secs_f64().max(1.0);
         if raw - previous > IMPOSSIBLE_PER_SECOND * seconds {
             if self.suspect.is_some_and(|suspect| raw >= suspect) {
@@ -180,6 +211,64 @@ mod tests {
         assert!((rate - 14.0 / 60.0).abs() < 1e-9, "10 + 4 finished: {rate}");
         assert_eq!(w.observe(t0 + 3 * s, None), None);
         assert_eq!(DrainWindow::default().observe(t0, Some(f64::NAN)), None);
+    }
+
+    #[test]
+    fn a_sum_missing_a_rank_for_a_while_counts_no_phantom_requests() {
+        let t0 = Instant::now();
+        let step = Duration::from_millis(50);
+        let mut w = DrainWindow::default();
+        // Two DP ranks at 5e5 each, 10/s in all; one scrape in 1 s misses a rank.
+        let counts = |i: usize| {
+            let total = 1e6 + (i / 2) as f64;
+            if (40..60).contains(&i) {
+                total - 5e5
+            } else {
+                total
+            }
+        };
+        feed(&mut w, t0, 0, 1200, step, &counts);
+        let rate = w.observe(t0 + step * 1200, Some(counts(1200))).unwrap();
+        assert!((rate - 10.0).abs() < 0.2, "{rate}");
+        let rate_then = {
+            let mut w = DrainWindow::default();
+            feed(&mut w, t0, 0, 100, step, &counts).unwrap()
+        };
+        assert!(rate_then < 1.0, "5 s in: {rate_then}");
+
+        // A rank whose engine restarted: the sum stays lower, and is believed after a while.
+        let mut w = DrainWindow::default();
+        let restarted = |i: usize| {
+            let total = 1e6 + (i / 2) as f64;
+            if i >= 100 {
+                total - 5e5
+            } else {
+                total
+            }
+        };
+        feed(&mut w, t0, 0, 2400, step, &restarted);
+        let rate = w.observe(t0 + step * 2400, Some(restarted(2400))).unwrap();
+        assert!(
+            (rate - 10.0).abs() < 0.2,
+            "counted again from the lower base: {rate}"
+        );
+    }
+
+    #[test]
+    fn a_pod_back_after_a_gap_longer_than_the_window_starts_afresh() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs(1);
+        let mut w = DrainWindow::default();
+        let busy = |i: usize| (10 * i) as f64;
+        feed(&mut w, t0, 0, 60, s, &busy);
+        // Five minutes of failed scrapes; it finished 3000 meanwhile.
+        let rate = w.observe(t0 + 360 * s, Some(590.0 + 3000.0)).unwrap();
+        assert_eq!(rate, 0.0, "the gap's requests are not this minute's");
+        let rate = feed(&mut w, t0, 361, 60, s, &|i| {
+            3590.0 + (10 * (i - 360)) as f64
+        })
+        .unwrap();
+        assert!((rate - 10.0).abs() < 0.2, "a minute later: {rate}");
     }
 
     #[test]
