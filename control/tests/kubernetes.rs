@@ -377,6 +377,38 @@ async fn api_errors_keep_the_last_good_fleet() {
     run.finish().await;
 }
 
+/// A re-list that keeps failing is retried with a growing delay: kube's watcher resets its
+/// backoff with the `Init` it yields before each list, which kept every retry at the minimum
+/// (several lists a second per scope and replica against an API server in trouble).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failing_re_lists_back_off() {
+    let api = FakeApi::start().await;
+    api.put(pod("ns", "a", "m", Some("10.0.0.1"), true));
+    let run = run_source(&api, &[]).await;
+    run.wait_for("the first fleet", &["ns/a m 10.0.0.1 true"])
+        .await;
+    eventually("the watch", || async {
+        (api.counts().1 >= 1).then_some(())
+    })
+    .await;
+    api.fail_lists(true);
+    api.compact_with(vec![pod("ns", "b", "m", Some("10.0.0.2"), true)], &[]);
+    eventually("six failed re-lists", || async {
+        (api.failed_lists() >= 6).then_some(())
+    })
+    .await;
+    let times = api.failed_list_times();
+    // Delays of 10, 20, 40, 80 ms (each between half and all of it), then 160: the sixth list
+    // comes at least 80 ms after the fifth, where the minimum alone gave 5-10 ms.
+    let gap = times[5].saturating_duration_since(times[4]);
+    assert!(
+        gap >= Duration::from_millis(80),
+        "{gap:?} between the fifth and sixth list"
+    );
+    api.fail_lists(false);
+    run.finish().await;
+}
+
 /// `ns/name adapter,adapter` per pod.
 fn adapters_view(pods: &[PodRecord]) -> Vec<String> {
     pods.iter()

@@ -43,7 +43,7 @@
 
 mod state;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_util::stream::{self, BoxStream};
 use futures_util::{FutureExt as _, StreamExt as _};
@@ -431,13 +431,20 @@ pub(crate) async fn client(
     kube::Client::try_from(config).map_err(KubeError::Client)
 }
 
-/// Exponential retry delay, reset by every successful watch item, each delay drawn between half
-/// and all of its step: pd-control replicas (and scopes) that lost the API server together
-/// would otherwise come back to it in lockstep, every retry a burst of lists.
+/// Exponential retry delay, each delay drawn between half and all of its step: pd-control
+/// replicas (and scopes) that lost the API server together would otherwise come back to it in
+/// lockstep, every retry a burst of lists.
+///
+/// It starts again from the minimum after twice the maximum without an error, not on kube's
+/// `reset`: kube's watcher resets its backoff on every item it yields, and after a failed list
+/// it yields `Init` before listing again without asking the server anything, so a list that
+/// keeps failing was retried at the minimum delay for ever (a cluster without the ModelAdapter
+/// CRD: several lists a second per scope and replica, for the life of the process).
 struct RetryBackoff {
     min: Duration,
     max: Duration,
     next: Duration,
+    last_error: Option<Instant>,
     rng: fastrand::Rng,
 }
 
@@ -451,8 +458,23 @@ impl RetryBackoff {
             min,
             max,
             next: min,
+            last_error: None,
             rng,
         }
+    }
+
+    /// The delay after an error at `now`.
+    fn after_error(&mut self, now: Instant) -> Duration {
+        let quiet = self
+            .last_error
+            .is_some_and(|at| now.saturating_duration_since(at) > self.max * 2);
+        if quiet {
+            self.next = self.min;
+        }
+        self.last_error = Some(now);
+        let step = self.next;
+        self.next = self.next.saturating_mul(2).min(self.max);
+        step.mul_f64(0.5 + 0.5 * self.rng.f64())
     }
 }
 
@@ -460,16 +482,13 @@ impl Iterator for RetryBackoff {
     type Item = Duration;
 
     fn next(&mut self) -> Option<Duration> {
-        let step = self.next;
-        self.next = self.next.saturating_mul(2).min(self.max);
-        Some(step.mul_f64(0.5 + 0.5 * self.rng.f64()))
+        Some(self.after_error(Instant::now()))
     }
 }
 
 impl Backoff for RetryBackoff {
-    fn reset(&mut self) {
-        self.next = self.min;
-    }
+    /// Ignored: see [`RetryBackoff`].
+    fn reset(&mut self) {}
 }
 
 #[cfg(test)]
@@ -477,20 +496,29 @@ mod tests {
     use super::*;
 
     #[test]
-    fn backoff_doubles_caps_resets_and_spreads() {
+    fn backoff_doubles_caps_restarts_after_quiet_and_spreads() {
         let ms = Duration::from_millis;
+        let t0 = Instant::now();
         for seed in 0..50 {
             let rng = fastrand::Rng::with_seed(seed);
             let mut b = RetryBackoff::seeded(ms(100), ms(300), rng);
-            let got: Vec<_> = b.by_ref().take(4).collect();
+            let got: Vec<_> = (0..4).map(|i| b.after_error(t0 + ms(150 * i))).collect();
             for (delay, step) in got.iter().zip([100, 200, 300, 300]) {
                 assert!(
                     *delay >= ms(step / 2) && *delay <= ms(step),
                     "{delay:?} for a step of {step} ms"
                 );
             }
+            // kube's watcher resets after every item, an `Init` after a failed list included.
             b.reset();
-            assert!(b.next().is_some_and(|d| d <= ms(100)));
+            assert!(
+                b.after_error(t0 + ms(700)) >= ms(150),
+                "still failing: still backing off"
+            );
+            assert!(
+                b.after_error(t0 + ms(1_400)) <= ms(100),
+                "twice the maximum without an error: from the minimum again"
+            );
         }
         // Two replicas that failed together do not retry together.
         let mut a = RetryBackoff::seeded(ms(1000), ms(1000), fastrand::Rng::with_seed(1));

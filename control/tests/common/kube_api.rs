@@ -54,6 +54,8 @@ struct Inner {
     fail_status: Option<u16>,
     /// Pod lists failed so far (adapter lists fail too, uncounted).
     failed_lists: usize,
+    /// When each of them came.
+    failed_list_times: Vec<std::time::Instant>,
     /// Leave list requests unanswered, as a server on a half-open connection does.
     hang_lists: bool,
     /// Answer 403 to ModelAdapter requests, as a cluster without the grant does.
@@ -341,6 +343,11 @@ impl FakeApi {
         self.inner.lock().unwrap().failed_lists
     }
 
+    /// When each failed pod list came, in order.
+    pub fn failed_list_times(&self) -> Vec<std::time::Instant> {
+        self.inner.lock().unwrap().failed_list_times.clone()
+    }
+
     pub fn hang_lists(&self, hang: bool) {
         self.inner.lock().unwrap().hang_lists = hang;
     }
@@ -364,6 +371,7 @@ impl FakeApi {
         if inner.fail_lists {
             if filter.kind == "Pod" {
                 inner.failed_lists += 1;
+                inner.failed_list_times.push(std::time::Instant::now());
             }
             let code = inner.fail_status.unwrap_or(500);
             let status = json!({"kind": "Status", "apiVersion": "v1", "metadata": {},
