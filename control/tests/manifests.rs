@@ -1241,6 +1241,38 @@ fn pod_clusters_close_idle_connections_before_the_engines_do() {
     assert_eq!(checked, 5);
 }
 
+/// pd-control closes a kept-alive connection after 10 s without a request; the gateways'
+/// `pd_control` cluster closes its idle ones sooner, in the typed protocol options (Envoy 1.40
+/// warns that the cluster-level field will go, and a cluster it refuses takes every poll and
+/// admission with it).
+#[test]
+fn pd_control_connections_close_idle_before_pd_control_does() {
+    let istio: Vec<Yaml> = patches("envoy/istio/envoyfilter-clusters.yaml")
+        .into_iter()
+        .filter(|(p, _)| p["patch"]["value"]["name"].as_str() == Some("pd_control"))
+        .map(|(p, _)| p["patch"]["value"].clone())
+        .collect();
+    assert_eq!(istio.len(), 1);
+    let ecds = template_yaml("envoy/envoy-ecds.yaml.tmpl")["static_resources"]["clusters"]
+        .as_sequence()
+        .expect("clusters")
+        .iter()
+        .find(|c| c["name"].as_str() == Some("pd_control"))
+        .cloned()
+        .expect("the ECDS drop-in's pd_control");
+    for cluster in [drop_in_cluster("pd_control"), ecds, istio[0].clone()] {
+        assert!(
+            cluster["common_http_protocol_options"].is_null(),
+            "the deprecated field"
+        );
+        let idle = cluster["typed_extension_protocol_options"]
+            ["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+            ["common_http_protocol_options"]["idle_timeout"]
+            .as_str();
+        assert_eq!(idle, Some("5s"), "{cluster:?}");
+    }
+}
+
 /// The Istio gateway's connection manager gets the drop-in's timeouts.
 #[test]
 fn istio_connection_manager_keeps_the_drop_ins_timeouts() {
@@ -1258,6 +1290,7 @@ fn istio_connection_manager_keeps_the_drop_ins_timeouts() {
     for key in [
         "stream_idle_timeout",
         "request_headers_timeout",
+        "request_timeout",
         "delayed_close_timeout",
     ] {
         assert!(!inline[key].is_null(), "the drop-in sets {key}");

@@ -351,6 +351,23 @@ pub fn render_envoy(
         .replace("@EDS_DIR@", &eds_dir.display().to_string())
 }
 
+/// Passes the filter's testing hooks set in `envoy_env` (`PD_ROUTER_DEBUG_*`) to its VMs: the
+/// shipped drop-in leaves them out, so that a stray variable in a production Envoy's
+/// environment cannot arm them.
+pub fn with_debug_env_keys(rendered: String, envoy_env: &[(&str, &str)]) -> String {
+    let anchor = "                    - AIBRIX_AUTH_BEARER_TOKEN\n";
+    let keys: String = envoy_env
+        .iter()
+        .filter(|(k, _)| k.starts_with("PD_ROUTER_DEBUG_"))
+        .map(|(k, _)| format!("                    - {k}\n"))
+        .collect();
+    if keys.is_empty() {
+        return rendered;
+    }
+    assert!(rendered.contains(anchor), "no host_env_keys list");
+    rendered.replacen(anchor, &format!("{anchor}{keys}"), 1)
+}
+
 /// Makes a rendered drop-in's connection manager count loopback clients as internal.
 pub fn with_internal_clients(rendered: String) -> String {
     let anchor = "          stat_prefix: pd_ingress\n";
@@ -570,6 +587,8 @@ pub struct Options<'a> {
     pub max_heap_bytes: Option<u64>,
     /// The drop-in's `stream_idle_timeout` (130 s) replaced by this many seconds.
     pub stream_idle_timeout_s: Option<u64>,
+    /// The drop-in's `request_timeout` (300 s) replaced by this many seconds.
+    pub request_timeout_s: Option<u64>,
 }
 
 impl Default for Options<'_> {
@@ -587,6 +606,7 @@ impl Default for Options<'_> {
             dynamic_stats: false,
             max_heap_bytes: None,
             stream_idle_timeout_s: None,
+            request_timeout_s: None,
         }
     }
 }
@@ -1048,6 +1068,7 @@ impl Stack {
         } else {
             rendered
         };
+        let rendered = with_debug_env_keys(rendered, options.envoy_env);
         let rendered = if options.dynamic_stats {
             assert!(
                 rendered.contains("dynamic_stats: false"),
@@ -1074,6 +1095,14 @@ impl Stack {
                     "no stream idle timeout"
                 );
                 rendered.replacen(timeout, &format!("stream_idle_timeout: {s}s"), 1)
+            }
+            None => rendered,
+        };
+        let rendered = match options.request_timeout_s {
+            Some(s) => {
+                let timeout = "request_timeout: 300s";
+                assert_eq!(rendered.matches(timeout).count(), 1, "no request timeout");
+                rendered.replacen(timeout, &format!("request_timeout: {s}s"), 1)
             }
             None => rendered,
         };

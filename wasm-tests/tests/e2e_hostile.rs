@@ -658,6 +658,43 @@ fn a_client_never_finishing_its_headers_is_cut_off() {
     assert!(answer.starts_with("HTTP/1.1 408"), "{read:?} {answer:.300}");
 }
 
+/// A client that sends its headers and part of its body, then nothing more (a trickle would
+/// do the same: each byte resets the idle timer), is answered 408 and disconnected after the
+/// drop-in's `request_timeout` (here 2 s), not held with its buffered body until the 130 s
+/// stream idle timeout, let alone the routes' hour; a client on the same gateway meanwhile is
+/// served.
+#[test]
+fn a_client_never_finishing_its_body_is_cut_off() {
+    let fleet = Fleet::new(MODEL)
+        .pod("p0", "prefill", "g0")
+        .pod("d0", "decode", "g0");
+    let stack = Stack::start_opts(
+        fleet.clone(),
+        fleet,
+        &Options {
+            request_timeout_s: Some(2),
+            ..Options::default()
+        },
+    );
+    let mut raw = TcpStream::connect(&stack.gateway).expect("connect");
+    raw.set_read_timeout(Some(Duration::from_secs(60))).ok();
+    raw.write_all(
+        b"POST /v1/completions HTTP/1.1\r\nhost: pd\r\nrouting-strategy: pd\r\n\
+          content-type: application/json\r\ncontent-length: 100000\r\n\r\n{\"model\": ",
+    )
+    .expect("send");
+    let r = http::post_json(
+        &stack.gateway,
+        "/v1/completions",
+        &[("routing-strategy", "pd")],
+        &ok("served meanwhile"),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let mut answer = String::new();
+    let read = raw.read_to_string(&mut answer);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{read:?} {answer:.300}");
+}
+
 /// A client's own KV-transfer members (here vLLM's `kv_transfer_params`, naming a host and
 /// blocks of its choosing) never reach an engine: the prefill and decode legs carry only the
 /// gateway's, and a request to a single pod carries none.
