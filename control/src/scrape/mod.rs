@@ -11,6 +11,7 @@ pub mod drain;
 pub mod engine;
 pub mod exposition;
 pub mod fetch;
+pub mod latency;
 pub mod rates;
 pub mod stall;
 
@@ -119,6 +120,8 @@ struct PodState {
     /// The last scrape failed without an answer (no connection, or none in time).
     suspect: bool,
     drain: DrainWindow,
+    ttft: latency::LatencyWindow,
+    tpot: latency::LatencyWindow,
 }
 
 impl PodState {
@@ -142,6 +145,8 @@ impl PodState {
             hung_scrapes: 0,
             suspect: false,
             drain: DrainWindow::default(),
+            ttft: latency::LatencyWindow::default(),
+            tpot: latency::LatencyWindow::default(),
         }
     }
 }
@@ -364,6 +369,10 @@ impl ScrapeBook {
                 let mut metrics = rates::derive(job.engine, &reading, previous, carried);
                 metrics.drain_rate =
                     rates::non_negative(state.drain.observe(finished, reading.completed));
+                metrics.ttft_avg_seconds =
+                    rates::non_negative(state.ttft.observe(finished, reading.ttft));
+                metrics.tpot_avg_seconds =
+                    rates::non_negative(state.tpot.observe(finished, reading.tpot));
                 metrics.last_scrape_unix_ms = finished_unix_ms;
                 if state.last_failed {
                     tracing::info!(pod = %job.key, url = %job.url, "metrics scrape recovered");

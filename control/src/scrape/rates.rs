@@ -84,7 +84,7 @@ pub fn histogram_mean(previous: Option<Histo>, current: Option<Histo>) -> Option
 /// Builds the metrics for a successful scrape.
 ///
 /// `previous` is the last successful reading and how long before this one it was taken;
-/// `carried` the metrics derived from it, whose latency averages persist through quiet windows.
+/// `carried` the metrics derived from it, whose rates stand in for a bad read's.
 /// `present`, `stale` and `last_scrape_unix_ms` are the caller's, who knows the scrape history.
 pub fn derive(
     engine: Engine,
@@ -119,17 +119,6 @@ pub fn derive(
         .or(current.prompt_gauge)
         .or_else(|| bad_read(|r| r.prompt_tokens, |m| m.prompt_throughput));
 
-    // New observations first, then the last known average, then the lifetime mean: the
-    // freshest figure that actually describes this pod.
-    let latency = |pick: fn(&Reading) -> Option<Histo>, carried: Option<f64>| {
-        let now = pick(current)?;
-        histogram_mean(prev.and_then(pick), Some(now))
-            .or(carried.filter(|v| *v > 0.0))
-            .or_else(|| histogram_mean(None, Some(now)))
-    };
-    let ttft = latency(|r| r.ttft, carried.map(|m| m.ttft_avg_seconds));
-    let tpot = latency(|r| r.tpot, carried.map(|m| m.tpot_avg_seconds));
-
     PodMetrics {
         present: true,
         running: non_negative(current.running),
@@ -139,8 +128,9 @@ pub fn derive(
         generation_throughput: non_negative(generation_throughput),
         // Over a minute, not between two scrapes: the caller's `drain::DrainWindow`.
         drain_rate: 0.0,
-        ttft_avg_seconds: non_negative(ttft),
-        tpot_avg_seconds: non_negative(tpot),
+        // Over a minute, not between two scrapes: the caller's `latency::LatencyWindow`.
+        ttft_avg_seconds: 0.0,
+        tpot_avg_seconds: 0.0,
         last_scrape_unix_ms: 0,
         stale: false,
         engine_utilization: fraction(current.utilization),
@@ -321,7 +311,6 @@ mod tests {
             (4.0, 1.0, 0.25)
         );
         assert_eq!((m1.prompt_throughput, m1.generation_throughput), (0.0, 0.0));
-        assert!((m1.ttft_avg_seconds - 0.2).abs() < 1e-12);
 
         let second = vllm(1400.0, 700.0, 12.0, (3.0, 12.0));
         let half = Duration::from_millis(500);
@@ -334,15 +323,14 @@ mod tests {
             m2.drain_rate, 0.0,
             "a minute's rate, the caller's (drain.rs)"
         );
-        assert!((m2.ttft_avg_seconds - 0.5).abs() < 1e-12, "(3-2)/(12-10)");
+        assert_eq!(
+            m2.ttft_avg_seconds, 0.0,
+            "a minute's mean, the caller's (latency.rs)"
+        );
 
         let quiet = vllm(1400.0, 700.0, 12.0, (3.0, 12.0));
         let m3 = derive(Engine::Vllm, &quiet, Some((&second, half)), Some(&m2));
         assert_eq!(m3.prompt_throughput, 0.0);
-        assert_eq!(
-            m3.ttft_avg_seconds, m2.ttft_avg_seconds,
-            "carried through a quiet window"
-        );
 
         let restarted = vllm(100.0, 50.0, 1.0, (0.1, 1.0));
         let m4 = derive(Engine::Vllm, &restarted, Some((&quiet, SECOND)), Some(&m3));
@@ -350,7 +338,6 @@ mod tests {
             (m4.prompt_throughput, m4.generation_throughput),
             (100.0, 50.0)
         );
-        assert!((m4.ttft_avg_seconds - 0.1).abs() < 1e-12);
     }
 
     #[test]
@@ -367,11 +354,9 @@ mod tests {
         let m = derive(Engine::Sglang, &b, Some((&a, SECOND)), None);
         assert_eq!(m.generation_throughput, 2931.5);
         assert_eq!(m.prompt_throughput, 5000.0);
-        assert!(
-            (m.ttft_avg_seconds - 0.24).abs() < 1e-12,
-            "lifetime mean carried: {m:?}"
-        );
-        assert!((m.tpot_avg_seconds - 0.02).abs() < 1e-12);
+        let mean = |h| histogram_mean(None, h).unwrap_or_default();
+        assert!((mean(b.ttft) - 0.24).abs() < 1e-12, "{b:?}");
+        assert!((mean(b.tpot) - 0.02).abs() < 1e-12);
     }
 
     #[test]
@@ -380,13 +365,14 @@ mod tests {
         let m = derive(Engine::Trtllm, &t, None, None);
         assert_eq!((m.running, m.waiting), (6.0, 2.0));
         assert!((m.kv_cache_usage - 0.23).abs() < 1e-12);
-        assert!((m.ttft_avg_seconds - 0.1).abs() < 1e-12);
-        assert!((m.tpot_avg_seconds - 0.015).abs() < 1e-12);
+        let mean = |h| histogram_mean(None, h).unwrap_or_default();
+        assert!((mean(t.ttft) - 0.1).abs() < 1e-12);
+        assert!((mean(t.tpot) - 0.015).abs() < 1e-12);
 
         let old = parse_reading(fixtures::VLLM_OLD_DP2, Engine::Vllm, "m");
         let m = derive(Engine::Vllm, &old, None, None);
         assert!((m.kv_cache_usage - 0.4).abs() < 1e-12);
-        assert!((m.tpot_avg_seconds - 0.04).abs() < 1e-12);
+        assert!((mean(old.tpot) - 0.04).abs() < 1e-12);
     }
 
     #[test]

@@ -1,0 +1,143 @@
+//! A pod's mean time to first token (and per output token) over about the last minute, from
+//! the engine's cumulative histogram (`_sum` and `_count`).
+//!
+//! Why a window: between two 50 ms scrapes a histogram gains one observation or none, so the
+//! mean of one scrape's delta is one request's latency, and it was carried through every quiet
+//! scrape for as long as the pod lived. Under `least-latency` (and conductor's prefill score)
+//! a pod whose last request happened to be slow then never got another request, and so never
+//! a new figure: it starved while a sibling took everything. Over a minute the figure follows
+//! the pod's recent requests, and a pod that served none in the last minute has none (0, which
+//! the strategies take as no known delay), so it gets a request and a fresh figure.
+//!
+//! Until the window has seen a minute (pd-control or the pod just started), the lifetime mean
+//! stands in while no observation has come: it describes the pod, where nothing else does.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use super::drain::WINDOW;
+use super::engine::Histo;
+use super::rates::histogram_mean;
+
+/// One kept sample a second bounds a pod's history at about 61 entries, at any scrape rate.
+const SAMPLE_EVERY: Duration = Duration::from_secs(1);
+
+/// The observations of one latency histogram over the last [`WINDOW`].
+#[derive(Debug, Default)]
+pub struct LatencyWindow {
+    /// (when, sum, count) of everything observed since tracking began, at most one a second.
+    samples: VecDeque<(Instant, f64, f64)>,
+    /// Sum and count since tracking began, engine restarts folded in.
+    total: (f64, f64),
+    /// The last histogram read: the base of the next read's growth.
+    last: Option<Histo>,
+    /// When tracking began.
+    since: Option<Instant>,
+}
+
+impl LatencyWindow {
+    /// Takes a scrape's histogram (`None` when the engine does not export it) and returns the
+    /// mean of what it observed in the last [`WINDOW`], if anything.
+    pub fn observe(&mut self, at: Instant, histo: Option<Histo>) -> Option<f64> {
+        let histo = histo.filter(|h| {
+            h.sum.is_finite() && h.count.is_finite() && h.sum >= 0.0 && h.count >= 0.0
+        })?;
+        let since = *self.since.get_or_insert(at);
+        match self.last {
+            // A count that fell is a restarted engine: what it counts now is all new.
+            Some(last) if histo.count >= last.count => {
+                self.total.0 += (histo.sum - last.sum).max(0.0);
+                self.total.1 += histo.count - last.count;
+            }
+            Some(_) => {
+                self.total.0 += histo.sum;
+                self.total.1 += histo.count;
+            }
+            None => {}
+        }
+        self.last = Some(histo);
+        let due = self
+            .samples
+            .back()
+            .is_none_or(|(t, _, _)| at.saturating_duration_since(*t) >= SAMPLE_EVERY);
+        if due {
+            self.samples.push_back((at, self.total.0, self.total.1));
+        }
+        while self.samples.len() > 1 && at.saturating_duration_since(self.samples[1].0) >= WINDOW {
+            self.samples.pop_front();
+        }
+        let (_, base_sum, base_count) = *self.samples.front()?;
+        let count = self.total.1 - base_count;
+        if count > 0.0 {
+            return Some((self.total.0 - base_sum) / count);
+        }
+        let young = at.saturating_duration_since(since) < WINDOW;
+        young.then(|| histogram_mean(None, Some(histo))).flatten()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(sum: f64, count: f64) -> Option<Histo> {
+        Some(Histo { sum, count })
+    }
+
+    #[test]
+    fn the_mean_covers_the_last_minute_not_the_last_scrape() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs(1);
+        let mut w = LatencyWindow::default();
+        assert_eq!(
+            w.observe(t0, h(10.0, 100.0)),
+            Some(0.1),
+            "lifetime mean at first"
+        );
+        // Two requests: 0.3 s, then 0.1 s, seconds apart; quiet scrapes in between keep the
+        // minute's mean, not the last request's.
+        let near = |v: Option<f64>, want: f64| v.is_some_and(|v| (v - want).abs() < 1e-9);
+        let one = w.observe(t0 + s, h(10.3, 101.0));
+        assert!(near(one, 0.3), "{one:?}");
+        let quiet = w.observe(t0 + 2 * s, h(10.3, 101.0));
+        assert!(near(quiet, 0.3), "{quiet:?}");
+        let both = w.observe(t0 + 3 * s, h(10.4, 102.0)).unwrap();
+        assert!((both - 0.2).abs() < 1e-9, "{both}");
+        assert_eq!(w.observe(t0, None), None, "not exported");
+    }
+
+    #[test]
+    fn one_slow_request_does_not_describe_the_pod_for_ever() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs(1);
+        let mut w = LatencyWindow::default();
+        w.observe(t0, h(0.0, 0.0));
+        assert_eq!(
+            w.observe(t0 + s, h(2.0, 1.0)),
+            Some(2.0),
+            "one slow request"
+        );
+        let mut last = None;
+        for i in 2..=70 {
+            last = w.observe(t0 + i * s, h(2.0, 1.0));
+        }
+        assert_eq!(
+            last, None,
+            "a minute without a request: no figure, so it gets one"
+        );
+    }
+
+    #[test]
+    fn a_restarted_engine_counts_from_zero() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs(1);
+        let mut w = LatencyWindow::default();
+        w.observe(t0, h(50.0, 100.0));
+        w.observe(t0 + s, h(50.5, 101.0));
+        let mean = w.observe(t0 + 2 * s, h(0.7, 1.0)).unwrap();
+        assert!(
+            (mean - 0.6).abs() < 1e-9,
+            "0.5 then 0.7 after the restart: {mean}"
+        );
+    }
+}
