@@ -96,6 +96,10 @@ pub struct MetricsSnapshot {
     pub kv_usage: f64,
     pub prompt_tokens: u64,
     pub generation_tokens: u64,
+    /// Prompt and generated tokens of the requests that ended: SGLang's and TRT-LLM's token
+    /// counters grow when a request finishes, not at every step as vLLM's do.
+    pub finished_prompt_tokens: u64,
+    pub finished_generation_tokens: u64,
     pub success_stop: u64,
     pub success_length: u64,
     pub success_abort: u64,
@@ -150,6 +154,8 @@ impl MetricsSnapshot {
             kv_usage: 0.0,
             prompt_tokens: 0,
             generation_tokens: 0,
+            finished_prompt_tokens: 0,
+            finished_generation_tokens: 0,
             success_stop: 0,
             success_length: 0,
             success_abort: 0,
@@ -577,12 +583,12 @@ pub fn render_sglang(model: &str, engine_type: &str, m: &MetricsSnapshot) -> Str
         (
             "sglang:prompt_tokens_total",
             "Number of prefill tokens processed.",
-            m.prompt_tokens,
+            m.finished_prompt_tokens,
         ),
         (
             "sglang:generation_tokens_total",
             "Number of generation tokens processed.",
-            m.generation_tokens,
+            m.finished_generation_tokens,
         ),
         (
             "sglang:cached_tokens_total",
@@ -720,12 +726,12 @@ pub fn render_trtllm(model: &str, pid: u32, m: &MetricsSnapshot) -> String {
         (
             "trtllm_prompt_tokens_total",
             "Number of prefill tokens processed.",
-            m.prompt_tokens,
+            m.finished_prompt_tokens,
         ),
         (
             "trtllm_generation_tokens_total",
             "Number of generation tokens processed.",
-            m.generation_tokens,
+            m.finished_generation_tokens,
         ),
     ] {
         scalar(&mut out, name, "counter", help, &base, value as f64);
@@ -941,6 +947,8 @@ mod tests {
         m.prefill_inflight = 4;
         m.prompt_tokens = 700;
         m.generation_tokens = 90;
+        m.finished_prompt_tokens = 700;
+        m.finished_generation_tokens = 90;
         m.prefix_queries = 800;
         m.prefix_hits = 200;
         m.success_stop = 1;

@@ -439,6 +439,8 @@ struct Ticket {
     pod: Arc<PodState>,
     phase: Phase,
     held_tokens: u64,
+    prompt_tokens: u64,
+    generated: u64,
 }
 
 impl Ticket {
@@ -448,6 +450,8 @@ impl Ticket {
             pod,
             phase: Phase::Waiting,
             held_tokens: 0,
+            prompt_tokens: 0,
+            generated: 0,
         }
     }
 
@@ -462,22 +466,31 @@ impl Ticket {
         inner.active_kv_tokens += prompt_tokens;
         inner.metrics.prompt_tokens += prompt_tokens;
         self.held_tokens = prompt_tokens;
+        self.prompt_tokens = prompt_tokens;
         self.phase = Phase::Running;
     }
 
     fn token(&mut self) {
         let mut inner = self.pod.lock();
         inner.metrics.generation_tokens += 1;
+        self.generated += 1;
         if self.phase == Phase::Running {
             inner.active_kv_tokens += 1;
             self.held_tokens += 1;
         }
     }
 
+    /// The request's tokens, into the counters that grow when a request ends.
+    fn count_finished(&self, inner: &mut Inner) {
+        inner.metrics.finished_prompt_tokens += self.prompt_tokens;
+        inner.metrics.finished_generation_tokens += self.generated;
+    }
+
     /// Running → done; returns the KV tokens the request held.
     fn finish(&mut self, e2e: Duration) -> u64 {
         let mut inner = self.pod.lock();
         release(&mut inner, self.phase, self.held_tokens);
+        self.count_finished(&mut inner);
         inner.metrics.success_length += 1;
         inner.metrics.e2e.observe(e2e.as_secs_f64());
         self.phase = Phase::Done;
@@ -503,6 +516,7 @@ impl Drop for Ticket {
         }
         let mut inner = self.pod.lock();
         release(&mut inner, self.phase, self.held_tokens);
+        self.count_finished(&mut inner);
         inner.metrics.success_abort += 1;
     }
 }

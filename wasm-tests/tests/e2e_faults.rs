@@ -1353,6 +1353,34 @@ fn a_pod_sitting_on_its_requests_is_routed_around_until_it_moves_again() {
     stalled_mark_goes(&stack, "c-0", &fleet);
 }
 
+/// TensorRT-LLM (as SGLang) adds to its token and request counters only when a request ends:
+/// a decode pod generating one long answer moves none of them for the answer's whole length.
+/// Its KV usage grows with every token, and that is the progress pd-control reads: the pod is
+/// never marked stalled, however long the answer (it was, `--stalled-after` into it).
+#[test]
+fn a_trtllm_pod_generating_a_long_answer_is_not_marked_stalled() {
+    let fleet = Fleet::new(MODEL)
+        .engine("trtllm")
+        .pod("p-0", "prefill", "group-0")
+        .pod("d-0", "decode", "group-0");
+    let stack = Stack::start_opts(
+        fleet.clone(),
+        fleet,
+        &Options {
+            control_args: &["--stalled-after", "300ms"],
+            sim_args: &["--decode-ms-per-token", "40"],
+            ..Options::default()
+        },
+    );
+    wait_scraped(&stack, &["d-0"]);
+    // About 2.4 s of decoding, no request ending meanwhile.
+    let r = stack.chat(&PD, &chat(true, 60));
+    assert_success(&r);
+    assert_eq!(r.header("target-pod"), Some("d-0"));
+    let log = std::fs::read_to_string(stack.dir.join("pd-control.log")).expect("pd-control log");
+    assert!(!log.contains("marked stalled"), "{log}");
+}
+
 /// Once `pod`'s stalled mark is gone from the snapshot every worker routes on, `random`
 /// reaches it again; then nothing is left charged.
 fn stalled_mark_goes(stack: &Stack, pod: &str, fleet: &Fleet) {

@@ -129,6 +129,7 @@ const FAMILIES: &[&str] = &[
     "gateway_pd_decode_watchdog_total",
     "gateway_pd_decode_abort_total",
     "pd_router_remote_decode_tokens",
+    "pd_router_remote_running_requests",
     "pd_router_remote_replicas",
     "vtc_bucket_size_active",
 ];
