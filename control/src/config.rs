@@ -104,9 +104,10 @@ pub struct Config {
     pub unreachable_after: u32,
 
     /// A pod whose engine holds running requests while no token or request counter moves
-    /// (without counters: no throughput gauge is above zero; for SGLang and TRT-LLM, which
-    /// count at a request's end, no KV-usage or throughput gauge either) for this long (SGLang:
-    /// at least 35 s, its idle refresh) is marked stalled in the snapshot (a
+    /// (without counters: no throughput gauge is above zero; for SGLang, which counts at a
+    /// request's end, no KV-usage or throughput gauge either) for this long (SGLang: at least
+    /// 35 s, its idle refresh; TensorRT-LLM pods are not judged this way) is marked stalled in
+    /// the snapshot (a
     /// hung GPU usually leaves the HTTP server answering): the gateway routes around it until
     /// its counters move again. So is a pod whose scrapes all time out on an accepted
     /// connection for this long, three at least (a wedged server), until one is answered. `0s` turns both

@@ -350,15 +350,19 @@ impl KvPull {
     }
 }
 
+/// How long a prefill leg that ended at its first token vouches for a plain decode leg of the
+/// same request id.
+const FINISHED_EARLY_FOR: Duration = Duration::from_secs(60);
+
 /// Every pod's engine id, so a decode pod can find the prefill pod it is told to pull from,
 /// and the rooms where SGLang and TRT-LLM generation-first legs meet.
 #[derive(Debug, Default)]
 pub struct Registry {
     engines: Mutex<HashMap<String, Arc<PodState>>>,
     pub rooms: Rooms,
-    /// `x-request-id`s of vLLM prefill legs whose first token ended the answer: vLLM
+    /// `x-request-id`s of vLLM prefill legs whose first token ended the answer, and when: vLLM
     /// returned no `kv_transfer_params`, so the decode leg comes as the client's plain body.
-    finished_early: Mutex<std::collections::HashSet<String>>,
+    finished_early: Mutex<HashMap<String, Instant>>,
 }
 
 impl Registry {
@@ -377,10 +381,14 @@ impl Registry {
     /// Notes that the prefill leg of request `x_request_id` ended at its first token (it
     /// answered `kv_transfer_params: null`).
     pub fn note_finished_early(&self, x_request_id: &str) {
-        self.finished_early
+        let now = Instant::now();
+        let mut early = self
+            .finished_early
             .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(x_request_id.to_string());
+            .unwrap_or_else(|e| e.into_inner());
+        // A decode leg that never came (the client left, the router refused) is forgotten.
+        early.retain(|_, at| now.saturating_duration_since(*at) < FINISHED_EARLY_FOR);
+        early.insert(x_request_id.to_string(), now);
     }
 
     /// Whether request `x_request_id`'s prefill leg ended at its first token, forgetting it:
@@ -390,6 +398,7 @@ impl Registry {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(x_request_id)
+            .is_some_and(|at| at.elapsed() < FINISHED_EARLY_FOR)
     }
 
     /// The pod with engine id `engine_id`.

@@ -1353,10 +1353,10 @@ fn a_pod_sitting_on_its_requests_is_routed_around_until_it_moves_again() {
     stalled_mark_goes(&stack, "c-0", &fleet);
 }
 
-/// TensorRT-LLM (as SGLang) adds to its token and request counters only when a request ends:
-/// a decode pod generating one long answer moves none of them for the answer's whole length.
-/// Its KV usage grows with every token, and that is the progress pd-control reads: the pod is
-/// never marked stalled, however long the answer (it was, `--stalled-after` into it).
+/// TensorRT-LLM adds to its token and request counters only when a request ends (as SGLang
+/// does), and refreshes its gauges only then too: a decode pod generating one long answer
+/// moves nothing for the answer's whole length. pd-control does not judge its stillness, so it
+/// is never marked stalled, however long the answer (it was, `--stalled-after` into it).
 #[test]
 fn a_trtllm_pod_generating_a_long_answer_is_not_marked_stalled() {
     let fleet = Fleet::new(MODEL)

@@ -51,19 +51,25 @@ impl Engine {
     /// Whether the engine adds to its token and request counters only when a request
     /// finishes (SGLang's tokenizer counters, TRT-LLM's per-request metrics), not at every
     /// step as vLLM does: a healthy pod generating long answers moves none of them for as
-    /// long as no request ends, so its scheduler gauges are the witness of its work.
+    /// long as no request ends, so its scheduler gauges are the witness of its work (SGLang
+    /// refreshes them every few dozen steps; TRT-LLM's come too late, see `stall_floor`).
     pub fn counts_at_finish(self) -> bool {
         matches!(self, Engine::Sglang | Engine::Trtllm)
     }
 
     /// The shortest time a pod of this engine may show running requests and no progress
-    /// before it counts as stalled, whatever `--stalled-after` says. SGLang refreshes its
+    /// before it counts as stalled, whatever `--stalled-after` says; `None`: never, by this
+    /// rule (a wedged server, whose scrapes time out, is still marked). SGLang refreshes its
     /// gauges only while it works, and when idle once 30 s after the last refresh: a pod whose
     /// last requests just finished shows their running count, unmoving, until then.
-    pub fn stall_floor(self) -> std::time::Duration {
+    /// trtllm-serve refreshes its iteration gauges (running, KV usage) only when a request
+    /// ends, and its counters move only then too: a pod generating one long answer, or idle
+    /// after a burst with its last running count frozen, looks exactly like a wedged one.
+    pub fn stall_floor(self) -> Option<std::time::Duration> {
         match self {
-            Engine::Sglang => std::time::Duration::from_secs(35),
-            Engine::Vllm | Engine::Trtllm => std::time::Duration::ZERO,
+            Engine::Vllm => Some(std::time::Duration::ZERO),
+            Engine::Sglang => Some(std::time::Duration::from_secs(35)),
+            Engine::Trtllm => None,
         }
     }
 

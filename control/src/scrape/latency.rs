@@ -11,13 +11,18 @@
 //!
 //! Until the window has seen a minute (pd-control or the pod just started), the lifetime mean
 //! stands in while no observation has come: it describes the pod, where nothing else does.
+//!
+//! Reads are taken as `drain::DrainWindow` takes the finished-request counter: a count that
+//! falls to at most [`RESTART_SHARE`] of the last is a restart; one that falls less (a sum
+//! missing one DP rank's series) counts nothing until it is back, or is believed after
+//! [`FALL_TRUSTED_AFTER`]; after a scrape gap longer than the window it starts afresh.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use super::drain::WINDOW;
+use super::drain::{FALL_TRUSTED_AFTER, WINDOW};
 use super::engine::Histo;
-use super::rates::histogram_mean;
+use super::rates::{histogram_mean, RESTART_SHARE};
 
 /// One kept sample a second bounds a pod's history at about 61 entries, at any scrape rate.
 const SAMPLE_EVERY: Duration = Duration::from_secs(1);
@@ -33,6 +38,10 @@ pub struct LatencyWindow {
     last: Option<Histo>,
     /// When tracking began.
     since: Option<Instant>,
+    /// When the last read was taken.
+    last_at: Option<Instant>,
+    /// Since when reads have been lower than `last` by less than a restart.
+    fallen_since: Option<Instant>,
 }
 
 impl LatencyWindow {
@@ -42,20 +51,41 @@ impl LatencyWindow {
         let histo = histo.filter(|h| {
             h.sum.is_finite() && h.count.is_finite() && h.sum >= 0.0 && h.count >= 0.0
         })?;
+        if self
+            .last_at
+            .is_some_and(|then| at.saturating_duration_since(then) > WINDOW)
+        {
+            // Back after a gap: what it observed meanwhile is not this minute's.
+            self.samples.clear();
+            self.since = None;
+        }
+        self.last_at = Some(at);
         let since = *self.since.get_or_insert(at);
         match self.last {
-            // A count that fell is a restarted engine: what it counts now is all new.
             Some(last) if histo.count >= last.count => {
                 self.total.0 += (histo.sum - last.sum).max(0.0);
                 self.total.1 += histo.count - last.count;
+                self.fallen_since = None;
+                self.last = Some(histo);
             }
+            // A series missing from the sum, most often: nothing counted until it is back,
+            // believed only if it lasts.
+            Some(last) if histo.count > last.count * RESTART_SHARE => {
+                let fallen = *self.fallen_since.get_or_insert(at);
+                if at.saturating_duration_since(fallen) >= FALL_TRUSTED_AFTER {
+                    self.fallen_since = None;
+                    self.last = Some(histo);
+                }
+            }
+            // A restarted engine: what it counts now is all new.
             Some(_) => {
                 self.total.0 += histo.sum;
                 self.total.1 += histo.count;
+                self.fallen_since = None;
+                self.last = Some(histo);
             }
-            None => {}
+            None => self.last = Some(histo),
         }
-        self.last = Some(histo);
         let due = self
             .samples
             .back()
@@ -124,6 +154,38 @@ mod tests {
         assert_eq!(
             last, None,
             "a minute without a request: no figure, so it gets one"
+        );
+    }
+
+    #[test]
+    fn a_sum_missing_a_rank_or_a_scrape_gap_does_not_mix_old_observations_in() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs(1);
+        let mut w = LatencyWindow::default();
+        // Two DP ranks, 1000 observations each at 0.1 s; then requests at 0.5 s.
+        w.observe(t0, h(200.0, 2000.0));
+        w.observe(t0 + s, h(200.5, 2001.0));
+        let missing = w.observe(t0 + 2 * s, h(100.5, 1001.0));
+        let back = w.observe(t0 + 3 * s, h(201.0, 2002.0)).unwrap();
+        assert!(
+            missing.is_some_and(|m| (m - 0.5).abs() < 1e-9),
+            "{missing:?}"
+        );
+        assert!(
+            (back - 0.5).abs() < 1e-9,
+            "the rank's return adds its lifetime: {back}"
+        );
+
+        // Five minutes without an answered scrape, then one slow request: the gap's are not
+        // this minute's.
+        let mut w = LatencyWindow::default();
+        for i in 0..70 {
+            w.observe(t0 + i * s, h(0.1 * i as f64, i as f64));
+        }
+        let after = w.observe(t0 + 400 * s, h(7.0 + 20.0, 70.0 + 100.0 + 1.0));
+        assert!(
+            after.is_some_and(|m| (m - 27.0 / 171.0).abs() < 1e-9),
+            "starts afresh (lifetime mean while young): {after:?}"
         );
     }
 

@@ -205,10 +205,16 @@ fn stalled_state(state: &PodState, after: Duration, now: Instant) -> bool {
     let held_for = |since: Option<Instant>, bound: Duration| {
         since.is_some_and(|at| now.saturating_duration_since(at) >= bound)
     };
-    // Stillness is judged no sooner than the engine's gauges can show idleness.
-    let still_for = after.max(state.target.engine.stall_floor());
+    // Stillness is judged no sooner than the engine's gauges can show idleness, if at all.
+    let still_for = state
+        .target
+        .engine
+        .stall_floor()
+        .map(|floor| after.max(floor));
     !after.is_zero()
-        && ((state.still && !state.last_failed && held_for(state.progress_at, still_for))
+        && ((state.still
+            && !state.last_failed
+            && still_for.is_some_and(|bound| held_for(state.progress_at, bound)))
             || (state.hung_scrapes >= HUNG_SCRAPES && held_for(state.hung_since, after)))
 }
 
@@ -232,7 +238,7 @@ fn log_stall(state: &mut PodState, key: &str, after: Duration, now: Instant) {
              marked stalled, so the gateway routes around it"
         );
     } else {
-        let after = after.max(state.target.engine.stall_floor());
+        let after = after.max(state.target.engine.stall_floor().unwrap_or_default());
         tracing::warn!(
             pod = %key,
             "pod has held running requests for {after:?} with no token or request \
@@ -800,6 +806,31 @@ mod tests {
             !book.stalled(&fleet[0], at(36_000)),
             "the idle refresh came"
         );
+    }
+
+    #[test]
+    fn a_trtllm_pod_is_not_judged_on_stillness_its_gauges_cannot_show() {
+        let mut book = ScrapeBook::new(Duration::from_millis(150), 3)
+            .with_stalled_after(Duration::from_secs(1));
+        let fleet = vec![PodRecord {
+            engine: "trtllm".into(),
+            ..pod("a", "10.0.0.1", true)
+        }];
+        let t0 = Instant::now();
+        let at = |ms| t0 + Duration::from_millis(ms);
+        // trtllm-serve refreshes its gauges when a request ends: one long answer, or an idle
+        // pod whose last running count stayed, reads like this for as long as it lasts.
+        for ms in [0, 500, 60_000, 600_000] {
+            let jobs = book.plan(&fleet, at(ms));
+            book.apply(ok(&jobs[0], at(ms), 2.0, 100.0));
+        }
+        assert!(!book.stalled(&fleet[0], at(600_000)));
+        // A server that answers no scrape is marked still.
+        for ms in [601_000, 602_000, 603_000] {
+            let jobs = book.plan(&fleet, at(ms));
+            book.apply(failed(&jobs[0], at(ms)));
+        }
+        assert!(book.stalled(&fleet[0], at(603_000)));
     }
 
     #[test]

@@ -43,7 +43,9 @@
 
 mod state;
 
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
 
 use futures_util::stream::{self, BoxStream};
 use futures_util::{FutureExt as _, StreamExt as _};
@@ -208,21 +210,27 @@ impl KubernetesSource {
                 })
                 .collect()
         };
-        let backoff = || RetryBackoff::new(self.settings.backoff_min, self.settings.backoff_max);
+        let (min, max) = (self.settings.backoff_min, self.settings.backoff_max);
         let mut streams = Vec::new();
         for (index, (pods, adapters)) in apis.into_iter().enumerate() {
+            let backoff = RetryBackoff::new(min, max);
+            let answered = backoff.answered.clone();
             streams.push(
                 watcher::watcher(pods, config.clone())
-                    .backoff(backoff())
+                    .inspect(move |item| note_answer(&answered, item))
+                    .backoff(backoff)
                     .map(move |item| (index, Watched::Pods(Box::new(item))))
                     .boxed(),
             );
+            let backoff = RetryBackoff::new(min, max);
+            let answered = backoff.answered.clone();
             streams.push(
                 watcher::watcher(
                     adapters,
                     watcher::Config::default().timeout(self.settings.watch_timeout_s),
                 )
-                .backoff(backoff())
+                .inspect(move |item| note_answer(&answered, item))
+                .backoff(backoff)
                 .map(move |item| (index, Watched::Adapters(Box::new(item))))
                 .boxed(),
             );
@@ -431,20 +439,32 @@ pub(crate) async fn client(
     kube::Client::try_from(config).map_err(KubeError::Client)
 }
 
+/// Marks that the API server answered a watch: a list completed (`InitDone`) or a change came.
+/// `Init` is no answer: kube's watcher yields it before listing, asking nothing.
+fn note_answer<K>(answered: &AtomicBool, item: &Result<Event<K>, watcher::Error>) {
+    if matches!(
+        item,
+        Ok(Event::InitDone | Event::Apply(_) | Event::Delete(_))
+    ) {
+        answered.store(true, Ordering::Relaxed);
+    }
+}
+
 /// Exponential retry delay, each delay drawn between half and all of its step: pd-control
 /// replicas (and scopes) that lost the API server together would otherwise come back to it in
 /// lockstep, every retry a burst of lists.
 ///
-/// It starts again from the minimum after twice the maximum without an error, not on kube's
-/// `reset`: kube's watcher resets its backoff on every item it yields, and after a failed list
-/// it yields `Init` before listing again without asking the server anything, so a list that
-/// keeps failing was retried at the minimum delay for ever (a cluster without the ModelAdapter
-/// CRD: several lists a second per scope and replica, for the life of the process).
+/// It starts again from the minimum once the server has answered (`answered`, set by
+/// [`note_answer`] on the stream it retries), not on kube's `reset`: kube's watcher resets its
+/// backoff on every item it yields, and after a failed list it yields `Init` before listing
+/// again without asking the server anything, so a list that kept failing was retried at the
+/// minimum delay for ever (a cluster without the ModelAdapter CRD: several lists a second per
+/// scope and replica, for the life of the process).
 struct RetryBackoff {
     min: Duration,
     max: Duration,
     next: Duration,
-    last_error: Option<Instant>,
+    answered: Arc<AtomicBool>,
     rng: fastrand::Rng,
 }
 
@@ -458,20 +478,16 @@ impl RetryBackoff {
             min,
             max,
             next: min,
-            last_error: None,
+            answered: Arc::new(AtomicBool::new(false)),
             rng,
         }
     }
 
-    /// The delay after an error at `now`.
-    fn after_error(&mut self, now: Instant) -> Duration {
-        let quiet = self
-            .last_error
-            .is_some_and(|at| now.saturating_duration_since(at) > self.max * 2);
-        if quiet {
+    /// The delay after an error.
+    fn after_error(&mut self) -> Duration {
+        if self.answered.swap(false, Ordering::Relaxed) {
             self.next = self.min;
         }
-        self.last_error = Some(now);
         let step = self.next;
         self.next = self.next.saturating_mul(2).min(self.max);
         step.mul_f64(0.5 + 0.5 * self.rng.f64())
@@ -482,7 +498,7 @@ impl Iterator for RetryBackoff {
     type Item = Duration;
 
     fn next(&mut self) -> Option<Duration> {
-        Some(self.after_error(Instant::now()))
+        Some(self.after_error())
     }
 }
 
@@ -496,13 +512,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn backoff_doubles_caps_restarts_after_quiet_and_spreads() {
+    fn backoff_doubles_caps_restarts_once_answered_and_spreads() {
         let ms = Duration::from_millis;
-        let t0 = Instant::now();
         for seed in 0..50 {
             let rng = fastrand::Rng::with_seed(seed);
             let mut b = RetryBackoff::seeded(ms(100), ms(300), rng);
-            let got: Vec<_> = (0..4).map(|i| b.after_error(t0 + ms(150 * i))).collect();
+            let got: Vec<_> = (0..4).map(|_| b.after_error()).collect();
             for (delay, step) in got.iter().zip([100, 200, 300, 300]) {
                 assert!(
                     *delay >= ms(step / 2) && *delay <= ms(step),
@@ -511,13 +526,15 @@ mod tests {
             }
             // kube's watcher resets after every item, an `Init` after a failed list included.
             b.reset();
+            note_answer::<Pod>(&b.answered, &Ok(Event::Init));
             assert!(
-                b.after_error(t0 + ms(700)) >= ms(150),
+                b.after_error() >= ms(150),
                 "still failing: still backing off"
             );
+            note_answer::<Pod>(&b.answered, &Ok(Event::InitDone));
             assert!(
-                b.after_error(t0 + ms(1_400)) <= ms(100),
-                "twice the maximum without an error: from the minimum again"
+                b.after_error() <= ms(100),
+                "answered: from the minimum again"
             );
         }
         // Two replicas that failed together do not retry together.
