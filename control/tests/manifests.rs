@@ -1241,18 +1241,24 @@ fn pod_clusters_close_idle_connections_before_the_engines_do() {
     assert_eq!(checked, 5);
 }
 
-/// pd-control closes a kept-alive connection after 10 s without a request; the gateways'
-/// `pd_control` cluster closes its idle ones sooner, in the typed protocol options (Envoy 1.40
-/// warns that the cluster-level field will go, and a cluster it refuses takes every poll and
-/// admission with it).
-#[test]
-fn pd_control_connections_close_idle_before_pd_control_does() {
+/// The `pd_control` cluster Istio's EnvoyFilter adds.
+fn istio_pd_control_cluster() -> Yaml {
     let istio: Vec<Yaml> = patches("envoy/istio/envoyfilter-clusters.yaml")
         .into_iter()
         .filter(|(p, _)| p["patch"]["value"]["name"].as_str() == Some("pd_control"))
         .map(|(p, _)| p["patch"]["value"].clone())
         .collect();
     assert_eq!(istio.len(), 1);
+    istio[0].clone()
+}
+
+/// pd-control closes a kept-alive connection after 10 s without a request; the gateways'
+/// `pd_control` cluster closes its idle ones sooner, in the typed protocol options (Envoy 1.40
+/// warns that the cluster-level field will go, and a cluster it refuses takes every poll and
+/// admission with it).
+#[test]
+fn pd_control_connections_close_idle_before_pd_control_does() {
+    let istio = istio_pd_control_cluster();
     let ecds = template_yaml("envoy/envoy-ecds.yaml.tmpl")["static_resources"]["clusters"]
         .as_sequence()
         .expect("clusters")
@@ -1260,7 +1266,7 @@ fn pd_control_connections_close_idle_before_pd_control_does() {
         .find(|c| c["name"].as_str() == Some("pd_control"))
         .cloned()
         .expect("the ECDS drop-in's pd_control");
-    for cluster in [drop_in_cluster("pd_control"), ecds, istio[0].clone()] {
+    for cluster in [drop_in_cluster("pd_control"), ecds, istio.clone()] {
         assert!(
             cluster["common_http_protocol_options"].is_null(),
             "the deprecated field"
@@ -1492,13 +1498,8 @@ fn no_route_cuts_a_long_generation() {
 /// drop-ins and on Istio alike.
 #[test]
 fn pd_controls_cluster_is_not_held_to_envoys_default_limits() {
-    let istio: Vec<Yaml> = patches("envoy/istio/envoyfilter-clusters.yaml")
-        .into_iter()
-        .filter(|(p, _)| p["patch"]["value"]["name"].as_str() == Some("pd_control"))
-        .map(|(p, _)| p["patch"]["value"].clone())
-        .collect();
-    assert_eq!(istio.len(), 1);
-    for cluster in [drop_in_cluster("pd_control"), istio[0].clone()] {
+    let istio = istio_pd_control_cluster();
+    for cluster in [drop_in_cluster("pd_control"), istio] {
         let limits = &cluster["circuit_breakers"]["thresholds"][0];
         for key in ["max_connections", "max_pending_requests", "max_requests"] {
             assert!(

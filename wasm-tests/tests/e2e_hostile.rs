@@ -642,10 +642,19 @@ fn a_client_never_finishing_its_headers_is_cut_off() {
         .pod("p0", "prefill", "g0")
         .pod("d0", "decode", "g0");
     let stack = Stack::start(fleet);
+    assert_cut_off_with_408(
+        &stack,
+        b"POST /v1/completions HTTP/1.1\r\nhost: pd\r\nrouting-strategy: pd\r\n",
+    );
+}
+
+/// Sends `partial` (a request's start) on a connection of its own and never the rest; a
+/// client on the same gateway meanwhile is served, and the partial one is answered 408 and
+/// disconnected.
+fn assert_cut_off_with_408(stack: &Stack, partial: &[u8]) {
     let mut raw = TcpStream::connect(&stack.gateway).expect("connect");
     raw.set_read_timeout(Some(Duration::from_secs(60))).ok();
-    raw.write_all(b"POST /v1/completions HTTP/1.1\r\nhost: pd\r\nrouting-strategy: pd\r\n")
-        .expect("send");
+    raw.write_all(partial).expect("send");
     let r = http::post_json(
         &stack.gateway,
         "/v1/completions",
@@ -676,23 +685,11 @@ fn a_client_never_finishing_its_body_is_cut_off() {
             ..Options::default()
         },
     );
-    let mut raw = TcpStream::connect(&stack.gateway).expect("connect");
-    raw.set_read_timeout(Some(Duration::from_secs(60))).ok();
-    raw.write_all(
+    assert_cut_off_with_408(
+        &stack,
         b"POST /v1/completions HTTP/1.1\r\nhost: pd\r\nrouting-strategy: pd\r\n\
           content-type: application/json\r\ncontent-length: 100000\r\n\r\n{\"model\": ",
-    )
-    .expect("send");
-    let r = http::post_json(
-        &stack.gateway,
-        "/v1/completions",
-        &[("routing-strategy", "pd")],
-        &ok("served meanwhile"),
     );
-    assert_eq!(r.status, 200, "{}", r.text());
-    let mut answer = String::new();
-    let read = raw.read_to_string(&mut answer);
-    assert!(answer.starts_with("HTTP/1.1 408"), "{read:?} {answer:.300}");
 }
 
 /// A client's own KV-transfer members (here vLLM's `kv_transfer_params`, naming a host and
