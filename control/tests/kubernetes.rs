@@ -450,6 +450,40 @@ async fn model_adapters_name_their_pods_and_follow_edits() {
     run.finish().await;
 }
 
+/// A grant to read ModelAdapters revoked after they were read drops their adapters from the
+/// pods (they were kept for ever, however the adapters changed meanwhile), and the pods stay
+/// routed; once the grant is back, the adapters are read again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adapters_that_can_no_longer_be_read_are_dropped() {
+    let api = FakeApi::start().await;
+    api.put(pod("llm", "p0", "m", Some("10.0.0.1"), true));
+    api.put(adapter("llm", "sql-lora", &["p0"]));
+    let run = run_source(&api, &[]).await;
+    let expect = |what: &'static str, expected: &'static [&'static str]| {
+        let fleet = run.fleet.clone();
+        async move {
+            eventually(what, || async {
+                (adapters_view(&fleet.borrow()) == expected).then_some(())
+            })
+            .await
+        }
+    };
+    expect("the listed adapter", &["llm/p0 sql-lora"]).await;
+    api.deny_adapters(true);
+    // The watches expire and the adapter re-list is refused.
+    api.compact_with(vec![pod("llm", "p1", "m", Some("10.0.0.2"), true)], &[]);
+    expect("the adapter dropped", &["llm/p0 ", "llm/p1 "]).await;
+    assert_eq!(run.stats.fleet_reload_errors_total(), 0);
+    api.deny_adapters(false);
+    api.compact_with(vec![pod("llm", "p2", "m", Some("10.0.0.3"), true)], &[]);
+    expect(
+        "the adapter read again",
+        &["llm/p0 sql-lora", "llm/p1 ", "llm/p2 "],
+    )
+    .await;
+    run.finish().await;
+}
+
 /// Without the grant to read ModelAdapters (or without the CRD), pods load and route as before
 /// and no fleet failure is counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -247,11 +247,11 @@ impl KubernetesSource {
         let item = match item {
             Watched::Pods(item) => *item,
             Watched::Adapters(item) => match *item {
-                Ok(event) => return self.state.apply_adapter(index, event),
-                Err(error) => {
-                    self.adapters_failed(index, error, Some(publisher));
-                    return false;
+                Ok(event) => {
+                    self.adapters_unavailable = false;
+                    return self.state.apply_adapter(index, event);
                 }
+                Err(error) => return self.adapters_failed(index, error, Some(publisher)),
             },
         };
         match item {
@@ -276,17 +276,27 @@ impl KubernetesSource {
 
 impl KubernetesSource {
     /// A failed adapter list or watch: without the resource or the grant, said once and not
-    /// counted (adapters are optional); otherwise counted like a pod watch failure (when a
-    /// publisher is running) and retried.
+    /// counted (adapters are optional), and the scope's adapters known so far dropped (a
+    /// revoked grant would otherwise freeze them: pods kept advertising adapters they may have
+    /// unloaded, and LoRA requests went there); otherwise counted like a pod watch failure
+    /// (when a publisher is running) and retried. Returns whether the fleet changed.
     fn adapters_failed(
         &mut self,
         index: usize,
         error: watcher::Error,
         publisher: Option<&FleetPublisher>,
-    ) {
+    ) -> bool {
         let scope = format!("{} (ModelAdapters)", self.scope(index));
         if unavailable(&error) {
-            if !std::mem::replace(&mut self.adapters_unavailable, true) {
+            let dropped = self.state.forget_adapters(index);
+            if dropped {
+                tracing::warn!(
+                    %scope,
+                    %error,
+                    "ModelAdapters can no longer be read; their adapters are dropped from the \
+                     pods until they can be"
+                );
+            } else if !std::mem::replace(&mut self.adapters_unavailable, true) {
                 tracing::info!(
                     %scope,
                     %error,
@@ -294,7 +304,7 @@ impl KubernetesSource {
                      grant); LoRA adapters are not routed"
                 );
             }
-            return;
+            return dropped;
         }
         match (publisher, error) {
             (_, watcher::Error::WatchError(status)) if status.code == 410 => {
@@ -306,6 +316,7 @@ impl KubernetesSource {
             }
             (None, error) => tracing::warn!(%scope, %error, "list failed; retrying"),
         }
+        false
     }
 }
 
@@ -348,7 +359,9 @@ impl FleetSource for KubernetesSource {
                         Ok(event) => {
                             self.state.apply_adapter(index, event);
                         }
-                        Err(error) => self.adapters_failed(index, error, None),
+                        Err(error) => {
+                            self.adapters_failed(index, error, None);
+                        }
                     }
                     continue;
                 }

@@ -108,6 +108,16 @@ impl FleetState {
         }
     }
 
+    /// Drops scope `scope`'s adapters (their watch can no longer be read); returns whether any
+    /// were known.
+    pub fn forget_adapters(&mut self, scope: usize) -> bool {
+        let Some(state) = self.scopes.get_mut(scope) else {
+            return false;
+        };
+        state.adapters_relisting = None;
+        !std::mem::take(&mut state.adapters).is_empty()
+    }
+
     /// The current fleet, sorted by namespace then name, each pod with the adapters that
     /// list it.
     pub fn fleet(&self) -> Vec<PodRecord> {
