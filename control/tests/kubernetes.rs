@@ -416,6 +416,14 @@ fn adapters_view(pods: &[PodRecord]) -> Vec<String> {
         .collect()
 }
 
+/// Waits until the published fleet's pods carry `expected` adapters ([`adapters_view`]).
+async fn adapters_become(run: &Running, what: &str, expected: &[&str]) {
+    eventually(what, || async {
+        (adapters_view(&run.fleet.borrow()) == expected).then_some(())
+    })
+    .await
+}
+
 /// ModelAdapters are watched beside the pods: an adapter's `status.instances` put its name on
 /// those pods of its namespace, and follow its edits and deletion; a namespaced watch sees only
 /// its namespaces' adapters.
@@ -427,25 +435,22 @@ async fn model_adapters_name_their_pods_and_follow_edits() {
     api.put(adapter("llm", "sql-lora", &["p1"]));
     api.put(adapter("other", "far-lora", &["p0"]));
     let run = run_source(&api, &["llm"]).await;
-    let expect = |what: &'static str, expected: &'static [&'static str]| {
-        let fleet = run.fleet.clone();
-        async move {
-            eventually(what, || async {
-                (adapters_view(&fleet.borrow()) == expected).then_some(())
-            })
-            .await
-        }
-    };
-    expect("the listed adapter on p1", &["llm/p0 ", "llm/p1 sql-lora"]).await;
+    adapters_become(
+        &run,
+        "the listed adapter on p1",
+        &["llm/p0 ", "llm/p1 sql-lora"],
+    )
+    .await;
     api.put(adapter("llm", "sql-lora", &["p0", "p1"]));
     api.put(adapter("llm", "chat-lora", &["p0"]));
-    expect(
+    adapters_become(
+        &run,
         "an edited and a new adapter",
         &["llm/p0 chat-lora,sql-lora", "llm/p1 sql-lora"],
     )
     .await;
     api.delete_adapter("llm", "sql-lora");
-    expect("a deleted adapter", &["llm/p0 chat-lora", "llm/p1 "]).await;
+    adapters_become(&run, "a deleted adapter", &["llm/p0 chat-lora", "llm/p1 "]).await;
     assert_eq!(run.stats.fleet_reload_errors_total(), 0);
     run.finish().await;
 }
@@ -459,24 +464,16 @@ async fn adapters_that_can_no_longer_be_read_are_dropped() {
     api.put(pod("llm", "p0", "m", Some("10.0.0.1"), true));
     api.put(adapter("llm", "sql-lora", &["p0"]));
     let run = run_source(&api, &[]).await;
-    let expect = |what: &'static str, expected: &'static [&'static str]| {
-        let fleet = run.fleet.clone();
-        async move {
-            eventually(what, || async {
-                (adapters_view(&fleet.borrow()) == expected).then_some(())
-            })
-            .await
-        }
-    };
-    expect("the listed adapter", &["llm/p0 sql-lora"]).await;
+    adapters_become(&run, "the listed adapter", &["llm/p0 sql-lora"]).await;
     api.deny_adapters(true);
     // The watches expire and the adapter re-list is refused.
     api.compact_with(vec![pod("llm", "p1", "m", Some("10.0.0.2"), true)], &[]);
-    expect("the adapter dropped", &["llm/p0 ", "llm/p1 "]).await;
+    adapters_become(&run, "the adapter dropped", &["llm/p0 ", "llm/p1 "]).await;
     assert_eq!(run.stats.fleet_reload_errors_total(), 0);
     api.deny_adapters(false);
     api.compact_with(vec![pod("llm", "p2", "m", Some("10.0.0.3"), true)], &[]);
-    expect(
+    adapters_become(
+        &run,
         "the adapter read again",
         &["llm/p0 sql-lora", "llm/p1 ", "llm/p2 "],
     )
