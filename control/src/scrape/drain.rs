@@ -14,38 +14,32 @@
 //! that rises further than any engine finishes requests in a second is a glitched read (one
 //! sample of 1e12 between values near 1000 would read as ~1.7e10 requests a second for a whole
 //! minute): it is not counted, and becomes the base only if the next read stays up there.
-//! A fall to at most [`RESTART_SHARE`] of the previous read is a restart, counted as before;
+//! A fall to at most [`super::rates::RESTART_SHARE`] of the previous read is a restart, counted as before;
 //! a smaller fall is most often a sum missing one DP rank's series for a scrape (counted as a
 //! restart, it added the other ranks' whole count, and the rank's return its own, to one
 //! minute): nothing is counted until the counter is back above the base, or, if it stays
-//! lower for [`FALL_TRUSTED_AFTER`], its read becomes the base uncounted.
+//! lower for [`super::window::FALL_TRUSTED_AFTER`], its read becomes the base uncounted.
 //!
 //! A pod scraped again after a gap longer than the window (its scrapes failed, its target
 //! the same) starts the window afresh, as a new pod does: what it finished during the gap
 //! finished over more than a minute and would read as this minute's.
 
-use std::collections::VecDeque;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use super::rates::{counter_delta, RESTART_SHARE};
+use super::rates::counter_delta;
+use super::window::WINDOW;
+use super::window::{FallGuard, Move, Samples};
 
-/// How far back the rate looks.
-pub const WINDOW: Duration = Duration::from_secs(60);
-/// One kept sample a second bounds a pod's history at about 61 entries, at any scrape rate.
-const SAMPLE_EVERY: Duration = Duration::from_secs(1);
 /// More requests than one engine finishes in a second (vLLM's largest batches finish some
 /// thousands): growth beyond this per second, and beyond this within any second, is a
 /// glitched read, not requests.
 pub const IMPOSSIBLE_PER_SECOND: f64 = 1e6;
-/// How long a counter may read lower than its base, by less than a restart would, before
-/// the lower read is believed (a DP rank's engine restarted, its count from zero).
-pub const FALL_TRUSTED_AFTER: Duration = Duration::from_secs(5);
 
 /// The finished-request counter of one pod over the last [`WINDOW`].
 #[derive(Debug, Default)]
 pub struct DrainWindow {
-    /// (when, requests finished since tracking began) at most one per [`SAMPLE_EVERY`].
-    samples: VecDeque<(Instant, f64)>,
+    /// Requests finished since tracking began, a sample a second.
+    samples: Samples<f64>,
     /// Requests finished since tracking began, engine restarts folded in.
     total: f64,
     /// The last counter read taken, and when: the base of the next read's growth.
@@ -53,8 +47,7 @@ pub struct DrainWindow {
     /// A read that rose impossibly far above `last_raw`: not counted, and taken as the base
     /// only if the next read is at least as high.
     suspect: Option<f64>,
-    /// Since when reads have been lower than `last_raw` by less than a restart.
-    fallen_since: Option<Instant>,
+    falls: FallGuard,
 }
 
 impl DrainWindow {
@@ -69,18 +62,7 @@ impl DrainWindow {
         if gap.is_some_and(|gap| gap > WINDOW) {
             self.samples.clear();
         }
-        let due = self
-            .samples
-            .back()
-            .is_none_or(|(t, _)| at.saturating_duration_since(*t) >= SAMPLE_EVERY);
-        if due {
-            self.samples.push_back((at, self.total));
-        }
-        // Keep the newest sample at least WINDOW old as the base, drop the ones before it.
-        while self.samples.len() > 1 && at.saturating_duration_since(self.samples[1].0) >= WINDOW {
-            self.samples.pop_front();
-        }
-        let (_, base) = *self.samples.front()?;
+        let base = self.samples.record(at, self.total)?;
         Some((self.total - base) / WINDOW.as_secs_f64())
     }
 
@@ -90,18 +72,17 @@ impl DrainWindow {
             self.last_raw = Some((at, raw));
             return;
         };
-        if raw < previous && raw > previous * RESTART_SHARE {
+        match self.falls.judge(at, previous, raw) {
             // Not a restart: a series missing from the sum, most often. Counted from the base
             // once back above it; believed only if it lasts.
-            let since = *self.fallen_since.get_or_insert(at);
-            if at.saturating_duration_since(since) >= FALL_TRUSTED_AFTER {
-                self.fallen_since = None;
+            Move::Held => return,
+            Move::Rebased => {
                 self.suspect = None;
                 self.last_raw = Some((at, raw));
+                return;
             }
-            return;
+            Move::Rose | Move::Restarted => {}
         }
-        self.fallen_since = None;
         let seconds = at.saturating_duration_since(then).as_secs_f64().max(1.0);
         if raw - previous > IMPOSSIBLE_PER_SECOND * seconds {
             if self.suspect.is_some_and(|suspect| raw >= suspect) {
@@ -123,6 +104,7 @@ impl DrainWindow {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     /// Feeds `per_scrape` finished requests every `step` for `scrapes` scrapes.
     fn feed(
@@ -157,9 +139,9 @@ mod tests {
         let rate = feed(&mut w, t0, 200, 2400 - 200, step, &counts).unwrap();
         assert!((rate - 5.0).abs() < 0.2, "{rate}");
         assert!(
-            w.samples.len() <= 62,
+            w.samples.kept() <= 62,
             "history bounded: {}",
-            w.samples.len()
+            w.samples.kept()
         );
     }
 

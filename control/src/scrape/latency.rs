@@ -13,25 +13,21 @@
 //! stands in while no observation has come: it describes the pod, where nothing else does.
 //!
 //! Reads are taken as `drain::DrainWindow` takes the finished-request counter: a count that
-//! falls to at most [`RESTART_SHARE`] of the last is a restart; one that falls less (a sum
+//! falls to at most [`super::rates::RESTART_SHARE`] of the last is a restart; one that falls less (a sum
 //! missing one DP rank's series) counts nothing until it is back, or is believed after
-//! [`FALL_TRUSTED_AFTER`]; after a scrape gap longer than the window it starts afresh.
+//! [`super::window::FALL_TRUSTED_AFTER`]; after a scrape gap longer than the window it starts afresh.
 
-use std::collections::VecDeque;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use super::drain::{FALL_TRUSTED_AFTER, WINDOW};
 use super::engine::Histo;
-use super::rates::{histogram_mean, RESTART_SHARE};
-
-/// One kept sample a second bounds a pod's history at about 61 entries, at any scrape rate.
-const SAMPLE_EVERY: Duration = Duration::from_secs(1);
+use super::rates::histogram_mean;
+use super::window::{FallGuard, Move, Samples, WINDOW};
 
 /// The observations of one latency histogram over the last [`WINDOW`].
 #[derive(Debug, Default)]
 pub struct LatencyWindow {
-    /// (when, sum, count) of everything observed since tracking began, at most one a second.
-    samples: VecDeque<(Instant, f64, f64)>,
+    /// (sum, count) of everything observed since tracking began, a sample a second.
+    samples: Samples<(f64, f64)>,
     /// Sum and count since tracking began, engine restarts folded in.
     total: (f64, f64),
     /// The last histogram read: the base of the next read's growth.
@@ -40,8 +36,7 @@ pub struct LatencyWindow {
     since: Option<Instant>,
     /// When the last read was taken.
     last_at: Option<Instant>,
-    /// Since when reads have been lower than `last` by less than a restart.
-    fallen_since: Option<Instant>,
+    falls: FallGuard,
 }
 
 impl LatencyWindow {
@@ -61,42 +56,27 @@ impl LatencyWindow {
         }
         self.last_at = Some(at);
         let since = *self.since.get_or_insert(at);
-        match self.last {
-            Some(last) if histo.count >= last.count => {
+        match self
+            .last
+            .map(|last| (last, self.falls.judge(at, last.count, histo.count)))
+        {
+            Some((last, Move::Rose)) => {
                 self.total.0 += (histo.sum - last.sum).max(0.0);
                 self.total.1 += histo.count - last.count;
-                self.fallen_since = None;
+                self.last = Some(histo);
+            }
+            // A restarted engine: what it counts now is all new.
+            Some((_, Move::Restarted)) => {
+                self.total.0 += histo.sum;
+                self.total.1 += histo.count;
                 self.last = Some(histo);
             }
             // A series missing from the sum, most often: nothing counted until it is back,
             // believed only if it lasts.
-            Some(last) if histo.count > last.count * RESTART_SHARE => {
-                let fallen = *self.fallen_since.get_or_insert(at);
-                if at.saturating_duration_since(fallen) >= FALL_TRUSTED_AFTER {
-                    self.fallen_since = None;
-                    self.last = Some(histo);
-                }
-            }
-            // A restarted engine: what it counts now is all new.
-            Some(_) => {
-                self.total.0 += histo.sum;
-                self.total.1 += histo.count;
-                self.fallen_since = None;
-                self.last = Some(histo);
-            }
-            None => self.last = Some(histo),
+            Some((_, Move::Held)) => {}
+            Some((_, Move::Rebased)) | None => self.last = Some(histo),
         }
-        let due = self
-            .samples
-            .back()
-            .is_none_or(|(t, _, _)| at.saturating_duration_since(*t) >= SAMPLE_EVERY);
-        if due {
-            self.samples.push_back((at, self.total.0, self.total.1));
-        }
-        while self.samples.len() > 1 && at.saturating_duration_since(self.samples[1].0) >= WINDOW {
-            self.samples.pop_front();
-        }
-        let (_, base_sum, base_count) = *self.samples.front()?;
+        let (base_sum, base_count) = self.samples.record(at, self.total)?;
         let count = self.total.1 - base_count;
         if count > 0.0 {
             return Some((self.total.0 - base_sum) / count);
@@ -109,6 +89,7 @@ impl LatencyWindow {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     fn h(sum: f64, count: f64) -> Option<Histo> {
         Some(Histo { sum, count })

@@ -14,6 +14,7 @@ pub mod fetch;
 pub mod latency;
 pub mod rates;
 pub mod stall;
+pub mod window;
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
