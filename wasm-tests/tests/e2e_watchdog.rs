@@ -42,6 +42,19 @@ fn header<'a>(r: &'a Response, name: &str) -> &'a str {
         .unwrap_or_else(|| panic!("response lacks {name}: {:?} {}", r.headers, r.text()))
 }
 
+/// Sends a PD chat request from a thread of its own, for a test to act while it is held.
+fn pd_chat_in_background(stack: &Stack, body: Value) -> std::thread::JoinHandle<Response> {
+    let gateway = stack.gateway.clone();
+    std::thread::spawn(move || {
+        pd_wasm_tests::http::post_json(
+            &gateway,
+            "/v1/chat/completions",
+            &[("routing-strategy", "pd")],
+            &body,
+        )
+    })
+}
+
 /// The rid of the decode leg pd-sim logged for `request_id`.
 fn decode_rid(stack: &Stack, request_id: &str) -> String {
     stack
@@ -346,15 +359,7 @@ fn no_abort_goes_to_a_decode_pod_that_left_the_fleet() {
         &env(&[("AIBRIX_DECODE_FIRST_RESPONSE_TIMEOUT", "4")]),
     );
     stack.arm_fault(json!({"pod": "sg-d-0", "kind": "hang_before_headers", "leg": "decode"}));
-    let gateway = stack.gateway.clone();
-    let client = std::thread::spawn(move || {
-        pd_wasm_tests::http::post_json(
-            &gateway,
-            "/v1/chat/completions",
-            &[("routing-strategy", "pd")],
-            &chat(true, 4),
-        )
-    });
+    let client = pd_chat_in_background(&stack, chat(true, 4));
     stack.wait_for_legs("decode", 1);
     // The pod is deleted while its request hangs; its address may soon be someone else's.
     stack.write_fleet(fleet.without("sg-d-0"));
@@ -496,15 +501,7 @@ fn an_sglang_prefill_failing_during_the_decodes_error_body_is_the_prefills_failu
         json!({"pod": "sg-p-0", "kind": "status", "status": 500, "delay_ms": 300,
                            "leg": "prefill"}),
     );
-    let gateway = stack.gateway.clone();
-    let client = std::thread::spawn(move || {
-        pd_wasm_tests::http::post_json(
-            &gateway,
-            "/v1/chat/completions",
-            &[("routing-strategy", "pd")],
-            &chat(false, 4),
-        )
-    });
+    let client = pd_chat_in_background(&stack, chat(false, 4));
     // Answered while the decode pod still holds the rest of its error body.
     eventually(Duration::from_secs(10), || {
         let counted = stack.model_fail_count("pd_prefill_failure", "500");
